@@ -1,0 +1,45 @@
+"""Attention backends: a Protocol plus a registry. Heavy backends import lazily."""
+
+from __future__ import annotations
+
+import importlib
+from typing import Protocol
+
+import torch
+
+from kvserve.attention.metadata import AttentionMetadata
+from kvserve.cache.kv_cache import PagedKVCache
+
+
+class AttentionBackend(Protocol):
+    name: str
+
+    def forward(
+        self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        """Write k, v [T, Hkv, D] into the cache, attend q [T, Hq, D]; returns [T, Hq, D]."""
+        ...
+
+
+_REGISTRY: dict[str, str] = {
+    "torch": "kvserve.attention.torch_backend:TorchAttentionBackend",
+    "triton": "kvserve.attention.triton_backend:TritonAttentionBackend",
+}
+
+
+def available_backends() -> list[str]:
+    return list(_REGISTRY)
+
+
+def get_backend(
+    name: str, kv_cache: PagedKVCache, num_heads: int, num_kv_heads: int, head_dim: int,
+    scale: float, max_model_len: int,
+) -> AttentionBackend:
+    if name == "auto":
+        name = "triton" if kv_cache.data.is_cuda else "torch"
+    if name not in _REGISTRY:
+        raise ValueError(f"attention_backend must be one of {available_backends()}, got {name!r}")
+    module, cls = _REGISTRY[name].split(":")
+    backend_cls = getattr(importlib.import_module(module), cls)
+    return backend_cls(kv_cache, num_heads, num_kv_heads, head_dim, scale, max_model_len)

@@ -1,0 +1,172 @@
+"""Reference + CPU attention over the paged KV cache (math in fp32).
+
+Decode sequences (one query token) are batched: their blocks are gathered into a preallocated
+workspace, converted to fp32 in the layout the matmuls want, and attended with GQA folded into
+the matmul (the G query heads of a KV head form the M dimension):
+
+    raw  [n, mb, C, bs, H, D]  (storage dtype, gathered by block table, pad = null block)
+      -> f32 [n, C, H, mb*bs, D]
+    q    [n, H, G, D] @ K^T [n, H, D, L] -> scores [n, H, G, L] -> softmax -> @ V -> [n, H, G, D]
+
+FP8 scales are folded into the scores (K) and probabilities (V) instead of the D-wide payload.
+Prefill/extend sequences are attended one at a time with SDPA over the dequantized context.
+Chunks of sequences keep the workspace bounded; nothing large is allocated per step.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from kvserve.attention.metadata import AttentionMetadata
+from kvserve.cache.kv_cache import PagedKVCache
+from kvserve.quant import fp8
+
+_WORKSPACE_MIN_TOKENS = 8192
+
+
+class TorchAttentionBackend:
+    name = "torch"
+
+    def __init__(
+        self, kv_cache: PagedKVCache, num_heads: int, num_kv_heads: int, head_dim: int,
+        scale: float, max_model_len: int,
+    ) -> None:
+        assert kv_cache.components == 2 and num_heads % num_kv_heads == 0
+        self.kv = kv_cache
+        self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
+        self.group = num_heads // num_kv_heads
+        self.scale = scale
+        bs = kv_cache.block_size
+        # Workspace in tokens: at least one full-length sequence (rounded up to blocks).
+        self.ws_tokens = max(_WORKSPACE_MIN_TOKENS, -(-max_model_len // bs) * bs)
+        row = 2 * num_kv_heads * head_dim
+        dev = kv_cache.data.device
+        self.ws_raw = torch.empty(self.ws_tokens * row, dtype=kv_cache.dtype, device=dev)
+        self.ws_f32 = torch.empty(self.ws_tokens * row, dtype=torch.float32, device=dev)
+        self.ws_i16 = (
+            torch.empty(self.ws_tokens * row, dtype=torch.int16, device=dev)
+            if kv_cache.is_fp8 else None
+        )
+        self.ws_scales = (
+            torch.empty(self.ws_tokens * 2 * num_kv_heads, dtype=torch.bfloat16, device=dev)
+            if kv_cache.is_fp8 else None
+        )
+        self.factor = fp8.HALF_BITS_FACTOR.get(kv_cache.dtype, 1.0)
+
+    # ---- per-step planning (shared by all layers) -------------------------------------------
+    def _plan(self, meta: AttentionMetadata) -> dict:
+        plan = meta.cache.get("torch")
+        if plan is not None:
+            return plan
+        bs = self.kv.block_size
+        decode = [b for b, q in enumerate(meta.query_lens) if q == 1]
+        prefill = [b for b, q in enumerate(meta.query_lens) if q > 1]
+        chunks = []
+        i = 0
+        # Sort decodes by length so chunks pad little.
+        decode.sort(key=lambda b: meta.seq_lens[b])
+        while i < len(decode):
+            j, mb = i, 0
+            while j < len(decode):
+                nb = -(-meta.seq_lens[decode[j]] // bs)
+                if (j - i + 1) * max(mb, nb) * bs > self.ws_tokens:
+                    break
+                mb = max(mb, nb)
+                j += 1
+            seqs = decode[i:j]
+            ids = torch.full((len(seqs), mb), self.kv.null_block, dtype=torch.int64)
+            for r, b in enumerate(seqs):
+                nb = -(-meta.seq_lens[b] // bs)
+                ids[r, :nb] = torch.tensor(meta.block_tables[b][:nb])
+            lens = torch.tensor([meta.seq_lens[b] for b in seqs])
+            mask = torch.arange(mb * bs).unsqueeze(0) >= lens.unsqueeze(1)  # [n, L] True = pad
+            tok = torch.tensor([meta.query_start_loc[b] for b in seqs])
+            chunks.append((tok, ids.view(-1), mb, mask.view(len(seqs), 1, 1, mb * bs)))
+            i = j
+        pre = []
+        for b in prefill:
+            nb = -(-meta.seq_lens[b] // bs)
+            ids = torch.tensor(meta.block_tables[b][:nb], dtype=torch.int64)
+            pre.append((meta.query_start_loc[b], meta.query_lens[b], meta.seq_lens[b], ids))
+        plan = {"decode": chunks, "prefill": pre}
+        meta.cache["torch"] = plan
+        return plan
+
+    # ---- forward --------------------------------------------------------------------------
+    def forward(
+        self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        self.kv.write(layer, meta.write_rows, k, v)
+        plan = self._plan(meta)
+        out = torch.empty(q.shape, dtype=torch.float32, device=q.device)
+        for tok, ids, mb, mask in plan["decode"]:
+            out[tok] = self._decode(layer, q[tok], ids, mb, mask)
+        for start, qlen, slen, ids in plan["prefill"]:
+            out[start : start + qlen] = self._prefill(layer, q[start : start + qlen], ids, slen)
+        return out
+
+    def _gather_f32(self, layer: int, ids: torch.Tensor, n: int, mb: int) -> torch.Tensor:
+        """Blocks ``ids`` ([n*mb]) of ``layer`` -> fp32 [n, 2, H, mb*bs, D] (unscaled for FP8)."""
+        kv, bs, H, D = self.kv, self.kv.block_size, self.num_kv_heads, self.head_dim
+        numel = n * mb * 2 * bs * H * D
+        raw = self.ws_raw[:numel].view(n * mb, 2 * bs * H * D)
+        torch.index_select(kv.data[layer].view(kv.num_blocks + 1, -1), 0, ids, out=raw)
+        src = raw
+        if kv.is_fp8:
+            src = fp8.fp8_to_half_bits(raw, self.ws_i16[:numel].view(raw.shape))
+        dst = self.ws_f32[:numel].view(n, 2, H, mb, bs, D)
+        dst.copy_(src.view(n, mb, 2, bs, H, D).permute(0, 2, 4, 1, 3, 5))
+        return dst.view(n, 2, H, mb * bs, D)
+
+    def _gather_scales(self, layer: int, ids: torch.Tensor, n: int, mb: int) -> torch.Tensor:
+        """FP8 scales of blocks ``ids`` -> fp32 [n, 2, H, mb*bs] (times the half-bits factor)."""
+        bs, H = self.kv.block_size, self.num_kv_heads
+        numel = n * mb * 2 * bs * H
+        raw = self.ws_scales[:numel].view(n * mb, 2 * bs * H)
+        torch.index_select(self.kv.scales[layer].view(self.kv.num_blocks + 1, -1), 0, ids,
+                           out=raw)
+        s = raw.view(n, mb, 2, bs, H).permute(0, 2, 4, 1, 3).float()
+        return s.reshape(n, 2, H, mb * bs).mul_(self.factor)
+
+    def _decode(
+        self, layer: int, q: torch.Tensor, ids: torch.Tensor, mb: int, mask: torch.Tensor
+    ) -> torch.Tensor:
+        n = q.shape[0]
+        H, G, D = self.num_kv_heads, self.group, self.head_dim
+        kvf = self._gather_f32(layer, ids, n, mb)
+        k, v = kvf[:, 0], kvf[:, 1]  # [n, H, L, D]
+        qh = q.float().view(n, H, G, D)
+        scores = torch.matmul(qh, k.transpose(-1, -2))  # [n, H, G, L]
+        if self.kv.is_fp8:
+            s = self._gather_scales(layer, ids, n, mb)
+            scores.mul_(s[:, 0].unsqueeze(2))
+        scores.mul_(self.scale).masked_fill_(mask, float("-inf"))
+        probs = torch.softmax(scores, dim=-1)
+        if self.kv.is_fp8:
+            probs.mul_(s[:, 1].unsqueeze(2))
+        return torch.matmul(probs, v).view(n, H * G, D)
+
+    def _prefill(
+        self, layer: int, q: torch.Tensor, ids: torch.Tensor, seq_len: int
+    ) -> torch.Tensor:
+        qlen = q.shape[0]
+        mb = ids.numel()
+        kvf = self._gather_f32(layer, ids, 1, mb)[0]  # [2, H, L, D]
+        if self.kv.is_fp8:
+            s = self._gather_scales(layer, ids, 1, mb)[0]  # [2, H, L]
+            kvf.mul_(s.unsqueeze(-1))
+        k = kvf[0, :, :seq_len].unsqueeze(0)
+        v = kvf[1, :, :seq_len].unsqueeze(0)
+        qh = q.float().transpose(0, 1).unsqueeze(0)  # [1, Hq, qlen, D]
+        if qlen == seq_len:
+            o = F.scaled_dot_product_attention(qh, k, v, is_causal=True, scale=self.scale,
+                                               enable_gqa=self.group > 1)
+        else:
+            start = seq_len - qlen
+            allowed = (torch.arange(seq_len).unsqueeze(0)
+                       <= (torch.arange(qlen) + start).unsqueeze(1))
+            o = F.scaled_dot_product_attention(qh, k, v, attn_mask=allowed, scale=self.scale,
+                                               enable_gqa=self.group > 1)
+        return o[0].transpose(0, 1)

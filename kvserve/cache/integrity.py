@@ -1,0 +1,259 @@
+"""KV-cache integrity: seal full blocks with a checksum over payload, scales and identity;
+verify before reuse, scrub in the background, repair by recomputation.
+
+Checksum (per block, per layer): the block's bytes viewed as signed 16-bit words w_i,
+i = 0..N-1 in row-major order of data[layer, block] = [C, bs, H, D] (and separately of the
+FP8 scales [C, bs, H]), reduced to two exact integer sums
+
+    S1 = sum_i w_i            S2 = sum_i (i + 1) * w_i          (int64, no wrap-around)
+
+Why this and not XOR / CRC:
+  * one flipped bit changes w_i by +-2^k, so S1 changes: every single-bit flip is caught;
+  * two flips: S1 is unchanged only if they are the same bit k in opposite directions in two
+    different words i != j, and then S2 changes by 2^k (i - j) != 0: every double flip is caught
+    (a wrapping 64-bit Fletcher sum would miss 2^63 (i - j) for even i - j; here N*N*2^15 < 2^63);
+  * two words swapped: S1 is unchanged and S2 changes by (i - j)(w_j - w_i) != 0: caught
+    (XOR and plain sums miss every swap);
+  * S2 = C * sum_r r * rowsum_r + sum_c (c + 1) * colsum_c over the [R, C] word matrix, so both
+    sums are two vectorized numpy reductions (~GB/s), and a GPU kernel can accumulate them per
+    written token (each token's words contribute independently).
+The sealed record is blake2b(fingerprint, block id, allocation generation, token-chain hash,
+per-layer sums): a block that was freed and reused (new generation), or holds other tokens, or
+belongs to another model/KV dtype, fails verification even if its bytes are intact.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import time
+from collections import Counter
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import numpy as np
+import torch
+
+from kvserve.cache.block_pool import BlockPool
+from kvserve.cache.kv_cache import PagedKVCache
+
+if TYPE_CHECKING:
+    from kvserve.engine.llm_engine import LLMEngine
+
+logger = logging.getLogger("kvserve.integrity")
+
+# Fraction of step time the background scrubber may spend (the target overhead).
+SCRUB_TIME_FRACTION = 0.004
+
+
+class IntegrityError(RuntimeError):
+    """Raised only when a corrupted block cannot be repaired by recomputation."""
+
+
+@dataclass(slots=True)
+class _Seal:
+    digest: bytes
+    token_hash: bytes
+    sums: np.ndarray  # [L, 4] int64: S1, S2 (payload), S1, S2 (scales)
+
+
+def block_sums(kv: PagedKVCache, block_ids: list[int]) -> np.ndarray:
+    """[n, L, 4] int64 checksum sums of the given blocks, all layers (see module docstring)."""
+    idx = torch.tensor(block_ids, dtype=torch.int64)
+    data = kv.data.index_select(1, idx)  # [L, n, C, bs, H, D]
+    L, n = data.shape[0], data.shape[1]
+    out = np.zeros((n, L, 4), dtype=np.int64)
+    rows = kv.components * kv.block_size
+    w = data.contiguous().view(torch.int16).numpy().reshape(L, n, rows, -1)
+    out[:, :, 0:2] = _sums(w).transpose(1, 0, 2)
+    if kv.scales is not None:
+        s = kv.scales.index_select(1, idx).contiguous().view(torch.int16).numpy()
+        out[:, :, 2:4] = _sums(s.reshape(L, n, rows, -1)).transpose(1, 0, 2)
+    return out
+
+
+def _sums(w: np.ndarray) -> np.ndarray:
+    """w [L, n, R, C] int16 -> [L, n, 2] (S1, S2) over the row-major flattening of [R, C]."""
+    r, c = w.shape[-2], w.shape[-1]
+    rowsum = w.sum(axis=3, dtype=np.int64)  # [L, n, R]
+    colsum = w.sum(axis=2, dtype=np.int64)  # [L, n, C]
+    s1 = rowsum.sum(axis=2)
+    s2 = c * (rowsum * np.arange(r, dtype=np.int64)).sum(axis=2) + (
+        colsum * np.arange(1, c + 1, dtype=np.int64)
+    ).sum(axis=2)
+    return np.stack([s1, s2], axis=-1)
+
+
+class IntegrityChecker:
+    def __init__(self, kv: PagedKVCache, pool: BlockPool, fingerprint: bytes, mode: str,
+                 scrub_blocks_per_step: int = 0) -> None:
+        assert mode in ("on", "paranoid")
+        self.kv, self.pool, self.fingerprint, self.mode = kv, pool, fingerprint, mode
+        self.scrub_blocks_per_step = scrub_blocks_per_step
+        self.seals: dict[int, _Seal] = {}
+        self.checks: Counter[str] = Counter()
+        self.failures: Counter[str] = Counter()
+        self.repairs: Counter[str] = Counter()
+        self._pending: set[int] = set()  # quarantined blocks whose holders need a rollback
+        self._scrub_queue: list[int] = []
+        self._scrub_credit = 0.0
+        self._block_cost = 0.0  # EMA seconds to verify one block
+        self._last_step_end: float | None = None
+        self._step_time = 0.0  # EMA seconds per engine step
+        self.scrub_seconds = 0.0
+
+    # ---- sealing --------------------------------------------------------------------------
+    def _digest(self, block_id: int, token_hash: bytes, sums: np.ndarray) -> bytes:
+        h = hashlib.blake2b(self.fingerprint, digest_size=16)
+        gen = self.pool.blocks[block_id].generation
+        h.update(np.array([block_id, gen], dtype=np.int64).tobytes())
+        h.update(token_hash)
+        h.update(sums.tobytes())
+        return h.digest()
+
+    def on_allocate(self, block_ids: list[int]) -> None:
+        for b in block_ids:
+            self.seals.pop(b, None)
+
+    def seal(self, block_ids: list[int], token_hashes: list[bytes]) -> None:
+        if not block_ids:
+            return
+        sums = block_sums(self.kv, block_ids)
+        for i, (b, th) in enumerate(zip(block_ids, token_hashes, strict=True)):
+            self.seals[b] = _Seal(self._digest(b, th, sums[i]), th, sums[i])
+
+    def is_sealed(self, block_id: int) -> bool:
+        return block_id in self.seals
+
+    # ---- verification ---------------------------------------------------------------------
+    def verify(self, block_ids: list[int], reason: str) -> list[int]:
+        """Check sealed blocks; quarantine and return the bad ones (unsealed ones are bad too:
+        nothing may be reused that was never sealed)."""
+        ids = [b for b in block_ids if not self.pool.blocks[b].quarantined]
+        if not ids:
+            return []
+        self.checks[reason] += len(ids)
+        sealed = [b for b in ids if b in self.seals]
+        bad = [b for b in ids if b not in self.seals]
+        if sealed:
+            sums = block_sums(self.kv, sealed)
+            for i, b in enumerate(sealed):
+                seal = self.seals[b]
+                if self._digest(b, seal.token_hash, sums[i]) != seal.digest:
+                    bad.append(b)
+                    self._report(b, reason, sums[i], seal)
+        for b in bad:
+            if b not in self.seals:
+                logger.error("integrity: block %d was never sealed (%s)", b, reason)
+            self.failures[reason] += 1
+            self.seals.pop(b, None)
+            self.pool.quarantine(b)
+            self._pending.add(b)
+        return bad
+
+    def _report(self, block_id: int, reason: str, sums: np.ndarray, seal: _Seal) -> None:
+        layers = [int(x) for x in np.nonzero((sums != seal.sums).any(axis=1))[0]]
+        what = f"layer(s) {layers}" if layers else "identity (generation/tokens/fingerprint)"
+        logger.error("integrity: block %d failed verification (%s): %s", block_id, reason, what)
+
+    # ---- repair ---------------------------------------------------------------------------
+    def repair(self, engine: LLMEngine) -> None:
+        """Roll every request holding a quarantined block back to the last good block."""
+        if not self._pending:
+            return
+        bad = self._pending
+        bs = self.kv.block_size
+        for req in list(engine.scheduler.running):
+            blocks = engine.kv.get_block_ids(req)
+            hit = [i for i, b in enumerate(blocks) if b in bad]
+            if not hit:
+                continue
+            first = min(hit)
+            engine.kv.truncate(req, first)
+            req.num_computed_tokens = min(req.num_computed_tokens, first * bs)
+            self.repairs["rollback"] += 1
+            logger.warning("integrity: request %s rolled back to token %d (recompute)",
+                           req.request_id, first * bs)
+        self._pending = set()
+
+    # ---- per-step hook --------------------------------------------------------------------
+    def scrub_step(self, engine: LLMEngine) -> None:
+        """Called at the start of every engine step: paranoid checks, scrubbing, repairs."""
+        now = time.perf_counter()
+        if self._last_step_end is not None:
+            self._step_time = 0.9 * self._step_time + 0.1 * (now - self._last_step_end)
+        self._last_step_end = now
+        if self.mode == "paranoid":
+            held = sorted({b for r in engine.scheduler.running
+                           for b in engine.kv.get_block_ids(r) if b in self.seals})
+            if held:
+                self.verify(held, "paranoid")
+        else:
+            self._scrub()
+        self.repair(engine)
+
+    def _scrub(self) -> None:
+        n = self.scrub_blocks_per_step
+        if n == 0:  # auto: spend SCRUB_TIME_FRACTION of the step time, at least 1 per 64 steps
+            cost = self._block_cost or 1e-5
+            self._scrub_credit += max(SCRUB_TIME_FRACTION * self._step_time / cost, 1 / 64)
+            n = int(self._scrub_credit)
+            self._scrub_credit -= n
+        if n <= 0 or not self.seals:
+            return
+        batch = []
+        while len(batch) < n:
+            if not self._scrub_queue:
+                self._scrub_queue = list(self.seals)
+                if not self._scrub_queue:
+                    break
+            b = self._scrub_queue.pop()
+            if b in self.seals and b not in batch:
+                batch.append(b)
+            if len(batch) >= len(self.seals):
+                break
+        if not batch:
+            return
+        t0 = time.perf_counter()
+        self.verify(batch, "scrub")
+        dt = time.perf_counter() - t0
+        self.scrub_seconds += dt
+        per = dt / len(batch)
+        self._block_cost = per if not self._block_cost else 0.8 * self._block_cost + 0.2 * per
+
+    # ---- fault injection ------------------------------------------------------------------
+    def inject(self, block_id: int, layer: int = 0, kind: str = "bitflip", *,
+               index: int = 0, bit: int = 0, other_index: int = 1) -> None:
+        """Corrupt a block on purpose (tests, drills). ``index`` is a byte offset (bitflip,
+        scale) or an int32-word offset (swap) within data[layer, block_id]."""
+        if not 0 <= block_id < self.kv.num_blocks:
+            raise ValueError(f"block_id must be in [0, {self.kv.num_blocks}), got {block_id}")
+        if not 0 <= layer < self.kv.num_layers:
+            raise ValueError(f"layer must be in [0, {self.kv.num_layers}), got {layer}")
+        if kind == "bitflip":
+            raw = self.kv.data[layer, block_id].view(-1).view(torch.uint8)
+            raw[index % raw.numel()] ^= 1 << (bit % 8)
+        elif kind == "scale":
+            if self.kv.scales is None:
+                raise ValueError("kind='scale' needs an FP8 KV cache")
+            raw = self.kv.scales[layer, block_id].reshape(-1).view(torch.uint8)
+            raw[index % raw.numel()] ^= 1 << (bit % 8)
+        elif kind == "swap":
+            words = self.kv.data[layer, block_id].view(-1).view(torch.int32)
+            i, j = index % words.numel(), other_index % words.numel()
+            a, b = words[i].clone(), words[j].clone()
+            words[i], words[j] = b, a
+        elif kind == "stale":
+            # The block is "freed and reallocated" under its holder: new generation, new bytes.
+            self.pool.blocks[block_id].generation += 1
+            self.kv.data[layer, block_id].view(-1).view(torch.uint8)[index % 64] ^= 0x10
+        else:
+            raise ValueError(f"kind must be bitflip, scale, swap or stale; got {kind!r}")
+
+    def stats(self) -> dict:
+        return {
+            "checks": dict(self.checks), "failures": dict(self.failures),
+            "repairs": dict(self.repairs), "sealed_blocks": len(self.seals),
+            "quarantined_blocks": self.pool.num_quarantined,
+            "scrub_seconds": self.scrub_seconds,
+        }

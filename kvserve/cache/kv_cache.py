@@ -1,0 +1,120 @@
+"""The paged KV tensors: one preallocated tensor for all layers, plus FP8 scales.
+
+    data   [num_layers, num_blocks + 1, C, block_size, num_kv_heads, head_dim]  storage dtype
+    scales [num_layers, num_blocks + 1, C, block_size, num_kv_heads]            bf16 (FP8 only)
+
+C = 2 (K at c=0, V at c=1) for MHA/GQA and 1 for MLA (the latent row). The extra block at
+index ``num_blocks`` (``null_block``) is never allocated and stays zero: padded block tables
+point at it, so padded reads see finite zeros. A slot is ``block_id * block_size + offset``;
+the row of token ``slot``, component c, in ``data[layer].view(-1, H, D)`` is
+
+    row = (block_id * C + c) * block_size + offset
+
+Everything is allocated (and zero-touched, to take the page faults) once at start-up.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from kvserve.config import FP8_DTYPES, dtype_name
+from kvserve.quant import fp8
+
+logger = logging.getLogger(__name__)
+
+SCALE_DTYPE = torch.bfloat16
+
+
+def bytes_per_block(
+    num_layers: int, block_size: int, num_kv_heads: int, head_dim: int, components: int,
+    dtype: torch.dtype,
+) -> int:
+    elem = torch.empty((), dtype=dtype).element_size()
+    per_row = head_dim * elem + (SCALE_DTYPE.itemsize if dtype in FP8_DTYPES else 0)
+    return num_layers * components * block_size * num_kv_heads * per_row
+
+
+class PagedKVCache:
+    def __init__(
+        self,
+        num_layers: int,
+        num_blocks: int,
+        block_size: int,
+        num_kv_heads: int,
+        head_dim: int,
+        components: int,
+        dtype: torch.dtype,
+        device: torch.device | str = "cpu",
+        static_scales: torch.Tensor | None = None,
+    ) -> None:
+        self.num_layers = num_layers
+        self.num_blocks = num_blocks
+        self.null_block = num_blocks
+        self.block_size = block_size
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+        self.components = components
+        self.dtype = dtype
+        self.is_fp8 = dtype in FP8_DTYPES
+        if self.is_fp8 and head_dim % 2:
+            raise ValueError(f"FP8 KV cache needs an even head_dim, got {head_dim}")
+        shape = (num_layers, num_blocks + 1, components, block_size, num_kv_heads, head_dim)
+        self.data = torch.zeros(shape, dtype=dtype, device=device)
+        self.scales = (
+            torch.zeros(shape[:-1], dtype=SCALE_DTYPE, device=device) if self.is_fp8 else None
+        )
+        # Optional checkpoint scales [num_layers, C, H] (per-tensor scales broadcast over H).
+        self.static_scales = None
+        if static_scales is not None:
+            if not self.is_fp8:
+                logger.info("checkpoint KV scales ignored: KV cache is %s", dtype_name(dtype))
+            else:
+                self.static_scales = static_scales.to(SCALE_DTYPE).reshape(
+                    num_layers, components, num_kv_heads
+                )
+
+    @property
+    def bytes_per_block(self) -> int:
+        return bytes_per_block(
+            self.num_layers, self.block_size, self.num_kv_heads, self.head_dim,
+            self.components, self.dtype,
+        )
+
+    @property
+    def bytes_per_token(self) -> int:
+        return self.bytes_per_block // self.block_size
+
+    def layer_rows(self, layer: int) -> torch.Tensor:
+        """data[layer] as rows [(NB+1)*C*bs, H, D] (a view)."""
+        return self.data[layer].view(-1, self.num_kv_heads, self.head_dim)
+
+    def write(self, layer: int, rows: torch.Tensor, *parts: torch.Tensor) -> None:
+        """Write component c of T tokens: parts[c] [T, H, D]; rows [T] = component-0 rows."""
+        flat = self.layer_rows(layer)
+        bs = self.block_size
+        for c, x in enumerate(parts):
+            r = rows if c == 0 else rows + c * bs
+            if not self.is_fp8:
+                flat.index_copy_(0, r, x.to(self.dtype))
+                continue
+            if self.static_scales is not None:
+                s = self.static_scales[layer, c].expand(x.shape[0], -1)
+            else:
+                s = fp8.compute_scales(x, self.dtype)
+            q = fp8.quantize(x, s, self.dtype)
+            flat.view(torch.uint8).index_copy_(0, r, q.view(torch.uint8))
+            self.scales[layer].view(-1, self.num_kv_heads).index_copy_(0, r, s)
+
+    def describe(self) -> str:
+        cap_tokens = self.num_blocks * self.block_size
+        scale_note = ""
+        if self.is_fp8:
+            scale_bytes = self.num_layers * self.components * self.num_kv_heads * 2
+            scale_note = f" (incl. {scale_bytes} B/token of bf16 scales)"
+        return (
+            f"KV cache: {dtype_name(self.dtype)}, {self.num_blocks} blocks x {self.block_size} "
+            f"tokens = {cap_tokens} tokens, {self.bytes_per_token} B/token{scale_note}, "
+            f"{self.num_blocks * self.bytes_per_block / 2**20:.1f} MiB"
+        )

@@ -1,0 +1,196 @@
+"""Per-request block tables over the block pool, prefix-cache hits, and block commits.
+
+The scheduler talks to this class only in block ids and token counts (``KVCacheBlocks``); it
+never sees ``Block`` objects. Block hashes form a chain so a block's hash covers every token
+before it (and hence its positions):
+
+    h_0 = H(salt || tokens[0:b])      h_i = H(h_{i-1} || tokens[i*b:(i+1)*b])
+
+``salt`` binds the model/dtype fingerprint and the request's ``cache_salt``, so different
+models, KV dtypes or tenants never share blocks. A hit additionally compares the stored token
+ids, so even a forced hash collision cannot return another prompt's KV.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+from typing import Protocol
+
+import numpy as np
+
+from kvserve.cache.block_pool import BlockPool
+from kvserve.request import Request
+
+
+def hash_block(parent: bytes, token_ids: tuple[int, ...]) -> bytes:
+    h = hashlib.blake2b(parent, digest_size=16)
+    h.update(np.asarray(token_ids, dtype=np.int64).tobytes())
+    return h.digest()
+
+
+# Tests replace this to force collisions (tests/cache/test_prefix_cache.py).
+BLOCK_HASH_FN = hash_block
+
+
+class BlockIntegrity(Protocol):
+    """What the manager needs from the integrity checker (kvserve.cache.integrity)."""
+
+    def on_allocate(self, block_ids: list[int]) -> None: ...
+    def seal(self, block_ids: list[int], token_hashes: list[bytes]) -> None: ...
+    def verify(self, block_ids: list[int], reason: str) -> list[int]: ...
+
+
+@dataclass(frozen=True, slots=True)
+class KVCacheBlocks:
+    block_ids: tuple[int, ...]
+    num_tokens: int  # tokens covered (a multiple of block_size for hits)
+
+
+EMPTY = KVCacheBlocks((), 0)
+
+
+class KVCacheManager:
+    def __init__(
+        self,
+        pool: BlockPool,
+        block_size: int,
+        enable_prefix_caching: bool,
+        salt: bytes,
+        integrity: BlockIntegrity | None = None,
+    ) -> None:
+        self.pool = pool
+        self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self.salt = salt
+        self.integrity = integrity
+        self.req_blocks: dict[str, list[int]] = {}
+        self._req_hashes: dict[str, list[bytes]] = {}
+        self._req_committed: dict[str, int] = {}  # full blocks already registered/sealed
+        # Prefix-cache statistics (queried tokens / hit tokens).
+        self.num_queried_tokens = 0
+        self.num_hit_tokens = 0
+
+    # ---- hashing -------------------------------------------------------------------------
+    def _salt_for(self, req: Request) -> bytes:
+        if req.cache_salt is None:
+            return self.salt
+        return hashlib.blake2b(self.salt + req.cache_salt.encode(), digest_size=16).digest()
+
+    def block_hashes(self, req: Request) -> list[bytes]:
+        """Hashes of the request's full blocks (computed incrementally, cached)."""
+        hashes = self._req_hashes.setdefault(req.request_id, [])
+        b = self.block_size
+        n_full = req.num_tokens // b
+        if len(hashes) < n_full:
+            tokens = req.all_token_ids
+            parent = hashes[-1] if hashes else self._salt_for(req)
+            for i in range(len(hashes), n_full):
+                parent = BLOCK_HASH_FN(parent, tuple(tokens[i * b : (i + 1) * b]))
+                hashes.append(parent)
+        return hashes
+
+    # ---- scheduling API ------------------------------------------------------------------
+    def get_computed_blocks(self, req: Request) -> KVCacheBlocks:
+        """Longest verified prefix-cache hit; at least one prompt token is left to compute."""
+        if not self.enable_prefix_caching or req.sampling_params.prompt_logprobs is not None:
+            return EMPTY
+        b = self.block_size
+        max_blocks = (req.num_tokens - 1) // b
+        hashes = self.block_hashes(req)
+        tokens = req.all_token_ids
+        hits: list[int] = []
+        for i in range(max_blocks):
+            block_id = self.pool.lookup(hashes[i], tuple(tokens[i * b : (i + 1) * b]))
+            if block_id is None:
+                break
+            hits.append(block_id)
+        if hits and self.integrity is not None:
+            bad = self.integrity.verify(hits, reason="prefix_hit")
+            if bad:
+                first_bad = min(hits.index(x) for x in bad)
+                hits = hits[:first_bad]
+        self.num_queried_tokens += req.num_tokens
+        self.num_hit_tokens += len(hits) * b
+        return KVCacheBlocks(tuple(hits), len(hits) * b)
+
+    def can_allocate(self, req: Request, num_new_tokens: int, hit: KVCacheBlocks = EMPTY) -> bool:
+        return self._num_needed(req, num_new_tokens, hit) <= self._available(hit)
+
+    def allocate_slots(
+        self, req: Request, num_new_tokens: int, hit: KVCacheBlocks = EMPTY
+    ) -> bool:
+        """Reserve blocks for ``num_new_tokens`` more tokens (after any hit). False if full."""
+        needed = self._num_needed(req, num_new_tokens, hit)
+        if needed > self._available(hit):
+            return False
+        blocks = self.req_blocks.setdefault(req.request_id, [])
+        if hit.block_ids:
+            assert not blocks, "hits are only taken when a request (re)starts"
+            self.pool.touch(list(hit.block_ids))
+            blocks.extend(hit.block_ids)
+            self._req_committed[req.request_id] = len(hit.block_ids)
+        if needed > 0:
+            new = self.pool.allocate(needed)
+            if self.integrity is not None:
+                self.integrity.on_allocate(new)
+            blocks.extend(new)
+        return True
+
+    def _num_needed(self, req: Request, num_new_tokens: int, hit: KVCacheBlocks) -> int:
+        held = len(self.req_blocks.get(req.request_id, ())) + len(hit.block_ids)
+        total = req.num_computed_tokens + hit.num_tokens + num_new_tokens
+        return max(0, -(-total // self.block_size) - held)
+
+    def _available(self, hit: KVCacheBlocks) -> int:
+        # Hit blocks sitting in the free list stop being allocatable once touched.
+        revived = sum(1 for x in hit.block_ids if self.pool.is_free(x))
+        return self.pool.num_free_blocks - revived
+
+    def commit(self, req: Request) -> list[int]:
+        """After a step wrote KV: seal and (if caching) register the newly full blocks."""
+        n_full = min(req.num_computed_tokens, req.num_tokens) // self.block_size
+        done = self._req_committed.get(req.request_id, 0)
+        if n_full <= done:
+            return []
+        blocks = self.req_blocks[req.request_id]
+        hashes = self.block_hashes(req)
+        new_ids = blocks[done:n_full]
+        new_hashes = hashes[done:n_full]
+        if self.integrity is not None:
+            self.integrity.seal(new_ids, new_hashes)
+        if self.enable_prefix_caching:
+            tokens = req.all_token_ids
+            b = self.block_size
+            for i in range(done, n_full):
+                self.pool.register(blocks[i], hashes[i], tuple(tokens[i * b : (i + 1) * b]))
+        self._req_committed[req.request_id] = n_full
+        return new_ids
+
+    def free(self, req: Request) -> None:
+        blocks = self.req_blocks.pop(req.request_id, None)
+        self._req_committed.pop(req.request_id, None)
+        if blocks:
+            self.pool.free(blocks[::-1])
+
+    def forget(self, req: Request) -> None:
+        """Drop per-request hash state (request finished for good)."""
+        self._req_hashes.pop(req.request_id, None)
+
+    def truncate(self, req: Request, num_blocks: int) -> None:
+        """Keep only the first ``num_blocks`` blocks (integrity rollback)."""
+        blocks = self.req_blocks.get(req.request_id, [])
+        tail = blocks[num_blocks:]
+        del blocks[num_blocks:]
+        self._req_committed[req.request_id] = min(
+            self._req_committed.get(req.request_id, 0), num_blocks
+        )
+        if tail:
+            self.pool.free(tail[::-1])
+
+    def get_block_ids(self, req: Request) -> list[int]:
+        return self.req_blocks.get(req.request_id, [])
+
+    @property
+    def hit_rate(self) -> float:
+        return self.num_hit_tokens / self.num_queried_tokens if self.num_queried_tokens else 0.0

@@ -1,0 +1,106 @@
+"""``kvserve`` command line: generate, serve, bench, quantize."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+
+
+def add_engine_args(p: argparse.ArgumentParser, model_positional: bool = False) -> None:
+    if model_positional:
+        p.add_argument("model_pos", nargs="?", metavar="MODEL", default=None,
+                       help="HF model folder (default: the built-in demo model)")
+    p.add_argument("--model", default=None, help="HF model folder (default: built-in demo model)")
+    p.add_argument("--dtype", default="auto", help="auto | bf16 | fp16 | fp32")
+    p.add_argument("--kv-cache-dtype", default="auto",
+                   help="auto | bf16 | fp16 | fp32 | fp8 (=fp8_e4m3) | fp8_e5m2")
+    p.add_argument("--kv-cache-memory", default=None, help='KV byte budget, e.g. "256MiB"')
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--max-num-seqs", type=int, default=64)
+    p.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    p.add_argument("--max-model-len", type=int, default=None)
+    p.add_argument("--no-prefix-caching", action="store_true")
+    p.add_argument("--kv-integrity", default="on", choices=["off", "on", "paranoid"])
+    p.add_argument("--scheduling-policy", default="fcfs", choices=["fcfs", "priority"])
+    p.add_argument("--attention-backend", default="auto")
+    p.add_argument("--seed", type=int, default=0)
+
+
+def engine_args_from(ns: argparse.Namespace):
+    from kvserve.engine.arg_utils import EngineArgs
+
+    model = getattr(ns, "model_pos", None) or ns.model
+    return EngineArgs(
+        model=model, dtype=ns.dtype, kv_cache_dtype=ns.kv_cache_dtype,
+        kv_cache_memory=ns.kv_cache_memory, block_size=ns.block_size,
+        max_num_seqs=ns.max_num_seqs, max_num_batched_tokens=ns.max_num_batched_tokens,
+        max_model_len=ns.max_model_len, enable_prefix_caching=not ns.no_prefix_caching,
+        kv_integrity=ns.kv_integrity, scheduling_policy=ns.scheduling_policy,
+        attention_backend=ns.attention_backend, seed=ns.seed,
+    )
+
+
+def _generate(ns: argparse.Namespace) -> int:
+    from kvserve.llm import LLM
+    from kvserve.sampling_params import SamplingParams
+
+    params = SamplingParams(
+        max_tokens=ns.max_tokens, temperature=ns.temperature, top_p=ns.top_p, top_k=ns.top_k,
+        seed=ns.sampling_seed, stop=tuple(ns.stop or ()), n=ns.n,
+    )
+    llm = LLM.from_engine_args(engine_args_from(ns))
+    if ns.chat:
+        outs = llm.chat([{"role": "user", "content": ns.prompt}], params)
+    else:
+        outs = llm.generate(ns.prompt, params)
+    for out in outs:
+        for comp in out.outputs:
+            if ns.json:
+                print(json.dumps({"text": comp.text, "token_ids": comp.token_ids,
+                                  "finish_reason": comp.finish_reason}))
+            else:
+                print((ns.prompt if not ns.chat else "") + comp.text)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="kvserve", description=__doc__)
+    parser.add_argument("-v", "--verbose", action="store_true")
+    sub = parser.add_subparsers(dest="cmd", required=True)
+
+    g = sub.add_parser("generate", help="generate text from one prompt")
+    add_engine_args(g)
+    g.add_argument("--prompt", required=True)
+    g.add_argument("--chat", action="store_true", help="wrap the prompt in the chat template")
+    g.add_argument("--max-tokens", type=int, default=64)
+    g.add_argument("--temperature", type=float, default=0.0)
+    g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--top-k", type=int, default=-1)
+    g.add_argument("--n", type=int, default=1)
+    g.add_argument("--stop", action="append")
+    g.add_argument("--sampling-seed", type=int, default=None)
+    g.add_argument("--json", action="store_true")
+    g.set_defaults(func=_generate)
+
+    for name, module in (("serve", "kvserve.server.cli"), ("bench", "kvserve.bench.cli"),
+                         ("quantize", "kvserve.quant.cli")):
+        try:
+            mod = __import__(module, fromlist=["register"])
+        except ImportError:
+            continue
+        mod.register(sub, add_engine_args, engine_args_from)
+
+    ns = parser.parse_args(argv)
+    logging.basicConfig(level=logging.DEBUG if ns.verbose else logging.INFO,
+                        format="%(levelname)s %(name)s: %(message)s")
+    try:
+        return ns.func(ns)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,181 @@
+"""Frozen engine configuration: what the model is, how the KV cache is laid out, how to schedule.
+
+Each dataclass validates itself in ``__post_init__`` and raises ``ValueError`` naming the bad
+parameter; everything downstream may then rely on the invariants.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from typing import Literal
+
+import torch
+
+KVCacheDType = Literal["auto", "bf16", "fp16", "fp32", "fp8", "fp8_e4m3", "fp8_e5m2"]
+IntegrityMode = Literal["off", "on", "paranoid"]
+
+_KV_DTYPES: dict[str, torch.dtype] = {
+    "bf16": torch.bfloat16,
+    "bfloat16": torch.bfloat16,
+    "fp16": torch.float16,
+    "float16": torch.float16,
+    "half": torch.float16,
+    "fp32": torch.float32,
+    "float32": torch.float32,
+    "fp8": torch.float8_e4m3fn,
+    "fp8_e4m3": torch.float8_e4m3fn,
+    "fp8_e5m2": torch.float8_e5m2,
+}
+_MODEL_DTYPES: dict[str, torch.dtype] = {
+    "bf16": torch.bfloat16,
+    "bfloat16": torch.bfloat16,
+    "fp16": torch.float16,
+    "float16": torch.float16,
+    "half": torch.float16,
+    "fp32": torch.float32,
+    "float32": torch.float32,
+    "float": torch.float32,
+}
+FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
+
+_SIZE_RE = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*([KMGT]?)(i?)B?\s*$", re.IGNORECASE)
+
+
+def parse_size(value: str | int, name: str = "kv_cache_memory") -> int:
+    """Parse "256MiB", "1.5GB", "4096" into bytes. Binary (KiB) and decimal (KB) suffixes."""
+    if isinstance(value, bool):
+        raise ValueError(f"{name} must be a size like '256MiB', got {value!r}")
+    if isinstance(value, int):
+        if value <= 0:
+            raise ValueError(f"{name} must be positive, got {value}")
+        return value
+    m = _SIZE_RE.match(str(value))
+    if not m:
+        raise ValueError(f"{name} must be a size like '256MiB' or '2GB', got {value!r}")
+    number, unit, binary = float(m.group(1)), m.group(2).upper(), bool(m.group(3))
+    base = 1024 if binary else 1000
+    power = {"": 0, "K": 1, "M": 2, "G": 3, "T": 4}[unit]
+    size = int(number * base**power)
+    if size <= 0:
+        raise ValueError(f"{name} must be positive, got {value!r}")
+    return size
+
+
+def resolve_model_dtype(dtype: str | torch.dtype, checkpoint_dtype: torch.dtype) -> torch.dtype:
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype == "auto":
+        return checkpoint_dtype
+    try:
+        return _MODEL_DTYPES[dtype.lower()]
+    except KeyError:
+        raise ValueError(
+            f"dtype must be one of auto, {', '.join(sorted(_MODEL_DTYPES))}; got {dtype!r}"
+        ) from None
+
+
+def resolve_kv_dtype(kv_cache_dtype: str, model_dtype: torch.dtype) -> torch.dtype:
+    if kv_cache_dtype == "auto":
+        return model_dtype
+    try:
+        return _KV_DTYPES[kv_cache_dtype.lower()]
+    except KeyError:
+        raise ValueError(
+            f"kv_cache_dtype must be one of auto, {', '.join(_KV_DTYPES)}; got {kv_cache_dtype!r}"
+        ) from None
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return {
+        torch.bfloat16: "bf16",
+        torch.float16: "fp16",
+        torch.float32: "fp32",
+        torch.float8_e4m3fn: "fp8_e4m3",
+        torch.float8_e5m2: "fp8_e5m2",
+    }[dtype]
+
+
+@dataclass(frozen=True, slots=True)
+class CacheConfig:
+    block_size: int = 16
+    kv_cache_dtype: str = "auto"
+    # Either an absolute byte budget or a fraction of currently-available host memory.
+    kv_cache_memory: int | None = None
+    kv_cache_memory_fraction: float = 0.25
+    num_blocks_override: int | None = None  # tests: an exact pool size
+    enable_prefix_caching: bool = True
+    kv_integrity: str = "on"
+    # Sealed blocks the background scrubber verifies per engine step (0 = auto from budget).
+    scrub_blocks_per_step: int = 0
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.block_size, int) or not 1 <= self.block_size <= 1024:
+            raise ValueError(f"block_size must be an int in [1, 1024], got {self.block_size!r}")
+        if self.kv_cache_dtype != "auto" and self.kv_cache_dtype.lower() not in _KV_DTYPES:
+            raise ValueError(
+                f"kv_cache_dtype must be one of auto, {', '.join(_KV_DTYPES)}; "
+                f"got {self.kv_cache_dtype!r}"
+            )
+        if self.kv_cache_memory is not None and self.kv_cache_memory <= 0:
+            raise ValueError(f"kv_cache_memory must be positive, got {self.kv_cache_memory}")
+        if not 0.0 < self.kv_cache_memory_fraction <= 0.95:
+            raise ValueError(
+                "kv_cache_memory_fraction must be in (0, 0.95], "
+                f"got {self.kv_cache_memory_fraction}"
+            )
+        if self.num_blocks_override is not None and self.num_blocks_override < 2:
+            raise ValueError(f"num_blocks must be >= 2, got {self.num_blocks_override}")
+        if self.kv_integrity not in ("off", "on", "paranoid"):
+            raise ValueError(
+                f"kv_integrity must be 'off', 'on' or 'paranoid', got {self.kv_integrity!r}"
+            )
+        if self.scrub_blocks_per_step < 0:
+            raise ValueError(
+                f"scrub_blocks_per_step must be >= 0, got {self.scrub_blocks_per_step}"
+            )
+
+
+@dataclass(frozen=True, slots=True)
+class SchedulerConfig:
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
+    enable_chunked_prefill: bool = True
+    policy: str = "fcfs"  # or "priority"
+    max_model_len: int | None = None  # None: the model's context length
+
+    def __post_init__(self) -> None:
+        if self.max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
+        if self.max_num_batched_tokens < 1:
+            raise ValueError(
+                f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}"
+            )
+        if self.policy not in ("fcfs", "priority"):
+            raise ValueError(f"policy must be 'fcfs' or 'priority', got {self.policy!r}")
+        if self.max_model_len is not None and self.max_model_len < 1:
+            raise ValueError(f"max_model_len must be >= 1, got {self.max_model_len}")
+
+
+@dataclass(frozen=True, slots=True)
+class ModelConfig:
+    """What the engine needs to know about the loaded model (derived from the HF config)."""
+
+    path: str
+    architecture: str
+    dtype: torch.dtype
+    vocab_size: int
+    num_layers: int
+    num_kv_heads: int  # per cache row: 1 for MLA
+    head_dim: int  # cache row width: kv_lora_rank + rope dim for MLA
+    kv_components: int  # 2 (K and V) or 1 (MLA latent)
+    max_model_len: int
+    eos_token_ids: tuple[int, ...] = ()
+    bos_token_id: int | None = None
+    extra: dict = field(default_factory=dict, compare=False, hash=False)
+
+    def kv_bytes_per_token(self, kv_dtype: torch.dtype) -> int:
+        """Payload + per-token-head scale bytes, all layers."""
+        elem = torch.empty((), dtype=kv_dtype).element_size()
+        per_row = self.head_dim * elem + (2 if kv_dtype in FP8_DTYPES else 0)
+        return self.num_layers * self.kv_components * self.num_kv_heads * per_row

@@ -1,0 +1,61 @@
+"""``EngineArgs``: every user-facing engine knob in one frozen, validated place."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from kvserve.config import CacheConfig, SchedulerConfig, parse_size
+
+
+@dataclass(frozen=True, slots=True)
+class EngineArgs:
+    model: str | None = None  # None: the built-in demo model
+    tokenizer: str | None = None
+    dtype: str = "auto"
+    kv_cache_dtype: str = "auto"
+    kv_cache_memory: str | int | None = None  # e.g. "256MiB"; None: a fraction of free RAM
+    kv_cache_memory_fraction: float = 0.25
+    num_blocks: int | None = None
+    block_size: int = 16
+    enable_prefix_caching: bool = True
+    enable_chunked_prefill: bool = True
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
+    max_model_len: int | None = None
+    scheduling_policy: str = "fcfs"
+    kv_integrity: str = "on"
+    scrub_blocks_per_step: int = 0
+    attention_backend: str = "auto"
+    device: str = "cpu"
+    seed: int = 0
+    progress: bool = True
+
+    def cache_config(self) -> CacheConfig:
+        mem = None
+        if self.kv_cache_memory is not None:
+            mem = parse_size(self.kv_cache_memory, "kv_cache_memory")
+        return CacheConfig(
+            block_size=self.block_size,
+            kv_cache_dtype=self.kv_cache_dtype,
+            kv_cache_memory=mem,
+            kv_cache_memory_fraction=self.kv_cache_memory_fraction,
+            num_blocks_override=self.num_blocks,
+            enable_prefix_caching=self.enable_prefix_caching,
+            kv_integrity=self.kv_integrity,
+            scrub_blocks_per_step=self.scrub_blocks_per_step,
+        )
+
+    def scheduler_config(self) -> SchedulerConfig:
+        return SchedulerConfig(
+            max_num_seqs=self.max_num_seqs,
+            max_num_batched_tokens=self.max_num_batched_tokens,
+            enable_chunked_prefill=self.enable_chunked_prefill,
+            policy=self.scheduling_policy,
+            max_model_len=self.max_model_len,
+        )
+
+
+def demo_model_path() -> str:
+    import os
+
+    return os.path.join(os.path.dirname(os.path.dirname(__file__)), "demo_model")

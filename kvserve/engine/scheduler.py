@@ -1,0 +1,130 @@
+"""Continuous batching with a per-step token budget, chunked prefill and preemption.
+
+Each step every running request gets its next tokens first (decodes: 1; unfinished prefills: a
+chunk), then waiting requests are admitted while the token budget, ``max_num_seqs`` and free
+blocks allow. When a running request cannot get a block, the lowest-priority request not yet
+scheduled this step (the latest arrival under FCFS) is preempted: its blocks are freed and it
+goes back to the waiting queue to be recomputed from its token ids (prefix cache hits make
+that cheap); no new request is admitted in a step that preempted.
+"""
+
+from __future__ import annotations
+
+import bisect
+import itertools
+from dataclasses import dataclass, field
+
+from kvserve.cache.kv_cache_manager import KVCacheManager
+from kvserve.config import SchedulerConfig
+from kvserve.request import Request, RequestStatus
+
+
+@dataclass(slots=True)
+class SchedulerOutput:
+    scheduled: list[tuple[Request, int]] = field(default_factory=list)  # (request, new tokens)
+    preempted: list[Request] = field(default_factory=list)
+    num_batched_tokens: int = 0
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, kv: KVCacheManager) -> None:
+        self.config = config
+        self.kv = kv
+        self.waiting: list[Request] = []  # sorted by _key
+        self.running: list[Request] = []
+        self._seq = itertools.count()
+        self._order: dict[str, int] = {}
+        self.num_preemptions = 0
+
+    def _key(self, req: Request) -> tuple[int, int]:
+        prio = req.priority if self.config.policy == "priority" else 0
+        return prio, self._order[req.request_id]
+
+    def add(self, req: Request) -> None:
+        self._order[req.request_id] = next(self._seq)
+        bisect.insort(self.waiting, req, key=self._key)
+
+    # ---- scheduling ---------------------------------------------------------------------
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self._schedule_running(out, self.config.max_num_batched_tokens)
+        if not out.preempted:
+            self._schedule_waiting(out, budget)
+        return out
+
+    def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
+        i = 0
+        while i < len(self.running) and budget > 0:
+            req = self.running[i]
+            n = min(req.num_tokens - req.num_computed_tokens, budget)
+            while not self.kv.allocate_slots(req, n):
+                victim = max(self.running[i:], key=self._key)
+                self._preempt(victim, out)
+                if victim is req:
+                    break
+            else:
+                out.scheduled.append((req, n))
+                budget -= n
+                i += 1
+        out.num_batched_tokens = self.config.max_num_batched_tokens - budget
+        return budget
+
+    def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
+        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            req = self.waiting[0]
+            hit = self.kv.get_computed_blocks(req)
+            n = req.num_tokens - hit.num_tokens
+            if n > budget and not self.config.enable_chunked_prefill:
+                break
+            n = min(n, budget)
+            if not self.kv.allocate_slots(req, n, hit):
+                break
+            self.waiting.pop(0)
+            req.num_computed_tokens = hit.num_tokens
+            req.metrics.num_cached_tokens = max(req.metrics.num_cached_tokens, hit.num_tokens)
+            req.status = RequestStatus.RUNNING
+            self.running.append(req)
+            out.scheduled.append((req, n))
+            budget -= n
+        out.num_batched_tokens = self.config.max_num_batched_tokens - budget
+
+    def _preempt(self, req: Request, out: SchedulerOutput) -> None:
+        self.running.remove(req)
+        self.kv.free(req)
+        req.num_computed_tokens = 0
+        req.status = RequestStatus.WAITING
+        req.metrics.num_preemptions += 1
+        self.num_preemptions += 1
+        bisect.insort(self.waiting, req, key=self._key)
+        out.preempted.append(req)
+
+    # ---- bookkeeping --------------------------------------------------------------------
+    def finish(self, req: Request, status: RequestStatus) -> None:
+        """Remove a request for good and free its blocks (idempotent)."""
+        if req.is_finished:
+            return
+        req.status = status
+        if req in self.running:
+            self.running.remove(req)
+        else:
+            i = bisect.bisect_left(self.waiting, self._key(req), key=self._key)
+            if i < len(self.waiting) and self.waiting[i] is req:
+                self.waiting.pop(i)
+        self.kv.free(req)
+        self.kv.forget(req)
+        self._order.pop(req.request_id, None)
+
+    def requeue(self, req: Request) -> None:
+        """Send a running request back to recompute (integrity repair of a whole table)."""
+        out = SchedulerOutput()
+        self._preempt(req, out)
+        req.metrics.num_preemptions -= 1
+        self.num_preemptions -= 1
+
+    @property
+    def num_unfinished(self) -> int:
+        return len(self.waiting) + len(self.running)

@@ -1,0 +1,469 @@
+"""Pure-torch twins of the GPU kernels: these functions ARE the specification.
+
+Every Triton kernel in ``kvserve/kernels/triton_*.py`` must agree with its twin here (bit-exact
+for the cache write and the checksum state, within floating-point tolerance for attention and
+the INT4 GEMM). Clarity beats speed: loops over sequences are fine. This module never imports
+triton and runs on CPU and CUDA alike.
+
+Paged KV cache layout (fixed; the engine's CPU path uses exactly this)::
+
+    kv_data   [num_layers, num_blocks, C, block_size, num_kv_heads, head_dim]   storage dtype
+    kv_scales [num_layers, num_blocks, C, block_size, num_kv_heads]             bfloat16 (FP8 only)
+
+    C = 2 (K at c=0, V at c=1) for MHA/GQA; C = 1 for MLA (one latent row [c_kv | k_rope],
+    num_kv_heads = 1, head_dim = kv_lora_rank + qk_rope_head_dim).
+
+    slot id = block_id * block_size + offset_in_block
+    block_tables int32 [B, max_blocks_per_seq]: logical block j of sequence b -> physical block
+
+    sequence b, token position p  ->  block block_tables[b, p // bs], offset p % bs
+
+FP8 dequantisation: ``x = fp8_value.float() * scale.float()`` with one bf16 scale per
+(token, head, component), chosen at write time from the row's absolute maximum.
+
+Integrity checksum over one block ``kv_data[l, b]`` (shape [C, bs, H, D], row-major), viewed as
+signed int16 words w_0 .. w_{N-1}::
+
+    S1 = sum_i w_i            S2 = sum_i (i + 1) * w_i          (exact, int64)
+
+and the same over ``kv_scales[l, b]`` (shape [C, bs, H], one bf16 = one word). The state of a
+block is int64 [4] = (S1_payload, S2_payload, S1_scales, S2_scales). Any single-word change
+alters S1 (w is a bijection of the bits), two changes that cancel in S1 alter S2 by
+(i - j) * delta != 0, and swapping two distinct words alters S2 by (i - j) * (w_j - w_i) != 0.
+Because both sums are linear in the words, each token's write adds an independent contribution,
+so a fused write kernel can accumulate the state with atomics and sealing a block needs no
+re-read of the KV bytes.
+"""
+
+from __future__ import annotations
+
+import torch
+
+__all__ = [
+    "FP8_DTYPES",
+    "fp8_max",
+    "is_fp8",
+    "quantize_fp8_rows",
+    "dequantize_rows",
+    "write_kv",
+    "block_checksum_state",
+    "token_checksum_contrib",
+    "gather_kv",
+    "paged_attention",
+    "paged_decode_attention",
+    "mla_decode",
+    "quantize_int4",
+    "unpack_int4",
+    "dequantize_int4",
+    "int4_matmul",
+]
+
+FP8_DTYPES: tuple[torch.dtype, ...] = (torch.float8_e4m3fn, torch.float8_e5m2)
+#: Lower bound on amax before dividing by FP8_MAX (an all-zero row still gets a finite scale).
+AMAX_EPS = 1e-12
+
+
+def is_fp8(dtype: torch.dtype) -> bool:
+    return dtype in FP8_DTYPES
+
+
+def fp8_max(dtype: torch.dtype) -> float:
+    """Largest finite value: 448 for e4m3fn, 57344 for e5m2."""
+    if not is_fp8(dtype):
+        raise ValueError(f"{dtype} is not an FP8 storage dtype")
+    return float(torch.finfo(dtype).max)
+
+
+# ---------------------------------------------------------------------------------------------
+# FP8 quantisation
+# ---------------------------------------------------------------------------------------------
+
+
+def _static_scale_rows(scale: float | torch.Tensor, shape: torch.Size) -> torch.Tensor:
+    """Broadcast a per-tensor (scalar) or per-head ([H]) static scale to ``shape`` = [..., H]."""
+    s = torch.as_tensor(scale, dtype=torch.float32)
+    if s.numel() != 1 and s.shape != (shape[-1],):
+        raise ValueError(f"static scale must be a scalar or [num_kv_heads], got {tuple(s.shape)}")
+    return s.reshape(-1).to(torch.bfloat16).expand(shape)
+
+
+def quantize_fp8_rows(
+    x: torch.Tensor, dtype: torch.dtype, static_scale: float | torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Quantise ``x[..., D]`` row by row to FP8.
+
+    Returns ``(q [..., D] dtype, scale [...] bfloat16)``. Dynamic (default)::
+
+        amax  = max_d |x| (fp32)
+        scale = (max(amax, 1e-12) / FP8_MAX).to(bfloat16)
+        q     = clamp(x.float() / scale.float(), -FP8_MAX, FP8_MAX).to(dtype)   # RNE
+
+    The bf16 rounding of the scale may push amax/scale slightly past FP8_MAX; the clamp absorbs
+    it. With ``static_scale`` (scalar or per-head [H], where x is [..., H, D]) the same formula is
+    used with that scale (rounded to bf16) instead of the dynamic one.
+    """
+    fmax = fp8_max(dtype)
+    xf = x.float()
+    if static_scale is None:
+        amax = xf.abs().amax(dim=-1)
+        scale = (amax.clamp_min(AMAX_EPS) / fmax).to(torch.bfloat16)
+    else:
+        scale = _static_scale_rows(static_scale, xf.shape[:-1]).clone()
+    q = (xf / scale.float().unsqueeze(-1)).clamp(-fmax, fmax).to(dtype)
+    return q, scale
+
+
+def dequantize_rows(data: torch.Tensor, scales: torch.Tensor | None) -> torch.Tensor:
+    """fp32 values of stored rows ``data[..., D]`` (``scales[...]`` for FP8, else None)."""
+    if is_fp8(data.dtype):
+        assert scales is not None, "FP8 cache needs kv_scales"
+        return data.float() * scales.float().unsqueeze(-1)
+    return data.float()
+
+
+# ---------------------------------------------------------------------------------------------
+# Checksum state
+# ---------------------------------------------------------------------------------------------
+
+
+def _as_words(x: torch.Tensor) -> torch.Tensor:
+    """Row-major int16 words of ``x`` as int64, flattened over all dims but the first.
+
+    ``x`` is [n, ...] contiguous-able; returns [n, W]. Little-endian byte order, so for FP8 word
+    k of a row is ``byte[2k] | byte[2k+1] << 8`` (signed), for fp32 element e gives words 2e (low
+    half) and 2e+1 (high half).
+    """
+    n = x.shape[0]
+    flat = x.contiguous().reshape(n, -1)
+    if flat.element_size() == 1 and flat.shape[1] % 2:
+        raise ValueError("FP8 rows need an even number of bytes to form int16 words")
+    return flat.view(torch.int16).to(torch.int64)
+
+
+def _s1_s2(words: torch.Tensor, base: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """S1/S2 of ``words[n, W]`` whose first word sits at block word index ``base[n]``."""
+    idx1 = base.unsqueeze(1) + torch.arange(1, words.shape[1] + 1, device=words.device)  # i + 1
+    return words.sum(dim=1), (idx1 * words).sum(dim=1)
+
+
+def block_checksum_state(
+    kv_data: torch.Tensor,
+    kv_scales: torch.Tensor | None,
+    layer: int,
+    block_ids: torch.Tensor,
+) -> torch.Tensor:
+    """Checksum state recomputed from the bytes: int64 [n, 4] for ``block_ids[n]``.
+
+    Columns: (S1_payload, S2_payload, S1_scales, S2_scales); the scale columns are 0 when
+    ``kv_scales`` is None.
+    """
+    ids = block_ids.to(device=kv_data.device, dtype=torch.long)
+    n = ids.numel()
+    out = torch.zeros(n, 4, dtype=torch.int64, device=kv_data.device)
+    if n == 0:
+        return out
+    zero = torch.zeros(n, dtype=torch.int64, device=kv_data.device)
+    s1, s2 = _s1_s2(_as_words(kv_data[layer, ids]), zero)
+    out[:, 0], out[:, 1] = s1, s2
+    if kv_scales is not None:
+        s1, s2 = _s1_s2(_as_words(kv_scales[layer, ids]), zero)
+        out[:, 2], out[:, 3] = s1, s2
+    return out
+
+
+def token_checksum_contrib(
+    kv_data: torch.Tensor,
+    kv_scales: torch.Tensor | None,
+    layer: int,
+    slots: torch.Tensor,
+) -> torch.Tensor:
+    """Contribution of the rows stored at ``slots[n]`` (all components) to their block's state.
+
+    Returns int64 [n, 4]. A token at offset o, component c of a block owns the words::
+
+        payload words  [(c*bs + o) * Wp, (c*bs + o + 1) * Wp)   Wp = H*D*itemsize/2
+        scale words    [(c*bs + o) * H,  (c*bs + o + 1) * H)
+
+    so the per-token sums add up, over a fully written block, to ``block_checksum_state``.
+    """
+    bs = kv_data.shape[3]
+    n_comp = kv_data.shape[2]
+    slots = slots.to(device=kv_data.device, dtype=torch.long)
+    blocks, offs = slots // bs, slots % bs
+    out = torch.zeros(slots.numel(), 4, dtype=torch.int64, device=kv_data.device)
+    for c in range(n_comp):
+        words = _as_words(kv_data[layer, blocks, c, offs])  # [n, Wp]
+        s1, s2 = _s1_s2(words, (c * bs + offs) * words.shape[1])
+        out[:, 0] += s1
+        out[:, 1] += s2
+        if kv_scales is not None:
+            words = _as_words(kv_scales[layer, blocks, c, offs])  # [n, H]
+            s1, s2 = _s1_s2(words, (c * bs + offs) * words.shape[1])
+            out[:, 2] += s1
+            out[:, 3] += s2
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# Cache write
+# ---------------------------------------------------------------------------------------------
+
+
+def write_kv(
+    kv_data: torch.Tensor,
+    kv_scales: torch.Tensor | None,
+    layer: int,
+    slot_mapping: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor | None,
+    csum_state: torch.Tensor | None = None,
+    k_scale: float | torch.Tensor | None = None,
+    v_scale: float | torch.Tensor | None = None,
+) -> None:
+    """Write ``k[T, H, D]`` (and ``v``, None for MLA's C = 1) into their slots, in place.
+
+    * ``slot_mapping[T]`` int64; a slot < 0 is padding and skipped. Slots in one call must be
+      distinct.
+    * FP8 storage: quantised per (token, head, component) with dynamic scales, or with the
+      static ``k_scale`` / ``v_scale`` (scalar or [H]) broadcast into ``kv_scales``.
+    * Other storage dtypes: ``x.to(storage dtype)`` (a plain copy when dtypes match).
+    * ``csum_state`` int64 [num_layers, num_blocks, 4]: each written token's contribution
+      (:func:`token_checksum_contrib`) is added to ``csum_state[layer, block]``. The state equals
+      :func:`block_checksum_state` once every slot of a block has been written exactly once
+      since the state (and, for a partially written block's unwritten rows, the bytes) was zero.
+    """
+    n_comp = kv_data.shape[2]
+    if (v is None) != (n_comp == 1):
+        raise ValueError("pass v for a C=2 (K/V) cache and v=None for a C=1 (MLA) cache")
+    fp8 = is_fp8(kv_data.dtype)
+    if fp8 and kv_scales is None:
+        raise ValueError("an FP8 cache needs kv_scales")
+    bs = kv_data.shape[3]
+    valid = slot_mapping >= 0
+    slots = slot_mapping[valid].to(device=kv_data.device, dtype=torch.long)
+    blocks, offs = slots // bs, slots % bs
+    comps = [(k, k_scale)] + ([] if v is None else [(v, v_scale)])
+    for c, (x, static) in enumerate(comps):
+        rows = x[valid.to(x.device)].to(kv_data.device)  # [n, H, D]
+        if fp8:
+            q, scale = quantize_fp8_rows(rows, kv_data.dtype, static)
+            kv_data[layer, blocks, c, offs] = q
+            kv_scales[layer, blocks, c, offs] = scale  # type: ignore[index]
+        else:
+            kv_data[layer, blocks, c, offs] = rows.to(kv_data.dtype)
+    if csum_state is not None and slots.numel():
+        contrib = token_checksum_contrib(kv_data, kv_scales if fp8 else None, layer, slots)
+        csum_state[layer].index_add_(0, blocks, contrib)
+
+
+# ---------------------------------------------------------------------------------------------
+# Attention
+# ---------------------------------------------------------------------------------------------
+
+
+def gather_kv(
+    kv_data: torch.Tensor,
+    kv_scales: torch.Tensor | None,
+    layer: int,
+    block_table: torch.Tensor,
+    seq_len: int,
+) -> torch.Tensor:
+    """Dequantised fp32 rows of one sequence: [C, seq_len, H, D] for token positions 0..S-1."""
+    bs = kv_data.shape[3]
+    pos = torch.arange(seq_len, device=kv_data.device)
+    blocks = block_table.to(kv_data.device).long()[pos // bs]
+    offs = pos % bs
+    data = kv_data[layer, blocks, :, offs]  # [S, C, H, D]
+    scales = None if kv_scales is None else kv_scales[layer, blocks, :, offs]  # [S, C, H]
+    return dequantize_rows(data, scales if is_fp8(kv_data.dtype) else None).transpose(0, 1)
+
+
+def paged_attention(
+    q: torch.Tensor,
+    kv_data: torch.Tensor,
+    kv_scales: torch.Tensor | None,
+    layer: int,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    sm_scale: float,
+) -> torch.Tensor:
+    """Ragged causal attention over the paged cache: ``q[T, Hq, D] -> out[T, Hq, D]``.
+
+    Sequence b owns queries ``q[qsl[b]:qsl[b+1]]`` (q_len of them), which are its LAST q_len
+    tokens, and its seq_len tokens are already in the cache::
+
+        key position      0 1 2 ... ctx-1 | ctx ... seq_len-1        ctx = seq_len - q_len
+        query i (0-based) ................. sits at position ctx + i, sees keys 0..ctx+i
+
+    GQA: Hq = G * Hkv, query head h reads kv head h // G. Math in fp32; a sequence with
+    seq_len = 0 (batch padding) yields zeros.
+    """
+    T, n_qh, _ = q.shape
+    n_kvh = kv_data.shape[4]
+    if n_qh % n_kvh:
+        raise ValueError(f"{n_qh} query heads not a multiple of {n_kvh} kv heads")
+    group = n_qh // n_kvh
+    out = torch.zeros(T, n_qh, kv_data.shape[5], dtype=torch.float32, device=q.device)
+    qsl = query_start_loc.tolist()
+    for b, seq_len in enumerate(seq_lens.tolist()):
+        q0, q1 = qsl[b], qsl[b + 1]
+        q_len = q1 - q0
+        if q_len == 0 or seq_len == 0:
+            continue
+        if q_len > seq_len:
+            raise ValueError(f"sequence {b}: q_len {q_len} > seq_len {seq_len}")
+        kv = gather_kv(kv_data, kv_scales, layer, block_tables[b], seq_len).to(q.device)
+        k = kv[0].repeat_interleave(group, dim=1)  # [S, Hq, D]
+        v = kv[1].repeat_interleave(group, dim=1)
+        qb = q[q0:q1].float()  # [q_len, Hq, D]
+        scores = torch.einsum("qhd,khd->hqk", qb, k) * sm_scale  # [Hq, q_len, S]
+        ctx = seq_len - q_len
+        qpos = ctx + torch.arange(q_len, device=q.device)
+        kpos = torch.arange(seq_len, device=q.device)
+        scores = scores.masked_fill(kpos[None, None, :] > qpos[None, :, None], float("-inf"))
+        out[q0:q1] = torch.einsum("hqk,khd->qhd", scores.softmax(dim=-1), v)
+    return out.to(q.dtype)
+
+
+def paged_decode_attention(
+    q: torch.Tensor,
+    kv_data: torch.Tensor,
+    kv_scales: torch.Tensor | None,
+    layer: int,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    sm_scale: float,
+) -> torch.Tensor:
+    """Decode (one query per sequence, ``q[B, Hq, D]``): :func:`paged_attention` with q_len=1."""
+    qsl = torch.arange(q.shape[0] + 1, dtype=torch.int32, device=q.device)
+    return paged_attention(q, kv_data, kv_scales, layer, block_tables, seq_lens, qsl, sm_scale)
+
+
+def mla_decode(
+    q_nope_absorbed: torch.Tensor,
+    q_rope: torch.Tensor,
+    kv_data: torch.Tensor,
+    kv_scales: torch.Tensor | None,
+    layer: int,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    sm_scale: float,
+    kv_lora_rank: int,
+) -> torch.Tensor:
+    """MLA decode over the latent cache (C = 1, one kv head).
+
+    Cached row of token t: ``[c_kv (kv_lora_rank) | k_rope (rope_dim)]``. For query head h::
+
+        score[h, t] = (q_nope_absorbed[h] . c_kv[t] + q_rope[h] . k_rope[t]) * sm_scale
+        out[h]      = sum_t softmax_t(score[h]) * c_kv[t]          (latent; caller up-projects)
+
+    ``q_nope_absorbed[B, Hq, L]``, ``q_rope[B, Hq, R]`` -> ``out[B, Hq, L]`` in q's dtype.
+    """
+    if kv_data.shape[2] != 1 or kv_data.shape[4] != 1:
+        raise ValueError("MLA cache must have C = 1 and num_kv_heads = 1")
+    L = kv_lora_rank
+    B, n_qh, _ = q_nope_absorbed.shape
+    out = torch.zeros(B, n_qh, L, dtype=torch.float32, device=q_nope_absorbed.device)
+    for b, seq_len in enumerate(seq_lens.tolist()):
+        if seq_len == 0:
+            continue
+        row = gather_kv(kv_data, kv_scales, layer, block_tables[b], seq_len)[0, :, 0]  # [S, L+R]
+        row = row.to(q_nope_absorbed.device)
+        c_kv, k_rope = row[:, :L], row[:, L:]
+        scores = q_nope_absorbed[b].float() @ c_kv.T + q_rope[b].float() @ k_rope.T  # [Hq, S]
+        out[b] = (scores * sm_scale).softmax(dim=-1) @ c_kv
+    return out.to(q_nope_absorbed.dtype)
+
+
+# ---------------------------------------------------------------------------------------------
+# INT4 weight-only GEMM (compressed-tensors "pack-quantized")
+# ---------------------------------------------------------------------------------------------
+#
+#   weight_packed int32 [N, ceil(K/8)]: word j of row n holds input columns 8j .. 8j+7,
+#
+#        bit 31                                                  bit 0
+#        | k=8j+7 | k=8j+6 | k=8j+5 | k=8j+4 | k=8j+3 | k=8j+2 | k=8j+1 | k=8j |
+#
+#   4-bit value u in [0, 15]. Symmetric: w = (u - 8) * scale. Asymmetric: w = (u - zp) * scale.
+#   weight_scale [N, ceil(K/group)] (fp16/bf16/fp32); weight_zero_point either unpacked
+#   [N, ceil(K/group)] integers in [0, 15], or packed like compressed-tensors does it: int32
+#   [ceil(N/8), ceil(K/group)], 8 consecutive OUTPUT rows per word, low nibble first.
+
+
+def _unpack_nibbles(packed: torch.Tensor, n: int) -> torch.Tensor:
+    """int32 [..., W] -> int64 [..., n] nibbles in [0, 15], low nibble first along the last dim."""
+    shifts = torch.arange(8, device=packed.device, dtype=torch.int64) * 4
+    nib = (packed.to(torch.int64).unsqueeze(-1) >> shifts) & 0xF  # [..., W, 8]
+    return nib.flatten(-2)[..., :n]
+
+
+def unpack_int4(packed: torch.Tensor, k: int) -> torch.Tensor:
+    """``weight_packed`` int32 [N, ceil(K/8)] -> unsigned nibbles int64 [N, K] in [0, 15]."""
+    return _unpack_nibbles(packed, k)
+
+
+def _zero_points(zeros: torch.Tensor, n: int) -> torch.Tensor:
+    """Zero points as float32 [N, G] from the unpacked or dim-0-packed form."""
+    if zeros.dtype == torch.int32 and zeros.shape[0] != n and zeros.shape[0] == (n + 7) // 8:
+        return _unpack_nibbles(zeros.T.contiguous(), n).T.float()  # [G, N] -> [N, G]
+    return zeros.float()
+
+
+def dequantize_int4(
+    packed: torch.Tensor,
+    scales: torch.Tensor,
+    zeros: torch.Tensor | None,
+    group_size: int,
+    k: int | None = None,
+) -> torch.Tensor:
+    """fp32 weight [N, K] from the pack-quantized tensors (K defaults to 8 * packed width)."""
+    k = packed.shape[1] * 8 if k is None else k
+    n = packed.shape[0]
+    u = unpack_int4(packed, k).float()  # [N, K]
+    zp = 8.0 if zeros is None else _zero_points(zeros, n).repeat_interleave(group_size, 1)[:, :k]
+    s = scales.float().repeat_interleave(group_size, dim=1)[:, :k]  # [N, K]
+    return (u - zp) * s
+
+
+def int4_matmul(
+    x: torch.Tensor,
+    packed: torch.Tensor,
+    scales: torch.Tensor,
+    zeros: torch.Tensor | None,
+    group_size: int,
+) -> torch.Tensor:
+    """``x[M, K] @ W.T -> [M, N]`` in x's dtype, W dequantised from the pack-quantized layout."""
+    w = dequantize_int4(packed, scales, zeros, group_size, k=x.shape[1])
+    return (x.float() @ w.to(x.device).T).to(x.dtype)
+
+
+def quantize_int4(
+    w: torch.Tensor, group_size: int, symmetric: bool = True
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """Round-to-nearest group quantisation of ``w[N, K]`` into the pack-quantized layout.
+
+    Returns ``(weight_packed int32 [N, ceil(K/8)], weight_scale [N, G] in w's dtype,
+    weight_zero_point int32 [N, G] unpacked, or None when symmetric)``. A test/helper utility;
+    the canonical packer lives in ``kvserve.quant.int4``.
+    """
+    n, k = w.shape
+    n_groups = -(-k // group_size)
+    pad = n_groups * group_size - k
+    wg = torch.nn.functional.pad(w.float(), (0, pad)).view(n, n_groups, group_size)
+    if symmetric:
+        scale = (wg.abs().amax(-1) / 7.0).clamp_min(1e-8).to(w.dtype)
+        zp_f = torch.full_like(scale, 8.0, dtype=torch.float32)
+        zeros = None
+    else:
+        lo, hi = wg.amin(-1).clamp(max=0.0), wg.amax(-1).clamp(min=0.0)
+        scale = ((hi - lo) / 15.0).clamp_min(1e-8).to(w.dtype)
+        zp_f = (-lo / scale.float()).round().clamp(0, 15)
+        zeros = zp_f.to(torch.int32)
+    u = (wg / scale.float().unsqueeze(-1) + zp_f.unsqueeze(-1)).round().clamp(0, 15)
+    u = u.view(n, -1)[:, :k].to(torch.int64)
+    u = torch.nn.functional.pad(u, (0, (-k) % 8)).view(n, -1, 8)  # [N, W, 8]
+    shifts = torch.arange(8, device=w.device, dtype=torch.int64) * 4
+    words = (u << shifts).sum(-1)  # [N, W] in [0, 2^32)
+    words = torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)
+    return words, scale, zeros

@@ -1,0 +1,22 @@
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from kvserve.layers.linear import default_weight_loader
+
+
+class RMSNorm(nn.Module):
+    """y = x / rms(x) * w, computed in fp32 (as HF does), returned in x's dtype."""
+
+    def __init__(self, dim: int, eps: float = 1e-6) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.empty(dim), requires_grad=False)
+        self.weight.weight_loader = default_weight_loader  # type: ignore[attr-defined]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * xf.to(dtype)

@@ -1,0 +1,114 @@
+"""Batched sampling: penalties, temperature, top-k / top-p / min-p, seeded draws, logprobs.
+
+Seeded requests draw their randomness from a generator seeded by (seed, output position), so a
+request's tokens do not depend on what else is in the batch, nor on preemption and recompute.
+Sampling uses the exponential race (argmax p_i / E_i, E_i ~ Exp(1)), one draw per row.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from kvserve.sampling_params import SamplingParams
+
+_SEED_MIX = 0x9E3779B97F4A7C15
+
+
+@dataclass(slots=True)
+class SampleRow:
+    params: SamplingParams
+    prompt_token_ids: list[int]
+    output_token_ids: list[int]
+    eos_token_ids: tuple[int, ...]
+
+
+@dataclass(slots=True)
+class SamplerOutput:
+    token_ids: list[int]
+    # Per row: None, or {token: logprob} for the sampled token plus the top-N.
+    logprobs: list[dict[int, float] | None]
+    sampled_logprob: list[float]
+
+
+class Sampler:
+    def __init__(self, vocab_size: int) -> None:
+        self.vocab_size = vocab_size
+        self._rng = torch.Generator().manual_seed(0)
+
+    def __call__(self, logits: torch.Tensor, rows: list[SampleRow]) -> SamplerOutput:
+        """logits [N, V] fp32 (modified in place)."""
+        assert logits.shape[0] == len(rows)
+        raw_logprobs = None
+        if any(r.params.logprobs is not None for r in rows):
+            raw_logprobs = torch.log_softmax(logits, dim=-1)
+        self._apply_penalties(logits, rows)
+        tokens = logits.argmax(dim=-1)
+        random_rows = [i for i, r in enumerate(rows) if not r.params.greedy]
+        if random_rows:
+            self._sample_random(logits, rows, random_rows, tokens)
+        token_list = tokens.tolist()
+        lps: list[dict[int, float] | None] = [None] * len(rows)
+        sampled_lp = [0.0] * len(rows)
+        if raw_logprobs is not None:
+            for i, r in enumerate(rows):
+                if r.params.logprobs is None:
+                    continue
+                lps[i] = top_logprobs(raw_logprobs[i], token_list[i], r.params.logprobs)
+                sampled_lp[i] = lps[i][token_list[i]]
+        return SamplerOutput(token_list, lps, sampled_lp)
+
+    def _apply_penalties(self, logits: torch.Tensor, rows: list[SampleRow]) -> None:
+        for i, r in enumerate(rows):
+            p = r.params
+            row = logits[i]
+            if p.min_tokens and len(r.output_token_ids) < p.min_tokens:
+                banned = list(p.stop_token_ids) + ([] if p.ignore_eos else list(r.eos_token_ids))
+                banned = [t for t in banned if t < row.shape[0]]
+                if banned:
+                    row[banned] = float("-inf")
+            if not p.needs_penalties:
+                continue
+            if p.repetition_penalty != 1.0:
+                seen = torch.tensor(sorted(set(r.prompt_token_ids) | set(r.output_token_ids)),
+                                    dtype=torch.long)
+                vals = row[seen]
+                row[seen] = torch.where(vals > 0, vals / p.repetition_penalty,
+                                        vals * p.repetition_penalty)
+            if r.output_token_ids and (p.presence_penalty or p.frequency_penalty):
+                out = torch.tensor(r.output_token_ids, dtype=torch.long)
+                counts = torch.bincount(out, minlength=row.shape[0]).float()
+                row -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).float()
+
+    def _sample_random(self, logits: torch.Tensor, rows: list[SampleRow], idx: list[int],
+                       tokens: torch.Tensor) -> None:
+        for i in idx:
+            p = rows[i].params
+            row = logits[i] / p.temperature
+            if p.top_k > 0 and p.top_k < row.shape[0]:
+                kth = torch.topk(row, p.top_k).values[-1]
+                row = row.masked_fill(row < kth, float("-inf"))
+            probs = torch.softmax(row, dim=-1)
+            if p.top_p < 1.0:
+                sorted_p, order = probs.sort(descending=True)
+                cum = sorted_p.cumsum(0)
+                drop = cum - sorted_p > p.top_p  # keep the smallest prefix reaching top_p
+                probs = probs.scatter(0, order[drop], 0.0)
+            if p.min_p > 0.0:
+                probs = probs.masked_fill(probs < p.min_p * probs.max(), 0.0)
+            gen = self._rng
+            if p.seed is not None:
+                pos = len(rows[i].output_token_ids)
+                gen = torch.Generator().manual_seed((p.seed * _SEED_MIX + pos) % (2**63))
+            noise = torch.empty_like(probs).exponential_(generator=gen)
+            tokens[i] = (probs / noise).argmax()
+
+
+def top_logprobs(logprobs_row: torch.Tensor, token: int, n: int) -> dict[int, float]:
+    out: dict[int, float] = {}
+    if n > 0:
+        vals, ids = torch.topk(logprobs_row, n)
+        out = dict(zip(ids.tolist(), vals.tolist(), strict=True))
+    out[token] = float(logprobs_row[token])
+    return out

@@ -1,0 +1,167 @@
+"""Llama-family decoder: LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM (qkv bias),
+Qwen3ForCausalLM (per-head QK RMSNorm). Module names follow HF so checkpoints map 1:1, except
+the fused ``qkv_proj`` / ``gate_up_proj`` (see ``packed_modules``)."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from kvserve.layers.linear import Linear, MergedLinear, default_weight_loader
+from kvserve.layers.norm import RMSNorm
+from kvserve.layers.rotary import RotaryEmbedding
+from kvserve.model.forward_batch import ForwardBatch
+
+
+def head_dim_of(config) -> int:
+    return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, config, layer_idx: int, rotary: RotaryEmbedding, qkv_bias: bool,
+                 o_bias: bool, qk_norm: bool) -> None:
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = getattr(config, "num_key_value_heads", None) or self.num_heads
+        self.head_dim = head_dim_of(config)
+        h, hk, d = self.num_heads, self.num_kv_heads, self.head_dim
+        self.qkv_proj = MergedLinear(config.hidden_size, (h * d, hk * d, hk * d),
+                                     ("q", "k", "v"), bias=qkv_bias)
+        self.o_proj = Linear(h * d, config.hidden_size, bias=o_bias)
+        self.q_norm = RMSNorm(d, config.rms_norm_eps) if qk_norm else None
+        self.k_norm = RMSNorm(d, config.rms_norm_eps) if qk_norm else None
+        self.rotary = rotary
+
+    def forward(self, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+        t = x.shape[0]
+        h, hk, d = self.num_heads, self.num_kv_heads, self.head_dim
+        q, k, v = self.qkv_proj(x).split((h * d, hk * d, hk * d), dim=-1)
+        q, k, v = q.view(t, h, d), k.view(t, hk, d), v.view(t, hk, d)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q = self.rotary(batch.positions, q)
+        k = self.rotary(batch.positions, k)
+        o = batch.attn.forward(self.layer_idx, q, k, v, batch.meta)  # fp32 [T, H, D]
+        return self.o_proj(o.reshape(t, h * d).to(x.dtype))
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self, hidden: int, intermediate: int, bias: bool = False) -> None:
+        super().__init__()
+        self.intermediate = intermediate
+        self.gate_up_proj = MergedLinear(hidden, (intermediate, intermediate), ("gate", "up"),
+                                         bias=bias)
+        self.down_proj = Linear(intermediate, hidden, bias=bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).split(self.intermediate, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, config, layer_idx: int, rotary: RotaryEmbedding, **attn_kw) -> None:
+        super().__init__()
+        self.self_attn = LlamaAttention(config, layer_idx, rotary, **attn_kw)
+        self.mlp = self.make_mlp(config, layer_idx)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def make_mlp(self, config, layer_idx: int) -> nn.Module:
+        return LlamaMLP(config.hidden_size, config.intermediate_size,
+                        bias=getattr(config, "mlp_bias", False))
+
+    def forward(self, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), batch)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, config, layer_cls=LlamaDecoderLayer, **attn_kw) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.embed_tokens.weight.requires_grad_(False)
+        self.embed_tokens.weight.weight_loader = default_weight_loader  # type: ignore[attr-defined]
+        d = head_dim_of(config)
+        rotary_dim = int(d * getattr(config, "partial_rotary_factor", 1.0))
+        with torch.device("cpu"):
+            rotary = RotaryEmbedding(config, rotary_dim, config.max_position_embeddings)
+        self.layers = nn.ModuleList(
+            layer_cls(config, i, rotary, **attn_kw) for i in range(config.num_hidden_layers)
+        )
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(self, batch: ForwardBatch) -> torch.Tensor:
+        x = self.embed_tokens(batch.input_ids)
+        for layer in self.layers:
+            x = layer(x, batch)
+        return self.norm(x)
+
+
+class LlamaForCausalLM(nn.Module):
+    # checkpoint module name -> (our fused module, shard id)
+    packed_modules = {
+        "q_proj": ("qkv_proj", "q"),
+        "k_proj": ("qkv_proj", "k"),
+        "v_proj": ("qkv_proj", "v"),
+        "gate_proj": ("gate_up_proj", "gate"),
+        "up_proj": ("gate_up_proj", "up"),
+    }
+    qkv_bias_default = False
+    qk_norm = False
+
+    def __init__(self, config) -> None:
+        super().__init__()
+        self.config = config
+        attn_bias = getattr(config, "attention_bias", self.qkv_bias_default)
+        self.model = LlamaModel(
+            config,
+            qkv_bias=attn_bias or self.qkv_bias_default,
+            o_bias=attn_bias and not self.qkv_bias_default,
+            qk_norm=self.qk_norm,
+        )
+        self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
+        self.lm_head = Linear(config.hidden_size, config.vocab_size)
+
+    def tie_weights(self) -> None:
+        if self.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    def forward(self, batch: ForwardBatch) -> torch.Tensor:
+        return self.model(batch)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden).float()
+
+
+class MistralForCausalLM(LlamaForCausalLM):
+    pass
+
+
+class Qwen2ForCausalLM(LlamaForCausalLM):
+    qkv_bias_default = True
+
+
+class Qwen3ForCausalLM(LlamaForCausalLM):
+    qk_norm = True
+
+
+def _kv_spec(self) -> dict:
+    """What the KV cache and attention backend need to know about this model."""
+    c = self.config
+    h = c.num_attention_heads
+    return {
+        "num_layers": c.num_hidden_layers,
+        "num_heads": h,
+        "num_kv_heads": getattr(c, "num_key_value_heads", None) or h,
+        "head_dim": head_dim_of(c),
+        "components": 2,
+        "scale": head_dim_of(c) ** -0.5,
+        "max_position_embeddings": c.max_position_embeddings,
+        "sliding_window": getattr(c, "sliding_window", None)
+        if getattr(c, "use_sliding_window", True) else None,
+    }
+
+
+LlamaForCausalLM.kv_spec = _kv_spec  # type: ignore[attr-defined]

@@ -1,0 +1,203 @@
+"""Load an HF folder: config.json, single or sharded *.safetensors, tokenizer files.
+
+The model is built on the meta device, materialized once (``to_empty``), and every checkpoint
+tensor is handed to its parameter's ``weight_loader`` (fused q/k/v and gate/up are assembled
+from their shards there). A checkpoint that lacks a tensor the model needs is an error that
+names the tensor.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from dataclasses import dataclass
+
+import torch
+from safetensors import safe_open
+from tqdm.auto import tqdm
+
+from kvserve.model import registry
+
+logger = logging.getLogger(__name__)
+
+# Checkpoint tensors that carry no weights for us.
+_IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+
+
+@dataclass(slots=True)
+class LoadedModel:
+    model: torch.nn.Module
+    hf_config: object
+    architecture: str
+    dtype: torch.dtype
+    # Per-layer static KV scales found in the checkpoint ([L, 2] per-tensor), else None.
+    kv_scales: torch.Tensor | None
+
+
+def load_hf_config(path: str):
+    from transformers import AutoConfig
+
+    if not os.path.isdir(path):
+        raise ValueError(f"model must be a local HF folder; {path!r} is not a directory")
+    if not os.path.isfile(os.path.join(path, "config.json")):
+        raise ValueError(f"model folder {path!r} has no config.json")
+    with open(os.path.join(path, "config.json")) as f:
+        raw = json.load(f)
+    archs = raw.get("architectures") or []
+    if not archs:
+        raise ValueError(f"{path}/config.json names no 'architectures'")
+    registry.resolve(archs[0])  # fail fast, naming the architecture, before transformers
+    return AutoConfig.from_pretrained(path, local_files_only=True), archs[0]
+
+
+def checkpoint_dtype(hf_config) -> torch.dtype:
+    dt = getattr(hf_config, "dtype", None) or getattr(hf_config, "torch_dtype", None)
+    if isinstance(dt, str):
+        dt = getattr(torch, dt, None)
+    return dt if isinstance(dt, torch.dtype) else torch.float32
+
+
+def safetensors_files(path: str) -> list[str]:
+    index = os.path.join(path, "model.safetensors.index.json")
+    if os.path.isfile(index):
+        with open(index) as f:
+            weight_map = json.load(f)["weight_map"]
+        files = sorted(set(weight_map.values()))
+    else:
+        files = sorted(f for f in os.listdir(path) if f.endswith(".safetensors"))
+    if not files:
+        raise ValueError(f"no *.safetensors weights in {path!r}")
+    missing = [f for f in files if not os.path.isfile(os.path.join(path, f))]
+    if missing:
+        raise ValueError(f"checkpoint shard(s) missing from {path!r}: {', '.join(missing)}")
+    return [os.path.join(path, f) for f in files]
+
+
+def _target(model: torch.nn.Module, name: str) -> tuple[str, str | None]:
+    """Checkpoint tensor name -> (our parameter name, shard id)."""
+    packed = getattr(model, "packed_modules", {})
+    parts = name.split(".")
+    for i, part in enumerate(parts):
+        if part in packed:
+            fused, shard = packed[part]
+            return ".".join(parts[:i] + [fused] + parts[i + 1 :]), shard
+    return name, None
+
+
+def load_model(path: str, dtype: str | torch.dtype = "auto", device: str = "cpu",
+               progress: bool = True) -> LoadedModel:
+    from kvserve.config import resolve_model_dtype
+
+    hf_config, arch = load_hf_config(path)
+    dtype = resolve_model_dtype(dtype, checkpoint_dtype(hf_config))
+    cls = registry.resolve(arch)
+    prev = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with torch.device("meta"):
+            model = cls(hf_config)
+    finally:
+        torch.set_default_dtype(prev)
+    materialize(model, device)
+    if hasattr(model, "tie_weights"):
+        model.tie_weights()
+
+    params = dict(model.named_parameters(remove_duplicate=False))
+    expected = _expected_tensors(model, params)
+    loaded: set[tuple[str, str | None]] = set()
+    kv_scales: dict[tuple[int, int], float] = {}
+    files = safetensors_files(path)
+    with tqdm(total=len(expected), desc="Loading weights", unit="tensor",
+              disable=not progress, leave=False) as bar:
+        for file in files:
+            with safe_open(file, framework="pt", device="cpu") as f:
+                for name in f.keys():
+                    if name.endswith(_IGNORED_SUFFIXES):
+                        continue
+                    if name.endswith((".k_scale", ".v_scale")):
+                        kv_scales[_scale_key(name)] = float(f.get_tensor(name).float().max())
+                        continue
+                    pname, shard = _target(model, name)
+                    if pname not in params:
+                        if hasattr(model, "load_extra") and model.load_extra(name, f, loaded):
+                            continue
+                        logger.warning("ignoring checkpoint tensor %s (no such parameter)", name)
+                        continue
+                    param = params[pname]
+                    tensor = f.get_tensor(name).to(param.dtype)
+                    loader = getattr(param, "weight_loader")
+                    if shard is None:
+                        loader(param, tensor)
+                    else:
+                        loader(param, tensor, shard)
+                    loaded.add((pname, shard))
+                    bar.update(1)
+    missing = [hf for key, hf in expected.items() if key not in loaded]
+    if missing:
+        raise ValueError(f"checkpoint {path!r} is missing tensor(s): {', '.join(missing[:8])}"
+                         + (f" (+{len(missing) - 8} more)" if len(missing) > 8 else ""))
+    model.eval()
+    return LoadedModel(model, hf_config, arch, dtype, _scales_tensor(kv_scales, hf_config))
+
+
+def materialize(model: torch.nn.Module, device: str) -> None:
+    """Replace meta parameters with uninitialized real ones, keeping their attributes
+    (``weight_loader`` etc.; ``Module.to_empty`` would drop them)."""
+    for module in model.modules():
+        for name, p in list(module._parameters.items()):
+            if p is None or not p.is_meta:
+                continue
+            new = torch.nn.Parameter(torch.empty_like(p, device=device), requires_grad=False)
+            new.__dict__.update(p.__dict__)
+            module._parameters[name] = new
+        for name, b in list(module._buffers.items()):
+            if b is not None and b.is_meta:
+                module._buffers[name] = torch.empty_like(b, device=device)
+
+
+def _expected_tensors(model, params) -> dict[tuple[str, str | None], str]:
+    """(our param, shard) -> the checkpoint name we expect for it."""
+    inverse: dict[str, list[tuple[str, str]]] = {}
+    for ckpt, (fused, shard) in getattr(model, "packed_modules", {}).items():
+        inverse.setdefault(fused, []).append((ckpt, shard))
+    tied = getattr(model, "tie_word_embeddings", False)
+    out: dict[tuple[str, str | None], str] = {}
+    for pname, param in params.items():
+        if tied and pname == "lm_head.weight":
+            continue
+        if getattr(param, "skip_expected", False):
+            continue
+        parts = pname.split(".")
+        module = parts[-2] if len(parts) >= 2 else ""
+        if module in inverse:
+            for ckpt, shard in inverse[module]:
+                out[(pname, shard)] = ".".join(parts[:-2] + [ckpt, parts[-1]])
+        else:
+            out[(pname, None)] = pname
+    return out
+
+
+def _scale_key(name: str) -> tuple[int, int]:
+    parts = name.split(".")
+    layer = next(int(p) for p in parts if p.isdigit())
+    return layer, 0 if name.endswith("k_scale") else 1
+
+
+def _scales_tensor(scales: dict[tuple[int, int], float], hf_config) -> torch.Tensor | None:
+    if not scales:
+        return None
+    n = hf_config.num_hidden_layers
+    t = torch.ones(n, 2)
+    for (layer, c), v in scales.items():
+        t[layer, c] = v
+    return t
+
+
+def load_tokenizer(path: str):
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(path, local_files_only=True)
+    except Exception as e:  # noqa: BLE001 - transformers raises many types here
+        raise ValueError(f"could not load a tokenizer from {path!r}: {e}") from e

@@ -1,0 +1,89 @@
+"""A request's mutable state as the scheduler and engine see it.
+
+A user request with ``n > 1`` becomes ``n`` sequences (``Request`` objects) that share the
+prompt; the engine groups their outputs back by ``parent_id``.
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+from kvserve.outputs import Logprobs, RequestMetrics
+from kvserve.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED_STOPPED = "stop"
+    FINISHED_LENGTH = "length"
+    FINISHED_ABORTED = "abort"
+
+    @property
+    def finished(self) -> bool:
+        return self in (
+            RequestStatus.FINISHED_STOPPED,
+            RequestStatus.FINISHED_LENGTH,
+            RequestStatus.FINISHED_ABORTED,
+        )
+
+
+@dataclass(eq=False, slots=True)
+class Request:
+    request_id: str  # unique per sequence: "<parent>" or "<parent>#<index>"
+    parent_id: str
+    index: int  # which of the parent's n sequences
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    max_tokens: int  # resolved: min(params.max_tokens, context left)
+    prompt: str | None = None
+    priority: int = 0
+    cache_salt: str | None = None
+    arrival_time: float = field(default_factory=time.monotonic)
+    output_token_ids: list[int] = field(default_factory=list)
+    num_computed_tokens: int = 0
+    status: RequestStatus = RequestStatus.WAITING
+    stop_reason: int | str | None = None
+    # Sampling outputs, appended per generated token.
+    logprobs: list[Logprobs] | None = None
+    cumulative_logprob: float = 0.0
+    prompt_logprobs: list[Logprobs | None] | None = None
+    metrics: RequestMetrics = field(init=False)
+    # Detokenizer state lives in the engine's output processor, keyed by request_id.
+
+    def __post_init__(self) -> None:
+        self.metrics = RequestMetrics(arrival_time=self.arrival_time)
+        if self.sampling_params.logprobs is not None:
+            self.logprobs = []
+        if self.sampling_params.prompt_logprobs is not None:
+            self.prompt_logprobs = [None]  # the first prompt token has no logprob
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    def token_range(self, start: int, end: int) -> list[int]:
+        p = len(self.prompt_token_ids)
+        if end <= p:
+            return self.prompt_token_ids[start:end]
+        if start >= p:
+            return self.output_token_ids[start - p : end - p]
+        return self.prompt_token_ids[start:] + self.output_token_ids[: end - p]
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status.finished

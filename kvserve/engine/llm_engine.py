@@ -97,7 +97,10 @@ class LLMEngine:
         self.kv = KVCacheManager(self.pool, bs, cache_cfg.enable_prefix_caching,
                                  self.fingerprint, self.integrity)
         self.scheduler = Scheduler(sched_cfg, self.kv)
-        backend = get_backend(args.attention_backend, self.kv_cache, spec["num_heads"],
+        backend_name = args.attention_backend
+        if spec.get("backend") and backend_name in ("auto", "torch"):
+            backend_name = spec["backend"]  # e.g. MLA models bring their own torch backend
+        backend = get_backend(backend_name, self.kv_cache, spec["num_heads"],
                               spec["num_kv_heads"], spec["head_dim"], spec["scale"], max_len)
         self.runner = ModelRunner(self.model, backend, bs, spec["components"], args.device)
         self.sampler = Sampler(self.model_config.vocab_size)

@@ -50,6 +50,8 @@ class Request:
     logprobs: list[Logprobs] | None = None
     cumulative_logprob: float = 0.0
     prompt_logprobs: list[Logprobs | None] | None = None
+    # n > 1: siblings wait until this one has prefilled the shared prompt, then hit its blocks.
+    prefill_leader: Request | None = None
     metrics: RequestMetrics = field(init=False)
     # Detokenizer state lives in the engine's output processor, keyed by request_id.
 
@@ -87,3 +89,9 @@ class Request:
     @property
     def is_finished(self) -> bool:
         return self.status.finished
+
+    @property
+    def waits_for_leader(self) -> bool:
+        lead = self.prefill_leader
+        return (lead is not None and not lead.is_finished
+                and lead.num_computed_tokens < lead.num_prompt_tokens)

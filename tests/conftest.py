@@ -70,7 +70,7 @@ def model_factory(tmp_path_factory):
     cache: dict = {}
 
     def make(arch: str, **overrides) -> str:
-        key = (arch, tuple(sorted(overrides.items())))
+        key = (arch, repr(sorted(overrides.items())))
         if key not in cache:
             cache[key] = make_tiny_model(str(tmp_path_factory.mktemp(arch)), arch, **overrides)
         return cache[key]

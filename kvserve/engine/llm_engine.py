@@ -224,6 +224,9 @@ class LLMEngine:
             children.append(Request(cid, request_id, i, ids, child_params, max_tokens,
                                     prompt=text, priority=priority, cache_salt=cache_salt,
                                     arrival_time=arrival))
+        if self.cache_config.enable_prefix_caching:
+            for child in children[1:]:
+                child.prefill_leader = children[0]
         detoks = [
             IncrementalDetokenizer(self.tokenizer, ids, params.skip_special_tokens, params.stop,
                                    params.include_stop_str_in_output)
@@ -275,6 +278,7 @@ class LLMEngine:
             self._record_prompt_logprobs(req, start, lps)
         for req, n in sched.scheduled:
             req.num_computed_tokens += n
+            self.kv.commit(req)  # seal + cache newly full blocks before anything is freed
         touched: set[str] = set()
         if sampled is not None:
             now = time.monotonic()
@@ -282,9 +286,6 @@ class LLMEngine:
                 self._append_token(req, sampled.token_ids[i], sampled.logprobs[i],
                                    sampled.sampled_logprob[i], now)
                 touched.add(req.parent_id)
-        for req, _ in sched.scheduled:
-            if not req.is_finished:
-                self.kv.commit(req)
         return self._make_outputs(touched)
 
     def _record_prompt_logprobs(self, req: Request, start: int, lps: torch.Tensor) -> None:

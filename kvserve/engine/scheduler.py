@@ -74,8 +74,12 @@ class Scheduler:
         return budget
 
     def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
-        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
-            req = self.waiting[0]
+        i = 0
+        while i < len(self.waiting) and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            req = self.waiting[i]
+            if req.waits_for_leader:
+                i += 1
+                continue
             hit = self.kv.get_computed_blocks(req)
             n = req.num_tokens - hit.num_tokens
             if n > budget and not self.config.enable_chunked_prefill:
@@ -83,7 +87,7 @@ class Scheduler:
             n = min(n, budget)
             if not self.kv.allocate_slots(req, n, hit):
                 break
-            self.waiting.pop(0)
+            self.waiting.pop(i)
             req.num_computed_tokens = hit.num_tokens
             req.metrics.num_cached_tokens = max(req.metrics.num_cached_tokens, hit.num_tokens)
             req.status = RequestStatus.RUNNING

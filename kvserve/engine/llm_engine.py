@@ -257,6 +257,7 @@ class LLMEngine:
         return len(self._parents)
 
     # ---- the step -------------------------------------------------------------------------
+    @torch.inference_mode()
     def step(self) -> list[RequestOutput]:
         if self.integrity is not None:
             self.integrity.scrub_step(self)

@@ -1,0 +1,120 @@
+from __future__ import annotations
+
+import math
+
+import torch
+
+from kvserve import SamplingParams
+from kvserve.layers.sampler import Sampler, SampleRow
+
+
+def _p(ids):
+    return {"prompt_token_ids": ids}
+
+
+def test_stop_string_truncates_and_never_streams_partially(tiny_llama, make_llm):
+    llm = make_llm(tiny_llama, dtype="float32")
+    free = llm.generate([_p([1, 5, 6])], SamplingParams(temperature=0, max_tokens=20,
+                                                         ignore_eos=True))[0].outputs[0]
+    words = free.text.split()
+    stop = " ".join(words[3:5])  # a stop string spanning two tokens
+    eng = llm.engine
+    eng.add_request("s", _p([1, 5, 6]), SamplingParams(temperature=0, max_tokens=20,
+                                                      ignore_eos=True, stop=[stop]))
+    seen = []
+    final = None
+    while eng.has_unfinished_requests():
+        for out in eng.step():
+            seen.append(out.outputs[0].text)
+            final = out
+    comp = final.outputs[0]
+    assert comp.finish_reason == "stop" and comp.stop_reason == stop
+    assert comp.text == free.text[: free.text.index(stop)]
+    for t in seen:  # every intermediate text is a prefix of the final one: no partial stop
+        assert comp.text.startswith(t) or t.startswith(comp.text) and stop not in t
+
+
+def test_stop_token_and_min_tokens(tiny_llama, make_llm):
+    llm = make_llm(tiny_llama, dtype="float32")
+    ref = llm.generate([_p([1, 5, 6])], SamplingParams(temperature=0, max_tokens=10,
+                                                        ignore_eos=True))[0].outputs[0]
+    t = ref.token_ids[2]
+    out = llm.generate([_p([1, 5, 6])], SamplingParams(temperature=0, max_tokens=10,
+                                                        stop_token_ids=[t], ignore_eos=True))
+    c = out[0].outputs[0]
+    assert c.token_ids == ref.token_ids[: ref.token_ids.index(t) + 1]
+    assert c.finish_reason == "stop" and c.stop_reason == t
+    out = llm.generate([_p([1, 5, 6])], SamplingParams(temperature=0, max_tokens=10,
+                                                        stop_token_ids=[t], min_tokens=8,
+                                                        ignore_eos=True))
+    assert len(out[0].outputs[0].token_ids) >= 8
+
+
+def test_eos_finishes_with_stop(tiny_llama, make_llm):
+    llm = make_llm(tiny_llama, dtype="float32")
+    eos = llm.engine.model_config.eos_token_ids
+    assert eos == (2,)
+    logits = torch.full((1, 512), -10.0)
+    logits[0, 2] = 10.0
+    s = Sampler(512)
+    row = SampleRow(SamplingParams(temperature=0, min_tokens=3), [1], [], eos)
+    assert s(logits.clone(), [row]).token_ids[0] != 2  # EOS banned before min_tokens
+    row = SampleRow(SamplingParams(temperature=0), [1], [], eos)
+    assert s(logits.clone(), [row]).token_ids[0] == 2
+
+
+def test_logprobs_shape_and_values(tiny_llama, make_llm):
+    llm = make_llm(tiny_llama, dtype="float32")
+    ids = [1, 5, 6, 7, 8]
+    out = llm.generate([_p(ids)], SamplingParams(temperature=0, max_tokens=5, logprobs=3,
+                                                 prompt_logprobs=2, ignore_eos=True))[0]
+    c = out.outputs[0]
+    assert len(c.logprobs) == 5
+    for tok, lp in zip(c.token_ids, c.logprobs, strict=True):
+        assert tok in lp and 3 <= len(lp) <= 4
+        assert lp[tok] == max(lp.values())  # greedy picks the top token
+    assert math.isclose(c.cumulative_logprob, sum(lp[t] for t, lp in
+                                                  zip(c.token_ids, c.logprobs, strict=True)),
+                        rel_tol=1e-5)
+    assert len(out.prompt_logprobs) == len(ids) and out.prompt_logprobs[0] is None
+    ref = torch.log_softmax(llm.engine.prompt_logits(ids), -1)
+    for i in range(1, len(ids)):
+        assert math.isclose(out.prompt_logprobs[i][ids[i]], float(ref[i - 1, ids[i]]),
+                            abs_tol=1e-4)
+
+
+def test_top_k_top_p_min_p_restrict_support():
+    s = Sampler(10)
+    logits = torch.log(torch.tensor([[0.5, 0.3, 0.1, 0.05, 0.05, 0, 0, 0, 0, 0]]) + 1e-9)
+    for kw, allowed in [({"top_k": 2}, {0, 1}), ({"top_p": 0.7}, {0, 1}),
+                        ({"min_p": 0.5}, {0, 1})]:
+        seen = set()
+        for seed in range(60):
+            row = SampleRow(SamplingParams(temperature=1.0, seed=seed, **kw), [1], [], ())
+            seen.add(s(logits.clone(), [row]).token_ids[0])
+        assert seen == allowed, kw
+
+
+def test_penalties_change_logits():
+    s = Sampler(6)
+    base = torch.tensor([[2.0, 1.0, 0.5, -1.0, 0.0, 0.0]])
+    row = SampleRow(SamplingParams(temperature=0, repetition_penalty=2.0), [0], [3], ())
+    out = base.clone()
+    s._apply_penalties(out, [row])
+    assert out[0, 0] == 1.0 and out[0, 3] == -2.0 and out[0, 1] == 1.0
+    row = SampleRow(SamplingParams(temperature=0, presence_penalty=0.5, frequency_penalty=0.25),
+                    [0], [1, 1, 2], ())
+    out = base.clone()
+    s._apply_penalties(out, [row])
+    assert torch.allclose(out[0, :3], torch.tensor([2.0, 1.0 - 0.5 - 0.5, 0.5 - 0.5 - 0.25]))
+
+
+def test_chat_uses_template(tiny_llama, make_llm):
+    llm = make_llm(tiny_llama, dtype="float32")
+    out = llm.chat([{"role": "user", "content": "w5 w6"}],
+                   SamplingParams(temperature=0, max_tokens=3, ignore_eos=True))
+    expect = llm.get_tokenizer().apply_chat_template(
+        [{"role": "user", "content": "w5 w6"}], add_generation_prompt=True, tokenize=True)
+    if isinstance(expect, dict) or hasattr(expect, "input_ids"):
+        expect = expect["input_ids"]
+    assert out[0].prompt_token_ids == list(expect)

@@ -84,7 +84,7 @@ def main(argv: list[str] | None = None) -> int:
     g.add_argument("--json", action="store_true")
     g.set_defaults(func=_generate)
 
-    for name, module in (("serve", "kvserve.server.cli"), ("bench", "kvserve.bench.cli"),
+    for _name, module in (("serve", "kvserve.server.cli"), ("bench", "kvserve.bench.cli"),
                          ("quantize", "kvserve.quant.cli")):
         try:
             mod = __import__(module, fromlist=["register"])

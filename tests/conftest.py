@@ -32,7 +32,7 @@ def make_tiny_model(path: str, arch: str = "llama", **overrides) -> str:
     model = model_cls(cfg).to(torch.float32)
     # Sharper logits than the default init so greedy decoding is not knife-edge.
     with torch.no_grad():
-        for name, p in model.named_parameters():
+        for p in model.parameters():
             if p.dim() == 2:
                 p.normal_(0, 0.08)
     model.save_pretrained(path)
@@ -42,7 +42,7 @@ def make_tiny_model(path: str, arch: str = "llama", **overrides) -> str:
 
 def save_tiny_tokenizer(path: str, vocab_size: int) -> None:
     """A word-level tokenizer over a fixed vocabulary (no network, deterministic)."""
-    from tokenizers import Tokenizer, models, pre_tokenizers, decoders
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
     specials = ["<unk>", "<s>", "</s>"]

@@ -25,6 +25,7 @@ class AttentionBackend(Protocol):
 _REGISTRY: dict[str, str] = {
     "torch": "kvserve.attention.torch_backend:TorchAttentionBackend",
     "triton": "kvserve.attention.triton_backend:TritonAttentionBackend",
+    "mla_torch": "kvserve.attention.mla_torch:MlaTorchAttentionBackend",
 }
 
 

@@ -112,7 +112,7 @@ def load_model(path: str, dtype: str | torch.dtype = "auto", device: str = "cpu"
               disable=not progress, leave=False) as bar:
         for file in files:
             with safe_open(file, framework="pt", device="cpu") as f:
-                for name in f.keys():
+                for name in f.keys():  # noqa: SIM118 - safe_open is not a dict
                     if name.endswith(_IGNORED_SUFFIXES):
                         continue
                     if name.endswith((".k_scale", ".v_scale")):
@@ -126,7 +126,7 @@ def load_model(path: str, dtype: str | torch.dtype = "auto", device: str = "cpu"
                         continue
                     param = params[pname]
                     tensor = f.get_tensor(name).to(param.dtype)
-                    loader = getattr(param, "weight_loader")
+                    loader = param.weight_loader
                     if shard is None:
                         loader(param, tensor)
                     else:

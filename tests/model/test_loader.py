@@ -18,9 +18,12 @@ def _copy(src: str, dst: str) -> str:
 
 def test_unknown_architecture_named(tiny_llama, tmp_path):
     path = _copy(tiny_llama, str(tmp_path / "m"))
-    cfg = json.load(open(os.path.join(path, "config.json")))
+    cfg_path = os.path.join(path, "config.json")
+    with open(cfg_path) as f:
+        cfg = json.load(f)
     cfg["architectures"] = ["FancyNetForCausalLM"]
-    json.dump(cfg, open(os.path.join(path, "config.json"), "w"))
+    with open(cfg_path, "w") as f:
+        json.dump(cfg, f)
     with pytest.raises(ValueError, match="FancyNetForCausalLM"):
         load_model(path, progress=False)
 

@@ -1,0 +1,209 @@
+"""Multi-head latent attention (DeepSeek-V2/V3, Kimi K2) over the paged KV cache, CPU/torch.
+
+Cache: one row per token and layer (C = 1 component, num_kv_heads = 1)::
+
+    row [R + dr] = [ c_kv (R = kv_lora_rank, after kv_a_layernorm) | k_pe (dr, after rope) ]
+    data [L, NB+1, 1, bs, 1, R + dr]      scales [L, NB+1, 1, bs, 1]  (FP8: one bf16 per row)
+
+The per-head keys/values are never stored; with W = kv_b_proj.weight viewed [H, dn + dv, R],
+W_UK = W[:, :dn] [H, dn, R] and W_UV = W[:, dn:] [H, dv, R]:
+
+    k_h[s] = [ W_UK[h] c_kv[s] | k_pe[s] ]        v_h[s] = W_UV[h] c_kv[s]
+
+Prefill / extend (q_len > 1): the context's latent rows are expanded once per layer (one GEMM
+c_kv @ W^T -> [L, H, dn + dv]) and attended with SDPA under the causal offset.
+Decode (q_len = 1), weight absorption -- no per-step re-expansion of the latent::
+
+    q_lat[h] = W_UK[h]^T q_nope[h]                    [H, R]
+    score[h, s] = ([q_lat[h] | q_pe[h]] . row[s]) * scale        (an MQA over the rows)
+    o_lat[h] = sum_s p[h, s] c_kv[s]                  [H, R]
+    o[h] = W_UV[h] o_lat[h]                           [H, dv]
+
+FP8 rows are dequantized on read; in decode the per-row scales are folded into the scores and
+the probabilities (as the GQA torch backend does) instead of the R-wide payload.
+
+The backend holds no weights: the layer passes ``kv_b_proj.weight`` with each call
+(``forward_mla``), and per-step planning lives in ``meta.cache`` (no module globals).
+
+KV bytes per token (bytes_per_block / block_size), DeepSeek-V3 (61 layers, R = 512, dr = 64,
+128 heads x (128 + 64) qk / 128 v):
+
+    MLA  BF16  61 * 576 * 2              =    70,272 B  (68.6 KiB)
+    MLA  FP8   61 * (576 + 2 scale)      =    35,258 B  (34.4 KiB)
+    MHA  BF16  61 * 128 * (192 + 128) * 2 = 4,997,120 B  (4.77 MiB, 71x MLA BF16)
+    MHA  FP8   61 * 128 * (192+128 + 2*2) = 2,529,792 B  (2.41 MiB)
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from kvserve.attention.metadata import AttentionMetadata
+from kvserve.cache.kv_cache import PagedKVCache
+from kvserve.quant import fp8
+
+_WORKSPACE_MIN_TOKENS = 8192
+
+
+class MlaTorchAttentionBackend:
+    name = "mla_torch"
+
+    def __init__(
+        self, kv_cache: PagedKVCache, num_heads: int, num_kv_heads: int, head_dim: int,
+        scale: float, max_model_len: int,
+    ) -> None:
+        if kv_cache.components != 1 or num_kv_heads != 1 or kv_cache.num_kv_heads != 1:
+            raise ValueError("mla_torch needs an MLA cache layout (components=1, 1 KV head); "
+                             f"got components={kv_cache.components}, kv heads={num_kv_heads}")
+        self.kv = kv_cache
+        self.num_heads = num_heads
+        self.row_dim = head_dim  # R + dr
+        self.scale = scale
+        bs = kv_cache.block_size
+        # Workspace in tokens: at least one full-length sequence (rounded up to blocks).
+        self.ws_tokens = max(_WORKSPACE_MIN_TOKENS, -(-max_model_len // bs) * bs)
+        dev = kv_cache.data.device
+        n = self.ws_tokens * head_dim
+        self.ws_raw = torch.empty(n, dtype=kv_cache.dtype, device=dev)
+        self.ws_f32 = torch.empty(n, dtype=torch.float32, device=dev)
+        self.ws_i16 = torch.empty(n, dtype=torch.int16, device=dev) if kv_cache.is_fp8 else None
+        self.ws_scales = (torch.empty(self.ws_tokens, dtype=torch.bfloat16, device=dev)
+                          if kv_cache.is_fp8 else None)
+        self.factor = fp8.HALF_BITS_FACTOR.get(kv_cache.dtype, 1.0)
+
+    # ---- per-step planning (shared by all layers) -------------------------------------------
+    def _plan(self, meta: AttentionMetadata) -> dict:
+        plan = meta.cache.get(self.name)
+        if plan is not None:
+            return plan
+        bs = self.kv.block_size
+        decode = sorted((b for b, q in enumerate(meta.query_lens) if q == 1),
+                        key=lambda b: meta.seq_lens[b])  # by length: chunks pad little
+        chunks = []
+        i = 0
+        while i < len(decode):
+            j, mb = i, 0
+            while j < len(decode):
+                nb = -(-meta.seq_lens[decode[j]] // bs)
+                if (j - i + 1) * max(mb, nb) * bs > self.ws_tokens:
+                    break
+                mb = max(mb, nb)
+                j += 1
+            seqs = decode[i:j]
+            ids = torch.full((len(seqs), mb), self.kv.null_block, dtype=torch.int64)
+            for r, b in enumerate(seqs):
+                nb = -(-meta.seq_lens[b] // bs)
+                ids[r, :nb] = torch.tensor(meta.block_tables[b][:nb])
+            lens = torch.tensor([meta.seq_lens[b] for b in seqs])
+            pad = torch.arange(mb * bs).unsqueeze(0) >= lens.unsqueeze(1)  # [n, L] True = pad
+            tok = torch.tensor([meta.query_start_loc[b] for b in seqs])
+            chunks.append((tok, ids.view(-1), mb, pad.unsqueeze(1)))  # pad [n, 1, L]
+            i = j
+        pre = []
+        for b, qlen in enumerate(meta.query_lens):
+            if qlen > 1:
+                nb = -(-meta.seq_lens[b] // bs)
+                ids = torch.tensor(meta.block_tables[b][:nb], dtype=torch.int64)
+                pre.append((meta.query_start_loc[b], qlen, meta.seq_lens[b], ids))
+        plan = {"decode": chunks, "prefill": pre}
+        meta.cache[self.name] = plan
+        return plan
+
+    # ---- forward --------------------------------------------------------------------------
+    def forward(
+        self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        """The GQA entry point of the Protocol; MLA layers call ``forward_mla`` instead."""
+        raise NotImplementedError("mla_torch serves MLA layers only: call forward_mla")
+
+    def forward_mla(
+        self, layer: int, q_nope: torch.Tensor, q_pe: torch.Tensor, latent: torch.Tensor,
+        meta: AttentionMetadata, kv_b_weight: torch.Tensor,
+    ) -> torch.Tensor:
+        """Write ``latent`` [T, R + dr] (this step's rows), attend; returns fp32 [T, H, dv].
+
+        q_nope [T, H, dn], q_pe [T, H, dr] (rope applied); kv_b_weight [H * (dn + dv), R].
+        """
+        t, h, dn = q_nope.shape
+        r = kv_b_weight.shape[1]
+        dv = kv_b_weight.shape[0] // h - dn
+        assert h == self.num_heads and latent.shape == (t, self.row_dim)
+        self.kv.write(layer, meta.write_rows, latent.view(t, 1, self.row_dim))
+        plan = self._plan(meta)
+        w = kv_b_weight.float().view(h, dn + dv, r)
+        out = torch.empty((t, h, dv), dtype=torch.float32, device=q_nope.device)
+        for tok, ids, mb, pad in plan["decode"]:
+            out[tok] = self._decode(layer, q_nope[tok], q_pe[tok], w, ids, mb, pad)
+        for start, qlen, slen, ids in plan["prefill"]:
+            sl = slice(start, start + qlen)
+            out[sl] = self._prefill(layer, q_nope[sl], q_pe[sl], w, ids, slen)
+        return out
+
+    def _gather(self, layer: int, ids: torch.Tensor, n: int, mb: int) -> torch.Tensor:
+        """Rows of blocks ``ids`` ([n*mb]) -> fp32 [n, mb*bs, R+dr] (FP8: unscaled)."""
+        kv, bs, d = self.kv, self.kv.block_size, self.row_dim
+        numel = n * mb * bs * d
+        raw = self.ws_raw[:numel].view(n * mb, bs * d)
+        torch.index_select(kv.data[layer].view(kv.num_blocks + 1, -1), 0, ids, out=raw)
+        src = raw
+        if kv.is_fp8:
+            src = fp8.fp8_to_half_bits(raw, self.ws_i16[:numel].view(raw.shape))
+        dst = self.ws_f32[:numel].view(raw.shape)
+        dst.copy_(src)
+        return dst.view(n, mb * bs, d)
+
+    def _gather_scales(self, layer: int, ids: torch.Tensor, n: int, mb: int) -> torch.Tensor:
+        """FP8 row scales of blocks ``ids`` -> fp32 [n, mb*bs] (times the half-bits factor)."""
+        bs = self.kv.block_size
+        raw = self.ws_scales[: n * mb * bs].view(n * mb, bs)
+        torch.index_select(self.kv.scales[layer].view(self.kv.num_blocks + 1, -1), 0, ids,
+                           out=raw)
+        return raw.view(n, mb * bs).float().mul_(self.factor)
+
+    def _decode(
+        self, layer: int, q_nope: torch.Tensor, q_pe: torch.Tensor, w: torch.Tensor,
+        ids: torch.Tensor, mb: int, pad: torch.Tensor,
+    ) -> torch.Tensor:
+        n, h, dn = q_nope.shape
+        r = w.shape[2]
+        rows = self._gather(layer, ids, n, mb)  # [n, L, R+dr]
+        # Absorb W_UK into the query: [H, n, dn] @ [H, dn, R] -> [H, n, R] -> [n, H, R]
+        q_lat = torch.bmm(q_nope.float().transpose(0, 1), w[:, :dn]).transpose(0, 1)
+        q = torch.cat((q_lat, q_pe.float()), dim=-1)  # [n, H, R+dr]
+        scores = torch.bmm(q, rows.transpose(1, 2))  # [n, H, L]
+        if self.kv.is_fp8:
+            s = self._gather_scales(layer, ids, n, mb).unsqueeze(1)  # [n, 1, L]
+            scores.mul_(s)
+        scores.mul_(self.scale).masked_fill_(pad, float("-inf"))
+        probs = torch.softmax(scores, dim=-1)
+        if self.kv.is_fp8:
+            probs.mul_(s)
+        o_lat = torch.bmm(probs, rows[..., :r])  # [n, H, R]
+        # Up-project with W_UV: [H, n, R] @ [H, R, dv] -> [H, n, dv] -> [n, H, dv]
+        return torch.bmm(o_lat.transpose(0, 1), w[:, dn:].transpose(1, 2)).transpose(0, 1)
+
+    def _prefill(
+        self, layer: int, q_nope: torch.Tensor, q_pe: torch.Tensor, w: torch.Tensor,
+        ids: torch.Tensor, seq_len: int,
+    ) -> torch.Tensor:
+        qlen, h, dn = q_nope.shape
+        r = w.shape[2]
+        rows = self._gather(layer, ids, 1, ids.numel())[0, :seq_len]  # [L, R+dr]
+        if self.kv.is_fp8:
+            rows = rows * self._gather_scales(layer, ids, 1, ids.numel())[0, :seq_len, None]
+        c_kv, k_pe = rows[:, :r], rows[:, r:]
+        kv = F.linear(c_kv, w.view(-1, r)).view(seq_len, h, -1)  # [L, H, dn+dv]
+        k = torch.cat((kv[..., :dn], k_pe.unsqueeze(1).expand(-1, h, -1)), dim=-1)
+        v = kv[..., dn:]
+        q = torch.cat((q_nope.float(), q_pe.float()), dim=-1)  # [qlen, H, dn+dr]
+        q, k, v = (x.transpose(0, 1).unsqueeze(0) for x in (q, k, v))  # [1, H, *, *]
+        if qlen == seq_len:
+            o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.scale)
+        else:
+            start = seq_len - qlen
+            allowed = (torch.arange(seq_len).unsqueeze(0)
+                       <= (torch.arange(qlen) + start).unsqueeze(1))
+            o = F.scaled_dot_product_attention(q, k, v, attn_mask=allowed, scale=self.scale)
+        return o[0].transpose(0, 1)  # [qlen, H, dv]

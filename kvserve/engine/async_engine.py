@@ -1,0 +1,327 @@
+"""``AsyncLLMEngine``: drives the synchronous ``LLMEngine`` from one dedicated thread.
+
+The engine is not thread-safe, so exactly one thread (the *engine thread*) ever touches it after
+``start()``. Everyone else talks to it through a thread-safe command queue (``add`` / ``abort`` /
+``stop``) that the engine thread drains between steps, so an abort frees its blocks before the
+next step runs. Outputs travel back to the caller's asyncio loop with
+``loop.call_soon_threadsafe`` (one call per loop per step) into a per-request ``asyncio.Queue``
+(the *sink*); several requests may share one sink. Model steps run in the engine thread while the
+event loop keeps serving HTTP: torch releases the GIL inside its kernels.
+
+Every item a sink receives is either a ``RequestOutput`` (cumulative, like ``LLMEngine.step``)
+or a ``RequestFailure`` naming the request and why it ended early (its deadline passed, the
+engine thread died, or the engine is shutting down). After a request's finished output or its
+failure nothing more arrives for it.
+
+The engine thread also publishes an ``EngineSnapshot`` (scheduler, block pool and counter
+figures) after every iteration, so metrics never read the live engine from another thread.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import logging
+import queue
+import threading
+import time
+from collections import defaultdict
+from dataclasses import dataclass, field
+from typing import Any
+
+from kvserve.engine.arg_utils import EngineArgs
+from kvserve.engine.llm_engine import LLMEngine, PromptType
+from kvserve.outputs import RequestOutput
+from kvserve.sampling_params import SamplingParams
+
+logger = logging.getLogger("kvserve.async")
+
+_IDLE_WAIT_S = 0.25
+
+
+class DeadlineExceeded(Exception):
+    """The request's deadline passed; the engine aborted it and freed its blocks."""
+
+
+class EngineDeadError(RuntimeError):
+    """The engine thread stopped on an unexpected error; no request can make progress."""
+
+
+class EngineShutdown(RuntimeError):
+    """The engine was stopped while the request was still running."""
+
+
+@dataclass(frozen=True, slots=True)
+class RequestFailure:
+    request_id: str
+    error: Exception
+
+
+@dataclass(frozen=True, slots=True)
+class EngineSnapshot:
+    num_running: int = 0
+    num_waiting: int = 0
+    num_blocks_total: int = 0
+    num_blocks_used: int = 0
+    num_blocks_free: int = 0
+    prefix_cache_hit_rate: float = 0.0
+    num_preemptions: int = 0
+    num_unfinished_requests: int = 0
+    stats: dict[str, int] = field(default_factory=dict)
+    integrity: dict[str, Any] | None = None
+    timestamp: float = 0.0
+
+
+@dataclass(slots=True)
+class _Live:
+    sink: asyncio.Queue
+    loop: asyncio.AbstractEventLoop
+    deadline: float | None
+
+
+@dataclass(slots=True)
+class _Add:
+    request_id: str
+    prompt: PromptType
+    params: SamplingParams
+    priority: int
+    cache_salt: str | None
+    deadline: float | None
+    sink: asyncio.Queue
+    loop: asyncio.AbstractEventLoop
+    ack: asyncio.Future
+
+
+@dataclass(slots=True)
+class _Abort:
+    request_ids: list[str]
+
+
+class _Stop:
+    pass
+
+
+def _resolve(fut: asyncio.Future, error: BaseException | None) -> None:
+    if fut.done():
+        return
+    if error is None:
+        fut.set_result(None)
+    else:
+        fut.set_exception(error)
+
+
+def _deliver(items: list[tuple[asyncio.Queue, object]]) -> None:
+    for sink, item in items:
+        sink.put_nowait(item)
+
+
+class AsyncLLMEngine:
+    """Thread-hosted ``LLMEngine`` with an asyncio front door."""
+
+    def __init__(self, engine: LLMEngine, *, step_delay_s: float = 0.0) -> None:
+        if step_delay_s < 0:
+            raise ValueError(f"step_delay_s must be >= 0, got {step_delay_s}")
+        self._engine = engine
+        self.step_delay_s = step_delay_s
+        # Immutable facts the front end may read from any thread.
+        self.model_config = engine.model_config
+        self.capacity_tokens = engine.capacity_tokens
+        self.engine_args: EngineArgs = engine.args
+        self._commands: queue.SimpleQueue = queue.SimpleQueue()
+        self._live: dict[str, _Live] = {}
+        self._thread: threading.Thread | None = None
+        self._dead: BaseException | None = None
+        self._stopping = False
+        self._snapshot = EngineSnapshot()
+        self._publish_snapshot()
+
+    @classmethod
+    def from_engine_args(cls, args: EngineArgs, **kwargs: Any) -> AsyncLLMEngine:
+        return cls(LLMEngine(args), **kwargs)
+
+    # ---- lifecycle (any thread) -----------------------------------------------------------
+    def start(self) -> AsyncLLMEngine:
+        if self._thread is not None:
+            raise RuntimeError("the engine thread is already started")
+        self._thread = threading.Thread(target=self._run, name="kvserve-engine", daemon=True)
+        self._thread.start()
+        return self
+
+    def shutdown(self, timeout: float = 10.0) -> None:
+        """Stop the engine thread; running requests fail with ``EngineShutdown``."""
+        if self._thread is None or self._stopping:
+            return
+        self._stopping = True
+        self._commands.put(_Stop())
+        self._thread.join(timeout)
+
+    def is_alive(self) -> bool:
+        return self._thread is not None and self._thread.is_alive() and self._dead is None
+
+    @property
+    def dead_error(self) -> BaseException | None:
+        return self._dead
+
+    def snapshot(self) -> EngineSnapshot:
+        return self._snapshot
+
+    # ---- requests (event-loop side) -------------------------------------------------------
+    async def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams, *,
+                          sink: asyncio.Queue, priority: int = 0, cache_salt: str | None = None,
+                          deadline: float | None = None) -> None:
+        """Queue a request; returns once the engine accepted it.
+
+        Raises ``ValueError`` (from ``LLMEngine.add_request``) when the engine rejects it, and
+        ``EngineDeadError`` / ``EngineShutdown`` when no engine thread will serve it. ``deadline``
+        is a ``time.monotonic()`` instant after which the request is aborted.
+        """
+        self._check_serving()
+        loop = asyncio.get_running_loop()
+        ack = loop.create_future()
+        self._commands.put(_Add(request_id, prompt, params, priority, cache_salt, deadline,
+                                sink, loop, ack))
+        await ack
+
+    def abort(self, request_id: str | list[str]) -> None:
+        """Abort from any thread; takes effect before the engine's next step."""
+        ids = [request_id] if isinstance(request_id, str) else list(request_id)
+        if ids:
+            self._commands.put(_Abort(ids))
+
+    def _check_serving(self) -> None:
+        if self._dead is not None:
+            raise EngineDeadError(f"the engine thread died: {self._dead!r}")
+        if self._thread is None:
+            raise RuntimeError("AsyncLLMEngine.start() was not called")
+        if self._stopping:
+            raise EngineShutdown("the engine is shutting down")
+
+    # ---- the engine thread ----------------------------------------------------------------
+    def _run(self) -> None:
+        engine = self._engine
+        try:
+            while True:
+                busy = engine.has_unfinished_requests()
+                if not self._apply_commands(block=not busy):
+                    break
+                self._expire_deadlines()
+                if engine.has_unfinished_requests():
+                    self._dispatch(engine.step())
+                    if self.step_delay_s:
+                        time.sleep(self.step_delay_s)
+                self._publish_snapshot()
+        except BaseException as e:  # noqa: BLE001 - report any failure to every waiter
+            logger.exception("engine thread died")
+            self._dead = e
+            self._fail_all(EngineDeadError(f"the engine thread died: {e!r}"))
+            return
+        self._fail_all(EngineShutdown("the engine is shutting down"))
+        self._publish_snapshot()
+
+    def _apply_commands(self, block: bool) -> bool:
+        """Apply every queued command; wait for one first when idle. False: stop."""
+        try:
+            cmd = self._commands.get(timeout=_IDLE_WAIT_S) if block else \
+                self._commands.get_nowait()
+        except queue.Empty:
+            return True
+        while True:
+            if isinstance(cmd, _Stop):
+                return False
+            if isinstance(cmd, _Add):
+                self._apply_add(cmd)
+            elif isinstance(cmd, _Abort):
+                self._engine.abort_request(cmd.request_ids)
+                for rid in cmd.request_ids:
+                    self._live.pop(rid, None)
+            try:
+                cmd = self._commands.get_nowait()
+            except queue.Empty:
+                return True
+
+    def _apply_add(self, cmd: _Add) -> None:
+        error: BaseException | None = None
+        if cmd.request_id in self._live:
+            error = ValueError(f"request_id {cmd.request_id!r} is already in use")
+        else:
+            try:
+                self._engine.add_request(cmd.request_id, cmd.prompt, cmd.params,
+                                         priority=cmd.priority, cache_salt=cmd.cache_salt)
+            except ValueError as e:
+                error = e
+        if error is None:
+            self._live[cmd.request_id] = _Live(cmd.sink, cmd.loop, cmd.deadline)
+        self._call(cmd.loop, _resolve, cmd.ack, error)
+
+    def _expire_deadlines(self) -> None:
+        now = time.monotonic()
+        expired = [rid for rid, live in self._live.items()
+                   if live.deadline is not None and now >= live.deadline]
+        if not expired:
+            return
+        self._engine.abort_request(expired)
+        batches: dict[asyncio.AbstractEventLoop, list] = defaultdict(list)
+        for rid in expired:
+            live = self._live.pop(rid)
+            batches[live.loop].append((live.sink, RequestFailure(
+                rid, DeadlineExceeded(f"request {rid} passed its deadline"))))
+        for loop, items in batches.items():
+            self._call(loop, _deliver, items)
+
+    def _dispatch(self, outputs: list[RequestOutput]) -> None:
+        batches: dict[asyncio.AbstractEventLoop, list] = defaultdict(list)
+        for out in outputs:
+            live = self._live.get(out.request_id)
+            if live is None:
+                continue  # aborted meanwhile
+            if out.metrics is not None:  # the live object keeps changing in this thread
+                out.metrics = dataclasses.replace(out.metrics)
+            batches[live.loop].append((live.sink, out))
+            if out.finished:
+                del self._live[out.request_id]
+        for loop, items in batches.items():
+            self._call(loop, _deliver, items)
+
+    def _fail_all(self, error: Exception) -> None:
+        live, self._live = self._live, {}
+        batches: dict[asyncio.AbstractEventLoop, list] = defaultdict(list)
+        for rid, entry in live.items():
+            batches[entry.loop].append((entry.sink, RequestFailure(rid, error)))
+        for loop, items in batches.items():
+            self._call(loop, _deliver, items)
+        # Adds still queued will never be applied: fail their acknowledgements.
+        while True:
+            try:
+                cmd = self._commands.get_nowait()
+            except queue.Empty:
+                break
+            if isinstance(cmd, _Add):
+                self._call(cmd.loop, _resolve, cmd.ack, error)
+        try:
+            self._engine.abort_request(list(live))  # free what is left
+        except Exception:  # noqa: BLE001 - the engine may be broken; nothing more to free
+            logger.debug("abort on shutdown failed", exc_info=True)
+
+    @staticmethod
+    def _call(loop: asyncio.AbstractEventLoop, fn, *args) -> None:
+        with contextlib.suppress(RuntimeError):  # the caller's loop closed: nobody listens
+            loop.call_soon_threadsafe(fn, *args)
+
+    def _publish_snapshot(self) -> None:
+        e = self._engine
+        pool = e.pool
+        total = pool.num_blocks
+        self._snapshot = EngineSnapshot(
+            num_running=len(e.scheduler.running),
+            num_waiting=len(e.scheduler.waiting),
+            num_blocks_total=total,
+            num_blocks_used=pool.num_used_blocks,
+            num_blocks_free=pool.num_free_blocks,
+            prefix_cache_hit_rate=float(e.kv.hit_rate),
+            num_preemptions=e.scheduler.num_preemptions,
+            num_unfinished_requests=e.get_num_unfinished_requests(),
+            stats=dict(e.stats),
+            integrity=e.integrity.stats() if e.integrity is not None else None,
+            timestamp=time.monotonic(),
+        )

@@ -31,7 +31,10 @@ KV bytes per token (bytes_per_block / block_size), DeepSeek-V3 (61 layers, R = 5
     MLA  BF16  61 * 576 * 2              =    70,272 B  (68.6 KiB)
     MLA  FP8   61 * (576 + 2 scale)      =    35,258 B  (34.4 KiB)
     MHA  BF16  61 * 128 * (192 + 128) * 2 = 4,997,120 B  (4.77 MiB, 71x MLA BF16)
-    MHA  FP8   61 * 128 * (192+128 + 2*2) = 2,529,792 B  (2.41 MiB)
+    MHA  FP8   61 * 128 * (192+128 + 2*2) = 2,529,792 B  (2.41 MiB, 72x MLA FP8)
+
+(MHA = K [128 x 192] + V [128 x 128] per layer, FP8 with one bf16 scale per head row. In
+kvserve's GQA layout [C=2, H, D] V would be padded to D = 192: 5,996,544 B BF16.)
 """
 
 from __future__ import annotations

@@ -206,11 +206,13 @@ class AsyncLLMEngine:
                 if not self._apply_commands(block=not busy):
                     break
                 self._expire_deadlines()
-                if engine.has_unfinished_requests():
-                    self._dispatch(engine.step())
+                outputs = engine.step() if engine.has_unfinished_requests() else None
+                # Publish first: whoever sees an output also sees the state after its step.
+                self._publish_snapshot()
+                if outputs is not None:
+                    self._dispatch(outputs)
                     if self.step_delay_s:
                         time.sleep(self.step_delay_s)
-                self._publish_snapshot()
         except BaseException as e:  # noqa: BLE001 - report any failure to every waiter
             logger.exception("engine thread died")
             self._dead = e

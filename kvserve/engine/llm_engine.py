@@ -35,6 +35,9 @@ from kvserve.sampling_params import SamplingParams
 logger = logging.getLogger("kvserve")
 
 PromptType = str | list[int] | dict
+# Without kv_cache_memory: kv_cache_memory_fraction of available RAM, capped here (like
+# vLLM-CPU's 4 GiB default KV space) so a small model does not zero-fill half the machine.
+DEFAULT_MAX_KV_BYTES = 4 * 2**30
 
 
 @dataclass(slots=True)
@@ -119,7 +122,8 @@ class LLMEngine:
         if cfg.kv_cache_memory is not None:
             budget = cfg.kv_cache_memory
         else:
-            budget = int(_available_memory() * cfg.kv_cache_memory_fraction)
+            budget = min(int(_available_memory() * cfg.kv_cache_memory_fraction),
+                         DEFAULT_MAX_KV_BYTES)
         n = budget // per_block
         if n < 2:
             raise ValueError(f"kv_cache_memory {budget} B holds fewer than 2 blocks "

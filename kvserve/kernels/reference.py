@@ -54,6 +54,7 @@ __all__ = [
     "mla_decode",
     "quantize_int4",
     "unpack_int4",
+    "unpack_zero_points",
     "dequantize_int4",
     "int4_matmul",
 ]
@@ -403,7 +404,7 @@ def unpack_int4(packed: torch.Tensor, k: int) -> torch.Tensor:
     return _unpack_nibbles(packed, k)
 
 
-def _zero_points(zeros: torch.Tensor, n: int) -> torch.Tensor:
+def unpack_zero_points(zeros: torch.Tensor, n: int) -> torch.Tensor:
     """Zero points as float32 [N, G] from the unpacked or dim-0-packed form."""
     if zeros.dtype == torch.int32 and zeros.shape[0] != n and zeros.shape[0] == (n + 7) // 8:
         return _unpack_nibbles(zeros.T.contiguous(), n).T.float()  # [G, N] -> [N, G]
@@ -421,7 +422,11 @@ def dequantize_int4(
     k = packed.shape[1] * 8 if k is None else k
     n = packed.shape[0]
     u = unpack_int4(packed, k).float()  # [N, K]
-    zp = 8.0 if zeros is None else _zero_points(zeros, n).repeat_interleave(group_size, 1)[:, :k]
+    zp = (
+        8.0
+        if zeros is None
+        else unpack_zero_points(zeros, n).repeat_interleave(group_size, 1)[:, :k]
+    )
     s = scales.float().repeat_interleave(group_size, dim=1)[:, :k]  # [N, K]
     return (u - zp) * s
 

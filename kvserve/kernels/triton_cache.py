@@ -158,9 +158,12 @@ def _write_kv_kernel(
                 sbits = sbits.to(tl.int32) & 0xFFFF
             else:
                 amax = tl.maximum(tl.max(tl.abs(x), axis=1), 1e-12)  # [BLOCK_H]
-                sbits = _fp32_to_bf16_bits(tl.math.div_rn(amax, FP8_MAX))
+                # div_rn: IEEE division like torch ('/' is approximate on NVIDIA); it does
+                # not broadcast, hence the explicit full/broadcast_to
+                fmax = tl.full([BLOCK_H], FP8_MAX, dtype=tl.float32)
+                sbits = _fp32_to_bf16_bits(tl.math.div_rn(amax, fmax))
             scale = _bf16_bits_to_fp32(sbits)  # [BLOCK_H], exactly the stored bf16 value
-            y = tl.math.div_rn(x, scale[:, None])
+            y = tl.math.div_rn(x, tl.broadcast_to(scale[:, None], [BLOCK_H, BLOCK_D]))
             y = tl.minimum(tl.maximum(y, -FP8_MAX), FP8_MAX)
             byte = _fp32_to_fp8_bits(y, MANT, BIAS, SUB_SCALE, MIN_NORMAL)  # int32 [0, 255]
             tl.store(dst, byte.to(tl.uint8), mask=mask)
@@ -312,12 +315,21 @@ def write_kv(
 
 
 @triton.jit
-def _round_kernel(X, OUT, n, TO_FP8: tl.constexpr, MANT: tl.constexpr, BIAS: tl.constexpr,
-                  SUB_SCALE: tl.constexpr, MIN_NORMAL: tl.constexpr, BLOCK: tl.constexpr):
+def _round_kernel(
+    X,
+    OUT,
+    n,
+    TO_FP8: tl.constexpr,
+    MANT: tl.constexpr,
+    BIAS: tl.constexpr,
+    SUB_SCALE: tl.constexpr,
+    MIN_NORMAL: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     m = offs < n
     x = tl.load(X + offs, mask=m, other=0.0)
-    if TO_FP8:
+    if TO_FP8:  # noqa: SIM108 (a constexpr branch)
         r = _fp32_to_fp8_bits(x, MANT, BIAS, SUB_SCALE, MIN_NORMAL)
     else:
         r = _fp32_to_bf16_bits(x)
@@ -331,8 +343,14 @@ def fp32_to_fp8_bits(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     mant, bias = _FP8_FORMAT[dtype]
     block = 1024
     _round_kernel[(triton.cdiv(x.numel(), block),)](
-        x, out, x.numel(), TO_FP8=True, MANT=mant, BIAS=bias,
-        SUB_SCALE=float(2.0 ** (bias - 1 + mant)), MIN_NORMAL=float(2.0 ** (1 - bias)),
+        x,
+        out,
+        x.numel(),
+        TO_FP8=True,
+        MANT=mant,
+        BIAS=bias,
+        SUB_SCALE=float(2.0 ** (bias - 1 + mant)),
+        MIN_NORMAL=float(2.0 ** (1 - bias)),
         BLOCK=block,
     )
     return out
@@ -344,7 +362,14 @@ def fp32_to_bf16_bits(x: torch.Tensor) -> torch.Tensor:
     out = torch.empty(x.shape, dtype=torch.int32, device=x.device)
     block = 1024
     _round_kernel[(triton.cdiv(x.numel(), block),)](
-        x, out, x.numel(), TO_FP8=False, MANT=0, BIAS=0, SUB_SCALE=1.0, MIN_NORMAL=1.0,
+        x,
+        out,
+        x.numel(),
+        TO_FP8=False,
+        MANT=0,
+        BIAS=0,
+        SUB_SCALE=1.0,
+        MIN_NORMAL=1.0,
         BLOCK=block,
     )
     return out

@@ -9,6 +9,9 @@ _MODELS: dict[str, str] = {
     "MistralForCausalLM": "kvserve.model.llama:MistralForCausalLM",
     "Qwen2ForCausalLM": "kvserve.model.llama:Qwen2ForCausalLM",
     "Qwen3ForCausalLM": "kvserve.model.llama:Qwen3ForCausalLM",
+    "Qwen3MoeForCausalLM": "kvserve.model.qwen3_moe:Qwen3MoeForCausalLM",
+    "Glm4MoeForCausalLM": "kvserve.model.glm4_moe:Glm4MoeForCausalLM",
+    "DeepseekV3ForCausalLM": "kvserve.model.deepseek_v3:DeepseekV3ForCausalLM",
 }
 
 

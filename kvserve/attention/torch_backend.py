@@ -53,6 +53,13 @@ class TorchAttentionBackend:
             if kv_cache.is_fp8 else None
         )
         self.factor = fp8.HALF_BITS_FACTOR.get(kv_cache.dtype, 1.0)
+        # Decode through the C kernel when it builds (kvserve/csrc); this class's pure-torch
+        # decode path is its twin and the fallback.
+        from kvserve.attention import cpu_kernel
+
+        self.use_kernel = (
+            not kv_cache.data.is_cuda and self.group <= 64 and cpu_kernel.load() is not None
+        )
 
     # ---- per-step planning (shared by all layers) -------------------------------------------
     def _plan(self, meta: AttentionMetadata) -> dict:
@@ -62,6 +69,16 @@ class TorchAttentionBackend:
         bs = self.kv.block_size
         decode = [b for b, q in enumerate(meta.query_lens) if q == 1]
         prefill = [b for b, q in enumerate(meta.query_lens) if q > 1]
+        kernel = None
+        if self.use_kernel and decode:
+            mb = max(-(-meta.seq_lens[b] // bs) for b in decode)
+            tables = torch.full((len(decode), mb), self.kv.null_block, dtype=torch.int64)
+            for r, b in enumerate(decode):
+                row = meta.block_tables[b][: -(-meta.seq_lens[b] // bs)]
+                tables[r, : len(row)] = torch.tensor(row, dtype=torch.int64)
+            kernel = (torch.tensor([meta.query_start_loc[b] for b in decode]), tables,
+                      torch.tensor([meta.seq_lens[b] for b in decode], dtype=torch.int64))
+            decode = []
         chunks = []
         i = 0
         # Sort decodes by length so chunks pad little.
@@ -89,7 +106,7 @@ class TorchAttentionBackend:
             nb = -(-meta.seq_lens[b] // bs)
             ids = torch.tensor(meta.block_tables[b][:nb], dtype=torch.int64)
             pre.append((meta.query_start_loc[b], meta.query_lens[b], meta.seq_lens[b], ids))
-        plan = {"decode": chunks, "prefill": pre}
+        plan = {"decode": chunks, "prefill": pre, "kernel": kernel}
         meta.cache["torch"] = plan
         return plan
 
@@ -101,6 +118,15 @@ class TorchAttentionBackend:
         self.kv.write(layer, meta.write_rows, k, v)
         plan = self._plan(meta)
         out = torch.empty(q.shape, dtype=torch.float32, device=q.device)
+        if plan["kernel"] is not None:
+            from kvserve.attention import cpu_kernel
+
+            tok, tables, lens = plan["kernel"]
+            res = torch.empty((tok.numel(), *q.shape[1:]), dtype=torch.float32)
+            scales = self.kv.scales[layer] if self.kv.is_fp8 else None
+            cpu_kernel.paged_decode(self.kv.data[layer], scales, q[tok].float().contiguous(),
+                                    tables, lens, self.scale, res)
+            out[tok] = res
         for tok, ids, mb, mask in plan["decode"]:
             out[tok] = self._decode(layer, q[tok], ids, mb, mask)
         for start, qlen, slen, ids in plan["prefill"]:

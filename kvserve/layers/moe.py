@@ -1,0 +1,286 @@
+"""Mixture-of-experts MLP: router + stacked experts + optional shared experts.
+
+Routing (``TopKRouter``), as transformers computes it (fp32 scores):
+
+* ``softmax`` (Qwen3-MoE): p = softmax(x W_g^T); ids = topk(p, k); w = p[ids]
+  (renormalized to sum 1 when ``norm_topk_prob``).
+* ``sigmoid`` (DeepSeek-V3 / Kimi K2 / GLM-4.5): s = sigmoid(x W_g^T) in fp32;
+  choice = s + e_score_correction_bias (the bias steers *selection* only);
+  grouped top-k: experts form ``n_group`` equal groups, a group scores the sum of its top-2
+  ``choice`` values, only the best ``topk_group`` groups stay eligible; ids = topk(choice, k)
+  over eligible experts; w = s[ids] (bias-free), / (sum + 1e-20) when ``norm_topk_prob``,
+  then * ``routed_scaling_factor``.
+
+Experts (``FusedMoE``) are stacked so each parameter is one tensor::
+
+    w13 [E, 2*I, hidden]   rows [0, I) = gate_proj of expert e, rows [I, 2I) = up_proj
+    w2  [E, hidden, I]     down_proj
+    expert(x) = w2[e] @ (silu(w13[e, :I] @ x) * (w13[e, I:] @ x))
+
+Checkpoints store them either per expert (``mlp.experts.{e}.{gate,up,down}_proj.weight``, what
+transformers 5.x ``save_pretrained`` writes and what released checkpoints ship) or fused
+(``mlp.experts.gate_up_proj`` [E, 2I, hidden] / ``mlp.experts.down_proj`` [E, hidden, I], the
+in-memory layout of transformers 5.x). Both load through the parameters' weight loaders; see
+``load_expert_tensor`` (called from a model's ``load_extra`` hook).
+
+Evaluation on CPU: the T*k (token, slot) pairs are sorted by expert once; each active expert
+runs one GEMM pair over its contiguous token group; results are scaled by the routing weights
+and ``index_add_``-ed back. No Python loop over tokens.
+
+INT4 hook: ``FusedMoE.use_expert_modules(w13_modules, w2_modules)`` swaps the dense stacked
+weights for per-expert modules (``nn.ModuleList`` of E modules each mapping [..., in] ->
+[..., out], e.g. ``kvserve.layers.int4_linear.int4_experts_from_dense(moe.w13)`` and likewise
+for ``w2``); the dense tensors are released and dispatch calls ``modules[e](x_group)`` instead
+of ``F.linear(x_group, w[e])``. Everything else (routing, sorting, index_add) is unchanged.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from kvserve.layers.linear import default_weight_loader
+
+logger = logging.getLogger(__name__)
+
+
+class TopKRouter(nn.Module):
+    """Gate linear [E, hidden] + top-k selection; ``forward(x [T, hidden])`` returns
+    (weights [T, k] fp32, ids [T, k] int64)."""
+
+    def __init__(
+        self,
+        hidden: int,
+        num_experts: int,
+        top_k: int,
+        scoring: str = "softmax",
+        norm_topk_prob: bool = True,
+        routed_scaling_factor: float = 1.0,
+        n_group: int | None = None,
+        topk_group: int | None = None,
+        correction_bias: bool = False,
+        fp32_weight: bool = False,
+    ) -> None:
+        super().__init__()
+        if scoring not in ("softmax", "sigmoid"):
+            raise ValueError(f"unsupported MoE scoring function {scoring!r}")
+        n_group = n_group or 1
+        topk_group = topk_group or n_group
+        if num_experts % n_group or not 1 <= topk_group <= n_group:
+            raise ValueError(f"bad expert grouping: {num_experts} experts, n_group {n_group}, "
+                             f"topk_group {topk_group}")
+        if top_k > num_experts // n_group * topk_group:
+            raise ValueError(f"top_k {top_k} exceeds the experts in {topk_group} group(s)")
+        self.num_experts, self.top_k, self.scoring = num_experts, top_k, scoring
+        self.norm_topk_prob = norm_topk_prob
+        self.routed_scaling_factor = routed_scaling_factor
+        self.n_group, self.topk_group = n_group, topk_group
+        # HF keeps sigmoid routers (gate.weight, e_score_correction_bias) in fp32 whatever the
+        # model dtype (``_keep_in_fp32_modules_strict``); softmax routers use the model dtype.
+        wdtype = torch.float32 if fp32_weight else None
+        self.weight = nn.Parameter(torch.empty(num_experts, hidden, dtype=wdtype),
+                                   requires_grad=False)
+        self.weight.weight_loader = default_weight_loader  # type: ignore[attr-defined]
+        self.e_score_correction_bias = None
+        if correction_bias:
+            self.e_score_correction_bias = nn.Parameter(
+                torch.empty(num_experts, dtype=torch.float32), requires_grad=False)
+            self.e_score_correction_bias.weight_loader = (  # type: ignore[attr-defined]
+                default_weight_loader)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.scoring == "softmax":
+            logits = F.linear(x, self.weight)  # [T, E] model dtype, as HF
+            probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
+            weights, ids = torch.topk(probs, self.top_k, dim=-1)
+            if self.norm_topk_prob:
+                weights = weights / weights.sum(dim=-1, keepdim=True)
+            return weights.to(logits.dtype).float(), ids
+        logits = F.linear(x.float(), self.weight.float())  # [T, E] fp32
+        scores = logits.sigmoid()
+        choice = scores if self.e_score_correction_bias is None else (
+            scores + self.e_score_correction_bias)
+        ids = grouped_topk(choice, self.top_k, self.n_group, self.topk_group)
+        weights = scores.gather(1, ids)  # bias-free scores of the chosen experts
+        if self.norm_topk_prob:
+            weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+        return weights * self.routed_scaling_factor, ids
+
+
+def grouped_topk(choice: torch.Tensor, top_k: int, n_group: int, topk_group: int
+                 ) -> torch.Tensor:
+    """choice [T, E] -> ids [T, top_k] of the best experts inside the best ``topk_group`` of
+    ``n_group`` equal groups (a group scores the sum of its top-2 members)."""
+    t, e = choice.shape
+    if n_group > 1 and topk_group < n_group:
+        grouped = choice.view(t, n_group, e // n_group)  # [T, G, E/G]
+        group_scores = grouped.topk(min(2, e // n_group), dim=-1)[0].sum(dim=-1)  # [T, G]
+        keep = torch.topk(group_scores, topk_group, dim=-1, sorted=False)[1]  # [T, topk_group]
+        group_mask = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, keep, True)
+        choice = choice.masked_fill(~group_mask.unsqueeze(-1).expand_as(grouped).reshape(t, e),
+                                    float("-inf"))
+    return torch.topk(choice, top_k, dim=-1, sorted=False)[1]
+
+
+class FusedMoE(nn.Module):
+    """Stacked experts ``w13 [E, 2I, hidden]``, ``w2 [E, hidden, I]`` (SiLU-gated MLPs)."""
+
+    def __init__(self, num_experts: int, hidden: int, intermediate: int) -> None:
+        super().__init__()
+        self.num_experts, self.hidden, self.intermediate = num_experts, hidden, intermediate
+        self.w13 = nn.Parameter(torch.empty(num_experts, 2 * intermediate, hidden),
+                                requires_grad=False)
+        self.w2 = nn.Parameter(torch.empty(num_experts, hidden, intermediate),
+                               requires_grad=False)
+        self.w13.weight_loader = self._load  # type: ignore[attr-defined]
+        self.w2.weight_loader = self._load  # type: ignore[attr-defined]
+        # (expert, kind) shards copied in so far per parameter, for the completeness check.
+        self.loaded_shards: dict[str, set[tuple[int, str]]] = {"w13": set(), "w2": set()}
+        # Optional per-expert modules replacing the dense weights (INT4 hook, module docstring).
+        self.w13_modules: nn.ModuleList | None = None
+        self.w2_modules: nn.ModuleList | None = None
+
+    # ---- loading ----------------------------------------------------------------------------
+    def _load(self, param: torch.Tensor, loaded: torch.Tensor, shard_id) -> None:
+        """shard_id: (expert, "gate" | "up" | "down") for a per-expert [out, in] tensor, or
+        (None, "gate_up" | "down") for a fused [E, out, in] tensor."""
+        expert, kind = shard_id
+        i = self.intermediate
+        if expert is not None and not 0 <= expert < self.num_experts:
+            raise ValueError(f"expert {expert} out of range (num_experts {self.num_experts})")
+        if expert is None:
+            dst = param.data
+        elif kind == "gate":
+            dst = param.data[expert, :i]
+        elif kind == "up":
+            dst = param.data[expert, i:]
+        else:
+            dst = param.data[expert]
+        if dst.shape != loaded.shape:
+            raise ValueError(f"expert tensor {shard_id}: expected {tuple(dst.shape)}, got "
+                             f"{tuple(loaded.shape)}")
+        dst.copy_(loaded)
+        seen = self.loaded_shards["w2" if kind == "down" else "w13"]
+        if expert is None:
+            kinds = ("gate", "up") if kind == "gate_up" else ("down",)
+            seen.update((e, k) for e in range(self.num_experts) for k in kinds)
+        else:
+            seen.add((expert, kind))
+
+    def fully_loaded(self, which: str) -> bool:
+        """Every expert's shards of ``which`` ("w13" or "w2") have been loaded."""
+        return len(self.loaded_shards[which]) == self.num_experts * (1 if which == "w2" else 2)
+
+    def use_expert_modules(self, w13_modules: nn.ModuleList, w2_modules: nn.ModuleList) -> None:
+        """INT4 hook: compute expert e as ``w2_modules[e](act(w13_modules[e](x)))``; the dense
+        stacked weights are released (each module maps [..., in] -> [..., out])."""
+        if len(w13_modules) != self.num_experts or len(w2_modules) != self.num_experts:
+            raise ValueError(f"need {self.num_experts} modules for w13 and for w2")
+        self.w13_modules, self.w2_modules = w13_modules, w2_modules
+        dev = self.w13.device
+        self.w13 = nn.Parameter(torch.empty(0, device=dev), requires_grad=False)
+        self.w2 = nn.Parameter(torch.empty(0, device=dev), requires_grad=False)
+
+    # ---- compute ----------------------------------------------------------------------------
+    def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """x [T, hidden], weights [T, k] fp32, ids [T, k] -> [T, hidden] in x's dtype."""
+        t, k = ids.shape
+        out = torch.zeros_like(x)
+        if t == 0:
+            return out
+        flat = ids.reshape(-1)  # [T*k] expert of each (token, slot) pair
+        order = torch.argsort(flat, stable=True)  # pairs grouped by expert
+        token = order // k  # [T*k] token of each sorted pair
+        counts = torch.bincount(flat, minlength=self.num_experts).tolist()
+        xs = x.index_select(0, token)  # [T*k, hidden], grouped by expert
+        ys = torch.empty_like(xs)
+        i = self.intermediate
+        start = 0
+        for e, n in enumerate(counts):
+            if n == 0:
+                continue
+            xe = xs[start : start + n]
+            if self.w13_modules is not None:
+                h = self.w13_modules[e](xe)
+            else:
+                h = F.linear(xe, self.w13[e])  # [n, 2I]
+            h = F.silu(h[:, :i]) * h[:, i:]
+            ys[start : start + n] = (self.w2_modules[e](h) if self.w2_modules is not None
+                                     else F.linear(h, self.w2[e]))
+            start += n
+        w = weights.reshape(-1)[order].unsqueeze(1)  # [T*k, 1] fp32 routing weight per pair
+        out.index_add_(0, token, (ys.float() * w).to(x.dtype))
+        return out
+
+
+class SparseMoeBlock(nn.Module):
+    """``gate`` (router) + ``experts`` + optional ``shared_experts`` (a dense MLP on every
+    token, added to the routed output). Module names follow HF checkpoints."""
+
+    def __init__(self, router: TopKRouter, experts: FusedMoE,
+                 shared_experts: nn.Module | None = None) -> None:
+        super().__init__()
+        self.gate = router
+        self.experts = experts
+        self.shared_experts = shared_experts
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weights, ids = self.gate(x)
+        out = self.experts(x, weights, ids)
+        if self.shared_experts is not None:
+            out = out + self.shared_experts(x)
+        return out
+
+
+def check_activation(config) -> None:
+    act = getattr(config, "hidden_act", "silu")
+    if act not in ("silu", "swish"):
+        raise ValueError(f"unsupported hidden_act {act!r} for MoE experts (silu only)")
+
+
+# ---- checkpoint plumbing shared by the MoE models -------------------------------------------
+_PER_EXPERT = re.compile(r"^(?P<prefix>.+)\.experts\.(?P<e>\d+)\.(?P<kind>gate|up|down)_proj"
+                         r"\.weight$")
+_FUSED = re.compile(r"^(?P<prefix>.+)\.experts\.(?P<kind>gate_up_proj|down_proj)(\.weight)?$")
+_LAYER = re.compile(r"^model\.layers\.(\d+)\.")
+
+
+def load_expert_tensor(model: nn.Module, name: str, handle, loaded: set) -> bool:
+    """``load_extra`` body for MoE models: route expert tensors to ``experts.w13`` / ``w2``.
+
+    Also swallows tensors of layers past ``num_hidden_layers`` (the multi-token-prediction
+    layers DeepSeek-V3 / Kimi K2 / GLM-4.5 checkpoints ship; we do not run them).
+
+    Completeness: the stacked parameter (e.g. ``...experts.w13``) is added to the loader's
+    ``loaded`` set only once every expert's shards are in, so a checkpoint that misses one
+    expert fails the loader's missing-tensor check naming the stacked parameter.
+    """
+    m = _LAYER.match(name)
+    if m and int(m.group(1)) >= model.config.num_hidden_layers:
+        logger.debug("skipping %s (layer beyond num_hidden_layers: MTP)", name)
+        return True
+    if (m := _PER_EXPERT.match(name)) is not None:
+        e, kind = int(m["e"]), m["kind"]
+        pname = f"{m['prefix']}.experts.{'w2' if kind == 'down' else 'w13'}"
+        shard: tuple[int | None, str] = (e, kind)
+    elif (m := _FUSED.match(name)) is not None:
+        kind = "gate_up" if m["kind"] == "gate_up_proj" else "down"
+        pname = f"{m['prefix']}.experts.{'w2' if kind == 'down' else 'w13'}"
+        shard = (None, kind)
+    else:
+        return False
+    try:
+        param = model.get_parameter(pname)
+        experts = model.get_submodule(pname.rsplit(".", 1)[0])
+    except AttributeError:
+        return False
+    assert isinstance(experts, FusedMoE)
+    tensor = handle.get_tensor(name).to(param.dtype)
+    param.weight_loader(param, tensor, shard)
+    if experts.fully_loaded(pname.rsplit(".", 1)[1]):
+        loaded.add((pname, None))
+    return True

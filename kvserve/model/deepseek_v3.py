@@ -1,0 +1,200 @@
+"""DeepSeek-V3 / R1 and Kimi K2 (``DeepseekV3ForCausalLM``): multi-head latent attention
+(MLA) + sigmoid-routed MoE with shared experts after ``first_k_dense_replace`` dense layers.
+
+Attention per token (H heads, dn = qk_nope_head_dim, dr = qk_rope_head_dim, R = kv_lora_rank):
+
+    q = q_b_proj(q_a_layernorm(q_a_proj(x)))   or q_proj(x) when q_lora_rank is None
+        -> [H, dn + dr] = [q_nope | q_pe]
+    [c_kv | k_pe] = kv_a_proj_with_mqa(x)      c_kv <- kv_a_layernorm(c_kv)   [R], [dr]
+    q_pe, k_pe <- rope (decoupled: only these dr dims; interleaved pairs when
+                  ``rope_interleave``, yarn scaling incl. its cos/sin attention factor)
+    cache row = [c_kv | k_pe]  (``kvserve.attention.mla_torch``: expansion through kv_b_proj in
+                prefill, weight absorption in decode)
+    softmax scale = (dn + dr)^-0.5 * mscale^2,  mscale = 0.1 * mscale_all_dim * ln(factor) + 1
+                    for yarn with ``mscale_all_dim`` set (1 otherwise), as transformers does.
+
+KV bytes per token vs MHA: see ``kvserve/attention/mla_torch.py`` (DeepSeek-V3: 70,272 B BF16,
+35,258 B FP8, vs 4,997,120 B for the same model as plain BF16 MHA).
+
+Kimi K2 checkpoints declare this architecture with ``model_type: kimi_k2``, which transformers
+does not know; importing this module registers ``kimi_k2`` with ``AutoConfig`` as a
+``DeepseekV3Config`` subclass so the loader's ``AutoConfig.from_pretrained`` resolves it
+locally (no ``trust_remote_code``). Block-FP8 checkpoints (``quantization_config`` fp8,
+``weight_scale_inv`` tensors) must be dequantized to BF16 first.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+
+import torch
+from torch import nn
+
+from kvserve.layers.linear import Linear, default_weight_loader
+from kvserve.layers.moe import check_activation, load_expert_tensor
+from kvserve.layers.norm import RMSNorm
+from kvserve.layers.rotary import RotaryEmbedding, _rope_parameters
+from kvserve.model.forward_batch import ForwardBatch
+from kvserve.model.glm4_moe import deepseek_style_moe
+from kvserve.model.llama import LlamaMLP
+
+
+def _register_kimi_k2() -> None:
+    from transformers import AutoConfig, DeepseekV3Config
+
+    class KimiK2Config(DeepseekV3Config):
+        model_type = "kimi_k2"
+
+    with contextlib.suppress(ValueError):  # already registered (by a newer transformers)
+        AutoConfig.register("kimi_k2", KimiK2Config)
+
+
+_register_kimi_k2()
+
+
+def yarn_get_mscale(scale: float = 1.0, mscale: float = 1.0) -> float:
+    return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
+
+
+def mla_softmax_scale(config) -> float:
+    scale = (config.qk_nope_head_dim + config.qk_rope_head_dim) ** -0.5
+    params = _rope_parameters(config)
+    if params.get("rope_type", "default") != "default" and params.get("mscale_all_dim"):
+        m = yarn_get_mscale(params["factor"], params["mscale_all_dim"])
+        scale *= m * m
+    return scale
+
+
+def mla_kv_spec(config) -> dict:
+    """KV cache / backend spec of an MLA model: one latent row [R + dr] per token and layer."""
+    return {
+        "num_layers": config.num_hidden_layers,
+        "num_heads": config.num_attention_heads,
+        "num_kv_heads": 1,
+        "head_dim": config.kv_lora_rank + config.qk_rope_head_dim,
+        "components": 1,
+        "scale": mla_softmax_scale(config),
+        "max_position_embeddings": config.max_position_embeddings,
+        "sliding_window": None,
+        "backend": "mla_torch",
+    }
+
+
+class DeepseekV3Attention(nn.Module):
+    def __init__(self, config, layer_idx: int, rotary: RotaryEmbedding) -> None:
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.num_heads = h = config.num_attention_heads
+        self.nope_dim, self.rope_dim = config.qk_nope_head_dim, config.qk_rope_head_dim
+        self.v_dim, self.kv_lora_rank = config.v_head_dim, config.kv_lora_rank
+        qk = self.nope_dim + self.rope_dim
+        bias = bool(getattr(config, "attention_bias", False))
+        hidden = config.hidden_size
+        self.q_lora_rank = config.q_lora_rank
+        if self.q_lora_rank is None:
+            self.q_proj = Linear(hidden, h * qk)
+        else:
+            self.q_a_proj = Linear(hidden, self.q_lora_rank, bias=bias)
+            self.q_a_layernorm = RMSNorm(self.q_lora_rank, config.rms_norm_eps)
+            self.q_b_proj = Linear(self.q_lora_rank, h * qk)
+        self.kv_a_proj_with_mqa = Linear(hidden, self.kv_lora_rank + self.rope_dim, bias=bias)
+        self.kv_a_layernorm = RMSNorm(self.kv_lora_rank, config.rms_norm_eps)
+        self.kv_b_proj = Linear(self.kv_lora_rank, h * (self.nope_dim + self.v_dim))
+        self.o_proj = Linear(h * self.v_dim, hidden, bias=bias)
+        self.rotary = rotary
+
+    def forward(self, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+        t, h = x.shape[0], self.num_heads
+        if self.q_lora_rank is None:
+            q = self.q_proj(x)
+        else:
+            q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
+        q_nope, q_pe = q.view(t, h, -1).split((self.nope_dim, self.rope_dim), dim=-1)
+        c_kv, k_pe = self.kv_a_proj_with_mqa(x).split((self.kv_lora_rank, self.rope_dim), -1)
+        c_kv = self.kv_a_layernorm(c_kv)  # [T, R]
+        q_pe = self.rotary(batch.positions, q_pe)  # fp32 [T, H, dr]
+        k_pe = self.rotary(batch.positions, k_pe.view(t, 1, self.rope_dim)).view(t, -1)
+        latent = torch.cat((c_kv.float(), k_pe), dim=-1)  # [T, R + dr] the cache row
+        attn = batch.attn
+        if not hasattr(attn, "forward_mla"):
+            raise ValueError(f"DeepseekV3 (MLA) needs the 'mla_torch' attention backend, not "
+                             f"{getattr(attn, 'name', type(attn).__name__)!r}")
+        o = attn.forward_mla(self.layer_idx, q_nope, q_pe, latent, batch.meta,
+                             self.kv_b_proj.weight)  # fp32 [T, H, dv]
+        return self.o_proj(o.reshape(t, h * self.v_dim).to(x.dtype))
+
+
+class DeepseekV3DecoderLayer(nn.Module):
+    def __init__(self, config, layer_idx: int, rotary: RotaryEmbedding) -> None:
+        super().__init__()
+        self.self_attn = DeepseekV3Attention(config, layer_idx, rotary)
+        if layer_idx >= config.first_k_dense_replace:
+            self.mlp: nn.Module = deepseek_style_moe(config)
+        else:
+            self.mlp = LlamaMLP(config.hidden_size, config.intermediate_size)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(self, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), batch)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class DeepseekV3Model(nn.Module):
+    def __init__(self, config) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.embed_tokens.weight.requires_grad_(False)
+        self.embed_tokens.weight.weight_loader = default_weight_loader  # type: ignore[attr-defined]
+        interleave = bool(getattr(config, "rope_interleave", True))
+        with torch.device("cpu"):  # cos/sin tables are plain attributes: never on meta
+            rotary = RotaryEmbedding(config, config.qk_rope_head_dim,
+                                     config.max_position_embeddings, interleaved=interleave)
+        self.layers = nn.ModuleList(
+            DeepseekV3DecoderLayer(config, i, rotary) for i in range(config.num_hidden_layers)
+        )
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(self, batch: ForwardBatch) -> torch.Tensor:
+        x = self.embed_tokens(batch.input_ids)
+        for layer in self.layers:
+            x = layer(x, batch)
+        return self.norm(x)
+
+
+class DeepseekV3ForCausalLM(nn.Module):
+    # checkpoint module name -> (our fused module, shard id); q_proj is NOT fused here.
+    packed_modules = {
+        "gate_proj": ("gate_up_proj", "gate"),
+        "up_proj": ("gate_up_proj", "up"),
+    }
+
+    def __init__(self, config) -> None:
+        super().__init__()
+        check_activation(config)
+        quant = getattr(config, "quantization_config", None)
+        if quant:
+            method = quant.get("quant_method") if isinstance(quant, dict) else quant
+            raise ValueError(f"quantized DeepseekV3 checkpoints ({method}) are not supported; "
+                             "dequantize to bf16 first")
+        self.config = config
+        self.model = DeepseekV3Model(config)
+        self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
+        self.lm_head = Linear(config.hidden_size, config.vocab_size)
+
+    def tie_weights(self) -> None:
+        if self.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    def forward(self, batch: ForwardBatch) -> torch.Tensor:
+        return self.model(batch)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden).float()
+
+    def kv_spec(self) -> dict:
+        return mla_kv_spec(self.config)
+
+    def load_extra(self, name: str, handle, loaded: set) -> bool:
+        return load_expert_tensor(self, name, handle, loaded)

@@ -1,0 +1,580 @@
+"""Closed-loop throughput sweep: KV dtype x integrity mode x concurrency, at one byte budget.
+
+For every (KV dtype, integrity mode) ONE engine is built (same weights, same KV byte budget).
+For each concurrency C, C clients each keep one request in flight (random token prompts of
+``input_len``, ``max_tokens=output_len``, ``ignore_eos``, greedy) and submit the next as soon
+as the previous finishes, until ``max(2C, 8)`` requests (``num_prompts_per_level``) completed;
+requests still in flight then are aborted and their tokens counted, so the window is at full
+concurrency throughout. Every engine is warmed up first; configs are interleaved per level and
+the order rotates between levels and repeats; tokens/s is the median over repeats.
+
+``kv_cache_memory="autoN"`` (default ``auto32``) = N full sequences (input + output, rounded
+up to blocks) in BF16: the BF16 bytes/token is read from a probe engine of the same model, so
+a BF16 cache saturates at about N concurrent sequences and FP8 fits about twice as many.
+
+Summary: ``capacity_ratio`` (FP8 / BF16 capacity tokens), ``peak_ratio`` (FP8 / BF16 peak
+tokens/s), ``equal_batch_overhead`` (FP8 / BF16 mean pure-decode step time at the largest
+running batch both reached with enough samples, minus 1) and ``integrity_overhead``
+(``tok/s(off) / tok/s(mode) - 1`` per dtype and concurrency, i.e. extra time per token).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import gc
+import math
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from tqdm.auto import tqdm
+
+from kvserve.bench.common import (
+    StepRecorder,
+    decode_step_times_by_batch,
+    env_info,
+    log,
+    mean,
+    median,
+    ms,
+    peer_importable,
+    pyplot,
+    random_prompts,
+    resolve_model_path,
+    rotated,
+    run_peer_script,
+    summarize_by_batch,
+)
+from kvserve.config import dtype_name, parse_size
+from kvserve.engine.arg_utils import EngineArgs
+from kvserve.engine.llm_engine import LLMEngine
+from kvserve.sampling_params import SamplingParams
+
+DEFAULT_CONCURRENCY = (1, 2, 4, 8, 16, 32, 64, 128)
+
+
+@dataclass
+class ThroughputConfig:
+    base: EngineArgs = field(default_factory=EngineArgs)
+    kv_cache_dtypes: list[str] = field(default_factory=lambda: ["bf16", "fp8"])
+    integrity_modes: list[str] = field(default_factory=lambda: ["on"])
+    concurrency: list[int] = field(default_factory=lambda: list(DEFAULT_CONCURRENCY))
+    input_len: int = 128
+    output_len: int = 128
+    kv_cache_memory: str | int = "auto32"  # "autoN" or a size ("256MiB")
+    num_prompts_per_level: int | None = None  # None: max(2 * C, 8)
+    repeats: int = 1
+    warmup_requests: int = 4
+    max_num_seqs: int | None = None  # None: max(concurrency)
+    detokenize: bool = True
+    min_equal_batch_samples: int = 5
+    seed: int = 0
+    peer: str | None = None  # "vllm"
+    peer_python: str | None = None
+    peer_timeout: float = 3600.0
+    progress: bool = True
+
+    def __post_init__(self) -> None:
+        if self.input_len < 1 or self.output_len < 1:
+            raise ValueError("input_len and output_len must be >= 1")
+        if not self.concurrency or min(self.concurrency) < 1:
+            raise ValueError("concurrency must be positive integers")
+        if self.repeats < 1:
+            raise ValueError("repeats must be >= 1")
+        for m in self.integrity_modes:
+            if m not in ("off", "on", "paranoid"):
+                raise ValueError(f"kv_integrity must be off, on or paranoid; got {m!r}")
+        if self.peer not in (None, "vllm"):
+            raise ValueError(f"peer must be vllm, got {self.peer!r}")
+
+    def requests_for(self, c: int) -> int:
+        return self.num_prompts_per_level or max(2 * c, 8)
+
+
+# --------------------------------------------------------------------------------------------
+# budget
+# --------------------------------------------------------------------------------------------
+
+
+def bf16_bytes_per_token(base: EngineArgs) -> int:
+    """BF16 KV bytes/token of the model, read from a 2-block probe engine."""
+    probe = LLMEngine(dataclasses.replace(base, kv_cache_dtype="bf16", num_blocks=2,
+                                          kv_cache_memory=None, kv_integrity="off",
+                                          progress=False))
+    bpt = probe.kv_cache.bytes_per_token
+    del probe
+    gc.collect()
+    return bpt
+
+
+def resolve_kv_budget(spec: str | int, base: EngineArgs, seq_tokens: int) -> tuple[int, dict]:
+    """Bytes for ``spec``: ``autoN`` = N sequences of ``seq_tokens`` (rounded up to blocks) in
+    BF16; anything else is a size string. Returns (bytes, how it was derived)."""
+    if isinstance(spec, str) and spec.lower().startswith("auto"):
+        rest = spec[4:] or "32"
+        if not rest.isdigit() or int(rest) < 1:
+            raise ValueError(f"kv_cache_memory auto form is autoN (N sequences), got {spec!r}")
+        n = int(rest)
+        bpt = bf16_bytes_per_token(base)
+        blocks = math.ceil(seq_tokens / base.block_size)
+        budget = n * blocks * base.block_size * bpt
+        return budget, {"spec": spec, "sequences": n, "bf16_bytes_per_token": bpt,
+                        "tokens_per_sequence": blocks * base.block_size}
+    return parse_size(spec, "kv_cache_memory"), {"spec": spec}
+
+
+# --------------------------------------------------------------------------------------------
+# one closed-loop level
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass
+class _Config:
+    name: str
+    kv_cache_dtype: str
+    kv_integrity: str
+    engine: LLMEngine
+    rec: StepRecorder
+    levels: dict[int, list[dict]] = field(default_factory=dict)
+    all_steps: list = field(default_factory=list)
+    seq: int = 0
+
+
+def run_closed_loop(cfg: _Config, concurrency: int, num_requests: int, input_len: int,
+                    output_len: int, seed: int, detokenize: bool = True) -> dict[str, Any]:
+    """C clients, each resubmitting on completion, until ``num_requests`` completed."""
+    engine, rec = cfg.engine, cfg.rec
+    params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True,
+                            detokenize=detokenize)
+    prompts = random_prompts(num_requests + concurrency, input_len,
+                             engine.model_config.vocab_size, seed)
+    submit_t: dict[str, float] = {}
+    last_t: dict[str, float] = {}
+    ntok: dict[str, int] = {}
+    ttfts: list[float] = []
+    gaps: list[float] = []
+    inflight: set[str] = set()
+    issued = completed = 0
+
+    def submit() -> None:
+        nonlocal issued
+        rid = f"{cfg.name}-{cfg.seq}"
+        cfg.seq += 1
+        engine.add_request(rid, prompts[issued], params)
+        issued += 1
+        submit_t[rid] = time.perf_counter()
+        ntok[rid] = 0
+        inflight.add(rid)
+
+    gen0 = engine.stats["generation_tokens"]
+    pre0 = engine.scheduler.num_preemptions
+    rec.clear()
+    t0 = time.perf_counter()
+    for _ in range(concurrency):
+        submit()
+    while completed < num_requests:
+        outs = rec.step()
+        now = time.perf_counter()
+        for out in outs:
+            rid = out.request_id
+            n = len(out.outputs[0].token_ids)
+            if n > ntok[rid]:
+                if ntok[rid] == 0:
+                    ttfts.append(now - submit_t[rid])
+                else:
+                    gaps.append((now - last_t[rid]) / (n - ntok[rid]))
+                ntok[rid], last_t[rid] = n, now
+            if out.finished:
+                completed += 1
+                inflight.discard(rid)
+                if completed < num_requests:
+                    submit()
+        if not outs and not engine.has_unfinished_requests():
+            raise RuntimeError("engine has no work left before the level finished")
+    elapsed = time.perf_counter() - t0
+    tokens = engine.stats["generation_tokens"] - gen0
+    engine.abort_request(sorted(inflight))
+    steps = list(rec.steps)
+    cfg.all_steps.extend(steps)
+    return {
+        "requests_completed": completed,
+        "requests_aborted_at_end": len(inflight),
+        "output_tokens": tokens,
+        "elapsed_s": elapsed,
+        "output_tokens_per_s": tokens / elapsed if elapsed > 0 else None,
+        "steps": len(steps),
+        "max_concurrent_seqs": max((s.running for s in steps), default=0),
+        "mean_running_batch": mean(s.batch for s in steps),
+        "mean_step_ms": ms(mean(s.seconds for s in steps)),
+        "mean_decode_step_ms": ms(mean(s.seconds for s in steps if s.all_decode)),
+        "ttft_ms_median": ms(median(ttfts)),
+        "itl_ms_median": ms(median(gaps)),
+        "preemptions": engine.scheduler.num_preemptions - pre0,
+    }
+
+
+def _aggregate(reps: list[dict]) -> dict[str, Any]:
+    tps = [r["output_tokens_per_s"] for r in reps if r["output_tokens_per_s"] is not None]
+    med = lambda k: median(r[k] for r in reps if r[k] is not None)  # noqa: E731
+    return {
+        "output_tokens_per_s": median(tps),
+        "output_tokens_per_s_repeats": tps,
+        "max_concurrent_seqs": max(r["max_concurrent_seqs"] for r in reps),
+        "mean_running_batch": med("mean_running_batch"),
+        "mean_step_ms": med("mean_step_ms"),
+        "mean_decode_step_ms": med("mean_decode_step_ms"),
+        "ttft_ms_median": med("ttft_ms_median"),
+        "itl_ms_median": med("itl_ms_median"),
+        "preemptions": sum(r["preemptions"] for r in reps),
+        "requests_completed": sum(r["requests_completed"] for r in reps),
+        "output_tokens": sum(r["output_tokens"] for r in reps),
+        "elapsed_s": sum(r["elapsed_s"] for r in reps),
+        "steps": sum(r["steps"] for r in reps),
+    }
+
+
+# --------------------------------------------------------------------------------------------
+# the sweep
+# --------------------------------------------------------------------------------------------
+
+
+def run_throughput(tc: ThroughputConfig) -> dict[str, Any]:
+    model = resolve_model_path(tc.base.model)
+    base = dataclasses.replace(tc.base, model=model, progress=False,
+                               max_num_seqs=tc.max_num_seqs or max(tc.concurrency))
+    seq_tokens = tc.input_len + tc.output_len
+    budget, budget_info = resolve_kv_budget(tc.kv_cache_memory, base, seq_tokens)
+    base = dataclasses.replace(base, kv_cache_memory=budget, num_blocks=None)
+
+    configs: list[_Config] = []
+    for kv in tc.kv_cache_dtypes:
+        for mode in tc.integrity_modes:
+            eng = LLMEngine(dataclasses.replace(base, kv_cache_dtype=kv, kv_integrity=mode))
+            name = f"{dtype_name(eng.kv_dtype)}/{mode}"
+            if any(c.name == name for c in configs):
+                raise ValueError(f"kv_cache_dtype list resolves to {name} twice")
+            configs.append(_Config(name, kv, mode, eng, StepRecorder(eng)))
+            if seq_tokens > eng.model_config.max_model_len:
+                raise ValueError(f"input_len + output_len = {seq_tokens} exceeds max_model_len "
+                                 f"{eng.model_config.max_model_len}")
+
+    # Warm-up: every engine, a few short requests, not recorded.
+    for i, cfg in enumerate(configs):
+        c = min(tc.warmup_requests, max(tc.concurrency))
+        if tc.warmup_requests > 0:
+            run_closed_loop(cfg, c, tc.warmup_requests, tc.input_len,
+                            min(tc.output_len, 16), tc.seed + 10_000 + i, tc.detokenize)
+        cfg.all_steps.clear()
+
+    total = len(tc.concurrency) * tc.repeats * len(configs)
+    bar = tqdm(total=total, desc="throughput", disable=not tc.progress, unit="run")
+    for li, c in enumerate(tc.concurrency):
+        for r in range(tc.repeats):
+            for cfg in rotated(configs, li + r):
+                seed = tc.seed + 1000 * li + r  # the same prompts for every config
+                res = run_closed_loop(cfg, c, tc.requests_for(c), tc.input_len, tc.output_len,
+                                      seed, tc.detokenize)
+                cfg.levels.setdefault(c, []).append(res)
+                bar.set_postfix_str(f"{cfg.name} C={c}: {res['output_tokens_per_s']:.0f} tok/s")
+                bar.update(1)
+    bar.close()
+
+    out_configs = []
+    for cfg in configs:
+        eng = cfg.engine
+        levels = [{"concurrency": c, **_aggregate(cfg.levels[c])} for c in tc.concurrency]
+        peak = max(levels, key=lambda lv: lv["output_tokens_per_s"] or 0.0)
+        by_batch = decode_step_times_by_batch(cfg.all_steps)
+        try:
+            eng.check_no_leaks()
+            leak = "ok"
+        except Exception as e:  # an engine bug: report it, do not lose the run
+            leak = f"error: {e}"
+        out_configs.append({
+            "name": cfg.name,
+            "kv_cache_dtype": dtype_name(eng.kv_dtype),
+            "kv_cache_dtype_arg": cfg.kv_cache_dtype,
+            "kv_integrity": cfg.kv_integrity,
+            "kv_bytes_per_token": eng.kv_cache.bytes_per_token,
+            "capacity_tokens": eng.capacity_tokens,
+            "num_blocks": eng.kv_cache.num_blocks,
+            "full_sequences_that_fit": eng.capacity_tokens // seq_tokens,
+            "levels": levels,
+            "peak": {"concurrency": peak["concurrency"],
+                     "output_tokens_per_s": peak["output_tokens_per_s"]},
+            "decode_step_ms_by_batch": summarize_by_batch(by_batch),
+            "integrity": eng.integrity.stats() if eng.integrity is not None else None,
+            "leak_check": leak,
+        })
+        cfg.by_batch = by_batch  # type: ignore[attr-defined]
+
+    result: dict[str, Any] = {
+        "bench": "throughput",
+        "model": model,
+        "model_dtype": dtype_name(configs[0].engine.model_config.dtype),
+        "input_len": tc.input_len,
+        "output_len": tc.output_len,
+        "concurrency": list(tc.concurrency),
+        "requests_per_level": {str(c): tc.requests_for(c) for c in tc.concurrency},
+        "repeats": tc.repeats,
+        "max_num_seqs": base.max_num_seqs,
+        "max_num_batched_tokens": base.max_num_batched_tokens,
+        "block_size": base.block_size,
+        "kv_cache_memory_bytes": budget,
+        "kv_cache_memory": budget_info,
+        "env": env_info(),
+        "configs": out_configs,
+        "summary": summarize(configs, out_configs, tc.min_equal_batch_samples),
+    }
+    del configs
+    gc.collect()
+    result["peer"] = run_vllm_peer(tc, model, budget) if tc.peer == "vllm" else "not requested"
+    return result
+
+
+# --------------------------------------------------------------------------------------------
+# summary
+# --------------------------------------------------------------------------------------------
+
+
+def _find(out_configs: list[dict], pred) -> list[dict]:
+    return [c for c in out_configs if pred(c)]
+
+
+def equal_batch(base_by: dict[int, list[float]], cand_by: dict[int, list[float]],
+                min_samples: int) -> dict[str, Any]:
+    """FP8 / BF16 mean pure-decode step time - 1 at the largest batch both reached with at least
+    ``min_samples`` steps (falls back to the best-sampled common batch, flagged)."""
+    common = sorted(set(base_by) & set(cand_by))
+    curve = {
+        str(b): mean(cand_by[b]) / mean(base_by[b]) - 1.0  # type: ignore[operator]
+        for b in common
+    }
+    enough = [b for b in common if min(len(base_by[b]), len(cand_by[b])) >= min_samples]
+    flag = None
+    if enough:
+        b = enough[-1]
+    elif common:
+        b = max(common, key=lambda x: (min(len(base_by[x]), len(cand_by[x])), x))
+        flag = f"no batch size has >= {min_samples} samples in both; used the best-sampled one"
+    else:
+        return {"overhead": None, "batch": None, "samples": None, "by_batch": {},
+                "note": "no common pure-decode batch size"}
+    return {
+        "overhead": curve[str(b)],
+        "batch": b,
+        "samples": [len(base_by[b]), len(cand_by[b])],
+        "by_batch": curve,
+        "note": flag,
+    }
+
+
+def summarize(configs: list[_Config], out_configs: list[dict], min_samples: int) -> dict:
+    by_name = {c.name: c for c in configs}
+    modes = list(dict.fromkeys(c["kv_integrity"] for c in out_configs))
+    s: dict[str, Any] = {}
+    bf16 = _find(out_configs, lambda c: c["kv_cache_dtype"] == "bf16")
+    fp8 = _find(out_configs, lambda c: c["kv_cache_dtype"].startswith("fp8"))
+    if bf16 and fp8:
+        s["capacity_ratio"] = fp8[0]["capacity_tokens"] / bf16[0]["capacity_tokens"]
+        s["bytes_per_token_ratio"] = bf16[0]["kv_bytes_per_token"] / fp8[0]["kv_bytes_per_token"]
+        peak_by, eq_by = {}, {}
+        for m in modes:
+            b = [c for c in bf16 if c["kv_integrity"] == m]
+            f = [c for c in fp8 if c["kv_integrity"] == m]
+            if not (b and f):
+                continue
+            bp, fp = b[0]["peak"]["output_tokens_per_s"], f[0]["peak"]["output_tokens_per_s"]
+            peak_by[m] = fp / bp if bp and fp else None
+            eq_by[m] = equal_batch(by_name[b[0]["name"]].by_batch,  # type: ignore[attr-defined]
+                                   by_name[f[0]["name"]].by_batch,  # type: ignore[attr-defined]
+                                   min_samples)
+        first = next(iter(peak_by), None)
+        s["peak_ratio"] = peak_by.get(first) if first else None
+        s["peak_ratio_by_integrity"] = peak_by
+        eq = eq_by.get(first, {}) if first else {}
+        s["equal_batch_overhead"] = eq.get("overhead")
+        s["equal_batch_size"] = eq.get("batch")
+        s["equal_batch_samples"] = eq.get("samples")
+        s["equal_batch_overhead_by_integrity"] = eq_by
+        s["ratios_integrity_mode"] = first
+    if "off" in modes and len(modes) > 1:
+        io: dict[str, Any] = {}
+        for dt in dict.fromkeys(c["kv_cache_dtype"] for c in out_configs):
+            cs = {c["kv_integrity"]: c for c in out_configs if c["kv_cache_dtype"] == dt}
+            if "off" not in cs:
+                continue
+            off = {lv["concurrency"]: lv["output_tokens_per_s"] for lv in cs["off"]["levels"]}
+            per_mode = {}
+            for m, c in cs.items():
+                if m == "off":
+                    continue
+                by_c = {
+                    str(lv["concurrency"]): off[lv["concurrency"]] / lv["output_tokens_per_s"] - 1
+                    for lv in c["levels"] if lv["output_tokens_per_s"] and off[lv["concurrency"]]
+                }
+                scrub = (c["integrity"] or {}).get("scrub_seconds")
+                per_mode[m] = {"by_concurrency": by_c, "median": median(by_c.values()),
+                               "scrub_seconds": scrub}
+            io[dt] = per_mode
+        s["integrity_overhead"] = io
+        s["integrity_overhead_definition"] = "tok/s(off) / tok/s(mode) - 1 (extra time per token)"
+    return s
+
+
+# --------------------------------------------------------------------------------------------
+# plot and text
+# --------------------------------------------------------------------------------------------
+
+
+def plot_throughput(result: dict[str, Any], path: str) -> None:
+    plt = pyplot()
+    fig, (ax, ax2) = plt.subplots(1, 2, figsize=(13, 5))
+    for cfg in result["configs"]:
+        xs = [lv["concurrency"] for lv in cfg["levels"]]
+        ys = [lv["output_tokens_per_s"] or 0.0 for lv in cfg["levels"]]
+        label = (f"{cfg['name']} ({cfg['capacity_tokens']} tok cap, "
+                 f"{cfg['kv_bytes_per_token']} B/tok)")
+        (line,) = ax.plot(xs, ys, marker="o", label=label)
+        pk = cfg["peak"]
+        ax.plot([pk["concurrency"]], [pk["output_tokens_per_s"]], marker="*", markersize=16,
+                color=line.get_color(), markeredgecolor="k")
+        ax.annotate(f"{pk['output_tokens_per_s']:.0f}", (pk["concurrency"],
+                    pk["output_tokens_per_s"]), textcoords="offset points", xytext=(6, 6),
+                    fontsize=8, color=line.get_color())
+        seqs = cfg["full_sequences_that_fit"]
+        ax.axvline(seqs, color=line.get_color(), ls=":", lw=1, alpha=0.6)
+        bb = {b: v for b, v in cfg["decode_step_ms_by_batch"].items() if v["n"] >= 3}
+        if bb:
+            ax2.plot([int(b) for b in bb], [v["mean_ms"] for v in bb.values()], marker=".",
+                     color=line.get_color(), label=cfg["name"])
+    ax.set_xscale("log", base=2)
+    ax.set_xticks(result["concurrency"], [str(c) for c in result["concurrency"]])
+    ax.set_xlabel("concurrency (closed-loop clients); dotted: full sequences that fit")
+    ax.set_ylabel("output tokens/s")
+    s = result["summary"]
+    title = f"in {result['input_len']} / out {result['output_len']}, KV budget " \
+            f"{result['kv_cache_memory_bytes'] / 2**20:.1f} MiB"
+    if s.get("capacity_ratio"):
+        title += f"\ncapacity x{s['capacity_ratio']:.2f}"
+        if s.get("peak_ratio"):
+            title += f", peak x{s['peak_ratio']:.2f}"
+    ax.set_title(title, fontsize=10)
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize=8)
+    if s.get("equal_batch_size"):
+        ax2.axvline(s["equal_batch_size"], color="gray", ls="--", lw=1)
+    ax2.set_xlabel("running batch (pure-decode steps with >= 3 samples)")
+    ax2.set_ylabel("mean step time (ms)")
+    eq = s.get("equal_batch_overhead")
+    ax2.set_title("decode step time vs batch" + (
+        f"\nFP8 vs BF16 at batch {s['equal_batch_size']}: {eq:+.1%}" if eq is not None else ""),
+        fontsize=10)
+    ax2.grid(True, alpha=0.3)
+    if ax2.lines:
+        ax2.legend(fontsize=8)
+    fig.suptitle(f"kvserve throughput: {result['model']}", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def format_table(result: dict[str, Any]) -> str:
+    lines = [f"{'config':<20}{'C':>5}{'tok/s':>10}{'max run':>9}{'mean run':>10}"
+             f"{'step ms':>9}{'TTFT ms':>10}{'ITL ms':>8}{'preempt':>9}"]
+    fmt = lambda v, p=1: "-" if v is None else f"{v:.{p}f}"  # noqa: E731
+    for cfg in result["configs"]:
+        for lv in cfg["levels"]:
+            lines.append(
+                f"{cfg['name']:<20}{lv['concurrency']:>5}{fmt(lv['output_tokens_per_s']):>10}"
+                f"{lv['max_concurrent_seqs']:>9}{fmt(lv['mean_running_batch']):>10}"
+                f"{fmt(lv['mean_step_ms'], 2):>9}{fmt(lv['ttft_ms_median']):>10}"
+                f"{fmt(lv['itl_ms_median'], 2):>8}{lv['preemptions']:>9}")
+    s = result["summary"]
+    for k in ("capacity_ratio", "peak_ratio", "equal_batch_overhead", "equal_batch_size"):
+        if s.get(k) is not None:
+            lines.append(f"{k}: {s[k]:.3f}" if isinstance(s[k], float) else f"{k}: {s[k]}")
+    for dt, per_mode in (s.get("integrity_overhead") or {}).items():
+        for m, v in per_mode.items():
+            med = v["median"]
+            lines.append(f"integrity overhead {dt} {m} vs off: "
+                         f"{'-' if med is None else f'{med:+.1%}'} (median over concurrency)")
+    return "\n".join(lines)
+
+
+# --------------------------------------------------------------------------------------------
+# vLLM peer
+# --------------------------------------------------------------------------------------------
+
+VLLM_THROUGHPUT_SCRIPT = r'''
+import gc, json, statistics, sys, time
+cfg = json.load(sys.stdin)
+import torch
+from vllm import LLM, SamplingParams
+
+def prompts(n, length, vocab, seed):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(3, vocab, (n, length), generator=g).tolist()
+
+results = []
+for kv in cfg["kv_cache_dtypes"]:
+    kw = dict(model=cfg["model"], kv_cache_dtype=kv, max_num_seqs=max(cfg["concurrency"]),
+              seed=0, enable_prefix_caching=True)
+    try:
+        try:
+            llm = LLM(**kw, kv_cache_memory_bytes=cfg["kv_cache_memory_bytes"])
+            budget = "kv_cache_memory_bytes"
+        except TypeError:
+            llm = LLM(**kw)
+            budget = "vllm default (no kv_cache_memory_bytes in this vLLM)"
+    except Exception as e:
+        results.append({"kv_cache_dtype": kv, "error": repr(e)})
+        continue
+    eng = llm.llm_engine
+    vocab = llm.get_tokenizer().vocab_size
+    sp = SamplingParams(temperature=0.0, max_tokens=cfg["output_len"], ignore_eos=True)
+    levels, seq = [], 0
+    for li, c in enumerate(cfg["concurrency"]):
+        target = cfg["requests_per_level"][str(c)]
+        ps = prompts(target + c, cfg["input_len"], vocab, cfg["seed"] + 1000 * li)
+        issued = done = 0
+        inflight = set()
+        t0 = time.perf_counter()
+        for _ in range(c):
+            eng.add_request(str(seq), {"prompt_token_ids": ps[issued]}, sp)
+            inflight.add(str(seq)); seq += 1; issued += 1
+        counts = {}
+        while done < target:
+            for out in eng.step():
+                counts[out.request_id] = len(out.outputs[0].token_ids)
+                if out.finished:
+                    done += 1
+                    inflight.discard(out.request_id)
+                    if done < target:
+                        eng.add_request(str(seq), {"prompt_token_ids": ps[issued]}, sp)
+                        inflight.add(str(seq)); seq += 1; issued += 1
+        dt = time.perf_counter() - t0
+        ntok = sum(counts.values())
+        eng.abort_request(list(inflight))
+        levels.append({"concurrency": c, "output_tokens_per_s": ntok / dt})
+    results.append({"kv_cache_dtype": kv, "budget": budget, "levels": levels,
+                    "peak_output_tokens_per_s": max(l["output_tokens_per_s"] for l in levels)})
+    del llm, eng
+    gc.collect()
+import vllm
+print(json.dumps({"peer": "vllm", "version": vllm.__version__, "configs": results}))
+'''
+
+
+def run_vllm_peer(tc: ThroughputConfig, model: str, budget: int) -> dict[str, Any] | str:
+    if not peer_importable(tc.peer_python, "vllm"):
+        return "not installed"
+    payload = {
+        "model": model, "kv_cache_dtypes": ["auto", "fp8"], "concurrency": tc.concurrency,
+        "requests_per_level": {str(c): tc.requests_for(c) for c in tc.concurrency},
+        "input_len": tc.input_len, "output_len": tc.output_len,
+        "kv_cache_memory_bytes": budget, "seed": tc.seed,
+    }
+    log(f"running the vllm peer in {tc.peer_python}")
+    return run_peer_script(tc.peer_python or "", VLLM_THROUGHPUT_SCRIPT, payload,
+                           tc.peer_timeout)

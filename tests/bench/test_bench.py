@@ -1,0 +1,153 @@
+"""Benchmark harnesses on tiny random models: they run, write what they promise, and the quality
+metrics are exact for identical configurations. No timing is asserted."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from kvserve.bench.common import (
+    parse_kv_pairs,
+    parse_list,
+    percentile,
+    random_llama_spec,
+    rotated,
+)
+from kvserve.cli import main
+
+# head_dim 64 (hidden 128, 2 heads): FP8 rows are 64 B + 2 B of scale vs 128 B in BF16.
+HD64 = dict(hidden_size=128, num_attention_heads=2, num_key_value_heads=2)
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    """One torch thread: on a shared, oversubscribed CPU two spinning threads cost far more than
+    they give (and nothing here measures speed)."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="module")
+def hd64(model_factory) -> str:
+    return model_factory("llama", **HD64)
+
+
+def test_helpers():
+    assert parse_list("1, 2,2,4", int, "x") == [1, 2, 4]
+    with pytest.raises(ValueError, match="--concurrency"):
+        parse_list("1,a", int, "--concurrency")
+    assert rotated([1, 2, 3], 4) == [2, 3, 1]
+    assert percentile([0, 10], 50) == 5.0
+    s = random_llama_spec("hidden=512,layers=8,heads=8,kv_heads=2,vocab=32000")
+    assert s["ffn"] == 1536 and s["max_pos"] == 4096
+    with pytest.raises(ValueError, match="unknown key"):
+        random_llama_spec("hiden=5")
+
+
+def test_quality_identical_candidate_is_exact(tiny_llama, tmp_path):
+    out = tmp_path / "q.json"
+    rc = main(["bench", "quality", "--model", tiny_llama, "--kv-cache-dtype", "bf16",
+               "--ppl-max-tokens", "512", "--json", str(out), "--no-progress"])
+    assert rc == 0
+    r = json.loads(out.read_text())
+    assert r["num_prompts"] >= 16 and r["gen_len"] >= 256
+    assert r["text_source"]["kind"] == "generated"
+    assert r["greedy_agreement"] == 1.0
+    assert r["first_divergence_fraction"] == 1.0
+    assert r["kl_mean"] < 1e-9 and r["kl_p99"] < 1e-9
+    assert r["perplexity_ratio"] == pytest.approx(1.0, abs=1e-12)
+    assert r["baseline"]["perplexity"] > 1.0
+    assert r["kl_positions"] == r["num_prompts"] * r["gen_len"]
+    for key in ("baseline", "candidate"):
+        assert r[key]["kv_cache_dtype"] == "bf16"
+
+
+def test_quality_fp8_candidate_differs_a_little(tiny_llama, tmp_path):
+    from kvserve.bench.quality import QualityConfig, run_quality
+    from kvserve.engine.arg_utils import EngineArgs
+
+    text = tmp_path / "t.txt"
+    text.write_text(" ".join(f"w{(i * 7) % 300}" for i in range(2000)))
+    r = run_quality(QualityConfig(base=EngineArgs(model=tiny_llama), text=str(text),
+                                  num_prompts=4, gen_len=32, ppl_max_tokens=512,
+                                  progress=False))
+    assert r["text_source"]["kind"] == "file"
+    assert r["candidate"]["kv_cache_dtype"] == "fp8_e4m3"
+    assert 0.0 < r["kl_mean"] < 0.1
+    assert 0.9 < r["perplexity_ratio"] < 1.1
+
+
+def test_throughput_two_levels_bf16_fp8(hd64, tmp_path):
+    out, png = tmp_path / "t.json", tmp_path / "t.png"
+    rc = main(["bench", "throughput", "--model", hd64, "--kv-cache-dtype", "bf16,fp8",
+               "--concurrency", "2,4", "--input-len", "16", "--output-len", "8",
+               "--num-prompts-per-level", "6", "--warmup-requests", "2",
+               "--json", str(out), "--plot", str(png), "--no-progress"])
+    assert rc == 0
+    r = json.loads(out.read_text())
+    assert png.stat().st_size > 1000 and png.read_bytes()[:4] == b"\x89PNG"
+    assert [c["kv_cache_dtype"] for c in r["configs"]] == ["bf16", "fp8_e4m3"]
+    for cfg in r["configs"]:
+        assert cfg["kv_bytes_per_token"] > 0 and cfg["capacity_tokens"] > 0
+        assert cfg["leak_check"] == "ok"
+        assert [lv["concurrency"] for lv in cfg["levels"]] == [2, 4]
+        for lv in cfg["levels"]:
+            for k in ("output_tokens_per_s", "max_concurrent_seqs", "mean_running_batch",
+                      "mean_step_ms", "ttft_ms_median", "itl_ms_median", "preemptions"):
+                assert k in lv
+            assert lv["output_tokens_per_s"] > 0
+            assert lv["max_concurrent_seqs"] == lv["concurrency"]
+            assert lv["requests_completed"] >= 6  # a step may finish several
+        assert cfg["decode_step_ms_by_batch"]
+    # auto32: BF16 holds exactly 32 sequences of 16 + 8 tokens (two 16-token blocks each)
+    assert r["configs"][0]["capacity_tokens"] == 32 * 32
+    s = r["summary"]
+    assert s["capacity_ratio"] >= 1.9
+    assert s["peak_ratio"] > 0
+    assert s["equal_batch_size"] in (2, 4) and s["equal_batch_overhead"] is not None
+    assert r["peer"] == "not requested"
+
+
+def test_integrity_alias_overheads(tiny_llama, tmp_path):
+    out = tmp_path / "i.json"
+    rc = main(["bench", "integrity", "--model", tiny_llama, "--kv-integrity", "off,on",
+               "--concurrency", "2", "--input-len", "16", "--output-len", "4",
+               "--num-prompts-per-level", "4", "--warmup-requests", "0",
+               "--peer", "vllm", "--json", str(out), "--no-progress"])
+    assert rc == 0
+    r = json.loads(out.read_text())
+    assert r["command"] == "integrity"
+    assert [c["name"] for c in r["configs"]] == ["fp8_e4m3/off", "fp8_e4m3/on"]
+    ov = r["summary"]["integrity_overhead"]["fp8_e4m3"]["on"]
+    assert set(ov["by_concurrency"]) == {"2"}
+    assert r["peer"] == "not installed"  # no --peer-python: vllm is never installed by us
+
+
+def test_latency_batch_1_2_with_hf_peer(tiny_llama, tmp_path):
+    out = tmp_path / "l.json"
+    rc = main(["bench", "latency", "--model", tiny_llama, "--batch-sizes", "1,2",
+               "--input-len", "8", "--output-len", "6", "--rounds", "2", "--peer", "hf",
+               "--peer", "llamacpp", "--json", str(out), "--no-progress"])
+    assert rc == 0
+    r = json.loads(out.read_text())
+    assert [x["batch_size"] for x in r["kvserve"]] == [1, 2]
+    for x in r["kvserve"]:
+        assert x["decode_tokens_per_s"] > 0
+        assert x["decode_steps_per_round"] == 5  # output_len - 1: the first token is prefill
+        assert len(x["decode_tokens_per_s_rounds"]) == 2
+    hf = r["peers"]["hf"]
+    assert [x["batch_size"] for x in hf["results"]] == [1, 2]
+    assert all(x["decode_tokens_per_s"] > 0 for x in hf["results"])
+    assert r["peers"]["llamacpp"] == "not installed"
+    assert set(r["summary"]["kvserve_over_hf"]) == {"1", "2"}
+
+
+def test_make_random_llama_spec_errors_name_the_option():
+    assert parse_kv_pairs("a=1, b=2", "x") == {"a": 1, "b": 2}
+    with pytest.raises(ValueError, match="--make-random-llama"):
+        random_llama_spec("hidden=100,heads=3")

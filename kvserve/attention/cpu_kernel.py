@@ -62,6 +62,8 @@ def load() -> ctypes.CDLL | None:
     p, i, f = ctypes.c_void_p, ctypes.c_int, ctypes.c_float
     dll.kvs_paged_decode.argtypes = [p, p, i, p, p, p, i, i, i, i, i, i, f, i, p]
     dll.kvs_paged_decode.restype = None
+    dll.kvs_write_fp8.argtypes = [p, p, i, i, i, i, p, p, p]
+    dll.kvs_write_fp8.restype = None
     return dll
 
 
@@ -84,3 +86,20 @@ def paged_decode(kv_layer: torch.Tensor, scales_layer: torch.Tensor | None, q: t
         torch.get_num_threads(), out.data_ptr(),
     )
     return out
+
+
+def write_fp8(x: torch.Tensor, rows: torch.Tensor, dst_rows: torch.Tensor,
+              scale_rows: torch.Tensor, static_scales: torch.Tensor | None = None) -> None:
+    """Quantize x [T, H, D] (fp32) into dst_rows [R, H, D] (fp8) at ``rows``, with dynamic
+    per-row bf16 scales into scale_rows [R, H] (or the given static bf16 scales [H])."""
+    dll = load()
+    assert dll is not None
+    x = x.float().contiguous()
+    t, h, d = x.shape
+    assert rows.dtype == torch.int64 and rows.is_contiguous()
+    assert dst_rows.is_contiguous() and scale_rows.is_contiguous()
+    if static_scales is not None:
+        static_scales = static_scales.to(torch.bfloat16).contiguous()
+    dll.kvs_write_fp8(x.data_ptr(), rows.data_ptr(), t, h, d, DTYPE_CODES[dst_rows.dtype],
+                      dst_rows.data_ptr(), scale_rows.data_ptr(),
+                      static_scales.data_ptr() if static_scales is not None else None)

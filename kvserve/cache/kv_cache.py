@@ -65,6 +65,12 @@ class PagedKVCache:
         self.scales = (
             torch.zeros(shape[:-1], dtype=SCALE_DTYPE, device=device) if self.is_fp8 else None
         )
+        # FP8 writes go through the C kernel when it builds; fp8.quantize is its twin.
+        self.use_kernel = False
+        if self.is_fp8 and not self.data.is_cuda:
+            from kvserve.attention import cpu_kernel
+
+            self.use_kernel = cpu_kernel.load() is not None
         # Optional checkpoint scales [num_layers, C, H] (per-tensor scales broadcast over H).
         self.static_scales = None
         if static_scales is not None:
@@ -98,6 +104,13 @@ class PagedKVCache:
             r = rows if c == 0 else rows + c * bs
             if not self.is_fp8:
                 flat.index_copy_(0, r, x.to(self.dtype))
+                continue
+            if self.use_kernel and not x.is_cuda:
+                from kvserve.attention import cpu_kernel
+
+                static = None if self.static_scales is None else self.static_scales[layer, c]
+                cpu_kernel.write_fp8(x, r, flat, self.scales[layer].view(-1, self.num_kv_heads),
+                                     static)
                 continue
             if self.static_scales is not None:
                 s = self.static_scales[layer, c].expand(x.shape[0], -1)

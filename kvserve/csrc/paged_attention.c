@@ -149,3 +149,68 @@ void kvs_paged_decode(const void *kv, const uint16_t *scales, int dtype, const f
         free(acc);
     }
 }
+
+/* ---- FP8 quantize-on-write ------------------------------------------------------------
+ * Twin: kvserve/quant/fp8.py (compute_scales + quantize + torch's RNE cast); bit-exact.
+ * x [T, H, D] fp32; rows [T] (row ids into dst [R, H, D] / scales [R, H]).
+ * scale = bf16_rne(max(amax, 1e-12) / FP8_MAX); q = rne_fp8(clamp(x / scale, +-FP8_MAX)).
+ */
+static inline uint16_t f32_to_bf16_rne(float f) {
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    u += 0x7FFFu + ((u >> 16) & 1u);
+    return (uint16_t)(u >> 16);
+}
+
+/* |v| <= FP8_MAX, finite. mant_bits 3 (e4m3, bias 7) or 2 (e5m2, bias 15). */
+static inline uint8_t f32_to_fp8(float v, int mant_bits, int bias) {
+    uint32_t u;
+    memcpy(&u, &v, 4);
+    uint8_t sign = (uint8_t)((u >> 24) & 0x80u);
+    u &= 0x7FFFFFFFu;
+    float a;
+    memcpy(&a, &u, 4);
+    float min_normal = ldexpf(1.0f, 1 - bias);
+    uint32_t code;
+    if (a < min_normal) {
+        /* subnormal grid: multiples of 2^(1 - bias - mant_bits); rint = round half even */
+        code = (uint32_t)rintf(ldexpf(a, bias - 1 + mant_bits));
+    } else {
+        int shift = 23 - mant_bits;
+        u += ((1u << (shift - 1)) - 1u) + ((u >> shift) & 1u);
+        code = (u >> shift) - ((uint32_t)(127 - bias) << mant_bits);
+    }
+    return sign | (uint8_t)code;
+}
+
+void kvs_write_fp8(const float *x, const int64_t *rows, int T, int H, int D, int dtype,
+                   uint8_t *dst, uint16_t *scales, const uint16_t *static_scales) {
+    const int mant = dtype == DT_E4M3 ? 3 : 2;
+    const int bias = dtype == DT_E4M3 ? 7 : 15;
+    const float fmax = dtype == DT_E4M3 ? 448.0f : 57344.0f;
+    for (int t = 0; t < T; t++) {
+        for (int h = 0; h < H; h++) {
+            const float *xr = x + ((size_t)t * H + h) * D;
+            uint16_t sb;
+            if (static_scales) {
+                sb = static_scales[h];
+            } else {
+                float amax = 0.f;
+                for (int d = 0; d < D; d++) {
+                    float a = fabsf(xr[d]);
+                    amax = a > amax ? a : amax;
+                }
+                if (!(amax >= 1e-12f)) amax = 1e-12f;
+                sb = f32_to_bf16_rne(amax / fmax);
+            }
+            float s = bf16_to_f32(sb);
+            uint8_t *out = dst + ((size_t)rows[t] * H + h) * D;
+            for (int d = 0; d < D; d++) {
+                float v = xr[d] / s;
+                v = v > fmax ? fmax : (v < -fmax ? -fmax : v);
+                out[d] = f32_to_fp8(v, mant, bias);
+            }
+            scales[(size_t)rows[t] * H + h] = sb;
+        }
+    }
+}

@@ -47,3 +47,24 @@ def test_kernel_matches_twin(dtype, hq, hk, d, bs):
     b = twin.forward(0, q, empty, empty, meta)
     # fp32 reassociation (vectorized dots) on scores up to ~1e3: relative 1e-3 is the bound
     torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-3)
+
+
+@pytest.mark.parametrize("dtype", [torch.float8_e4m3fn, torch.float8_e5m2])
+@pytest.mark.parametrize("static", [False, True])
+def test_fp8_write_kernel_bit_exact_with_twin(dtype, static):
+    torch.manual_seed(2)
+    t, h, d = 37, 3, 64
+    x = torch.randn(t, h, d) * torch.logspace(-8, 6, t).view(-1, 1, 1)
+    x[0, 0, :5] = torch.tensor([0.0, -0.0, 1e30, -1e30, 1e-30])
+    x[1] = 0.0
+    st = torch.tensor([[[0.5, 2.0, 1e-3]]]).expand(1, 2, 3) if static else None
+    fast = PagedKVCache(1, 8, 8, h, d, 2, dtype, static_scales=st)
+    twin = PagedKVCache(1, 8, 8, h, d, 2, dtype, static_scales=st)
+    twin.use_kernel = False
+    assert fast.use_kernel
+    rows = torch.randperm(8 * 2 * 8)[:t]
+    rows = (rows // 16) * 16 + rows % 8  # component-0 rows
+    fast.write(0, rows, x, -x)
+    twin.write(0, rows, x, -x)
+    assert torch.equal(fast.data.view(torch.uint8), twin.data.view(torch.uint8))
+    assert torch.equal(fast.scales.view(torch.int16), twin.scales.view(torch.int16))

@@ -102,6 +102,9 @@ class _Stop:
     pass
 
 
+_Batches = dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue, object]]]
+
+
 def _resolve(fut: asyncio.Future, error: BaseException | None) -> None:
     if fut.done():
         return
@@ -133,6 +136,8 @@ class AsyncLLMEngine:
         self._thread: threading.Thread | None = None
         self._dead: BaseException | None = None
         self._stopping = False
+        self._closed = False  # set by the engine thread as it exits
+        self._lock = threading.Lock()
         self._snapshot = EngineSnapshot()
         self._publish_snapshot()
 
@@ -176,11 +181,12 @@ class AsyncLLMEngine:
         ``EngineDeadError`` / ``EngineShutdown`` when no engine thread will serve it. ``deadline``
         is a ``time.monotonic()`` instant after which the request is aborted.
         """
-        self._check_serving()
         loop = asyncio.get_running_loop()
         ack = loop.create_future()
-        self._commands.put(_Add(request_id, prompt, params, priority, cache_salt, deadline,
-                                sink, loop, ack))
+        with self._lock:  # the engine thread closes under this lock: no add gets lost
+            self._check_serving()
+            self._commands.put(_Add(request_id, prompt, params, priority, cache_salt,
+                                    deadline, sink, loop, ack))
         await ack
 
     def abort(self, request_id: str | list[str]) -> None:
@@ -194,7 +200,7 @@ class AsyncLLMEngine:
             raise EngineDeadError(f"the engine thread died: {self._dead!r}")
         if self._thread is None:
             raise RuntimeError("AsyncLLMEngine.start() was not called")
-        if self._stopping:
+        if self._stopping or self._closed:
             raise EngineShutdown("the engine is shutting down")
 
     # ---- the engine thread ----------------------------------------------------------------
@@ -205,21 +211,21 @@ class AsyncLLMEngine:
                 busy = engine.has_unfinished_requests()
                 if not self._apply_commands(block=not busy):
                     break
-                self._expire_deadlines()
+                expired = self._expire_deadlines()
                 outputs = engine.step() if engine.has_unfinished_requests() else None
-                # Publish first: whoever sees an output also sees the state after its step.
+                # Publish first: whoever gets an item also sees the engine state after it.
                 self._publish_snapshot()
+                self._send(expired)
                 if outputs is not None:
-                    self._dispatch(outputs)
+                    self._send(self._route(outputs))
                     if self.step_delay_s:
                         time.sleep(self.step_delay_s)
         except BaseException as e:  # noqa: BLE001 - report any failure to every waiter
             logger.exception("engine thread died")
             self._dead = e
-            self._fail_all(EngineDeadError(f"the engine thread died: {e!r}"))
+            self._close(EngineDeadError(f"the engine thread died: {e!r}"))
             return
-        self._fail_all(EngineShutdown("the engine is shutting down"))
-        self._publish_snapshot()
+        self._close(EngineShutdown("the engine is shutting down"))
 
     def _apply_commands(self, block: bool) -> bool:
         """Apply every queued command; wait for one first when idle. False: stop."""
@@ -256,23 +262,22 @@ class AsyncLLMEngine:
             self._live[cmd.request_id] = _Live(cmd.sink, cmd.loop, cmd.deadline)
         self._call(cmd.loop, _resolve, cmd.ack, error)
 
-    def _expire_deadlines(self) -> None:
+    def _expire_deadlines(self) -> _Batches:
         now = time.monotonic()
         expired = [rid for rid, live in self._live.items()
                    if live.deadline is not None and now >= live.deadline]
+        batches: _Batches = defaultdict(list)
         if not expired:
-            return
+            return batches
         self._engine.abort_request(expired)
-        batches: dict[asyncio.AbstractEventLoop, list] = defaultdict(list)
         for rid in expired:
             live = self._live.pop(rid)
             batches[live.loop].append((live.sink, RequestFailure(
                 rid, DeadlineExceeded(f"request {rid} passed its deadline"))))
-        for loop, items in batches.items():
-            self._call(loop, _deliver, items)
+        return batches
 
-    def _dispatch(self, outputs: list[RequestOutput]) -> None:
-        batches: dict[asyncio.AbstractEventLoop, list] = defaultdict(list)
+    def _route(self, outputs: list[RequestOutput]) -> _Batches:
+        batches: _Batches = defaultdict(list)
         for out in outputs:
             live = self._live.get(out.request_id)
             if live is None:
@@ -282,28 +287,36 @@ class AsyncLLMEngine:
             batches[live.loop].append((live.sink, out))
             if out.finished:
                 del self._live[out.request_id]
+        return batches
+
+    def _send(self, batches: _Batches) -> None:
+        """One ``call_soon_threadsafe`` per event loop for everything it should receive."""
         for loop, items in batches.items():
             self._call(loop, _deliver, items)
 
-    def _fail_all(self, error: Exception) -> None:
+    def _close(self, error: Exception) -> None:
+        """Thread exit: refuse new adds, free what is left, fail every waiter with ``error``."""
+        with self._lock:
+            self._closed = True
+            pending = []
+            while True:
+                try:
+                    pending.append(self._commands.get_nowait())
+                except queue.Empty:
+                    break
         live, self._live = self._live, {}
-        batches: dict[asyncio.AbstractEventLoop, list] = defaultdict(list)
+        try:
+            self._engine.abort_request(list(live))
+            self._publish_snapshot()
+        except Exception:  # noqa: BLE001 - the engine may be broken; nothing more to free
+            logger.debug("cleanup after the engine loop failed", exc_info=True)
+        batches: _Batches = defaultdict(list)
         for rid, entry in live.items():
             batches[entry.loop].append((entry.sink, RequestFailure(rid, error)))
-        for loop, items in batches.items():
-            self._call(loop, _deliver, items)
-        # Adds still queued will never be applied: fail their acknowledgements.
-        while True:
-            try:
-                cmd = self._commands.get_nowait()
-            except queue.Empty:
-                break
+        self._send(batches)
+        for cmd in pending:  # adds that will never be applied
             if isinstance(cmd, _Add):
                 self._call(cmd.loop, _resolve, cmd.ack, error)
-        try:
-            self._engine.abort_request(list(live))  # free what is left
-        except Exception:  # noqa: BLE001 - the engine may be broken; nothing more to free
-            logger.debug("abort on shutdown failed", exc_info=True)
 
     @staticmethod
     def _call(loop: asyncio.AbstractEventLoop, fn, *args) -> None:

@@ -1,0 +1,251 @@
+"""HTTP load generator for ``kvserve serve`` (or any OpenAI-compatible server).
+
+    python -m kvserve.bench.serve_bench --url http://127.0.0.1:8000 --concurrency 16 \\
+        --requests 128 --max-tokens 64 --json OUT.json
+
+Every request streams (SSE) from ``/v1/completions`` (or ``/v1/chat/completions`` with
+``--chat``) with ``ignore_eos`` so output lengths are fixed, and is timed on the client:
+TTFT = send -> first content chunk, ITL = gaps between content chunks, E2E = send -> [DONE].
+Output tokens come from the final ``usage`` chunk (``stream_options.include_usage``).
+Reports throughput, TTFT / ITL / E2E mean and p50/p90/p99 in ms, and errors by kind.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import random
+import sys
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import httpx
+
+_WORDS = (
+    "the", "function", "returns", "a", "new", "list", "of", "objects", "from", "module",
+    "class", "method", "value", "string", "file", "data", "is", "called", "with", "each",
+    "argument", "and", "raises", "an", "error", "when", "key", "missing", "in", "dictionary",
+)
+
+
+@dataclass(slots=True)
+class _Result:
+    ok: bool = False
+    error: str | None = None
+    ttft: float | None = None
+    itls: list[float] = field(default_factory=list)
+    e2e: float | None = None
+    output_tokens: int = 0
+
+
+def percentiles(values: list[float], scale: float = 1000.0) -> dict[str, float | None]:
+    """mean / p50 / p90 / p99 (linear interpolation), multiplied by ``scale`` (s -> ms)."""
+    if not values:
+        return {"mean": None, "p50": None, "p90": None, "p99": None}
+    xs = sorted(values)
+
+    def pct(q: float) -> float:
+        pos = (len(xs) - 1) * q
+        lo = int(pos)
+        hi = min(lo + 1, len(xs) - 1)
+        return xs[lo] + (xs[hi] - xs[lo]) * (pos - lo)
+
+    return {"mean": scale * sum(xs) / len(xs), "p50": scale * pct(0.5),
+            "p90": scale * pct(0.9), "p99": scale * pct(0.99)}
+
+
+def synthetic_prompt(rng: random.Random, words: int) -> str:
+    return " ".join(rng.choice(_WORDS) for _ in range(words))
+
+
+def _content(chunk: dict) -> str:
+    text = ""
+    for choice in chunk.get("choices") or ():
+        delta = choice.get("delta")
+        text += (delta.get("content") or "") if isinstance(delta, dict) else \
+            (choice.get("text") or "")
+    return text
+
+
+async def _one(client: httpx.AsyncClient, path: str, payload: dict) -> _Result:
+    res = _Result()
+    start = time.perf_counter()
+    last = None
+    try:
+        async with client.stream("POST", path, json=payload) as r:
+            if r.status_code != 200:
+                await r.aread()
+                res.error = f"http_{r.status_code}"
+                return res
+            async for line in r.aiter_lines():
+                if not line.startswith("data: "):
+                    continue
+                data = line[6:]
+                if data == "[DONE]":
+                    res.ok = True
+                    break
+                chunk = json.loads(data)
+                if "error" in chunk:
+                    res.error = f"stream_{chunk['error'].get('code') or 'error'}"
+                    return res
+                if chunk.get("usage"):
+                    res.output_tokens = int(chunk["usage"].get("completion_tokens", 0))
+                if _content(chunk):
+                    now = time.perf_counter()
+                    if last is None:
+                        res.ttft = now - start
+                    else:
+                        res.itls.append(now - last)
+                    last = now
+    except (httpx.HTTPError, json.JSONDecodeError, OSError) as e:
+        res.error = f"exception_{type(e).__name__}"
+        return res
+    if not res.ok:
+        res.error = "stream_ended_without_done"
+    res.e2e = time.perf_counter() - start
+    return res
+
+
+async def _model_id(client: httpx.AsyncClient) -> str:
+    r = await client.get("/v1/models")
+    r.raise_for_status()
+    return r.json()["data"][0]["id"]
+
+
+async def serve_bench(url: str, concurrency: int, requests: int, *, max_tokens: int = 64,
+                      prompt: str | None = None, input_words: int = 32, chat: bool = False,
+                      model: str | None = None, api_key: str | None = None,
+                      temperature: float = 1.0, seed: int = 0,
+                      timeout: float = 600.0) -> dict[str, Any]:
+    """Async core of ``run_serve_bench`` (same arguments, returns the report)."""
+    if concurrency < 1:
+        raise ValueError(f"concurrency must be >= 1, got {concurrency}")
+    if requests < 1:
+        raise ValueError(f"requests must be >= 1, got {requests}")
+    if max_tokens < 1:
+        raise ValueError(f"max_tokens must be >= 1, got {max_tokens}")
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
+    rng = random.Random(seed)
+    async with httpx.AsyncClient(base_url=url.rstrip("/"), headers=headers, limits=limits,
+                                 timeout=httpx.Timeout(timeout)) as client:
+        model = model or await _model_id(client)
+        payloads = []
+        for i in range(requests):
+            text = prompt if prompt is not None else synthetic_prompt(rng, input_words)
+            body: dict[str, Any] = {
+                "model": model, "max_tokens": max_tokens, "temperature": temperature,
+                "seed": seed + i, "stream": True, "ignore_eos": True,
+                "stream_options": {"include_usage": True},
+            }
+            if chat:
+                body["messages"] = [{"role": "user", "content": text}]
+            else:
+                body["prompt"] = text
+            payloads.append(body)
+        path = "/v1/chat/completions" if chat else "/v1/completions"
+        sem = asyncio.Semaphore(concurrency)
+
+        async def bounded(body: dict) -> _Result:
+            async with sem:
+                return await _one(client, path, body)
+
+        start = time.perf_counter()
+        results = await asyncio.gather(*(bounded(b) for b in payloads))
+        duration = time.perf_counter() - start
+    return _report(url, path, concurrency, results, duration)
+
+
+def _report(url: str, path: str, concurrency: int, results: list[_Result],
+            duration: float) -> dict[str, Any]:
+    ok = [r for r in results if r.ok]
+    errors: dict[str, int] = {}
+    for r in results:
+        if r.error:
+            errors[r.error] = errors.get(r.error, 0) + 1
+    out_tokens = sum(r.output_tokens for r in ok)
+    return {
+        "url": url, "endpoint": path, "concurrency": concurrency,
+        "requests": len(results), "completed": len(ok), "failed": len(results) - len(ok),
+        "errors": errors, "duration_s": duration,
+        "request_throughput": len(ok) / duration if duration > 0 else 0.0,
+        "output_throughput_tok_s": out_tokens / duration if duration > 0 else 0.0,
+        "total_output_tokens": out_tokens,
+        "ttft_ms": percentiles([r.ttft for r in ok if r.ttft is not None]),
+        "itl_ms": percentiles([x for r in ok for x in r.itls]),
+        "e2e_ms": percentiles([r.e2e for r in ok if r.e2e is not None]),
+    }
+
+
+def run_serve_bench(url: str, concurrency: int, requests: int, *, max_tokens: int = 64,
+                    prompt: str | None = None, input_words: int = 32, chat: bool = False,
+                    model: str | None = None, api_key: str | None = None,
+                    temperature: float = 1.0, seed: int = 0, timeout: float = 600.0,
+                    json_out: str | None = None) -> dict[str, Any]:
+    """Run the load and return the report; also write it to ``json_out`` when given."""
+    report = asyncio.run(serve_bench(
+        url, concurrency, requests, max_tokens=max_tokens, prompt=prompt,
+        input_words=input_words, chat=chat, model=model, api_key=api_key,
+        temperature=temperature, seed=seed, timeout=timeout))
+    if json_out:
+        with open(json_out, "w") as f:
+            json.dump(report, f, indent=2)
+    return report
+
+
+def format_report(r: dict[str, Any]) -> str:
+    def row(name: str, d: dict) -> str:
+        vals = " ".join(f"{k} {v:8.1f}" if v is not None else f"{k}      n/a"
+                        for k, v in d.items())
+        return f"{name:<9}{vals}"
+
+    lines = [
+        f"{r['endpoint']} @ {r['url']}: {r['completed']}/{r['requests']} ok, "
+        f"concurrency {r['concurrency']}, {r['duration_s']:.2f} s",
+        f"throughput: {r['output_throughput_tok_s']:.1f} output tok/s, "
+        f"{r['request_throughput']:.2f} req/s ({r['total_output_tokens']} tokens)",
+        row("TTFT ms", r["ttft_ms"]), row("ITL ms", r["itl_ms"]), row("E2E ms", r["e2e_ms"]),
+    ]
+    if r["errors"]:
+        lines.append("errors: " + ", ".join(f"{k} x{v}" for k, v in sorted(r["errors"].items())))
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m kvserve.bench.serve_bench",
+                                description=__doc__.split("\n\n")[0])
+    p.add_argument("--url", default="http://127.0.0.1:8000")
+    p.add_argument("--concurrency", type=int, default=8)
+    p.add_argument("--requests", type=int, default=64)
+    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--prompt", default=None, help="one prompt for all requests "
+                                                  "(default: synthetic ones)")
+    p.add_argument("--input-words", type=int, default=32)
+    p.add_argument("--chat", action="store_true", help="use /v1/chat/completions")
+    p.add_argument("--model", default=None, help="default: the first of /v1/models")
+    p.add_argument("--api-key", default=None)
+    p.add_argument("--temperature", type=float, default=1.0)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--timeout", type=float, default=600.0)
+    p.add_argument("--json", dest="json_out", default=None, help="write the report here")
+    ns = p.parse_args(argv)
+    try:
+        report = run_serve_bench(
+            ns.url, ns.concurrency, ns.requests, max_tokens=ns.max_tokens, prompt=ns.prompt,
+            input_words=ns.input_words, chat=ns.chat, model=ns.model, api_key=ns.api_key,
+            temperature=ns.temperature, seed=ns.seed, timeout=ns.timeout,
+            json_out=ns.json_out)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    except httpx.HTTPError as e:
+        print(f"error: cannot reach {ns.url}: {e}", file=sys.stderr)
+        return 1
+    print(format_report(report))
+    return 0 if report["failed"] == 0 else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

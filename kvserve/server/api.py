@@ -1,0 +1,107 @@
+"""``build_app(engine_client, settings)``: the FastAPI application.
+
+The app owns no threads and needs no lifespan: the caller starts the ``AsyncLLMEngine`` and
+stops it after the server exits (see ``kvserve.server.cli``). ``app.state.server`` is the
+``ServerState`` (admission, draining flag, metrics).
+"""
+
+from __future__ import annotations
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+import kvserve
+from kvserve.engine.async_engine import AsyncLLMEngine
+from kvserve.model.loader import load_tokenizer
+from kvserve.server.chat import create_chat_completion
+from kvserve.server.completions import create_completion
+from kvserve.server.errors import (
+    APIError,
+    api_error_handler,
+    http_error_handler,
+    validation_error_handler,
+)
+from kvserve.server.middleware import APIKeyAuth, BodyLimit, ErrorCounter
+from kvserve.server.protocol import (
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    CompletionRequest,
+    CompletionResponse,
+    ErrorResponse,
+    ModelCard,
+    ModelList,
+    dump,
+)
+from kvserve.server.settings import ServerSettings
+from kvserve.server.state import ServerState
+
+_ERRORS = {code: {"model": ErrorResponse} for code in (400, 401, 404, 413, 429, 503)}
+
+
+def build_app(engine_client: AsyncLLMEngine, settings: ServerSettings,
+              tokenizer=None) -> FastAPI:
+    """``tokenizer``: the front end's own instance (default: loaded from the model folder;
+    never share the engine's, which its thread uses)."""
+    if tokenizer is None:
+        args = engine_client.engine_args
+        tokenizer = load_tokenizer(args.tokenizer or engine_client.model_config.path)
+    state = ServerState(engine_client, settings, tokenizer)
+    app = FastAPI(title="kvserve", version=kvserve.__version__,
+                  description="OpenAI-compatible LLM inference server")
+    app.state.server = state
+    app.add_exception_handler(RequestValidationError, validation_error_handler)
+    app.add_exception_handler(APIError, api_error_handler)
+    app.add_exception_handler(StarletteHTTPException, http_error_handler)
+    _routes(app, state)
+    # add_middleware prepends: the last added is the outermost.
+    app.add_middleware(BodyLimit, max_bytes=settings.max_body_bytes)
+    if settings.api_key is not None:
+        app.add_middleware(APIKeyAuth, api_key=settings.api_key)
+    app.add_middleware(ErrorCounter, counter=state.metrics.http_errors)
+    return app
+
+
+def _routes(app: FastAPI, state: ServerState) -> None:
+    @app.post("/v1/completions", response_model=CompletionResponse, responses=_ERRORS)
+    async def completions(body: CompletionRequest, request: Request) -> Response:
+        """Text completion; `stream: true` answers with server-sent events."""
+        return await create_completion(body, request, state)
+
+    @app.post("/v1/chat/completions", response_model=ChatCompletionResponse, responses=_ERRORS)
+    async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
+        """Chat completion with the model's chat template; `stream: true` answers with SSE."""
+        return await create_chat_completion(body, request, state)
+
+    @app.get("/v1/models", response_model=ModelList)
+    async def models() -> dict:
+        card = ModelCard(id=state.settings.served_model_name,
+                         max_model_len=state.limits.max_model_len)
+        return dump(ModelList(data=[card]))
+
+    @app.get("/health")
+    async def health() -> JSONResponse:
+        """200 while the engine thread is alive."""
+        if state.engine.is_alive():
+            return JSONResponse({"status": "ok"})
+        return JSONResponse({"status": "engine_dead"}, status_code=503)
+
+    @app.get("/ready")
+    async def ready() -> JSONResponse:
+        """200 while accepting requests; 503 while draining for shutdown."""
+        if state.draining:
+            return JSONResponse({"status": "draining", "in_flight": state.inflight},
+                                status_code=503)
+        if not state.engine.is_alive():
+            return JSONResponse({"status": "engine_dead"}, status_code=503)
+        return JSONResponse({"status": "ready", "in_flight": state.inflight})
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        body, content_type = state.metrics.render()
+        return Response(body, media_type=content_type)
+
+    @app.get("/version")
+    async def version() -> dict:
+        return {"version": kvserve.__version__}

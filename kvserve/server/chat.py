@@ -1,0 +1,131 @@
+"""``POST /v1/chat/completions``: messages -> chat template -> engine -> OpenAI response."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+
+from fastapi import Request
+from fastapi.responses import Response
+
+from kvserve.server.errors import bad_request
+from kvserve.server.generation import Generation
+from kvserve.server.logprobs import chat_logprobs
+from kvserve.server.prompts import (
+    chat_prompt,
+    check_lengths,
+    check_model,
+    check_n,
+    sampling_params,
+)
+from kvserve.server.protocol import (
+    AssistantMessage,
+    ChatChoice,
+    ChatChunkChoice,
+    ChatCompletionChunk,
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    ChoiceLogprobs,
+    DeltaMessage,
+    UsageInfo,
+    dump,
+)
+from kvserve.server.state import ServerState
+from kvserve.server.streaming import Update, respond
+
+
+async def create_chat_completion(req: ChatCompletionRequest, request: Request,
+                                 state: ServerState) -> Response:
+    check_model(req.model, state.settings)
+    check_n(req.n, state.settings)
+    if req.top_logprobs is not None and not req.logprobs:
+        raise bad_request("top_logprobs requires logprobs to be true", "top_logprobs")
+    prompt = chat_prompt(req, state.tokenizer, state.limits)
+    if req.max_completion_tokens is not None:
+        max_tokens, max_param = req.max_completion_tokens, "max_completion_tokens"
+    else:
+        max_tokens, max_param = req.max_tokens, "max_tokens"
+    check_lengths([prompt], max_tokens, state.limits, "messages", max_param)
+    logprobs = (req.top_logprobs or 0) if req.logprobs else None
+    params = sampling_params(req, max_tokens=max_tokens, max_tokens_param=max_param,
+                             logprobs=logprobs, prompt_logprobs=None, limits=state.limits)
+    gen = Generation(state, state.new_id("chatcmpl"), [prompt], params, priority=req.priority,
+                     cache_salt=req.cache_salt)
+    view = _ChatView(req, state)
+    return await respond(gen, request, req.stream, view.full, view.chunks)
+
+
+class _ChatView:
+    def __init__(self, req: ChatCompletionRequest, state: ServerState) -> None:
+        self.req = req
+        self.state = state
+        self.model = state.settings.served_model_name
+        self.top = req.top_logprobs or 0
+
+    def _logprobs(self, token_ids, logprobs) -> ChoiceLogprobs | None:
+        if not self.req.logprobs or logprobs is None:
+            return None
+        return ChoiceLogprobs(content=chat_logprobs(token_ids, logprobs, self.top,
+                                                    self.state.text))
+
+    def _usage(self, gen: Generation) -> UsageInfo:
+        p, c = gen.num_prompt_tokens, gen.num_generated_tokens
+        return UsageInfo(prompt_tokens=p, completion_tokens=c, total_tokens=p + c)
+
+    def full(self, gen: Generation) -> dict:
+        choices = []
+        for i in range(self.req.n):
+            comp = gen.completion(0, i)
+            choices.append(ChatChoice(
+                index=i, message=AssistantMessage(content=comp.text if comp else ""),
+                logprobs=self._logprobs(comp.token_ids, comp.logprobs) if comp else None,
+                finish_reason=gen.finish_reason(comp),
+                stop_reason=comp.stop_reason if comp else None,
+            ))
+        return dump(ChatCompletionResponse(id=gen.request_id, created=gen.created,
+                                           model=self.model, choices=choices,
+                                           usage=self._usage(gen)))
+
+    async def chunks(self, gen: Generation, first: Update | None) -> AsyncIterator[dict]:
+        include_usage = bool(self.req.stream_options and self.req.stream_options.include_usage)
+
+        def chunk(choice: ChatChunkChoice | None, usage: UsageInfo | None = None) -> dict:
+            c = ChatCompletionChunk(id=gen.request_id, created=gen.created, model=self.model,
+                                    choices=[choice] if choice else [], usage=usage)
+            d = dump(c)
+            for ch in d["choices"]:  # OpenAI omits unset delta fields
+                ch["delta"] = {k: v for k, v in ch["delta"].items() if v is not None}
+            if not include_usage:
+                d.pop("usage", None)
+            return d
+
+        n = self.req.n
+        sent_text, sent_tokens, done = [0] * n, [0] * n, [False] * n
+        for i in range(n):
+            yield chunk(ChatChunkChoice(index=i, delta=DeltaMessage(role="assistant",
+                                                                    content="")))
+        update = first
+        while update is not None:
+            for comp in update[1].outputs:
+                i = comp.index
+                if done[i]:
+                    continue
+                text = comp.text[sent_text[i]:]
+                new_ids = comp.token_ids[sent_tokens[i]:]
+                lps = comp.logprobs[sent_tokens[i]:] if comp.logprobs is not None else None
+                reason = gen.finish_reason(comp)
+                if not text and reason is None and not (self.req.logprobs and new_ids):
+                    continue
+                sent_text[i], sent_tokens[i] = len(comp.text), len(comp.token_ids)
+                done[i] = reason is not None
+                yield chunk(ChatChunkChoice(
+                    index=i, delta=DeltaMessage(content=text), finish_reason=reason,
+                    logprobs=self._logprobs(new_ids, lps),
+                    stop_reason=comp.stop_reason if reason else None,
+                ))
+            update = await gen.next()
+        for i in range(n):  # cut by the deadline before finishing
+            if not done[i]:
+                yield chunk(ChatChunkChoice(index=i, delta=DeltaMessage(content=""),
+                                            finish_reason=gen.finish_reason(None) or "length"))
+        if include_usage:
+            yield chunk(None, self._usage(gen))

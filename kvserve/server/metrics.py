@@ -1,0 +1,97 @@
+"""Prometheus metrics (all ``kvserve_``-prefixed) in a per-app ``CollectorRegistry``.
+
+Engine-side figures (scheduler queues, KV blocks, prefix-cache hit rate, token counters,
+preemptions, integrity counters) are read from the engine thread's latest ``EngineSnapshot`` at
+scrape time by a custom collector, so the scrape never touches the live engine. Request
+latencies, finish reasons and HTTP errors are observed by the front end as they happen.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.exposition import CONTENT_TYPE_LATEST
+
+from kvserve.engine.async_engine import EngineSnapshot
+
+_TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5,
+                 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
+_ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05, 0.075, 0.1,
+                0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5)
+_E2E_BUCKETS = (0.01, 0.05, 0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0,
+                40.0, 50.0, 60.0, 120.0, 300.0, 600.0)
+
+
+class _SnapshotCollector:
+    def __init__(self, snapshot: Callable[[], EngineSnapshot]) -> None:
+        self._snapshot = snapshot
+
+    def describe(self) -> list[Metric]:
+        return []  # values are only known at scrape time
+
+    def collect(self) -> Iterator[Metric]:
+        s = self._snapshot()
+
+        def gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
+            return GaugeMetricFamily(f"kvserve_{name}", doc, value=value)
+
+        def counter(name: str, doc: str, value: float) -> CounterMetricFamily:
+            return CounterMetricFamily(f"kvserve_{name}", doc, value=value)
+
+        yield gauge("num_requests_running", "Sequences in the running batch.", s.num_running)
+        yield gauge("num_requests_waiting", "Sequences waiting to be scheduled.", s.num_waiting)
+        yield gauge("num_unfinished_requests", "Requests in the engine, running or waiting.",
+                    s.num_unfinished_requests)
+        yield gauge("kv_blocks_total", "KV cache blocks in the pool.", s.num_blocks_total)
+        yield gauge("kv_blocks_used", "KV cache blocks held by requests.", s.num_blocks_used)
+        yield gauge("kv_blocks_free", "KV cache blocks free (incl. reusable cached ones).",
+                    s.num_blocks_free)
+        usage = 100.0 * s.num_blocks_used / s.num_blocks_total if s.num_blocks_total else 0.0
+        yield gauge("kv_cache_usage_percent", "KV cache blocks in use, percent.", usage)
+        yield gauge("prefix_cache_hit_rate", "Prompt tokens served from the prefix cache "
+                    "(fraction of queried tokens, since start).", s.prefix_cache_hit_rate)
+        yield counter("prompt_tokens", "Prompt tokens accepted by the engine.",
+                      s.stats.get("prompt_tokens", 0))
+        yield counter("generation_tokens", "Tokens generated.",
+                      s.stats.get("generation_tokens", 0))
+        yield counter("engine_steps", "Engine steps run.", s.stats.get("steps", 0))
+        yield counter("preemptions", "Sequences preempted for lack of KV blocks.",
+                      s.num_preemptions)
+        integrity = s.integrity or {}
+        for key, doc in (("checks", "KV integrity checks run"),
+                         ("failures", "KV integrity checks that failed"),
+                         ("repairs", "KV integrity repairs made")):
+            fam = CounterMetricFamily(f"kvserve_integrity_{key}", f"{doc}, by reason.",
+                                      labels=["reason"])
+            for reason, n in sorted((integrity.get(key) or {}).items()):
+                fam.add_metric([str(reason)], n)
+            yield fam
+
+
+class ServerMetrics:
+    def __init__(self, snapshot: Callable[[], EngineSnapshot]) -> None:
+        self.registry = CollectorRegistry(auto_describe=False)
+        self.registry.register(_SnapshotCollector(snapshot))  # type: ignore[arg-type]
+        r = self.registry
+        self.ttft = Histogram("kvserve_time_to_first_token_seconds",
+                              "Arrival to first generated token.", buckets=_TTFT_BUCKETS,
+                              registry=r)
+        self.itl = Histogram("kvserve_inter_token_latency_seconds",
+                             "Time between consecutive generated tokens.",
+                             buckets=_ITL_BUCKETS, registry=r)
+        self.e2e = Histogram("kvserve_e2e_request_latency_seconds",
+                             "Arrival to the last output of a request.", buckets=_E2E_BUCKETS,
+                             registry=r)
+        self.finished = Counter("kvserve_requests_finished",
+                                "Finished sequences (choices) by finish reason "
+                                "(stop, length, abort, timeout).", ["finish_reason"], registry=r)
+        self.http_errors = Counter("kvserve_http_errors", "HTTP responses with status >= 400.",
+                                   ["status"], registry=r)
+        self.rejected = Counter("kvserve_requests_rejected",
+                                "Generation requests refused before reaching the engine.",
+                                ["reason"], registry=r)
+
+    def render(self) -> tuple[bytes, str]:
+        return generate_latest(self.registry), CONTENT_TYPE_LATEST

@@ -1,0 +1,184 @@
+"""Turn a validated request into engine inputs: token ids and ``SamplingParams``.
+
+Everything here runs on the event loop with the front end's own tokenizer instance (the
+engine thread owns the engine's), and raises ``APIError`` 400 naming the parameter.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+from kvserve.sampling_params import SamplingParams
+from kvserve.server.errors import APIError, bad_request
+from kvserve.server.protocol import (
+    MAX_STOP_SEQUENCES,
+    ChatCompletionRequest,
+    CompletionRequest,
+    SamplingRequest,
+)
+from kvserve.server.settings import ServerSettings
+
+
+@dataclass(frozen=True, slots=True)
+class Limits:
+    """What the served engine allows (read once from the engine at startup)."""
+
+    vocab_size: int
+    max_model_len: int
+    capacity_tokens: int
+
+
+@dataclass(frozen=True, slots=True)
+class Prompt:
+    text: str | None
+    token_ids: list[int]
+
+
+def check_model(model: str | None, settings: ServerSettings) -> None:
+    if model is not None and model != settings.served_model_name:
+        raise APIError(404, f"The model `{model}` does not exist; this server serves "
+                       f"`{settings.served_model_name}`.", param="model", code="model_not_found")
+
+
+def check_n(n: int, settings: ServerSettings) -> None:
+    if n > settings.max_n:
+        raise bad_request(f"n must be at most {settings.max_n} on this server, got {n}", "n")
+
+
+# ---- prompts ----------------------------------------------------------------------------------
+def _check_ids(ids: list[int], limits: Limits, param: str) -> list[int]:
+    if not ids:
+        raise bad_request(f"{param} is empty", param)
+    for t in ids:
+        if not 0 <= t < limits.vocab_size:
+            raise bad_request(f"{param} has token id {t} outside the vocabulary "
+                              f"[0, {limits.vocab_size})", param, "invalid_token_id")
+    return ids
+
+
+def completion_prompts(req: CompletionRequest, tokenizer, limits: Limits,
+                       settings: ServerSettings) -> list[Prompt]:
+    p = req.prompt
+    if isinstance(p, str):
+        items: list[str | list[int]] = [p]
+    elif not p:
+        raise bad_request("prompt must not be empty", "prompt")
+    elif all(isinstance(x, int) for x in p):
+        items = [list(p)]  # type: ignore[arg-type]
+    else:
+        items = list(p)  # type: ignore[arg-type]
+    if len(items) > settings.max_prompts:
+        raise bad_request(f"prompt batch has {len(items)} prompts; at most "
+                          f"{settings.max_prompts} allowed", "prompt")
+    out = []
+    for i, item in enumerate(items):
+        param = "prompt" if len(items) == 1 else f"prompt[{i}]"
+        if isinstance(item, str):
+            ids = tokenizer.encode(item, add_special_tokens=True)
+            out.append(Prompt(item, _check_ids(list(ids), limits, param)))
+        else:
+            out.append(Prompt(None, _check_ids(list(item), limits, param)))
+    return out
+
+
+def _message_text(content, index: int) -> str:
+    if content is None or isinstance(content, str):
+        return content or ""
+    texts = []
+    for j, part in enumerate(content):
+        if part.type != "text" or part.text is None:
+            raise bad_request(f"content part type {part.type!r} is not supported; only text",
+                              f"messages[{index}].content[{j}]")
+        texts.append(part.text)
+    return "\n".join(texts)
+
+
+def chat_prompt(req: ChatCompletionRequest, tokenizer, limits: Limits) -> Prompt:
+    if not getattr(tokenizer, "chat_template", None):
+        raise bad_request("the served model's tokenizer has no chat template; use "
+                          "/v1/completions", "messages")
+    conversation = []
+    for i, m in enumerate(req.messages):
+        msg = {"role": m.role, "content": _message_text(m.content, i)}
+        if m.name is not None:
+            msg["name"] = m.name
+        conversation.append(msg)
+    try:
+        ids = tokenizer.apply_chat_template(conversation, tokenize=True,
+                                            add_generation_prompt=req.add_generation_prompt)
+    except Exception as e:  # noqa: BLE001 - jinja templates raise anything on bad input
+        raise bad_request(f"messages could not be rendered with the chat template: {e}",
+                          "messages") from e
+    if isinstance(ids, dict) or hasattr(ids, "input_ids"):
+        ids = ids["input_ids"]
+    return Prompt(None, _check_ids(list(ids), limits, "messages"))
+
+
+def check_lengths(prompts: list[Prompt], max_tokens: int | None, limits: Limits,
+                  prompt_param: str, max_tokens_param: str) -> None:
+    ctx = limits.max_model_len
+    for p in prompts:
+        n = len(p.token_ids)
+        if n >= ctx:
+            raise bad_request(f"This model's maximum context length is {ctx} tokens, and the "
+                              f"{prompt_param} has {n} tokens, leaving no room to generate.",
+                              prompt_param, "context_length_exceeded")
+        if n >= limits.capacity_tokens:
+            raise bad_request(f"the {prompt_param} has {n} tokens but the KV cache holds only "
+                              f"{limits.capacity_tokens}", prompt_param,
+                              "context_length_exceeded")
+        if max_tokens is not None and n + max_tokens > ctx:
+            raise bad_request(f"This model's maximum context length is {ctx} tokens. However, "
+                              f"you requested {n + max_tokens} tokens ({n} in the "
+                              f"{prompt_param}, {max_tokens} in the completion). Please reduce "
+                              f"the length of the {prompt_param} or {max_tokens_param}.",
+                              max_tokens_param, "context_length_exceeded")
+
+
+# ---- sampling ---------------------------------------------------------------------------------
+_PARAM_RE = re.compile(r"^([a-z_]+)\b")
+
+
+def _stops(stop: str | list[str] | None) -> tuple[str, ...]:
+    if stop is None:
+        return ()
+    stops = (stop,) if isinstance(stop, str) else tuple(stop)
+    if len(stops) > MAX_STOP_SEQUENCES:
+        raise bad_request(f"stop has {len(stops)} sequences; at most {MAX_STOP_SEQUENCES}",
+                          "stop")
+    if any(not s for s in stops):
+        raise bad_request("stop sequences must not be empty strings", "stop")
+    return stops
+
+
+def sampling_params(req: SamplingRequest, *, max_tokens: int | None, max_tokens_param: str,
+                    logprobs: int | None, prompt_logprobs: int | None,
+                    limits: Limits) -> SamplingParams:
+    top_k = req.top_k if req.top_k is not None else -1
+    if top_k > limits.vocab_size:
+        top_k = limits.vocab_size
+    try:
+        return SamplingParams(
+            n=req.n,
+            temperature=1.0 if req.temperature is None else req.temperature,
+            top_p=1.0 if req.top_p is None else req.top_p,
+            top_k=top_k,
+            min_p=req.min_p or 0.0,
+            seed=req.seed,
+            presence_penalty=req.presence_penalty or 0.0,
+            frequency_penalty=req.frequency_penalty or 0.0,
+            repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
+            max_tokens=max_tokens,
+            min_tokens=req.min_tokens,
+            stop=_stops(req.stop),
+            ignore_eos=req.ignore_eos,
+            logprobs=logprobs,
+            prompt_logprobs=prompt_logprobs,
+        )
+    except ValueError as e:
+        m = _PARAM_RE.match(str(e))
+        param = m.group(1) if m else None
+        if param == "max_tokens":
+            param = max_tokens_param
+        raise bad_request(str(e), param) from e

@@ -1,0 +1,222 @@
+"""OpenAI-compatible request and response models (pydantic 2).
+
+Requests ignore unknown fields (``extra="ignore"``) and reject NaN / infinity. Bounds that do
+not depend on the served model live here as ``Field`` constraints, so they show up in the
+OpenAPI schema; bounds that do (context length, vocabulary, ``n``) are checked when serving.
+Fields marked *kvserve* are extensions beyond OpenAI's API (vLLM spells them the same way).
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+from kvserve.sampling_params import MAX_LOGPROBS
+
+MAX_STOP_SEQUENCES = 16
+MAX_SEED = 2**63 - 1
+
+
+class _Request(BaseModel):
+    model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
+
+
+class _Response(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+
+# ---- requests ---------------------------------------------------------------------------------
+class StreamOptions(_Request):
+    include_usage: bool = False
+
+
+class SamplingRequest(_Request):
+    """Fields shared by ``/v1/completions`` and ``/v1/chat/completions``."""
+
+    model: str | None = Field(None, description="Must name the served model when given.")
+    n: int = Field(1, ge=1, description="Choices per prompt (capped by the server's --max-n).")
+    temperature: float | None = Field(None, ge=0, le=2, description="Default 1.0; 0 = greedy.")
+    top_p: float | None = Field(None, gt=0, le=1)
+    seed: int | None = Field(None, ge=0, le=MAX_SEED)
+    stop: str | list[str] | None = Field(None, description="Up to 16 stop strings.")
+    presence_penalty: float | None = Field(None, ge=-2, le=2)
+    frequency_penalty: float | None = Field(None, ge=-2, le=2)
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    user: str | None = Field(None, description="Accepted and ignored.")
+
+    @field_validator("stop", mode="wrap")
+    @classmethod
+    def _stop_shape(cls, value: Any, handler: Any) -> Any:
+        try:
+            return handler(value)
+        except ValidationError:
+            raise ValueError("stop must be a string or a list of strings") from None
+    # kvserve extensions
+    top_k: int | None = Field(None, ge=-1, description="kvserve: -1 or 0 disables.")
+    min_p: float | None = Field(None, ge=0, le=1, description="kvserve.")
+    repetition_penalty: float | None = Field(None, gt=0, le=2, description="kvserve.")
+    ignore_eos: bool = Field(False, description="kvserve: keep generating past EOS.")
+    min_tokens: int = Field(0, ge=0, description="kvserve: no stop before this many tokens.")
+    priority: int = Field(0, description="kvserve: lower runs first (--scheduling-policy "
+                                         "priority).")
+    cache_salt: str | None = Field(None, max_length=256,
+                                   description="kvserve: isolates prefix-cache sharing.")
+
+
+class CompletionRequest(SamplingRequest):
+    prompt: str | list[str] | list[int] | list[list[int]] = Field(
+        ..., description="Text, token ids, or a batch of either.")
+    max_tokens: int | None = Field(16, ge=1, description="None: up to the context length.")
+    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    echo: bool = False
+
+    @field_validator("prompt", mode="wrap")
+    @classmethod
+    def _prompt_shape(cls, value: Any, handler: Any) -> Any:
+        try:
+            return handler(value)
+        except ValidationError:
+            raise ValueError("prompt must be a string, a list of strings, a list of token ids "
+                             "or a list of token-id lists") from None
+
+
+class TextContentPart(_Request):
+    type: str = "text"
+    text: str | None = None
+
+
+class ChatMessage(_Request):
+    role: str = Field(..., max_length=64)
+    content: str | list[TextContentPart] | None = None
+    name: str | None = None
+
+
+class ChatCompletionRequest(SamplingRequest):
+    messages: list[ChatMessage] = Field(..., min_length=1)
+    max_tokens: int | None = Field(None, ge=1, description="Deprecated by OpenAI; "
+                                                           "max_completion_tokens wins.")
+    max_completion_tokens: int | None = Field(None, ge=1)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    add_generation_prompt: bool = Field(True, description="kvserve.")
+
+
+# ---- responses --------------------------------------------------------------------------------
+class UsageInfo(_Response):
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    total_tokens: int = 0
+
+
+class CompletionLogprobs(_Response):
+    tokens: list[str] = Field(default_factory=list)
+    token_logprobs: list[float | None] = Field(default_factory=list)
+    top_logprobs: list[dict[str, float] | None] = Field(default_factory=list)
+    text_offset: list[int] = Field(default_factory=list)
+
+
+class CompletionChoice(_Response):
+    index: int
+    text: str
+    logprobs: CompletionLogprobs | None = None
+    finish_reason: Literal["stop", "length"] | None = None
+    stop_reason: int | str | None = None
+
+
+class CompletionResponse(_Response):
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    choices: list[CompletionChoice]
+    usage: UsageInfo | None = None
+
+
+class TopLogprob(_Response):
+    token: str
+    logprob: float
+    bytes: list[int] | None = None
+
+
+class TokenLogprob(TopLogprob):
+    top_logprobs: list[TopLogprob] = Field(default_factory=list)
+
+
+class ChoiceLogprobs(_Response):
+    content: list[TokenLogprob] | None = None
+    refusal: list[TokenLogprob] | None = None
+
+
+class AssistantMessage(_Response):
+    role: Literal["assistant"] = "assistant"
+    content: str | None = None
+
+
+class ChatChoice(_Response):
+    index: int
+    message: AssistantMessage
+    logprobs: ChoiceLogprobs | None = None
+    finish_reason: Literal["stop", "length"] | None = None
+    stop_reason: int | str | None = None
+
+
+class ChatCompletionResponse(_Response):
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    choices: list[ChatChoice]
+    usage: UsageInfo
+
+
+class DeltaMessage(_Response):
+    role: Literal["assistant"] | None = None
+    content: str | None = None
+
+
+class ChatChunkChoice(_Response):
+    index: int
+    delta: DeltaMessage
+    logprobs: ChoiceLogprobs | None = None
+    finish_reason: Literal["stop", "length"] | None = None
+    stop_reason: int | str | None = None
+
+
+class ChatCompletionChunk(_Response):
+    id: str
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    created: int
+    model: str
+    choices: list[ChatChunkChoice]
+    usage: UsageInfo | None = None
+
+
+class ModelCard(_Response):
+    id: str
+    object: Literal["model"] = "model"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    owned_by: str = "kvserve"
+    max_model_len: int | None = None
+
+
+class ModelList(_Response):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]
+
+
+class ErrorInfo(_Response):
+    message: str
+    type: str
+    param: str | None = None
+    code: str | None = None
+
+
+class ErrorResponse(_Response):
+    error: ErrorInfo
+
+
+def dump(model: BaseModel) -> dict[str, Any]:
+    return model.model_dump(mode="json")

@@ -1,0 +1,76 @@
+"""Answer a ``Generation`` as one JSON response or as a server-sent-event stream.
+
+Both paths first wait for the request's first output, so admission, engine rejections and a
+deadline that passes before any token all still become proper HTTP errors. A stream's
+``Generation`` is closed in the response's own ``finally``, which runs when the stream ends,
+when the client disconnects (Starlette cancels the body iterator) and when sending fails.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator, Callable
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.types import Receive, Scope, Send
+
+from kvserve.outputs import RequestOutput
+from kvserve.server.errors import APIError, error_body
+from kvserve.server.generation import ClientDisconnected, Generation, run_to_first
+
+Update = tuple[int, RequestOutput]
+ChunkSource = Callable[[Generation, Update | None], AsyncIterator[dict]]
+
+_SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+CLIENT_CLOSED = 499  # nginx's "client closed request"; nobody reads it
+
+
+def sse(payload: dict | str) -> str:
+    data = payload if isinstance(payload, str) else json.dumps(payload, separators=(",", ":"))
+    return f"data: {data}\n\n"
+
+
+class GenerationStream(StreamingResponse):
+    def __init__(self, content: AsyncIterator[str], gen: Generation) -> None:
+        super().__init__(content, media_type="text/event-stream", headers=_SSE_HEADERS)
+        self._gen = gen
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self._gen.close()
+
+
+async def _events(gen: Generation, first: Update | None, chunks: ChunkSource
+                  ) -> AsyncIterator[str]:
+    try:
+        async for chunk in chunks(gen, first):
+            yield sse(chunk)
+    except ClientDisconnected:
+        return
+    except APIError as e:
+        yield sse(error_body(e.message, type=e.type, param=e.param, code=e.code))
+    finally:
+        gen.close()
+    yield sse("[DONE]")
+
+
+async def respond(gen: Generation, request: Request, stream: bool,
+                  full: Callable[[Generation], dict], chunks: ChunkSource) -> Response:
+    handed_over = False
+    try:
+        first = await run_to_first(gen, request.receive)
+        if stream:
+            gen.stop_watching()
+            handed_over = True
+            return GenerationStream(_events(gen, first, chunks), gen)
+        await gen.drain()
+        gen.check_timeout_before_output()
+        return JSONResponse(full(gen))
+    except ClientDisconnected:
+        return Response(status_code=CLIENT_CLOSED)
+    finally:
+        if not handed_over:
+            gen.close()

@@ -1,0 +1,158 @@
+"""``AsyncLLMEngine``: one engine thread, command queue, per-request sinks."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+
+from kvserve.engine.arg_utils import EngineArgs
+from kvserve.engine.async_engine import (
+    AsyncLLMEngine,
+    DeadlineExceeded,
+    EngineDeadError,
+    EngineShutdown,
+    RequestFailure,
+)
+from kvserve.outputs import RequestOutput
+from kvserve.sampling_params import SamplingParams
+
+LONG = SamplingParams(max_tokens=300, ignore_eos=True)
+
+
+@pytest.fixture
+def make_engine(tiny_llama):
+    made = []
+
+    def make(step_delay_s: float = 0.0) -> AsyncLLMEngine:
+        args = EngineArgs(model=tiny_llama, kv_cache_memory="16MiB", progress=False)
+        eng = AsyncLLMEngine.from_engine_args(args, step_delay_s=step_delay_s).start()
+        made.append(eng)
+        return eng
+
+    yield make
+    for eng in made:
+        eng.shutdown()
+        assert not eng.is_alive()
+
+
+async def _wait(pred, timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not pred():
+        assert time.monotonic() < deadline, "timed out"
+        await asyncio.sleep(0.002)
+
+
+def test_streams_cumulative_outputs_until_finished(make_engine):
+    eng = make_engine()
+
+    async def main():
+        sink: asyncio.Queue = asyncio.Queue()
+        await eng.add_request("a", "w1 w2", SamplingParams(max_tokens=5, ignore_eos=True),
+                              sink=sink)
+        outs = []
+        while not outs or not outs[-1].finished:
+            outs.append(await sink.get())
+        assert all(isinstance(o, RequestOutput) for o in outs)
+        assert [len(o.outputs[0].token_ids) for o in outs] == [1, 2, 3, 4, 5]
+        assert outs[-1].outputs[0].finish_reason == "length"
+
+    asyncio.run(main())
+    assert eng.snapshot().num_blocks_used == 0
+
+
+def test_rejected_request_raises_value_error_and_engine_keeps_going(make_engine):
+    eng = make_engine()
+
+    async def main():
+        sink: asyncio.Queue = asyncio.Queue()
+        with pytest.raises(ValueError, match="vocabulary"):
+            await eng.add_request("bad", [1, 99999], SamplingParams(), sink=sink)
+        await eng.add_request("dup", "w1", SamplingParams(max_tokens=50), sink=sink)
+        with pytest.raises(ValueError, match="already in use"):
+            await eng.add_request("dup", "w1", SamplingParams(), sink=sink)
+        eng.abort("dup")
+        await eng.add_request("ok", "w1", SamplingParams(max_tokens=2), sink=sink)
+        while True:
+            out = await sink.get()
+            if out.request_id == "ok" and out.finished:
+                break
+
+    asyncio.run(main())
+
+
+def test_abort_frees_blocks_within_one_step(make_engine):
+    eng = make_engine(step_delay_s=0.02)
+
+    async def main():
+        sink: asyncio.Queue = asyncio.Queue()
+        await eng.add_request("a", "w1 w2 w3", LONG, sink=sink)
+        for _ in range(3):
+            await sink.get()
+        assert eng.snapshot().num_blocks_used > 0
+        steps_at_abort = eng.snapshot().stats["steps"]
+        eng.abort("a")
+        await _wait(lambda: eng.snapshot().num_unfinished_requests == 0)
+        snap = eng.snapshot()
+        assert snap.num_blocks_used == 0 and snap.num_running == 0
+        # at most the step already in flight ran after the abort
+        assert snap.stats["steps"] <= steps_at_abort + 1
+
+    asyncio.run(main())
+
+
+def test_deadline_aborts_and_reports(make_engine):
+    eng = make_engine(step_delay_s=0.01)
+
+    async def main():
+        sink: asyncio.Queue = asyncio.Queue()
+        await eng.add_request("a", "w1", LONG, sink=sink, deadline=time.monotonic() + 0.2)
+        while True:
+            item = await sink.get()
+            if isinstance(item, RequestFailure):
+                break
+            assert not item.finished
+        assert item.request_id == "a" and isinstance(item.error, DeadlineExceeded)
+
+    asyncio.run(main())
+    assert eng.snapshot().num_blocks_used == 0
+
+
+def test_engine_error_fails_every_request_and_health(make_engine):
+    eng = make_engine()
+
+    def boom():
+        raise RuntimeError("kaboom")
+
+    async def main():
+        sink: asyncio.Queue = asyncio.Queue()
+        eng._engine.step = boom  # noqa: SLF001 - simulate a crash inside the engine thread
+        await eng.add_request("a", "w1", LONG, sink=sink)
+        item = await asyncio.wait_for(sink.get(), 10)
+        assert isinstance(item, RequestFailure) and isinstance(item.error, EngineDeadError)
+        await _wait(lambda: not eng.is_alive())
+        with pytest.raises(EngineDeadError):
+            await eng.add_request("b", "w1", LONG, sink=sink)
+
+    asyncio.run(main())
+
+
+def test_shutdown_fails_running_requests(make_engine):
+    eng = make_engine(step_delay_s=0.01)
+
+    async def main():
+        sink: asyncio.Queue = asyncio.Queue()
+        await eng.add_request("a", "w1", LONG, sink=sink)
+        await sink.get()
+        await asyncio.to_thread(eng.shutdown)
+        while True:
+            item = await sink.get()
+            if isinstance(item, RequestFailure):
+                break
+        assert isinstance(item.error, EngineShutdown)
+        with pytest.raises(EngineShutdown):
+            await eng.add_request("b", "w1", LONG, sink=sink)
+
+    asyncio.run(main())
+    assert eng.snapshot().num_blocks_used == 0

@@ -1,0 +1,100 @@
+"""Bad input against the real server: HTTP 400 in OpenAI's error shape naming the parameter,
+and after every bad request a normal one still succeeds."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from tests.server.conftest import MODEL_NAME, assert_ok
+
+CHAT = "/v1/chat/completions"
+CMPL = "/v1/completions"
+MSGS = [{"role": "user", "content": "w1 w2"}]
+LONG_PROMPT = " ".join(f"w{i % 500}" for i in range(600))
+
+
+def _c(**kw) -> dict:
+    return {"model": MODEL_NAME, "prompt": "w1 w2 w3", "max_tokens": 4, **kw}
+
+
+def _chat(**kw) -> dict:
+    return {"model": MODEL_NAME, "messages": MSGS, "max_tokens": 4, **kw}
+
+
+CASES = [
+    # (id, path, json body or raw bytes, expected param)
+    ("context-overflow", CMPL, _c(max_tokens=510), "max_tokens"),
+    ("context-overflow-chat", CHAT, _chat(max_completion_tokens=600), "max_completion_tokens"),
+    ("prompt-too-long", CMPL, _c(prompt=LONG_PROMPT), "prompt"),
+    ("n-over-limit", CMPL, _c(n=17), "n"),
+    ("n-zero", CMPL, _c(n=0), "n"),
+    ("top-logprobs-over-limit", CHAT, _chat(logprobs=True, top_logprobs=21), "top_logprobs"),
+    ("top-logprobs-without-logprobs", CHAT, _chat(top_logprobs=2), "top_logprobs"),
+    ("logprobs-over-limit", CMPL, _c(logprobs=21), "logprobs"),
+    ("nan-literal", CMPL, b'{"prompt": "w1", "temperature": NaN}', "temperature"),
+    ("nan-string", CMPL, _c(top_p="NaN"), "top_p"),
+    ("infinity", CHAT, b'{"messages": [{"role": "user", "content": "w1"}], '
+                       b'"presence_penalty": Infinity}', "presence_penalty"),
+    ("negative-max-tokens", CMPL, _c(max_tokens=-1), "max_tokens"),
+    ("negative-temperature", CHAT, _chat(temperature=-0.5), "temperature"),
+    ("zero-top-p", CMPL, _c(top_p=0), "top_p"),
+    ("negative-seed", CMPL, _c(seed=-1), "seed"),
+    ("penalty-out-of-range", CMPL, _c(frequency_penalty=2.5), "frequency_penalty"),
+    ("repetition-penalty-zero", CMPL, _c(repetition_penalty=0), "repetition_penalty"),
+    ("min-tokens-over-max", CMPL, _c(min_tokens=9), "min_tokens"),
+    ("empty-messages", CHAT, _chat(messages=[]), "messages"),
+    ("missing-messages", CHAT, {"model": MODEL_NAME}, "messages"),
+    ("image-content", CHAT, _chat(messages=[{"role": "user", "content": [
+        {"type": "image_url", "image_url": {"url": "http://x"}}]}]), "messages[0].content[0]"),
+    ("missing-prompt", CMPL, {"model": MODEL_NAME}, "prompt"),
+    ("empty-prompt", CMPL, _c(prompt=""), "prompt"),
+    ("empty-prompt-list", CMPL, _c(prompt=[]), "prompt"),
+    ("token-id-over-vocab", CMPL, _c(prompt=[1, 2, 512]), "prompt"),
+    ("token-id-negative", CMPL, _c(prompt=[[1, 2], [-3]]), "prompt[1]"),
+    ("token-id-huge", CMPL, _c(prompt=[10**30]), "prompt"),
+    ("too-many-stops", CMPL, _c(stop=[f"s{i}" for i in range(17)]), "stop"),
+    ("empty-stop", CMPL, _c(stop=[""]), "stop"),
+    ("wrong-type", CMPL, _c(max_tokens="many"), "max_tokens"),
+    ("malformed-json", CMPL, b'{"prompt": "w1", ', None),
+    ("json-not-object", CHAT, b'[1, 2, 3]', None),
+    ("empty-body", CMPL, b"", None),
+]
+
+
+@pytest.mark.parametrize(("path", "body", "param"), [c[1:] for c in CASES],
+                         ids=[c[0] for c in CASES])
+def test_bad_request_is_400_naming_the_parameter(client, path, body, param):
+    content = body if isinstance(body, bytes) else json.dumps(body).encode()
+    r = client.post(path, content=content, headers={"Content-Type": "application/json"})
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"}
+    assert err["type"] == "invalid_request_error" and err["message"]
+    assert err["param"] == param, err
+    assert_ok(client)
+
+
+def test_unknown_model_is_404(client):
+    r = client.post(CMPL, json=_c(model="gpt-4"))
+    assert r.status_code == 404
+    assert r.json()["error"]["param"] == "model"
+    assert r.json()["error"]["code"] == "model_not_found"
+    assert_ok(client)
+
+
+def test_unknown_fields_are_ignored(client):
+    r = client.post(CHAT, json=_chat(frobnicate=True, tools=[], logit_bias={"1": 5},
+                                     response_format={"type": "text"}))
+    assert r.status_code == 200, r.text
+    assert_ok(client)
+
+
+def test_kvserve_fields_accepted(client):
+    r = client.post(CMPL, json=_c(top_k=5, min_p=0.05, repetition_penalty=1.2, min_tokens=2,
+                                  ignore_eos=True, priority=3, cache_salt="tenant-a",
+                                  presence_penalty=0.5, frequency_penalty=0.5, user="u1"))
+    assert r.status_code == 200, r.text
+    assert r.json()["usage"]["completion_tokens"] == 4
+    assert_ok(client)

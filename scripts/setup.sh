@@ -14,7 +14,7 @@ if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ]; then
     export PIP_DISABLE_PIP_VERSION_CHECK=1
     # torch first, from the pinned CPU wheel; the constraint keeps it there for everything else.
     .venv/bin/python -m pip install -q -c constraints.txt "torch==2.13.0"
-    .venv/bin/python -m pip install -q -c constraints.txt -e ".[dev]"
+    .venv/bin/python -m pip install -q -c constraints.txt -e ".[dev,triton]"
     touch "$stamp"
 fi
 .venv/bin/python -c "import torch, kvserve; print('[setup] ok: torch', torch.__version__)" >&2

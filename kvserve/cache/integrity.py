@@ -59,15 +59,15 @@ class _Seal:
 
 def block_sums(kv: PagedKVCache, block_ids: list[int]) -> np.ndarray:
     """[n, L, 4] int64 checksum sums of the given blocks, all layers (see module docstring)."""
-    idx = torch.tensor(block_ids, dtype=torch.int64)
-    data = kv.data.index_select(1, idx)  # [L, n, C, bs, H, D]
+    idx = torch.tensor(block_ids, dtype=torch.int64, device=kv.data.device)
+    data = kv.data.index_select(1, idx).cpu()  # [L, n, C, bs, H, D]
     L, n = data.shape[0], data.shape[1]
     out = np.zeros((n, L, 4), dtype=np.int64)
     rows = kv.components * kv.block_size
     w = data.contiguous().view(torch.int16).numpy().reshape(L, n, rows, -1)
     out[:, :, 0:2] = _sums(w).transpose(1, 0, 2)
     if kv.scales is not None:
-        s = kv.scales.index_select(1, idx).contiguous().view(torch.int16).numpy()
+        s = kv.scales.index_select(1, idx).cpu().contiguous().view(torch.int16).numpy()
         out[:, :, 2:4] = _sums(s.reshape(L, n, rows, -1)).transpose(1, 0, 2)
     return out
 

@@ -1,0 +1,69 @@
+"""GPU attention backend: the Triton kernels of ``kvserve/kernels`` over the paged cache.
+
+Chosen automatically when the KV cache lives on CUDA (``attention_backend="auto"``). Per layer:
+one fused write (+ FP8 quantize) kernel, then either the split-K decode kernel (every sequence
+has one query token) or the ragged prefill/extend kernel. Imported lazily (registry), so the
+CPU path never imports triton. On CPU it runs under ``TRITON_INTERPRET=1`` (tests only).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kvserve.attention.metadata import AttentionMetadata
+from kvserve.cache.kv_cache import PagedKVCache
+
+
+class TritonAttentionBackend:
+    name = "triton"
+
+    def __init__(self, kv_cache: PagedKVCache, num_heads: int, num_kv_heads: int,
+                 head_dim: int, scale: float, max_model_len: int) -> None:
+        from kvserve.kernels import triton_attention, triton_cache
+
+        if kv_cache.components != 2:
+            raise ValueError("the triton backend serves K/V caches; MLA models use mla_torch")
+        self._attn, self._cache = triton_attention, triton_cache
+        self.kv = kv_cache
+        self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
+        self.scale = scale
+
+    def _plan(self, meta: AttentionMetadata) -> dict:
+        plan = meta.cache.get("triton")
+        if plan is not None:
+            return plan
+        dev = self.kv.data.device
+        bs = self.kv.block_size
+        mb = max(-(-n // bs) for n in meta.seq_lens)
+        tables = torch.full((meta.num_seqs, mb), self.kv.null_block, dtype=torch.int32)
+        for b, row in enumerate(meta.block_tables):
+            row = row[: -(-meta.seq_lens[b] // bs)]
+            tables[b, : len(row)] = torch.tensor(row, dtype=torch.int32)
+        plan = {
+            "tables": tables.to(dev, non_blocking=True),
+            "seq_lens": torch.tensor(meta.seq_lens, dtype=torch.int32).to(dev),
+            "qsl": torch.tensor(meta.query_start_loc, dtype=torch.int32).to(dev),
+            "slots": meta.slot_mapping.to(dev),
+            "decode": all(q == 1 for q in meta.query_lens),
+            "max_seq_len": max(meta.seq_lens),
+            "max_query_len": max(meta.query_lens),
+        }
+        meta.cache["triton"] = plan
+        return plan
+
+    def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                meta: AttentionMetadata) -> torch.Tensor:
+        p = self._plan(meta)
+        kv = self.kv
+        ks = vs = None
+        if kv.static_scales is not None:
+            ks, vs = kv.static_scales[layer, 0], kv.static_scales[layer, 1]
+        self._cache.write_kv(kv.data, kv.scales, layer, p["slots"], k, v, None, ks, vs)
+        q = q.contiguous()
+        if p["decode"]:
+            return self._attn.paged_decode_attention(
+                q, kv.data, kv.scales, layer, p["tables"], p["seq_lens"], self.scale,
+                max_seq_len=p["max_seq_len"]).float()
+        return self._attn.paged_attention(
+            q, kv.data, kv.scales, layer, p["tables"], p["seq_lens"], p["qsl"], self.scale,
+            max_query_len=p["max_query_len"]).float()

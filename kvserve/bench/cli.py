@@ -72,6 +72,12 @@ def _throughput_args(p: argparse.ArgumentParser, add_engine_args: Callable, *,
     _common(p)
 
 
+def _serve_bench(ns) -> int:
+    from kvserve.bench import serve_bench
+
+    return serve_bench.main(ns.rest)
+
+
 def register(subparsers, add_engine_args: Callable, engine_args_from: Callable) -> None:
     bench = subparsers.add_parser("bench", help="benchmarks: throughput, latency, quality, "
                                   "integrity", description=__doc__,
@@ -130,6 +136,11 @@ def register(subparsers, add_engine_args: Callable, engine_args_from: Callable) 
     q.add_argument("--ppl-max-tokens", type=int, default=16384)
     _common(q)
     q.set_defaults(func=lambda ns: _quality(ns, engine_args_from))
+
+    srv = sub.add_parser("serve", add_help=False,
+                         help="HTTP load generator against a running server (streaming)")
+    srv.add_argument("rest", nargs=argparse.REMAINDER)
+    srv.set_defaults(func=_serve_bench)
 
 
 def _throughput(ns: argparse.Namespace, engine_args_from: Callable, kind: str) -> int:

@@ -43,7 +43,7 @@ if TYPE_CHECKING:
 logger = logging.getLogger("kvserve.integrity")
 
 # Fraction of step time the background scrubber may spend (the target overhead).
-SCRUB_TIME_FRACTION = 0.004
+SCRUB_TIME_FRACTION = 0.003
 
 
 class IntegrityError(RuntimeError):

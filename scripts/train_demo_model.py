@@ -543,6 +543,11 @@ def fmt_params(n: int) -> str:
     return f"{n / 1e6:.2f}M"
 
 
+def write_heldout(out: Path, heldout_texts: list[str]) -> None:
+    """The held-out split as plain text, so `kvserve bench quality` measures on it."""
+    (out / "heldout.txt").write_text("\n\n".join(heldout_texts), encoding="utf-8")
+
+
 def write_card(out: Path, info: dict):
     cfg = info["config"]
     lines = [
@@ -914,6 +919,7 @@ def main(argv=None) -> int:
     if stopped_early:
         info["command"] += f"   (stopped by the time cap at step {step} of {total_steps or '?'})"
     write_card(out, info)
+    write_heldout(out, held_texts)
     log(f"wrote {out}: " + ", ".join(
         f"{f.name} {f.stat().st_size / 1e6:.2f} MB" for f in sorted(out.iterdir())))
     return 0

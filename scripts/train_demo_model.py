@@ -663,7 +663,7 @@ def main(argv=None) -> int:
     ap.add_argument("--kv-heads", type=int, default=2)
     ap.add_argument("--ffn", type=int, default=768)
     ap.add_argument("--seq-len", type=int, default=256)
-    ap.add_argument("--batch", type=int, default=4)
+    ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--lr", type=float, default=2e-3)
     ap.add_argument("--lr-schedule", default=None, metavar="JSON",
                     help="replay the per-step LRs recorded in an lr_schedule.json (exact replay)")
@@ -756,8 +756,10 @@ def main(argv=None) -> int:
             raise SystemExit(f"{args.lr_schedule} was recorded with batch/seq_len/seed "
                              f"{rec.get('batch')}/{rec.get('seq_len')}/{rec.get('seed')}")
         replay = rec["lr"]
+        decay_steps = sum(1 for x in replay[args.warmup_steps:] if x < args.lr)
     total_steps = len(replay) if replay else (args.probe or args.steps)
-    decay_steps = None
+    if not replay:
+        decay_steps = None
     if total_steps is not None and not replay:
         decay_steps = args.decay_steps if args.decay_steps is not None else max(
             1, round(args.decay_frac * total_steps))

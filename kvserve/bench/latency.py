@@ -8,8 +8,24 @@ are timed: decode tokens/s = B x (timed steps) / (their seconds). Reported: the 
 
 Peers: ``hf`` runs ``transformers`` ``generate`` in this process on the same folder and dtype
 (batched, left padding, per-token timestamps from a stopping-criteria hook; its decode time is
-first token -> last token). ``llamacpp`` and ``vllm`` run a script in ``--peer-python``; a peer
-that does not import there is recorded as ``"not installed"``.
+first token -> last token). ``llamacpp`` and ``vllm`` run a script in ``--peer-python`` (one
+interpreter, or ``llamacpp=PATH,vllm=PATH`` for one environment each), after
+kvserve and HF, on the very prompts kvserve decoded, with kvserve's thread count; a peer that
+does not import there is recorded as ``"not installed"``. Each reports the greedy-token agreement
+of round 0 with kvserve.
+
+- ``vllm``: ``LLM`` with the engine core in process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``),
+  ``enforce_eager``, no prefix caching, ``VLLM_CPU_KVCACHE_SPACE`` 1 GB unless set, one prefill
+  step for all B prompts; dtype = kvserve's compute dtype unless ``peer_dtype`` or the
+  environment variable ``KVSERVE_VLLM_DTYPE`` names one; ``LLMEngine.step`` is timed per step
+  and a step counts when every sequence gained exactly one token.
+- ``llamacpp``: the low-level API, one context per B (``n_seq_max`` = B, ``n_ctx`` =
+  B x (input + output)), one sequence id per sequence, all prompts prefilled in one
+  ``llama_decode``, then one ``llama_decode`` of B tokens per step with host argmax on each
+  sequence's logits (timed). The GGUF is ``--peer-model``, else the HF folder converted to GGUF
+  (``llamacpp_outtype``, bf16) by llama.cpp's ``convert_hf_to_gguf.py`` named by
+  ``llamacpp_convert`` or the environment variable ``KVSERVE_LLAMACPP_CONVERT``, run in
+  ``--peer-python``; with neither the peer records a "no converter" error.
 """
 
 from __future__ import annotations
@@ -17,7 +33,11 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import gc
+import json
 import math
+import os
+import struct
+import subprocess
 import tempfile
 import time
 from dataclasses import dataclass, field
@@ -61,6 +81,14 @@ class LatencyConfig:
     peer_python: str | None = None
     peer_model: str | None = None  # llama.cpp: a GGUF file of the same weights
     peer_timeout: float = 3600.0
+    # llama.cpp without peer_model: convert the HF folder with this convert_hf_to_gguf.py
+    # (None: env KVSERVE_LLAMACPP_CONVERT), to this GGUF type
+    llamacpp_convert: str | None = None
+    llamacpp_outtype: str = "bf16"
+    # vLLM dtype (bfloat16, float32, ...); None: env KVSERVE_VLLM_DTYPE, else the dtype
+    # kvserve computes in (fp32 for a bf16 checkpoint on a CPU without native bf16 GEMM)
+    peer_dtype: str | None = None
+    vllm_kv_cache_gb: int = 1  # VLLM_CPU_KVCACHE_SPACE unless set in the environment
     seed: int = 0
     progress: bool = True
 
@@ -163,88 +191,335 @@ class HFPeer:
 # --------------------------------------------------------------------------------------------
 # peers in another interpreter
 # --------------------------------------------------------------------------------------------
+#
+# Each script reads a JSON payload on stdin: "prompts" maps str(B) to one list of B token-id
+# prompts per round (the very prompts kvserve decodes), plus input_len, output_len, threads,
+# dtype and the model (a HF folder, or "gguf" for llama.cpp). It prints one JSON line: peer,
+# version, threads, dtype and per-batch results (decode tokens/s median and per round, median
+# step ms, median prefill s, decode steps per round, and the greedy tokens of round 0, which
+# the bench turns into the agreement with kvserve). Only steps in which every one of the B
+# sequences decodes one token are timed, as for kvserve.
 
 LLAMACPP_SCRIPT = r'''
-import json, statistics, sys, time
+import json, os, statistics, sys, time
 cfg = json.load(sys.stdin)
-import llama_cpp
-from llama_cpp import Llama
-import random
-llm = Llama(model_path=cfg["gguf"], n_ctx=cfg["input_len"] + cfg["output_len"] + 8,
-            n_batch=512, n_threads=cfg.get("threads") or None, logits_all=False, verbose=False)
-rng = random.Random(cfg["seed"])
-vocab = llm.n_vocab()
+import numpy as np
+import llama_cpp as L
+
+L.llama_backend_init()
+threads = int(cfg.get("threads") or os.cpu_count() or 1)
+mp = L.llama_model_default_params()
+model = L.llama_model_load_from_file(cfg["gguf"].encode(), mp)
+if not model:
+    raise SystemExit(f"llama.cpp could not load {cfg['gguf']}")
+n_vocab = L.llama_vocab_n_tokens(L.llama_model_get_vocab(model))
+inp, out_len = cfg["input_len"], cfg["output_len"]
+
+
+def new_context(b, n_tokens):
+    cp = L.llama_context_default_params()
+    cp.n_ctx = b * (inp + out_len)
+    cp.n_batch = max(n_tokens, b)
+    cp.n_ubatch = min(512, cp.n_batch)
+    cp.n_seq_max = b
+    cp.n_threads = threads
+    cp.n_threads_batch = threads
+    ctx = L.llama_init_from_model(model, cp)
+    if not ctx:
+        raise SystemExit(f"llama.cpp could not make a context for batch {b}")
+    return ctx
+
+
+def fill(batch, entries):
+    """entries: (token, pos, seq, want_logits)."""
+    for i, (tok, pos, seq, want) in enumerate(entries):
+        batch.token[i] = tok
+        batch.pos[i] = pos
+        batch.n_seq_id[i] = 1
+        batch.seq_id[i][0] = seq
+        batch.logits[i] = 1 if want else 0
+    batch.n_tokens = len(entries)
+
+
+def argmax_rows(ctx, rows):
+    return [int(np.ctypeslib.as_array(L.llama_get_logits_ith(ctx, i), shape=(n_vocab,)).argmax())
+            for i in rows]
+
+
+def run_round(ctx, batch, prompts, n_out):
+    b = len(prompts)
+    L.llama_memory_clear(L.llama_get_memory(ctx), True)
+    entries, last = [], []
+    for s, p in enumerate(prompts):
+        entries += [(t, j, s, j == len(p) - 1) for j, t in enumerate(p)]
+        last.append(len(entries) - 1)
+    fill(batch, entries)
+    t0 = time.perf_counter()
+    rc = L.llama_decode(ctx, batch)
+    if rc != 0:
+        raise SystemExit(f"llama_decode (prefill, batch {b}) returned {rc}")
+    toks = argmax_rows(ctx, last)
+    prefill = time.perf_counter() - t0
+    gen = [[t] for t in toks]
+    steps = []
+    for k in range(n_out - 1):
+        t0 = time.perf_counter()
+        fill(batch, [(toks[s], len(prompts[s]) + k, s, True) for s in range(b)])
+        rc = L.llama_decode(ctx, batch)
+        if rc != 0:
+            raise SystemExit(f"llama_decode (decode, batch {b}) returned {rc}")
+        toks = argmax_rows(ctx, range(b))
+        steps.append(time.perf_counter() - t0)
+        for s in range(b):
+            gen[s].append(toks[s])
+    return steps, prefill, gen
+
+
 res = []
 for b in cfg["batch_sizes"]:
-    if b != 1:
-        res.append({"batch_size": b, "error": "the llama-cpp-python hook decodes one sequence"})
-        continue
-    rounds = []
-    for r in range(cfg["rounds"]):
-        llm.reset()
-        prompt = [rng.randrange(3, vocab) for _ in range(cfg["input_len"])]
-        llm.eval(prompt)
-        tok = llm.sample(temp=0.0)
-        t0 = time.perf_counter()
-        for _ in range(cfg["output_len"] - 1):
-            llm.eval([tok])
-            tok = llm.sample(temp=0.0)
-        dt = time.perf_counter() - t0
-        rounds.append((cfg["output_len"] - 1) / dt)
-    res.append({"batch_size": 1, "decode_tokens_per_s": statistics.median(rounds),
-                "decode_tokens_per_s_rounds": rounds})
-print(json.dumps({"peer": "llamacpp", "version": llama_cpp.__version__, "results": res}))
+    rounds_prompts = cfg["prompts"][str(b)]
+    n_tokens = max(len(p) for rp in rounds_prompts for p in rp) * b
+    ctx = new_context(b, n_tokens)
+    batch = L.llama_batch_init(max(n_tokens, b), 0, 1)
+    try:
+        w = [p[: min(len(p), 16)] for p in rounds_prompts[0]]
+        run_round(ctx, batch, w, 3)  # warmup: graph allocation, page faults
+        tps, step_ms, prefill, tokens = [], [], [], None
+        for prompts in rounds_prompts:
+            steps, pf, gen = run_round(ctx, batch, prompts, out_len)
+            tps.append(b * len(steps) / sum(steps))
+            step_ms.append(1e3 * statistics.median(steps))
+            prefill.append(pf)
+            tokens = tokens or gen
+    finally:
+        L.llama_batch_free(batch)
+        L.llama_free(ctx)
+    res.append({"batch_size": b, "decode_tokens_per_s": statistics.median(tps),
+                "decode_tokens_per_s_rounds": tps,
+                "decode_step_ms_median": statistics.median(step_ms),
+                "prefill_s_median": statistics.median(prefill),
+                "decode_steps_per_round": out_len - 1, "tokens": tokens})
+L.llama_model_free(model)
+print(json.dumps({"peer": "llamacpp", "version": L.__version__, "threads": threads,
+                  "weights": os.path.basename(cfg["gguf"]),
+                  "system_info": L.llama_print_system_info().decode(errors="replace").strip(),
+                  "results": res}))
 '''
 
 VLLM_LATENCY_SCRIPT = r'''
-import json, statistics, sys, time
+import json, os, statistics, sys, time
 cfg = json.load(sys.stdin)
+threads = int(cfg.get("threads") or os.cpu_count() or 1)
+# Before torch / vllm load: the engine core in this process (no extra busy processes on a
+# small CPU), the same thread count as kvserve, a small KV space, no per-step stats.
+os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+os.environ["OMP_NUM_THREADS"] = str(threads)
+os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(cfg.get("kv_cache_gb") or 1))
+os.environ.setdefault("VLLM_CONFIGURE_LOGGING", "0")
 import torch, vllm
 from vllm import LLM, SamplingParams
-llm = LLM(model=cfg["model"], max_num_seqs=max(cfg["batch_sizes"]), seed=0,
-          enable_prefix_caching=False)
+max_b = max(cfg["batch_sizes"])
+inp, out_len = cfg["input_len"], cfg["output_len"]
+max_len = inp + out_len
+llm = LLM(model=cfg["model"], dtype=cfg["dtype"], max_num_seqs=max_b, seed=0,
+          max_model_len=max_len, max_num_batched_tokens=max(max_b * inp, max_len, 2048),
+          enable_prefix_caching=False, enforce_eager=True, skip_tokenizer_init=True,
+          disable_log_stats=True)
 eng = llm.llm_engine
-vocab = llm.get_tokenizer().vocab_size
-sp = SamplingParams(temperature=0.0, max_tokens=cfg["output_len"], ignore_eos=True)
-g = torch.Generator().manual_seed(cfg["seed"])
-res, n = [], 0
+n = 0
+
+
+def run_round(prompts, n_out):
+    global n
+    b = len(prompts)
+    sp = SamplingParams(temperature=0.0, max_tokens=n_out, ignore_eos=True, detokenize=False)
+    ids = []
+    for p in prompts:
+        ids.append(str(n)); eng.add_request(ids[-1], {"prompt_token_ids": p}, sp); n += 1
+    counts = dict.fromkeys(ids, 0)
+    toks = {}
+    steps, t_start, first_all = [], time.perf_counter(), None
+    while eng.has_unfinished_requests():
+        before = dict(counts)
+        t0 = time.perf_counter()
+        outs = eng.step()
+        dt = time.perf_counter() - t0
+        for o in outs:
+            counts[o.request_id] = len(o.outputs[0].token_ids)
+            toks[o.request_id] = list(o.outputs[0].token_ids)
+        if min(before.values()) >= 1 and all(counts[i] == before[i] + 1 for i in ids):
+            steps.append(dt)  # every sequence decoded exactly one token
+        if first_all is None and min(counts.values()) >= 1:
+            first_all = time.perf_counter()
+    return steps, (first_all or t_start) - t_start, [toks[i] for i in ids]
+
+
+res = []
 for b in cfg["batch_sizes"]:
-    rounds = []
-    for r in range(cfg["rounds"]):
-        prompts = torch.randint(3, vocab, (b, cfg["input_len"]), generator=g).tolist()
-        for p in prompts:
-            eng.add_request(str(n), {"prompt_token_ids": p}, sp); n += 1
-        counts, stamps = {}, []
-        while eng.has_unfinished_requests():
-            outs = eng.step()
-            for o in outs:
-                counts[o.request_id] = len(o.outputs[0].token_ids)
-            if len(counts) == b and min(counts.values()) >= 1:
-                stamps.append((time.perf_counter(), sum(counts.values())))
-        if len(stamps) > 1:
-            rounds.append((stamps[-1][1] - stamps[0][1]) / (stamps[-1][0] - stamps[0][0]))
-    res.append({"batch_size": b, "decode_tokens_per_s": statistics.median(rounds) if rounds
-                else None, "decode_tokens_per_s_rounds": rounds})
-print(json.dumps({"peer": "vllm", "version": vllm.__version__, "results": res}))
+    rounds_prompts = cfg["prompts"][str(b)]
+    run_round([p[:16] for p in rounds_prompts[0]], 3)  # warmup
+    tps, step_ms, prefill, tokens, nsteps = [], [], [], None, 0
+    for prompts in rounds_prompts:
+        steps, pf, gen = run_round(prompts, out_len)
+        if steps:
+            tps.append(b * len(steps) / sum(steps))
+            step_ms.append(1e3 * statistics.median(steps))
+        prefill.append(pf)
+        nsteps = len(steps)
+        tokens = tokens or gen
+    res.append({"batch_size": b,
+                "decode_tokens_per_s": statistics.median(tps) if tps else None,
+                "decode_tokens_per_s_rounds": tps,
+                "decode_step_ms_median": statistics.median(step_ms) if step_ms else None,
+                "prefill_s_median": statistics.median(prefill),
+                "decode_steps_per_round": nsteps, "tokens": tokens})
+print(json.dumps({"peer": "vllm", "version": vllm.__version__, "torch": torch.__version__,
+                  "threads": torch.get_num_threads(), "dtype": cfg["dtype"],
+                  "kv_cache_gb": os.environ["VLLM_CPU_KVCACHE_SPACE"], "results": res}))
 '''
 
+_TORCH_DTYPE_NAMES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
 
-def run_external_peer(name: str, lc: LatencyConfig, model: str) -> dict[str, Any] | str:
+
+def llamacpp_converter(lc: LatencyConfig) -> str | None:
+    """llama.cpp's ``convert_hf_to_gguf.py``: ``--llamacpp-convert`` / the config, else the
+    environment variable ``KVSERVE_LLAMACPP_CONVERT``; None when neither names one."""
+    return lc.llamacpp_convert or os.environ.get("KVSERVE_LLAMACPP_CONVERT") or None
+
+
+def placeholder_spm(vocab: int) -> bytes:
+    """A SentencePiece ``ModelProto`` of ``vocab`` pieces (``<unk> <s> </s> w0 w1 ...``),
+    encoded by hand (no protobuf version to match). llama.cpp's converter reads a Llama vocab
+    from it when it cannot convert the checkpoint's own tokenizer (the random Llama's word-level
+    one); the bench feeds token ids, so the vocab's text never matters."""
+
+    def varint(n: int) -> bytes:
+        out = bytearray()
+        while True:
+            b, n = n & 0x7F, n >> 7
+            out.append(b | (0x80 if n else 0))
+            if not n:
+                return bytes(out)
+
+    def field(num: int, payload: bytes) -> bytes:  # length-delimited
+        return varint(num << 3 | 2) + varint(len(payload)) + payload
+
+    def piece(text: str, score: float, kind: int) -> bytes:
+        return field(1, field(1, text.encode()) + varint(2 << 3 | 5) + struct.pack("<f", score)
+                     + varint(3 << 3) + varint(kind))
+
+    normal, unknown, control = 1, 2, 3
+    specials = [("<unk>", unknown), ("<s>", control), ("</s>", control)]
+    pieces = specials + [(f"w{j}", normal) for j in range(vocab - len(specials))]
+    body = b"".join(piece(t, -float(i), k) for i, (t, k) in enumerate(pieces))
+    trainer = varint(3 << 3) + varint(1) + varint(4 << 3) + varint(vocab)  # UNIGRAM, size
+    normalizer = field(1, b"identity") + varint(3 << 3) + varint(0)  # no dummy prefix
+    return body + field(2, trainer) + field(3, normalizer)
+
+
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model",
+                    "special_tokens_map.json", "added_tokens.json", "vocab.json", "merges.txt")
+
+
+def _run_converter(python: str, converter: str, model: str, outfile: str, outtype: str,
+                   timeout: float) -> str | None:
+    try:
+        r = subprocess.run([python, converter, model, "--outfile", outfile, "--outtype", outtype],
+                           capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        return f"GGUF conversion timed out after {timeout:.0f} s"
+    if r.returncode != 0 or not os.path.isfile(outfile):
+        return f"GGUF conversion exited {r.returncode}: {(r.stderr or r.stdout)[-1500:]}"
+    return None
+
+
+def convert_to_gguf(python: str, converter: str, model: str, outfile: str, outtype: str,
+                    timeout: float) -> tuple[str | None, str]:
+    """Run llama.cpp's HF -> GGUF converter in ``python``. Returns (error or None, vocab): vocab
+    is "checkpoint" when the checkpoint's tokenizer converted, else "placeholder" (a second
+    try on a copy of the folder, weights linked, with ``placeholder_spm`` of the same size)."""
+    if not os.path.isfile(converter):
+        return f"no converter at {converter}", ""
+    log(f"converting {model} to GGUF ({outtype}) with {converter}")
+    err = _run_converter(python, converter, model, outfile, outtype, timeout)
+    if err is None:
+        return None, "checkpoint"
+    log("the checkpoint's tokenizer did not convert; retrying with a placeholder vocab")
+    with open(os.path.join(model, "config.json")) as f:
+        vocab = int(json.load(f)["vocab_size"])
+    with tempfile.TemporaryDirectory(prefix="kvserve-gguf-src-") as stage:
+        for name in os.listdir(model):
+            if name not in _TOKENIZER_FILES:
+                os.symlink(os.path.abspath(os.path.join(model, name)), os.path.join(stage, name))
+        with open(os.path.join(stage, "tokenizer.model"), "wb") as f:
+            f.write(placeholder_spm(vocab))
+        err2 = _run_converter(python, converter, stage, outfile, outtype, timeout)
+    if err2 is not None:
+        return f"{err}\nwith a placeholder vocab: {err2}", ""
+    return None, "placeholder"
+
+
+def peer_python_for(peer_python: str | None, name: str) -> str | None:
+    """The interpreter of peer ``name``: ``peer_python`` is one path for every peer, or
+    ``name=PATH`` pairs split by commas (``llamacpp=/a/bin/python,vllm=/b/bin/python``), each
+    peer in its own environment; None when none is given for ``name``."""
+    if not peer_python or "=" not in peer_python:
+        return peer_python or None
+    pairs = dict(part.split("=", 1) for part in peer_python.split(",") if "=" in part)
+    return pairs.get(name) or None
+
+
+def run_external_peer(name: str, lc: LatencyConfig, model: str,
+                      prompts: dict[str, list[list[list[int]]]],
+                      dtype: str = "bfloat16") -> dict[str, Any] | str:
     module = {"llamacpp": "llama_cpp", "vllm": "vllm"}[name]
-    if not peer_importable(lc.peer_python, module):
+    python = peer_python_for(lc.peer_python, name)
+    if not peer_importable(python, module):
         return "not installed"
     payload = {"model": model, "batch_sizes": lc.batch_sizes, "input_len": lc.input_len,
                "output_len": lc.output_len, "rounds": lc.rounds, "seed": lc.seed,
-               "threads": torch.get_num_threads()}
-    if name == "llamacpp":
-        if not lc.peer_model:
-            return {"error": "llama.cpp needs a GGUF of the same weights: --peer-model FILE"}
-        payload["gguf"] = lc.peer_model
-        script = LLAMACPP_SCRIPT
-    else:
-        script = VLLM_LATENCY_SCRIPT
-    log(f"running the {name} peer in {lc.peer_python}")
-    return run_peer_script(lc.peer_python or "", script, payload, lc.peer_timeout)
+               "threads": torch.get_num_threads(), "prompts": prompts,
+               "dtype": lc.peer_dtype or os.environ.get("KVSERVE_VLLM_DTYPE") or dtype,
+               "kv_cache_gb": lc.vllm_kv_cache_gb}
+    with contextlib.ExitStack() as stack:
+        extra: dict[str, Any] = {}
+        if name == "llamacpp":
+            gguf = lc.peer_model
+            if not gguf:
+                converter = llamacpp_converter(lc)
+                if converter is None:
+                    return {"error": "no converter: pass --peer-model GGUF, or set "
+                                     "KVSERVE_LLAMACPP_CONVERT (or --llamacpp-convert) to "
+                                     "llama.cpp's convert_hf_to_gguf.py"}
+                tmp = stack.enter_context(tempfile.TemporaryDirectory(prefix="kvserve-gguf-"))
+                gguf = os.path.join(tmp, f"model-{lc.llamacpp_outtype}.gguf")
+                err, vocab = convert_to_gguf(python or "", converter, model, gguf,
+                                             lc.llamacpp_outtype, lc.peer_timeout)
+                if err is not None:
+                    return {"error": err}
+                extra = {"gguf": "converted", "gguf_outtype": lc.llamacpp_outtype,
+                         "gguf_vocab": vocab, "converter": converter}
+            payload["gguf"] = gguf
+            script = LLAMACPP_SCRIPT
+        else:
+            script = VLLM_LATENCY_SCRIPT
+        log(f"running the {name} peer in {python}")
+        out = run_peer_script(python or "", script, payload, lc.peer_timeout)
+        out.update(extra)
+        return out
+
+
+def _attach_agreement(peer: dict[str, Any] | str, ours: dict[int, list[list[int]]]) -> None:
+    """Replace each result's round-0 ``tokens`` by the greedy agreement with kvserve's."""
+    if not isinstance(peer, dict) or not isinstance(peer.get("results"), list):
+        return
+    agree = {}
+    for row in peer["results"]:
+        toks = row.pop("tokens", None)
+        b = row.get("batch_size")
+        if toks and b in ours and len(toks) == len(ours[b]):
+            agree[str(b)] = _agreement(ours[b], toks)
+    peer["greedy_token_agreement_with_kvserve"] = agree
 
 
 # --------------------------------------------------------------------------------------------
@@ -362,11 +637,19 @@ def _run(lc: LatencyConfig, model: str) -> dict[str, Any]:
         "peers": peers,
         "summary": summary,
     }
+    peer_dtype = _TORCH_DTYPE_NAMES.get(dtype_name(engine.model_config.dtype), "bfloat16")
     del engine, rec, hf
     gc.collect()
-    for name in ("llamacpp", "vllm"):
-        if name in lc.peers:
-            peers[name] = run_external_peer(name, lc, model)
+    external = [n for n in ("llamacpp", "vllm") if n in lc.peers]
+    if external:
+        # the very prompts kvserve decoded, per batch size and round
+        prompts = {str(b): [random_prompts(b, lc.input_len, vocab, lc.seed + 1000 * r + bi)
+                            for r in range(lc.rounds)]
+                   for bi, b in enumerate(lc.batch_sizes)}
+        ours_tokens = {b: rows["kvserve"][b][0]["tokens"] for b in lc.batch_sizes}
+        for name in external:
+            peers[name] = run_external_peer(name, lc, model, prompts, peer_dtype)
+            _attach_agreement(peers[name], ours_tokens)
     return result
 
 

@@ -41,8 +41,9 @@ class LlamaAttention(nn.Module):
         q, k, v = q.view(t, h, d), k.view(t, hk, d), v.view(t, hk, d)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q = self.rotary(batch.positions, q)
-        k = self.rotary(batch.positions, k)
+        # One rope call for q and k together (rope is per head).
+        qk = self.rotary(batch.positions, torch.cat((q, k), dim=1))
+        q, k = qk[:, :h], qk[:, h:]
         o = batch.attn.forward(self.layer_idx, q, k, v, batch.meta)  # fp32 [T, H, D]
         return self.o_proj(o.reshape(t, h * d).to(x.dtype))
 

@@ -17,7 +17,9 @@ import torch
 from safetensors import safe_open
 from tqdm.auto import tqdm
 
+from kvserve.layers.linear import Int4MergedLinear, Linear, MergedLinear
 from kvserve.model import registry
+from kvserve.model.quant_config import QuantConfig, parse_quant_config
 
 logger = logging.getLogger(__name__)
 
@@ -90,7 +92,12 @@ def load_model(path: str, dtype: str | torch.dtype = "auto", device: str = "cpu"
     from kvserve.config import resolve_model_dtype
 
     hf_config, arch = load_hf_config(path)
-    dtype = resolve_model_dtype(dtype, checkpoint_dtype(hf_config))
+    quant = parse_quant_config(_raw_quantization_config(path))
+    if quant is not None and torch.device(device).type != "cpu":
+        raise ValueError(f"INT4 checkpoint {path!r} ({quant.describe()}) runs on the CPU only; "
+                         f"got device {device!r}")
+    dtype = resolve_model_dtype(dtype, checkpoint_dtype(hf_config), device,
+                                _checkpoint_params(path))
     cls = registry.resolve(arch)
     prev = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
@@ -99,6 +106,9 @@ def load_model(path: str, dtype: str | torch.dtype = "auto", device: str = "cpu"
             model = cls(hf_config)
     finally:
         torch.set_default_dtype(prev)
+    if quant is not None:
+        n = swap_int4_modules(model, quant)
+        logger.info("%s: %d linear module(s) load as %s", path, n, quant.describe())
     materialize(model, device)
     if hasattr(model, "tie_weights"):
         model.tie_weights()
@@ -122,10 +132,18 @@ def load_model(path: str, dtype: str | torch.dtype = "auto", device: str = "cpu"
                     if pname not in params:
                         if hasattr(model, "load_extra") and model.load_extra(name, f, loaded):
                             continue
+                        if quant is not None and name.rsplit(".", 1)[-1] in quant.tensor_names:
+                            raise ValueError(
+                                f"checkpoint tensor {name} is INT4 ({quant.method}) but "
+                                f"kvserve loads module {name.rsplit('.', 1)[0]} dense: "
+                                "quantization_config does not quantize it, or it is a module "
+                                "kvserve has no INT4 path for (e.g. MoE experts)")
                         logger.warning("ignoring checkpoint tensor %s (no such parameter)", name)
                         continue
                     param = params[pname]
-                    tensor = f.get_tensor(name).to(param.dtype)
+                    tensor = f.get_tensor(name)
+                    if not getattr(param, "keep_dtype", False):
+                        tensor = tensor.to(param.dtype)
                     loader = param.weight_loader
                     if shard is None:
                         loader(param, tensor)
@@ -137,8 +155,69 @@ def load_model(path: str, dtype: str | torch.dtype = "auto", device: str = "cpu"
     if missing:
         raise ValueError(f"checkpoint {path!r} is missing tensor(s): {', '.join(missing[:8])}"
                          + (f" (+{len(missing) - 8} more)" if len(missing) > 8 else ""))
+    for module in model.modules():
+        if isinstance(module, Int4MergedLinear):
+            module.finish_loading()
     model.eval()
     return LoadedModel(model, hf_config, arch, dtype, _scales_tensor(kv_scales, hf_config))
+
+
+def _raw_quantization_config(path: str) -> dict | None:
+    with open(os.path.join(path, "config.json")) as f:
+        return json.load(f).get("quantization_config")
+
+
+def swap_int4_modules(model: torch.nn.Module, quant: QuantConfig) -> int:
+    """Replace the (meta) ``Linear`` / ``MergedLinear`` modules that ``quant`` quantizes with
+    ``Int4MergedLinear``; returns how many. A fused module's shards are looked up by their
+    checkpoint names (``packed_modules``) and must agree; a tied ``lm_head`` stays as it is."""
+    shard_ckpt: dict[str, dict[str, str]] = {}  # fused module -> shard id -> checkpoint module
+    for ckpt, (fused, shard) in getattr(model, "packed_modules", {}).items():
+        shard_ckpt.setdefault(fused, {})[shard] = ckpt
+    tied = getattr(model, "tie_word_embeddings", False)
+    swapped = 0
+    for name, module in list(model.named_modules()):
+        if not isinstance(module, (Linear, MergedLinear)):
+            continue
+        if tied and name == "lm_head":
+            continue
+        parent_name, _, attr = name.rpartition(".")
+        names: dict[str | None, str]
+        if isinstance(module, MergedLinear):
+            ckpt = shard_ckpt.get(attr, {})
+            prefix = parent_name + "." if parent_name else ""
+            names = {s: prefix + ckpt[s] if s in ckpt else f"{name}.{s}" for s in module.shard_ids}
+        else:
+            names = {None: name}
+        schemes = {s: quant.scheme_for(n) for s, n in names.items()}
+        if len(set(schemes.values())) > 1:
+            detail = ", ".join(f"{names[s]}: {sch.describe() if sch else 'dense'}"
+                               for s, sch in schemes.items())
+            raise ValueError(f"fused module {name} runs its shards as one GEMM, but "
+                             f"quantization_config quantizes them differently ({detail})")
+        scheme = next(iter(schemes.values()))
+        if scheme is None:
+            continue
+        parent = model.get_submodule(parent_name) if parent_name else model
+        setattr(parent, attr, Int4MergedLinear.replacing(module, scheme, names))
+        swapped += 1
+    return swapped
+
+
+def _checkpoint_params(path: str) -> int | None:
+    """Parameter count from the safetensors headers (no tensor is read)."""
+    total = 0
+    try:
+        for file in safetensors_files(path):
+            with safe_open(file, framework="pt", device="cpu") as f:
+                for name in f.keys():  # noqa: SIM118 - safe_open is not a dict
+                    n = 1
+                    for d in f.get_slice(name).get_shape():
+                        n *= d
+                    total += n
+    except (OSError, ValueError):
+        return None
+    return total
 
 
 def materialize(model: torch.nn.Module, device: str) -> None:

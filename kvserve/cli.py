@@ -26,6 +26,7 @@ def add_engine_args(p: argparse.ArgumentParser, model_positional: bool = False) 
     p.add_argument("--scheduling-policy", default="fcfs", choices=["fcfs", "priority"])
     p.add_argument("--attention-backend", default="auto")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--device", default="cpu", help="cpu | cuda (Triton attention backend)")
 
 
 def engine_args_from(ns: argparse.Namespace):
@@ -39,6 +40,7 @@ def engine_args_from(ns: argparse.Namespace):
         max_model_len=ns.max_model_len, enable_prefix_caching=not ns.no_prefix_caching,
         kv_integrity=ns.kv_integrity, scheduling_policy=ns.scheduling_policy,
         attention_backend=ns.attention_backend, seed=ns.seed,
+        device=getattr(ns, "device", "cpu"),
     )
 
 

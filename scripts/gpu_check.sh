@@ -260,7 +260,7 @@ with open(os.path.join(out, "summary.json"), "w") as f:
 print(json.dumps(summary["steps"]))
 PYEOF
 
-BENCH_CMD=("$PY" -m kvserve.cli bench throughput --model "$MODEL_DIR" --kv-cache-dtype bf16,fp8
+BENCH_CMD=("$PY" -m kvserve.cli bench throughput --model "$MODEL_DIR" --device cuda --kv-cache-dtype bf16,fp8
     --kv-cache-memory 16GiB --concurrency 16,32,64,128,256 --input-len 1024 --output-len 128
     --kv-integrity off,on --no-progress --json "$OUT/throughput.json"
     --plot "$OUT/throughput.png")

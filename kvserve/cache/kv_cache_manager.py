@@ -66,7 +66,8 @@ class KVCacheManager:
         self.integrity = integrity
         self.req_blocks: dict[str, list[int]] = {}
         self._req_hashes: dict[str, list[bytes]] = {}
-        self._req_committed: dict[str, int] = {}  # full blocks already registered/sealed
+        self._req_committed: dict[str, int] = {}  # full blocks already queued for commit
+        self._pending: list[tuple[int, bytes, tuple[int, ...]]] = []  # (block, hash, tokens)
         # Prefix-cache statistics (queried tokens / hit tokens).
         self.num_queried_tokens = 0
         self.num_hit_tokens = 0
@@ -148,24 +149,33 @@ class KVCacheManager:
         return self.pool.num_free_blocks - revived
 
     def commit(self, req: Request) -> list[int]:
-        """After a step wrote KV: seal and (if caching) register the newly full blocks."""
+        """After a step wrote KV: queue the request's newly full blocks for sealing and (if
+        caching) registration; ``flush_commits`` does both for all requests at once."""
         n_full = min(req.num_computed_tokens, req.num_tokens) // self.block_size
         done = self._req_committed.get(req.request_id, 0)
         if n_full <= done:
             return []
         blocks = self.req_blocks[req.request_id]
         hashes = self.block_hashes(req)
-        new_ids = blocks[done:n_full]
-        new_hashes = hashes[done:n_full]
-        if self.integrity is not None:
-            self.integrity.seal(new_ids, new_hashes)
-        if self.enable_prefix_caching:
-            tokens = req.all_token_ids
-            b = self.block_size
-            for i in range(done, n_full):
-                self.pool.register(blocks[i], hashes[i], tuple(tokens[i * b : (i + 1) * b]))
+        tokens = req.all_token_ids
+        b = self.block_size
+        for i in range(done, n_full):
+            self._pending.append((blocks[i], hashes[i], tuple(tokens[i * b : (i + 1) * b])))
         self._req_committed[req.request_id] = n_full
-        return new_ids
+        return blocks[done:n_full]
+
+    def flush_commits(self) -> None:
+        """Seal every block queued this step in one batch, then make them hittable (a block is
+        never hittable before it is sealed)."""
+        if not self._pending:
+            return
+        pending, self._pending = self._pending, []
+        if self.integrity is not None:
+            self.integrity.seal([p[0] for p in pending], [p[1] for p in pending])
+        if self.enable_prefix_caching:
+            for block_id, block_hash, toks in pending:
+                if self.pool.blocks[block_id].ref_cnt > 0:
+                    self.pool.register(block_id, block_hash, toks)
 
     def free(self, req: Request) -> None:
         blocks = self.req_blocks.pop(req.request_id, None)

@@ -283,7 +283,8 @@ class LLMEngine:
             self._record_prompt_logprobs(req, start, lps)
         for req, n in sched.scheduled:
             req.num_computed_tokens += n
-            self.kv.commit(req)  # seal + cache newly full blocks before anything is freed
+            self.kv.commit(req)
+        self.kv.flush_commits()  # seal + cache newly full blocks before anything is freed
         touched: set[str] = set()
         if sampled is not None:
             now = time.monotonic()
@@ -381,7 +382,7 @@ class LLMEngine:
             raise ValueError("not enough free KV blocks to score token_ids")
         try:
             batch = self.runner.build_batch(SchedulerOutput([(req, len(ids))]), self.kv)
-            return self.model.compute_logits(self.model(batch))
+            return self.model.compute_logits(self.model(batch)).float().cpu()
         finally:
             self.kv.free(req)
             self.kv.forget(req)

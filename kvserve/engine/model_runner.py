@@ -49,15 +49,15 @@ class ModelRunner:
             qlens.append(n)
             slens.append(start + n)
             tables.append(blocks)
-        rows_t = torch.from_numpy(np.concatenate(rows))
+        rows_t = torch.from_numpy(np.concatenate(rows)).to(self.device)
         meta = AttentionMetadata(
             num_tokens=qsl[-1], query_start_loc=qsl, query_lens=qlens, seq_lens=slens,
             block_tables=tables, write_rows=rows_t,
             slot_mapping=(rows_t // (c * bs)) * bs + rows_t % bs,
         )
         return ForwardBatch(
-            input_ids=torch.from_numpy(np.concatenate(ids)),
-            positions=torch.from_numpy(np.concatenate(pos)),
+            input_ids=torch.from_numpy(np.concatenate(ids)).to(self.device),
+            positions=torch.from_numpy(np.concatenate(pos)).to(self.device),
             meta=meta, attn=self.backend,
         )
 
@@ -79,9 +79,10 @@ class ModelRunner:
                 last = min(start + n, req.num_prompt_tokens - 1)
                 if last > start and start + 1 >= len(req.prompt_logprobs or ()):
                     h = hidden[loc[b] : loc[b] + (last - start)]
-                    plp.append((req, start + 1,
-                                torch.log_softmax(self.model.compute_logits(h), dim=-1)))
+                    plp.append((req, start + 1, torch.log_softmax(
+                        self.model.compute_logits(h).float(), dim=-1).cpu()))
         logits = None
         if sample_idx:
-            logits = self.model.compute_logits(hidden[torch.tensor(sample_idx)])
+            idx = torch.tensor(sample_idx, device=hidden.device)
+            logits = self.model.compute_logits(hidden[idx]).float().cpu()  # sampled on CPU
         return StepResult(sample_reqs, logits, plp)

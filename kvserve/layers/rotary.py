@@ -51,6 +51,8 @@ class RotaryEmbedding(nn.Module):
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         """x [T, H, D] (any float dtype) -> rotated, fp32."""
+        if self.cos.device != positions.device:  # first call on an accelerator
+            self.cos, self.sin = self.cos.to(positions.device), self.sin.to(positions.device)
         cos = self.cos[positions].unsqueeze(1)  # [T, 1, rd/2]
         sin = self.sin[positions].unsqueeze(1)
         x = x.float()

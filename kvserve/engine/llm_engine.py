@@ -27,7 +27,7 @@ from kvserve.engine.detokenizer import IncrementalDetokenizer
 from kvserve.engine.model_runner import ModelRunner
 from kvserve.engine.scheduler import Scheduler
 from kvserve.layers.sampler import Sampler, SampleRow, top_logprobs
-from kvserve.model.loader import load_model, load_tokenizer
+from kvserve.model.loader import checkpoint_dtype, load_model, load_tokenizer
 from kvserve.outputs import CompletionOutput, RequestOutput
 from kvserve.request import Request, RequestStatus
 from kvserve.sampling_params import SamplingParams
@@ -64,7 +64,11 @@ class LLMEngine:
         self.model = loaded.model
         self.tokenizer = load_tokenizer(args.tokenizer or path)
         spec = self.model.kv_spec()
-        kv_dtype = resolve_kv_dtype(cache_cfg.kv_cache_dtype, loaded.dtype)
+        # "auto" KV = the checkpoint's dtype: a bf16 checkpoint computed in fp32 on an AVX2 CPU
+        # still caches bf16 (half the bytes; attention reads it with the C kernel).
+        ckpt = checkpoint_dtype(loaded.hf_config)
+        auto_kv = ckpt if ckpt in (torch.bfloat16, torch.float16) else loaded.dtype
+        kv_dtype = resolve_kv_dtype(cache_cfg.kv_cache_dtype, auto_kv)
         self.kv_dtype = kv_dtype
         per_block = bytes_per_block(spec["num_layers"], cache_cfg.block_size,
                                     spec["num_kv_heads"], spec["head_dim"],

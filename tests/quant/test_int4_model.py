@@ -120,8 +120,9 @@ def test_compressed_tensors_matches_dense_twin(bf16_tiny, tmp_path, make_llm, sy
                                   progress=False)
     assert len(summary.quantized) == 14
     twin = _ct_twin(qdir, bf16_tiny, str(tmp_path / "twin"), summary.quantized, group_size)
-    a = make_llm(qdir, dtype="float32")  # FP8 KV off here, integrity on (default)
-    b = make_llm(twin, dtype="float32")
+    # FP8 KV off here, integrity on (default)
+    a = make_llm(qdir, dtype="float32", kv_cache_dtype="fp32")
+    b = make_llm(twin, dtype="float32", kv_cache_dtype="fp32")
     mods = _modules(a)
     # one INT4 GEMM per fused module, lm_head (ignored) dense
     for name in ("model.layers.0.self_attn.qkv_proj", "model.layers.1.mlp.gate_up_proj",
@@ -146,7 +147,8 @@ def test_qkv_bias_model(tmp_path, make_llm):
     qdir = str(tmp_path / "q")
     summary = quantize_checkpoint(src, qdir, group_size=32, progress=False)
     twin = _ct_twin(qdir, src, str(tmp_path / "twin"), summary.quantized, 32)
-    a, b = make_llm(qdir, dtype="float32"), make_llm(twin, dtype="float32")
+    a = make_llm(qdir, dtype="float32", kv_cache_dtype="fp32")
+    b = make_llm(twin, dtype="float32", kv_cache_dtype="fp32")
     qkv = _modules(a)["model.layers.0.self_attn.qkv_proj"]
     assert isinstance(qkv, Int4MergedLinear) and qkv.bias is not None
     ref = load_file(os.path.join(src, "model.safetensors"))
@@ -179,7 +181,7 @@ def test_default_dtype_and_kv_just_work(bf16_tiny, tmp_path, make_llm, dtype):
     qdir = str(tmp_path / "q")
     quantize_checkpoint(bf16_tiny, qdir, group_size=32, progress=False)
     llm = make_llm(qdir, kv_cache_dtype="fp8", dtype=dtype)
-    ref = make_llm(qdir, dtype="float32")
+    ref = make_llm(qdir, dtype="float32", kv_cache_dtype="fp32")
     assert llm.engine.model_config.dtype == resolve_model_dtype(dtype, torch.bfloat16, "cpu")
     assert llm.engine.integrity is not None
     for ids in (SHORT, LONG):
@@ -276,8 +278,8 @@ def test_gptq_matches_dense_twin(bf16_tiny, tmp_path, make_llm, sym, fmt, act_or
     qdir = str(tmp_path / "gptq")
     twin_w = _make_gptq(bf16_tiny, qdir, 32, sym, fmt, act_order, shared_perm)
     twin = _write_twin(bf16_tiny, str(tmp_path / "twin"), twin_w)
-    a = make_llm(qdir, dtype="float32")
-    b = make_llm(twin, dtype="float32")
+    a = make_llm(qdir, dtype="float32", kv_cache_dtype="fp32")
+    b = make_llm(twin, dtype="float32", kv_cache_dtype="fp32")
     qkv = _modules(a)["model.layers.0.self_attn.qkv_proj"]
     assert isinstance(qkv, Int4MergedLinear)
     if shared_perm:
@@ -374,7 +376,7 @@ def test_ignore_regex_keeps_module_dense(bf16_tiny, tmp_path, make_llm):
         sd[f"{m}.weight"] = src[f"{m}.weight"]
     save_file(sd, f, metadata={"format": "pt"})
     _edit_config(qdir, lambda c: c["quantization_config"]["ignore"].append("re:.*down_proj$"))
-    llm = make_llm(qdir, dtype="float32")
+    llm = make_llm(qdir, dtype="float32", kv_cache_dtype="fp32")
     mods = _modules(llm)
     assert type(mods["model.layers.1.mlp.down_proj"]) is Linear
     assert isinstance(mods["model.layers.1.mlp.gate_up_proj"], Int4MergedLinear)
@@ -433,7 +435,7 @@ def test_transformers_loads_our_output(bf16_tiny, tmp_path, make_llm):
     hf = AutoModelForCausalLM.from_pretrained(qdir, dtype=torch.float32).eval()
     with torch.no_grad():
         ref = hf(torch.tensor([LONG])).logits[0].float()
-    ours = make_llm(qdir, dtype="float32").engine.prompt_logits(LONG)
+    ours = make_llm(qdir, dtype="float32", kv_cache_dtype="fp32").engine.prompt_logits(LONG)
     torch.testing.assert_close(ours, ref, atol=2e-3, rtol=1e-3)
 
 

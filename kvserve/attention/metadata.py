@@ -28,3 +28,52 @@ class AttentionMetadata:
     @property
     def num_seqs(self) -> int:
         return len(self.seq_lens)
+
+
+@dataclass(slots=True)
+class DecodeChunk:
+    """A group of decode sequences whose padded block tables fit the gather workspace."""
+
+    tok: torch.Tensor  # [n] token index of each sequence's query in the step
+    block_ids: torch.Tensor  # [n * mb] int64, padded with the cache's null block
+    max_blocks: int  # mb
+    seq_lens: torch.Tensor  # [n] int64
+    pad: torch.Tensor  # [n, mb * bs] bool, True past the sequence's length
+
+
+def plan_decode_chunks(meta: AttentionMetadata, seqs: list[int], block_size: int,
+                       null_block: int, ws_tokens: int) -> list[DecodeChunk]:
+    """Split decode sequences (sorted by length, so chunks pad little) into chunks with
+    n * mb * block_size <= ws_tokens."""
+    decode = sorted(seqs, key=lambda b: meta.seq_lens[b])
+    nblocks = {b: -(-meta.seq_lens[b] // block_size) for b in decode}
+    chunks = []
+    i = 0
+    while i < len(decode):
+        j, mb = i, 0
+        while j < len(decode) and (j - i + 1) * max(mb, nblocks[decode[j]]) * block_size \
+                <= ws_tokens:
+            mb = max(mb, nblocks[decode[j]])
+            j += 1
+        group = decode[i:j]
+        ids = torch.full((len(group), mb), null_block, dtype=torch.int64)
+        for r, b in enumerate(group):
+            ids[r, : nblocks[b]] = torch.tensor(meta.block_tables[b][: nblocks[b]])
+        lens = torch.tensor([meta.seq_lens[b] for b in group], dtype=torch.int64)
+        pad = torch.arange(mb * block_size).unsqueeze(0) >= lens.unsqueeze(1)
+        tok = torch.tensor([meta.query_start_loc[b] for b in group])
+        chunks.append(DecodeChunk(tok, ids.view(-1), mb, lens, pad))
+        i = j
+    return chunks
+
+
+def plan_prefills(meta: AttentionMetadata, block_size: int
+                  ) -> list[tuple[int, int, int, torch.Tensor]]:
+    """(query start, query length, sequence length, block ids) of every multi-token sequence."""
+    out = []
+    for b, qlen in enumerate(meta.query_lens):
+        if qlen > 1:
+            nb = -(-meta.seq_lens[b] // block_size)
+            ids = torch.tensor(meta.block_tables[b][:nb], dtype=torch.int64)
+            out.append((meta.query_start_loc[b], qlen, meta.seq_lens[b], ids))
+    return out

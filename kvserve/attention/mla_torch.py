@@ -42,7 +42,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from kvserve.attention.metadata import AttentionMetadata
+from kvserve.attention.metadata import AttentionMetadata, plan_decode_chunks, plan_prefills
 from kvserve.cache.kv_cache import PagedKVCache
 from kvserve.quant import fp8
 
@@ -81,34 +81,11 @@ class MlaTorchAttentionBackend:
         if plan is not None:
             return plan
         bs = self.kv.block_size
-        decode = sorted((b for b, q in enumerate(meta.query_lens) if q == 1),
-                        key=lambda b: meta.seq_lens[b])  # by length: chunks pad little
-        chunks = []
-        i = 0
-        while i < len(decode):
-            j, mb = i, 0
-            while j < len(decode):
-                nb = -(-meta.seq_lens[decode[j]] // bs)
-                if (j - i + 1) * max(mb, nb) * bs > self.ws_tokens:
-                    break
-                mb = max(mb, nb)
-                j += 1
-            seqs = decode[i:j]
-            ids = torch.full((len(seqs), mb), self.kv.null_block, dtype=torch.int64)
-            for r, b in enumerate(seqs):
-                nb = -(-meta.seq_lens[b] // bs)
-                ids[r, :nb] = torch.tensor(meta.block_tables[b][:nb])
-            lens = torch.tensor([meta.seq_lens[b] for b in seqs])
-            pad = torch.arange(mb * bs).unsqueeze(0) >= lens.unsqueeze(1)  # [n, L] True = pad
-            tok = torch.tensor([meta.query_start_loc[b] for b in seqs])
-            chunks.append((tok, ids.view(-1), mb, pad.unsqueeze(1)))  # pad [n, 1, L]
-            i = j
-        pre = []
-        for b, qlen in enumerate(meta.query_lens):
-            if qlen > 1:
-                nb = -(-meta.seq_lens[b] // bs)
-                ids = torch.tensor(meta.block_tables[b][:nb], dtype=torch.int64)
-                pre.append((meta.query_start_loc[b], qlen, meta.seq_lens[b], ids))
+        decode = [b for b, q in enumerate(meta.query_lens) if q == 1]
+        chunks = [(c.tok, c.block_ids, c.max_blocks, c.pad.unsqueeze(1))  # pad [n, 1, L]
+                  for c in plan_decode_chunks(meta, decode, bs, self.kv.null_block,
+                                              self.ws_tokens)]
+        pre = plan_prefills(meta, bs)
         plan = {"decode": chunks, "prefill": pre}
         meta.cache[self.name] = plan
         return plan

@@ -15,10 +15,12 @@ Chunks of sequences keep the workspace bounded; nothing large is allocated per s
 
 from __future__ import annotations
 
+import sys
+
 import torch
 import torch.nn.functional as F
 
-from kvserve.attention.metadata import AttentionMetadata
+from kvserve.attention.metadata import AttentionMetadata, plan_decode_chunks, plan_prefills
 from kvserve.cache.kv_cache import PagedKVCache
 from kvserve.quant import fp8
 
@@ -66,46 +68,16 @@ class TorchAttentionBackend:
         plan = meta.cache.get("torch")
         if plan is not None:
             return plan
-        bs = self.kv.block_size
+        bs, null = self.kv.block_size, self.kv.null_block
         decode = [b for b, q in enumerate(meta.query_lens) if q == 1]
-        prefill = [b for b, q in enumerate(meta.query_lens) if q > 1]
-        kernel = None
-        if self.use_kernel and decode:
-            mb = max(-(-meta.seq_lens[b] // bs) for b in decode)
-            tables = torch.full((len(decode), mb), self.kv.null_block, dtype=torch.int64)
-            for r, b in enumerate(decode):
-                row = meta.block_tables[b][: -(-meta.seq_lens[b] // bs)]
-                tables[r, : len(row)] = torch.tensor(row, dtype=torch.int64)
-            kernel = (torch.tensor([meta.query_start_loc[b] for b in decode]), tables,
-                      torch.tensor([meta.seq_lens[b] for b in decode], dtype=torch.int64))
-            decode = []
-        chunks = []
-        i = 0
-        # Sort decodes by length so chunks pad little.
-        decode.sort(key=lambda b: meta.seq_lens[b])
-        while i < len(decode):
-            j, mb = i, 0
-            while j < len(decode):
-                nb = -(-meta.seq_lens[decode[j]] // bs)
-                if (j - i + 1) * max(mb, nb) * bs > self.ws_tokens:
-                    break
-                mb = max(mb, nb)
-                j += 1
-            seqs = decode[i:j]
-            ids = torch.full((len(seqs), mb), self.kv.null_block, dtype=torch.int64)
-            for r, b in enumerate(seqs):
-                nb = -(-meta.seq_lens[b] // bs)
-                ids[r, :nb] = torch.tensor(meta.block_tables[b][:nb])
-            lens = torch.tensor([meta.seq_lens[b] for b in seqs])
-            mask = torch.arange(mb * bs).unsqueeze(0) >= lens.unsqueeze(1)  # [n, L] True = pad
-            tok = torch.tensor([meta.query_start_loc[b] for b in seqs])
-            chunks.append((tok, ids.view(-1), mb, mask.view(len(seqs), 1, 1, mb * bs)))
-            i = j
-        pre = []
-        for b in prefill:
-            nb = -(-meta.seq_lens[b] // bs)
-            ids = torch.tensor(meta.block_tables[b][:nb], dtype=torch.int64)
-            pre.append((meta.query_start_loc[b], meta.query_lens[b], meta.seq_lens[b], ids))
+        kernel, chunks = None, []
+        if self.use_kernel and decode:  # one chunk: the kernel needs no workspace
+            c = plan_decode_chunks(meta, decode, bs, null, sys.maxsize)[0]
+            kernel = (c.tok, c.block_ids.view(-1, c.max_blocks), c.seq_lens)
+        elif decode:
+            chunks = [(c.tok, c.block_ids, c.max_blocks, c.pad[:, None, None, :])
+                      for c in plan_decode_chunks(meta, decode, bs, null, self.ws_tokens)]
+        pre = plan_prefills(meta, bs)
         plan = {"decode": chunks, "prefill": pre, "kernel": kernel}
         meta.cache["torch"] = plan
         return plan

@@ -19,7 +19,9 @@
    the median window is reported (all windows are in the JSON). All models stay loaded and the
    windows run round-robin (rotating who goes first), so load swings on a shared host hit all
    alike; speedups are given as the ratio of medians and the median of per-round ratios.
-4. llama.cpp Q4_0 beside it only if ``llama_cpp`` imports (it is not built here).
+4. llama.cpp beside it on the same weights (``--peer-python`` with llama-cpp-python and
+   ``--llamacpp-convert``): the bf16 checkpoint converted to GGUF bf16 by llama.cpp's converter
+   and quantized to Q4_0 by ``llama_model_quantize``; decode tok/s at the same batch sizes.
 
 The host load average is recorded before and after: on a shared machine, compare runs only
 with similar load.
@@ -178,6 +180,71 @@ def run_configs(names: list[str], paths: dict[str, tuple[str, str]], args,
     return out
 
 
+QUANTIZE_SCRIPT = r'''
+import json, sys
+import llama_cpp as L
+cfg = json.load(sys.stdin)
+qp = L.llama_model_quantize_default_params()
+qp.ftype = L.LLAMA_FTYPE_MOSTLY_Q4_0
+qp.nthread = int(cfg["threads"])
+rc = L.llama_model_quantize(cfg["src"].encode(), cfg["dst"].encode(), qp)
+print(json.dumps({"rc": rc}))
+'''
+
+
+def _llamacpp_tok_s(run: dict | str, batch: int) -> float | None:
+    if not isinstance(run, dict):
+        return None
+    row = next((r for r in run.get("results", []) if r.get("batch_size") == batch), None)
+    return row["decode_tokens_per_s"] if row else None
+
+
+def run_llamacpp(args: argparse.Namespace, dense: str, work: str, vocab: int) -> dict | str:
+    """llama.cpp on the same weights: the bf16 checkpoint converted to GGUF bf16 by llama.cpp's
+    converter, then quantized to Q4_0 by llama.cpp itself; decode tok/s at the same batch sizes
+    (B prompts of PROMPT_LEN random tokens, ``steps + 1`` tokens out, ``repeats`` rounds),
+    measured by the latency bench's llama.cpp script in ``--peer-python``."""
+    from kvserve.bench.common import peer_importable, run_peer_script
+    from kvserve.bench.latency import LLAMACPP_SCRIPT, convert_to_gguf
+
+    python = args.peer_python
+    if not peer_importable(python, "llama_cpp"):
+        return "not run: pass --peer-python, an interpreter where llama_cpp imports"
+    converter = args.llamacpp_convert or os.environ.get("KVSERVE_LLAMACPP_CONVERT")
+    if not converter:
+        return "not run: pass --llamacpp-convert (or KVSERVE_LLAMACPP_CONVERT)"
+    out: dict = {}
+    ggufs = {"bf16": os.path.join(work, "model-bf16.gguf"),
+             "q4_0": os.path.join(work, "model-q4_0.gguf")}
+    if not os.path.isfile(ggufs["bf16"]):
+        err, vocab_kind = convert_to_gguf(python, converter, dense, ggufs["bf16"], "bf16", 1800)
+        if err is not None:
+            return {"error": err}
+        out["gguf_vocab"] = vocab_kind
+    if not os.path.isfile(ggufs["q4_0"]):
+        r = run_peer_script(python, QUANTIZE_SCRIPT, {"src": ggufs["bf16"], "dst": ggufs["q4_0"],
+                                                      "threads": os.cpu_count() or 1}, 1800)
+        if r.get("rc") != 0:
+            return {"error": f"llama_model_quantize: {r}"}
+    out["gguf_bytes"] = {k: os.path.getsize(v) for k, v in ggufs.items()}
+    g = torch.Generator().manual_seed(1)
+    prompts = {str(b): [[[1] + torch.randint(3, vocab, (PROMPT_LEN - 1,), generator=g).tolist()
+                         for _ in range(b)] for _ in range(args.repeats)]
+               for b in args.batches}
+    for kind in ("q4_0", "bf16"):
+        payload = {"gguf": ggufs[kind], "batch_sizes": args.batches, "input_len": PROMPT_LEN,
+                   "output_len": args.steps + 2, "rounds": args.repeats, "seed": 0,
+                   "threads": args.threads, "prompts": prompts, "dtype": kind}
+        print(f"  llama.cpp {kind} ...", flush=True)
+        run = run_peer_script(python, LLAMACPP_SCRIPT, payload, 3600)
+        for row in run.get("results", []):
+            row.pop("tokens", None)
+            print(f"  llama.cpp {kind:5s} batch {row['batch_size']:3d}: "
+                  f"{row['decode_tokens_per_s']:8.2f} tok/s", flush=True)
+        out[kind] = run
+    return out
+
+
 def main() -> None:
     from kvserve.quant.cli import safetensors_size, tensor_bytes
     from kvserve.quant.quantizer import quantize_checkpoint
@@ -193,6 +260,10 @@ def main() -> None:
                     choices=["int4", "int4-fp32", "bf16", "fp32"])
     ap.add_argument("--group-size", type=int, default=128)
     ap.add_argument("--small", action="store_true", help="tiny model: smoke-test the script")
+    ap.add_argument("--peer-python", default=None,
+                    help="interpreter with llama_cpp (llama-cpp-python) for the Q4_0 peer")
+    ap.add_argument("--llamacpp-convert", default=None,
+                    help="llama.cpp's convert_hf_to_gguf.py (or env KVSERVE_LLAMACPP_CONVERT)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     spec = SMALL if args.small else FULL
@@ -248,12 +319,13 @@ def main() -> None:
         speedups[f"best_int4_vs_best_dense_{key}"] = {
             "int4": q_best[1], "dense": d_best[1], "speedup": round(q_best[0] / d_best[0], 3)}
     result["speedup"] = speedups
-    try:
-        import llama_cpp  # noqa: F401
-
-        result["llama_cpp_q4_0"] = "llama_cpp importable but no GGUF conversion here: not run"
-    except ImportError:
-        result["llama_cpp_q4_0"] = "not installed"
+    result["llama_cpp"] = run_llamacpp(args, dense, work, spec["vocab"])
+    lc = result["llama_cpp"]
+    if isinstance(lc, dict) and "q4_0" in lc and "bf16" in lc:
+        for b in args.batches:
+            q, d = (_llamacpp_tok_s(lc[t], b) for t in ("q4_0", "bf16"))
+            if q and d:
+                speedups[f"llamacpp_q4_0_vs_bf16_batch_{b}"] = round(q / d, 3)
     result["env"]["loadavg_after"] = os.getloadavg()
     with open(args.json, "w") as f:
         json.dump(result, f, indent=2)

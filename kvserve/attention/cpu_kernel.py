@@ -1,30 +1,19 @@
 """Loader for the C decode-attention kernel (``kvserve/csrc/paged_attention.c``).
 
-Compiled on first use with the system C compiler (``cc -O3 -march=native -fopenmp``, ~1 s, no
-torch headers) into ``~/.cache/kvserve``, called through ctypes on raw tensor pointers. If no
-compiler is available, or ``KVSERVE_CPU_KERNEL=0``, ``load()`` returns None and the torch
-backend uses its pure-torch path (the kernel's twin).
+Compiled on first use by ``kvserve.cbuild`` (system C compiler, no torch headers), called
+through ctypes on raw tensor pointers. If no compiler is available, or ``KVSERVE_CPU_KERNEL=0``,
+``load()`` returns None and the torch backend uses its pure-torch path (the kernel's twin).
 """
 
 from __future__ import annotations
 
 import ctypes
-import hashlib
-import logging
-import os
-import shutil
-import subprocess
-import tempfile
 from functools import lru_cache
 
 import torch
 
-logger = logging.getLogger(__name__)
+from kvserve.cbuild import build_library
 
-_SRC = os.path.join(os.path.dirname(os.path.dirname(__file__)), "csrc", "paged_attention.c")
-_FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c11",
-          "-ffp-contract=fast", "-fassociative-math", "-fno-signed-zeros",
-          "-fno-trapping-math", "-lm"]
 DTYPE_CODES = {
     torch.float32: 0, torch.bfloat16: 1, torch.float16: 2,
     torch.float8_e4m3fn: 3, torch.float8_e5m2: 4,
@@ -33,32 +22,9 @@ DTYPE_CODES = {
 
 @lru_cache(maxsize=1)
 def load() -> ctypes.CDLL | None:
-    if os.environ.get("KVSERVE_CPU_KERNEL", "1") == "0":
+    dll = build_library("paged_attention")
+    if dll is None:
         return None
-    cc = shutil.which(os.environ.get("CC", "cc")) or shutil.which("gcc")
-    if cc is None:
-        logger.info("no C compiler: using the pure-torch decode attention")
-        return None
-    with open(_SRC, "rb") as f:
-        src = f.read()
-    key = hashlib.sha256(src + " ".join(_FLAGS).encode()).hexdigest()[:16]
-    cache = os.path.join(os.path.expanduser(os.environ.get("XDG_CACHE_HOME", "~/.cache")),
-                         "kvserve")
-    lib = os.path.join(cache, f"paged_attention_{key}.so")
-    if not os.path.isfile(lib):
-        os.makedirs(cache, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(suffix=".so", dir=cache)
-        os.close(fd)
-        try:
-            subprocess.run([cc, _SRC, "-o", tmp, *_FLAGS], check=True, capture_output=True)
-            os.replace(tmp, lib)
-        except (OSError, subprocess.CalledProcessError) as e:
-            err = getattr(e, "stderr", b"") or b""
-            logger.warning("C kernel build failed (%s); using pure torch", err.decode()[-500:])
-            if os.path.exists(tmp):
-                os.remove(tmp)
-            return None
-    dll = ctypes.CDLL(lib)
     p, i, f = ctypes.c_void_p, ctypes.c_int, ctypes.c_float
     dll.kvs_paged_decode.argtypes = [p, p, i, p, p, p, i, i, i, i, i, i, f, i, p]
     dll.kvs_paged_decode.restype = None

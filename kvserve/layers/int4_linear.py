@@ -1,4 +1,8 @@
-"""INT4 weight-only linear layer (W4A16) for CPU.
+"""INT4 weight-only linear layer (W4A16) for CPU, and CUDA via ``to_device_layout``.
+
+On CUDA (``.to("cuda")``; the loader moves INT4 modules for ``--device cuda``) the layer is
+repacked once for the Triton W4A16 kernel (kvserve/kernels/triton_int4.py) or torch's CUDA
+tinygemm (``$KVSERVE_INT4_CUDA_KERNEL=tinygemm``); see "GPU layouts" below.
 
 Building (packing happens once, here; the layer is immutable afterwards)::
 
@@ -18,23 +22,30 @@ returns the dense fp32 [out, in] weight the layer computes with (the twin);
 ``weight_bytes()`` the bytes held. Buffers are non-persistent: the packed layout is specific to
 this CPU and process, so rebuild from the checkpoint tensors instead of saving a state_dict.
 
-Compute paths (benchmarks/int4_kernels.py; Zen3 AVX2, 1 thread, K = N = 4096, median ms, on
-a quiet host; under heavy host load everything is 2-4x slower and the dequant path suffers most)::
+Compute paths (Zen2/3 AVX2, 1 thread, K = N = 4096, group 128, median ms, quiet host)::
 
-    M     dense bf16  dense fp32  int4 op (bf16)  int4 dequant->fp32 GEMM
-    1     3.3         3.0         2.4             ~20
-    64    196         37          50              47
-    256   -           105         198             120
+    M     dense bf16  dense fp32  C kernel (fp32 x)  int4 op (bf16)  dequant->fp32 GEMM
+    1     3.2         2.2         0.75               2.35            ~25
+    32    -           -           15.3               24.5            36.6
+    64    196         37          30.6               49.4            48.0
+    128   -           -           61.4               99.2            73.6
 
-* M < ``dequant_min_m`` (default 96, the crossover: ~64 on a quiet host, ~128 on a loaded one):
-  ``aten._weight_int4pack_mm_for_cpu`` (tinygemm). It computes w = (u - 8) * scale + zero with
-  u the unsigned nibble and (scale, zero) in x's dtype; bf16 is its only fast dtype here (fp32
-  runs a scalar loop, ~14x slower), so fp16 / fp32 activations are cast to bf16 for it and the
-  result cast back. Its constraints: N % 16 == 0, K % group == 0, group in {32, 64, 128, 256}:
-  N is padded to the op's row block (extra rows sliced off), K to a whole number of groups (x is
-  zero-padded at runtime), larger groups that are multiples of 32 (and channel-wise) are split
-  into op groups with repeated scales. (scale, zero) are held in bf16: fp16/fp32 checkpoint
-  scales lose <0.4% relative precision, far below the int4 rounding error.
+* M <= ``gemv_max_m`` (default 64; decode): the C kernel
+  ``kvserve/csrc/int4_gemv.c`` (``kvserve.cbuild``) on the *same* packed bytes and bf16 (scale,
+  zero) pairs, with fp32 activations: nibbles are masked in place and widened with one convert
+  per 8 weights, the zero point folded per group via sum(x); rows of x in pairs. ~3x the op
+  at M = 1, ~1.6x at M = 32-64, exact to fp32 rounding against the twin
+  (tests/quant/test_int4_gemv.py). Without it (no compiler, a pack layout it does not read)
+  the op below takes these rows.
+* M < ``dequant_min_m`` (default 96, the op/dequant crossover: ~64 on a quiet host, ~128 on a loaded
+  one): ``aten._weight_int4pack_mm_for_cpu`` (tinygemm). It computes w = (u - 8) * scale + zero with
+  u the unsigned nibble and (scale, zero) in x's dtype; bf16 is its only fast dtype here (fp32 runs
+  a scalar loop, ~14x slower), so fp16 / fp32 activations are cast to bf16 for it and the result
+  cast back. Its constraints: N % 16 == 0, K % group == 0, group in {32, 64, 128, 256}: N is padded
+  to the op's row block (extra rows sliced off), K to a whole number of groups (x is zero-padded at
+  runtime), larger groups that are multiples of 32 (and channel-wise) are split into op groups with
+  repeated scales. (scale, zero) are held in bf16: fp16/fp32 checkpoint scales lose <0.4% relative
+  precision, far below the int4 rounding error.
 * M >= ``dequant_min_m`` (prefill): the same packed bytes are unpacked to fp32 in row chunks
   (~4 MiB each, cache-resident) and fed to an fp32 GEMM. dense bf16 GEMM is never used: without
   AVX512-BF16 it is ~5x slower than fp32 on this CPU.
@@ -48,18 +59,22 @@ Marlin does) and x is permuted with ``index_select`` per call.
 
 from __future__ import annotations
 
+import ctypes
 import functools
 import math
+import os
 from collections.abc import Sequence
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kvserve.cbuild import build_library
 from kvserve.quant import int4
 from kvserve.quant.int4 import Int4Weight
 
 DEQUANT_MIN_M = 96  # rows of x from which dequant -> fp32 GEMM beats the int4 op (measured)
+GEMV_MAX_M = 64  # rows of x up to which the C kernel (kvserve/csrc/int4_gemv.c) is fastest
 _OP_GROUPS = (256, 128, 64, 32)  # group sizes the CPU int4 op accepts
 _CHUNK_BYTES = 4 << 20  # fp32 weight rows dequantized per GEMM call in the dequant path
 
@@ -115,6 +130,7 @@ class Int4Linear(nn.Module):
         bias: torch.Tensor | None = None,
         *,
         dequant_min_m: int = DEQUANT_MIN_M,
+        gemv_max_m: int = GEMV_MAX_M,
     ) -> None:
         super().__init__()
         n, k = weight.out_features, weight.in_features
@@ -122,10 +138,13 @@ class Int4Linear(nn.Module):
             raise ValueError(f"bias must be [out={n}], got {tuple(bias.shape)}")
         if dequant_min_m < 1:
             raise ValueError(f"dequant_min_m must be >= 1, got {dequant_min_m}")
+        if gemv_max_m < 0:
+            raise ValueError(f"gemv_max_m must be >= 0 (0: never the C kernel), got {gemv_max_m}")
         self.in_features, self.out_features = k, n
         self.group_size = weight.group_size
         self.symmetric = weight.symmetric
         self.dequant_min_m = dequant_min_m
+        self.gemv_max_m = gemv_max_m
         self.register_buffer("bias", bias.detach().clone() if bias is not None else None,
                              persistent=False)
 
@@ -263,6 +282,10 @@ class Int4Linear(nn.Module):
         m = x2.shape[0]
         if m == 0:
             y = x2.new_zeros(0, self.out_features)
+        elif self.device_kernel is not None:  # GPU layout (see to_device_layout)
+            y = self._forward_device(x2)
+        elif self.fast and m <= self.gemv_max_m and _gemv_lib() is not None:
+            y = self._forward_gemv(x2)
         elif self.fast and m < self.dequant_min_m:
             y = self._forward_op(x2)
         else:
@@ -270,6 +293,27 @@ class Int4Linear(nn.Module):
         if self.bias is not None:
             y = y + self.bias.to(y.dtype)
         return y.reshape(*lead, self.out_features)
+
+    def _forward_gemv(self, x2: torch.Tensor) -> torch.Tensor:
+        """C/AVX2 skinny GEMM on the op's packed bytes, fp32 activations: [m, K] -> [m, N]."""
+        assert self._layout is not None and self.packed.is_contiguous()
+        xf = x2.float()
+        if self.k_pad != self.in_features:
+            xf = F.pad(xf, (0, self.k_pad - self.in_features))
+        xf = xf.contiguous()
+        m, g = xf.shape[0], self.op_group
+        xs = xf.view(m, self.k_pad // g, g).sum(-1)  # [m, groups]: the zero-point term
+        sz = self.scales_zeros
+        if sz.dtype != torch.bfloat16:
+            sz = sz.bfloat16()
+        y = torch.empty(m, self.n_pad, dtype=torch.float32)
+        _gemv_lib().kvs_int4_gemv(
+            self.packed.data_ptr(), sz.contiguous().data_ptr(), xf.data_ptr(), xs.data_ptr(),
+            m, self.n_pad, self.k_pad, g, self._layout[0], torch.get_num_threads(),
+            y.data_ptr())
+        if self.n_pad != self.out_features:
+            y = y[:, : self.out_features]
+        return y.to(x2.dtype)
 
     def _forward_op(self, x2: torch.Tensor) -> torch.Tensor:
         """tinygemm int4 op in bf16: [m, K] -> [m, N] in x2's dtype."""
@@ -324,11 +368,183 @@ class Int4Linear(nn.Module):
         w.add_(z - int4.OFFSET * s)  # (u - 8) * s + z
         return w.view(self.k_pad, rows)
 
+    # ---------------------------------------------------------------- GPU layouts (CUDA)
+    #
+    # The CPU layouts above are specific to torch's CPU int4 op. Moving the module to CUDA
+    # (``.to("cuda")``, ``.cuda()``; the loader does it for ``--device cuda``) first repacks,
+    # once, into a GPU layout (``to_device_layout``) and drops the CPU buffers:
+    #
+    #   "triton"   (default) kvserve/kernels/triton_int4.py, the compressed-tensors layout:
+    #              dev_packed int32 [N, ceil(K/8)] (nibble j of word w = column 8w + j, unsigned)
+    #              dev_scales [N, G] fp32, dev_zeros int8 [N, G] unsigned zero points (0..16) or
+    #              None (symmetric: 8); W[n, k] = (u - zp) * scale, group dev_group.
+    #   "tinygemm" torch's CUDA ``_weight_int4pack_mm`` (bf16 activations, sm80+): dev_packed
+    #              int32 opaque tiles from ``_convert_weight_to_int4pack`` (made on the device from
+    #              dev_u8 uint8 [n_pad, k_pad/2], even column in the high nibble), dev_sz bf16
+    #              [k_pad/g, n_pad, 2] (scale, zero) with W = (u - 8) * scale + zero.
+    #   "dense"    act-order groups that are not contiguous (no kernel takes them): the dense
+    #              weight in fp32 [N, K], computed with a plain matmul.
+    #
+    # The GPU layout is rebuilt from whichever CPU layout the module holds: the canonical pack
+    # exactly; the CPU op's pack exactly in its nibbles, with its bf16 (scale, zero) pairs and
+    # op-sized groups (the zero point is recovered as the integer round(8 - zero / scale)).
+    # ``to_device_layout`` also works on CPU (tests): forward then runs the Triton kernel under
+    # TRITON_INTERPRET=1, else its pure-torch twin (kvserve.kernels.reference.int4_matmul).
+
+    device_kernel: str | None = None  # None: the CPU layouts; else "triton"/"tinygemm"/"dense"
+
+    @torch.no_grad()
+    def to_device_layout(self, kernel: str | None = None) -> Int4Linear:
+        """Repack for a GPU kernel, in place, on the current device; returns self. ``kernel``:
+        "triton", "tinygemm" or None ($KVSERVE_INT4_CUDA_KERNEL, default "triton")."""
+        kernel = kernel or default_cuda_kernel()
+        if kernel not in CUDA_KERNELS:
+            raise ValueError(f"kernel must be one of {CUDA_KERNELS}, got {kernel!r}")
+        if self.device_kernel is not None:
+            if self.device_kernel != kernel and kernel != "dense":
+                raise ValueError(f"already packed for {self.device_kernel!r}; rebuild the "
+                                 f"layer from its checkpoint tensors to use {kernel!r}")
+            return self
+        u, scales, zp, group = self._canonical_for_device()  # u: uint8 [N, K] or None
+        if u is None:  # irregular act-order groups
+            kernel = "dense"
+        elif kernel == "tinygemm" and not self._tinygemm_ok(group):
+            kernel = "triton"
+        k, n = self.in_features, self.out_features
+        bufs: dict[str, torch.Tensor | None] = dict.fromkeys(
+            ("dev_packed", "dev_scales", "dev_zeros", "dev_u8", "dev_sz", "dev_dense"))
+        if kernel == "dense":
+            bufs["dev_dense"] = self.dequantize()  # fp32 [N, K], original column order
+            self._drop_perm()
+        elif kernel == "triton":
+            bufs["dev_packed"] = int4.pack_int4((u.to(torch.int16) - int4.OFFSET).to(torch.int8))
+            bufs["dev_scales"] = scales
+            bufs["dev_zeros"] = None if zp is None else zp.to(torch.int8)
+        else:
+            k_pad, n_pad = _ceil_to(k, group), _ceil_to(n, 8)  # group: a multiple of 32
+            up = torch.full((n_pad, k_pad), int4.OFFSET, dtype=torch.uint8)  # pad: weight 0
+            up[:n, :k] = u
+            bufs["dev_u8"] = ((up[:, ::2] << 4) | up[:, 1::2]).contiguous()  # [n_pad, k_pad/2]
+            zpf = torch.full_like(scales, float(int4.OFFSET)) if zp is None else zp.float()
+            sz = torch.zeros(k_pad // group, n_pad, 2, dtype=torch.bfloat16)
+            sz[: scales.shape[1], :n, 0] = scales.t()
+            sz[: scales.shape[1], :n, 1] = ((int4.OFFSET - zpf) * scales).t()  # zero
+            bufs["dev_sz"] = sz
+        for name in ("packed", "scales_zeros", "ct_packed", "ct_scales", "ct_zeros",
+                     "ct_group_index"):
+            self.register_buffer(name, None, persistent=False)
+        for name, t in bufs.items():
+            self.register_buffer(name, None if t is None else t.contiguous(), persistent=False)
+        self.dev_group = group
+        self.device_kernel = kernel
+        if kernel == "tinygemm" and self.dev_u8.is_cuda:
+            self._finish_tinygemm()
+        return self
+
+    def _canonical_for_device(
+        self,
+    ) -> tuple[torch.Tensor | None, torch.Tensor, torch.Tensor | None, int]:
+        """(u uint8 [N, K] stored-column nibbles, scales fp32 [N, G], unsigned zero points
+        [N, G] int16 or None, group) of the weight as held; u is None for irregular groups."""
+        n, k = self.out_features, self.in_features
+        if self.fast:
+            assert self._layout is not None
+            block_n, mode = self._layout
+            g = self.op_group
+            u = _unpack_blocks(self.packed, self.n_pad, self.k_pad, block_n, mode, 0,
+                               self.n_pad // block_n, k_major=True)  # [k_pad, n_pad]
+            u = u.t()[:n, :k].contiguous()
+            sz = self.scales_zeros.float()[:, :n]  # [k_pad / g, n, 2]
+            s, z = sz[..., 0].t().contiguous(), sz[..., 1].t()  # [n, G']
+            zp = None
+            if not self.symmetric:
+                safe = torch.where(s == 0, torch.ones_like(s), s)
+                zp = torch.where(s == 0, torch.full_like(s, float(int4.OFFSET)),
+                                 (int4.OFFSET - z / safe).round()).to(torch.int16)
+            return u, s, zp, g
+        gi = self.ct_group_index
+        group = self.group_size
+        if not torch.equal(gi, torch.arange(k, device=gi.device) // group):
+            return None, self.ct_scales, None, group
+        u = int4.unpack_nibbles(self.ct_packed, k, 1).to(torch.uint8)  # unsigned nibbles
+        zp = None if self.ct_zeros is None else self.ct_zeros.to(torch.int16) + int4.OFFSET
+        return u, self.ct_scales.float(), zp, group
+
+    def _tinygemm_ok(self, group: int) -> bool:
+        return (getattr(torch.ops.aten, "_weight_int4pack_mm", None) is not None
+                and group in _OP_GROUPS)
+
+    def _drop_perm(self) -> None:
+        self.register_buffer("perm", None, persistent=False)
+
+    def _finish_tinygemm(self) -> None:
+        """On CUDA: uint8 nibbles -> tinygemm's int32 tiles (the op runs on the device)."""
+        k_pad = self.dev_u8.shape[1] * 2
+        tiles = next(t for t in (8, 4, 2) if k_pad % (16 * t) == 0)
+        packed = torch.ops.aten._convert_weight_to_int4pack(self.dev_u8, tiles)
+        self.register_buffer("dev_packed", packed, persistent=False)
+        self.register_buffer("dev_u8", None, persistent=False)
+
+    def _apply(self, fn, recurse: bool = True):  # noqa: ANN001 - nn.Module's signature
+        if self.device_kernel is None and _target_device(fn) == "cuda":
+            self.to_device_layout()  # repack on the CPU, then move the GPU layout
+        out = super()._apply(fn, recurse)
+        if self.device_kernel == "tinygemm" and self.dev_u8 is not None and self.dev_u8.is_cuda:
+            self._finish_tinygemm()
+        return out
+
+    def _forward_device(self, x2: torch.Tensor) -> torch.Tensor:
+        """[m, K] (columns already permuted) -> [m, N] in x2's dtype, with the GPU layout."""
+        kernel = self.device_kernel
+        if kernel == "dense":
+            return (x2.float() @ self.dev_dense.t().float()).to(x2.dtype)
+        if kernel == "tinygemm":
+            k_pad = self.dev_sz.shape[0] * self.dev_group
+            xb = x2.to(torch.bfloat16)
+            if k_pad != self.in_features:
+                xb = F.pad(xb, (0, k_pad - self.in_features))
+            y = torch.ops.aten._weight_int4pack_mm(xb.contiguous(), self.dev_packed,
+                                                   self.dev_group, self.dev_sz.bfloat16())
+            return y[:, : self.out_features].to(x2.dtype)
+        from kvserve.kernels import reference as ref
+
+        if x2.is_cuda or _triton_interpreting():
+            from kvserve.kernels import triton_int4
+
+            mm = triton_int4.int4_matmul
+        else:
+            mm = ref.int4_matmul  # the twin: a CPU module holding the GPU layout
+        return mm(x2.contiguous(), self.dev_packed, self.dev_scales, self.dev_zeros,
+                  self.dev_group)
+
+    @torch.no_grad()
+    def _dequantize_device(self) -> torch.Tensor:
+        """fp32 [out, in] (original column order) from the GPU layout."""
+        if self.device_kernel == "dense":
+            return self.dev_dense.float().clone()
+        if self.device_kernel == "tinygemm":
+            k_pad = self.dev_sz.shape[0] * self.dev_group
+            eye = torch.eye(k_pad, dtype=torch.bfloat16, device=self.dev_sz.device)
+            w = self._forward_device(eye[:, : self.in_features]).float().t()  # [N, k_pad]
+            w = w[:, : self.in_features]  # bf16-rounded products: what the op computes
+        else:
+            from kvserve.kernels import reference as ref
+
+            w = ref.dequantize_int4(self.dev_packed, self.dev_scales, self.dev_zeros,
+                                    self.dev_group, k=self.in_features)
+        if self.perm is not None:
+            dense = torch.empty_like(w)
+            dense[:, self.perm] = w
+            return dense
+        return w.contiguous()
+
     # ---------------------------------------------------------------- introspection
 
     @torch.no_grad()
     def dequantize(self) -> torch.Tensor:
         """The dense fp32 [out, in] weight this layer computes with (original column order)."""
+        if self.device_kernel is not None:
+            return self._dequantize_device()
         w_t = torch.cat([self._dequant_rows_t(r0, r1) for r0, r1 in self._row_chunks()], 1)
         w = w_t.t()[: self.out_features, : self.in_features]
         if self.perm is not None:
@@ -357,6 +573,45 @@ def int4_experts_from_dense(
     Int4Linear, each quantized independently like a plain linear (compressed-tensors and GPTQ
     checkpoints store ``experts.<e>.<proj>`` per expert: build each with the constructors)."""
     return nn.ModuleList(Int4Linear.from_dense(w, group_size, symmetric) for w in weights)
+
+
+@functools.cache
+def _gemv_lib() -> ctypes.CDLL | None:
+    """The C int4 GEMV, if it builds and this CPU's int4pack layout is one it reads."""
+    layout = int4pack_layout()
+    if layout is None or layout[1] != "halves" or layout[0] not in (32, 64):
+        return None
+    dll = build_library("int4_gemv")
+    if dll is None:
+        return None
+    p, i64 = ctypes.c_void_p, ctypes.c_int64
+    dll.kvs_int4_gemv.argtypes = [p, p, p, p, i64, i64, i64, i64, i64, ctypes.c_int, p]
+    dll.kvs_int4_gemv.restype = None
+    return dll
+
+
+CUDA_KERNELS = ("triton", "tinygemm", "dense")
+
+
+def default_cuda_kernel() -> str:
+    """$KVSERVE_INT4_CUDA_KERNEL ("triton" or "tinygemm"); default "triton"."""
+    kernel = os.environ.get("KVSERVE_INT4_CUDA_KERNEL", "triton")
+    if kernel not in ("triton", "tinygemm"):
+        raise ValueError(f"KVSERVE_INT4_CUDA_KERNEL must be triton or tinygemm, got {kernel!r}")
+    return kernel
+
+
+def _target_device(fn) -> str | None:  # noqa: ANN001
+    """Device type an ``nn.Module._apply`` function sends tensors to (probed on an empty one)."""
+    try:
+        t = fn(torch.empty(0))
+    except Exception:  # noqa: BLE001 - not a tensor-to-tensor function
+        return None
+    return t.device.type if isinstance(t, torch.Tensor) else None
+
+
+def _triton_interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
 def _ceil_to(x: int, m: int) -> int:

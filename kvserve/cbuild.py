@@ -1,0 +1,58 @@
+"""Build-on-first-use for kvserve's small C kernels (``kvserve/csrc/*.c``).
+
+Each source is compiled with the system C compiler (``cc -O3 -march=native -fopenmp``, ~1 s,
+no torch headers) into ``~/.cache/kvserve/<name>_<hash>.so`` (hash over source + flags, so an
+edit rebuilds) and opened with ctypes. ``KVSERVE_CPU_KERNEL=0`` or a missing / failing compiler
+gives None: every caller then uses its pure-torch twin.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import shutil
+import subprocess
+import tempfile
+from functools import cache
+
+logger = logging.getLogger(__name__)
+
+CSRC = os.path.join(os.path.dirname(__file__), "csrc")
+FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c11",
+         "-ffp-contract=fast", "-fassociative-math", "-fno-signed-zeros",
+         "-fno-trapping-math", "-lm")
+
+
+@cache
+def build_library(name: str) -> ctypes.CDLL | None:
+    """Compile (once per source version) and load ``kvserve/csrc/<name>.c``."""
+    if os.environ.get("KVSERVE_CPU_KERNEL", "1") == "0":
+        return None
+    cc = shutil.which(os.environ.get("CC", "cc")) or shutil.which("gcc")
+    if cc is None:
+        logger.info("no C compiler: %s falls back to pure torch", name)
+        return None
+    src_path = os.path.join(CSRC, f"{name}.c")
+    with open(src_path, "rb") as f:
+        src = f.read()
+    key = hashlib.sha256(src + " ".join(FLAGS).encode()).hexdigest()[:16]
+    cache_dir = os.path.join(
+        os.path.expanduser(os.environ.get("XDG_CACHE_HOME", "~/.cache")), "kvserve")
+    lib = os.path.join(cache_dir, f"{name}_{key}.so")
+    if not os.path.isfile(lib):
+        os.makedirs(cache_dir, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(suffix=".so", dir=cache_dir)
+        os.close(fd)
+        try:
+            subprocess.run([cc, src_path, "-o", tmp, *FLAGS], check=True, capture_output=True)
+            os.replace(tmp, lib)
+        except (OSError, subprocess.CalledProcessError) as e:
+            err = getattr(e, "stderr", b"") or b""
+            logger.warning("building %s failed (%s); using pure torch", name,
+                           err.decode()[-500:])
+            if os.path.exists(tmp):
+                os.remove(tmp)
+            return None
+    return ctypes.CDLL(lib)

@@ -1,0 +1,205 @@
+/*
+ * INT4 weight-only GEMV / skinny GEMM (W4A32) for decode, reading the bytes that torch's
+ * `_convert_weight_to_int4pack_for_cpu` produced (so the layer holds one packed copy, shared
+ * with `_weight_int4pack_mm_for_cpu`, which keeps the larger-M work).
+ *
+ * Twin: Int4Linear.dequantize() -> x @ W^T (kvserve/layers/int4_linear.py); the test
+ * tests/quant/test_int4_gemv.py sweeps shapes against it.
+ *
+ * Packed layout ("halves" mode, block_n = BN in {32, 64}; found by int4pack_layout()):
+ *
+ *   packed  uint8 [N/BN, K, BN/2]      byte j of (block b, column k):
+ *                                        low  nibble = row b*BN + j
+ *                                        high nibble = row b*BN + BN/2 + j
+ *   sz      bf16  [K/G, N, 2]          (s, z) per (group, row): w = (u - 8) * s + z
+ *
+ * Work unit = 16 bytes of one block's k-row = 32 rows:
+ *
+ *        byte offset c*16 ... c*16+15 of each k-row (c = 0 .. BN/32 - 1)
+ *        low nibbles  -> rows lo0 = b*BN + 16c      .. lo0 + 15
+ *        high nibbles -> rows hi0 = b*BN + BN/2 + 16c .. hi0 + 15
+ *
+ * Per group g and row n:  y[m,n] += s * sum_k u[n,k] x[m,k] + (z - 8 s) * sum_k x[m,k],
+ * so the inner loop is a plain dot of unsigned nibbles with x (fp32 FMAs); xs[m, g] =
+ * sum_{k in g} x[m, k] comes precomputed. Units are independent: OpenMP over units, rows of
+ * x in tiles of 2 (14 ymm registers live in the AVX2 loop).
+ */
+#include <stdint.h>
+#include <string.h>
+#include <omp.h>
+#ifdef __AVX2__
+#include <immintrin.h>
+#endif
+
+static inline float bf16f(uint16_t h) {
+    uint32_t u = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+}
+
+/* Rows of the 32 outputs of a unit, in vector order: lo0..lo0+15, hi0..hi0+15. */
+static inline int64_t unit_row(int64_t lo0, int64_t hi0, int r) {
+    return r < 16 ? lo0 + r : hi0 + (r - 16);
+}
+
+#ifdef __AVX2__
+/*
+ * Nibble extraction without shuffles. The 16 bytes of a k-row are broadcast to both 128-bit
+ * halves (4 dwords each); vector t (t = 0..3) masks, in each dword d, the low nibble of byte t
+ * (lanes 0-3) and its high nibble (lanes 4-7) *in place*: the int32 is u * 2^p (p = 8t or
+ * 8t + 4), converted to fp32 exactly. The 2^-p factor is applied once per group to the sums.
+ * For t = 3 the dword is shifted right by 4 first so that nibble 7 (bits 28-31) stays positive
+ * (p = 20 / 24). Lane l of vector t holds row  4l + t  (l < 4)  or  16 + 4(l - 4) + t.
+ */
+static inline int vrow(int t, int l) { return l < 4 ? 4 * l + t : 16 + 4 * (l - 4) + t; }
+
+#define KVS_UNPACK(ptr, w0, w1, w2, w3)                                                 \
+    do {                                                                                 \
+        const __m256i v_ = _mm256_broadcastsi128_si256(                                  \
+            _mm_loadu_si128((const __m128i *)(ptr)));                                    \
+        w0 = _mm256_cvtepi32_ps(_mm256_and_si256(v_, mk0));                              \
+        w1 = _mm256_cvtepi32_ps(_mm256_and_si256(v_, mk1));                              \
+        w2 = _mm256_cvtepi32_ps(_mm256_and_si256(v_, mk2));                              \
+        w3 = _mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srli_epi32(v_, 4), mk3));        \
+    } while (0)
+
+#define KVS_MASKS                                                                        \
+    const __m256i mk0 = _mm256_setr_epi32(0xF, 0xF, 0xF, 0xF, 0xF0, 0xF0, 0xF0, 0xF0);   \
+    const __m256i mk1 = _mm256_slli_epi32(mk0, 8);                                       \
+    const __m256i mk2 = _mm256_slli_epi32(mk0, 16);                                      \
+    const __m256i mk3 = _mm256_slli_epi32(mk0, 20)
+
+/* Undo the 2^p factors and the lane order: a[t] -> acc[row]. */
+static inline void unscramble(const __m256 a[4], float *restrict acc) {
+    static const float inv[4][2] = {
+        {1.0f, 1.0f / 16}, {1.0f / 256, 1.0f / 4096},
+        {1.0f / 65536, 1.0f / 1048576}, {1.0f / 1048576, 1.0f / 16777216}};
+    float tmp[8];
+    for (int t = 0; t < 4; t++) {
+        const __m256 f = _mm256_setr_ps(inv[t][0], inv[t][0], inv[t][0], inv[t][0],
+                                        inv[t][1], inv[t][1], inv[t][1], inv[t][1]);
+        _mm256_storeu_ps(tmp, _mm256_mul_ps(a[t], f));
+        for (int l = 0; l < 8; l++) acc[vrow(t, l)] = tmp[l];
+    }
+}
+#endif
+
+/* acc[mm][r] = sum_{k in [k0, k1)} u[row r, k] * x[m0 + mm, k] for one unit ((k1-k0) even). */
+static void unit_dot(const uint8_t *restrict wk, int64_t stride, const float *restrict x,
+                     int64_t K, int mt, int64_t k0, int64_t k1, float acc[2][32]) {
+#ifdef __AVX2__
+    KVS_MASKS;
+    /* named accumulators (not arrays): keeps all eight in registers (gcc spilled arrays) */
+    __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+    __m256 b0 = a0, b1 = a0, b2 = a0, b3 = a0;
+    if (mt == 1) {
+        /* two k per iteration, two accumulator sets: 8 independent FMA chains */
+        for (int64_t k = k0; k < k1; k += 2) {
+            __m256 w0, w1, w2, w3;
+            KVS_UNPACK(wk + k * stride, w0, w1, w2, w3);
+            const __m256 x0 = _mm256_broadcast_ss(x + k);
+            a0 = _mm256_fmadd_ps(w0, x0, a0);
+            a1 = _mm256_fmadd_ps(w1, x0, a1);
+            a2 = _mm256_fmadd_ps(w2, x0, a2);
+            a3 = _mm256_fmadd_ps(w3, x0, a3);
+            KVS_UNPACK(wk + (k + 1) * stride, w0, w1, w2, w3);
+            const __m256 x1 = _mm256_broadcast_ss(x + k + 1);
+            b0 = _mm256_fmadd_ps(w0, x1, b0);
+            b1 = _mm256_fmadd_ps(w1, x1, b1);
+            b2 = _mm256_fmadd_ps(w2, x1, b2);
+            b3 = _mm256_fmadd_ps(w3, x1, b3);
+        }
+        const __m256 a[4] = {_mm256_add_ps(a0, b0), _mm256_add_ps(a1, b1),
+                             _mm256_add_ps(a2, b2), _mm256_add_ps(a3, b3)};
+        unscramble(a, acc[0]);
+        return;
+    }
+    for (int64_t k = k0; k < k1; k++) {
+        __m256 w0, w1, w2, w3;
+        KVS_UNPACK(wk + k * stride, w0, w1, w2, w3);
+        const __m256 x0 = _mm256_broadcast_ss(x + k), x1 = _mm256_broadcast_ss(x + K + k);
+        a0 = _mm256_fmadd_ps(w0, x0, a0);
+        a1 = _mm256_fmadd_ps(w1, x0, a1);
+        a2 = _mm256_fmadd_ps(w2, x0, a2);
+        a3 = _mm256_fmadd_ps(w3, x0, a3);
+        b0 = _mm256_fmadd_ps(w0, x1, b0);
+        b1 = _mm256_fmadd_ps(w1, x1, b1);
+        b2 = _mm256_fmadd_ps(w2, x1, b2);
+        b3 = _mm256_fmadd_ps(w3, x1, b3);
+    }
+    const __m256 a[4] = {a0, a1, a2, a3}, b[4] = {b0, b1, b2, b3};
+    unscramble(a, acc[0]);
+    unscramble(b, acc[1]);
+#else
+    for (int mm = 0; mm < mt; mm++)
+        for (int r = 0; r < 32; r++) acc[mm][r] = 0.0f;
+    for (int64_t k = k0; k < k1; k++) {
+        const uint8_t *b = wk + k * stride;
+        for (int mm = 0; mm < mt; mm++) {
+            const float xv = x[mm * K + k];
+            for (int j = 0; j < 16; j++) {
+                acc[mm][j] += (float)(b[j] & 15) * xv;
+                acc[mm][16 + j] += (float)(b[j] >> 4) * xv;
+            }
+        }
+    }
+#endif
+}
+
+/* out[mm][r] += s[r] * acc[mm][r] + (z[r] - 8 s[r]) * xs[mm] over 8 rows whose (s, z) bf16
+ * pairs start at p (row-contiguous). */
+static inline void combine8(const uint16_t *restrict p, int mt, float acc[2][32], int r0,
+                            const float xsv[2], float out[2][32]) {
+#ifdef __AVX2__
+    const __m256i v = _mm256_loadu_si256((const __m256i *)p);  /* 8 x (s | z << 16) */
+    const __m256 s = _mm256_castsi256_ps(_mm256_slli_epi32(v, 16));
+    const __m256 z = _mm256_castsi256_ps(_mm256_and_si256(v, _mm256_set1_epi32(-65536)));
+    const __m256 cz = _mm256_fnmadd_ps(_mm256_set1_ps(8.0f), s, z);
+    for (int mm = 0; mm < mt; mm++) {
+        __m256 o = _mm256_loadu_ps(out[mm] + r0);
+        o = _mm256_fmadd_ps(s, _mm256_loadu_ps(acc[mm] + r0), o);
+        o = _mm256_fmadd_ps(cz, _mm256_set1_ps(xsv[mm]), o);
+        _mm256_storeu_ps(out[mm] + r0, o);
+    }
+#else
+    for (int i = 0; i < 8; i++) {
+        const float s = bf16f(p[2 * i]), z = bf16f(p[2 * i + 1]);
+        for (int mm = 0; mm < mt; mm++)
+            out[mm][r0 + i] += s * acc[mm][r0 + i] + (z - 8.0f * s) * xsv[mm];
+    }
+#endif
+}
+
+/*
+ * x   fp32 [M, K] (K = padded K, zero beyond the true width), xs fp32 [M, K/G]
+ * y   fp32 [M, N] (N = padded N), written
+ */
+void kvs_int4_gemv(const uint8_t *packed, const uint16_t *sz, const float *x, const float *xs,
+                   int64_t M, int64_t N, int64_t K, int64_t G, int64_t BN, int num_threads,
+                   float *y) {
+    const int64_t ng = K / G;
+    const int64_t per_block = BN / 32;          /* units per row block */
+    const int64_t n_units = (N / BN) * per_block;
+#pragma omp parallel for schedule(static) num_threads(num_threads)
+    for (int64_t u = 0; u < n_units; u++) {
+        const int64_t b = u / per_block, c = u % per_block;
+        const int64_t lo0 = b * BN + 16 * c, hi0 = b * BN + BN / 2 + 16 * c;
+        const uint8_t *wk = packed + b * K * (BN / 2) + 16 * c;   /* + k * BN/2 per column */
+        for (int64_t m0 = 0; m0 < M; m0 += 2) {
+            const int mt = (M - m0) >= 2 ? 2 : 1;
+            float out[2][32] = {{0}};
+            float acc[2][32];
+            for (int64_t g = 0; g < ng; g++) {
+                unit_dot(wk, BN / 2, x + m0 * K, K, mt, g * G, (g + 1) * G, acc);
+                const uint16_t *szg = sz + (g * N) * 2;
+                const float xsv[2] = {xs[m0 * ng + g], mt == 2 ? xs[(m0 + 1) * ng + g] : 0.0f};
+                for (int r0 = 0; r0 < 32; r0 += 8)
+                    combine8(szg + 2 * unit_row(lo0, hi0, r0), mt, acc, r0, xsv, out);
+            }
+            for (int mm = 0; mm < mt; mm++)
+                for (int r = 0; r < 32; r++)
+                    y[(m0 + mm) * N + unit_row(lo0, hi0, r)] = out[mm][r];
+        }
+    }
+}

@@ -243,6 +243,14 @@ class Int4MergedLinear(nn.Module):
             y = y + self.bias.to(y.dtype)
         return y
 
+    @torch.no_grad()
+    def dequantize(self) -> torch.Tensor:
+        """The dense fp32 [sum(out_sizes), in] weight this module computes with."""
+        if self.int4 is None:
+            raise RuntimeError(f"{self.shard_names}: INT4 weights were never loaded")
+        mods = list(self.int4) if isinstance(self.int4, nn.ModuleList) else [self.int4]
+        return torch.cat([m.dequantize() for m in mods])
+
     def weight_bytes(self) -> int:
         """Bytes held for the weight (packed nibbles, scales/zeros, permutation) and bias."""
         mods = [] if self.int4 is None else (

@@ -27,23 +27,29 @@ Evaluation on CPU: the T*k (token, slot) pairs are sorted by expert once; each a
 runs one GEMM pair over its contiguous token group; results are scaled by the routing weights
 and ``index_add_``-ed back. No Python loop over tokens.
 
-INT4 hook: ``FusedMoE.use_expert_modules(w13_modules, w2_modules)`` swaps the dense stacked
-weights for per-expert modules (``nn.ModuleList`` of E modules each mapping [..., in] ->
-[..., out], e.g. ``kvserve.layers.int4_linear.int4_experts_from_dense(moe.w13)`` and likewise
-for ``w2``); the dense tensors are released and dispatch calls ``modules[e](x_group)`` instead
-of ``F.linear(x_group, w[e])``. Everything else (routing, sorting, index_add) is unchanged.
+INT4 checkpoints: ``Int4FusedMoE`` (per-expert ``ExpertMLP`` children whose gate_up_proj /
+down_proj the loader swaps for ``Int4MergedLinear``, i.e. one ``Int4Linear`` for gate+up and one
+for down per expert) replaces ``FusedMoE`` when ``quantization_config`` quantizes the experts;
+routing and dispatch (``dispatch_experts``) are shared.
+
+INT4 hook (in-memory quantization): ``FusedMoE.use_expert_modules(w13_modules, w2_modules)``
+swaps the dense stacked weights for per-expert modules (``nn.ModuleList`` of E modules each
+mapping [..., in] -> [..., out], e.g. ``int4_experts_from_dense(moe.w13)`` from
+``kvserve.layers.int4_linear``, likewise for ``w2``); the dense tensors are released and
+dispatch calls ``modules[e](x_group)`` instead of ``F.linear(x_group, w[e])``.
 """
 
 from __future__ import annotations
 
 import logging
 import re
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kvserve.layers.linear import default_weight_loader
+from kvserve.layers.linear import Linear, MergedLinear, default_weight_loader
 
 logger = logging.getLogger(__name__)
 
@@ -188,40 +194,119 @@ class FusedMoE(nn.Module):
     # ---- compute ----------------------------------------------------------------------------
     def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """x [T, hidden], weights [T, k] fp32, ids [T, k] -> [T, hidden] in x's dtype."""
-        t, k = ids.shape
-        out = torch.zeros_like(x)
-        if t == 0:
-            return out
-        flat = ids.reshape(-1)  # [T*k] expert of each (token, slot) pair
-        order = torch.argsort(flat, stable=True)  # pairs grouped by expert
-        token = order // k  # [T*k] token of each sorted pair
-        counts = torch.bincount(flat, minlength=self.num_experts).tolist()
-        xs = x.index_select(0, token)  # [T*k, hidden], grouped by expert
-        ys = torch.empty_like(xs)
+        return dispatch_experts(x, weights, ids, self.num_experts, self._run_expert)
+
+    def _run_expert(self, e: int, xe: torch.Tensor) -> torch.Tensor:
+        """Expert e on its routed rows: xe [n, hidden] -> [n, hidden]."""
         i = self.intermediate
-        start = 0
-        for e, n in enumerate(counts):
-            if n == 0:
-                continue
-            xe = xs[start : start + n]
-            if self.w13_modules is not None:
-                h = self.w13_modules[e](xe)
-            else:
-                h = F.linear(xe, self.w13[e])  # [n, 2I]
-            h = F.silu(h[:, :i]) * h[:, i:]
-            ys[start : start + n] = (self.w2_modules[e](h) if self.w2_modules is not None
-                                     else F.linear(h, self.w2[e]))
-            start += n
-        w = weights.reshape(-1)[order].unsqueeze(1)  # [T*k, 1] fp32 routing weight per pair
-        out.index_add_(0, token, (ys.float() * w).to(x.dtype))
+        w13 = self.w13_modules
+        h = w13[e](xe) if w13 is not None else F.linear(xe, self.w13[e])  # [n, 2I]
+        h = F.silu(h[:, :i]) * h[:, i:]
+        return self.w2_modules[e](h) if self.w2_modules is not None else F.linear(h, self.w2[e])
+
+
+def dispatch_experts(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
+                     num_experts: int, run_expert: Callable[[int, torch.Tensor], torch.Tensor]
+                     ) -> torch.Tensor:
+    """Routed MoE evaluation shared by the dense and the INT4 expert layers.
+
+    x [T, hidden], weights [T, k] fp32, ids [T, k] int64 -> [T, hidden] in x's dtype.
+    ``run_expert(e, xe [n, hidden]) -> [n, hidden]`` is called once per expert that received
+    n > 0 (token, slot) pairs, on those rows only (contiguous after one stable sort).
+    """
+    t, k = ids.shape
+    out = torch.zeros_like(x)
+    if t == 0:
         return out
+    flat = ids.reshape(-1)  # [T*k] expert of each (token, slot) pair
+    order = torch.argsort(flat, stable=True)  # pairs grouped by expert
+    token = order // k  # [T*k] token of each sorted pair
+    counts = torch.bincount(flat, minlength=num_experts).tolist()
+    xs = x.index_select(0, token)  # [T*k, hidden], grouped by expert
+    ys = torch.empty_like(xs)
+    start = 0
+    for e, n in enumerate(counts):
+        if n == 0:
+            continue
+        ys[start : start + n] = run_expert(e, xs[start : start + n])
+        start += n
+    w = weights.reshape(-1)[order].unsqueeze(1)  # [T*k, 1] fp32 routing weight per pair
+    out.index_add_(0, token, (ys.float() * w).to(x.dtype))
+    return out
+
+
+class ExpertMLP(nn.Module):
+    """One routed expert as its own modules, named like the checkpoint's per-expert tensors:
+    ``gate_up_proj`` [2I, hidden] (rows [0, I) gate_proj, [I, 2I) up_proj: one GEMM, the w13
+    slice of ``FusedMoE``) and ``down_proj`` [hidden, I] (w2). The loader swaps each for an
+    ``Int4MergedLinear`` (one ``Int4Linear``) when ``quantization_config`` quantizes it."""
+
+    def __init__(self, hidden: int, intermediate: int) -> None:
+        super().__init__()
+        self.intermediate = intermediate
+        self.gate_up_proj: nn.Module = MergedLinear(hidden, (intermediate, intermediate),
+                                                    ("gate", "up"))
+        self.down_proj: nn.Module = Linear(intermediate, hidden)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x [n, hidden] -> [n, hidden] in x's dtype."""
+        h = self.gate_up_proj(x)  # [n, 2I]
+        i = self.intermediate
+        return self.down_proj(F.silu(h[:, :i]) * h[:, i:])
+
+
+class Int4FusedMoE(nn.ModuleList):
+    """Routed experts of an INT4 checkpoint: E ``ExpertMLP`` children named ``0`` .. ``E-1``,
+    so parameter names are the checkpoint's (``mlp.experts.<e>.gate_up_proj.weight_packed`` <-
+    ``mlp.experts.<e>.{gate,up}_proj.weight_packed`` through ``packed_modules``, like a dense
+    MLP's gate/up). Same interface and routing arithmetic as ``FusedMoE`` (``forward(x,
+    weights, ids)``, ``dispatch_experts``): only experts that received tokens run, each on its
+    contiguous rows. Modules the config keeps dense (``ignore``) stay ``MergedLinear`` /
+    ``Linear``; everything else is an ``Int4MergedLinear`` holding one ``Int4Linear`` per
+    expert for gate+up (``concat_out``; two only if GPTQ act-order gave gate and up different
+    ``g_idx``) and one for down.
+
+    Built by ``replacing`` a meta ``FusedMoE`` (``kvserve.model.loader.swap_int4_modules``).
+    """
+
+    def __init__(self, num_experts: int, hidden: int, intermediate: int) -> None:
+        super().__init__(ExpertMLP(hidden, intermediate) for _ in range(num_experts))
+        self.num_experts, self.hidden, self.intermediate = num_experts, hidden, intermediate
+
+    @classmethod
+    def replacing(cls, moe: FusedMoE) -> Int4FusedMoE:
+        """Per-expert stand-in for ``moe`` on the meta device, in ``moe``'s dtype."""
+        prev = torch.get_default_dtype()
+        torch.set_default_dtype(moe.w13.dtype)
+        try:
+            with torch.device("meta"):
+                return cls(moe.num_experts, moe.hidden, moe.intermediate)
+        finally:
+            torch.set_default_dtype(prev)
+
+    def forward(self, x: torch.Tensor, weights: torch.Tensor,  # type: ignore[override]
+                ids: torch.Tensor) -> torch.Tensor:
+        """x [T, hidden], weights [T, k] fp32, ids [T, k] -> [T, hidden] in x's dtype."""
+        return dispatch_experts(x, weights, ids, self.num_experts,
+                                lambda e, xe: self[e](xe))
+
+    def weight_bytes(self) -> int:
+        """Bytes of the expert weights held (INT4 packs, scales/zeros, dense leftovers)."""
+        n = 0
+        for expert in self:
+            for mod in (expert.gate_up_proj, expert.down_proj):
+                if hasattr(mod, "weight_bytes"):  # Int4MergedLinear
+                    n += mod.weight_bytes()
+                else:
+                    n += sum(p.numel() * p.element_size() for p in mod.parameters())
+        return n
 
 
 class SparseMoeBlock(nn.Module):
     """``gate`` (router) + ``experts`` + optional ``shared_experts`` (a dense MLP on every
     token, added to the routed output). Module names follow HF checkpoints."""
 
-    def __init__(self, router: TopKRouter, experts: FusedMoE,
+    def __init__(self, router: TopKRouter, experts: FusedMoE | Int4FusedMoE,
                  shared_experts: nn.Module | None = None) -> None:
         super().__init__()
         self.gate = router
@@ -274,8 +359,16 @@ def load_expert_tensor(model: nn.Module, name: str, handle, loaded: set) -> bool
     else:
         return False
     try:
-        param = model.get_parameter(pname)
         experts = model.get_submodule(pname.rsplit(".", 1)[0])
+    except AttributeError:
+        return False
+    if isinstance(experts, Int4FusedMoE):
+        raise ValueError(f"checkpoint tensor {name} is a dense expert weight, but "
+                         f"quantization_config quantizes the experts of {m['prefix']} (INT4 "
+                         "checkpoints store experts.<e>.<proj>.weight_packed / qweight; list "
+                         "dense experts in 'ignore')")
+    try:
+        param = model.get_parameter(pname)
     except AttributeError:
         return False
     assert isinstance(experts, FusedMoE)

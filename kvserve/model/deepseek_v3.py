@@ -19,7 +19,9 @@ KV bytes per token vs MHA: see ``kvserve/attention/mla_torch.py`` (DeepSeek-V3: 
 Kimi K2 checkpoints declare this architecture with ``model_type: kimi_k2``, which transformers
 does not know; importing this module registers ``kimi_k2`` with ``AutoConfig`` as a
 ``DeepseekV3Config`` subclass so the loader's ``AutoConfig.from_pretrained`` resolves it
-locally (no ``trust_remote_code``). Block-FP8 checkpoints (``quantization_config`` fp8,
+locally (no ``trust_remote_code``). INT4 checkpoints (compressed-tensors pack-quantized, GPTQ)
+load through ``kvserve.model.loader``, routed experts included (Kimi K2 Thinking ships its
+experts INT4 group 32, the rest BF16). Block-FP8 checkpoints (``quantization_config`` fp8,
 ``weight_scale_inv`` tensors) must be dequantized to BF16 first.
 """
 
@@ -170,14 +172,21 @@ class DeepseekV3ForCausalLM(nn.Module):
         "up_proj": ("gate_up_proj", "up"),
     }
 
+    # MLA decode absorbs kv_b_proj's weight into the queries: an INT4 kv_b_proj is dequantized
+    # to a dense Linear once at load (kvserve.model.loader.densify_int4_modules).
+    int4_dense_modules = ("kv_b_proj",)
+
     def __init__(self, config) -> None:
         super().__init__()
         check_activation(config)
         quant = getattr(config, "quantization_config", None)
         if quant:
-            method = quant.get("quant_method") if isinstance(quant, dict) else quant
-            raise ValueError(f"quantized DeepseekV3 checkpoints ({method}) are not supported; "
-                             "dequantize to bf16 first")
+            raw = quant if isinstance(quant, dict) else getattr(quant, "to_dict", dict)()
+            method = str(raw.get("quant_method", quant)).lower().replace("_", "-")
+            if method not in ("compressed-tensors", "gptq"):  # INT4: see loader/quant_config
+                raise ValueError(f"quantized DeepseekV3 checkpoints ({method}) are not "
+                                 "supported; dequantize to bf16 first (INT4 compressed-tensors "
+                                 "pack-quantized and GPTQ load)")
         self.config = config
         self.model = DeepseekV3Model(config)
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))

@@ -18,6 +18,7 @@ from safetensors import safe_open
 from tqdm.auto import tqdm
 
 from kvserve.layers.linear import Int4MergedLinear, Linear, MergedLinear
+from kvserve.layers.moe import FusedMoE, Int4FusedMoE
 from kvserve.model import registry
 from kvserve.model.quant_config import QuantConfig, parse_quant_config
 
@@ -93,9 +94,6 @@ def load_model(path: str, dtype: str | torch.dtype = "auto", device: str = "cpu"
 
     hf_config, arch = load_hf_config(path)
     quant = parse_quant_config(_raw_quantization_config(path))
-    if quant is not None and torch.device(device).type != "cpu":
-        raise ValueError(f"INT4 checkpoint {path!r} ({quant.describe()}) runs on the CPU only; "
-                         f"got device {device!r}")
     dtype = resolve_model_dtype(dtype, checkpoint_dtype(hf_config), device,
                                 _checkpoint_params(path))
     cls = registry.resolve(arch)
@@ -136,8 +134,9 @@ def load_model(path: str, dtype: str | torch.dtype = "auto", device: str = "cpu"
                             raise ValueError(
                                 f"checkpoint tensor {name} is INT4 ({quant.method}) but "
                                 f"kvserve loads module {name.rsplit('.', 1)[0]} dense: "
-                                "quantization_config does not quantize it, or it is a module "
-                                "kvserve has no INT4 path for (e.g. MoE experts)")
+                                "quantization_config does not quantize it (listed in "
+                                "'ignore' / not in 'targets'), or kvserve has no INT4 path "
+                                "for it (e.g. an MoE router gate)")
                         logger.warning("ignoring checkpoint tensor %s (no such parameter)", name)
                         continue
                     param = params[pname]
@@ -155,9 +154,15 @@ def load_model(path: str, dtype: str | torch.dtype = "auto", device: str = "cpu"
     if missing:
         raise ValueError(f"checkpoint {path!r} is missing tensor(s): {', '.join(missing[:8])}"
                          + (f" (+{len(missing) - 8} more)" if len(missing) > 8 else ""))
+    if quant is not None:
+        densify_int4_modules(model, dtype, device)
     for module in model.modules():
         if isinstance(module, Int4MergedLinear):
             module.finish_loading()
+            if torch.device(device).type != "cpu":
+                # packed on the CPU from the checkpoint; the move repacks once for the GPU
+                # kernel (Int4Linear.to_device_layout) and drops the CPU layout
+                module.to(device)
     model.eval()
     return LoadedModel(model, hf_config, arch, dtype, _scales_tensor(kv_scales, hf_config))
 
@@ -170,7 +175,22 @@ def _raw_quantization_config(path: str) -> dict | None:
 def swap_int4_modules(model: torch.nn.Module, quant: QuantConfig) -> int:
     """Replace the (meta) ``Linear`` / ``MergedLinear`` modules that ``quant`` quantizes with
     ``Int4MergedLinear``; returns how many. A fused module's shards are looked up by their
-    checkpoint names (``packed_modules``) and must agree; a tied ``lm_head`` stays as it is."""
+    checkpoint names (``packed_modules``) and must agree; a tied ``lm_head`` stays as it is.
+
+    MoE: a ``FusedMoE`` (stacked dense experts) any of whose ``experts.<e>.{gate,up,down}_proj``
+    the config quantizes first becomes an ``Int4FusedMoE`` of per-expert dense modules named
+    like the checkpoint (``experts.<e>.gate_up_proj`` / ``down_proj``); the pass below then
+    swaps those the config quantizes, so per-expert ``ignore`` entries, gate/up agreement and
+    error messages work as for any MLP. Router gates are not linear modules here: always dense.
+    """
+    for name, module in list(model.named_modules()):
+        if isinstance(module, FusedMoE) and any(
+                quant.scheme_for(f"{name}.{e}.{proj}") is not None
+                for e in range(module.num_experts)
+                for proj in ("gate_proj", "up_proj", "down_proj")):
+            parent_name, _, attr = name.rpartition(".")
+            parent = model.get_submodule(parent_name) if parent_name else model
+            setattr(parent, attr, Int4FusedMoE.replacing(module))
     shard_ckpt: dict[str, dict[str, str]] = {}  # fused module -> shard id -> checkpoint module
     for ckpt, (fused, shard) in getattr(model, "packed_modules", {}).items():
         shard_ckpt.setdefault(fused, {})[shard] = ckpt
@@ -202,6 +222,35 @@ def swap_int4_modules(model: torch.nn.Module, quant: QuantConfig) -> int:
         setattr(parent, attr, Int4MergedLinear.replacing(module, scheme, names))
         swapped += 1
     return swapped
+
+
+def densify_int4_modules(model: torch.nn.Module, dtype: torch.dtype, device: str = "cpu"
+                         ) -> int:
+    """Modules a model reads as a dense weight matrix (its ``int4_dense_modules``: attribute
+    names, e.g. MLA's ``kv_b_proj``, whose weight decode absorbs into the queries) load from
+    INT4 checkpoint tensors like any other and are then dequantized once (on the CPU, after
+    the checkpoint is read) into a plain ``Linear`` of ``dtype`` on ``device``. Returns how
+    many."""
+    names = tuple(getattr(model, "int4_dense_modules", ()))
+    n = 0
+    for name, module in list(model.named_modules()):
+        if not isinstance(module, Int4MergedLinear) or name.rpartition(".")[2] not in names:
+            continue
+        if len(module.shard_ids) != 1:
+            raise ValueError(f"{name}: a fused module cannot be dequantized to a Linear")
+        module.finish_loading()  # idempotent; GPTQ modules may still wait for optional tensors
+        w = module.dequantize().to(device=device, dtype=dtype)  # [out, in]
+        with torch.device("meta"):  # parameters replaced just below
+            dense = Linear(module.in_features, module.out_sizes[0],
+                           bias=module.bias is not None)
+        dense.weight = torch.nn.Parameter(w, requires_grad=False)
+        if module.bias is not None:
+            dense.bias = torch.nn.Parameter(module.bias.detach().to(device=device, dtype=dtype),
+                                            requires_grad=False)
+        parent_name, _, attr = name.rpartition(".")
+        setattr(model.get_submodule(parent_name) if parent_name else model, attr, dense)
+        n += 1
+    return n
 
 
 def _checkpoint_params(path: str) -> int | None:

@@ -18,7 +18,9 @@ Supported (everything else is a ``ValueError`` naming the scheme):
   ``group_size`` / ``sym`` / ``desc_act`` / ``bits``), as in vLLM.
 
 Names are checkpoint module names (``model.layers.0.self_attn.q_proj``): the loader asks once per
-shard of a fused module (q/k/v, gate/up), and all shards must agree.
+shard of a fused module (q/k/v, gate/up), and all shards must agree. MoE routed experts are
+asked per expert and projection (``model.layers.1.mlp.experts.7.gate_proj``); router gates are
+never asked (always dense).
 """
 
 from __future__ import annotations

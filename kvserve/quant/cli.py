@@ -1,9 +1,12 @@
 """``kvserve quantize``: HF folder -> INT4 (W4A16) compressed-tensors folder.
 
     kvserve quantize --model IN --out OUT --weights int4 --group-size 128 \\
-        [--symmetric | --asymmetric] [--calibration TEXTFILE] [--clip-search] [--json OUT.json]
+        [--symmetric | --asymmetric] [--calibration TEXTFILE] [--clip-search] [--experts-only]
+        [--json OUT.json]
 
-Round-to-nearest by default; ``--calibration`` runs AWQ on the text first (see
+MoE models (Qwen3-MoE, GLM-4.5, DeepSeek-V3 / Kimi K2): routed experts are quantized per
+expert like any linear (``--experts-only``: only them, as Kimi K2 Thinking ships); router gates
+stay dense. Round-to-nearest by default; ``--calibration`` runs AWQ on the text first (see
 ``kvserve.quant.quantizer``). Prints what it did: the quantized linear weights' bytes before and
 after, all tensor bytes, and the ``*.safetensors`` size on disk. ``LLM(model=OUT)`` loads the
 result directly.
@@ -41,6 +44,9 @@ def register(subparsers, add_engine_args: Callable, engine_args_from: Callable) 
                    help="text file for AWQ activation-aware scaling (default: plain RTN)")
     p.add_argument("--clip-search", action="store_true",
                    help="MSE search of each group's range (slower, lower weight error)")
+    p.add_argument("--experts-only", action="store_true",
+                   help="quantize the routed MoE experts only; attention, shared experts and "
+                        "dense MLPs stay dense (the Kimi K2 Thinking layout)")
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
     p.add_argument("--json", default=None, metavar="OUT.json", help="also write the summary")
     p.set_defaults(func=run)
@@ -63,9 +69,13 @@ def run(ns: argparse.Namespace) -> int:
             text = f.read()
         if not text.strip():
             raise ValueError(f"--calibration {ns.calibration!r} is empty")
+    if ns.experts_only and text is not None:
+        raise ValueError("--experts-only and --calibration do not combine: AWQ scales the "
+                         "attention and dense MLP layers, which --experts-only keeps dense")
     t0 = time.perf_counter()
     summary = quantize_checkpoint(ns.model, ns.out, ns.group_size, ns.symmetric, text,
-                                  progress=not ns.no_progress, clip_search=ns.clip_search)
+                                  progress=not ns.no_progress, clip_search=ns.clip_search,
+                                  experts_only=ns.experts_only)
     seconds = time.perf_counter() - t0
     before, after = tensor_bytes(ns.model), tensor_bytes(ns.out)
     q_before = sum(v for k, v in before.items()
@@ -75,6 +85,7 @@ def run(ns: argparse.Namespace) -> int:
     report = {
         "model": ns.model, "out": ns.out, "weights": ns.weights, "group_size": ns.group_size,
         "symmetric": ns.symmetric, "awq": text is not None, "clip_search": ns.clip_search,
+        "experts_only": ns.experts_only,
         "quantized_modules": len(summary.quantized), "ignore": list(summary.ignore),
         "quantized_weight_bytes": {"before": q_before, "after": q_after},
         "tensor_bytes": {"before": sum(before.values()), "after": sum(after.values())},
@@ -100,6 +111,8 @@ def format_report(r: dict) -> str:
     group = "channel-wise" if r["group_size"] == -1 else f"group {r['group_size']}"
     kind = "symmetric" if r["symmetric"] else "asymmetric"
     method = "AWQ" if r["awq"] else "RTN" + (" + clip search" if r["clip_search"] else "")
+    if r.get("experts_only"):
+        method += ", MoE experts only"
     lines = [
         f"quantized {r['quantized_modules']} linear modules to {r['weights']} ({group}, {kind}, "
         f"{method}) in {r['seconds']:.1f}s -> {r['out']}",

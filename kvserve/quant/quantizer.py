@@ -3,9 +3,13 @@
     quantize_checkpoint("Llama-3.2-1B", "Llama-3.2-1B-W4A16", group_size=128)
 
 Quantized: every 2-D ``<...>.layers.<i>.<...>.{q,k,v,o,gate,up,down}_proj.weight`` (MoE
-``experts.<e>.*_proj`` and Mixtral ``experts.<e>.w1/w2/w3`` included). Kept dense: embeddings,
-norms, ``lm_head``, routers and every other tensor. Every kept-dense 2-D weight that is not an
-embedding is named in ``ignore`` (with ``lm_head``), because the config targets all ``Linear``.
+``experts.<e>.*_proj``, shared experts and Mixtral ``experts.<e>.w1/w2/w3`` included; with
+``experts_only`` the routed ``experts.<e>.*`` only, as Kimi K2 Thinking ships). Stacked 3-D
+expert tensors (``experts.gate_up_proj`` [E, 2I, hidden], ``experts.down_proj``) are written
+per expert (``experts.<e>.{gate,up,down}_proj.*``, the names vLLM and kvserve load). Kept dense:
+embeddings, norms, ``lm_head``, routers (``mlp.gate``, listed in ``ignore``) and every other
+tensor. Every kept-dense 2-D weight that is not an embedding is named in ``ignore`` (with
+``lm_head``), because the config targets all ``Linear``.
 A target whose in_features is not a multiple of ``group_size`` stays dense too (listed in
 ``ignore``): compressed-tensors refuses partial groups.
 
@@ -45,6 +49,16 @@ _TARGET = re.compile(
     r"(?:^|\.)layers\.\d+\.(?:.*\.)?"
     r"(?:q_proj|k_proj|v_proj|o_proj|gate_proj|up_proj|down_proj|experts\.\d+\.w[123])$"
 )
+# Routed MoE experts (what ``experts_only`` quantizes; Kimi K2 Thinking's layout).
+_EXPERT = re.compile(
+    r"(?:^|\.)layers\.\d+\.(?:.*\.)?experts\.\d+\.(?:gate_proj|up_proj|down_proj|w[123])$"
+)
+# Stacked experts as transformers 5.x holds them in memory: gate_up_proj [E, 2I, hidden]
+# (rows [0, I) gate, [I, 2I) up), down_proj [E, hidden, I]; written back per expert.
+_STACKED_EXPERTS = re.compile(
+    r"^(?P<prefix>(?:.*\.)?layers\.\d+\.(?:.*\.)?experts)\.(?P<kind>gate_up_proj|down_proj)"
+    r"(?:\.weight)?$"
+)
 _EMBEDDING = re.compile(r"(?:embed|wte$|wpe$|embeddings)")
 _WEIGHT_FILES = re.compile(r".*\.(?:safetensors|bin|pt|pth|ckpt|msgpack|h5|gguf)$|"
                            r".*\.safetensors\.index\.json$|.*\.bin\.index\.json$")
@@ -58,8 +72,11 @@ class QuantizeSummary:
     awq: dict[str, int4.AwqResult] = field(default_factory=dict)  # "<layer>.<group>" -> result
 
 
-def is_target(module_name: str) -> bool:
-    """Whether a module (checkpoint name without ``.weight``) is quantized."""
+def is_target(module_name: str, experts_only: bool = False) -> bool:
+    """Whether a module (checkpoint name without ``.weight``) is quantized; ``experts_only``:
+    routed MoE experts only (``...experts.<e>.{gate,up,down}_proj``, Mixtral ``w1/w2/w3``)."""
+    if experts_only:
+        return _EXPERT.search(module_name) is not None
     return _TARGET.search(module_name) is not None
 
 
@@ -107,11 +124,17 @@ def quantize_checkpoint(
     progress: bool = True,
     *,
     clip_search: bool = False,
+    experts_only: bool = False,
 ) -> QuantizeSummary:
     """Quantize an HF checkpoint folder to INT4 (see module docstring). ``group_size`` -1:
-    channel-wise. ``clip_search``: MSE range search per group (slower, lower error)."""
+    channel-wise. ``clip_search``: MSE range search per group (slower, lower error).
+    ``experts_only``: quantize the routed MoE experts only (attention, shared experts, dense
+    MLPs stay dense and are listed in ``ignore``), as Kimi K2 Thinking ships."""
     if group_size != -1 and group_size < 1:
         raise ValueError(f"group_size must be -1 or >= 1, got {group_size}")
+    if experts_only and calibration_text:
+        raise ValueError("experts_only with calibration_text: AWQ scales attention and dense "
+                         "MLPs only, which experts_only keeps dense; use one or the other")
     if os.path.abspath(in_dir) == os.path.abspath(out_dir):
         raise ValueError("out_dir must differ from in_dir")
     cfg_path = os.path.join(in_dir, "config.json")
@@ -135,25 +158,28 @@ def quantize_checkpoint(
     ignore: list[str] = ["lm_head"]
     bar = tqdm(total=sum(len(_keys(fn)) for fn in files), desc="quantize int4",
                disable=not progress, unit="tensor")
-    for name, t in _tensors(files, overrides):
-        bar.update(1)
+    for name, t in _split_stacked_experts(_tensors(files, overrides), bar):
         module = name.removesuffix(".weight")
         if name.endswith(".weight") and t.dim() == 2 and t.is_floating_point():
             k = t.shape[1]
-            if is_target(module) and (group_size == -1 or k % group_size == 0):
+            target = is_target(module, experts_only)
+            if target and (group_size == -1 or k % group_size == 0):
                 q = int4.quantize_rtn(t, group_size, symmetric, scale_dtype=t.dtype,
                                       clip_search=clip_search)
                 for suffix, v in int4.to_compressed_tensors(q).items():
                     out[f"{module}.{suffix}"] = v
                 quantized.append(module)
                 continue
-            if is_target(module):
+            if target:
                 log.warning("%s: in_features %d is not a multiple of group_size %d; kept dense",
                             module, k, group_size)
             if not _EMBEDDING.search(module) and module not in ignore:
                 ignore.append(module)
         out[name] = t.contiguous()
     bar.close()
+    if experts_only and not quantized:
+        raise ValueError(f"experts_only: {in_dir!r} has no MoE expert weights to quantize "
+                         "(layers.<i>.<...>.experts.<e>.{gate,up,down}_proj.weight)")
 
     os.makedirs(out_dir, exist_ok=True)
     save_file(out, os.path.join(out_dir, "model.safetensors"), metadata={"format": "pt"})
@@ -166,6 +192,28 @@ def quantize_checkpoint(
     with open(os.path.join(out_dir, "config.json"), "w") as f:
         json.dump(config, f, indent=2, sort_keys=True)
     return QuantizeSummary(tuple(quantized), tuple(ignore), awq)
+
+
+def _split_stacked_experts(tensors: Iterator[tuple[str, torch.Tensor]], bar: tqdm
+                           ) -> Iterator[tuple[str, torch.Tensor]]:
+    """Pass tensors through (ticking ``bar``), splitting stacked 3-D expert tensors into the
+    per-expert 2-D ``experts.<e>.{gate,up,down}_proj.weight`` that compressed-tensors / vLLM
+    checkpoints use (the quantizer then treats them like any other expert weight)."""
+    for name, t in tensors:
+        bar.update(1)
+        m = _STACKED_EXPERTS.match(name)
+        if m is None or t.dim() != 3 or not t.is_floating_point():
+            yield name, t
+            continue
+        prefix = m["prefix"]
+        # clones: a kept-dense slice must not share storage with its siblings (safetensors)
+        for e in range(t.shape[0]):
+            if m["kind"] == "down_proj":  # [E, hidden, I]
+                yield f"{prefix}.{e}.down_proj.weight", t[e].clone()
+            else:  # [E, 2I, hidden]
+                i = t.shape[1] // 2
+                yield f"{prefix}.{e}.gate_proj.weight", t[e, :i].clone()
+                yield f"{prefix}.{e}.up_proj.weight", t[e, i:].clone()
 
 
 def _weight_files(in_dir: str) -> list[str]:

@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kvserve.layers.moe import FusedMoE, TopKRouter, grouped_topk
+from kvserve.layers.moe import FusedMoE, Int4FusedMoE, TopKRouter, grouped_topk
 
 
 def hf_deepseek_route(logits, bias, top_k, n_group, topk_group, norm, scale):
@@ -221,3 +221,69 @@ def test_expert_loader_shards_and_shapes():
         m.w2.weight_loader(m.w2, torch.randn(3, 4), (0, "down"))
     with pytest.raises(ValueError, match="out of range"):
         m.w2.weight_loader(m.w2, d, (2, "down"))
+
+
+def _int4_module(shards: dict[str | None, torch.Tensor], in_features: int, group: int):
+    """An ``Int4MergedLinear`` fed through its weight loaders, as the model loader does, with
+    compressed-tensors tensors of RTN-quantized ``shards``; returns it and the dense twin."""
+    from kvserve.layers.linear import Int4MergedLinear
+    from kvserve.model.quant_config import Int4Scheme
+    from kvserve.quant import int4
+
+    ids = tuple(shards)
+    mod = Int4MergedLinear(in_features, tuple(w.shape[0] for w in shards.values()), ids,
+                           Int4Scheme("pack-quantized", group, True),
+                           {s: f"experts.x.{s}_proj" for s in ids})
+    twin = []
+    for shard, w in shards.items():
+        q = int4.quantize_rtn(w, group, scale_dtype=torch.bfloat16)  # exact in the op layout
+        twin.append(int4.dequantize(q))
+        for tname, t in int4.to_compressed_tensors(q).items():
+            param = getattr(mod, tname)
+            param.weight_loader(param, t, shard)
+    assert mod.int4 is not None  # built as soon as every shard was in
+    return mod, torch.cat(twin)
+
+
+def test_int4_fused_moe_layer_matches_its_dequantized_twin():
+    """``Int4FusedMoE``: per expert one Int4Linear for gate+up and one for down; only experts
+    that received tokens run (each once, on its rows); a dense (ignored) expert mixes in."""
+    from kvserve.layers.int4_linear import Int4Linear
+
+    torch.manual_seed(8)
+    e_n, hidden, inter = 5, 64, 32
+    dense = _experts(e=e_n, hidden=hidden, inter=inter)
+    moe, twin = Int4FusedMoE(e_n, hidden, inter), FusedMoE(e_n, hidden, inter)
+    for e in range(e_n):
+        if e == 3:  # kept dense (e.g. listed in ignore): plain MergedLinear / Linear
+            moe[e].gate_up_proj.weight.data.copy_(dense.w13[e])
+            moe[e].down_proj.weight.data.copy_(dense.w2[e])
+            twin.w13.data[e], twin.w2.data[e] = dense.w13[e], dense.w2[e]
+            continue
+        moe[e].gate_up_proj, w13 = _int4_module(
+            {"gate": dense.w13[e, :inter], "up": dense.w13[e, inter:]}, hidden, 32)
+        moe[e].down_proj, w2 = _int4_module({None: dense.w2[e]}, inter, 32)
+        assert isinstance(moe[e].gate_up_proj.int4, Int4Linear)  # gate+up: one INT4 GEMM
+        twin.w13.data[e], twin.w2.data[e] = w13, w2
+    x = torch.randn(23, hidden)
+    w, ids = _routing(23, e_n, 2)
+    ids[ids == 4] = 0  # expert 4 receives no token
+    calls: dict[int, list[int]] = {}
+    for e in range(e_n):
+        moe[e].gate_up_proj.register_forward_hook(
+            lambda _m, args, _o, e=e: calls.setdefault(e, []).append(args[0].shape[0]))
+    got = moe(x, w, ids)
+    counts = torch.bincount(ids.flatten(), minlength=e_n)
+    assert calls == {e: [int(counts[e])] for e in range(e_n) if counts[e] > 0}
+    assert 4 not in calls
+    ref = twin(x, w, ids)
+    assert ((got - ref).norm() / ref.norm()).item() < 1e-2  # int4 op: bf16 activations
+    for m in moe.modules():
+        if isinstance(m, Int4Linear):
+            m.dequant_min_m = 1  # dequant -> fp32 GEMM: the twin's arithmetic
+            if hasattr(m, "gemv_max_m"):  # the C skinny-GEMM path, where present, goes first
+                m.gemv_max_m = 0
+    torch.testing.assert_close(moe(x, w, ids), ref, atol=1e-5, rtol=1e-5)
+    assert moe(x[:0], w[:0], ids[:0]).shape == (0, hidden)
+    # bytes held: 4 INT4 experts (4-bit + a scale per 32) and one fp32 expert
+    assert moe.weight_bytes() < 4 * 3 * inter * hidden * 0.6 + 3 * inter * hidden * 4 + 1024

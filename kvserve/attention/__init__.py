@@ -26,19 +26,31 @@ _REGISTRY: dict[str, str] = {
     "torch": "kvserve.attention.torch_backend:TorchAttentionBackend",
     "triton": "kvserve.attention.triton_backend:TritonAttentionBackend",
     "mla_torch": "kvserve.attention.mla_torch:MlaTorchAttentionBackend",
+    "mla_triton": "kvserve.attention.mla_triton:MlaTritonAttentionBackend",
 }
+# An MLA (latent) cache, components == 1, is served by the MLA member of a backend family.
+_MLA_FAMILY: dict[str, str] = {"torch": "mla_torch", "triton": "mla_triton"}
 
 
 def available_backends() -> list[str]:
     return list(_REGISTRY)
 
 
+def resolve_backend_name(name: str, kv_cache: PagedKVCache) -> str:
+    """``auto`` -> ``triton`` on CUDA, ``torch`` elsewhere; for an MLA cache (components == 1)
+    ``torch`` / ``triton`` -> ``mla_torch`` / ``mla_triton``. Explicit names pass through."""
+    if name == "auto":
+        name = "triton" if kv_cache.data.is_cuda else "torch"
+    if kv_cache.components == 1:
+        name = _MLA_FAMILY.get(name, name)
+    return name
+
+
 def get_backend(
     name: str, kv_cache: PagedKVCache, num_heads: int, num_kv_heads: int, head_dim: int,
     scale: float, max_model_len: int,
 ) -> AttentionBackend:
-    if name == "auto":
-        name = "triton" if kv_cache.data.is_cuda else "torch"
+    name = resolve_backend_name(name, kv_cache)
     if name not in _REGISTRY:
         raise ValueError(f"attention_backend must be one of {available_backends()}, got {name!r}")
     module, cls = _REGISTRY[name].split(":")

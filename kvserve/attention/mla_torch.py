@@ -22,6 +22,10 @@ Decode (q_len = 1), weight absorption -- no per-step re-expansion of the latent:
 FP8 rows are dequantized on read; in decode the per-row scales are folded into the scores and
 the probabilities (as the GQA torch backend does) instead of the R-wide payload.
 
+``mla_triton`` (kvserve/attention/mla_triton.py, the CUDA default) subclasses this backend and
+replaces the ``_write`` / ``_decode_all`` hooks with the Triton kernels; planning of prefill
+chunks and the prefill path are shared.
+
 The backend holds no weights: the layer passes ``kv_b_proj.weight`` with each call
 (``forward_mla``), and per-step planning lives in ``meta.cache`` (no module globals).
 
@@ -47,6 +51,19 @@ from kvserve.cache.kv_cache import PagedKVCache
 from kvserve.quant import fp8
 
 _WORKSPACE_MIN_TOKENS = 8192
+
+
+def absorb_query(q_nope: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """q_lat [n, H, R] = W_UK[h]^T q_nope[h]: q_nope [n, H, dn], w fp32 [H, dn + dv, R]."""
+    dn = q_nope.shape[-1]
+    # [H, n, dn] @ [H, dn, R] -> [H, n, R] -> [n, H, R]
+    return torch.bmm(q_nope.float().transpose(0, 1), w[:, :dn]).transpose(0, 1)
+
+
+def up_project(o_lat: torch.Tensor, w: torch.Tensor, dn: int) -> torch.Tensor:
+    """o [n, H, dv] = W_UV[h] o_lat[h]: o_lat fp32 [n, H, R], w fp32 [H, dn + dv, R]."""
+    # [H, n, R] @ [H, R, dv] -> [H, n, dv] -> [n, H, dv]
+    return torch.bmm(o_lat.transpose(0, 1), w[:, dn:].transpose(1, 2)).transpose(0, 1)
 
 
 class MlaTorchAttentionBackend:
@@ -80,15 +97,24 @@ class MlaTorchAttentionBackend:
         plan = meta.cache.get(self.name)
         if plan is not None:
             return plan
-        bs = self.kv.block_size
+        bs, dev = self.kv.block_size, self.kv.data.device
         decode = [b for b, q in enumerate(meta.query_lens) if q == 1]
-        chunks = [(c.tok, c.block_ids, c.max_blocks, c.pad.unsqueeze(1))  # pad [n, 1, L]
+        chunks = [(c.tok.to(dev), c.block_ids.to(dev), c.max_blocks,
+                   c.pad.unsqueeze(1).to(dev))  # pad [n, 1, L]
                   for c in plan_decode_chunks(meta, decode, bs, self.kv.null_block,
                                               self.ws_tokens)]
-        pre = plan_prefills(meta, bs)
+        pre = self._plan_prefills(meta)
         plan = {"decode": chunks, "prefill": pre}
         meta.cache[self.name] = plan
         return plan
+
+    def _plan_prefills(
+        self, meta: AttentionMetadata
+    ) -> list[tuple[int, int, int, torch.Tensor]]:
+        """plan_prefills with the block ids on the cache's device (index_select needs it)."""
+        dev = self.kv.data.device
+        return [(start, qlen, slen, ids.to(dev))
+                for start, qlen, slen, ids in plan_prefills(meta, self.kv.block_size)]
 
     # ---- forward --------------------------------------------------------------------------
     def forward(
@@ -110,16 +136,28 @@ class MlaTorchAttentionBackend:
         r = kv_b_weight.shape[1]
         dv = kv_b_weight.shape[0] // h - dn
         assert h == self.num_heads and latent.shape == (t, self.row_dim)
-        self.kv.write(layer, meta.write_rows, latent.view(t, 1, self.row_dim))
+        self._write(layer, latent.view(t, 1, self.row_dim), meta)
         plan = self._plan(meta)
         w = kv_b_weight.float().view(h, dn + dv, r)
         out = torch.empty((t, h, dv), dtype=torch.float32, device=q_nope.device)
-        for tok, ids, mb, pad in plan["decode"]:
-            out[tok] = self._decode(layer, q_nope[tok], q_pe[tok], w, ids, mb, pad)
+        self._decode_all(layer, q_nope, q_pe, w, plan, out)
         for start, qlen, slen, ids in plan["prefill"]:
             sl = slice(start, start + qlen)
             out[sl] = self._prefill(layer, q_nope[sl], q_pe[sl], w, ids, slen)
         return out
+
+    # ---- hooks a subclass replaces (mla_triton: fused write kernel, Triton decode) ---------
+    def _write(self, layer: int, rows: torch.Tensor, meta: AttentionMetadata) -> None:
+        """Store this step's latent rows [T, 1, R + dr]."""
+        self.kv.write(layer, meta.write_rows, rows)
+
+    def _decode_all(
+        self, layer: int, q_nope: torch.Tensor, q_pe: torch.Tensor, w: torch.Tensor,
+        plan: dict, out: torch.Tensor,
+    ) -> None:
+        """Attend every decode (q_len = 1) sequence of the step into ``out`` [T, H, dv]."""
+        for tok, ids, mb, pad in plan["decode"]:
+            out[tok] = self._decode(layer, q_nope[tok], q_pe[tok], w, ids, mb, pad)
 
     def _gather(self, layer: int, ids: torch.Tensor, n: int, mb: int) -> torch.Tensor:
         """Rows of blocks ``ids`` ([n*mb]) -> fp32 [n, mb*bs, R+dr] (FP8: unscaled)."""
@@ -149,9 +187,7 @@ class MlaTorchAttentionBackend:
         n, h, dn = q_nope.shape
         r = w.shape[2]
         rows = self._gather(layer, ids, n, mb)  # [n, L, R+dr]
-        # Absorb W_UK into the query: [H, n, dn] @ [H, dn, R] -> [H, n, R] -> [n, H, R]
-        q_lat = torch.bmm(q_nope.float().transpose(0, 1), w[:, :dn]).transpose(0, 1)
-        q = torch.cat((q_lat, q_pe.float()), dim=-1)  # [n, H, R+dr]
+        q = torch.cat((absorb_query(q_nope, w), q_pe.float()), dim=-1)  # [n, H, R+dr]
         scores = torch.bmm(q, rows.transpose(1, 2))  # [n, H, L]
         if self.kv.is_fp8:
             s = self._gather_scales(layer, ids, n, mb).unsqueeze(1)  # [n, 1, L]
@@ -160,9 +196,7 @@ class MlaTorchAttentionBackend:
         probs = torch.softmax(scores, dim=-1)
         if self.kv.is_fp8:
             probs.mul_(s)
-        o_lat = torch.bmm(probs, rows[..., :r])  # [n, H, R]
-        # Up-project with W_UV: [H, n, R] @ [H, R, dv] -> [H, n, dv] -> [n, H, dv]
-        return torch.bmm(o_lat.transpose(0, 1), w[:, dn:].transpose(1, 2)).transpose(0, 1)
+        return up_project(torch.bmm(probs, rows[..., :r]), w, dn)  # o_lat [n, H, R]
 
     def _prefill(
         self, layer: int, q_nope: torch.Tensor, q_pe: torch.Tensor, w: torch.Tensor,
@@ -183,7 +217,8 @@ class MlaTorchAttentionBackend:
             o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.scale)
         else:
             start = seq_len - qlen
-            allowed = (torch.arange(seq_len).unsqueeze(0)
-                       <= (torch.arange(qlen) + start).unsqueeze(1))
+            dev = q.device
+            allowed = (torch.arange(seq_len, device=dev).unsqueeze(0)
+                       <= (torch.arange(qlen, device=dev) + start).unsqueeze(1))
             o = F.scaled_dot_product_attention(q, k, v, attn_mask=allowed, scale=self.scale)
         return o[0].transpose(0, 1)  # [qlen, H, dv]

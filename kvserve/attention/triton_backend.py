@@ -1,8 +1,9 @@
 """GPU attention backend: the Triton kernels of ``kvserve/kernels`` over the paged cache.
 
 Chosen automatically when the KV cache lives on CUDA (``attention_backend="auto"``). Per layer:
-one fused write (+ FP8 quantize) kernel, then either the split-K decode kernel (every sequence
-has one query token) or the ragged prefill/extend kernel. Imported lazily (registry), so the
+one fused write kernel (+ FP8 quantize, + the per-block checksum state sealing uses when
+integrity is on), then either the split-K decode kernel (every sequence has one query token)
+or the ragged prefill/extend kernel. Imported lazily (registry), so the
 CPU path never imports triton. On CPU it runs under ``TRITON_INTERPRET=1`` (tests only).
 """
 
@@ -22,11 +23,14 @@ class TritonAttentionBackend:
         from kvserve.kernels import triton_attention, triton_cache
 
         if kv_cache.components != 2:
-            raise ValueError("the triton backend serves K/V caches; MLA models use mla_torch")
+            raise ValueError("the triton backend serves K/V caches; MLA models use mla_triton")
         self._attn, self._cache = triton_attention, triton_cache
         self.kv = kv_cache
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
         self.scale = scale
+        # The write kernel keeps the per-block checksum state the integrity checker seals from
+        # (None when integrity is off: no atomics).
+        self.csum_state = kv_cache.enable_checksum_state()
 
     def _plan(self, meta: AttentionMetadata) -> dict:
         plan = meta.cache.get("triton")
@@ -51,6 +55,17 @@ class TritonAttentionBackend:
         meta.cache["triton"] = plan
         return plan
 
+    def graph_plan(self, tables: torch.Tensor, seq_lens: torch.Tensor, slots: torch.Tensor,
+                   max_seq_len: int) -> dict:
+        """``meta.cache`` entries for a decode step over static device tensors (CUDA graphs,
+        kvserve/engine/cuda_graphs.py): tables int32 [B, MB], seq_lens int32 [B], slots int64
+        [B]; ``max_seq_len`` (the table capacity MB * block_size) bounds the splits without a
+        host sync. Nothing here is rebuilt per step: the caller refills the tensors."""
+        b = seq_lens.shape[0]
+        qsl = torch.arange(b + 1, dtype=torch.int32, device=seq_lens.device)
+        return {"triton": {"tables": tables, "seq_lens": seq_lens, "qsl": qsl, "slots": slots,
+                           "decode": True, "max_seq_len": max_seq_len, "max_query_len": 1}}
+
     def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 meta: AttentionMetadata) -> torch.Tensor:
         p = self._plan(meta)
@@ -58,7 +73,8 @@ class TritonAttentionBackend:
         ks = vs = None
         if kv.static_scales is not None:
             ks, vs = kv.static_scales[layer, 0], kv.static_scales[layer, 1]
-        self._cache.write_kv(kv.data, kv.scales, layer, p["slots"], k, v, None, ks, vs)
+        self._cache.write_kv(kv.data, kv.scales, layer, p["slots"], k, v, self.csum_state,
+                             ks, vs)
         q = q.contiguous()
         if p["decode"]:
             return self._attn.paged_decode_attention(

@@ -17,6 +17,14 @@ Why this and not XOR / CRC:
   * S2 = C * sum_r r * rowsum_r + sum_c (c + 1) * colsum_c over the [R, C] word matrix, so both
     sums are two vectorized numpy reductions (~GB/s), and a GPU kernel can accumulate them per
     written token (each token's words contribute independently).
+Where the sums of a seal come from: on the CPU/torch path ``seal`` recomputes them from the
+bytes (``block_sums``). With a Triton backend the fused write kernel accumulates each written
+token's contribution into ``kv.csum_state[l, b]`` (reference.write_kv / token_checksum_contrib);
+``on_allocate`` zeroes a block's row whenever the block is (re)allocated (preemption, reuse,
+rollback repair all go through allocation), and a block is sealed only once full, i.e. after
+each of its rows was written exactly once since that reset, so the state equals the recomputed
+sums exactly and sealing reads 32 B per block and layer instead of the block. Verification
+always recomputes from the bytes: that is the check.
 The sealed record is blake2b(fingerprint, block id, allocation generation, token-chain hash,
 per-layer sums): a block that was freed and reused (new generation), or holds other tokens, or
 belongs to another model/KV dtype, fails verification even if its bytes are intact.
@@ -72,6 +80,13 @@ def block_sums(kv: PagedKVCache, block_ids: list[int]) -> np.ndarray:
     return out
 
 
+def write_state_sums(state: torch.Tensor, block_ids: list[int]) -> np.ndarray:
+    """[n, L, 4] int64 sums of the given blocks from the accumulated write state
+    ``state [L, NB+1, 4]`` (one small device->host copy; no read of the KV bytes)."""
+    idx = torch.tensor(block_ids, dtype=torch.int64, device=state.device)
+    return state.index_select(1, idx).permute(1, 0, 2).contiguous().cpu().numpy()
+
+
 def _sums(w: np.ndarray) -> np.ndarray:
     """w [L, n, R, C] int16 -> [L, n, 2] (S1, S2) over the row-major flattening of [R, C]."""
     r, c = w.shape[-2], w.shape[-1]
@@ -101,6 +116,10 @@ class IntegrityChecker:
         self._last_step_end: float | None = None
         self._step_time = 0.0  # EMA seconds per engine step
         self.scrub_seconds = 0.0
+        self.seal_sources: Counter[str] = Counter()  # blocks sealed from write_state/recompute
+        # Ask a fused writer (Triton backends) to keep the per-block checksum state; the
+        # backend allocates kv.csum_state when it is built (after this checker).
+        kv.checksums_wanted = True
 
     # ---- sealing --------------------------------------------------------------------------
     def _digest(self, block_id: int, token_hash: bytes, sums: np.ndarray) -> bytes:
@@ -114,11 +133,22 @@ class IntegrityChecker:
     def on_allocate(self, block_ids: list[int]) -> None:
         for b in block_ids:
             self.seals.pop(b, None)
+        state = self.kv.csum_state
+        if state is not None and block_ids:
+            # New owner, new contents: the write kernel accumulates from zero.
+            idx = torch.tensor(block_ids, dtype=torch.int64, device=state.device)
+            state.index_fill_(1, idx, 0)
 
     def seal(self, block_ids: list[int], token_hashes: list[bytes]) -> None:
         if not block_ids:
             return
-        sums = block_sums(self.kv, block_ids)
+        state = self.kv.csum_state
+        if state is not None:
+            sums = write_state_sums(state, block_ids)
+            self.seal_sources["write_state"] += len(block_ids)
+        else:
+            sums = block_sums(self.kv, block_ids)
+            self.seal_sources["recompute"] += len(block_ids)
         for i, (b, th) in enumerate(zip(block_ids, token_hashes, strict=True)):
             self.seals[b] = _Seal(self._digest(b, th, sums[i]), th, sums[i])
 
@@ -255,5 +285,5 @@ class IntegrityChecker:
             "checks": dict(self.checks), "failures": dict(self.failures),
             "repairs": dict(self.repairs), "sealed_blocks": len(self.seals),
             "quarantined_blocks": self.pool.num_quarantined,
-            "scrub_seconds": self.scrub_seconds,
+            "scrub_seconds": self.scrub_seconds, "seal_sources": dict(self.seal_sources),
         }

@@ -11,6 +11,15 @@ the row of token ``slot``, component c, in ``data[layer].view(-1, H, D)`` is
     row = (block_id * C + c) * block_size + offset
 
 Everything is allocated (and zero-touched, to take the page faults) once at start-up.
+
+Optional checksum state (``kvserve.cache.integrity``), present only when integrity checking is
+on AND the attention backend's writes accumulate it (the Triton backends' fused write kernel)::
+
+    csum_state [num_layers, num_blocks + 1, 4]  int64  (S1, S2 payload, S1, S2 scales)
+
+Row ``csum_state[l, b]`` is zeroed when block b is (re)allocated; every token written into b
+then adds its words' contribution, so once b is full the row equals the sums recomputed from
+the bytes and sealing needs no read of the KV (``IntegrityChecker.seal``).
 """
 
 from __future__ import annotations
@@ -71,6 +80,9 @@ class PagedKVCache:
             from kvserve.attention import cpu_kernel
 
             self.use_kernel = cpu_kernel.load() is not None
+        # Per-block checksum state: wanted by the integrity checker, kept by a fused writer.
+        self.checksums_wanted = False
+        self.csum_state: torch.Tensor | None = None
         # Optional checkpoint scales [num_layers, C, H] (per-tensor scales broadcast over H).
         self.static_scales = None
         if static_scales is not None:
@@ -80,6 +92,20 @@ class PagedKVCache:
                 self.static_scales = static_scales.to(SCALE_DTYPE).reshape(
                     num_layers, components, num_kv_heads
                 )
+
+    def enable_checksum_state(self) -> torch.Tensor | None:
+        """Called by a backend whose writes accumulate the checksum state: allocates
+        ``csum_state`` (once) if the integrity checker asked for it, else returns None.
+
+        Must run before any block is allocated: the checker zeroes a block's row on allocation,
+        so a row that existed before allocation began would not be trustworthy.
+        """
+        if self.checksums_wanted and self.csum_state is None:
+            self.csum_state = torch.zeros(
+                (self.num_layers, self.num_blocks + 1, 4), dtype=torch.int64,
+                device=self.data.device,
+            )
+        return self.csum_state
 
     @property
     def bytes_per_block(self) -> int:

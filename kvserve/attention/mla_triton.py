@@ -1,0 +1,91 @@
+"""MLA attention on the GPU: mla_torch's planning and prefill, Triton for the write and decode.
+
+Chosen automatically for an MLA model (latent cache, components == 1) when the KV cache lives
+on CUDA (``attention_backend="auto"`` or ``"triton"``, see ``resolve_backend_name``); on CPU it
+runs under ``TRITON_INTERPRET=1`` (tests only). Per layer and step:
+
+    write   triton_cache.write_kv(latent [T, 1, R + dr], v=None)   fused copy / FP8 quantise
+            (+ the per-block checksum state sealing uses, when integrity is on)
+    decode  every q_len = 1 sequence in ONE split-K kernel launch (triton_attention.mla_decode):
+              q_lat = W_UK^T q_nope                 [n, H, R]   (torch bmm, as mla_torch)
+              o_lat = mla_decode(q_lat, q_pe, rows)  [n, H, R]   (reads each latent row once
+                                                                 per split for all H heads)
+              o     = W_UV o_lat                    [n, H, dv]  (torch bmm)
+    prefill / extend (q_len > 1): mla_torch's path (expand the latent, SDPA).
+
+FP8 latent rows (one bf16 scale per row) are read by the kernel directly: the scale is applied
+to the scores and to the probabilities (it covers c_kv and k_pe alike). On CUDA with a bf16
+model the kernel's dots take bf16 operands (fp32 accumulation); otherwise fp32.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import torch
+
+from kvserve.attention.metadata import AttentionMetadata, plan_decode_chunks
+from kvserve.attention.mla_torch import MlaTorchAttentionBackend, absorb_query, up_project
+from kvserve.cache.kv_cache import PagedKVCache
+
+
+class MlaTritonAttentionBackend(MlaTorchAttentionBackend):
+    name = "mla_triton"
+
+    def __init__(
+        self, kv_cache: PagedKVCache, num_heads: int, num_kv_heads: int, head_dim: int,
+        scale: float, max_model_len: int,
+    ) -> None:
+        super().__init__(kv_cache, num_heads, num_kv_heads, head_dim, scale, max_model_len)
+        from kvserve.kernels import triton_attention, triton_cache
+
+        self._attn, self._cache = triton_attention, triton_cache
+        # Kept by the write kernel for the integrity checker (None when integrity is off).
+        self.csum_state = kv_cache.enable_checksum_state()
+
+    # ---- per-step planning (shared by all layers) -------------------------------------------
+    def _plan(self, meta: AttentionMetadata) -> dict:
+        plan = meta.cache.get(self.name)
+        if plan is not None:
+            return plan
+        kv, dev = self.kv, self.kv.data.device
+        decode = [b for b, q in enumerate(meta.query_lens) if q == 1]
+        tri = None
+        if decode:  # one launch for all decodes: the kernel needs no gather workspace
+            c = plan_decode_chunks(meta, decode, kv.block_size, kv.null_block, sys.maxsize)[0]
+            tri = {
+                "tok": c.tok.to(dev),  # [n] step token of each decode sequence
+                "tables": c.block_ids.view(-1, c.max_blocks).to(dev, torch.int32),  # [n, mb]
+                "seq_lens": c.seq_lens.to(dev, torch.int32),  # [n]
+                "max_seq_len": int(c.seq_lens.max()),  # bounds the splits, no host sync
+            }
+        plan = {"decode": [], "triton_decode": tri, "prefill": self._plan_prefills(meta),
+                "slots": meta.slot_mapping.to(dev)}
+        meta.cache[self.name] = plan
+        return plan
+
+    # ---- hooks --------------------------------------------------------------------------
+    def _write(self, layer: int, rows: torch.Tensor, meta: AttentionMetadata) -> None:
+        kv = self.kv
+        static = None if kv.static_scales is None else kv.static_scales[layer, 0]  # [1]
+        self._cache.write_kv(kv.data, kv.scales, layer, self._plan(meta)["slots"], rows, None,
+                             self.csum_state, static)
+
+    def _decode_all(
+        self, layer: int, q_nope: torch.Tensor, q_pe: torch.Tensor, w: torch.Tensor,
+        plan: dict, out: torch.Tensor,
+    ) -> None:
+        p = plan["triton_decode"]
+        if p is None:
+            return
+        tok = p["tok"]
+        dn, r = q_nope.shape[-1], w.shape[2]
+        # bf16 tensor-core dots on CUDA for a bf16 model; fp32 otherwise (and in the interpreter)
+        qd = (torch.bfloat16 if self.kv.data.is_cuda and q_nope.dtype == torch.bfloat16
+              else torch.float32)
+        q_lat = absorb_query(q_nope[tok], w).to(qd)  # [n, H, R]
+        q_rope = q_pe[tok].to(qd)  # [n, H, dr]
+        o_lat = self._attn.mla_decode(
+            q_lat, q_rope, self.kv.data, self.kv.scales, layer, p["tables"], p["seq_lens"],
+            self.scale, r, max_seq_len=p["max_seq_len"])  # [n, H, R] in qd
+        out[tok] = up_project(o_lat.float(), w, dn)

@@ -27,6 +27,8 @@ def add_engine_args(p: argparse.ArgumentParser, model_positional: bool = False) 
     p.add_argument("--attention-backend", default="auto")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--device", default="cpu", help="cpu | cuda (Triton attention backend)")
+    p.add_argument("--enforce-eager", action="store_true",
+                   help="cuda: no CUDA graphs for decode steps (always eager)")
 
 
 def engine_args_from(ns: argparse.Namespace):
@@ -41,6 +43,7 @@ def engine_args_from(ns: argparse.Namespace):
         kv_integrity=ns.kv_integrity, scheduling_policy=ns.scheduling_policy,
         attention_backend=ns.attention_backend, seed=ns.seed,
         device=getattr(ns, "device", "cpu"),
+        enforce_eager=getattr(ns, "enforce_eager", False),
     )
 
 

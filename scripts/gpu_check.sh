@@ -11,15 +11,21 @@
 #   t=0      [bg] random-init Llama-8B-shaped bf16 model -> $MODEL_DIR (meta device, to_empty
 #                 on CUDA, normal_ in place; + word-level tokenizer)
 #   (1)      pytest tests/kernels on CUDA (xdist -n 8 when available)     -> pytest.log
+#            (incl. mla_triton == mla_torch on a tiny DeepSeek-V3, sealing from the write
+#            kernel's checksum state == recompute; (2) with integrity on seals that way too)
 #   (3)      decode-attention micro-benchmark: KV-read GB/s vs device copy GB/s
 #                                                     -> decode_bw.json, decode_bw.png
+#   (4)      scripts/gpu_check_int4_graphs.py: INT4 GEMM Triton vs torch tinygemm (error, ms,
+#            which is faster), decode CUDA graphs vs --enforce-eager (tok/s at B=1/5/32, greedy
+#            tokens, logits of a padded step), INT4 checkpoint end to end on CUDA
+#                                                     -> int4_graphs.json, int4_graphs.log
 #   (2)      kvserve bench throughput, BF16 vs FP8 KV, integrity off/on, Llama-8B shape
 #                                                     -> throughput.json, throughput.png,
 #                                                        bench.log
 #   end      summary.json (versions, device, per-step status and seconds)
 #
-# (3) runs before (2) so the cheap, kernel-level numbers land even if the end-to-end bench
-# overruns; (2) gets whatever budget is left (timeout), minimum 60 s.
+# (3) and (4) run before (2) so the cheap, kernel-level numbers land even if the end-to-end
+# bench overruns; (2) gets whatever budget is left (timeout), minimum 60 s.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 ROOT=$PWD
@@ -271,6 +277,7 @@ gpu_check plan (budget ${BUDGET_S}s; python: $PY; results: $OUT)
   [bg]  $PY make_model.py $MODEL_DIR   (Llama-8B shape: hidden 4096, 32 layers, 32/8 heads, hd 128)
   (1)   $PY -m pytest tests/kernels -q [-n 8]                     -> pytest.log
   (3)   $PY decode_bench.py                                       -> decode_bw.json, decode_bw.png
+  (4)   $PY scripts/gpu_check_int4_graphs.py                      -> int4_graphs.json, int4_graphs.log
   (2)   ${BENCH_CMD[*]}
                                                                   -> throughput.json/png, bench.log
   end   summary.json
@@ -285,11 +292,17 @@ if [ "$DRY" = 1 ]; then
     bash -n "$0" && echo "[dry-run] script parses" || rc=1
     "$PY" -c 'import kvserve.kernels.reference' && echo "[dry-run] kvserve.kernels.reference ok" \
         || rc=1
+    "$PY" -m py_compile scripts/gpu_check_int4_graphs.py \
+        && echo "[dry-run] scripts/gpu_check_int4_graphs.py compiles" || rc=1
+    "$PY" -c 'import kvserve.engine.cuda_graphs, kvserve.layers.int4_linear' \
+        && echo "[dry-run] kvserve.engine.cuda_graphs + kvserve.layers.int4_linear import" || rc=1
     "$PY" -m py_compile "$WORK/make_model.py" "$WORK/decode_bench.py" "$WORK/summary.py" \
         && echo "[dry-run] inline helpers compile" || rc=1
     if "$PY" -c 'import triton' 2>/dev/null; then
         "$PY" -c 'import triton, kvserve.kernels.triton_attention, kvserve.kernels.triton_cache, kvserve.kernels.triton_int4; print("[dry-run] triton", triton.__version__, "+ kernel modules import")' \
             || rc=1
+        "$PY" -c 'import kvserve.attention.triton_backend, kvserve.attention.mla_triton' \
+            && echo "[dry-run] attention backends triton + mla_triton import" || rc=1
     else
         echo "[dry-run] triton not installed here (kernel modules not imported)"
     fi
@@ -333,6 +346,11 @@ record make_model $? $(( $(date +%s) - MODEL_T0 ))
 s=$(date +%s)
 timeout 150 "$PY" "$WORK/decode_bench.py" "$OUT" 2>&1 | tee "$WORK/decode_bench.log"
 record decode_bench "${PIPESTATUS[0]}" $(( $(date +%s) - s ))
+
+# (4) INT4 on CUDA (Triton vs tinygemm) and decode CUDA graphs (vs --enforce-eager)
+s=$(date +%s)
+timeout 160 "$PY" scripts/gpu_check_int4_graphs.py "$OUT" 2>&1 | tee "$OUT/int4_graphs.log"
+record int4_graphs "${PIPESTATUS[0]}" $(( $(date +%s) - s ))
 
 # (2) end-to-end throughput, whatever budget is left
 left=$(( BUDGET_S - $(elapsed) - 15 ))

@@ -27,6 +27,9 @@ class EngineArgs:
     scrub_blocks_per_step: int = 0
     attention_backend: str = "auto"
     device: str = "cpu"
+    # CUDA only: False captures decode steps as CUDA graphs per batch bucket
+    # (kvserve/engine/cuda_graphs.py); True runs every step eagerly (as vLLM's flag).
+    enforce_eager: bool = False
     seed: int = 0
     progress: bool = True
 

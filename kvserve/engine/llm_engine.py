@@ -23,6 +23,7 @@ from kvserve.cache.kv_cache import PagedKVCache, bytes_per_block
 from kvserve.cache.kv_cache_manager import KVCacheManager
 from kvserve.config import ModelConfig, dtype_name, resolve_kv_dtype
 from kvserve.engine.arg_utils import EngineArgs, demo_model_path
+from kvserve.engine.cuda_graphs import CudaGraphRunner, clear_scratch_block
 from kvserve.engine.detokenizer import IncrementalDetokenizer
 from kvserve.engine.model_runner import ModelRunner
 from kvserve.engine.scheduler import Scheduler
@@ -104,12 +105,13 @@ class LLMEngine:
         self.kv = KVCacheManager(self.pool, bs, cache_cfg.enable_prefix_caching,
                                  self.fingerprint, self.integrity)
         self.scheduler = Scheduler(sched_cfg, self.kv)
+        # auto/torch/triton name a family; an MLA cache (components == 1) gets its MLA member
+        # (mla_triton on CUDA, mla_torch on CPU), see kvserve.attention.resolve_backend_name.
         backend_name = args.attention_backend
-        if spec.get("backend") and backend_name in ("auto", "torch"):
-            backend_name = spec["backend"]  # e.g. MLA models bring their own torch backend
         backend = get_backend(backend_name, self.kv_cache, spec["num_heads"],
                               spec["num_kv_heads"], spec["head_dim"], spec["scale"], max_len)
-        self.runner = ModelRunner(self.model, backend, bs, spec["components"], args.device)
+        self.runner = ModelRunner(self.model, backend, bs, spec["components"], args.device,
+                                  graphs=self._cuda_graphs(backend, spec, sched_cfg, max_len))
         self.sampler = Sampler(self.model_config.vocab_size)
         self._parents: dict[str, _Parent] = {}
         self._finished_outputs: list[RequestOutput] = []
@@ -119,6 +121,26 @@ class LLMEngine:
                     max_len, self.kv_cache.bytes_per_token)
 
     # ---- construction helpers -------------------------------------------------------------
+    def _cuda_graphs(self, backend, spec: dict, sched_cfg, max_len: int
+                     ) -> CudaGraphRunner | None:
+        """Decode CUDA graphs (kvserve/engine/cuda_graphs.py) unless ``enforce_eager``, off
+        CUDA, or the backend cannot be captured; a failed capture logs and runs eagerly."""
+        if self.args.enforce_eager or not self.kv_cache.data.is_cuda:
+            return None
+        if not hasattr(backend, "graph_plan"):
+            logger.info("CUDA graphs off: attention backend %r is not capturable", backend.name)
+            return None
+        graphs = CudaGraphRunner(self.model, backend, self.kv_cache, self.kv_cache.block_size,
+                                 spec["components"], sched_cfg.max_num_seqs, max_len)
+        try:
+            graphs.capture()
+        except Exception as e:  # noqa: BLE001 - e.g. a model that syncs the host: run eager
+            logger.warning("CUDA graph capture failed (%r); decode steps run eagerly", e)
+            torch.cuda.synchronize()
+            clear_scratch_block(self.kv_cache)
+            return None
+        return graphs
+
     @staticmethod
     def _num_blocks(cfg, per_block: int) -> int:
         if cfg.num_blocks_override is not None:

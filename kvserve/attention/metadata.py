@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 
@@ -65,6 +66,20 @@ def plan_decode_chunks(meta: AttentionMetadata, seqs: list[int], block_size: int
         chunks.append(DecodeChunk(tok, ids.view(-1), mb, lens, pad))
         i = j
     return chunks
+
+
+def plan_decode_tables(meta: AttentionMetadata, seqs: list[int], block_size: int,
+                       null_block: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """For a kernel that walks each sequence's own length (no workspace, no padding mask):
+    (tok [n] query token of each sequence, tables [n, mb] int64 padded with ``null_block``,
+    seq_lens [n] int64), in ``seqs`` order. One numpy array fill, no per-sequence tensors."""
+    lens = np.fromiter((meta.seq_lens[b] for b in seqs), dtype=np.int64, count=len(seqs))
+    nblocks = -(-lens // block_size)
+    tables = np.full((len(seqs), int(nblocks.max())), null_block, dtype=np.int64)
+    for r, b in enumerate(seqs):
+        tables[r, : nblocks[r]] = meta.block_tables[b][: nblocks[r]]
+    tok = np.fromiter((meta.query_start_loc[b] for b in seqs), dtype=np.int64, count=len(seqs))
+    return torch.from_numpy(tok), torch.from_numpy(tables), torch.from_numpy(lens)
 
 
 def plan_prefills(meta: AttentionMetadata, block_size: int

@@ -15,12 +15,15 @@ Chunks of sequences keep the workspace bounded; nothing large is allocated per s
 
 from __future__ import annotations
 
-import sys
-
 import torch
 import torch.nn.functional as F
 
-from kvserve.attention.metadata import AttentionMetadata, plan_decode_chunks, plan_prefills
+from kvserve.attention.metadata import (
+    AttentionMetadata,
+    plan_decode_chunks,
+    plan_decode_tables,
+    plan_prefills,
+)
 from kvserve.cache.kv_cache import PagedKVCache
 from kvserve.quant import fp8
 
@@ -71,9 +74,11 @@ class TorchAttentionBackend:
         bs, null = self.kv.block_size, self.kv.null_block
         decode = [b for b, q in enumerate(meta.query_lens) if q == 1]
         kernel, chunks = None, []
-        if self.use_kernel and decode:  # one chunk: the kernel needs no workspace
-            c = plan_decode_chunks(meta, decode, bs, null, sys.maxsize)[0]
-            kernel = (c.tok, c.block_ids.view(-1, c.max_blocks), c.seq_lens)
+        if self.use_kernel and decode:  # the kernel needs no workspace, padding or sorting
+            tok, tables, lens = plan_decode_tables(meta, decode, bs, null)
+            # all-decode step: queries are tokens 0..n-1 in order, no gather / scatter needed
+            identity = len(decode) == meta.num_tokens
+            kernel = (None if identity else tok, tables, lens)
         elif decode:
             chunks = [(c.tok, c.block_ids, c.max_blocks, c.pad[:, None, None, :])
                       for c in plan_decode_chunks(meta, decode, bs, null, self.ws_tokens)]
@@ -94,11 +99,16 @@ class TorchAttentionBackend:
             from kvserve.attention import cpu_kernel
 
             tok, tables, lens = plan["kernel"]
-            res = torch.empty((tok.numel(), *q.shape[1:]), dtype=torch.float32)
             scales = self.kv.scales[layer] if self.kv.is_fp8 else None
-            cpu_kernel.paged_decode(self.kv.data[layer], scales, q[tok].float().contiguous(),
-                                    tables, lens, self.scale, res)
-            out[tok] = res
+            if tok is None:  # every token is a decode query, in sequence order
+                cpu_kernel.paged_decode(self.kv.data[layer], scales, q.float().contiguous(),
+                                        tables, lens, self.scale, out)
+            else:
+                res = torch.empty((tok.numel(), *q.shape[1:]), dtype=torch.float32)
+                cpu_kernel.paged_decode(self.kv.data[layer], scales,
+                                        q[tok].float().contiguous(), tables, lens, self.scale,
+                                        res)
+                out[tok] = res
         for tok, ids, mb, mask in plan["decode"]:
             out[tok] = self._decode(layer, q[tok], ids, mb, mask)
         for start, qlen, slen, ids in plan["prefill"]:

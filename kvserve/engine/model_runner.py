@@ -10,6 +10,7 @@ import torch
 from kvserve.attention import AttentionBackend
 from kvserve.attention.metadata import AttentionMetadata
 from kvserve.cache.kv_cache_manager import KVCacheManager
+from kvserve.engine.cuda_graphs import CudaGraphRunner
 from kvserve.engine.scheduler import SchedulerOutput
 from kvserve.model.forward_batch import ForwardBatch
 from kvserve.request import Request
@@ -26,14 +27,26 @@ class StepResult:
 
 class ModelRunner:
     def __init__(self, model: torch.nn.Module, backend: AttentionBackend, block_size: int,
-                 components: int, device: str = "cpu") -> None:
+                 components: int, device: str = "cpu", *,
+                 graphs: CudaGraphRunner | None = None) -> None:
         self.model = model
         self.backend = backend
         self.block_size = block_size
         self.components = components
         self.device = device
+        # CUDA graphs for decode-only steps (None: every step eager; always None on CPU).
+        self.graphs = graphs
+
+    def forward(self, batch: ForwardBatch) -> torch.Tensor:
+        """Hidden states [T, hidden]: a graph replay for a decode-only step that fits a
+        captured bucket, else the eager forward."""
+        if self.graphs is not None and self.graphs.can_run(batch):
+            return self.graphs.run(batch)
+        return self.model(batch)
 
     def build_batch(self, sched: SchedulerOutput, kv: KVCacheManager) -> ForwardBatch:
+        if all(n == 1 for _, n in sched.scheduled):
+            return self._build_decode_batch(sched, kv)
         bs, c = self.block_size, self.components
         ids, pos, rows = [], [], []
         qsl, qlens, slens, tables = [0], [], [], []
@@ -61,10 +74,35 @@ class ModelRunner:
             meta=meta, attn=self.backend,
         )
 
+    def _build_decode_batch(self, sched: SchedulerOutput, kv: KVCacheManager) -> ForwardBatch:
+        """``build_batch`` for a step where every request feeds one token (pure decode): the
+        same tensors, built from plain lists (no per-request numpy arrays)."""
+        bs, c = self.block_size, self.components
+        ids, pos, rows, tables = [], [], [], []
+        for req, _ in sched.scheduled:
+            p = req.num_computed_tokens
+            blocks = kv.get_block_ids(req)
+            ids.append(req.token_range(p, p + 1)[0])
+            pos.append(p)
+            rows.append(blocks[p // bs] * (c * bs) + p % bs)
+            tables.append(blocks)
+        n = len(ids)
+        rows_t = torch.tensor(rows, dtype=torch.int64).to(self.device)
+        meta = AttentionMetadata(
+            num_tokens=n, query_start_loc=list(range(n + 1)), query_lens=[1] * n,
+            seq_lens=[p + 1 for p in pos], block_tables=tables, write_rows=rows_t,
+            slot_mapping=(rows_t // (c * bs)) * bs + rows_t % bs,
+        )
+        return ForwardBatch(
+            input_ids=torch.tensor(ids, dtype=torch.int64).to(self.device),
+            positions=torch.tensor(pos, dtype=torch.int64).to(self.device),
+            meta=meta, attn=self.backend,
+        )
+
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput, kv: KVCacheManager) -> StepResult:
         batch = self.build_batch(sched, kv)
-        hidden = self.model(batch)  # [T, hidden]
+        hidden = self.forward(batch)  # [T, hidden]
         sample_idx, sample_reqs = [], []
         plp: list[tuple[Request, int, torch.Tensor]] = []
         loc = batch.meta.query_start_loc

@@ -265,6 +265,8 @@ def run_throughput(tc: ThroughputConfig) -> dict[str, Any]:
             run_closed_loop(cfg, c, tc.warmup_requests, tc.input_len,
                             min(tc.output_len, 16), tc.seed + 10_000 + i, tc.detokenize)
         cfg.all_steps.clear()
+        if cfg.engine.integrity is not None:
+            cfg.engine.integrity.seconds.clear()  # time only the measured runs
 
     total = len(tc.concurrency) * tc.repeats * len(configs)
     bar = tqdm(total=total, desc="throughput", disable=not tc.progress, unit="run")
@@ -304,6 +306,8 @@ def run_throughput(tc: ThroughputConfig) -> dict[str, Any]:
                      "output_tokens_per_s": peak["output_tokens_per_s"]},
             "decode_step_ms_by_batch": summarize_by_batch(by_batch),
             "integrity": eng.integrity.stats() if eng.integrity is not None else None,
+            # all measured engine steps, for integrity seconds / step seconds
+            "step_seconds_total": sum(st.seconds for st in cfg.all_steps),
             "leak_check": leak,
         })
         cfg.by_batch = by_batch  # type: ignore[attr-defined]
@@ -413,12 +417,19 @@ def summarize(configs: list[_Config], out_configs: list[dict], min_samples: int)
                     str(lv["concurrency"]): off[lv["concurrency"]] / lv["output_tokens_per_s"] - 1
                     for lv in c["levels"] if lv["output_tokens_per_s"] and off[lv["concurrency"]]
                 }
-                scrub = (c["integrity"] or {}).get("scrub_seconds")
+                integ = c["integrity"] or {}
+                secs = sum((integ.get("seconds") or {}).values())
                 per_mode[m] = {"by_concurrency": by_c, "median": median(by_c.values()),
-                               "scrub_seconds": scrub}
+                               "scrub_seconds": integ.get("scrub_seconds"),
+                               "seconds_by_kind": integ.get("seconds"),
+                               # measured directly: integrity work / all step time (same runs)
+                               "time_fraction": secs / c["step_seconds_total"]
+                               if c.get("step_seconds_total") else None}
             io[dt] = per_mode
         s["integrity_overhead"] = io
-        s["integrity_overhead_definition"] = "tok/s(off) / tok/s(mode) - 1 (extra time per token)"
+        s["integrity_overhead_definition"] = (
+            "median: tok/s(off) / tok/s(mode) - 1 (extra time per token, noisy); time_fraction: "
+            "seconds inside the integrity checker / seconds of all measured steps")
     return s
 
 
@@ -497,8 +508,11 @@ def format_table(result: dict[str, Any]) -> str:
     for dt, per_mode in (s.get("integrity_overhead") or {}).items():
         for m, v in per_mode.items():
             med = v["median"]
+            frac = v.get("time_fraction")
             lines.append(f"integrity overhead {dt} {m} vs off: "
-                         f"{'-' if med is None else f'{med:+.1%}'} (median over concurrency)")
+                         f"{'-' if med is None else f'{med:+.1%}'} (median over concurrency); "
+                         f"time in the checker: {'-' if frac is None else f'{frac:.2%}'} of "
+                         "step time")
     return "\n".join(lines)
 
 

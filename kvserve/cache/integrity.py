@@ -15,8 +15,10 @@ Why this and not XOR / CRC:
   * two words swapped: S1 is unchanged and S2 changes by (i - j)(w_j - w_i) != 0: caught
     (XOR and plain sums miss every swap);
   * S2 = C * sum_r r * rowsum_r + sum_c (c + 1) * colsum_c over the [R, C] word matrix, so both
-    sums are two vectorized numpy reductions (~GB/s), and a GPU kernel can accumulate them per
-    written token (each token's words contribute independently).
+    sums are two vectorized numpy reductions (``block_sums_numpy``, the twin), one pass of a
+    small C kernel over the cache in place (``kvserve/csrc/block_sums.c``, ~1 us per 16 KiB
+    block), and a GPU kernel can accumulate them per written token (each token's words
+    contribute independently).
 Where the sums of a seal come from: on the CPU/torch path ``seal`` recomputes them from the
 bytes (``block_sums``). With a Triton backend the fused write kernel accumulates each written
 token's contribution into ``kv.csum_state[l, b]`` (reference.write_kv / token_checksum_contrib);
@@ -32,6 +34,8 @@ belongs to another model/KV dtype, fails verification even if its bytes are inta
 
 from __future__ import annotations
 
+import ctypes
+import functools
 import hashlib
 import logging
 import time
@@ -44,6 +48,7 @@ import torch
 
 from kvserve.cache.block_pool import BlockPool
 from kvserve.cache.kv_cache import PagedKVCache
+from kvserve.cbuild import build_library
 
 if TYPE_CHECKING:
     from kvserve.engine.llm_engine import LLMEngine
@@ -52,6 +57,8 @@ logger = logging.getLogger("kvserve.integrity")
 
 # Fraction of step time the background scrubber may spend (the target overhead).
 SCRUB_TIME_FRACTION = 0.003
+# The auto scrubber saves its per-step credit up to this many blocks per verify call.
+SCRUB_BATCH = 16
 
 
 class IntegrityError(RuntimeError):
@@ -65,8 +72,51 @@ class _Seal:
     sums: np.ndarray  # [L, 4] int64: S1, S2 (payload), S1, S2 (scales)
 
 
+@functools.cache
+def _sums_lib() -> ctypes.CDLL | None:
+    dll = build_library("block_sums")
+    if dll is None:
+        return None
+    p, i64 = ctypes.c_void_p, ctypes.c_int64
+    dll.kvs_block_sums.argtypes = [p, i64, i64, i64, p, i64, i64, ctypes.c_int, p]
+    dll.kvs_block_sums.restype = None
+    return dll
+
+
+def _region_sums_c(t: torch.Tensor, ids: np.ndarray, out: np.ndarray) -> None:
+    """C kernel: t [L, NB+1, ...] (any dtype, contiguous) -> out [n, L, 2] (S1, S2) of the
+    int16 words of t[l, b] for b in ids."""
+    lib = _sums_lib()
+    assert lib is not None and t.is_contiguous()
+    L, nb1 = t.shape[0], t.shape[1]
+    words = t.numel() // (L * nb1) * t.element_size() // 2
+    # a thread team costs ~20 us to wake: worth it only for many blocks (~1 us each)
+    threads = torch.get_num_threads() if len(ids) >= 32 else 1
+    lib.kvs_block_sums(t.data_ptr(), nb1 * words, words, words, ids.ctypes.data, len(ids), L,
+                       threads, out.ctypes.data)
+
+
 def block_sums(kv: PagedKVCache, block_ids: list[int]) -> np.ndarray:
-    """[n, L, 4] int64 checksum sums of the given blocks, all layers (see module docstring)."""
+    """[n, L, 4] int64 checksum sums of the given blocks, all layers (see module docstring).
+    On a CPU cache this is the C kernel ``kvserve/csrc/block_sums.c`` reading the cache in
+    place (one pass, ~10x the numpy reductions); its twin is ``block_sums_numpy``."""
+    if kv.data.is_cuda or _sums_lib() is None:
+        return block_sums_numpy(kv, block_ids)
+    ids = np.asarray(block_ids, dtype=np.int64)
+    out = np.empty((len(ids), kv.num_layers, 4), dtype=np.int64)
+    pay = np.empty((len(ids), kv.num_layers, 2), dtype=np.int64)
+    _region_sums_c(kv.data, ids, pay)
+    out[:, :, 0:2] = pay
+    if kv.scales is not None:
+        _region_sums_c(kv.scales, ids, pay)
+        out[:, :, 2:4] = pay
+    else:
+        out[:, :, 2:4] = 0
+    return out
+
+
+def block_sums_numpy(kv: PagedKVCache, block_ids: list[int]) -> np.ndarray:
+    """The twin of ``block_sums``: gather the blocks, two numpy reductions per layer."""
     idx = torch.tensor(block_ids, dtype=torch.int64, device=kv.data.device)
     data = kv.data.index_select(1, idx).cpu()  # [L, n, C, bs, H, D]
     L, n = data.shape[0], data.shape[1]
@@ -113,10 +163,13 @@ class IntegrityChecker:
         self._scrub_queue: list[int] = []
         self._scrub_credit = 0.0
         self._block_cost = 0.0  # EMA seconds to verify one block
-        self._last_step_end: float | None = None
-        self._step_time = 0.0  # EMA seconds per engine step
+        self._step_start: float | None = None
+        self._step_time = 0.0  # EMA seconds per engine step (scrub_step .. end_step)
         self.scrub_seconds = 0.0
         self.seal_sources: Counter[str] = Counter()  # blocks sealed from write_state/recompute
+        # Wall seconds spent in integrity work, by kind (seal, verify incl. scrub / paranoid /
+        # reuse, allocate): the direct cost measure, beside tok/s comparisons.
+        self.seconds: Counter[str] = Counter()
         # Ask a fused writer (Triton backends) to keep the per-block checksum state; the
         # backend allocates kv.csum_state when it is built (after this checker).
         kv.checksums_wanted = True
@@ -131,6 +184,11 @@ class IntegrityChecker:
         return h.digest()
 
     def on_allocate(self, block_ids: list[int]) -> None:
+        t0 = time.perf_counter()
+        self._on_allocate(block_ids)
+        self.seconds["allocate"] += time.perf_counter() - t0
+
+    def _on_allocate(self, block_ids: list[int]) -> None:
         for b in block_ids:
             self.seals.pop(b, None)
         state = self.kv.csum_state
@@ -142,6 +200,11 @@ class IntegrityChecker:
     def seal(self, block_ids: list[int], token_hashes: list[bytes]) -> None:
         if not block_ids:
             return
+        t0 = time.perf_counter()
+        self._seal(block_ids, token_hashes)
+        self.seconds["seal"] += time.perf_counter() - t0
+
+    def _seal(self, block_ids: list[int], token_hashes: list[bytes]) -> None:
         state = self.kv.csum_state
         if state is not None:
             sums = write_state_sums(state, block_ids)
@@ -159,6 +222,13 @@ class IntegrityChecker:
     def verify(self, block_ids: list[int], reason: str) -> list[int]:
         """Check sealed blocks; quarantine and return the bad ones (unsealed ones are bad too:
         nothing may be reused that was never sealed)."""
+        t0 = time.perf_counter()
+        try:
+            return self._verify(block_ids, reason)
+        finally:
+            self.seconds["verify"] += time.perf_counter() - t0
+
+    def _verify(self, block_ids: list[int], reason: str) -> list[int]:
         ids = [b for b in block_ids if not self.pool.blocks[b].quarantined]
         if not ids:
             return []
@@ -209,10 +279,7 @@ class IntegrityChecker:
     # ---- per-step hook --------------------------------------------------------------------
     def scrub_step(self, engine: LLMEngine) -> None:
         """Called at the start of every engine step: paranoid checks, scrubbing, repairs."""
-        now = time.perf_counter()
-        if self._last_step_end is not None:
-            self._step_time = 0.9 * self._step_time + 0.1 * (now - self._last_step_end)
-        self._last_step_end = now
+        self._step_start = time.perf_counter()
         if self.mode == "paranoid":
             held = sorted({b for r in engine.scheduler.running
                            for b in engine.kv.get_block_ids(r) if b in self.seals})
@@ -222,11 +289,23 @@ class IntegrityChecker:
             self._scrub()
         self.repair(engine)
 
+    def end_step(self) -> None:
+        """Called when an engine step's work is done: the scrub budget is a fraction of the
+        engine's own step time (not of the wall time between steps, which includes the
+        caller's work)."""
+        if self._step_start is not None:
+            dt = time.perf_counter() - self._step_start
+            self._step_time = dt if not self._step_time else 0.9 * self._step_time + 0.1 * dt
+            self._step_start = None
+
     def _scrub(self) -> None:
         n = self.scrub_blocks_per_step
         if n == 0:  # auto: spend SCRUB_TIME_FRACTION of the step time, at least 1 per 64 steps
             cost = self._block_cost or 1e-5
             self._scrub_credit += max(SCRUB_TIME_FRACTION * self._step_time / cost, 1 / 64)
+            # verify in batches: one call has ~50 us of fixed cost, a block ~2 us more
+            if self._scrub_credit < min(SCRUB_BATCH, len(self.seals)):
+                return
             n = int(self._scrub_credit)
             self._scrub_credit -= n
         if n <= 0 or not self.seals:
@@ -286,4 +365,5 @@ class IntegrityChecker:
             "repairs": dict(self.repairs), "sealed_blocks": len(self.seals),
             "quarantined_blocks": self.pool.num_quarantined,
             "scrub_seconds": self.scrub_seconds, "seal_sources": dict(self.seal_sources),
+            "seconds": {k: round(v, 6) for k, v in self.seconds.items()},
         }

@@ -311,6 +311,8 @@ class LLMEngine:
             req.num_computed_tokens += n
             self.kv.commit(req)
         self.kv.flush_commits()  # seal + cache newly full blocks before anything is freed
+        if self.integrity is not None:
+            self.integrity.end_step()
         touched: set[str] = set()
         if sampled is not None:
             now = time.monotonic()

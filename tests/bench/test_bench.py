@@ -125,6 +125,8 @@ def test_integrity_alias_overheads(tiny_llama, tmp_path):
     assert [c["name"] for c in r["configs"]] == ["fp8_e4m3/off", "fp8_e4m3/on"]
     ov = r["summary"]["integrity_overhead"]["fp8_e4m3"]["on"]
     assert set(ov["by_concurrency"]) == {"2"}
+    # input 16 = one full block per request: sealed (and timed) in the measured runs
+    assert ov["seconds_by_kind"]["seal"] > 0 and 0 < ov["time_fraction"] < 1
     assert r["peer"] == "not installed"  # no --peer-python: vllm is never installed by us
 
 

@@ -373,6 +373,17 @@ def equal_batch(base_by: dict[int, list[float]], cand_by: dict[int, list[float]]
     }
 
 
+def decode_peak(by_batch: dict[int, list[float]], min_samples: int) -> dict[str, Any] | None:
+    """Best pure-decode rate: max over running batch b (>= ``min_samples`` steps) of
+    b / mean step seconds. Prefill work excluded: what the KV budget lets decode reach."""
+    rates = {b: b / mean(v) for b, v in by_batch.items()  # type: ignore[operator]
+             if len(v) >= min_samples and mean(v)}
+    if not rates:
+        return None
+    b = max(rates, key=lambda x: rates[x])
+    return {"batch": b, "tokens_per_s": rates[b]}
+
+
 def summarize(configs: list[_Config], out_configs: list[dict], min_samples: int) -> dict:
     by_name = {c.name: c for c in configs}
     modes = list(dict.fromkeys(c["kv_integrity"] for c in out_configs))
@@ -382,7 +393,7 @@ def summarize(configs: list[_Config], out_configs: list[dict], min_samples: int)
     if bf16 and fp8:
         s["capacity_ratio"] = fp8[0]["capacity_tokens"] / bf16[0]["capacity_tokens"]
         s["bytes_per_token_ratio"] = bf16[0]["kv_bytes_per_token"] / fp8[0]["kv_bytes_per_token"]
-        peak_by, eq_by = {}, {}
+        peak_by, eq_by, dec_by = {}, {}, {}
         for m in modes:
             b = [c for c in bf16 if c["kv_integrity"] == m]
             f = [c for c in fp8 if c["kv_integrity"] == m]
@@ -390,9 +401,13 @@ def summarize(configs: list[_Config], out_configs: list[dict], min_samples: int)
                 continue
             bp, fp = b[0]["peak"]["output_tokens_per_s"], f[0]["peak"]["output_tokens_per_s"]
             peak_by[m] = fp / bp if bp and fp else None
-            eq_by[m] = equal_batch(by_name[b[0]["name"]].by_batch,  # type: ignore[attr-defined]
-                                   by_name[f[0]["name"]].by_batch,  # type: ignore[attr-defined]
-                                   min_samples)
+            bb = by_name[b[0]["name"]].by_batch  # type: ignore[attr-defined]
+            fb = by_name[f[0]["name"]].by_batch  # type: ignore[attr-defined]
+            eq_by[m] = equal_batch(bb, fb, min_samples)
+            dp = (decode_peak(bb, min_samples), decode_peak(fb, min_samples))
+            dec_by[m] = {"bf16": dp[0], "fp8": dp[1],
+                         "ratio": dp[1]["tokens_per_s"] / dp[0]["tokens_per_s"]
+                         if dp[0] and dp[1] else None}
         first = next(iter(peak_by), None)
         s["peak_ratio"] = peak_by.get(first) if first else None
         s["peak_ratio_by_integrity"] = peak_by
@@ -401,6 +416,9 @@ def summarize(configs: list[_Config], out_configs: list[dict], min_samples: int)
         s["equal_batch_size"] = eq.get("batch")
         s["equal_batch_samples"] = eq.get("samples")
         s["equal_batch_overhead_by_integrity"] = eq_by
+        # pure-decode steps only (prefill excluded): FP8 / BF16 best decode tokens/s
+        s["decode_peak_ratio"] = (dec_by.get(first) or {}).get("ratio") if first else None
+        s["decode_peak_by_integrity"] = dec_by
         s["ratios_integrity_mode"] = first
     if "off" in modes and len(modes) > 1:
         io: dict[str, Any] = {}
@@ -502,7 +520,8 @@ def format_table(result: dict[str, Any]) -> str:
                 f"{fmt(lv['mean_step_ms'], 2):>9}{fmt(lv['ttft_ms_median']):>10}"
                 f"{fmt(lv['itl_ms_median'], 2):>8}{lv['preemptions']:>9}")
     s = result["summary"]
-    for k in ("capacity_ratio", "peak_ratio", "equal_batch_overhead", "equal_batch_size"):
+    for k in ("capacity_ratio", "peak_ratio", "decode_peak_ratio", "equal_batch_overhead",
+              "equal_batch_size"):
         if s.get(k) is not None:
             lines.append(f"{k}: {s[k]:.3f}" if isinstance(s[k], float) else f"{k}: {s[k]}")
     for dt, per_mode in (s.get("integrity_overhead") or {}).items():

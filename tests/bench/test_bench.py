@@ -109,6 +109,7 @@ def test_throughput_two_levels_bf16_fp8(hd64, tmp_path):
     s = r["summary"]
     assert s["capacity_ratio"] >= 1.9
     assert s["peak_ratio"] > 0
+    assert s["decode_peak_ratio"] > 0
     assert s["equal_batch_size"] in (2, 4) and s["equal_batch_overhead"] is not None
     assert r["peer"] == "not requested"
 
@@ -153,3 +154,11 @@ def test_make_random_llama_spec_errors_name_the_option():
     assert parse_kv_pairs("a=1, b=2", "x") == {"a": 1, "b": 2}
     with pytest.raises(ValueError, match="--make-random-llama"):
         random_llama_spec("hidden=100,heads=3")
+
+
+def test_decode_peak_hand_worked():
+    from kvserve.bench.throughput import decode_peak
+
+    by_batch = {1: [0.01] * 5, 4: [0.02] * 5, 8: [0.05, 0.01]}  # batch 8: too few samples
+    assert decode_peak(by_batch, 3) == {"batch": 4, "tokens_per_s": 200.0}
+    assert decode_peak(by_batch, 6) is None

@@ -277,14 +277,18 @@ def int4_e2e(path: str, qpath: str) -> None:
             a == b for a, b in zip(toks["triton"], toks["tinygemm"], strict=True)) / 8
 
 
+def run_step(name: str, fn) -> None:
+    """Run one part; a failure is recorded in the JSON (the other parts still run)."""
+    try:
+        fn()
+    except Exception as e:  # noqa: BLE001
+        res[f"{name}_error"] = traceback.format_exc()[-2000:]
+        print(f"[{name}] FAILED {e!r}")
+    save()
+
+
 def main() -> None:
-    for name, fn in (("int4_gemm", int4_gemm),):
-        try:
-            fn()
-        except Exception as e:  # noqa: BLE001
-            res[f"{name}_error"] = traceback.format_exc()[-2000:]
-            print(f"[{name}] FAILED {e!r}")
-        save()
+    run_step("int4_gemm", int4_gemm)
     tmp = tempfile.mkdtemp(prefix="kvserve-gpu-i4g-")
     try:
         path = make_model(os.path.join(tmp, "llama"))
@@ -296,12 +300,7 @@ def main() -> None:
                      ("int4_e2e", lambda: int4_e2e(path, os.path.join(tmp, "llama-int4")))):
         if name == "int4_e2e" and not CUDA:
             continue
-        try:
-            fn()
-        except Exception as e:  # noqa: BLE001
-            res[f"{name}_error"] = traceback.format_exc()[-2000:]
-            print(f"[{name}] FAILED {e!r}")
-        save()
+        run_step(name, fn)
     res["seconds"] = time.time() - t_start
     save()
     print(f"[int4_graphs] done in {res['seconds']:.0f}s")

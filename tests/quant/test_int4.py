@@ -15,15 +15,6 @@ from kvserve.layers.int4_linear import Int4Linear, int4_experts_from_dense, int4
 from kvserve.quant import int4
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    """Small tensors: a second intra-op thread only adds sync cost (and stalls on busy hosts)."""
-    prev = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(prev)
-
-
 def _to_int32(word: int) -> int:
     return word - (1 << 32) if word >= 1 << 31 else word
 

@@ -35,13 +35,6 @@ SHORT = [1, 17, 33, 101, 5, 77, 250]  # 7 tokens: int4 op path
 QUANTIZED = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    prev = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(prev)
-
 
 def _make_bf16_tiny(path: str, arch: str = "llama") -> str:
     """Tiny random model, hidden 128 (GQA 4/2 heads), stored in bf16."""

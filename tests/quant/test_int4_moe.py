@@ -42,13 +42,6 @@ GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
 SPARSE_LAYER = {"qwen3_moe": 0, "glm4_moe": 1, "deepseek_v3": 1, "kimi_k2": 0}
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    prev = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(prev)
-
 
 @pytest.fixture(scope="module")
 def moe_bf16(tmp_path_factory):

@@ -14,16 +14,6 @@ from kvserve.layers.int4_linear import Int4Linear
 from kvserve.quant import int4
 from kvserve.quant.quantizer import _awq_overrides, is_target, quantize_checkpoint
 
-
-@pytest.fixture(autouse=True)
-def _one_thread():
-    """Small tensors: a second intra-op thread only adds sync cost (and stalls on busy hosts)."""
-    prev = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(prev)
-
-
 CALIB = " ".join(f"w{(i * 37) % 120}" for i in range(300))
 
 

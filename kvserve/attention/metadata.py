@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -68,7 +69,7 @@ def plan_decode_chunks(meta: AttentionMetadata, seqs: list[int], block_size: int
     return chunks
 
 
-def plan_decode_tables(meta: AttentionMetadata, seqs: list[int], block_size: int,
+def plan_decode_tables(meta: AttentionMetadata, seqs: Sequence[int], block_size: int,
                        null_block: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """For a kernel that walks each sequence's own length (no workspace, no padding mask):
     (tok [n] query token of each sequence, tables [n, mb] int64 padded with ``null_block``,

@@ -20,11 +20,9 @@ model the kernel's dots take bf16 operands (fp32 accumulation); otherwise fp32.
 
 from __future__ import annotations
 
-import sys
-
 import torch
 
-from kvserve.attention.metadata import AttentionMetadata, plan_decode_chunks
+from kvserve.attention.metadata import AttentionMetadata, plan_decode_tables
 from kvserve.attention.mla_torch import MlaTorchAttentionBackend, absorb_query, up_project
 from kvserve.cache.kv_cache import PagedKVCache
 
@@ -52,12 +50,12 @@ class MlaTritonAttentionBackend(MlaTorchAttentionBackend):
         decode = [b for b, q in enumerate(meta.query_lens) if q == 1]
         tri = None
         if decode:  # one launch for all decodes: the kernel needs no gather workspace
-            c = plan_decode_chunks(meta, decode, kv.block_size, kv.null_block, sys.maxsize)[0]
+            tok, tables, lens = plan_decode_tables(meta, decode, kv.block_size, kv.null_block)
             tri = {
-                "tok": c.tok.to(dev),  # [n] step token of each decode sequence
-                "tables": c.block_ids.view(-1, c.max_blocks).to(dev, torch.int32),  # [n, mb]
-                "seq_lens": c.seq_lens.to(dev, torch.int32),  # [n]
-                "max_seq_len": int(c.seq_lens.max()),  # bounds the splits, no host sync
+                "tok": tok.to(dev),  # [n] step token of each decode sequence
+                "tables": tables.to(dev, torch.int32),  # [n, mb]
+                "seq_lens": lens.to(dev, torch.int32),  # [n]
+                "max_seq_len": int(lens.max()),  # bounds the splits, no host sync
             }
         plan = {"decode": [], "triton_decode": tri, "prefill": self._plan_prefills(meta),
                 "slots": meta.slot_mapping.to(dev)}

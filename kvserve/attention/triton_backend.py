@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from kvserve.attention.metadata import AttentionMetadata
+from kvserve.attention.metadata import AttentionMetadata, plan_decode_tables
 from kvserve.cache.kv_cache import PagedKVCache
 
 
@@ -37,15 +37,11 @@ class TritonAttentionBackend:
         if plan is not None:
             return plan
         dev = self.kv.data.device
-        bs = self.kv.block_size
-        mb = max(-(-n // bs) for n in meta.seq_lens)
-        tables = torch.full((meta.num_seqs, mb), self.kv.null_block, dtype=torch.int32)
-        for b, row in enumerate(meta.block_tables):
-            row = row[: -(-meta.seq_lens[b] // bs)]
-            tables[b, : len(row)] = torch.tensor(row, dtype=torch.int32)
+        _, tables, lens = plan_decode_tables(meta, range(meta.num_seqs), self.kv.block_size,
+                                             self.kv.null_block)
         plan = {
-            "tables": tables.to(dev, non_blocking=True),
-            "seq_lens": torch.tensor(meta.seq_lens, dtype=torch.int32).to(dev),
+            "tables": tables.to(dev, torch.int32, non_blocking=True),  # [B, mb]
+            "seq_lens": lens.to(dev, torch.int32),
             "qsl": torch.tensor(meta.query_start_loc, dtype=torch.int32).to(dev),
             "slots": meta.slot_mapping.to(dev),
             "decode": all(q == 1 for q in meta.query_lens),

@@ -40,8 +40,9 @@ import hashlib
 import logging
 import time
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, TypeVar
 
 import numpy as np
 import torch
@@ -49,6 +50,8 @@ import torch
 from kvserve.cache.block_pool import BlockPool
 from kvserve.cache.kv_cache import PagedKVCache
 from kvserve.cbuild import build_library
+
+T = TypeVar("T")
 
 if TYPE_CHECKING:
     from kvserve.engine.llm_engine import LLMEngine
@@ -149,6 +152,23 @@ def _sums(w: np.ndarray) -> np.ndarray:
     return np.stack([s1, s2], axis=-1)
 
 
+def _timed(kind: str) -> Callable[[Callable[..., T]], Callable[..., T]]:
+    """Method decorator: add the call's wall time to ``self.seconds[kind]``."""
+
+    def deco(fn: Callable[..., T]) -> Callable[..., T]:
+        @functools.wraps(fn)
+        def wrapper(self: IntegrityChecker, *args, **kwargs) -> T:
+            t0 = time.perf_counter()
+            try:
+                return fn(self, *args, **kwargs)
+            finally:
+                self.seconds[kind] += time.perf_counter() - t0
+
+        return wrapper
+
+    return deco
+
+
 class IntegrityChecker:
     def __init__(self, kv: PagedKVCache, pool: BlockPool, fingerprint: bytes, mode: str,
                  scrub_blocks_per_step: int = 0) -> None:
@@ -183,12 +203,8 @@ class IntegrityChecker:
         h.update(sums.tobytes())
         return h.digest()
 
+    @_timed("allocate")
     def on_allocate(self, block_ids: list[int]) -> None:
-        t0 = time.perf_counter()
-        self._on_allocate(block_ids)
-        self.seconds["allocate"] += time.perf_counter() - t0
-
-    def _on_allocate(self, block_ids: list[int]) -> None:
         for b in block_ids:
             self.seals.pop(b, None)
         state = self.kv.csum_state
@@ -197,14 +213,10 @@ class IntegrityChecker:
             idx = torch.tensor(block_ids, dtype=torch.int64, device=state.device)
             state.index_fill_(1, idx, 0)
 
+    @_timed("seal")
     def seal(self, block_ids: list[int], token_hashes: list[bytes]) -> None:
         if not block_ids:
             return
-        t0 = time.perf_counter()
-        self._seal(block_ids, token_hashes)
-        self.seconds["seal"] += time.perf_counter() - t0
-
-    def _seal(self, block_ids: list[int], token_hashes: list[bytes]) -> None:
         state = self.kv.csum_state
         if state is not None:
             sums = write_state_sums(state, block_ids)
@@ -219,16 +231,10 @@ class IntegrityChecker:
         return block_id in self.seals
 
     # ---- verification ---------------------------------------------------------------------
+    @_timed("verify")
     def verify(self, block_ids: list[int], reason: str) -> list[int]:
         """Check sealed blocks; quarantine and return the bad ones (unsealed ones are bad too:
         nothing may be reused that was never sealed)."""
-        t0 = time.perf_counter()
-        try:
-            return self._verify(block_ids, reason)
-        finally:
-            self.seconds["verify"] += time.perf_counter() - t0
-
-    def _verify(self, block_ids: list[int], reason: str) -> list[int]:
         ids = [b for b in block_ids if not self.pool.blocks[b].quarantined]
         if not ids:
             return []

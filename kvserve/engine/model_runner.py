@@ -62,17 +62,9 @@ class ModelRunner:
             qlens.append(n)
             slens.append(start + n)
             tables.append(blocks)
-        rows_t = torch.from_numpy(np.concatenate(rows)).to(self.device)
-        meta = AttentionMetadata(
-            num_tokens=qsl[-1], query_start_loc=qsl, query_lens=qlens, seq_lens=slens,
-            block_tables=tables, write_rows=rows_t,
-            slot_mapping=(rows_t // (c * bs)) * bs + rows_t % bs,
-        )
-        return ForwardBatch(
-            input_ids=torch.from_numpy(np.concatenate(ids)).to(self.device),
-            positions=torch.from_numpy(np.concatenate(pos)).to(self.device),
-            meta=meta, attn=self.backend,
-        )
+        return self._batch(torch.from_numpy(np.concatenate(ids)),
+                           torch.from_numpy(np.concatenate(pos)),
+                           torch.from_numpy(np.concatenate(rows)), qsl, qlens, slens, tables)
 
     def _build_decode_batch(self, sched: SchedulerOutput, kv: KVCacheManager) -> ForwardBatch:
         """``build_batch`` for a step where every request feeds one token (pure decode): the
@@ -87,17 +79,24 @@ class ModelRunner:
             rows.append(blocks[p // bs] * (c * bs) + p % bs)
             tables.append(blocks)
         n = len(ids)
-        rows_t = torch.tensor(rows, dtype=torch.int64).to(self.device)
+        i64 = torch.int64
+        return self._batch(torch.tensor(ids, dtype=i64), torch.tensor(pos, dtype=i64),
+                           torch.tensor(rows, dtype=i64), list(range(n + 1)), [1] * n,
+                           [p + 1 for p in pos], tables)
+
+    def _batch(self, ids: torch.Tensor, pos: torch.Tensor, rows: torch.Tensor, qsl: list[int],
+               qlens: list[int], slens: list[int], tables: list[list[int]]) -> ForwardBatch:
+        """The step's ForwardBatch from host int64 [T] token ids, positions and component-0
+        cache rows (moved to the model's device here) plus the per-sequence lists."""
+        bs, c = self.block_size, self.components
+        rows_t = rows.to(self.device)
         meta = AttentionMetadata(
-            num_tokens=n, query_start_loc=list(range(n + 1)), query_lens=[1] * n,
-            seq_lens=[p + 1 for p in pos], block_tables=tables, write_rows=rows_t,
+            num_tokens=qsl[-1], query_start_loc=qsl, query_lens=qlens, seq_lens=slens,
+            block_tables=tables, write_rows=rows_t,
             slot_mapping=(rows_t // (c * bs)) * bs + rows_t % bs,
         )
-        return ForwardBatch(
-            input_ids=torch.tensor(ids, dtype=torch.int64).to(self.device),
-            positions=torch.tensor(pos, dtype=torch.int64).to(self.device),
-            meta=meta, attn=self.backend,
-        )
+        return ForwardBatch(input_ids=ids.to(self.device), positions=pos.to(self.device),
+                            meta=meta, attn=self.backend)
 
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput, kv: KVCacheManager) -> StepResult:

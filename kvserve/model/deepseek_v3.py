@@ -69,7 +69,8 @@ def mla_softmax_scale(config) -> float:
 
 
 def mla_kv_spec(config) -> dict:
-    """KV cache / backend spec of an MLA model: one latent row [R + dr] per token and layer."""
+    """KV cache spec of an MLA model: one latent row [R + dr] per token and layer (components
+    == 1, so the registry picks mla_torch / mla_triton: resolve_backend_name)."""
     return {
         "num_layers": config.num_hidden_layers,
         "num_heads": config.num_attention_heads,
@@ -79,7 +80,6 @@ def mla_kv_spec(config) -> dict:
         "scale": mla_softmax_scale(config),
         "max_position_embeddings": config.max_position_embeddings,
         "sliding_window": None,
-        "backend": "mla_torch",
     }
 
 

@@ -1,4 +1,4 @@
-"""Loader for the C decode-attention kernel (``kvserve/csrc/paged_attention.c``).
+"""Loader for the C paged-attention kernel (``kvserve/csrc/paged_attention.c``).
 
 Compiled on first use by ``kvserve.cbuild`` (system C compiler, no torch headers), called
 through ctypes on raw tensor pointers. If no compiler is available, or ``KVSERVE_CPU_KERNEL=0``,
@@ -26,30 +26,46 @@ def load() -> ctypes.CDLL | None:
     if dll is None:
         return None
     p, i, f = ctypes.c_void_p, ctypes.c_int, ctypes.c_float
-    dll.kvs_paged_decode.argtypes = [p, p, i, p, p, p, i, i, i, i, i, i, f, i, p]
-    dll.kvs_paged_decode.restype = None
+    dll.kvs_paged_attention.argtypes = [p, p, i, p, p, p, p, i, i, i, i, i, i, f, i, i, p]
+    dll.kvs_paged_attention.restype = None
+    dll.kvs_attention_simd.argtypes = []
+    dll.kvs_attention_simd.restype = i
     dll.kvs_write_fp8.argtypes = [p, p, i, i, i, i, p, p, p]
     dll.kvs_write_fp8.restype = None
     return dll
 
 
-def paged_decode(kv_layer: torch.Tensor, scales_layer: torch.Tensor | None, q: torch.Tensor,
-                 block_tables: torch.Tensor, seq_lens: torch.Tensor, sm_scale: float,
-                 out: torch.Tensor) -> torch.Tensor:
-    """kv_layer [NB+1, 2, bs, H, D]; q [n, H*G, D] fp32 contiguous; block_tables [n, mb] int64;
-    seq_lens [n] int64; out [n, H*G, D] fp32 (written)."""
+def simd() -> bool:
+    """True if the kernel was built with its AVX2 job (else every call runs the portable one)."""
+    dll = load()
+    return dll is not None and bool(dll.kvs_attention_simd())
+
+
+def paged_attention(kv_layer: torch.Tensor, scales_layer: torch.Tensor | None, q: torch.Tensor,
+                    block_tables: torch.Tensor, row_seq: torch.Tensor | None,
+                    lens: torch.Tensor, sm_scale: float, out: torch.Tensor, *,
+                    force_scalar: bool = False) -> torch.Tensor:
+    """Each query row r attends tokens [0, lens[r]) of sequence ``row_seq[r]`` (row r itself
+    when ``row_seq`` is None).
+
+    kv_layer [NB+1, 2, bs, H, D]; q [n, H*G, D] fp32 contiguous; block_tables [S, mb] int64;
+    row_seq [n] int64 or None; lens [n] int64; out [n, H*G, D] fp32 (written).
+    ``force_scalar`` runs the portable job even where the AVX2 one exists (tests)."""
     dll = load()
     assert dll is not None
     _, _, bs, h, d = kv_layer.shape
     n, hq, _ = q.shape
     assert q.is_contiguous() and q.dtype == torch.float32 and out.is_contiguous()
     assert block_tables.dtype == torch.int64 and block_tables.is_contiguous()
+    assert lens.dtype == torch.int64 and lens.is_contiguous() and lens.numel() == n
+    assert row_seq is None or (row_seq.dtype == torch.int64 and row_seq.is_contiguous())
     assert hq % h == 0 and hq // h <= 64
-    dll.kvs_paged_decode(
+    dll.kvs_paged_attention(
         kv_layer.data_ptr(), scales_layer.data_ptr() if scales_layer is not None else None,
         DTYPE_CODES[kv_layer.dtype], q.data_ptr(), block_tables.data_ptr(),
-        seq_lens.data_ptr(), n, block_tables.shape[1], bs, h, hq // h, d, sm_scale,
-        torch.get_num_threads(), out.data_ptr(),
+        row_seq.data_ptr() if row_seq is not None else None, lens.data_ptr(), n,
+        block_tables.shape[1], bs, h, hq // h, d, sm_scale, torch.get_num_threads(),
+        int(force_scalar), out.data_ptr(),
     )
     return out
 

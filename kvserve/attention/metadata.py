@@ -69,18 +69,45 @@ def plan_decode_chunks(meta: AttentionMetadata, seqs: list[int], block_size: int
     return chunks
 
 
+def _padded_tables(meta: AttentionMetadata, seqs: Sequence[int], lens: np.ndarray,
+                   block_size: int, null_block: int) -> np.ndarray:
+    """[len(seqs), mb] int64 block tables covering ``lens`` tokens, padded with null_block."""
+    nblocks = -(-lens // block_size)
+    tables = np.full((len(seqs), int(nblocks.max())), null_block, dtype=np.int64)
+    for r, b in enumerate(seqs):
+        tables[r, : nblocks[r]] = meta.block_tables[b][: nblocks[r]]
+    return tables
+
+
 def plan_decode_tables(meta: AttentionMetadata, seqs: Sequence[int], block_size: int,
                        null_block: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """For a kernel that walks each sequence's own length (no workspace, no padding mask):
     (tok [n] query token of each sequence, tables [n, mb] int64 padded with ``null_block``,
     seq_lens [n] int64), in ``seqs`` order. One numpy array fill, no per-sequence tensors."""
     lens = np.fromiter((meta.seq_lens[b] for b in seqs), dtype=np.int64, count=len(seqs))
-    nblocks = -(-lens // block_size)
-    tables = np.full((len(seqs), int(nblocks.max())), null_block, dtype=np.int64)
-    for r, b in enumerate(seqs):
-        tables[r, : nblocks[r]] = meta.block_tables[b][: nblocks[r]]
+    tables = _padded_tables(meta, seqs, lens, block_size, null_block)
     tok = np.fromiter((meta.query_start_loc[b] for b in seqs), dtype=np.int64, count=len(seqs))
     return torch.from_numpy(tok), torch.from_numpy(tables), torch.from_numpy(lens)
+
+
+def plan_rows(meta: AttentionMetadata, block_size: int, null_block: int
+              ) -> tuple[torch.Tensor | None, torch.Tensor, torch.Tensor]:
+    """Every query row of the step as a causal row for a per-row kernel:
+    (row_seq [T] int64 sequence of each row, or None when row t is sequence t (all decode);
+    tables [B, mb] int64 padded with ``null_block``; lens [T] int64 tokens row t attends).
+
+        seq b, query i of q_len:  position seq_len - q_len + i  ->  attends seq_len - q_len + i + 1
+    """
+    slens = np.asarray(meta.seq_lens, dtype=np.int64)
+    tables = _padded_tables(meta, range(meta.num_seqs), slens, block_size, null_block)
+    if meta.num_tokens == meta.num_seqs:  # one query per sequence: its own length
+        return None, torch.from_numpy(tables), torch.from_numpy(slens)
+    qlens = np.asarray(meta.query_lens, dtype=np.int64)
+    row_seq = np.repeat(np.arange(meta.num_seqs, dtype=np.int64), qlens)
+    starts = np.asarray(meta.query_start_loc[:-1], dtype=np.int64)
+    # lens = (seq_len - q_len + 1) of the row's sequence + the row's index within it
+    lens = (slens - qlens + 1)[row_seq] + (np.arange(meta.num_tokens) - starts[row_seq])
+    return torch.from_numpy(row_seq), torch.from_numpy(tables), torch.from_numpy(lens)
 
 
 def plan_prefills(meta: AttentionMetadata, block_size: int

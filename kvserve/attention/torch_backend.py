@@ -1,5 +1,9 @@
 """Reference + CPU attention over the paged KV cache (math in fp32).
 
+On CPU every query row (decode and prefill alike) goes through the C kernel
+(``kvserve/csrc/paged_attention.c``), which reads the storage dtype in place; what follows is
+its pure-torch twin, used where the kernel does not build.
+
 Decode sequences (one query token) are batched: their blocks are gathered into a preallocated
 workspace, converted to fp32 in the layout the matmuls want, and attended with GQA folded into
 the matmul (the G query heads of a KV head form the M dimension):
@@ -21,8 +25,8 @@ import torch.nn.functional as F
 from kvserve.attention.metadata import (
     AttentionMetadata,
     plan_decode_chunks,
-    plan_decode_tables,
     plan_prefills,
+    plan_rows,
 )
 from kvserve.cache.kv_cache import PagedKVCache
 from kvserve.quant import fp8
@@ -58,8 +62,8 @@ class TorchAttentionBackend:
             if kv_cache.is_fp8 else None
         )
         self.factor = fp8.HALF_BITS_FACTOR.get(kv_cache.dtype, 1.0)
-        # Decode through the C kernel when it builds (kvserve/csrc); this class's pure-torch
-        # decode path is its twin and the fallback.
+        # Every row through the C kernel when it builds (kvserve/csrc); this class's pure-torch
+        # decode / prefill paths are its twin and the fallback.
         from kvserve.attention import cpu_kernel
 
         self.use_kernel = (
@@ -72,18 +76,13 @@ class TorchAttentionBackend:
         if plan is not None:
             return plan
         bs, null = self.kv.block_size, self.kv.null_block
-        decode = [b for b, q in enumerate(meta.query_lens) if q == 1]
-        kernel, chunks = None, []
-        if self.use_kernel and decode:  # the kernel needs no workspace, padding or sorting
-            tok, tables, lens = plan_decode_tables(meta, decode, bs, null)
-            # all-decode step: queries are tokens 0..n-1 in order, no gather / scatter needed
-            identity = len(decode) == meta.num_tokens
-            kernel = (None if identity else tok, tables, lens)
-        elif decode:
+        if self.use_kernel:  # every row, in step order: no workspace, padding or gather
+            plan = {"kernel": plan_rows(meta, bs, null), "decode": [], "prefill": []}
+        else:
+            decode = [b for b, q in enumerate(meta.query_lens) if q == 1]
             chunks = [(c.tok, c.block_ids, c.max_blocks, c.pad[:, None, None, :])
                       for c in plan_decode_chunks(meta, decode, bs, null, self.ws_tokens)]
-        pre = plan_prefills(meta, bs)
-        plan = {"decode": chunks, "prefill": pre, "kernel": kernel}
+            plan = {"decode": chunks, "prefill": plan_prefills(meta, bs), "kernel": None}
         meta.cache["torch"] = plan
         return plan
 
@@ -98,17 +97,11 @@ class TorchAttentionBackend:
         if plan["kernel"] is not None:
             from kvserve.attention import cpu_kernel
 
-            tok, tables, lens = plan["kernel"]
+            row_seq, tables, lens = plan["kernel"]
             scales = self.kv.scales[layer] if self.kv.is_fp8 else None
-            if tok is None:  # every token is a decode query, in sequence order
-                cpu_kernel.paged_decode(self.kv.data[layer], scales, q.float().contiguous(),
-                                        tables, lens, self.scale, out)
-            else:
-                res = torch.empty((tok.numel(), *q.shape[1:]), dtype=torch.float32)
-                cpu_kernel.paged_decode(self.kv.data[layer], scales,
-                                        q[tok].float().contiguous(), tables, lens, self.scale,
-                                        res)
-                out[tok] = res
+            return cpu_kernel.paged_attention(self.kv.data[layer], scales,
+                                              q.float().contiguous(), tables, row_seq, lens,
+                                              self.scale, out)
         for tok, ids, mb, mask in plan["decode"]:
             out[tok] = self._decode(layer, q[tok], ids, mb, mask)
         for start, qlen, slen, ids in plan["prefill"]:

@@ -1,13 +1,20 @@
 /*
- * CPU paged decode attention reading BF16/FP16/FP32 or FP8 (E4M3/E5M2) KV directly.
+ * CPU paged attention reading BF16/FP16/FP32 or FP8 (E4M3/E5M2) KV directly.
  *
- * Pure-torch twin: kvserve/attention/torch_backend.py (TorchAttentionBackend._decode); the
- * test tests/attention/test_cpu_kernel.py sweeps shapes and dtypes against it.
+ * One query row attends tokens [0, len) of its sequence's paged K/V. Decode rows are a
+ * sequence's single new token; a prefill/extend row at position p is the same thing with
+ * len = p + 1 (causal), so one kernel serves both and a row's result does not depend on how
+ * its sequence was chunked or batched.
+ *
+ * Pure-torch twin: kvserve/attention/torch_backend.py (TorchAttentionBackend._decode /
+ * _prefill); tests/attention/test_cpu_kernel.py sweeps shapes and dtypes against it.
  *
  * Layout (see kvserve/cache/kv_cache.py):
  *   kv      [num_blocks+1, 2, bs, H, D]   (one layer; component 0 = K, 1 = V)
  *   scales  [num_blocks+1, 2, bs, H]      bf16 (FP8 only)
- *   q       [n, H*G, D] fp32,  out [n, H*G, D] fp32,  block_tables [n, max_blocks] int64
+ *   q       [n, H*G, D] fp32,  out [n, H*G, D] fp32
+ *   block_tables [S, max_blocks] int64;  row_seq [n] int64 (row -> table row; NULL: row i
+ *   uses table i);  lens [n] int64 tokens each row attends
  *
  * FP8 and 16-bit values are widened to fp32 with integer ops only: the payload bits are
  * placed in an fp32 word so that the fp32 value equals the true value times 2^-bias_delta
@@ -19,13 +26,26 @@
  *   bf16                    -> fp32 bits h<<16                     exact
  *
  * For K the scale multiplies the score (q . k), for V the probability, never the D-wide row.
- * Parallel over (sequence, kv head) with OpenMP; two passes per pair (scores, then P.V).
+ * Parallel over (row, kv head) jobs with OpenMP. Two implementations of one job:
+ *
+ *   job_avx2    (AVX2+FMA, D % 8 == 0): one pass per block with an online softmax.
+ *               Per block of bs tokens:
+ *                 K tile [bs, D] widened into L1  ->  scores [G, bs]: 8 tokens at a time,
+ *                 8 accumulators over D, one transposing reduction (no per-dot hsum)
+ *                 m' = max(m, scores); acc *= exp(m - m'); p = exp(scores - m') (vector exp)
+ *                 V tile [bs, D] widened  ->  acc[G, D] += p * vscale * V   (acc in registers,
+ *                 64 floats at a time)
+ *   job_scalar  portable C, two passes (scores, then P.V); any D.
  */
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
 #include <omp.h>
+#if defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+#define KVS_AVX2 1
+#endif
 
 enum { DT_F32 = 0, DT_BF16 = 1, DT_F16 = 2, DT_E4M3 = 3, DT_E5M2 = 4 };
 
@@ -72,82 +92,366 @@ static int elem_size(int dtype) {
     return dtype == DT_F32 ? 4 : (dtype == DT_BF16 || dtype == DT_F16) ? 2 : 1;
 }
 
-void kvs_paged_decode(const void *kv, const uint16_t *scales, int dtype, const float *q,
-                      const int64_t *block_tables, const int64_t *seq_lens, int n,
-                      int max_blocks, int bs, int H, int G, int D, float sm_scale,
-                      int num_threads, float *out) {
-    const int es = elem_size(dtype);
-    const float factor = dtype_factor(dtype);
-    const size_t row_bytes = (size_t)D * es;
-    const size_t comp_bytes = (size_t)bs * H * row_bytes;  /* one component of one block */
-    const size_t block_bytes = 2 * comp_bytes;
-    const size_t comp_scales = (size_t)bs * H;
-    int max_len = max_blocks * bs;
-#pragma omp parallel num_threads(num_threads)
-    {
-        float *scores = (float *)malloc(sizeof(float) * (size_t)max_len * G);
-        float *row = (float *)aligned_alloc(64, sizeof(float) * (size_t)((D + 15) / 16 * 16));
-        float *acc = (float *)malloc(sizeof(float) * (size_t)G * D);
-#pragma omp for schedule(dynamic, 1)
-        for (int64_t job = 0; job < (int64_t)n * H; job++) {
-            int s = (int)(job / H), h = (int)(job % H);
-            int len = (int)seq_lens[s];
-            const int64_t *table = block_tables + (int64_t)s * max_blocks;
-            const float *qs = q + ((int64_t)s * H * G + (int64_t)h * G) * D;
-            float mx[64];
-            for (int g = 0; g < G; g++) mx[g] = -INFINITY;
-            /* pass 1: scores */
-            for (int t = 0; t < len; t++) {
-                int64_t blk = table[t / bs];
-                int off = t % bs;
-                const uint8_t *base = (const uint8_t *)kv + blk * block_bytes;
-                widen(base + ((size_t)off * H + h) * row_bytes, dtype, D, row);
-                float ks = sm_scale * factor;
-                if (scales) ks *= bf16_to_f32(scales[blk * 2 * comp_scales + (size_t)off * H + h]);
-                for (int g = 0; g < G; g++) {
-                    const float *qg = qs + (int64_t)g * D;
-                    float dot = 0.f;
-                    for (int d = 0; d < D; d++) dot += qg[d] * row[d];
-                    dot *= ks;
-                    scores[(size_t)t * G + g] = dot;
-                    if (dot > mx[g]) mx[g] = dot;
-                }
+/* Everything a job needs that is the same for every job of the call. */
+typedef struct {
+    const uint8_t *kv;
+    const uint16_t *scales; /* NULL unless FP8 */
+    int dtype, bs, H, G, D;
+    float sm_scale, factor;
+    size_t row_bytes, comp_bytes, block_bytes, comp_scales;
+} Geo;
+
+/* Per-thread scratch, sized for the call (bs8 = bs rounded up to 8). */
+typedef struct {
+    float *kw, *vw;   /* [bs8, D] widened K / V tile */
+    float *s;         /* [G, bs8] scores -> probabilities (scalar path: [G, max_len]) */
+    float *acc;       /* [R*G, D] */
+    float *ks, *vs;   /* [bs8] per-token K / V factors */
+    float *mx, *sum;  /* [R*G] running max / denominator */
+} Scratch;
+
+/* ---- portable job: two passes ------------------------------------------------------------ */
+static void job_scalar(const Geo *g, const float *qs, const int64_t *table, int len, int h,
+                       float *os, Scratch *w) {
+    const int G = g->G, D = g->D, bs = g->bs, H = g->H;
+    float *scores = w->s, *row = w->kw, *acc = w->acc, *mx = w->mx, *sum = w->sum;
+    for (int j = 0; j < G; j++) mx[j] = -INFINITY;
+    for (int t = 0; t < len; t++) {
+        int64_t blk = table[t / bs];
+        int off = t % bs;
+        const uint8_t *base = g->kv + blk * g->block_bytes;
+        widen(base + ((size_t)off * H + h) * g->row_bytes, g->dtype, D, row);
+        float ks = g->sm_scale * g->factor;
+        if (g->scales)
+            ks *= bf16_to_f32(g->scales[blk * 2 * g->comp_scales + (size_t)off * H + h]);
+        for (int j = 0; j < G; j++) {
+            const float *qg = qs + (int64_t)j * D;
+            float dot = 0.f;
+            for (int d = 0; d < D; d++) dot += qg[d] * row[d];
+            dot *= ks;
+            scores[(size_t)t * G + j] = dot;
+            if (dot > mx[j]) mx[j] = dot;
+        }
+    }
+    for (int j = 0; j < G; j++) sum[j] = 0.f;
+    for (int t = 0; t < len; t++)
+        for (int j = 0; j < G; j++) {
+            float e = expf(scores[(size_t)t * G + j] - mx[j]);
+            scores[(size_t)t * G + j] = e;
+            sum[j] += e;
+        }
+    memset(acc, 0, sizeof(float) * (size_t)G * D);
+    for (int t = 0; t < len; t++) {
+        int64_t blk = table[t / bs];
+        int off = t % bs;
+        const uint8_t *base = g->kv + blk * g->block_bytes + g->comp_bytes;
+        widen(base + ((size_t)off * H + h) * g->row_bytes, g->dtype, D, row);
+        float vs = g->factor;
+        if (g->scales)
+            vs *= bf16_to_f32(g->scales[blk * 2 * g->comp_scales + g->comp_scales +
+                                        (size_t)off * H + h]);
+        for (int j = 0; j < G; j++) {
+            float p = scores[(size_t)t * G + j] * vs;
+            float *ag = acc + (size_t)j * D;
+            for (int d = 0; d < D; d++) ag[d] += p * row[d];
+        }
+    }
+    for (int j = 0; j < G; j++) {
+        float inv = 1.0f / sum[j];
+        for (int d = 0; d < D; d++) os[(size_t)j * D + d] = acc[(size_t)j * D + d] * inv;
+    }
+}
+
+#ifdef KVS_AVX2
+/* ---- AVX2 job: one pass, online softmax ---------------------------------------------------- */
+
+/* 8 payload elements -> 8 fp32 raw values (same bit placement as widen()). */
+static inline __attribute__((always_inline)) __m256 widen8(const uint8_t *src, const int dtype) {
+    if (dtype == DT_F32) return _mm256_loadu_ps((const float *)src);
+    if (dtype == DT_BF16 || dtype == DT_F16) {
+        __m256i x = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)src));
+        if (dtype == DT_BF16) return _mm256_castsi256_ps(_mm256_slli_epi32(x, 16));
+        __m256i sign = _mm256_slli_epi32(_mm256_and_si256(x, _mm256_set1_epi32(0x8000)), 16);
+        __m256i mag = _mm256_slli_epi32(_mm256_and_si256(x, _mm256_set1_epi32(0x7FFF)), 13);
+        return _mm256_castsi256_ps(_mm256_or_si256(sign, mag));
+    }
+    __m256i x = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)src));
+    __m256i sign = _mm256_slli_epi32(_mm256_and_si256(x, _mm256_set1_epi32(0x80)), 24);
+    __m256i mag = _mm256_and_si256(x, _mm256_set1_epi32(0x7F));
+    mag = dtype == DT_E4M3 ? _mm256_slli_epi32(mag, 20) : _mm256_slli_epi32(mag, 21);
+    return _mm256_castsi256_ps(_mm256_or_si256(sign, mag));
+}
+
+/* exp(x) for x <= 0 (x >= -87.3 kept, below -> 0): Cephes-style degree-6 polynomial on
+ * x - n ln2, |rel err| < 2e-7. */
+static inline __m256 exp8(__m256 x) {
+    const __m256 lo = _mm256_set1_ps(-87.3f);
+    __m256 under = _mm256_cmp_ps(x, lo, _CMP_LT_OQ);
+    x = _mm256_max_ps(x, lo);
+    __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                               _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+    __m256 p = _mm256_set1_ps(1.9875691500e-4f);
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
+    __m256 r2 = _mm256_mul_ps(r, r);
+    p = _mm256_fmadd_ps(p, r2, _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
+    __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n),
+                                                   _mm256_set1_epi32(127)), 23);
+    p = _mm256_mul_ps(p, _mm256_castsi256_ps(e));
+    return _mm256_andnot_ps(under, p);
+}
+
+/* [sum(v0), ..., sum(v7)] */
+static inline __m256 hsum8x8(const __m256 *v) {
+    __m256 t0 = _mm256_hadd_ps(v[0], v[1]), t1 = _mm256_hadd_ps(v[2], v[3]);
+    __m256 t2 = _mm256_hadd_ps(v[4], v[5]), t3 = _mm256_hadd_ps(v[6], v[7]);
+    t0 = _mm256_hadd_ps(t0, t1);
+    t2 = _mm256_hadd_ps(t2, t3);
+    return _mm256_add_ps(_mm256_permute2f128_ps(t0, t2, 0x20),
+                         _mm256_permute2f128_ps(t0, t2, 0x31));
+}
+
+/* Widen nt rows of one component (token stride H rows) into dst [bs8, D]; rows nt..bs8-1
+ * are zeroed (their scores are computed and then ignored). */
+static inline __attribute__((always_inline)) void widen_tile(
+    const uint8_t *src, size_t stride, int nt, int bs8, int D, const int dtype, int es,
+    float *restrict dst) {
+    for (int i = 0; i < nt; i++) {
+        const uint8_t *r = src + (size_t)i * stride;
+        float *o = dst + (size_t)i * D;
+        for (int c = 0; c < D; c += 8) _mm256_storeu_ps(o + c, widen8(r + (size_t)c * es, dtype));
+    }
+    if (nt < bs8) memset(dst + (size_t)nt * D, 0, sizeof(float) * (size_t)(bs8 - nt) * D);
+}
+
+/* R consecutive query rows of one sequence (row r attends lens[r] tokens; lens ascending by
+ * one for a prefill tile, R = 1 for decode) x G query heads of kv head h: the K/V tiles are
+ * widened once per block for all R*G queries. Query x = r*G + j. */
+static inline __attribute__((always_inline)) void job_avx2(
+    const Geo *g, const int dtype, const float *q0, size_t qstride, int R, const int64_t *lens,
+    const int64_t *table, int h, float *o0, Scratch *w) {
+    const int G = g->G, D = g->D, bs = g->bs, H = g->H, es = elem_size(dtype);
+    const int bs8 = (bs + 7) & ~7, X = R * G;
+    const size_t stride = (size_t)H * g->row_bytes;
+    float *mx = w->mx, *sum = w->sum;
+    for (int x = 0; x < X; x++) { mx[x] = -INFINITY; sum[x] = 0.f; }
+    memset(w->acc, 0, sizeof(float) * (size_t)X * D);
+    int len = 0;
+    for (int r = 0; r < R; r++) len = lens[r] > len ? (int)lens[r] : len;
+    const int nblk = (len + bs - 1) / bs;
+    for (int b = 0; b < nblk; b++) {
+        const int64_t blk = table[b];
+        const int nt = len - b * bs < bs ? len - b * bs : bs;
+        const uint8_t *kbase = g->kv + blk * g->block_bytes + (size_t)h * g->row_bytes;
+        widen_tile(kbase, stride, nt, bs8, D, dtype, es, w->kw);
+        widen_tile(kbase + g->comp_bytes, stride, nt, bs8, D, dtype, es, w->vw);
+        for (int i = 0; i < nt; i++) {
+            float ks = g->sm_scale * g->factor, vs = g->factor;
+            if (g->scales) {
+                const uint16_t *sc = g->scales + blk * 2 * g->comp_scales + (size_t)i * H + h;
+                ks *= bf16_to_f32(sc[0]);
+                vs *= bf16_to_f32(sc[g->comp_scales]);
             }
-            float sum[64];
-            for (int g = 0; g < G; g++) sum[g] = 0.f;
-            for (int t = 0; t < len; t++)
-                for (int g = 0; g < G; g++) {
-                    float e = expf(scores[(size_t)t * G + g] - mx[g]);
-                    scores[(size_t)t * G + g] = e;
-                    sum[g] += e;
+            w->ks[i] = ks;
+            w->vs[i] = vs;
+        }
+        for (int x = 0; x < X; x++) {
+            const int r = x / G, j = x % G;
+            /* tokens of this block the row may see (causal): [0, ntr) */
+            const int ntr = (int)lens[r] - b * bs < nt ? (int)lens[r] - b * bs : nt;
+            if (ntr <= 0) continue;
+            const float *qg = q0 + (size_t)r * qstride + (size_t)j * D;
+            float *sj = w->s + (size_t)x * bs8;
+            /* scores: 8 tokens at a time */
+            for (int i0 = 0; i0 < ntr; i0 += 8) {
+                __m256 a[8];
+                for (int u = 0; u < 8; u++) a[u] = _mm256_setzero_ps();
+                const float *kt = w->kw + (size_t)i0 * D;
+                for (int c = 0; c < D; c += 8) {
+                    __m256 qv = _mm256_loadu_ps(qg + c);
+                    for (int u = 0; u < 8; u++)
+                        a[u] = _mm256_fmadd_ps(qv, _mm256_loadu_ps(kt + (size_t)u * D + c), a[u]);
                 }
-            memset(acc, 0, sizeof(float) * (size_t)G * D);
-            /* pass 2: P.V */
-            for (int t = 0; t < len; t++) {
-                int64_t blk = table[t / bs];
-                int off = t % bs;
-                const uint8_t *base = (const uint8_t *)kv + blk * block_bytes + comp_bytes;
-                widen(base + ((size_t)off * H + h) * row_bytes, dtype, D, row);
-                float vs = factor;
-                if (scales)
-                    vs *= bf16_to_f32(scales[blk * 2 * comp_scales + comp_scales +
-                                             (size_t)off * H + h]);
-                for (int g = 0; g < G; g++) {
-                    float p = scores[(size_t)t * G + g] * vs;
-                    float *ag = acc + (size_t)g * D;
-                    for (int d = 0; d < D; d++) ag[d] += p * row[d];
-                }
+                _mm256_storeu_ps(sj + i0, hsum8x8(a));
             }
-            float *os = out + ((int64_t)s * H * G + (int64_t)h * G) * D;
-            for (int g = 0; g < G; g++) {
-                float inv = 1.0f / sum[g];
-                for (int d = 0; d < D; d++) os[(size_t)g * D + d] = acc[(size_t)g * D + d] * inv;
+            float m = mx[x];
+            for (int i = 0; i < ntr; i++) {
+                sj[i] *= w->ks[i];
+                if (sj[i] > m) m = sj[i];
+            }
+            /* online softmax: rescale what was accumulated under the old max */
+            float *ax = w->acc + (size_t)x * D;
+            if (m > mx[x]) {
+                if (mx[x] != -INFINITY) {
+                    float corr = expf(mx[x] - m);
+                    sum[x] *= corr;
+                    __m256 cv = _mm256_set1_ps(corr);
+                    for (int c = 0; c < D; c += 8)
+                        _mm256_storeu_ps(ax + c, _mm256_mul_ps(_mm256_loadu_ps(ax + c), cv));
+                }
+                mx[x] = m;
+            }
+            const __m256 mv = _mm256_set1_ps(m);
+            int i = 0;
+            __m256 sacc = _mm256_setzero_ps();
+            for (; i + 8 <= ntr; i += 8) {
+                __m256 p = exp8(_mm256_sub_ps(_mm256_loadu_ps(sj + i), mv));
+                sacc = _mm256_add_ps(sacc, p);
+                _mm256_storeu_ps(sj + i, _mm256_mul_ps(p, _mm256_loadu_ps(w->vs + i)));
+            }
+            float tail[8];
+            _mm256_storeu_ps(tail, sacc);
+            float ssum = tail[0] + tail[1] + tail[2] + tail[3] + tail[4] + tail[5] + tail[6] +
+                         tail[7];
+            for (; i < ntr; i++) {
+                float p = expf(sj[i] - m);
+                ssum += p;
+                sj[i] = p * w->vs[i];
+            }
+            sum[x] += ssum;
+            /* acc[x] += sum_i p_i * V_i, 64 floats of acc in registers at a time */
+            int c0 = 0;
+            for (; c0 + 64 <= D; c0 += 64) {
+                __m256 a[8];
+                for (int u = 0; u < 8; u++) a[u] = _mm256_loadu_ps(ax + c0 + 8 * u);
+                for (int t = 0; t < ntr; t++) {
+                    __m256 pb = _mm256_broadcast_ss(sj + t);
+                    const float *vr = w->vw + (size_t)t * D + c0;
+                    for (int u = 0; u < 8; u++)
+                        a[u] = _mm256_fmadd_ps(pb, _mm256_loadu_ps(vr + 8 * u), a[u]);
+                }
+                for (int u = 0; u < 8; u++) _mm256_storeu_ps(ax + c0 + 8 * u, a[u]);
+            }
+            for (; c0 < D; c0 += 8) {
+                __m256 a = _mm256_loadu_ps(ax + c0);
+                for (int t = 0; t < ntr; t++)
+                    a = _mm256_fmadd_ps(_mm256_broadcast_ss(sj + t),
+                                        _mm256_loadu_ps(w->vw + (size_t)t * D + c0), a);
+                _mm256_storeu_ps(ax + c0, a);
             }
         }
-        free(scores);
-        free(row);
-        free(acc);
     }
+    for (int x = 0; x < X; x++) {
+        const __m256 inv = _mm256_set1_ps(1.0f / sum[x]);
+        float *os = o0 + (size_t)(x / G) * qstride + (size_t)(x % G) * D;
+        for (int c = 0; c < D; c += 8)
+            _mm256_storeu_ps(os + c,
+                             _mm256_mul_ps(_mm256_loadu_ps(w->acc + (size_t)x * D + c), inv));
+    }
+}
+
+/* One specialized copy per dtype (the dtype branches fold away). */
+#define KVS_JOB(NAME, DT)                                                                      \
+    static void NAME(const Geo *g, const float *q0, size_t qs, int R, const int64_t *lens,     \
+                     const int64_t *t, int h, float *o0, Scratch *w) {                          \
+        job_avx2(g, DT, q0, qs, R, lens, t, h, o0, w);                                         \
+    }
+KVS_JOB(job_f32, DT_F32)
+KVS_JOB(job_bf16, DT_BF16)
+KVS_JOB(job_f16, DT_F16)
+KVS_JOB(job_e4m3, DT_E4M3)
+KVS_JOB(job_e5m2, DT_E5M2)
+#endif
+
+typedef void (*JobFn)(const Geo *, const float *, size_t, int, const int64_t *,
+                      const int64_t *, int, float *, Scratch *);
+
+/* The portable job, one row at a time. */
+static void job_rows_scalar(const Geo *g, const float *q0, size_t qs, int R, const int64_t *lens,
+                            const int64_t *t, int h, float *o0, Scratch *w) {
+    for (int r = 0; r < R; r++)
+        job_scalar(g, q0 + (size_t)r * qs, t, (int)lens[r], h, o0 + (size_t)r * qs, w);
+}
+
+/* 1 if this build has the vectorized job (for tests and benchmarks). */
+int kvs_attention_simd(void) {
+#ifdef KVS_AVX2
+    return 1;
+#else
+    return 0;
+#endif
+}
+
+/* Query rows per job for prefill/extend tiles (consecutive rows of one sequence). */
+#define ROW_TILE 16
+
+void kvs_paged_attention(const void *kv, const uint16_t *scales, int dtype, const float *q,
+                         const int64_t *block_tables, const int64_t *row_seq,
+                         const int64_t *lens, int n, int max_blocks, int bs, int H, int G,
+                         int D, float sm_scale, int num_threads, int force_scalar, float *out) {
+    Geo g;
+    g.kv = (const uint8_t *)kv;
+    g.scales = scales;
+    g.dtype = dtype;
+    g.bs = bs;
+    g.H = H;
+    g.G = G;
+    g.D = D;
+    g.sm_scale = sm_scale;
+    g.factor = dtype_factor(dtype);
+    g.row_bytes = (size_t)D * elem_size(dtype);
+    g.comp_bytes = (size_t)bs * H * g.row_bytes;
+    g.block_bytes = 2 * g.comp_bytes;
+    g.comp_scales = (size_t)bs * H;
+    JobFn fn = job_rows_scalar;
+#ifdef KVS_AVX2
+    if (!force_scalar && D % 8 == 0) {
+        static const JobFn fns[] = {job_f32, job_bf16, job_f16, job_e4m3, job_e5m2};
+        fn = fns[dtype];
+    }
+#endif
+    /* tiles: runs of consecutive rows of one sequence whose lens step by one, <= ROW_TILE */
+    int *tile_start = (int *)malloc(sizeof(int) * (size_t)(n + 1));
+    int ntiles = 0, max_len = 0;
+    for (int i = 0; i < n; i++) {
+        max_len = lens[i] > max_len ? (int)lens[i] : max_len;
+        int same = i > 0 && fn != job_rows_scalar && row_seq && row_seq[i] == row_seq[i - 1] &&
+                   lens[i] == lens[i - 1] + 1 && i - tile_start[ntiles - 1] < ROW_TILE;
+        if (!same) tile_start[ntiles++] = i;
+    }
+    tile_start[ntiles] = n;
+    int max_rows = 1;
+    for (int t = 0; t < ntiles; t++)
+        if (tile_start[t + 1] - tile_start[t] > max_rows) max_rows = tile_start[t + 1] - tile_start[t];
+    const int bs8 = (bs + 7) & ~7, X = max_rows * G;
+    const size_t s_len = fn == job_rows_scalar ? (size_t)max_len * G : (size_t)X * bs8;
+    const size_t qstride = (size_t)H * G * D;
+    if (num_threads > ntiles * H) num_threads = ntiles * H > 0 ? ntiles * H : 1;
+#pragma omp parallel num_threads(num_threads)
+    {
+        Scratch w;
+        w.kw = (float *)malloc(sizeof(float) * (size_t)(bs8 > 1 ? bs8 : 1) * D);
+        w.vw = (float *)malloc(sizeof(float) * (size_t)bs8 * D);
+        w.s = (float *)malloc(sizeof(float) * (s_len > 0 ? s_len : 1));
+        w.acc = (float *)malloc(sizeof(float) * (size_t)X * D);
+        w.ks = (float *)malloc(sizeof(float) * (size_t)bs8);
+        w.vs = (float *)malloc(sizeof(float) * (size_t)bs8);
+        w.mx = (float *)malloc(sizeof(float) * (size_t)X);
+        w.sum = (float *)malloc(sizeof(float) * (size_t)X);
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t job = 0; job < (int64_t)ntiles * H; job++) {
+            int t = (int)(job / H), h = (int)(job % H);
+            int r0 = tile_start[t], R = tile_start[t + 1] - r0;
+            int64_t seq = row_seq ? row_seq[r0] : r0;
+            size_t off = (size_t)r0 * qstride + (size_t)h * G * D;
+            fn(&g, q + off, qstride, R, lens + r0, block_tables + seq * max_blocks, h, out + off,
+               &w);
+        }
+        free(w.kw);
+        free(w.vw);
+        free(w.s);
+        free(w.acc);
+        free(w.ks);
+        free(w.vs);
+        free(w.mx);
+        free(w.sum);
+    }
+    free(tile_start);
 }
 
 /* ---- FP8 quantize-on-write ------------------------------------------------------------

@@ -13,30 +13,41 @@ from kvserve.cache.kv_cache import PagedKVCache
 pytestmark = pytest.mark.skipif(cpu_kernel.load() is None, reason="no C compiler")
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16,
-                                   torch.float8_e4m3fn, torch.float8_e5m2])
-@pytest.mark.parametrize(("hq", "hk", "d", "bs"),
-                         [(4, 4, 16, 4), (8, 2, 64, 16), (6, 1, 128, 8), (16, 2, 72, 16)])
-def test_kernel_matches_twin(dtype, hq, hk, d, bs):
-    torch.manual_seed(1)
-    nb = 40
+ALL_DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float8_e4m3fn,
+              torch.float8_e5m2]
+SHAPES = [(4, 4, 16, 4), (8, 2, 64, 16), (6, 1, 128, 8), (16, 2, 72, 16), (4, 2, 20, 16)]
+
+
+def _filled_cache(dtype, hk, d, bs, nb=40):
+    """A one-layer cache with every block written (values over 1e-2..1e2, so FP8 dynamic
+    scales span a wide range) and a random block order."""
     kv = PagedKVCache(1, nb, bs, hk, d, 2, dtype)
-    lens = [1, bs, bs + 3, 5 * bs - 1, 97]
-    perm = torch.randperm(nb).tolist()
-    tables, used = [], 0
-    for n in lens:
-        k = -(-n // bs)
-        tables.append(perm[used:used + k])
-        used += k
-    # Fill every block with data (scaled to test FP8 dynamic scales over a wide range).
     rows = torch.arange(nb * 2 * bs).view(nb, 2, bs)[:, 0].reshape(-1)
     x = torch.randn(rows.numel(), hk, d) * torch.logspace(-2, 2, rows.numel()).view(-1, 1, 1)
     kv.write(0, rows, x, torch.randn_like(x))
-    meta = AttentionMetadata(num_tokens=len(lens), query_start_loc=list(range(len(lens) + 1)),
-                             query_lens=[1] * len(lens), seq_lens=lens, block_tables=tables,
+    return kv, torch.randperm(nb).tolist()
+
+
+def _meta(seq_lens, query_lens, perm, bs):
+    tables, used = [], 0
+    for n in seq_lens:
+        k = -(-n // bs)
+        tables.append(perm[used:used + k])
+        used += k
+    qsl = [0]
+    for q in query_lens:
+        qsl.append(qsl[-1] + q)
+    return AttentionMetadata(num_tokens=qsl[-1], query_start_loc=qsl, query_lens=query_lens,
+                             seq_lens=seq_lens, block_tables=tables,
                              write_rows=torch.empty(0, dtype=torch.int64),
                              slot_mapping=torch.empty(0, dtype=torch.int64))
-    q = torch.randn(len(lens), hq, d)
+
+
+def _kernel_vs_twin(dtype, hq, hk, d, bs, seq_lens, query_lens):
+    torch.manual_seed(1)
+    kv, perm = _filled_cache(dtype, hk, d, bs)
+    meta = _meta(seq_lens, query_lens, perm, bs)
+    q = torch.randn(meta.num_tokens, hq, d)
     fast = TorchAttentionBackend(kv, hq, hk, d, d**-0.5, 1024)
     twin = TorchAttentionBackend(kv, hq, hk, d, d**-0.5, 1024)
     twin.use_kernel = False
@@ -45,8 +56,49 @@ def test_kernel_matches_twin(dtype, hq, hk, d, bs):
     a = fast.forward(0, q, empty, empty, meta)
     meta.cache.clear()
     b = twin.forward(0, q, empty, empty, meta)
-    # fp32 reassociation (vectorized dots) on scores up to ~1e3: relative 1e-3 is the bound
+    # fp32 reassociation (vectorized dots, online softmax) on scores up to ~1e3: relative 1e-3
     torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-3)
+    # the portable job (the kernel's own fallback) agrees too
+    meta.cache.clear()
+    row_seq, tables, lens = fast._plan(meta)["kernel"]
+    c = cpu_kernel.paged_attention(kv.data[0], kv.scales[0] if kv.is_fp8 else None,
+                                   q.float().contiguous(), tables, row_seq, lens, d**-0.5,
+                                   torch.empty_like(a), force_scalar=True)
+    torch.testing.assert_close(c, b, atol=1e-4, rtol=1e-3)
+    return a
+
+
+@pytest.mark.parametrize("dtype", ALL_DTYPES)
+@pytest.mark.parametrize(("hq", "hk", "d", "bs"), SHAPES)
+def test_kernel_matches_twin_decode(dtype, hq, hk, d, bs):
+    lens = [1, bs, bs + 3, 5 * bs - 1, 97]
+    _kernel_vs_twin(dtype, hq, hk, d, bs, lens, [1] * len(lens))
+
+
+@pytest.mark.parametrize("dtype", ALL_DTYPES)
+@pytest.mark.parametrize(("hq", "hk", "d", "bs"), SHAPES)
+def test_kernel_matches_twin_mixed_step(dtype, hq, hk, d, bs):
+    """Prefill from scratch (37 rows: several 16-row tiles), an extend over a cached prefix
+    (q 20 of 61), decodes, and a one-token prompt, in one step."""
+    _kernel_vs_twin(dtype, hq, hk, d, bs, [37, 5, 61, 1, bs + 1], [37, 1, 20, 1, 1])
+
+
+def test_row_results_do_not_depend_on_tiling():
+    """A prefill row's output is the same whether it is computed in a 16-row tile, as part of
+    a different chunk, or alone as a decode row (chunked == unchunked, exactly)."""
+    if not cpu_kernel.simd():
+        pytest.skip("portable build: rows are never tiled")
+    torch.manual_seed(3)
+    kv, perm = _filled_cache(torch.float8_e4m3fn, 2, 64, 16)
+    meta = _meta([50], [50], perm, 16)
+    q = torch.randn(50, 4, 64)
+    be = TorchAttentionBackend(kv, 4, 2, 64, 0.125, 1024)
+    empty = torch.empty(0, 2, 64)
+    whole = be.forward(0, q, empty, empty, meta)
+    for start, stop in [(0, 7), (7, 30), (30, 49), (49, 50)]:
+        m = _meta([stop], [stop - start], perm, 16)
+        part = be.forward(0, q[start:stop].contiguous(), empty, empty, m)
+        assert torch.equal(part, whole[start:stop])
 
 
 @pytest.mark.parametrize("dtype", [torch.float8_e4m3fn, torch.float8_e5m2])

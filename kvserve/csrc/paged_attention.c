@@ -42,7 +42,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <omp.h>
-#if defined(__AVX2__) && defined(__FMA__)
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 #include <immintrin.h>
 #define KVS_AVX2 1
 #endif
@@ -165,7 +165,11 @@ static void job_scalar(const Geo *g, const float *qs, const int64_t *table, int 
 #ifdef KVS_AVX2
 /* ---- AVX2 job: one pass, online softmax ---------------------------------------------------- */
 
-/* 8 payload elements -> 8 fp32 raw values (same bit placement as widen()). */
+/* 8 payload elements -> 8 fp32 raw values; true value = raw * simd_factor(dtype).
+ * 16-bit payloads use the same bit placement as widen(); FP8 goes through fp16 bits and the
+ * F16C convert (see kvserve/quant/fp8.py):
+ *   e4m3  sign-extend to int16, << 7, clear bit 14  -> fp16 bits of value * 2^-8
+ *   e5m2  << 8                                      -> fp16 bits of value (its top byte) */
 static inline __attribute__((always_inline)) __m256 widen8(const uint8_t *src, const int dtype) {
     if (dtype == DT_F32) return _mm256_loadu_ps((const float *)src);
     if (dtype == DT_BF16 || dtype == DT_F16) {
@@ -175,11 +179,16 @@ static inline __attribute__((always_inline)) __m256 widen8(const uint8_t *src, c
         __m256i mag = _mm256_slli_epi32(_mm256_and_si256(x, _mm256_set1_epi32(0x7FFF)), 13);
         return _mm256_castsi256_ps(_mm256_or_si256(sign, mag));
     }
-    __m256i x = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)src));
-    __m256i sign = _mm256_slli_epi32(_mm256_and_si256(x, _mm256_set1_epi32(0x80)), 24);
-    __m256i mag = _mm256_and_si256(x, _mm256_set1_epi32(0x7F));
-    mag = dtype == DT_E4M3 ? _mm256_slli_epi32(mag, 20) : _mm256_slli_epi32(mag, 21);
-    return _mm256_castsi256_ps(_mm256_or_si256(sign, mag));
+    __m128i b = _mm_loadl_epi64((const __m128i *)src);
+    __m128i h = dtype == DT_E4M3
+        ? _mm_and_si128(_mm_slli_epi16(_mm_cvtepi8_epi16(b), 7), _mm_set1_epi16((short)0xBF80))
+        : _mm_slli_epi16(_mm_cvtepu8_epi16(b), 8);
+    return _mm256_cvtph_ps(h);
+}
+
+/* What widen8's raw values are multiplied by. */
+static inline float simd_factor(int dtype) {
+    return dtype == DT_E4M3 ? 256.0f : dtype == DT_F16 ? ldexpf(1.0f, 112) : 1.0f;
 }
 
 /* exp(x) for x <= 0 (x >= -87.3 kept, below -> 0): Cephes-style degree-6 polynomial on
@@ -229,6 +238,17 @@ static inline __attribute__((always_inline)) void widen_tile(
     if (nt < bs8) memset(dst + (size_t)nt * D, 0, sizeof(float) * (size_t)(bs8 - nt) * D);
 }
 
+/* Ask for the next block's K and V rows of head h while this block is computed: blocks are
+ * scattered, so the hardware prefetcher cannot see them coming. */
+static inline void prefetch_tile(const Geo *g, int64_t blk, int h, size_t stride) {
+    const uint8_t *k = g->kv + blk * g->block_bytes + (size_t)h * g->row_bytes;
+    for (int i = 0; i < g->bs; i++)
+        for (size_t o = 0; o < g->row_bytes; o += 64) {
+            _mm_prefetch((const char *)(k + i * stride + o), _MM_HINT_T0);
+            _mm_prefetch((const char *)(k + g->comp_bytes + i * stride + o), _MM_HINT_T0);
+        }
+}
+
 /* R consecutive query rows of one sequence (row r attends lens[r] tokens; lens ascending by
  * one for a prefill tile, R = 1 for decode) x G query heads of kv head h: the K/V tiles are
  * widened once per block for all R*G queries. Query x = r*G + j. */
@@ -238,6 +258,7 @@ static inline __attribute__((always_inline)) void job_avx2(
     const int G = g->G, D = g->D, bs = g->bs, H = g->H, es = elem_size(dtype);
     const int bs8 = (bs + 7) & ~7, X = R * G;
     const size_t stride = (size_t)H * g->row_bytes;
+    const float factor = simd_factor(dtype);
     float *mx = w->mx, *sum = w->sum;
     for (int x = 0; x < X; x++) { mx[x] = -INFINITY; sum[x] = 0.f; }
     memset(w->acc, 0, sizeof(float) * (size_t)X * D);
@@ -248,10 +269,11 @@ static inline __attribute__((always_inline)) void job_avx2(
         const int64_t blk = table[b];
         const int nt = len - b * bs < bs ? len - b * bs : bs;
         const uint8_t *kbase = g->kv + blk * g->block_bytes + (size_t)h * g->row_bytes;
+        if (b + 1 < nblk) prefetch_tile(g, table[b + 1], h, stride);
         widen_tile(kbase, stride, nt, bs8, D, dtype, es, w->kw);
         widen_tile(kbase + g->comp_bytes, stride, nt, bs8, D, dtype, es, w->vw);
         for (int i = 0; i < nt; i++) {
-            float ks = g->sm_scale * g->factor, vs = g->factor;
+            float ks = g->sm_scale * factor, vs = factor;
             if (g->scales) {
                 const uint16_t *sc = g->scales + blk * 2 * g->comp_scales + (size_t)i * H + h;
                 ks *= bf16_to_f32(sc[0]);

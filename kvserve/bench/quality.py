@@ -19,7 +19,11 @@ Metrics:
   position by position, ``first_divergence_fraction`` = mean over prompts of (index of the first
   differing token) / gen_len (1.0 when identical);
 * KL(baseline || candidate) of next-token distributions teacher-forced on prompt + the
-  baseline's continuation (the ``gen_len`` predicting positions per prompt): mean, p99, max.
+  baseline's continuation (the ``gen_len`` predicting positions per prompt): mean, p99, max;
+* where greedy runs part: ``divergence_margin`` per prompt = the baseline's log-probability
+  gap, at the first differing position, between its own token and the candidate's (nats; 0
+  is an exact tie), beside the distribution of the baseline's top-1 / top-2 gap over all its
+  greedy positions (``baseline_top2_gap``): how close to a tie a flip had to be.
 """
 
 from __future__ import annotations
@@ -225,9 +229,10 @@ def run_quality(qc: QualityConfig) -> dict[str, Any]:
                            "agreement": sum(eq) / n if n else 1.0})
 
     kls: list[torch.Tensor] = []
+    gaps: list[torch.Tensor] = []
     top1 = top1_n = 0
-    for p, b in tqdm(list(zip(prompts, base_out, strict=True)), desc="KL",
-                     disable=not qc.progress, leave=False):
+    for i, (p, b) in enumerate(tqdm(list(zip(prompts, base_out, strict=True)), desc="KL",
+                                    disable=not qc.progress, leave=False)):
         full = p + b
         lo = len(p) - 1
         lb = base_eng.prompt_logits(full)[lo:len(full) - 1]
@@ -235,7 +240,15 @@ def run_quality(qc: QualityConfig) -> dict[str, Any]:
         kls.append(kl_rows(lb, lc))
         top1 += int((lb.argmax(-1) == lc.argmax(-1)).sum())
         top1_n += lb.shape[0]
+        lpb = torch.log_softmax(lb.float(), dim=-1)
+        top2 = lpb.topk(2, dim=-1).values
+        gaps.append(top2[:, 0] - top2[:, 1])
+        first = per_prompt[i]["first_divergence"]
+        per_prompt[i]["divergence_margin"] = (
+            None if first is None else float(lpb[first, b[first]] - lpb[first, cand_out[i][first]]))
     kl = torch.cat(kls).tolist()
+    gap = torch.cat(gaps).tolist()
+    margins = [x["divergence_margin"] for x in per_prompt if x["divergence_margin"] is not None]
 
     def describe(eng: LLMEngine, path: str) -> dict[str, Any]:
         return {"model": path, "model_dtype": dtype_name(eng.model_config.dtype),
@@ -262,6 +275,8 @@ def run_quality(qc: QualityConfig) -> dict[str, Any]:
         "kl_max": max(kl),
         "kl_positions": len(kl),
         "teacher_forced_top1_agreement": top1 / top1_n if top1_n else None,
+        "divergence_margin_max": max(margins) if margins else None,
+        "baseline_top2_gap": {f"p{q}": percentile(gap, q) for q in (1, 5, 10, 50)},
         "per_prompt": per_prompt,
         "env": env_info(),
     }
@@ -287,5 +302,9 @@ def format_summary(r: dict[str, Any]) -> str:
         f"KL mean {r['kl_mean']:.3e}, p99 {r['kl_p99']:.3e}, max {r['kl_max']:.3e} "
         f"over {r['kl_positions']} positions; teacher-forced top-1 agreement "
         f"{r['teacher_forced_top1_agreement']:.4f}",
+        f"divergences at baseline log-prob gaps <= {r['divergence_margin_max']} nats "
+        f"(baseline top-2 gap p1/p5/p50: "
+        + "/".join(f"{r['baseline_top2_gap'][k]:.3f}" for k in ("p1", "p5", "p50")) + ")"
+        if r["divergence_margin_max"] is not None else "no greedy divergence",
         f"text: {r['text_source']['kind']} ({r['text_source']['tokens']} tokens)",
     ])

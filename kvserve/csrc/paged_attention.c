@@ -238,17 +238,6 @@ static inline __attribute__((always_inline)) void widen_tile(
     if (nt < bs8) memset(dst + (size_t)nt * D, 0, sizeof(float) * (size_t)(bs8 - nt) * D);
 }
 
-/* Ask for the next block's K and V rows of head h while this block is computed: blocks are
- * scattered, so the hardware prefetcher cannot see them coming. */
-static inline void prefetch_tile(const Geo *g, int64_t blk, int h, size_t stride) {
-    const uint8_t *k = g->kv + blk * g->block_bytes + (size_t)h * g->row_bytes;
-    for (int i = 0; i < g->bs; i++)
-        for (size_t o = 0; o < g->row_bytes; o += 64) {
-            _mm_prefetch((const char *)(k + i * stride + o), _MM_HINT_T0);
-            _mm_prefetch((const char *)(k + g->comp_bytes + i * stride + o), _MM_HINT_T0);
-        }
-}
-
 /* R consecutive query rows of one sequence (row r attends lens[r] tokens; lens ascending by
  * one for a prefill tile, R = 1 for decode) x G query heads of kv head h: the K/V tiles are
  * widened once per block for all R*G queries. Query x = r*G + j. */
@@ -269,7 +258,6 @@ static inline __attribute__((always_inline)) void job_avx2(
         const int64_t blk = table[b];
         const int nt = len - b * bs < bs ? len - b * bs : bs;
         const uint8_t *kbase = g->kv + blk * g->block_bytes + (size_t)h * g->row_bytes;
-        if (b + 1 < nblk) prefetch_tile(g, table[b + 1], h, stride);
         widen_tile(kbase, stride, nt, bs8, D, dtype, es, w->kw);
         widen_tile(kbase + g->comp_bytes, stride, nt, bs8, D, dtype, es, w->vw);
         for (int i = 0; i < nt; i++) {

@@ -59,6 +59,8 @@ def test_quality_identical_candidate_is_exact(tiny_llama, tmp_path):
     assert r["text_source"]["kind"] == "generated"
     assert r["greedy_agreement"] == 1.0
     assert r["first_divergence_fraction"] == 1.0
+    assert r["divergence_margin_max"] is None
+    assert all(p["divergence_margin"] is None for p in r["per_prompt"])
     assert r["kl_mean"] < 1e-9 and r["kl_p99"] < 1e-9
     assert r["perplexity_ratio"] == pytest.approx(1.0, abs=1e-12)
     assert r["baseline"]["perplexity"] > 1.0
@@ -80,6 +82,11 @@ def test_quality_fp8_candidate_differs_a_little(tiny_llama, tmp_path):
     assert r["candidate"]["kv_cache_dtype"] == "fp8_e4m3"
     assert 0.0 < r["kl_mean"] < 0.1
     assert 0.9 < r["perplexity_ratio"] < 1.1
+    gaps = r["baseline_top2_gap"]
+    assert 0.0 <= gaps["p1"] <= gaps["p5"] <= gaps["p10"] <= gaps["p50"]
+    for p in r["per_prompt"]:  # the baseline's own token is its argmax: the gap is >= 0
+        assert (p["divergence_margin"] is None) == (p["first_divergence"] is None)
+        assert p["divergence_margin"] is None or p["divergence_margin"] >= 0.0
 
 
 def test_throughput_two_levels_bf16_fp8(hd64, tmp_path):

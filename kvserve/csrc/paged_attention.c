@@ -26,15 +26,20 @@
  *   bf16                    -> fp32 bits h<<16                     exact
  *
  * For K the scale multiplies the score (q . k), for V the probability, never the D-wide row.
- * Parallel over (row, kv head) jobs with OpenMP. Two implementations of one job:
+ * Parallel over jobs with OpenMP: a job is a tile of rows (one decode row, or up to 16
+ * consecutive prefill rows of one sequence) with all kv heads when there are >= 2 tiles per
+ * thread (each block's K and V components are then read as contiguous runs), else a tile and
+ * one kv head. Two implementations of a job:
  *
- *   job_avx2    (AVX2+FMA, D % 8 == 0): one pass per block with an online softmax.
- *               Per block of bs tokens:
- *                 K tile [bs, D] widened into L1  ->  scores [G, bs]: 8 tokens at a time,
- *                 8 accumulators over D, one transposing reduction (no per-dot hsum)
- *                 m' = max(m, scores); acc *= exp(m - m'); p = exp(scores - m') (vector exp)
- *                 V tile [bs, D] widened  ->  acc[G, D] += p * vscale * V   (acc in registers,
- *                 64 floats at a time)
+ *   job_avx2    (AVX2+FMA+F16C, D % 8 == 0): one pass over the blocks, online softmax.
+ *               Per block of bs tokens (the next block's rows are prefetched meanwhile):
+ *                 K, V tiles [bs, nh, D] widened to fp32 in L1 (the only pass over payload)
+ *                 for each query (row r, kv head hh, query head j), causal length lens[r]:
+ *                   scores [bs]: 8 tokens at a time, 8 accumulators over D, one
+ *                   transposing reduction (no per-dot horizontal sum), times the K factors
+ *                   m' = max(m, scores); acc *= exp(m - m'); p = exp(scores - m') (vector exp)
+ *                   acc[D] += (p * V factors) . V   (64 floats of acc in registers at a time)
+ *               A row's arithmetic does not depend on its tile, job shape or batch.
  *   job_scalar  portable C, two passes (scores, then P.V); any D.
  */
 #include <math.h>
@@ -225,28 +230,60 @@ static inline __m256 hsum8x8(const __m256 *v) {
                          _mm256_permute2f128_ps(t0, t2, 0x31));
 }
 
-/* Widen nt rows of one component (token stride H rows) into dst [bs8, D]; rows nt..bs8-1
- * are zeroed (their scores are computed and then ignored). */
+/* Widen the rows of tokens [0, nt) x heads [h0, h0 + nh) of one component into
+ * dst [bs8 * nh, D] (token-major: row i * nh + hh); rows of tokens nt..bs8-1 are zeroed (their
+ * scores are computed and then ignored). With nh == H the source is one contiguous run. */
 static inline __attribute__((always_inline)) void widen_tile(
-    const uint8_t *src, size_t stride, int nt, int bs8, int D, const int dtype, int es,
-    float *restrict dst) {
-    for (int i = 0; i < nt; i++) {
-        const uint8_t *r = src + (size_t)i * stride;
-        float *o = dst + (size_t)i * D;
-        for (int c = 0; c < D; c += 8) _mm256_storeu_ps(o + c, widen8(r + (size_t)c * es, dtype));
+    const uint8_t *comp, size_t row_bytes, int H, int h0, int nh, int nt, int bs8, int D,
+    const int dtype, int es, float *restrict dst) {
+    for (int i = 0; i < nt; i++)
+        for (int hh = 0; hh < nh; hh++) {
+            const uint8_t *r = comp + ((size_t)i * H + h0 + hh) * row_bytes;
+            float *o = dst + ((size_t)i * nh + hh) * D;
+            for (int c = 0; c < D; c += 8)
+                _mm256_storeu_ps(o + c, widen8(r + (size_t)c * es, dtype));
+        }
+    if (nt < bs8)
+        memset(dst + (size_t)nt * nh * D, 0, sizeof(float) * (size_t)(bs8 - nt) * nh * D);
+}
+
+/* bf16 scales of tokens [0, nt) x heads [h0, h0 + nh) (rows of H in memory) -> fp32
+ * ks / vs [nt * nh] token-major, times kf / vf. With nh == H one contiguous run. */
+static inline void widen_scales(const uint16_t *sk, const uint16_t *sv, int H, int h0, int nh,
+                                int nt, float kf, float vf, float *ks, float *vs) {
+    if (nh == H) {
+        const int n = nt * H;
+        const __m256 kv = _mm256_set1_ps(kf), vv = _mm256_set1_ps(vf);
+        int i = 0;
+        for (; i + 8 <= n; i += 8) {
+            __m256i a = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(sk + i)));
+            __m256i b = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(sv + i)));
+            _mm256_storeu_ps(ks + i, _mm256_mul_ps(_mm256_castsi256_ps(_mm256_slli_epi32(a, 16)), kv));
+            _mm256_storeu_ps(vs + i, _mm256_mul_ps(_mm256_castsi256_ps(_mm256_slli_epi32(b, 16)), vv));
+        }
+        for (; i < n; i++) {
+            ks[i] = kf * bf16_to_f32(sk[i]);
+            vs[i] = vf * bf16_to_f32(sv[i]);
+        }
+        return;
     }
-    if (nt < bs8) memset(dst + (size_t)nt * D, 0, sizeof(float) * (size_t)(bs8 - nt) * D);
+    for (int i = 0; i < nt; i++)
+        for (int hh = 0; hh < nh; hh++) {
+            ks[i * nh + hh] = kf * bf16_to_f32(sk[(size_t)i * H + h0 + hh]);
+            vs[i * nh + hh] = vf * bf16_to_f32(sv[(size_t)i * H + h0 + hh]);
+        }
 }
 
 /* R consecutive query rows of one sequence (row r attends lens[r] tokens; lens ascending by
- * one for a prefill tile, R = 1 for decode) x G query heads of kv head h: the K/V tiles are
- * widened once per block for all R*G queries. Query x = r*G + j. */
+ * one for a prefill tile, R = 1 for decode) x kv heads [h0, h0 + nh) x their G query heads:
+ * the K/V tiles are widened once per block for all nh*R*G queries.
+ * Query x = (hh * R + r) * G + j;  q0 / o0 point at row 0, head h0 of the tile. */
 static inline __attribute__((always_inline)) void job_avx2(
     const Geo *g, const int dtype, const float *q0, size_t qstride, int R, const int64_t *lens,
-    const int64_t *table, int h, float *o0, Scratch *w) {
+    const int64_t *table, int h0, int nh, float *o0, Scratch *w) {
     const int G = g->G, D = g->D, bs = g->bs, H = g->H, es = elem_size(dtype);
-    const int bs8 = (bs + 7) & ~7, X = R * G;
-    const size_t stride = (size_t)H * g->row_bytes;
+    const int bs8 = (bs + 7) & ~7, RG = R * G, X = nh * RG;
+    const size_t ld = (size_t)nh * D; /* floats between a head's rows of consecutive tokens */
     const float factor = simd_factor(dtype);
     float *mx = w->mx, *sum = w->sum;
     for (int x = 0; x < X; x++) { mx[x] = -INFINITY; sum[x] = 0.f; }
@@ -257,41 +294,55 @@ static inline __attribute__((always_inline)) void job_avx2(
     for (int b = 0; b < nblk; b++) {
         const int64_t blk = table[b];
         const int nt = len - b * bs < bs ? len - b * bs : bs;
-        const uint8_t *kbase = g->kv + blk * g->block_bytes + (size_t)h * g->row_bytes;
-        widen_tile(kbase, stride, nt, bs8, D, dtype, es, w->kw);
-        widen_tile(kbase + g->comp_bytes, stride, nt, bs8, D, dtype, es, w->vw);
-        for (int i = 0; i < nt; i++) {
-            float ks = g->sm_scale * factor, vs = factor;
-            if (g->scales) {
-                const uint16_t *sc = g->scales + blk * 2 * g->comp_scales + (size_t)i * H + h;
-                ks *= bf16_to_f32(sc[0]);
-                vs *= bf16_to_f32(sc[g->comp_scales]);
+        const uint8_t *kbase = g->kv + blk * g->block_bytes;
+        if (b + 1 < nblk) { /* next block's K/V rows: blocks are scattered, no HW prefetch */
+            const uint8_t *nx = g->kv + table[b + 1] * g->block_bytes + (size_t)h0 * g->row_bytes;
+            const size_t span = (size_t)nh * g->row_bytes, step = (size_t)H * g->row_bytes;
+            for (int i = 0; i < bs; i++)
+                for (size_t o = 0; o < span; o += 64) {
+                    _mm_prefetch((const char *)(nx + i * step + o), _MM_HINT_T0);
+                    _mm_prefetch((const char *)(nx + g->comp_bytes + i * step + o), _MM_HINT_T0);
+                }
+        }
+        widen_tile(kbase, g->row_bytes, H, h0, nh, nt, bs8, D, dtype, es, w->kw);
+        widen_tile(kbase + g->comp_bytes, g->row_bytes, H, h0, nh, nt, bs8, D, dtype, es,
+                   w->vw);
+        /* per-token factors, token-major [i * nh + hh]: K folds in sm_scale */
+        const float kf = g->sm_scale * factor;
+        if (g->scales) {
+            const uint16_t *sc = g->scales + blk * 2 * g->comp_scales;
+            widen_scales(sc, sc + g->comp_scales, H, h0, nh, nt, kf, factor, w->ks, w->vs);
+        } else {
+            for (int i = 0; i < nt * nh; i++) {
+                w->ks[i] = kf;
+                w->vs[i] = factor;
             }
-            w->ks[i] = ks;
-            w->vs[i] = vs;
         }
         for (int x = 0; x < X; x++) {
-            const int r = x / G, j = x % G;
+            const int hh = x / RG, r = (x / G) % R, j = x % G;
             /* tokens of this block the row may see (causal): [0, ntr) */
             const int ntr = (int)lens[r] - b * bs < nt ? (int)lens[r] - b * bs : nt;
             if (ntr <= 0) continue;
-            const float *qg = q0 + (size_t)r * qstride + (size_t)j * D;
+            const float *qg = q0 + (size_t)r * qstride + ((size_t)hh * G + j) * D;
+            const float *kh = w->kw + (size_t)hh * D, *vh = w->vw + (size_t)hh * D;
+            const float *ksh = w->ks + hh, *vsh = w->vs + hh; /* stride nh */
             float *sj = w->s + (size_t)x * bs8;
             /* scores: 8 tokens at a time */
             for (int i0 = 0; i0 < ntr; i0 += 8) {
                 __m256 a[8];
                 for (int u = 0; u < 8; u++) a[u] = _mm256_setzero_ps();
-                const float *kt = w->kw + (size_t)i0 * D;
+                const float *kt = kh + (size_t)i0 * ld;
                 for (int c = 0; c < D; c += 8) {
                     __m256 qv = _mm256_loadu_ps(qg + c);
                     for (int u = 0; u < 8; u++)
-                        a[u] = _mm256_fmadd_ps(qv, _mm256_loadu_ps(kt + (size_t)u * D + c), a[u]);
+                        a[u] = _mm256_fmadd_ps(qv, _mm256_loadu_ps(kt + (size_t)u * ld + c),
+                                               a[u]);
                 }
                 _mm256_storeu_ps(sj + i0, hsum8x8(a));
             }
             float m = mx[x];
             for (int i = 0; i < ntr; i++) {
-                sj[i] *= w->ks[i];
+                sj[i] *= ksh[(size_t)i * nh];
                 if (sj[i] > m) m = sj[i];
             }
             /* online softmax: rescale what was accumulated under the old max */
@@ -312,7 +363,7 @@ static inline __attribute__((always_inline)) void job_avx2(
             for (; i + 8 <= ntr; i += 8) {
                 __m256 p = exp8(_mm256_sub_ps(_mm256_loadu_ps(sj + i), mv));
                 sacc = _mm256_add_ps(sacc, p);
-                _mm256_storeu_ps(sj + i, _mm256_mul_ps(p, _mm256_loadu_ps(w->vs + i)));
+                _mm256_storeu_ps(sj + i, p);
             }
             float tail[8];
             _mm256_storeu_ps(tail, sacc);
@@ -321,9 +372,10 @@ static inline __attribute__((always_inline)) void job_avx2(
             for (; i < ntr; i++) {
                 float p = expf(sj[i] - m);
                 ssum += p;
-                sj[i] = p * w->vs[i];
+                sj[i] = p;
             }
             sum[x] += ssum;
+            for (i = 0; i < ntr; i++) sj[i] *= vsh[(size_t)i * nh];
             /* acc[x] += sum_i p_i * V_i, 64 floats of acc in registers at a time */
             int c0 = 0;
             for (; c0 + 64 <= D; c0 += 64) {
@@ -331,7 +383,7 @@ static inline __attribute__((always_inline)) void job_avx2(
                 for (int u = 0; u < 8; u++) a[u] = _mm256_loadu_ps(ax + c0 + 8 * u);
                 for (int t = 0; t < ntr; t++) {
                     __m256 pb = _mm256_broadcast_ss(sj + t);
-                    const float *vr = w->vw + (size_t)t * D + c0;
+                    const float *vr = vh + (size_t)t * ld + c0;
                     for (int u = 0; u < 8; u++)
                         a[u] = _mm256_fmadd_ps(pb, _mm256_loadu_ps(vr + 8 * u), a[u]);
                 }
@@ -341,14 +393,15 @@ static inline __attribute__((always_inline)) void job_avx2(
                 __m256 a = _mm256_loadu_ps(ax + c0);
                 for (int t = 0; t < ntr; t++)
                     a = _mm256_fmadd_ps(_mm256_broadcast_ss(sj + t),
-                                        _mm256_loadu_ps(w->vw + (size_t)t * D + c0), a);
+                                        _mm256_loadu_ps(vh + (size_t)t * ld + c0), a);
                 _mm256_storeu_ps(ax + c0, a);
             }
         }
     }
     for (int x = 0; x < X; x++) {
+        const int hh = x / RG, r = (x / G) % R, j = x % G;
         const __m256 inv = _mm256_set1_ps(1.0f / sum[x]);
-        float *os = o0 + (size_t)(x / G) * qstride + (size_t)(x % G) * D;
+        float *os = o0 + (size_t)r * qstride + ((size_t)hh * G + j) * D;
         for (int c = 0; c < D; c += 8)
             _mm256_storeu_ps(os + c,
                              _mm256_mul_ps(_mm256_loadu_ps(w->acc + (size_t)x * D + c), inv));
@@ -358,8 +411,8 @@ static inline __attribute__((always_inline)) void job_avx2(
 /* One specialized copy per dtype (the dtype branches fold away). */
 #define KVS_JOB(NAME, DT)                                                                      \
     static void NAME(const Geo *g, const float *q0, size_t qs, int R, const int64_t *lens,     \
-                     const int64_t *t, int h, float *o0, Scratch *w) {                          \
-        job_avx2(g, DT, q0, qs, R, lens, t, h, o0, w);                                         \
+                     const int64_t *t, int h0, int nh, float *o0, Scratch *w) {                 \
+        job_avx2(g, DT, q0, qs, R, lens, t, h0, nh, o0, w);                                    \
     }
 KVS_JOB(job_f32, DT_F32)
 KVS_JOB(job_bf16, DT_BF16)
@@ -369,13 +422,16 @@ KVS_JOB(job_e5m2, DT_E5M2)
 #endif
 
 typedef void (*JobFn)(const Geo *, const float *, size_t, int, const int64_t *,
-                      const int64_t *, int, float *, Scratch *);
+                      const int64_t *, int, int, float *, Scratch *);
 
-/* The portable job, one row at a time. */
+/* The portable job, one row and head at a time. */
 static void job_rows_scalar(const Geo *g, const float *q0, size_t qs, int R, const int64_t *lens,
-                            const int64_t *t, int h, float *o0, Scratch *w) {
+                            const int64_t *t, int h0, int nh, float *o0, Scratch *w) {
     for (int r = 0; r < R; r++)
-        job_scalar(g, q0 + (size_t)r * qs, t, (int)lens[r], h, o0 + (size_t)r * qs, w);
+        for (int hh = 0; hh < nh; hh++) {
+            size_t off = (size_t)r * qs + (size_t)hh * g->G * g->D;
+            job_scalar(g, q0 + off, t, (int)lens[r], h0 + hh, o0 + off, w);
+        }
 }
 
 /* 1 if this build has the vectorized job (for tests and benchmarks). */
@@ -428,29 +484,32 @@ void kvs_paged_attention(const void *kv, const uint16_t *scales, int dtype, cons
     int max_rows = 1;
     for (int t = 0; t < ntiles; t++)
         if (tile_start[t + 1] - tile_start[t] > max_rows) max_rows = tile_start[t + 1] - tile_start[t];
-    const int bs8 = (bs + 7) & ~7, X = max_rows * G;
+    /* Jobs: a tile with all kv heads (each block's K/V component read as one contiguous run)
+     * when there are enough tiles to keep every thread busy, else a tile and one head. */
+    const int nh = ntiles >= 2 * num_threads ? H : 1, njobs = ntiles * (H / nh);
+    const int bs8 = (bs + 7) & ~7, X = nh * max_rows * G;
     const size_t s_len = fn == job_rows_scalar ? (size_t)max_len * G : (size_t)X * bs8;
     const size_t qstride = (size_t)H * G * D;
-    if (num_threads > ntiles * H) num_threads = ntiles * H > 0 ? ntiles * H : 1;
+    if (num_threads > njobs) num_threads = njobs > 0 ? njobs : 1;
 #pragma omp parallel num_threads(num_threads)
     {
         Scratch w;
-        w.kw = (float *)malloc(sizeof(float) * (size_t)(bs8 > 1 ? bs8 : 1) * D);
-        w.vw = (float *)malloc(sizeof(float) * (size_t)bs8 * D);
+        w.kw = (float *)malloc(sizeof(float) * (size_t)bs8 * nh * D);
+        w.vw = (float *)malloc(sizeof(float) * (size_t)bs8 * nh * D);
         w.s = (float *)malloc(sizeof(float) * (s_len > 0 ? s_len : 1));
         w.acc = (float *)malloc(sizeof(float) * (size_t)X * D);
-        w.ks = (float *)malloc(sizeof(float) * (size_t)bs8);
-        w.vs = (float *)malloc(sizeof(float) * (size_t)bs8);
+        w.ks = (float *)malloc(sizeof(float) * (size_t)bs8 * nh);
+        w.vs = (float *)malloc(sizeof(float) * (size_t)bs8 * nh);
         w.mx = (float *)malloc(sizeof(float) * (size_t)X);
         w.sum = (float *)malloc(sizeof(float) * (size_t)X);
 #pragma omp for schedule(dynamic, 1)
-        for (int64_t job = 0; job < (int64_t)ntiles * H; job++) {
-            int t = (int)(job / H), h = (int)(job % H);
+        for (int64_t job = 0; job < (int64_t)njobs; job++) {
+            int t = (int)(job / (H / nh)), h0 = (int)(job % (H / nh)) * nh;
             int r0 = tile_start[t], R = tile_start[t + 1] - r0;
             int64_t seq = row_seq ? row_seq[r0] : r0;
-            size_t off = (size_t)r0 * qstride + (size_t)h * G * D;
-            fn(&g, q + off, qstride, R, lens + r0, block_tables + seq * max_blocks, h, out + off,
-               &w);
+            size_t off = (size_t)r0 * qstride + (size_t)h0 * G * D;
+            fn(&g, q + off, qstride, R, lens + r0, block_tables + seq * max_blocks, h0, nh,
+               out + off, &w);
         }
         free(w.kw);
         free(w.vw);

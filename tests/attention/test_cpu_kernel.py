@@ -120,3 +120,20 @@ def test_fp8_write_kernel_bit_exact_with_twin(dtype, static):
     twin.write(0, rows, x, -x)
     assert torch.equal(fast.data.view(torch.uint8), twin.data.view(torch.uint8))
     assert torch.equal(fast.scales.view(torch.int16), twin.scales.view(torch.int16))
+
+
+def test_decode_row_alone_equals_row_in_batch():
+    """One decode row alone (a job per kv head) and in a batch of 8 (jobs with all kv heads)
+    gives the same bits."""
+    torch.manual_seed(4)
+    kv, perm = _filled_cache(torch.bfloat16, 2, 64, 16)
+    lens = [33, 5, 70, 16, 1, 47, 90, 12]
+    meta = _meta(lens, [1] * len(lens), perm, 16)
+    q = torch.randn(len(lens), 8, 64)
+    be = TorchAttentionBackend(kv, 8, 2, 64, 0.125, 1024)
+    empty = torch.empty(0, 2, 64)
+    batch = be.forward(0, q, empty, empty, meta)
+    for i in range(len(lens)):
+        alone = _meta([lens[i]], [1], meta.block_tables[i], 16)  # the same blocks
+        out = be.forward(0, q[i:i + 1].contiguous(), empty, empty, alone)
+        assert torch.equal(out, batch[i:i + 1])

@@ -1,0 +1,281 @@
+"""Where a decode step's time goes, per KV dtype and running batch: one run, JSON + plot.
+
+    .venv/bin/python benchmarks/step_profile.py [--model PATH] [--configs bf16@32,fp8@32,...]
+        [--context 192] [--steps 16] [--repeats 5] [--threads 2] [--input-len 128]
+        [--output-len 128] [--json OUT] [--plot OUT.png]
+
+Why: ``kvserve bench throughput`` measures what FP8 KV buys end to end (tokens/s at the KV
+limit); this says why it buys what it does. For each (KV dtype, batch) config one engine of the
+model is built (same weights, KV budget = 16 MiB or what B sequences need, whichever is more),
+B requests of random prompts are prefilled, and then ``repeats`` windows of ``steps``
+pure-decode steps are timed, round-robin over all configs (rotating who goes first), with
+wall-clock timers around the parts of a step:
+
+    attention      the C paged-attention kernel (all layers)
+    kv_write       writing the step's K/V into the cache (FP8: quantize + scales)
+    linear         every Linear / MergedLinear forward: the GEMMs, lm_head included
+    forward_other  the rest of the model forward (embedding, norms, rope, activations)
+    sampling       the sampler
+    engine         the rest of ``step()``: scheduling, batch building, bookkeeping, detokenize,
+                   integrity sealing / scrubbing
+
+The prompts are ``context - steps * repeats // 2`` tokens long, so the mean context of the
+timed steps is ``context``. Prefill cost per prompt token is timed on the same engines (the
+steps that prefill the B prompts). Medians over windows are reported, per step and per running
+sequence. ``projected`` turns them into the closed-loop rate the figures imply for
+``input_len`` / ``output_len`` requests at batch B (every output token also costs one prompt's
+share of prefill; preemption ignored):
+
+    tok/s(B) = B * out / (out * T_decode(B) + B * in * t_prefill_token)
+
+and ``projected_ratio`` compares the last config with the first (default fp8@64 vs bf16@32:
+what doubling the batch at the KV limit can give on this machine).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import math
+import statistics
+import sys
+import time
+from collections import defaultdict
+from typing import Any
+
+import torch
+
+from kvserve.attention import cpu_kernel
+from kvserve.bench.common import env_info, log, pyplot, random_prompts, resolve_model_path
+from kvserve.engine.arg_utils import EngineArgs
+from kvserve.engine.llm_engine import LLMEngine
+from kvserve.layers import linear as linear_mod
+from kvserve.sampling_params import SamplingParams
+
+PARTS = ("attention", "kv_write", "linear", "forward_other", "sampling", "engine")
+MIN_BUDGET = 16 * 2**20
+
+
+class Timers:
+    """Accumulates seconds per part for whichever config is ``current``."""
+
+    def __init__(self) -> None:
+        self.current: dict[str, float] = defaultdict(float)
+
+    def wrap(self, name: str, fn):
+        def timed(*args, **kwargs):
+            t0 = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self.current[name] += time.perf_counter() - t0
+        return timed
+
+
+def install_class_timers(timers: Timers) -> None:
+    """Time every attention-kernel call and every dense linear forward (all engines)."""
+    cpu_kernel.paged_attention = timers.wrap("attention", cpu_kernel.paged_attention)
+    for cls in (linear_mod.Linear, linear_mod.MergedLinear):
+        cls.forward = timers.wrap("linear", cls.forward)
+
+
+@dataclasses.dataclass
+class Config:
+    kv: str
+    batch: int
+    engine: LLMEngine
+    windows: list[dict[str, float]] = dataclasses.field(default_factory=list)
+    prefill_s_per_token: float | None = None
+
+    @property
+    def name(self) -> str:
+        return f"{self.kv}@{self.batch}"
+
+
+def parse_configs(spec: str) -> list[tuple[str, int]]:
+    out = []
+    for item in spec.split(","):
+        kv, _, b = item.strip().partition("@")
+        if not kv or not b.isdigit() or int(b) < 1:
+            raise ValueError(f"--configs items are DTYPE@BATCH (e.g. fp8@64), got {item!r}")
+        out.append((kv, int(b)))
+    return out
+
+
+def build(args, kv: str, batch: int, timers: Timers, prompt_len: int) -> Config:
+    model = resolve_model_path(args.model)
+    probe = LLMEngine(EngineArgs(model=model, kv_cache_dtype=kv, num_blocks=2, progress=False,
+                                 kv_integrity="off"))
+    bpt = probe.kv_cache.bytes_per_token
+    del probe
+    need = batch * (prompt_len + args.steps * args.repeats + 2 * 16 + 16) * bpt
+    eng = LLMEngine(EngineArgs(model=model, kv_cache_dtype=kv, progress=False,
+                               kv_cache_memory=max(MIN_BUDGET, need), max_num_seqs=batch,
+                               seed=args.seed))
+    eng.kv_cache.write = timers.wrap("kv_write", eng.kv_cache.write)
+    eng.runner.forward = timers.wrap("forward", eng.runner.forward)
+    eng.sampler = timers.wrap("sampling", eng.sampler)
+    cfg = Config(kv, batch, eng)
+    params = SamplingParams(temperature=0.0, max_tokens=args.steps * args.repeats + 64,
+                            ignore_eos=True)
+    for i, p in enumerate(random_prompts(batch, prompt_len, eng.model_config.vocab_size,
+                                         args.seed)):
+        eng.add_request(f"r{i}", p, params)
+    # prefill: steps until every request has its first token
+    t0 = time.perf_counter()
+    while any(r.num_computed_tokens < r.num_prompt_tokens for r in eng.scheduler.running) \
+            or eng.scheduler.waiting:
+        eng.step()
+    cfg.prefill_s_per_token = (time.perf_counter() - t0) / (batch * prompt_len)
+    for _ in range(3):  # warm decode steps
+        eng.step()
+    return cfg
+
+
+def run_window(cfg: Config, steps: int, timers: Timers) -> dict[str, float]:
+    timers.current = defaultdict(float)
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        outs = cfg.engine.step()
+        assert len(outs) == cfg.batch, "a request finished or was preempted mid-window"
+    total = time.perf_counter() - t0
+    t = timers.current
+    parts = {
+        "attention": t["attention"],
+        "kv_write": t["kv_write"],
+        "linear": t["linear"],
+        "forward_other": t["forward"] - t["attention"] - t["kv_write"] - t["linear"],
+        "sampling": t["sampling"],
+        "engine": total - t["forward"] - t["sampling"],
+    }
+    return {"step_ms": total / steps * 1e3, **{k: v / steps * 1e3 for k, v in parts.items()}}
+
+
+def summarize(cfg: Config, args) -> dict[str, Any]:
+    med = {k: statistics.median(w[k] for w in cfg.windows) for k in ("step_ms", *PARTS)}
+    t_dec = med["step_ms"] / 1e3
+    p = cfg.prefill_s_per_token or 0.0
+    proj = cfg.batch * args.output_len / (
+        args.output_len * t_dec + cfg.batch * args.input_len * p)
+    return {
+        "kv_cache_dtype": cfg.kv,
+        "batch": cfg.batch,
+        "kv_bytes_per_token": cfg.engine.kv_cache.bytes_per_token,
+        "step_ms": med["step_ms"],
+        "parts_ms": {k: med[k] for k in PARTS},
+        "per_seq_us": {k: med[k] / cfg.batch * 1e3 for k in ("step_ms", *PARTS)},
+        "decode_tokens_per_s": cfg.batch / t_dec,
+        "prefill_us_per_token": p * 1e6,
+        "projected_tokens_per_s": proj,
+        "windows": cfg.windows,
+    }
+
+
+def plot(result: dict[str, Any], path: str) -> None:
+    plt = pyplot()
+    rows = result["configs"]
+    names = [f"{r['kv_cache_dtype']} @ {r['batch']}" for r in rows]
+    fig, axes = plt.subplots(1, 2, figsize=(13, 0.9 * len(rows) + 2.2))
+    colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    for ax, key, unit in ((axes[0], "parts_ms", "ms per decode step"),
+                          (axes[1], "per_seq_us", "us per running sequence per step")):
+        left = [0.0] * len(rows)
+        for i, part in enumerate(PARTS):
+            vals = [r[key][part] for r in rows]
+            ax.barh(names, vals, left=left, color=colors[i % len(colors)], label=part)
+            left = [a + b for a, b in zip(left, vals, strict=True)]
+        ax.invert_yaxis()
+        ax.set_xlabel(unit)
+        ax.grid(True, axis="x", alpha=0.3)
+    axes[0].legend(fontsize=8, loc="lower right")
+    s = result["summary"]
+    axes[1].set_title(
+        f"projected closed loop ({result['input_len']} in / {result['output_len']} out): "
+        f"{s['candidate']} / {s['baseline']} = x{s['projected_ratio']:.2f}", fontsize=9)
+    axes[0].set_title(f"mean context {result['context']} tokens, median of "
+                      f"{result['repeats']} windows x {result['steps']} steps", fontsize=9)
+    fig.suptitle(f"kvserve decode step profile: {result['model']}", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--model", default=None, help="HF folder (default: the demo model)")
+    ap.add_argument("--configs", default="bf16@32,fp8@32,bf16@64,fp8@64",
+                    help="comma list of KVDTYPE@BATCH; the ratio is last / first")
+    ap.add_argument("--context", type=int, default=192, help="mean context of timed steps")
+    ap.add_argument("--steps", type=int, default=16)
+    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--input-len", type=int, default=128)
+    ap.add_argument("--output-len", type=int, default=128)
+    ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--json", default=None)
+    ap.add_argument("--plot", default=None)
+    args = ap.parse_args(argv)
+    pairs = parse_configs(args.configs)
+    if args.steps < 1 or args.repeats < 1:
+        raise ValueError("--steps and --repeats must be >= 1")
+    prompt_len = args.context - args.steps * args.repeats // 2
+    if prompt_len < 1:
+        raise ValueError(f"--context {args.context} is too short for {args.steps} x "
+                         f"{args.repeats} timed steps")
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    timers = Timers()
+    install_class_timers(timers)
+    configs = []
+    for kv, b in pairs:
+        log(f"step_profile: building {kv}@{b} and prefilling {b} x {prompt_len} tokens")
+        configs.append(build(args, kv, b, timers, prompt_len))
+    for r in range(args.repeats):
+        for i in range(len(configs)):
+            cfg = configs[(i + r) % len(configs)]
+            cfg.windows.append(run_window(cfg, args.steps, timers))
+        log(f"step_profile: round {r + 1}/{args.repeats}: " + ", ".join(
+            f"{c.name} {c.windows[-1]['step_ms']:.2f} ms" for c in configs))
+    rows = [summarize(c, args) for c in configs]
+    base, cand = rows[0], rows[-1]
+    result = {
+        "bench": "step_profile",
+        "model": resolve_model_path(args.model),
+        "context": args.context,
+        "steps": args.steps,
+        "repeats": args.repeats,
+        "input_len": args.input_len,
+        "output_len": args.output_len,
+        "parts": list(PARTS),
+        "configs": rows,
+        "summary": {
+            "baseline": f"{base['kv_cache_dtype']}@{base['batch']}",
+            "candidate": f"{cand['kv_cache_dtype']}@{cand['batch']}",
+            "decode_ratio": cand["decode_tokens_per_s"] / base["decode_tokens_per_s"],
+            "projected_ratio": cand["projected_tokens_per_s"] / base["projected_tokens_per_s"],
+        },
+        "command": " ".join(sys.argv),
+        "env": env_info(),
+    }
+    for row in rows:
+        parts = ", ".join(f"{k} {v:.2f}" for k, v in row["parts_ms"].items())
+        log(f"{row['kv_cache_dtype']:>9}@{row['batch']:<3} step {row['step_ms']:.2f} ms "
+            f"({parts}); prefill {row['prefill_us_per_token']:.1f} us/token; projected "
+            f"{row['projected_tokens_per_s']:.0f} tok/s")
+    log(f"decode_ratio {result['summary']['decode_ratio']:.3f}, projected_ratio "
+        f"{result['summary']['projected_ratio']:.3f}")
+    if args.plot:
+        plot(result, args.plot)
+    text = json.dumps(result, indent=1)
+    if args.json:
+        with open(args.json, "w") as f:
+            f.write(text)
+    else:
+        print(text)
+    del configs
+    return 0 if all(math.isfinite(r["step_ms"]) for r in rows) else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -47,7 +47,14 @@ from typing import Any
 import torch
 
 from kvserve.attention import cpu_kernel
-from kvserve.bench.common import env_info, log, pyplot, random_prompts, resolve_model_path
+from kvserve.bench.common import (
+    env_info,
+    log,
+    model_label,
+    pyplot,
+    random_prompts,
+    resolve_model_path,
+)
 from kvserve.engine.arg_utils import EngineArgs
 from kvserve.engine.llm_engine import LLMEngine
 from kvserve.layers import linear as linear_mod
@@ -241,7 +248,7 @@ def main(argv: list[str] | None = None) -> int:
     base, cand = rows[0], rows[-1]
     result = {
         "bench": "step_profile",
-        "model": resolve_model_path(args.model),
+        "model": model_label(resolve_model_path(args.model)),
         "context": args.context,
         "steps": args.steps,
         "repeats": args.repeats,

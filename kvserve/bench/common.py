@@ -111,6 +111,21 @@ def rotated(items: Sequence[T], k: int) -> list[T]:
 # --------------------------------------------------------------------------------------------
 
 
+def model_label(path: str) -> str:
+    """How results name a model folder or a file in one: ``kvserve/demo_model[/...]`` for the
+    built-in model, a path relative to the working directory below it, else the path as given
+    (so committed results carry no machine paths)."""
+    from kvserve.engine.arg_utils import demo_model_path
+
+    full, demo = os.path.realpath(path), os.path.realpath(demo_model_path())
+    if full == demo:
+        return "kvserve/demo_model"
+    if full.startswith(demo + os.sep):
+        return "kvserve/demo_model/" + os.path.relpath(full, demo)
+    rel = os.path.relpath(full)
+    return path if rel.startswith("..") else rel
+
+
 def resolve_model_path(model: str | None) -> str:
     """The model folder (``None`` = the built-in demo model), checked to exist."""
     from kvserve.engine.arg_utils import demo_model_path
@@ -203,6 +218,28 @@ def set_threads(threads: int | None) -> None:
         torch.set_num_threads(threads)
 
 
+_ISA_FLAGS = ("avx2", "fma", "f16c", "avx512f", "avx512_bf16", "avx512_vnni", "amx_bf16")
+
+
+def cpu_info() -> dict[str, Any]:
+    """CPU model name and the vector-ISA flags that decide kvserve's kernel paths and dtype=auto
+    (from /proc/cpuinfo where there is one)."""
+    name, flags = platform.processor() or None, set()
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                key, _, val = line.partition(":")
+                if key.strip() == "model name" and name in (None, ""):
+                    name = val.strip()
+                elif key.strip() == "flags":
+                    flags = set(val.split())
+                    break
+    except OSError:
+        pass
+    return {"model": name, "isa": [f for f in _ISA_FLAGS if f in flags],
+            "torch_cpu_capability": torch.backends.cpu.get_cpu_capability()}
+
+
 def env_info() -> dict[str, Any]:
     return {
         "python": platform.python_version(),
@@ -210,6 +247,7 @@ def env_info() -> dict[str, Any]:
         "torch_threads": torch.get_num_threads(),
         "cpu_count": os.cpu_count(),
         "machine": platform.machine(),
+        "cpu": cpu_info(),
         "platform": platform.platform(),
         "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
     }

@@ -38,7 +38,7 @@ from typing import Any
 import torch
 from tqdm.auto import tqdm
 
-from kvserve.bench.common import env_info, log, percentile, resolve_model_path
+from kvserve.bench.common import env_info, log, model_label, percentile, resolve_model_path
 from kvserve.config import dtype_name
 from kvserve.engine.arg_utils import EngineArgs
 from kvserve.engine.llm_engine import LLMEngine
@@ -144,7 +144,7 @@ def token_stream(qc: QualityConfig, engine: LLMEngine, model: str) -> tuple[list
                                       add_special_tokens=False)
         if len(ids) < qc.prompt_len + 1:
             raise ValueError(f"text {path} has only {len(ids)} tokens")
-        return ids, {"kind": kind, "path": path, "tokens": len(ids)}
+        return ids, {"kind": kind, "path": model_label(path), "tokens": len(ids)}
     # generated: the baseline samples its own text (temperature 1, seeded)
     vocab = engine.model_config.vocab_size
     bos = engine.model_config.bos_token_id
@@ -251,14 +251,14 @@ def run_quality(qc: QualityConfig) -> dict[str, Any]:
     margins = [x["divergence_margin"] for x in per_prompt if x["divergence_margin"] is not None]
 
     def describe(eng: LLMEngine, path: str) -> dict[str, Any]:
-        return {"model": path, "model_dtype": dtype_name(eng.model_config.dtype),
+        return {"model": model_label(path), "model_dtype": dtype_name(eng.model_config.dtype),
                 "kv_cache_dtype": dtype_name(eng.kv_dtype),
                 "kv_bytes_per_token": eng.kv_cache.bytes_per_token}
 
     result = {
         "bench": "quality",
-        "model": model,
-        "candidate_model": cand_model,
+        "model": model_label(model),
+        "candidate_model": model_label(cand_model),
         "quantization": qc.quantization,
         "text_source": source,
         "baseline": {**describe(base_eng, model), **base_ppl},

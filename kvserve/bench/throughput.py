@@ -37,6 +37,7 @@ from kvserve.bench.common import (
     log,
     mean,
     median,
+    model_label,
     ms,
     peer_importable,
     pyplot,
@@ -315,7 +316,7 @@ def run_throughput(tc: ThroughputConfig) -> dict[str, Any]:
 
     result: dict[str, Any] = {
         "bench": "throughput",
-        "model": model,
+        "model": model_label(model),
         "model_dtype": dtype_name(configs[0].engine.model_config.dtype),
         "input_len": tc.input_len,
         "output_len": tc.output_len,

@@ -8,6 +8,7 @@ import json
 import pytest
 
 from kvserve.bench.common import (
+    model_label,
     parse_kv_pairs,
     parse_list,
     percentile,
@@ -47,6 +48,20 @@ def test_helpers():
     assert s["ffn"] == 1536 and s["max_pos"] == 4096
     with pytest.raises(ValueError, match="unknown key"):
         random_llama_spec("hiden=5")
+
+
+def test_model_label_carries_no_machine_path(tmp_path, monkeypatch):
+    import os
+
+    from kvserve.engine.arg_utils import demo_model_path
+
+    assert model_label(demo_model_path()) == "kvserve/demo_model"
+    assert model_label(os.path.join(demo_model_path(), "heldout.txt")) == \
+        "kvserve/demo_model/heldout.txt"
+    (tmp_path / "m").mkdir()
+    monkeypatch.chdir(tmp_path)
+    assert model_label(str(tmp_path / "m")) == "m"
+    assert model_label("/elsewhere/model") == "/elsewhere/model"
 
 
 def test_quality_identical_candidate_is_exact(tiny_llama, tmp_path):

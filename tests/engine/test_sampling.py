@@ -5,7 +5,7 @@ import math
 import torch
 
 from kvserve import SamplingParams
-from kvserve.layers.sampler import Sampler, SampleRow
+from kvserve.layers.sampler import Sampler, SampleRow, argmax_rows
 
 
 def _p(ids):
@@ -118,3 +118,18 @@ def test_chat_uses_template(tiny_llama, make_llm):
     if isinstance(expect, dict) or hasattr(expect, "input_ids"):
         expect = expect["input_ids"]
     assert out[0].prompt_token_ids == list(expect)
+
+
+def test_argmax_rows_equals_torch_argmax_with_ties_and_inf():
+    torch.manual_seed(0)
+    x = torch.randn(37, 4096)
+    x[3, [5, 900, 4000]] = 50.0  # ties: the first index wins, as in torch.argmax
+    x[4] = float("-inf")
+    x[4, 17] = -1e30
+    x[5] = float("-inf")  # all -inf: index 0
+    x[6] = 1.0  # all equal
+    got = argmax_rows(x)
+    assert got.dtype == torch.int64
+    assert torch.equal(got, x.argmax(dim=-1))
+    assert got[3] == 5 and got[4] == 17 and got[5] == 0 and got[6] == 0
+    assert torch.equal(argmax_rows(x[::2]), x[::2].argmax(dim=-1))  # non-contiguous rows

@@ -80,11 +80,19 @@ class Timers:
         return timed
 
 
-def install_class_timers(timers: Timers) -> None:
-    """Time every attention-kernel call and every dense linear forward (all engines)."""
+def install_class_timers(timers: Timers):
+    """Time every attention-kernel call and every dense linear forward (all engines); returns
+    the function that puts the originals back."""
+    saved = [(cpu_kernel, "paged_attention", cpu_kernel.paged_attention)]
     cpu_kernel.paged_attention = timers.wrap("attention", cpu_kernel.paged_attention)
     for cls in (linear_mod.Linear, linear_mod.MergedLinear):
+        saved.append((cls, "forward", cls.forward))
         cls.forward = timers.wrap("linear", cls.forward)
+
+    def undo() -> None:
+        for owner, name, fn in saved:
+            setattr(owner, name, fn)
+    return undo
 
 
 @dataclasses.dataclass
@@ -195,7 +203,8 @@ def plot(result: dict[str, Any], path: str) -> None:
         ax.invert_yaxis()
         ax.set_xlabel(unit)
         ax.grid(True, axis="x", alpha=0.3)
-    axes[0].legend(fontsize=8, loc="lower right")
+    handles, labels = axes[0].get_legend_handles_labels()
+    fig.legend(handles, labels, loc="lower center", ncol=len(PARTS), fontsize=8)
     s = result["summary"]
     axes[1].set_title(
         f"projected closed loop ({result['input_len']} in / {result['output_len']} out): "
@@ -203,7 +212,7 @@ def plot(result: dict[str, Any], path: str) -> None:
     axes[0].set_title(f"mean context {result['context']} tokens, median of "
                       f"{result['repeats']} windows x {result['steps']} steps", fontsize=9)
     fig.suptitle(f"kvserve decode step profile: {result['model']}", fontsize=10)
-    fig.tight_layout()
+    fig.tight_layout(rect=(0, 0.07, 1, 1))
     fig.savefig(path, dpi=110)
     plt.close(fig)
 
@@ -222,7 +231,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", default=None)
     ap.add_argument("--plot", default=None)
+    ap.add_argument("--replot", default=None, metavar="JSON",
+                    help="only redraw --plot from a JSON this script wrote")
     args = ap.parse_args(argv)
+    if args.replot:
+        if not args.plot:
+            raise ValueError("--replot needs --plot OUT.png")
+        with open(args.replot) as f:
+            plot(json.load(f), args.plot)
+        return 0
     pairs = parse_configs(args.configs)
     if args.steps < 1 or args.repeats < 1:
         raise ValueError("--steps and --repeats must be >= 1")
@@ -233,17 +250,20 @@ def main(argv: list[str] | None = None) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     timers = Timers()
-    install_class_timers(timers)
-    configs = []
-    for kv, b in pairs:
-        log(f"step_profile: building {kv}@{b} and prefilling {b} x {prompt_len} tokens")
-        configs.append(build(args, kv, b, timers, prompt_len))
-    for r in range(args.repeats):
-        for i in range(len(configs)):
-            cfg = configs[(i + r) % len(configs)]
-            cfg.windows.append(run_window(cfg, args.steps, timers))
-        log(f"step_profile: round {r + 1}/{args.repeats}: " + ", ".join(
-            f"{c.name} {c.windows[-1]['step_ms']:.2f} ms" for c in configs))
+    undo = install_class_timers(timers)
+    try:
+        configs = []
+        for kv, b in pairs:
+            log(f"step_profile: building {kv}@{b} and prefilling {b} x {prompt_len} tokens")
+            configs.append(build(args, kv, b, timers, prompt_len))
+        for r in range(args.repeats):
+            for i in range(len(configs)):
+                cfg = configs[(i + r) % len(configs)]
+                cfg.windows.append(run_window(cfg, args.steps, timers))
+            log(f"step_profile: round {r + 1}/{args.repeats}: " + ", ".join(
+                f"{c.name} {c.windows[-1]['step_ms']:.2f} ms" for c in configs))
+    finally:
+        undo()
     rows = [summarize(c, args) for c in configs]
     base, cand = rows[0], rows[-1]
     result = {

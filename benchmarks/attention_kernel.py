@@ -1,0 +1,129 @@
+"""The CPU attention read path per KV dtype: C kernel vs its pure-torch twin, one run, JSON out.
+
+    .venv/bin/python benchmarks/attention_kernel.py [--batch 32] [--context 192] [--layers 4]
+        [--kv-heads 2] [--group 2] [--head-dim 64] [--budget-mib 16] [--repeats 30]
+        [--threads 2] [--json OUT]
+
+Shapes default to the demo model's decode step at the throughput benchmark's KV limit: B
+sequences of ``context`` tokens in blocks of 16, scattered at random over a cache of
+``budget-mib`` (BF16 16 MiB = 8,192 tokens), 4 layers, 2 KV heads x 2 query heads of 64. Before
+every timed call a 64 MiB buffer is rewritten, so the KV comes from memory as it does between
+the GEMMs of a real step (not from a warm cache). Per dtype: the C kernel's job (AVX2 where
+built, else the portable one) and the portable job forced, and the twin (gather into a
+workspace, widen FP8 with the integer trick, fp32 matmuls), interleaved, medians. Reported:
+ms per step (all layers), KV bytes read per step and the effective GB/s.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+
+import torch
+
+from kvserve.attention import cpu_kernel
+from kvserve.attention.metadata import AttentionMetadata
+from kvserve.attention.torch_backend import TorchAttentionBackend
+from kvserve.bench.common import env_info, log
+from kvserve.cache.kv_cache import PagedKVCache
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp8_e4m3": torch.float8_e4m3fn,
+          "fp8_e5m2": torch.float8_e5m2}
+
+
+def setup(dtype: torch.dtype, a) -> tuple[PagedKVCache, AttentionMetadata, torch.Tensor]:
+    bs = 16
+    kv = PagedKVCache(a.layers, 1, bs, a.kv_heads, a.head_dim, 2, dtype)
+    nb = max(a.budget_mib * 2**20 // kv.bytes_per_block, a.batch * -(-a.context // bs))
+    kv = PagedKVCache(a.layers, nb, bs, a.kv_heads, a.head_dim, 2, dtype)
+    g = torch.Generator().manual_seed(0)
+    rows = torch.arange(nb * 2 * bs).view(nb, 2, bs)[:, 0].reshape(-1)
+    for layer in range(a.layers):
+        x = torch.randn(rows.numel(), a.kv_heads, a.head_dim, generator=g)
+        kv.write(layer, rows, x, torch.randn(x.shape, generator=g))
+    perm = torch.randperm(nb, generator=g).tolist()
+    mb = -(-a.context // bs)
+    tables = [perm[i * mb:(i + 1) * mb] for i in range(a.batch)]
+    meta = AttentionMetadata(num_tokens=a.batch, query_start_loc=list(range(a.batch + 1)),
+                             query_lens=[1] * a.batch, seq_lens=[a.context] * a.batch,
+                             block_tables=tables, write_rows=torch.empty(0, dtype=torch.int64),
+                             slot_mapping=torch.empty(0, dtype=torch.int64))
+    q = torch.randn(a.batch, a.kv_heads * a.group, a.head_dim, generator=g)
+    return kv, meta, q
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--batch", type=int, default=32)
+    ap.add_argument("--context", type=int, default=192)
+    ap.add_argument("--layers", type=int, default=4)
+    ap.add_argument("--kv-heads", type=int, default=2)
+    ap.add_argument("--group", type=int, default=2)
+    ap.add_argument("--head-dim", type=int, default=64)
+    ap.add_argument("--budget-mib", type=int, default=16)
+    ap.add_argument("--repeats", type=int, default=30)
+    ap.add_argument("--dtypes", default="bf16,fp8_e4m3,fp8_e5m2,fp32")
+    ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--json", default=None)
+    a = ap.parse_args(argv)
+    if a.threads:
+        torch.set_num_threads(a.threads)
+    if cpu_kernel.load() is None:
+        raise SystemExit("the C kernel did not build here (no compiler?)")
+    evict = torch.empty(16 * 2**20)
+    empty = torch.empty(0, a.kv_heads, a.head_dim)
+    rows = []
+    for name in a.dtypes.split(","):
+        dtype = DTYPES[name]
+        kv, meta, q = setup(dtype, a)
+        be = TorchAttentionBackend(kv, a.kv_heads * a.group, a.kv_heads, a.head_dim,
+                                   a.head_dim**-0.5, 4096)
+        plan = be._plan(meta)["kernel"]
+        out = torch.empty_like(q)
+
+        def kernel(force_scalar: bool, kv=kv, plan=plan, q=q, out=out) -> None:
+            for layer in range(a.layers):
+                cpu_kernel.paged_attention(kv.data[layer],
+                                           kv.scales[layer] if kv.is_fp8 else None, q,
+                                           plan[1], plan[0], plan[2], a.head_dim**-0.5, out,
+                                           force_scalar=force_scalar)
+
+        def twin(be=be, meta=meta, q=q) -> None:
+            be.use_kernel = False
+            meta.cache.clear()
+            for layer in range(a.layers):
+                be.forward(layer, q, empty, empty, meta)
+            be.use_kernel = True
+
+        paths = {"kernel": lambda: kernel(False), "kernel_portable": lambda: kernel(True),
+                 "torch_twin": twin}
+        times: dict[str, list[float]] = {k: [] for k in paths}
+        for r in range(a.repeats):
+            for k in list(paths)[r % 3:] + list(paths)[:r % 3]:
+                evict.add_(1.0)
+                t0 = time.perf_counter()
+                paths[k]()
+                times[k].append(time.perf_counter() - t0)
+        kv_bytes = a.batch * a.context * kv.bytes_per_token
+        row = {"kv_cache_dtype": name, "kv_bytes_per_token": kv.bytes_per_token,
+               "kv_bytes_per_step": kv_bytes, "simd": cpu_kernel.simd()}
+        for k, ts in times.items():
+            t = statistics.median(ts)
+            row[k] = {"ms_per_step": t * 1e3, "gb_per_s": kv_bytes / t / 1e9}
+        rows.append(row)
+        log(f"{name:>9}: " + ", ".join(f"{k} {row[k]['ms_per_step']:.3f} ms "
+                                      f"({row[k]['gb_per_s']:.1f} GB/s)" for k in paths))
+    result = {"bench": "attention_kernel", "args": vars(a), "results": rows, "env": env_info()}
+    text = json.dumps(result, indent=1)
+    if a.json:
+        with open(a.json, "w") as f:
+            f.write(text)
+    else:
+        print(text)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,66 @@
+"""The stand-alone benchmark scripts (benchmarks/*.py) run end to end on tiny settings and write
+what they promise. No timing is asserted."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import sys
+
+import pytest
+
+from kvserve.attention import cpu_kernel
+from kvserve.layers import linear
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def _script(name: str):
+    spec = importlib.util.spec_from_file_location(
+        f"benchmarks_{name}", os.path.join(ROOT, "benchmarks", f"{name}.py"))
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[f"benchmarks_{name}"] = mod  # dataclasses look their module up
+    spec.loader.exec_module(mod)
+    return mod
+
+
+@pytest.mark.skipif(cpu_kernel.load() is None, reason="no C compiler")
+def test_step_profile_tiny(tmp_path):
+    sp = _script("step_profile")
+    before = (cpu_kernel.paged_attention, linear.Linear.forward, linear.MergedLinear.forward)
+    out, png = tmp_path / "s.json", tmp_path / "s.png"
+    assert sp.main(["--configs", "bf16@2,fp8@3", "--context", "24", "--steps", "2",
+                    "--repeats", "2", "--threads", "1", "--json", str(out),
+                    "--plot", str(png)]) == 0
+    # its timers are gone again
+    assert (cpu_kernel.paged_attention, linear.Linear.forward,
+            linear.MergedLinear.forward) == before
+    r = json.loads(out.read_text())
+    assert png.read_bytes()[:4] == b"\x89PNG"
+    assert [(c["kv_cache_dtype"], c["batch"]) for c in r["configs"]] == [("bf16", 2), ("fp8", 3)]
+    for c in r["configs"]:
+        assert len(c["windows"]) == 2
+        assert set(c["parts_ms"]) == set(r["parts"])
+        assert c["parts_ms"]["attention"] > 0 and c["parts_ms"]["linear"] > 0
+        # the parts partition the step (engine = step - forward - sampling, so they add up)
+        assert sum(c["parts_ms"].values()) == pytest.approx(c["step_ms"], rel=0.25)
+        assert c["prefill_us_per_token"] > 0 and c["projected_tokens_per_s"] > 0
+    assert r["summary"]["baseline"] == "bf16@2" and r["summary"]["candidate"] == "fp8@3"
+    with pytest.raises(ValueError, match="DTYPE@BATCH"):
+        sp.main(["--configs", "fp8"])
+
+
+@pytest.mark.skipif(cpu_kernel.load() is None, reason="no C compiler")
+def test_attention_kernel_tiny(tmp_path):
+    ak = _script("attention_kernel")
+    out = tmp_path / "a.json"
+    assert ak.main(["--batch", "3", "--context", "40", "--layers", "1", "--repeats", "3",
+                    "--budget-mib", "1", "--threads", "1", "--json", str(out)]) == 0
+    r = json.loads(out.read_text())
+    assert [x["kv_cache_dtype"] for x in r["results"]] == ["bf16", "fp8_e4m3", "fp8_e5m2",
+                                                          "fp32"]
+    for x in r["results"]:
+        for path in ("kernel", "kernel_portable", "torch_twin"):
+            assert x[path]["ms_per_step"] > 0
+        assert x["kv_bytes_per_step"] == 3 * 40 * x["kv_bytes_per_token"]

@@ -17,7 +17,6 @@ ms per step (all layers), KV bytes read per step and the effective GB/s.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import time
 
@@ -26,7 +25,7 @@ import torch
 from kvserve.attention import cpu_kernel
 from kvserve.attention.metadata import AttentionMetadata
 from kvserve.attention.torch_backend import TorchAttentionBackend
-from kvserve.bench.common import env_info, log
+from kvserve.bench.common import env_info, log, write_json
 from kvserve.cache.kv_cache import PagedKVCache
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp8_e4m3": torch.float8_e4m3fn,
@@ -116,12 +115,7 @@ def main(argv: list[str] | None = None) -> int:
         log(f"{name:>9}: " + ", ".join(f"{k} {row[k]['ms_per_step']:.3f} ms "
                                       f"({row[k]['gb_per_s']:.1f} GB/s)" for k in paths))
     result = {"bench": "attention_kernel", "args": vars(a), "results": rows, "env": env_info()}
-    text = json.dumps(result, indent=1)
-    if a.json:
-        with open(a.json, "w") as f:
-            f.write(text)
-    else:
-        print(text)
+    write_json(a.json, result)
     return 0
 
 

@@ -54,6 +54,7 @@ from kvserve.bench.common import (
     pyplot,
     random_prompts,
     resolve_model_path,
+    write_json,
 )
 from kvserve.engine.arg_utils import EngineArgs
 from kvserve.engine.llm_engine import LLMEngine
@@ -294,12 +295,7 @@ def main(argv: list[str] | None = None) -> int:
         f"{result['summary']['projected_ratio']:.3f}")
     if args.plot:
         plot(result, args.plot)
-    text = json.dumps(result, indent=1)
-    if args.json:
-        with open(args.json, "w") as f:
-            f.write(text)
-    else:
-        print(text)
+    write_json(args.json, result)
     del configs
     return 0 if all(math.isfinite(r["step_ms"]) for r in rows) else 1
 

@@ -1,4 +1,6 @@
-"""The C decode kernel vs its pure-torch twin (TorchAttentionBackend with use_kernel=False)."""
+"""The C paged-attention kernel (AVX2 and portable jobs) vs its pure-torch twin
+(TorchAttentionBackend with use_kernel=False), over dtypes, shapes and decode / prefill /
+extend rows."""
 
 from __future__ import annotations
 

@@ -258,8 +258,10 @@ static inline void widen_scales(const uint16_t *sk, const uint16_t *sv, int H, i
         for (; i + 8 <= n; i += 8) {
             __m256i a = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(sk + i)));
             __m256i b = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(sv + i)));
-            _mm256_storeu_ps(ks + i, _mm256_mul_ps(_mm256_castsi256_ps(_mm256_slli_epi32(a, 16)), kv));
-            _mm256_storeu_ps(vs + i, _mm256_mul_ps(_mm256_castsi256_ps(_mm256_slli_epi32(b, 16)), vv));
+            __m256 af = _mm256_castsi256_ps(_mm256_slli_epi32(a, 16));
+            __m256 bf = _mm256_castsi256_ps(_mm256_slli_epi32(b, 16));
+            _mm256_storeu_ps(ks + i, _mm256_mul_ps(af, kv));
+            _mm256_storeu_ps(vs + i, _mm256_mul_ps(bf, vv));
         }
         for (; i < n; i++) {
             ks[i] = kf * bf16_to_f32(sk[i]);
@@ -473,17 +475,16 @@ void kvs_paged_attention(const void *kv, const uint16_t *scales, int dtype, cons
 #endif
     /* tiles: runs of consecutive rows of one sequence whose lens step by one, <= ROW_TILE */
     int *tile_start = (int *)malloc(sizeof(int) * (size_t)(n + 1));
-    int ntiles = 0, max_len = 0;
+    int ntiles = 0, max_len = 0, max_rows = 1;
     for (int i = 0; i < n; i++) {
         max_len = lens[i] > max_len ? (int)lens[i] : max_len;
         int same = i > 0 && fn != job_rows_scalar && row_seq && row_seq[i] == row_seq[i - 1] &&
                    lens[i] == lens[i - 1] + 1 && i - tile_start[ntiles - 1] < ROW_TILE;
         if (!same) tile_start[ntiles++] = i;
+        else if (i - tile_start[ntiles - 1] + 1 > max_rows)
+            max_rows = i - tile_start[ntiles - 1] + 1;
     }
     tile_start[ntiles] = n;
-    int max_rows = 1;
-    for (int t = 0; t < ntiles; t++)
-        if (tile_start[t + 1] - tile_start[t] > max_rows) max_rows = tile_start[t + 1] - tile_start[t];
     /* Jobs: a tile with all kv heads (each block's K/V component read as one contiguous run)
      * when there are enough tiles to keep every thread busy, else a tile and one head. */
     const int nh = ntiles >= 2 * num_threads ? H : 1, njobs = ntiles * (H / nh);

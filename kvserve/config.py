@@ -6,6 +6,7 @@ parameter; everything downstream may then rely on the invariants.
 
 from __future__ import annotations
 
+import functools
 import re
 from dataclasses import dataclass, field
 from typing import Literal
@@ -63,9 +64,26 @@ def parse_size(value: str | int, name: str = "kv_cache_memory") -> int:
 
 
 def cpu_has_fast_half() -> bool:
-    """True when this CPU multiplies bf16/fp16 natively (AVX512-BF16 / AMX); on AVX2 a bf16
-    GEMM runs ~5x slower than fp32 (64x4096x4096: 21 vs 102 GFLOP/s measured here)."""
-    return torch.backends.cpu.get_cpu_capability() not in ("DEFAULT", "AVX2", "NO AVX")
+    """True when this CPU multiplies bf16 natively (AVX512-BF16 / AMX-BF16); on AVX2, and on
+    AVX-512 without the BF16 extension, a bf16 GEMM runs ~5x slower than fp32 (64x4096x4096:
+    21 vs 102 GFLOP/s measured on AVX2). torch's capability string says AVX512 for both kinds
+    of AVX-512 CPU, so the CPU's own flags decide."""
+    if torch.backends.cpu.get_cpu_capability() in ("DEFAULT", "AVX2", "NO AVX"):
+        return False
+    return bool({"avx512_bf16", "amx_bf16"} & cpu_flags())
+
+
+@functools.cache
+def cpu_flags() -> frozenset[str]:
+    """The CPU's feature flags (Linux /proc/cpuinfo; empty elsewhere)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return frozenset(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return frozenset()
 
 
 def resolve_model_dtype(dtype: str | torch.dtype, checkpoint_dtype: torch.dtype,

@@ -12,6 +12,8 @@
  *                                        low  nibble = row b*BN + j
  *                                        high nibble = row b*BN + BN/2 + j
  *   sz      bf16  [K/G, N, 2]          (s, z) per (group, row): w = (u - 8) * s + z
+ *      or  fp16  [K/G, N, 2]          min_form: (s, m), w = u * s + m  (GGUF Q4_0 / Q4_1,
+ *                                     whose fp16 d and m it holds exactly)
  *
  * Work unit = 16 bytes of one block's k-row = 32 rows:
  *
@@ -147,6 +149,49 @@ static void unit_dot(const uint8_t *restrict wk, int64_t stride, const float *re
 #endif
 }
 
+static inline float f16f(uint16_t h) {
+    const uint32_t sign = (uint32_t)(h & 0x8000) << 16, e = (h >> 10) & 31, m = h & 1023;
+    uint32_t u;
+    if (e == 31) {
+        u = sign | 0x7f800000u | (m << 13);
+    } else if (e != 0) {
+        u = sign | ((e + 112) << 23) | (m << 13);
+    } else {  /* zero or subnormal: m * 2^-24, exact in fp32 */
+        float f = (float)m * 5.9604644775390625e-8f;
+        memcpy(&u, &f, 4);
+        u |= sign;
+    }
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+}
+
+/* min form: out[mm][r] += s[r] * acc[mm][r] + m[r] * xs[mm], fp16 (s, m) pairs at p. */
+static inline void combine8_min(const uint16_t *restrict p, int mt, float acc[2][32], int r0,
+                                const float xsv[2], float out[2][32]) {
+#if defined(__AVX2__) && defined(__F16C__)
+    const __m256 a = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p));       /* s0 m0 .. */
+    const __m256 b = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(p + 8))); /* s4 m4 .. */
+    /* per 128-bit lane: [a0 a2 b0 b2 | a4 a6 b4 b6] = s0 s1 s4 s5 | s2 s3 s6 s7 -> reorder */
+    const __m256 s = _mm256_castpd_ps(_mm256_permute4x64_pd(
+        _mm256_castps_pd(_mm256_shuffle_ps(a, b, _MM_SHUFFLE(2, 0, 2, 0))), 0xD8));
+    const __m256 m = _mm256_castpd_ps(_mm256_permute4x64_pd(
+        _mm256_castps_pd(_mm256_shuffle_ps(a, b, _MM_SHUFFLE(3, 1, 3, 1))), 0xD8));
+    for (int mm = 0; mm < mt; mm++) {
+        __m256 o = _mm256_loadu_ps(out[mm] + r0);
+        o = _mm256_fmadd_ps(s, _mm256_loadu_ps(acc[mm] + r0), o);
+        o = _mm256_fmadd_ps(m, _mm256_set1_ps(xsv[mm]), o);
+        _mm256_storeu_ps(out[mm] + r0, o);
+    }
+#else
+    for (int i = 0; i < 8; i++) {
+        const float s = f16f(p[2 * i]), m = f16f(p[2 * i + 1]);
+        for (int mm = 0; mm < mt; mm++)
+            out[mm][r0 + i] += s * acc[mm][r0 + i] + m * xsv[mm];
+    }
+#endif
+}
+
 /* out[mm][r] += s[r] * acc[mm][r] + (z[r] - 8 s[r]) * xs[mm] over 8 rows whose (s, z) bf16
  * pairs start at p (row-contiguous). */
 static inline void combine8(const uint16_t *restrict p, int mt, float acc[2][32], int r0,
@@ -177,7 +222,7 @@ static inline void combine8(const uint16_t *restrict p, int mt, float acc[2][32]
  */
 void kvs_int4_gemv(const uint8_t *packed, const uint16_t *sz, const float *x, const float *xs,
                    int64_t M, int64_t N, int64_t K, int64_t G, int64_t BN, int num_threads,
-                   float *y) {
+                   int min_form, float *y) {
     const int64_t ng = K / G;
     const int64_t per_block = BN / 32;          /* units per row block */
     const int64_t n_units = (N / BN) * per_block;
@@ -194,8 +239,13 @@ void kvs_int4_gemv(const uint8_t *packed, const uint16_t *sz, const float *x, co
                 unit_dot(wk, BN / 2, x + m0 * K, K, mt, g * G, (g + 1) * G, acc);
                 const uint16_t *szg = sz + (g * N) * 2;
                 const float xsv[2] = {xs[m0 * ng + g], mt == 2 ? xs[(m0 + 1) * ng + g] : 0.0f};
-                for (int r0 = 0; r0 < 32; r0 += 8)
-                    combine8(szg + 2 * unit_row(lo0, hi0, r0), mt, acc, r0, xsv, out);
+                for (int r0 = 0; r0 < 32; r0 += 8) {
+                    const uint16_t *p = szg + 2 * unit_row(lo0, hi0, r0);
+                    if (min_form)
+                        combine8_min(p, mt, acc, r0, xsv, out);
+                    else
+                        combine8(p, mt, acc, r0, xsv, out);
+                }
             }
             for (int mm = 0; mm < mt; mm++)
                 for (int r = 0; r < 32; r++)

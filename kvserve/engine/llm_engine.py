@@ -22,13 +22,15 @@ from kvserve.cache.block_pool import BlockPool
 from kvserve.cache.kv_cache import PagedKVCache, bytes_per_block
 from kvserve.cache.kv_cache_manager import KVCacheManager
 from kvserve.config import ModelConfig, dtype_name, resolve_kv_dtype
-from kvserve.engine.arg_utils import EngineArgs, demo_model_path
+from kvserve.engine.arg_utils import EngineArgs
 from kvserve.engine.cuda_graphs import CudaGraphRunner, clear_scratch_block
 from kvserve.engine.detokenizer import IncrementalDetokenizer
 from kvserve.engine.model_runner import ModelRunner
 from kvserve.engine.scheduler import Scheduler
 from kvserve.layers.sampler import Sampler, SampleRow, top_logprobs
-from kvserve.model.loader import checkpoint_dtype, load_model, load_tokenizer
+from kvserve.model.default_model import resolve_model
+from kvserve.model.loader import (checkpoint_dtype, describe_weight_bytes, load_model,
+                                  load_tokenizer)
 from kvserve.outputs import CompletionOutput, RequestOutput
 from kvserve.request import Request, RequestStatus
 from kvserve.sampling_params import SamplingParams
@@ -60,10 +62,12 @@ class LLMEngine:
         cache_cfg, sched_cfg = args.cache_config(), args.scheduler_config()
         self.cache_config = cache_cfg
         torch.manual_seed(args.seed)
-        path = args.model or demo_model_path()
+        path = resolve_model(args.model)
+        t0 = time.perf_counter()
         loaded = load_model(path, args.dtype, args.device, progress=args.progress)
+        folder = loaded.folder  # config.json + tokenizer (a GGUF's converted metadata)
         self.model = loaded.model
-        self.tokenizer = load_tokenizer(args.tokenizer or path)
+        self.tokenizer = load_tokenizer(args.tokenizer or folder)
         spec = self.model.kv_spec()
         # "auto" KV = the checkpoint's dtype: a bf16 checkpoint computed in fp32 on an AVX2 CPU
         # still caches bf16 (half the bytes; attention reads it with the C kernel).
@@ -74,7 +78,6 @@ class LLMEngine:
         per_block = bytes_per_block(spec["num_layers"], cache_cfg.block_size,
                                     spec["num_kv_heads"], spec["head_dim"],
                                     spec["components"], kv_dtype)
-        num_blocks = self._num_blocks(cache_cfg, per_block)
         bs = cache_cfg.block_size
         max_len = spec["max_position_embeddings"]
         if spec.get("sliding_window"):
@@ -84,13 +87,14 @@ class LLMEngine:
                 raise ValueError(f"max_model_len {sched_cfg.max_model_len} exceeds the model's "
                                  f"context length {max_len}")
             max_len = sched_cfg.max_model_len
+        num_blocks = self._num_blocks(cache_cfg, per_block, sched_cfg.max_num_seqs * max_len)
         self.capacity_tokens = num_blocks * bs
         self.model_config = ModelConfig(
             path=path, architecture=loaded.architecture, dtype=loaded.dtype,
             vocab_size=loaded.hf_config.vocab_size, num_layers=spec["num_layers"],
             num_kv_heads=spec["num_kv_heads"], head_dim=spec["head_dim"],
             kv_components=spec["components"], max_model_len=max_len,
-            eos_token_ids=self._eos_ids(path), bos_token_id=self.tokenizer.bos_token_id,
+            eos_token_ids=self._eos_ids(folder), bos_token_id=self.tokenizer.bos_token_id,
         )
         static = loaded.kv_scales
         if static is not None:
@@ -99,7 +103,8 @@ class LLMEngine:
             spec["num_layers"], num_blocks, bs, spec["num_kv_heads"], spec["head_dim"],
             spec["components"], kv_dtype, args.device, static_scales=static,
         )
-        self.fingerprint = self._fingerprint(path, loaded.dtype, kv_dtype, bs)
+        self.fingerprint = self._fingerprint(folder, loaded.weight_files, loaded.dtype,
+                                             kv_dtype, bs)
         self.pool = BlockPool(num_blocks)
         self.integrity = self._make_integrity(cache_cfg)
         self.kv = KVCacheManager(self.pool, bs, cache_cfg.enable_prefix_caching,
@@ -117,8 +122,11 @@ class LLMEngine:
         self._finished_outputs: list[RequestOutput] = []
         self.stats = {"prompt_tokens": 0, "generation_tokens": 0, "steps": 0,
                       "finished": 0, "aborted": 0}
-        logger.info("%s; max_model_len %d; %d B/token of KV", self.kv_cache.describe(),
-                    max_len, self.kv_cache.bytes_per_token)
+        logger.info("model %s (%s, %s): %s", path, loaded.architecture,
+                    dtype_name(loaded.dtype), describe_weight_bytes(self.model))
+        logger.info("%s; max_model_len %d; %d B/token of KV; %s", self.kv_cache.describe(),
+                    max_len, self.kv_cache.bytes_per_token, self._kv_budget_note)
+        logger.info("ready in %.1f s", time.perf_counter() - t0)
 
     # ---- construction helpers -------------------------------------------------------------
     def _cuda_graphs(self, backend, spec: dict, sched_cfg, max_len: int
@@ -141,15 +149,25 @@ class LLMEngine:
             return None
         return graphs
 
-    @staticmethod
-    def _num_blocks(cfg, per_block: int) -> int:
+    def _num_blocks(self, cfg, per_block: int, want_tokens: int) -> int:
+        """Blocks for ``kv_cache_memory``, else enough for ``max_num_seqs x max_model_len``
+        tokens (``want_tokens``) capped by ``kv_cache_memory_fraction`` of available memory
+        and DEFAULT_MAX_KV_BYTES; ``_kv_budget_note`` says which applied."""
         if cfg.num_blocks_override is not None:
+            self._kv_budget_note = f"num_blocks {cfg.num_blocks_override} given"
             return cfg.num_blocks_override
         if cfg.kv_cache_memory is not None:
             budget = cfg.kv_cache_memory
+            self._kv_budget_note = f"kv_cache_memory {budget / 2**20:.0f} MiB given"
         else:
-            budget = min(int(_available_memory() * cfg.kv_cache_memory_fraction),
-                         DEFAULT_MAX_KV_BYTES)
+            need = -(-want_tokens // cfg.block_size) * per_block
+            avail = int(_available_memory() * cfg.kv_cache_memory_fraction)
+            budget = min(need, avail, DEFAULT_MAX_KV_BYTES)
+            why = ("max_num_seqs x max_model_len" if budget == need else
+                   f"capped by {cfg.kv_cache_memory_fraction:.0%} of available memory"
+                   if budget == avail else "capped at 4 GiB (set kv_cache_memory to change)")
+            self._kv_budget_note = (f"KV budget {budget / 2**20:.0f} MiB: {why} "
+                                    f"(wanted {need / 2**20:.0f} MiB for {want_tokens} tokens)")
         n = budget // per_block
         if n < 2:
             raise ValueError(f"kv_cache_memory {budget} B holds fewer than 2 blocks "
@@ -174,14 +192,14 @@ class LLMEngine:
         return tuple(dict.fromkeys(ids))
 
     @staticmethod
-    def _fingerprint(path: str, dtype: torch.dtype, kv_dtype: torch.dtype, bs: int) -> bytes:
+    def _fingerprint(folder: str, weight_files: tuple[str, ...], dtype: torch.dtype,
+                     kv_dtype: torch.dtype, bs: int) -> bytes:
         h = hashlib.blake2b(digest_size=16)
-        with open(os.path.join(path, "config.json"), "rb") as f:
+        with open(os.path.join(folder, "config.json"), "rb") as f:
             h.update(f.read())
-        for name in sorted(os.listdir(path)):
-            if name.endswith(".safetensors"):
-                st = os.stat(os.path.join(path, name))
-                h.update(f"{name}:{st.st_size}:{st.st_mtime_ns}".encode())
+        for file in weight_files:
+            st = os.stat(file)
+            h.update(f"{os.path.basename(file)}:{st.st_size}:{st.st_mtime_ns}".encode())
         h.update(f"{dtype_name(dtype)}|{dtype_name(kv_dtype)}|{bs}".encode())
         return h.digest()
 

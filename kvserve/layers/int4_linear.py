@@ -143,6 +143,8 @@ class Int4Linear(nn.Module):
         self.in_features, self.out_features = k, n
         self.group_size = weight.group_size
         self.symmetric = weight.symmetric
+        # GGUF Q4_0 / Q4_1 "min" form (w = u * s + m): (s, m) held in fp16, exactly as stored
+        self.min_form = weight.mins is not None
         self.dequant_min_m = dequant_min_m
         self.gemv_max_m = gemv_max_m
         self.register_buffer("bias", bias.detach().clone() if bias is not None else None,
@@ -156,7 +158,7 @@ class Int4Linear(nn.Module):
             if torch.equal(gi[perm], torch.arange(k) // weight.group_size) and \
                     weight.n_groups == math.ceil(k / weight.group_size):
                 weight = Int4Weight(weight.values[:, perm].contiguous(), weight.scales,
-                                    weight.zeros, weight.group_size)
+                                    weight.zeros, weight.group_size, None, weight.mins)
             else:
                 perm = None  # irregular groups: canonical path with g_idx
         self.register_buffer("perm", perm, persistent=False)
@@ -174,8 +176,9 @@ class Int4Linear(nn.Module):
             self.n_pad = _ceil_to(n, block_n)
             packed, sz = self._pack_for_op(weight, op_group, self.k_pad, self.n_pad)
             self.register_buffer("packed", packed, persistent=False)  # uint8 [n_pad, k_pad/2]
-            self.register_buffer("scales_zeros", sz, persistent=False)  # bf16 [k_pad/G', n_pad, 2]
-            for name in ("ct_packed", "ct_scales", "ct_zeros", "ct_group_index"):
+            # [k_pad/G', n_pad, 2]: bf16 (s, z), w = (u - 8) s + z; min form fp16 (s, m), w = u s + m
+            self.register_buffer("scales_zeros", sz, persistent=False)
+            for name in ("ct_packed", "ct_scales", "ct_zeros", "ct_mins", "ct_group_index"):
                 self.register_buffer(name, None, persistent=False)
         else:
             self.op_group = 0
@@ -187,6 +190,8 @@ class Int4Linear(nn.Module):
             self.register_buffer("ct_scales", weight.scales.float().contiguous(),
                                  persistent=False)
             self.register_buffer("ct_zeros", weight.zeros, persistent=False)
+            self.register_buffer("ct_mins", None if weight.mins is None else
+                                 weight.mins.float().contiguous(), persistent=False)
             self.register_buffer("ct_group_index", weight.group_index(), persistent=False)
 
     # ---------------------------------------------------------------- constructors
@@ -258,14 +263,19 @@ class Int4Linear(nn.Module):
         n_op_groups = k_pad // op_group
         rep = 1 if w.n_groups == 1 else w.group_size // op_group
         s = w.scales.float()
-        # w = (q - zp) * s = (u - 8) * s + zero  with  zero = -zp * s
-        z = -w.zeros.float() * s if w.zeros is not None else torch.zeros_like(s)
+        # w = (q - zp) * s = (u - 8) * s + zero  with  zero = -zp * s;  min form: (s, m) as is
+        if w.mins is not None:
+            z = w.mins.float()
+        else:
+            z = -w.zeros.float() * s if w.zeros is not None else torch.zeros_like(s)
         s = s.repeat_interleave(rep, 1) if rep > 1 else s
         z = z.repeat_interleave(rep, 1) if rep > 1 else z
         if w.n_groups == 1:
             s, z = s.expand(n, n_op_groups), z.expand(n, n_op_groups)
         assert s.shape == (n, n_op_groups), (s.shape, n_op_groups)
-        sz = torch.zeros(n_op_groups, n_pad, 2, dtype=torch.bfloat16)  # padded rows: w = 0
+        # padded rows: w = 0. fp16 holds GGUF's fp16 (d, m) exactly; bf16 would round them
+        pair_dtype = torch.float16 if w.mins is not None else torch.bfloat16
+        sz = torch.zeros(n_op_groups, n_pad, 2, dtype=pair_dtype)
         sz[:, :n, 0] = s.t()
         sz[:, :n, 1] = z.t()
         return packed, sz
@@ -286,8 +296,8 @@ class Int4Linear(nn.Module):
             y = self._forward_device(x2)
         elif self.fast and m <= self.gemv_max_m and _gemv_lib() is not None:
             y = self._forward_gemv(x2)
-        elif self.fast and m < self.dequant_min_m:
-            y = self._forward_op(x2)
+        elif self.fast and m < self.dequant_min_m and not self.min_form:
+            y = self._forward_op(x2)  # bf16 activations: min-form (GGUF) layers keep fp32
         else:
             y = self._forward_dequant(x2)
         if self.bias is not None:
@@ -304,13 +314,14 @@ class Int4Linear(nn.Module):
         m, g = xf.shape[0], self.op_group
         xs = xf.view(m, self.k_pad // g, g).sum(-1)  # [m, groups]: the zero-point term
         sz = self.scales_zeros
-        if sz.dtype != torch.bfloat16:
-            sz = sz.bfloat16()
+        want = torch.float16 if self.min_form else torch.bfloat16
+        if sz.dtype != want:  # a module-wide .to(dtype) cast it
+            sz = sz.to(want)
         y = torch.empty(m, self.n_pad, dtype=torch.float32)
         _gemv_lib().kvs_int4_gemv(
             self.packed.data_ptr(), sz.contiguous().data_ptr(), xf.data_ptr(), xs.data_ptr(),
             m, self.n_pad, self.k_pad, g, self._layout[0], torch.get_num_threads(),
-            y.data_ptr())
+            int(self.min_form), y.data_ptr())
         if self.n_pad != self.out_features:
             y = y[:, : self.out_features]
         return y.to(x2.dtype)
@@ -321,6 +332,9 @@ class Int4Linear(nn.Module):
         if self.k_pad != self.in_features:
             xb = F.pad(xb, (0, self.k_pad - self.in_features))
         sz = self.scales_zeros
+        if self.min_form:  # the op's form w = (u - 8) s + z: z = m + 8 s, rounded to bf16
+            sf = sz.float()
+            sz = torch.stack((sf[..., 0], sf[..., 1] + 8.0 * sf[..., 0]), -1)
         if sz.dtype != torch.bfloat16:  # a module-wide .to(dtype) cast it
             sz = sz.bfloat16()
         y = torch.ops.aten._weight_int4pack_mm_for_cpu(xb.contiguous(), self.packed,
@@ -349,9 +363,11 @@ class Int4Linear(nn.Module):
     def _dequant_rows_t(self, r0: int, r1: int) -> torch.Tensor:
         """fp32 [k_pad, r1 - r0]: W^T for stored rows [r0, r1) (stored = permuted columns)."""
         if not self.fast:
-            v = int4.unpack_nibbles(self.ct_packed[r0:r1], self.in_features, 1).float() \
-                - int4.OFFSET
+            v = int4.unpack_nibbles(self.ct_packed[r0:r1], self.in_features, 1).float()
             gi = self.ct_group_index
+            if self.ct_mins is not None:  # fl(fl(u * s) + m), as int4.dequantize
+                return (v * self.ct_scales[r0:r1][:, gi] + self.ct_mins[r0:r1][:, gi]).t()
+            v -= int4.OFFSET
             if self.ct_zeros is not None:
                 v -= self.ct_zeros[r0:r1].float()[:, gi]
             return (v * self.ct_scales[r0:r1][:, gi]).t()
@@ -365,7 +381,7 @@ class Int4Linear(nn.Module):
         sz = self.scales_zeros[:, r0:r1].float()  # [ng, rows, 2]
         s, z = sz[..., 0].unsqueeze(1), sz[..., 1].unsqueeze(1)  # [ng, 1, rows]
         w = torch.mul(u.view(ng, g, rows), s)  # uint8 * fp32 -> fp32, one pass
-        w.add_(z - int4.OFFSET * s)  # (u - 8) * s + z
+        w.add_(z if self.min_form else z - int4.OFFSET * s)  # u s + m  or  (u - 8) s + z
         return w.view(self.k_pad, rows)
 
     # ---------------------------------------------------------------- GPU layouts (CUDA)
@@ -376,7 +392,8 @@ class Int4Linear(nn.Module):
     #
     #   "triton"   (default) kvserve/kernels/triton_int4.py, the compressed-tensors layout:
     #              dev_packed int32 [N, ceil(K/8)] (nibble j of word w = column 8w + j, unsigned)
-    #              dev_scales [N, G] fp32, dev_zeros int8 [N, G] unsigned zero points (0..16) or
+    #              dev_scales [N, G] fp32, dev_zeros int8 [N, G] unsigned zero points (0..16),
+    #              fp32 fractional ones -m / s for the GGUF min form (Q4_0: exactly 8), or
     #              None (symmetric: 8); W[n, k] = (u - zp) * scale, group dev_group.
     #   "tinygemm" torch's CUDA ``_weight_int4pack_mm`` (bf16 activations, sm80+): dev_packed
     #              int32 opaque tiles from ``_convert_weight_to_int4pack`` (made on the device from
@@ -419,7 +436,8 @@ class Int4Linear(nn.Module):
         elif kernel == "triton":
             bufs["dev_packed"] = int4.pack_int4((u.to(torch.int16) - int4.OFFSET).to(torch.int8))
             bufs["dev_scales"] = scales
-            bufs["dev_zeros"] = None if zp is None else zp.to(torch.int8)
+            bufs["dev_zeros"] = None if zp is None else (
+                zp.float() if zp.is_floating_point() else zp.to(torch.int8))
         else:
             k_pad, n_pad = _ceil_to(k, group), _ceil_to(n, 8)  # group: a multiple of 32
             up = torch.full((n_pad, k_pad), int4.OFFSET, dtype=torch.uint8)  # pad: weight 0
@@ -430,7 +448,7 @@ class Int4Linear(nn.Module):
             sz[: scales.shape[1], :n, 0] = scales.t()
             sz[: scales.shape[1], :n, 1] = ((int4.OFFSET - zpf) * scales).t()  # zero
             bufs["dev_sz"] = sz
-        for name in ("packed", "scales_zeros", "ct_packed", "ct_scales", "ct_zeros",
+        for name in ("packed", "scales_zeros", "ct_packed", "ct_scales", "ct_zeros", "ct_mins",
                      "ct_group_index"):
             self.register_buffer(name, None, persistent=False)
         for name, t in bufs.items():
@@ -457,6 +475,8 @@ class Int4Linear(nn.Module):
             sz = self.scales_zeros.float()[:, :n]  # [k_pad / g, n, 2]
             s, z = sz[..., 0].t().contiguous(), sz[..., 1].t()  # [n, G']
             zp = None
+            if self.min_form:  # w = u s + m = (u - zp) s with a fractional zp = -m / s
+                return u, s, self._min_form_zero_points(s, z), g
             if not self.symmetric:
                 safe = torch.where(s == 0, torch.ones_like(s), s)
                 zp = torch.where(s == 0, torch.full_like(s, float(int4.OFFSET)),
@@ -467,8 +487,22 @@ class Int4Linear(nn.Module):
         if not torch.equal(gi, torch.arange(k, device=gi.device) // group):
             return None, self.ct_scales, None, group
         u = int4.unpack_nibbles(self.ct_packed, k, 1).to(torch.uint8)  # unsigned nibbles
+        if self.ct_mins is not None:
+            return u, self.ct_scales.float(), self._min_form_zero_points(
+                self.ct_scales.float(), self.ct_mins), group
         zp = None if self.ct_zeros is None else self.ct_zeros.to(torch.int16) + int4.OFFSET
         return u, self.ct_scales.float(), zp, group
+
+    @staticmethod
+    def _min_form_zero_points(s: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
+        """fp32 [N, G] zp with (u - zp) s == u s + m up to fp32 rounding (Q4_0: zp = 8,
+        exact). A group with s == 0 and m != 0 has no such zp: refused (not in ggml output
+        unless a whole block is one constant)."""
+        m = m.float()
+        if bool(((s == 0) & (m != 0)).any()):
+            raise ValueError("a Q4_1 block with d == 0 and m != 0 has no GPU zero-point form")
+        safe = torch.where(s == 0, torch.ones_like(s), s)
+        return torch.where(s == 0, torch.full_like(s, float(int4.OFFSET)), -m / safe)
 
     def _tinygemm_ok(self, group: int) -> bool:
         return (getattr(torch.ops.aten, "_weight_int4pack_mm", None) is not None
@@ -585,7 +619,8 @@ def _gemv_lib() -> ctypes.CDLL | None:
     if dll is None:
         return None
     p, i64 = ctypes.c_void_p, ctypes.c_int64
-    dll.kvs_int4_gemv.argtypes = [p, p, p, p, i64, i64, i64, i64, i64, ctypes.c_int, p]
+    dll.kvs_int4_gemv.argtypes = [p, p, p, p, i64, i64, i64, i64, i64, ctypes.c_int,
+                                  ctypes.c_int, p]
     dll.kvs_int4_gemv.restype = None
     return dll
 

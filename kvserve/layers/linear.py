@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kvserve.layers.int4_linear import Int4Linear
-from kvserve.quant import int4
+from kvserve.quant import gguf_q4, int4
 
 if TYPE_CHECKING:
     from kvserve.model.quant_config import Int4Scheme
@@ -210,7 +210,10 @@ class Int4MergedLinear(nn.Module):
                              f"{', '.join(self._ckpt(shard_id, n) for n in missing)}")
         name = self.shard_names.get(shard_id, "?")
         try:
-            if s.format == "pack-quantized":
+            if s.format == "gguf":
+                w = gguf_q4.unpack_q4(t["gguf_blocks"], s.gguf_type,
+                                      (self.sizes[shard_id], self.in_features))
+            elif s.format == "pack-quantized":
                 w = int4.from_compressed_tensors(
                     t["weight_packed"], t["weight_scale"], t["weight_shape"],
                     None if s.symmetric else t["weight_zero_point"],

@@ -1,4 +1,5 @@
-"""Load an HF folder: config.json, single or sharded *.safetensors, tokenizer files.
+"""Load an HF folder (config.json, single or sharded *.safetensors, tokenizer files) or a GGUF
+file (kvserve.model.gguf: metadata converted once to an HF folder, Q4_0 / Q4_1 kept packed).
 
 The model is built on the meta device, materialized once (``to_empty``), and every checkpoint
 tensor is handed to its parameter's ``weight_loader`` (fused q/k/v and gate/up are assembled
@@ -19,7 +20,8 @@ from tqdm.auto import tqdm
 
 from kvserve.layers.linear import Int4MergedLinear, Linear, MergedLinear
 from kvserve.layers.moe import FusedMoE, Int4FusedMoE
-from kvserve.model import registry
+from kvserve.model import gguf, registry
+from kvserve.model.gguf import GGUFCheckpoint
 from kvserve.model.quant_config import QuantConfig, parse_quant_config
 
 logger = logging.getLogger(__name__)
@@ -36,6 +38,8 @@ class LoadedModel:
     dtype: torch.dtype
     # Per-layer static KV scales found in the checkpoint ([L, 2] per-tensor), else None.
     kv_scales: torch.Tensor | None
+    folder: str = ""  # config.json + tokenizer files (a GGUF's converted metadata)
+    weight_files: tuple[str, ...] = ()  # the files the weights came from
 
 
 def load_hf_config(path: str):
@@ -88,14 +92,26 @@ def _target(model: torch.nn.Module, name: str) -> tuple[str, str | None]:
     return name, None
 
 
+def model_source(path: str) -> tuple[str, GGUFCheckpoint | None]:
+    """(folder holding config.json and the tokenizer, the GGUF file or None) for ``path``."""
+    if gguf.is_gguf(path):
+        ckpt = gguf.GGUFCheckpoint(path)
+        return ckpt.metadata_dir, ckpt
+    if os.path.isfile(path):
+        raise ValueError(f"model {path!r} is a file but not a .gguf file; give a GGUF file or "
+                         "an HF folder (config.json + *.safetensors)")
+    return path, None
+
+
 def load_model(path: str, dtype: str | torch.dtype = "auto", device: str = "cpu",
                progress: bool = True) -> LoadedModel:
     from kvserve.config import resolve_model_dtype
 
-    hf_config, arch = load_hf_config(path)
-    quant = parse_quant_config(_raw_quantization_config(path))
-    dtype = resolve_model_dtype(dtype, checkpoint_dtype(hf_config), device,
-                                _checkpoint_params(path))
+    folder, ggml = model_source(path)
+    hf_config, arch = load_hf_config(folder)
+    quant = None if ggml else parse_quant_config(_raw_quantization_config(folder))
+    n_params = None if ggml else _checkpoint_params(folder)
+    dtype = resolve_model_dtype(dtype, checkpoint_dtype(hf_config), device, n_params)
     cls = registry.resolve(arch)
     prev = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
@@ -104,6 +120,11 @@ def load_model(path: str, dtype: str | torch.dtype = "auto", device: str = "cpu"
             model = cls(hf_config)
     finally:
         torch.set_default_dtype(prev)
+    name_map: dict[str, str] = {}
+    if ggml is not None:
+        dense = _expected_tensors(model, dict(model.named_parameters(remove_duplicate=False)))
+        name_map = ggml.name_map(list(dense.values()), hf_config.num_hidden_layers)
+        quant = gguf.GGUFQuant(ggml, name_map, getattr(model, "packed_modules", {}))
     if quant is not None:
         n = swap_int4_modules(model, quant)
         logger.info("%s: %d linear module(s) load as %s", path, n, quant.describe())
@@ -115,10 +136,26 @@ def load_model(path: str, dtype: str | torch.dtype = "auto", device: str = "cpu"
     expected = _expected_tensors(model, params)
     loaded: set[tuple[str, str | None]] = set()
     kv_scales: dict[tuple[int, int], float] = {}
-    files = safetensors_files(path)
+
+    def load_one(name: str, tensor: torch.Tensor) -> None:
+        pname, shard = _target(model, name)
+        param = params[pname]
+        if not getattr(param, "keep_dtype", False):
+            tensor = tensor.to(param.dtype)
+        if shard is None:
+            param.weight_loader(param, tensor)
+        else:
+            param.weight_loader(param, tensor, shard)
+        loaded.add((pname, shard))
+
     with tqdm(total=len(expected), desc="Loading weights", unit="tensor",
               disable=not progress, leave=False) as bar:
-        for file in files:
+        if ggml is not None:
+            packed = set(ggml_packed_modules(model))
+            for name, tensor in ggml.iter_tensors(name_map, packed, hf_config):
+                load_one(name, tensor)
+                bar.update(1)
+        for file in [] if ggml is not None else safetensors_files(folder):
             with safe_open(file, framework="pt", device="cpu") as f:
                 for name in f.keys():  # noqa: SIM118 - safe_open is not a dict
                     if name.endswith(_IGNORED_SUFFIXES):
@@ -139,16 +176,7 @@ def load_model(path: str, dtype: str | torch.dtype = "auto", device: str = "cpu"
                                 "for it (e.g. an MoE router gate)")
                         logger.warning("ignoring checkpoint tensor %s (no such parameter)", name)
                         continue
-                    param = params[pname]
-                    tensor = f.get_tensor(name)
-                    if not getattr(param, "keep_dtype", False):
-                        tensor = tensor.to(param.dtype)
-                    loader = param.weight_loader
-                    if shard is None:
-                        loader(param, tensor)
-                    else:
-                        loader(param, tensor, shard)
-                    loaded.add((pname, shard))
+                    load_one(name, f.get_tensor(name))
                     bar.update(1)
     missing = [hf for key, hf in expected.items() if key not in loaded]
     if missing:
@@ -164,7 +192,44 @@ def load_model(path: str, dtype: str | torch.dtype = "auto", device: str = "cpu"
                 # kernel (Int4Linear.to_device_layout) and drops the CPU layout
                 module.to(device)
     model.eval()
-    return LoadedModel(model, hf_config, arch, dtype, _scales_tensor(kv_scales, hf_config))
+    files = (ggml.path,) if ggml is not None else tuple(safetensors_files(folder))
+    return LoadedModel(model, hf_config, arch, dtype, _scales_tensor(kv_scales, hf_config),
+                       folder, files)
+
+
+def weight_bytes(model: torch.nn.Module) -> tuple[int, int]:
+    """(bytes the model's weights hold now, bytes the same weights take in bf16). INT4
+    modules count their packed nibbles, scales and zero points; tied tensors count once."""
+    held = bf16 = 0
+    seen: set[int] = set()
+    for module in model.modules():
+        if isinstance(module, Int4MergedLinear):
+            held += module.weight_bytes()
+            bf16 += 2 * module.in_features * sum(module.out_sizes)
+            seen.update(id(t) for t in module.parameters())
+    for t in model.parameters():  # dense weights (buffers are rope tables etc.)
+        if id(t) in seen or not t.is_floating_point() or t.dim() < 1:
+            continue
+        seen.add(id(t))
+        held += t.numel() * t.element_size()
+        bf16 += t.numel() * 2
+    return held, bf16
+
+
+def describe_weight_bytes(model: torch.nn.Module) -> str:
+    held, bf16 = weight_bytes(model)
+    return (f"weights resident {held / 2**20:.1f} MiB (the same weights in bf16: "
+            f"{bf16 / 2**20:.1f} MiB)")
+
+
+def ggml_packed_modules(model: torch.nn.Module) -> list[str]:
+    """Checkpoint module names (``model.layers.0.self_attn.q_proj``) whose weight the model
+    holds as raw GGUF Q4 blocks (shards of an ``Int4MergedLinear`` of format "gguf")."""
+    out = []
+    for module in model.modules():
+        if isinstance(module, Int4MergedLinear) and module.scheme.format == "gguf":
+            out.extend(module.shard_names.values())
+    return out
 
 
 def _raw_quantization_config(path: str) -> dict | None:

@@ -36,6 +36,7 @@ from kvserve.quant.int4 import GPTQ_FORMATS
 CT_TENSORS = ("weight_packed", "weight_scale", "weight_shape", "weight_zero_point",
               "weight_g_idx")
 GPTQ_TENSORS = ("qweight", "qzeros", "scales", "g_idx")
+GGUF_TENSORS = ("gguf_blocks",)  # uint8 [out, blocks * bytes]: raw Q4_0 / Q4_1 blocks
 
 _CT_ACTORDER_G_IDX = ("group", "dynamic")  # compressed-tensors orders that store weight_g_idx
 _CT_ACTORDER_OK = (None, False, "weight", "static", *_CT_ACTORDER_G_IDX)
@@ -47,18 +48,23 @@ _SUPPORTED = ("compressed-tensors 'pack-quantized' W4A16 (4-bit int weights, gro
 class Int4Scheme:
     """How one module's INT4 weight is stored."""
 
-    format: str  # "pack-quantized" or "gptq"
+    format: str  # "pack-quantized", "gptq" or "gguf" (raw Q4_0 / Q4_1 blocks)
     group_size: int  # -1: channel-wise (one group per row)
     symmetric: bool
     act_order: bool = False  # a g_idx tensor is required
     checkpoint_format: str = "gptq"  # GPTQ only: "gptq" (v1) or "gptq_v2"
+    gguf_type: str | None = None  # GGUF only: "Q4_0" or "Q4_1"
 
     @property
     def tensor_names(self) -> tuple[str, ...]:
+        if self.format == "gguf":
+            return GGUF_TENSORS
         return CT_TENSORS if self.format == "pack-quantized" else GPTQ_TENSORS
 
     def required_tensors(self) -> tuple[str, ...]:
         """Tensor names (``<module>.<name>``) a checkpoint must hold for this module."""
+        if self.format == "gguf":
+            return GGUF_TENSORS
         if self.format == "pack-quantized":
             names = ["weight_packed", "weight_scale", "weight_shape"]
             if not self.symmetric:
@@ -81,6 +87,8 @@ class Int4Scheme:
         return self.required_tensors()
 
     def describe(self) -> str:
+        if self.format == "gguf":
+            return f"int4 gguf {self.gguf_type} group {self.group_size} (min form)"
         group = "channel" if self.group_size == -1 else f"group {self.group_size}"
         sym = "sym" if self.symmetric else "asym"
         fmt = self.format if self.format != "gptq" else self.checkpoint_format

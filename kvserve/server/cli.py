@@ -45,8 +45,15 @@ def _served_name(ns: argparse.Namespace, model: str | None) -> str:
     if ns.served_model_name:
         return ns.served_model_name
     if model is None:
+        from kvserve.model.default_model import DEFAULT_MODEL_NAME
+
+        return DEFAULT_MODEL_NAME
+    if model == "demo":
         return "kvserve-demo"
-    return os.path.basename(os.path.normpath(model)) or "kvserve"
+    name = os.path.basename(os.path.normpath(model))
+    if name.lower().endswith(".gguf"):
+        name = name[: -len(".gguf")]
+    return name or "kvserve"
 
 
 def serve(ns: argparse.Namespace, engine_args) -> int:

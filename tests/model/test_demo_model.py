@@ -18,7 +18,7 @@ PROMPTS = ["The Python interpreter", "A list is", "To open a file"]
 
 
 def _run() -> list[str]:
-    llm = LLM(kv_cache_memory="32MiB", progress=False)  # no model: the built-in demo model
+    llm = LLM("demo", kv_cache_memory="32MiB", progress=False)  # the built-in demo model
     assert llm.engine.model_config.path == demo_model_path()
     outs = llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=32, min_tokens=12))
     llm.engine.check_no_leaks()
@@ -35,7 +35,7 @@ def test_demo_model_generates_clean_deterministic_text():
 
 
 def test_demo_model_chat_template_works():
-    llm = LLM(kv_cache_memory="32MiB", progress=False)
+    llm = LLM("demo", kv_cache_memory="32MiB", progress=False)
     out = llm.chat([{"role": "user", "content": "What is a tuple?"}],
                    SamplingParams(temperature=0, max_tokens=24))
     assert out[0].outputs[0].token_ids

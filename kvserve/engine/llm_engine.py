@@ -29,8 +29,7 @@ from kvserve.engine.model_runner import ModelRunner
 from kvserve.engine.scheduler import Scheduler
 from kvserve.layers.sampler import Sampler, SampleRow, top_logprobs
 from kvserve.model.default_model import resolve_model
-from kvserve.model.loader import (checkpoint_dtype, describe_weight_bytes, load_model,
-                                  load_tokenizer)
+from kvserve.model.loader import checkpoint_dtype, describe_weight_bytes, load_model, load_tokenizer
 from kvserve.outputs import CompletionOutput, RequestOutput
 from kvserve.request import Request, RequestStatus
 from kvserve.sampling_params import SamplingParams

@@ -176,7 +176,7 @@ class Int4Linear(nn.Module):
             self.n_pad = _ceil_to(n, block_n)
             packed, sz = self._pack_for_op(weight, op_group, self.k_pad, self.n_pad)
             self.register_buffer("packed", packed, persistent=False)  # uint8 [n_pad, k_pad/2]
-            # [k_pad/G', n_pad, 2]: bf16 (s, z), w = (u - 8) s + z; min form fp16 (s, m), w = u s + m
+            # [k_pad/G', n_pad, 2]: bf16 (s, z), w = (u - 8) s + z; min form fp16 (s, m): u s + m
             self.register_buffer("scales_zeros", sz, persistent=False)
             for name in ("ct_packed", "ct_scales", "ct_zeros", "ct_mins", "ct_group_index"):
                 self.register_buffer(name, None, persistent=False)

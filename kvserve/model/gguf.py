@@ -210,9 +210,9 @@ class GGUFCheckpoint:
                 tensor = tensor.index_select(0, perm)
             yield hf, tensor
         if dequantized:
-            logger.info("GGUF: dequantized %s tensor(s) to the compute dtype (kept packed: "
-                        "Q4_0 / Q4_1 linear layers)",
-                        ", ".join(f"{n} {k}" for k, n in sorted(dequantized.items())))
+            logger.info("GGUF: dequantized %s tensor(s)%s",
+                        ", ".join(f"{n} {k}" for k, n in sorted(dequantized.items())),
+                        f"; {len(packed)} Q4_0 / Q4_1 weight(s) stay packed" if packed else "")
 
 
 def _read_table(path: str) -> tuple[str, dict[str, GGUFTensor]]:

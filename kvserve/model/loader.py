@@ -222,6 +222,35 @@ def describe_weight_bytes(model: torch.nn.Module) -> str:
             f"{bf16 / 2**20:.1f} MiB)")
 
 
+def export_gguf_to_hf(path: str, out: str, dtype: torch.dtype = torch.bfloat16,
+                      progress: bool = True) -> str:
+    """Write a GGUF file as an HF folder: every tensor dequantized (``gguf.quants``) and cast
+    to ``dtype``, q/k rows un-permuted, config + tokenizer from the metadata. What
+    ``kvserve quantize --weights bf16`` does, and the input of an int4 re-quantization."""
+    import shutil
+
+    from safetensors.torch import save_file
+
+    ckpt = gguf.GGUFCheckpoint(path)
+    hf_config, arch = load_hf_config(ckpt.metadata_dir)
+    with torch.device("meta"):
+        model = registry.resolve(arch)(hf_config)
+    expected = _expected_tensors(model, dict(model.named_parameters(remove_duplicate=False)))
+    name_map = ckpt.name_map(list(expected.values()), hf_config.num_hidden_layers)
+    tensors = {}
+    for name, t in tqdm(ckpt.iter_tensors(name_map, set(), hf_config), total=len(name_map),
+                        desc="Dequantizing GGUF", unit="tensor", disable=not progress):
+        tensors[name] = t.to(dtype).contiguous()
+    os.makedirs(out, exist_ok=True)
+    save_file(tensors, os.path.join(out, "model.safetensors"), metadata={"format": "pt"})
+    for name in os.listdir(ckpt.metadata_dir):
+        if name != "config.json":
+            shutil.copy(os.path.join(ckpt.metadata_dir, name), out)
+    hf_config.dtype = dtype
+    hf_config.save_pretrained(out)
+    return out
+
+
 def ggml_packed_modules(model: torch.nn.Module) -> list[str]:
     """Checkpoint module names (``model.layers.0.self_attn.q_proj``) whose weight the model
     holds as raw GGUF Q4 blocks (shards of an ``Int4MergedLinear`` of format "gguf")."""

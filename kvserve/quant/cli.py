@@ -1,8 +1,13 @@
-"""``kvserve quantize``: HF folder -> INT4 (W4A16) compressed-tensors folder.
+"""``kvserve quantize``: HF folder or GGUF file -> INT4 (W4A16) compressed-tensors folder, or
+a GGUF file -> a dense HF folder (``--weights bf16|fp16|fp32``: every tensor dequantized).
 
     kvserve quantize --model IN --out OUT --weights int4 --group-size 128 \\
         [--symmetric | --asymmetric] [--calibration TEXTFILE] [--clip-search] [--experts-only]
         [--json OUT.json]
+    kvserve quantize --model model.Q4_1.gguf --out OUT --weights bf16
+
+A GGUF input to ``int4`` is dequantized first (to fp32, in a temporary folder) and then
+quantized like an HF folder; serving the GGUF directly keeps its Q4_0 / Q4_1 weights as they are.
 
 MoE models (Qwen3-MoE, GLM-4.5, DeepSeek-V3 / Kimi K2): routed experts are quantized per
 expert like any linear (``--experts-only``: only them, as Kimi K2 Thinking ships); router gates
@@ -20,6 +25,7 @@ import os
 import time
 from collections.abc import Callable
 
+_DENSE = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}  # torch dtype names
 _ST_ELEMENT_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2,
                      "I8": 1, "U8": 1, "BOOL": 1, "F8_E4M3": 1, "F8_E5M2": 1}
 
@@ -29,10 +35,12 @@ def register(subparsers, add_engine_args: Callable, engine_args_from: Callable) 
     p = subparsers.add_parser("quantize", help="quantize an HF checkpoint's weights to INT4",
                               description=__doc__,
                               formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", required=True, metavar="IN", help="HF model folder to quantize")
+    p.add_argument("--model", required=True, metavar="IN",
+                   help="HF model folder or .gguf file")
     p.add_argument("--out", required=True, metavar="OUT", help="output folder (created)")
-    p.add_argument("--weights", default="int4", choices=["int4"],
-                   help="weight format (int4: W4A16 compressed-tensors pack-quantized)")
+    p.add_argument("--weights", default="int4", choices=["int4", *_DENSE],
+                   help="int4: W4A16 compressed-tensors pack-quantized; bf16/fp16/fp32: a GGUF "
+                        "input dequantized to a dense HF folder")
     p.add_argument("--group-size", type=int, default=128,
                    help="input columns per scale (-1: one scale per output channel)")
     sym = p.add_mutually_exclusive_group()
@@ -53,14 +61,57 @@ def register(subparsers, add_engine_args: Callable, engine_args_from: Callable) 
 
 
 def run(ns: argparse.Namespace) -> int:
-    from kvserve.quant.quantizer import quantize_checkpoint
+    import tempfile
+
+    from kvserve.model.gguf import is_gguf
 
     if ns.group_size != -1 and ns.group_size < 1:
         raise ValueError(f"--group-size must be -1 or >= 1, got {ns.group_size}")
-    if not os.path.isdir(ns.model):
-        raise ValueError(f"--model {ns.model!r} is not a directory")
+    gguf_in = is_gguf(ns.model)
+    if not gguf_in and not os.path.isdir(ns.model):
+        raise ValueError(f"--model {ns.model!r} is neither a directory nor a .gguf file")
     if os.path.exists(ns.out) and os.listdir(ns.out):
         raise ValueError(f"--out {ns.out!r} exists and is not empty")
+    if ns.weights in _DENSE:
+        if not gguf_in:
+            raise ValueError(f"--weights {ns.weights} dequantizes a GGUF file; --model "
+                             f"{ns.model!r} is an HF folder (already dense)")
+        return _dequantize(ns)
+    if gguf_in:
+        with tempfile.TemporaryDirectory(prefix="kvserve-gguf-") as tmp:
+            from kvserve.model.loader import export_gguf_to_hf
+
+            print(f"dequantizing {ns.model} to fp32 first")
+            export_gguf_to_hf(ns.model, tmp, _torch_dtype("fp32"), progress=not ns.no_progress)
+            return _quantize(ns, tmp)
+    return _quantize(ns, ns.model)
+
+
+def _dequantize(ns: argparse.Namespace) -> int:
+    from kvserve.model.loader import export_gguf_to_hf
+
+    t0 = time.perf_counter()
+    export_gguf_to_hf(ns.model, ns.out, _torch_dtype(ns.weights), progress=not ns.no_progress)
+    size = safetensors_size(ns.out)
+    print(f"dequantized {ns.model} ({_size(os.path.getsize(ns.model))}) to {ns.weights} in "
+          f"{time.perf_counter() - t0:.1f}s -> {ns.out} ({_size(size)})")
+    if ns.json:
+        with open(ns.json, "w") as f:
+            json.dump({"model": ns.model, "out": ns.out, "weights": ns.weights,
+                       "gguf_bytes": os.path.getsize(ns.model), "checkpoint_bytes": size}, f,
+                      indent=2)
+    return 0
+
+
+def _torch_dtype(name: str):
+    import torch
+
+    return getattr(torch, _DENSE[name])
+
+
+def _quantize(ns: argparse.Namespace, model: str) -> int:
+    from kvserve.quant.quantizer import quantize_checkpoint
+
     text = None
     if ns.calibration is not None:
         if not os.path.isfile(ns.calibration):
@@ -73,11 +124,11 @@ def run(ns: argparse.Namespace) -> int:
         raise ValueError("--experts-only and --calibration do not combine: AWQ scales the "
                          "attention and dense MLP layers, which --experts-only keeps dense")
     t0 = time.perf_counter()
-    summary = quantize_checkpoint(ns.model, ns.out, ns.group_size, ns.symmetric, text,
+    summary = quantize_checkpoint(model, ns.out, ns.group_size, ns.symmetric, text,
                                   progress=not ns.no_progress, clip_search=ns.clip_search,
                                   experts_only=ns.experts_only)
     seconds = time.perf_counter() - t0
-    before, after = tensor_bytes(ns.model), tensor_bytes(ns.out)
+    before, after = tensor_bytes(model), tensor_bytes(ns.out)
     q_before = sum(v for k, v in before.items()
                    if k.removesuffix(".weight") in set(summary.quantized))
     prefixes = tuple(m + "." for m in summary.quantized)
@@ -89,7 +140,7 @@ def run(ns: argparse.Namespace) -> int:
         "quantized_modules": len(summary.quantized), "ignore": list(summary.ignore),
         "quantized_weight_bytes": {"before": q_before, "after": q_after},
         "tensor_bytes": {"before": sum(before.values()), "after": sum(after.values())},
-        "checkpoint_bytes": {"before": safetensors_size(ns.model),
+        "checkpoint_bytes": {"before": safetensors_size(model),
                              "after": safetensors_size(ns.out)},
         "seconds": round(seconds, 2),
     }

@@ -243,3 +243,25 @@ def test_default_model_packed_matches_transformers_dequantized():
         assert out.outputs[0].token_ids == ref_ids
     assert "Paris" in llm.get_tokenizer().decode(outs[0].outputs[0].token_ids)
     llm.engine.check_no_leaks()
+
+
+def test_quantize_cli_accepts_gguf(tmp_path, gguf_factory, make_llm):
+    """``kvserve quantize`` on a GGUF: --weights bf16 writes the dequantized HF folder (it
+    serves the same logits as the GGUF up to bf16 weight rounding), --weights int4 re-quantizes
+    it to compressed-tensors; an HF folder cannot be 'dequantized'."""
+    from kvserve.cli import main
+
+    path = gguf_factory("llama")
+    dense = str(tmp_path / "dense")
+    assert main(["quantize", "--model", path, "--out", dense, "--weights", "fp32",
+                 "--no-progress"]) == 0
+    ids = PROMPTS[1]
+    a = make_llm(path, dtype="float32", kv_cache_dtype="fp32").engine.prompt_logits(ids)
+    b = make_llm(dense, dtype="float32", kv_cache_dtype="fp32").engine.prompt_logits(ids)
+    torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
+    q = str(tmp_path / "int4")
+    assert main(["quantize", "--model", path, "--out", q, "--group-size", "32",
+                 "--no-progress"]) == 0
+    assert make_llm(q).generate([{"prompt_token_ids": ids}], SamplingParams(max_tokens=3))
+    assert main(["quantize", "--model", dense, "--out", str(tmp_path / "x"), "--weights",
+                 "bf16"]) == 2  # a clear error: "--weights bf16 dequantizes a GGUF file ..."

@@ -112,6 +112,9 @@ def register(subparsers, add_engine_args: Callable, engine_args_from: Callable) 
     lat.add_argument("--peer-model", default=None, metavar="GGUF",
                      help="llama.cpp: a GGUF of the same weights")
     lat.add_argument("--peer-timeout", type=float, default=3600.0)
+    lat.add_argument("--compare-model", default=None, metavar="PATH",
+                     help="a second kvserve engine in the same run, rounds rotated with the "
+                          "first (e.g. the model's dequantized bf16 folder vs its packed GGUF)")
     lat.add_argument("--plot", default=None, metavar="OUT.png")
     _common(lat)
     lat.set_defaults(func=lambda ns: _latency(ns, engine_args_from))
@@ -182,7 +185,7 @@ def _latency(ns: argparse.Namespace, engine_args_from: Callable) -> int:
         input_len=ns.input_len, output_len=ns.output_len, rounds=ns.rounds,
         make_random_llama=ns.make_random_llama, peers=list(dict.fromkeys(ns.peer)),
         peer_python=ns.peer_python, peer_model=ns.peer_model, peer_timeout=ns.peer_timeout,
-        seed=ns.seed, progress=not ns.no_progress,
+        compare_model=ns.compare_model, seed=ns.seed, progress=not ns.no_progress,
     )
     result = lt.run_latency(lc)
     write_json(ns.json, result)

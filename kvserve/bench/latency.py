@@ -52,6 +52,7 @@ from kvserve.bench.common import (
     log,
     make_random_llama,
     median,
+    model_label,
     ms,
     peer_importable,
     pyplot,
@@ -80,6 +81,7 @@ class LatencyConfig:
     peers: list[str] = field(default_factory=list)
     peer_python: str | None = None
     peer_model: str | None = None  # llama.cpp: a GGUF file of the same weights
+    compare_model: str | None = None  # a second kvserve engine, rotated with the first
     peer_timeout: float = 3600.0
     # llama.cpp without peer_model: convert the HF folder with this convert_hf_to_gguf.py
     # (None: env KVSERVE_LLAMACPP_CONVERT), to this GGUF type
@@ -299,9 +301,14 @@ for b in cfg["batch_sizes"]:
                 "decode_step_ms_median": statistics.median(step_ms),
                 "prefill_s_median": statistics.median(prefill),
                 "decode_steps_per_round": out_len - 1, "tokens": tokens})
+weights_bytes = L.llama_model_size(model)
 L.llama_model_free(model)
+import resource
 print(json.dumps({"peer": "llamacpp", "version": L.__version__, "threads": threads,
                   "weights": os.path.basename(cfg["gguf"]),
+                  "memory": {"weights_mib": weights_bytes / 2**20,
+                             "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF)
+                             .ru_maxrss / 1024},
                   "system_info": L.llama_print_system_info().decode(errors="replace").strip(),
                   "results": res}))
 '''
@@ -484,7 +491,7 @@ def run_external_peer(name: str, lc: LatencyConfig, model: str,
     with contextlib.ExitStack() as stack:
         extra: dict[str, Any] = {}
         if name == "llamacpp":
-            gguf = lc.peer_model
+            gguf = lc.peer_model or (model if model.lower().endswith(".gguf") else None)
             if not gguf:
                 converter = llamacpp_converter(lc)
                 if converter is None:
@@ -527,6 +534,29 @@ def _attach_agreement(peer: dict[str, Any] | str, ours: dict[int, list[list[int]
 # --------------------------------------------------------------------------------------------
 
 
+def rss_mib() -> float:
+    """This process's resident memory now (Linux /proc; 0 elsewhere)."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmRSS:"):
+                    return int(line.split()[1]) / 1024
+    except OSError:
+        pass
+    return 0.0
+
+
+def engine_memory(engine: LLMEngine, rss_before: float) -> dict[str, float]:
+    """Weights as held (INT4 packed or dense) and in bf16, the KV pool, and the process's
+    resident-memory growth while the engine was built (weights + KV pages + buffers)."""
+    from kvserve.model.loader import weight_bytes
+
+    held, bf16 = weight_bytes(engine.model)
+    kv = engine.kv_cache.data.numel() * engine.kv_cache.data.element_size()
+    return {"weights_mib": held / 2**20, "weights_bf16_mib": bf16 / 2**20,
+            "kv_pool_mib": kv / 2**20, "rss_growth_mib": rss_mib() - rss_before}
+
+
 def _agreement(a: list[list[int]], b: list[list[int]]) -> float:
     pairs = [(x, y) for ra, rb in zip(a, b, strict=True) for x, y in zip(ra, rb, strict=False)]
     return sum(x == y for x, y in pairs) / len(pairs) if pairs else 0.0
@@ -554,13 +584,19 @@ def _run(lc: LatencyConfig, model: str) -> dict[str, Any]:
     if base.kv_cache_memory is None and base.num_blocks is None:
         per_seq = math.ceil((lc.input_len + lc.output_len) / base.block_size)
         base = dataclasses.replace(base, num_blocks=max_b * per_seq + 1)
+    rss0 = rss_mib()
     engine = LLMEngine(base)
+    engines = {"kvserve": (engine, StepRecorder(engine), engine_memory(engine, rss0))}
+    if lc.compare_model:
+        rss0 = rss_mib()
+        other = LLMEngine(dataclasses.replace(base, model=resolve_model_path(lc.compare_model)))
+        engines["kvserve_compare"] = (other, StepRecorder(other), engine_memory(other, rss0))
     if lc.input_len + lc.output_len > engine.model_config.max_model_len:
         raise ValueError(f"input_len + output_len exceeds max_model_len "
                          f"{engine.model_config.max_model_len}")
-    rec = StepRecorder(engine)
+    rec = engines["kvserve"][1]
     vocab = engine.model_config.vocab_size
-    impls: list[str] = ["kvserve"]
+    impls: list[str] = list(engines)
     hf = None
     peers: dict[str, Any] = {}
     if "hf" in lc.peers:
@@ -569,7 +605,8 @@ def _run(lc: LatencyConfig, model: str) -> dict[str, Any]:
 
     if lc.warmup:
         w = random_prompts(min(max_b, 4), min(lc.input_len, 32), vocab, lc.seed + 999)
-        kvserve_round(engine, rec, w, 4, "warmup")
+        for eng, erec, _ in engines.values():
+            kvserve_round(eng, erec, w, 4, "warmup")
         if hf is not None:
             hf.round(w, 4)
 
@@ -581,8 +618,9 @@ def _run(lc: LatencyConfig, model: str) -> dict[str, Any]:
         for bi, b in enumerate(lc.batch_sizes):
             prompts = random_prompts(b, lc.input_len, vocab, lc.seed + 1000 * r + bi)
             for impl in rotated(impls, r + bi):
-                if impl == "kvserve":
-                    res = kvserve_round(engine, rec, prompts, lc.output_len, f"r{seq}")
+                if impl in engines:
+                    eng, erec, _ = engines[impl]
+                    res = kvserve_round(eng, erec, prompts, lc.output_len, f"r{seq}")
                     seq += 1
                 else:
                     assert hf is not None
@@ -624,7 +662,7 @@ def _run(lc: LatencyConfig, model: str) -> dict[str, Any]:
         }
     result: dict[str, Any] = {
         "bench": "latency",
-        "model": model,
+        "model": model_label(model),
         "model_dtype": dtype_name(engine.model_config.dtype),
         "kv_cache_dtype": dtype_name(engine.kv_dtype),
         "kv_integrity": base.kv_integrity,
@@ -634,11 +672,28 @@ def _run(lc: LatencyConfig, model: str) -> dict[str, Any]:
         "batch_sizes": lc.batch_sizes,
         "env": env_info(),
         "kvserve": ours,
+        "memory": engines["kvserve"][2],
         "peers": peers,
         "summary": summary,
     }
+    if "kvserve_compare" in engines:
+        other = engines["kvserve_compare"][0]
+        cmp_rows = table("kvserve_compare")
+        peers["kvserve_compare"] = {
+            "model": model_label(other.model_config.path),
+            "model_dtype": dtype_name(other.model_config.dtype),
+            "kv_cache_dtype": dtype_name(other.kv_dtype), "results": cmp_rows,
+            "memory": engines["kvserve_compare"][2],
+            "greedy_token_agreement_with_kvserve": {
+                str(b): _agreement(rows["kvserve"][b][0]["tokens"],
+                                   rows["kvserve_compare"][b][0]["tokens"])
+                for b in lc.batch_sizes}}
+        summary["kvserve_over_compare"] = {
+            str(a["batch_size"]): (a["decode_tokens_per_s"] / c["decode_tokens_per_s"])
+            if a["decode_tokens_per_s"] and c["decode_tokens_per_s"] else None
+            for a, c in zip(ours, cmp_rows, strict=True)}
     peer_dtype = _TORCH_DTYPE_NAMES.get(dtype_name(engine.model_config.dtype), "bfloat16")
-    del engine, rec, hf
+    del engine, rec, hf, engines
     gc.collect()
     external = [n for n in ("llamacpp", "vllm") if n in lc.peers]
     if external:

@@ -172,6 +172,26 @@ def test_latency_batch_1_2_with_hf_peer(tiny_llama, tmp_path):
     assert set(r["summary"]["kvserve_over_hf"]) == {"1", "2"}
 
 
+def test_latency_compare_model_and_memory(tiny_llama, model_factory, tmp_path):
+    """--compare-model: a second kvserve engine in the same run (rounds rotated), with its
+    table, memory and greedy agreement; every engine reports its memory."""
+    other = model_factory("llama", tie_word_embeddings=True)
+    out = tmp_path / "c.json"
+    rc = main(["bench", "latency", "--model", tiny_llama, "--compare-model", other,
+               "--batch-sizes", "1,2", "--input-len", "8", "--output-len", "4", "--rounds", "1",
+               "--json", str(out), "--no-progress"])
+    assert rc == 0
+    r = json.loads(out.read_text())
+    cmp_ = r["peers"]["kvserve_compare"]
+    assert [x["batch_size"] for x in cmp_["results"]] == [1, 2]
+    assert all(x["decode_tokens_per_s"] > 0 for x in cmp_["results"])
+    for mem in (r["memory"], cmp_["memory"]):
+        assert mem["weights_mib"] > 0 and mem["kv_pool_mib"] > 0
+        assert mem["weights_bf16_mib"] <= mem["weights_mib"]  # fp32 weights: 2x bf16
+    assert r["memory"]["weights_mib"] > cmp_["memory"]["weights_mib"]  # tied head: fewer
+    assert set(r["summary"]["kvserve_over_compare"]) == {"1", "2"}
+
+
 def test_make_random_llama_spec_errors_name_the_option():
     assert parse_kv_pairs("a=1, b=2", "x") == {"a": 1, "b": 2}
     with pytest.raises(ValueError, match="--make-random-llama"):

@@ -417,8 +417,10 @@ def _scales_tensor(scales: dict[tuple[int, int], float], hf_config) -> torch.Ten
 
 
 def load_tokenizer(path: str):
+    """The tokenizer of an HF folder, or of a GGUF file (from its converted metadata)."""
     from transformers import AutoTokenizer
 
+    path = model_source(path)[0]
     try:
         return AutoTokenizer.from_pretrained(path, local_files_only=True)
     except Exception as e:  # noqa: BLE001 - transformers raises many types here

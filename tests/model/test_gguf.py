@@ -265,3 +265,27 @@ def test_quantize_cli_accepts_gguf(tmp_path, gguf_factory, make_llm):
     assert make_llm(q).generate([{"prompt_token_ids": ids}], SamplingParams(max_tokens=3))
     assert main(["quantize", "--model", dense, "--out", str(tmp_path / "x"), "--weights",
                  "bf16"]) == 2  # a clear error: "--weights bf16 dequantizes a GGUF file ..."
+
+
+def test_serve_a_gguf_file_with_its_chat_template(gguf_factory):
+    """``kvserve serve model.gguf``: the model id is the file's name, chat completions use the
+    template from the GGUF metadata, and the log names the file and its resident weights."""
+    import httpx
+
+    from tests.server.conftest import ServerProcess
+
+    path = gguf_factory("llama")
+    server = ServerProcess(path)
+    try:
+        server.wait_healthy()
+        r = httpx.post(f"{server.url}/v1/chat/completions", timeout=60, json={
+            "model": "tiny", "messages": [{"role": "user", "content": "What is a list?"}],
+            "max_tokens": 4, "temperature": 0})
+        assert r.status_code == 200, r.text
+        body = r.json()
+        assert body["usage"]["completion_tokens"] == 4
+        assert body["usage"]["prompt_tokens"] > 8  # the template's tokens are in the prompt
+        log = server.log()
+        assert "llama.gguf" in log and "weights resident" in log
+    finally:
+        server.stop()

@@ -39,6 +39,9 @@ from kvserve.server.settings import ServerSettings
 from kvserve.server.state import ServerState
 
 _ERRORS = {code: {"model": ErrorResponse} for code in (400, 401, 404, 413, 429, 500, 503)}
+# 200 is JSON, or with "stream": true server-sent events (data: {chunk} ... data: [DONE]).
+_GENERATION_RESPONSES = {200: {"content": {"text/event-stream": {"schema": {"type": "string"}}}},
+                         **_ERRORS}
 _METRICS_RESPONSES = {200: {"description": "Prometheus text exposition format",
                             "content": {CONTENT_TYPE_LATEST: {"schema": {"type": "string"}}}}}
 
@@ -70,12 +73,14 @@ def build_app(engine_client: AsyncLLMEngine, settings: ServerSettings,
 
 
 def _routes(app: FastAPI, state: ServerState) -> None:
-    @app.post("/v1/completions", response_model=CompletionResponse, responses=_ERRORS)
+    @app.post("/v1/completions", response_model=CompletionResponse,
+              responses=_GENERATION_RESPONSES)
     async def completions(body: CompletionRequest, request: Request) -> Response:
         """Text completion; `stream: true` answers with server-sent events."""
         return await create_completion(body, request, state)
 
-    @app.post("/v1/chat/completions", response_model=ChatCompletionResponse, responses=_ERRORS)
+    @app.post("/v1/chat/completions", response_model=ChatCompletionResponse,
+              responses=_GENERATION_RESPONSES)
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
         """Chat completion with the model's chat template; `stream: true` answers with SSE."""
         return await create_chat_completion(body, request, state)

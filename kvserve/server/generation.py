@@ -130,11 +130,13 @@ class Generation:
         i = self._pending.popleft()
         rid, prompt = self.engine_ids[i], self.prompts[i]
         self._charged[rid] = charge
-        task = asyncio.ensure_future(self._add(rid, prompt))
+        task = asyncio.ensure_future(self._add(i, rid, prompt))
         self._adds.add(task)
         task.add_done_callback(self._adds.discard)
 
-    async def _add(self, rid: str, prompt: Prompt) -> None:
+    async def _add(self, i: int, rid: str, prompt: Prompt) -> None:
+        if self._closed or self.done[i]:
+            return  # closed (its abort already sent) before this task ran: never add it now
         try:
             await self.state.engine.add_request(
                 rid, {"prompt_token_ids": prompt.token_ids, "prompt": prompt.text},

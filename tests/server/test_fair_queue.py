@@ -67,7 +67,7 @@ def test_small_request_served_while_1024_sequences_wait(four_slot_server):
           f"{len(finished_big)} of 1024 sequences")
     assert big.is_alive() and len(finished_big) < 512  # the big request is far from done
     assert metric(text, "kvserve_num_unfinished_requests") >= 1
-    assert waited < 10.0
+    assert waited < 20.0  # 2.6-5.5 s measured on a busy 2-core CPU; 87 s before the fix
     hang_up.set()
     big.join(60)
     assert not big.is_alive()

@@ -1,6 +1,8 @@
 """OpenAI-compatible request and response models (pydantic 2).
 
-Requests ignore unknown fields (``extra="ignore"``) and reject NaN / infinity. Bounds that do
+Requests ignore unknown fields (``extra="ignore"``), are strictly typed as OpenAI's API is (no
+coercion of ``"yes"`` to a bool or ``true`` to a token id), reject NaN / infinity and strings
+with lone surrogates, and limit chat roles to OpenAI's five. Bounds that do
 not depend on the served model live here as ``Field`` constraints, so they show up in the
 OpenAPI schema; bounds that do (context length, vocabulary, ``n``) are checked when serving.
 Fields marked *kvserve* are extensions beyond OpenAI's API (vLLM spells them the same way).

@@ -7,6 +7,8 @@ import json
 import logging
 import sys
 
+from kvserve.cli_help import HelpParser
+
 
 def add_engine_args(p: argparse.ArgumentParser, model_positional: bool = False) -> None:
     if model_positional:
@@ -19,16 +21,28 @@ def add_engine_args(p: argparse.ArgumentParser, model_positional: bool = False) 
     p.add_argument("--dtype", default="auto", help="auto | bf16 | fp16 | fp32")
     p.add_argument("--kv-cache-dtype", default="auto",
                    help="auto | bf16 | fp16 | fp32 | fp8 (=fp8_e4m3) | fp8_e5m2")
-    p.add_argument("--kv-cache-memory", default=None, help='KV byte budget, e.g. "256MiB"')
-    p.add_argument("--block-size", type=int, default=16)
-    p.add_argument("--max-num-seqs", type=int, default=64)
-    p.add_argument("--max-num-batched-tokens", type=int, default=2048)
-    p.add_argument("--max-model-len", type=int, default=None)
-    p.add_argument("--no-prefix-caching", action="store_true")
-    p.add_argument("--kv-integrity", default="on", choices=["off", "on", "paranoid"])
-    p.add_argument("--scheduling-policy", default="fcfs", choices=["fcfs", "priority"])
-    p.add_argument("--attention-backend", default="auto")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--kv-cache-memory", default=None,
+                   help='KV byte budget, e.g. "256MiB" (default: a share of free memory)')
+    p.add_argument("--block-size", type=int, default=16, help="tokens per KV cache block")
+    p.add_argument("--max-num-seqs", type=int, default=64,
+                   help="most sequences in the running batch")
+    p.add_argument("--max-num-batched-tokens", type=int, default=2048,
+                   help="token budget of one engine step (prefill chunks + decodes)")
+    p.add_argument("--max-model-len", type=int, default=None,
+                   help="context length in tokens (default: the model's)")
+    p.add_argument("--no-prefix-caching", action="store_true",
+                   help="do not share KV blocks between prompts with a common prefix")
+    p.add_argument("--kv-integrity", default="on", choices=["off", "on", "paranoid"],
+                   help="KV cache block checksums: off, on (sealed blocks), paranoid (every "
+                        "read)")
+    p.add_argument("--scheduling-policy", default="fcfs", choices=["fcfs", "priority"],
+                   help="order of waiting requests: arrival, or the request's priority")
+    p.add_argument("--attention-backend", default="auto",
+                   choices=["auto", "torch", "triton", "mla_torch", "mla_triton"],
+                   help="attention kernels; auto: triton on cuda, torch on cpu")
+    p.add_argument("--seed", type=int, default=0,
+                   help="global torch seed (random draws of requests without their own "
+                        "seed; see --sampling-seed)")
     p.add_argument("--device", default="cpu", help="cpu | cuda (Triton attention backend)")
     p.add_argument("--enforce-eager", action="store_true",
                    help="cuda: no CUDA graphs for decode steps (always eager)")
@@ -79,22 +93,25 @@ def main(argv: list[str] | None = None) -> int:
         from kvserve.bench import serve_bench
 
         return serve_bench.main(args[2:])
-    parser = argparse.ArgumentParser(prog="kvserve", description=__doc__)
-    parser.add_argument("-v", "--verbose", action="store_true")
+    parser = HelpParser(prog="kvserve", description=__doc__)
+    parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
     sub = parser.add_subparsers(dest="cmd", required=True)
 
     g = sub.add_parser("generate", help="generate text from one prompt")
     add_engine_args(g)
-    g.add_argument("--prompt", required=True)
+    g.add_argument("--prompt", required=True, help="the prompt text")
     g.add_argument("--chat", action="store_true", help="wrap the prompt in the chat template")
-    g.add_argument("--max-tokens", type=int, default=64)
-    g.add_argument("--temperature", type=float, default=0.0)
-    g.add_argument("--top-p", type=float, default=1.0)
-    g.add_argument("--top-k", type=int, default=-1)
-    g.add_argument("--n", type=int, default=1)
-    g.add_argument("--stop", action="append")
-    g.add_argument("--sampling-seed", type=int, default=None)
-    g.add_argument("--json", action="store_true")
+    g.add_argument("--max-tokens", type=int, default=64, help="tokens to generate at most")
+    g.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
+    g.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass")
+    g.add_argument("--top-k", type=int, default=-1, help="keep the k likeliest tokens (-1: all)")
+    g.add_argument("--n", type=int, default=1, help="completions to generate")
+    g.add_argument("--stop", action="append", help="stop string (repeatable)")
+    g.add_argument("--sampling-seed", type=int, default=None,
+                   help="seed of this request's sampling (default: none, not reproducible); "
+                        "--seed is the engine's")
+    g.add_argument("--json", action="store_true",
+                   help="one JSON object per completion (text, token_ids, finish_reason)")
     g.set_defaults(func=_generate)
 
     for _name, module in (("serve", "kvserve.server.cli"), ("bench", "kvserve.bench.cli"),

@@ -1,4 +1,4 @@
-"""``kvserve bench {throughput,latency,quality,integrity}``.
+"""``kvserve bench {throughput,integrity,latency,quality,serve}``.
 
     kvserve bench throughput --model PATH --kv-cache-dtype bf16,fp8 --kv-cache-memory auto32 \\
         --concurrency 1,2,4,8,16,32,64,128 --input-len 128 --output-len 128 \\
@@ -10,6 +10,8 @@
     kvserve bench quality --model PATH [--kv-cache-dtype fp8] \\
         [--quantization int4 --candidate-model PATH2] [--text FILE] --json OUT.json
     kvserve bench integrity --model PATH --json OUT.json --plot OUT.png
+    kvserve bench serve --url http://127.0.0.1:8000 --concurrency 16 --requests 256 \\
+        --max-tokens 128 [--chat] [--api-key KEY] --json OUT.json   (against a running server)
 
 ``--kv-cache-memory auto32`` (throughput's default) means "fits 32 full sequences
 (input + output tokens, rounded up to blocks) in BF16", computed from the model's BF16
@@ -22,7 +24,7 @@ import argparse
 import dataclasses
 from collections.abc import Callable
 
-from kvserve.bench.common import log, parse_list, parse_positive_ints, set_threads, write_json
+# kvserve.bench.common imports torch: only inside the commands, so --help stays fast.
 
 
 def _override(p: argparse.ArgumentParser, dest: str, **attrs) -> None:
@@ -56,19 +58,23 @@ def _throughput_args(p: argparse.ArgumentParser, add_engine_args: Callable, *,
               help="scheduler cap on running sequences (default: the largest concurrency)")
     p.add_argument("--concurrency", default=concurrency,
                    help=f"comma list of closed-loop client counts (default {concurrency})")
-    p.add_argument("--input-len", type=int, default=128)
-    p.add_argument("--output-len", type=int, default=128)
+    p.add_argument("--input-len", type=int, default=128, help="prompt tokens per request")
+    p.add_argument("--output-len", type=int, default=128, help="generated tokens per request")
     p.add_argument("--num-prompts-per-level", type=int, default=None,
                    help="requests to complete per level (default max(2C, 8))")
     p.add_argument("--repeats", type=int, default=1,
                    help="repeats per level; configs alternate order, medians reported")
-    p.add_argument("--warmup-requests", type=int, default=4)
-    p.add_argument("--no-detokenize", action="store_true")
-    p.add_argument("--plot", default=None, metavar="OUT.png")
+    p.add_argument("--warmup-requests", type=int, default=4,
+                   help="requests run before measuring, per config")
+    p.add_argument("--no-detokenize", action="store_true",
+                   help="skip detokenization (measure the engine alone)")
+    p.add_argument("--plot", default=None, metavar="OUT.png", help="write a plot here")
     p.add_argument("--peer", default=None, choices=["vllm"],
                    help="also run the sweep through vLLM (kv auto and fp8) in --peer-python")
-    p.add_argument("--peer-python", default=None, metavar="PATH")
-    p.add_argument("--peer-timeout", type=float, default=3600.0)
+    p.add_argument("--peer-python", default=None, metavar="PATH",
+                   help="interpreter with the peer installed")
+    p.add_argument("--peer-timeout", type=float, default=3600.0,
+                   help="seconds before the peer run is stopped")
     _common(p)
 
 
@@ -79,9 +85,8 @@ def _serve_bench(ns) -> int:
 
 
 def register(subparsers, add_engine_args: Callable, engine_args_from: Callable) -> None:
-    bench = subparsers.add_parser("bench", help="benchmarks: throughput, latency, quality, "
-                                  "integrity", description=__doc__,
-                                  formatter_class=argparse.RawDescriptionHelpFormatter)
+    bench = subparsers.add_parser("bench", help="benchmarks: throughput, integrity, latency, "
+                                  "quality, serve", description=__doc__)
     sub = bench.add_subparsers(dest="bench_cmd", required=True)
 
     t = sub.add_parser("throughput", help="closed-loop tokens/s vs concurrency per KV dtype")
@@ -96,10 +101,10 @@ def register(subparsers, add_engine_args: Callable, engine_args_from: Callable) 
 
     lat = sub.add_parser("latency", help="decode tokens/s at fixed batch sizes")
     add_engine_args(lat)
-    lat.add_argument("--batch-sizes", default="1,16,64")
-    lat.add_argument("--input-len", type=int, default=128)
-    lat.add_argument("--output-len", type=int, default=64)
-    lat.add_argument("--rounds", type=int, default=5)
+    lat.add_argument("--batch-sizes", default="1,16,64", help="comma list of batch sizes")
+    lat.add_argument("--input-len", type=int, default=128, help="prompt tokens per sequence")
+    lat.add_argument("--output-len", type=int, default=64, help="decode steps measured")
+    lat.add_argument("--rounds", type=int, default=5, help="timed rounds per batch size")
     lat.add_argument("--make-random-llama", nargs="?", metavar="SPEC",
                      const="hidden=512,layers=8,heads=8,kv_heads=2,vocab=32000", default=None,
                      help="without --model: make a random-init bf16 Llama in a temp dir "
@@ -111,11 +116,12 @@ def register(subparsers, add_engine_args: Callable, engine_args_from: Callable) 
                      help="interpreter for the llamacpp / vllm peers")
     lat.add_argument("--peer-model", default=None, metavar="GGUF",
                      help="llama.cpp: a GGUF of the same weights")
-    lat.add_argument("--peer-timeout", type=float, default=3600.0)
+    lat.add_argument("--peer-timeout", type=float, default=3600.0,
+                     help="seconds before a peer run is stopped")
     lat.add_argument("--compare-model", default=None, metavar="PATH",
                      help="a second kvserve engine in the same run, rounds rotated with the "
                           "first (e.g. the model's dequantized bf16 folder vs its packed GGUF)")
-    lat.add_argument("--plot", default=None, metavar="OUT.png")
+    lat.add_argument("--plot", default=None, metavar="OUT.png", help="write a plot here")
     _common(lat)
     lat.set_defaults(func=lambda ns: _latency(ns, engine_args_from))
 
@@ -124,7 +130,8 @@ def register(subparsers, add_engine_args: Callable, engine_args_from: Callable) 
     add_engine_args(q)
     _override(q, "kv_cache_dtype", default=None,
               help="candidate KV dtype (default fp8; bf16 when --candidate-model is given)")
-    q.add_argument("--baseline-kv-cache-dtype", default="bf16")
+    q.add_argument("--baseline-kv-cache-dtype", default="bf16",
+                   help="KV dtype of the reference run")
     q.add_argument("--candidate-model", default=None, metavar="PATH2",
                    help="candidate checkpoint (e.g. an INT4 one of the same model)")
     q.add_argument("--quantization", default=None,
@@ -132,22 +139,26 @@ def register(subparsers, add_engine_args: Callable, engine_args_from: Callable) 
                         "--candidate-model")
     q.add_argument("--text", default=None, metavar="FILE",
                    help="evaluation text (default <model>/heldout.txt, else generated)")
-    q.add_argument("--num-prompts", type=int, default=16)
-    q.add_argument("--prompt-len", type=int, default=32)
-    q.add_argument("--gen-len", type=int, default=256)
-    q.add_argument("--ppl-window", type=int, default=256)
-    q.add_argument("--ppl-max-tokens", type=int, default=16384)
+    q.add_argument("--num-prompts", type=int, default=16,
+                   help="prompts for the greedy-agreement and KL comparison")
+    q.add_argument("--prompt-len", type=int, default=32, help="tokens per prompt")
+    q.add_argument("--gen-len", type=int, default=256, help="greedy tokens generated per prompt")
+    q.add_argument("--ppl-window", type=int, default=256, help="perplexity window in tokens")
+    q.add_argument("--ppl-max-tokens", type=int, default=16384,
+                   help="evaluation text tokens used for perplexity at most")
     _common(q)
     q.set_defaults(func=lambda ns: _quality(ns, engine_args_from))
 
     srv = sub.add_parser("serve", add_help=False,
-                         help="HTTP load generator against a running server (streaming)")
-    srv.add_argument("rest", nargs=argparse.REMAINDER)
+                         help="HTTP load generator against a running server (streaming); "
+                              "'kvserve bench serve --help' lists its options")
+    srv.add_argument("rest", nargs=argparse.REMAINDER, help=argparse.SUPPRESS)
     srv.set_defaults(func=_serve_bench)
 
 
 def _throughput(ns: argparse.Namespace, engine_args_from: Callable, kind: str) -> int:
     from kvserve.bench import throughput as tp
+    from kvserve.bench.common import log, parse_list, parse_positive_ints, set_threads, write_json
 
     set_threads(ns.threads)
     dtypes = parse_list(ns.kv_cache_dtype, str, "--kv-cache-dtype")
@@ -177,6 +188,7 @@ def _throughput(ns: argparse.Namespace, engine_args_from: Callable, kind: str) -
 
 def _latency(ns: argparse.Namespace, engine_args_from: Callable) -> int:
     from kvserve.bench import latency as lt
+    from kvserve.bench.common import log, parse_positive_ints, set_threads, write_json
 
     set_threads(ns.threads)
     base = engine_args_from(ns)
@@ -197,6 +209,7 @@ def _latency(ns: argparse.Namespace, engine_args_from: Callable) -> int:
 
 def _quality(ns: argparse.Namespace, engine_args_from: Callable) -> int:
     from kvserve.bench import quality as ql
+    from kvserve.bench.common import log, set_threads, write_json
 
     set_threads(ns.threads)
     cand_kv = ns.kv_cache_dtype

@@ -12,16 +12,16 @@ Reports throughput, TTFT / ITL / E2E mean and p50/p90/p99 in ms, and errors by k
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import json
 import random
 import sys
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import httpx
+if TYPE_CHECKING:  # imported where used: `kvserve bench serve --help` stays fast
+    import httpx
 
 _WORDS = (
     "the", "function", "returns", "a", "new", "list", "of", "objects", "from", "module",
@@ -70,6 +70,8 @@ def _content(chunk: dict) -> str:
 
 
 async def _one(client: httpx.AsyncClient, path: str, payload: dict) -> _Result:
+    import httpx
+
     res = _Result()
     start = time.perf_counter()
     last = None
@@ -126,6 +128,8 @@ async def serve_bench(url: str, concurrency: int, requests: int, *, max_tokens: 
         raise ValueError(f"requests must be >= 1, got {requests}")
     if max_tokens < 1:
         raise ValueError(f"max_tokens must be >= 1, got {max_tokens}")
+    import httpx
+
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
     rng = random.Random(seed)
@@ -214,23 +218,28 @@ def format_report(r: dict[str, Any]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m kvserve.bench.serve_bench",
-                                description=__doc__.split("\n\n")[0])
-    p.add_argument("--url", default="http://127.0.0.1:8000")
-    p.add_argument("--concurrency", type=int, default=8)
-    p.add_argument("--requests", type=int, default=64)
-    p.add_argument("--max-tokens", type=int, default=64)
+    from kvserve.cli_help import HelpParser
+
+    p = HelpParser(prog="kvserve bench serve", description=__doc__.split("\n\n")[0])
+    p.add_argument("--url", default="http://127.0.0.1:8000", help="the server's base URL")
+    p.add_argument("--concurrency", type=int, default=8, help="clients streaming at once")
+    p.add_argument("--requests", type=int, default=64, help="requests in all")
+    p.add_argument("--max-tokens", type=int, default=64,
+                   help="tokens per request (sent with ignore_eos, so exact)")
     p.add_argument("--prompt", default=None, help="one prompt for all requests "
                                                   "(default: synthetic ones)")
-    p.add_argument("--input-words", type=int, default=32)
+    p.add_argument("--input-words", type=int, default=32,
+                   help="words per synthetic prompt")
     p.add_argument("--chat", action="store_true", help="use /v1/chat/completions")
     p.add_argument("--model", default=None, help="default: the first of /v1/models")
-    p.add_argument("--api-key", default=None)
-    p.add_argument("--temperature", type=float, default=1.0)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--timeout", type=float, default=600.0)
+    p.add_argument("--api-key", default=None, help="sent as 'Authorization: Bearer KEY'")
+    p.add_argument("--temperature", type=float, default=1.0, help="sampling temperature")
+    p.add_argument("--seed", type=int, default=0, help="seed of request i is seed + i")
+    p.add_argument("--timeout", type=float, default=600.0, help="seconds per request")
     p.add_argument("--json", dest="json_out", default=None, help="write the report here")
     ns = p.parse_args(argv)
+    import httpx
+
     try:
         report = run_serve_bench(
             ns.url, ns.concurrency, ns.requests, max_tokens=ns.max_tokens, prompt=ns.prompt,

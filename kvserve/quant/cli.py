@@ -33,8 +33,7 @@ _ST_ELEMENT_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4
 def register(subparsers, add_engine_args: Callable, engine_args_from: Callable) -> None:
     """Add ``quantize`` to the ``kvserve`` command line (engine args are not used)."""
     p = subparsers.add_parser("quantize", help="quantize an HF checkpoint's weights to INT4",
-                              description=__doc__,
-                              formatter_class=argparse.RawDescriptionHelpFormatter)
+                              description=__doc__)
     p.add_argument("--model", required=True, metavar="IN",
                    help="HF model folder or .gguf file")
     p.add_argument("--out", required=True, metavar="OUT", help="output folder (created)")

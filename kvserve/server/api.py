@@ -10,6 +10,7 @@ from __future__ import annotations
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
+from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 import kvserve
@@ -23,7 +24,7 @@ from kvserve.server.errors import (
     http_error_handler,
     validation_error_handler,
 )
-from kvserve.server.middleware import APIKeyAuth, BodyLimit, ErrorCounter
+from kvserve.server.middleware import AccessLog, APIKeyAuth, BodyLimit, ErrorCounter
 from kvserve.server.protocol import (
     ChatCompletionRequest,
     ChatCompletionResponse,
@@ -37,13 +38,19 @@ from kvserve.server.protocol import (
 from kvserve.server.settings import ServerSettings
 from kvserve.server.state import ServerState
 
-_ERRORS = {code: {"model": ErrorResponse} for code in (400, 401, 404, 413, 429, 503)}
+_ERRORS = {code: {"model": ErrorResponse} for code in (400, 401, 404, 413, 429, 500, 503)}
+# 200 is JSON, or with "stream": true server-sent events (data: {chunk} ... data: [DONE]).
+_GENERATION_RESPONSES = {200: {"content": {"text/event-stream": {"schema": {"type": "string"}}}},
+                         **_ERRORS}
+_METRICS_RESPONSES = {200: {"description": "Prometheus text exposition format",
+                            "content": {CONTENT_TYPE_LATEST: {"schema": {"type": "string"}}}}}
 
 
 def build_app(engine_client: AsyncLLMEngine, settings: ServerSettings,
               tokenizer=None) -> FastAPI:
     """``tokenizer``: the front end's own instance (default: loaded from the model folder;
-    never share the engine's, which its thread uses)."""
+    never share the engine's, which its thread uses). The caller stops the app's tokenizer
+    threads with ``app.state.server.close()`` after serving."""
     if tokenizer is None:
         args = engine_client.engine_args
         tokenizer = load_tokenizer(args.tokenizer or engine_client.model_config.path)
@@ -60,16 +67,20 @@ def build_app(engine_client: AsyncLLMEngine, settings: ServerSettings,
     if settings.api_key is not None:
         app.add_middleware(APIKeyAuth, api_key=settings.api_key)
     app.add_middleware(ErrorCounter, counter=state.metrics.http_errors)
+    if settings.access_log:
+        app.add_middleware(AccessLog)
     return app
 
 
 def _routes(app: FastAPI, state: ServerState) -> None:
-    @app.post("/v1/completions", response_model=CompletionResponse, responses=_ERRORS)
+    @app.post("/v1/completions", response_model=CompletionResponse,
+              responses=_GENERATION_RESPONSES)
     async def completions(body: CompletionRequest, request: Request) -> Response:
         """Text completion; `stream: true` answers with server-sent events."""
         return await create_completion(body, request, state)
 
-    @app.post("/v1/chat/completions", response_model=ChatCompletionResponse, responses=_ERRORS)
+    @app.post("/v1/chat/completions", response_model=ChatCompletionResponse,
+              responses=_GENERATION_RESPONSES)
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
         """Chat completion with the model's chat template; `stream: true` answers with SSE."""
         return await create_chat_completion(body, request, state)
@@ -97,8 +108,9 @@ def _routes(app: FastAPI, state: ServerState) -> None:
             return JSONResponse({"status": "engine_dead"}, status_code=503)
         return JSONResponse({"status": "ready", "in_flight": state.inflight})
 
-    @app.get("/metrics")
+    @app.get("/metrics", response_class=Response, responses=_METRICS_RESPONSES)
     async def metrics() -> Response:
+        """Prometheus metrics (text exposition format)."""
         body, content_type = state.metrics.render()
         return Response(body, media_type=content_type)
 

@@ -11,11 +11,12 @@ from kvserve.server.errors import bad_request
 from kvserve.server.generation import Generation
 from kvserve.server.logprobs import chat_logprobs
 from kvserve.server.prompts import (
-    chat_prompt,
+    chat_conversation,
     check_lengths,
     check_model,
     check_n,
     sampling_params,
+    tokenize_chat,
 )
 from kvserve.server.protocol import (
     AssistantMessage,
@@ -39,17 +40,24 @@ async def create_chat_completion(req: ChatCompletionRequest, request: Request,
     check_n(req.n, state.settings)
     if req.top_logprobs is not None and not req.logprobs:
         raise bad_request("top_logprobs requires logprobs to be true", "top_logprobs")
-    prompt = chat_prompt(req, state.tokenizer, state.limits)
-    if req.max_completion_tokens is not None:
-        max_tokens, max_param = req.max_completion_tokens, "max_completion_tokens"
-    else:
-        max_tokens, max_param = req.max_tokens, "max_tokens"
-    check_lengths([prompt], max_tokens, state.limits, "messages", max_param)
-    logprobs = (req.top_logprobs or 0) if req.logprobs else None
-    params = sampling_params(req, max_tokens=max_tokens, max_tokens_param=max_param,
-                             logprobs=logprobs, prompt_logprobs=None, limits=state.limits)
-    gen = Generation(state, state.new_id("chatcmpl"), [prompt], params, priority=req.priority,
-                     cache_salt=req.cache_salt)
+    conversation = chat_conversation(req, state.tokenizer, state.limits)
+    ticket = state.admit(1, req.n)
+    try:
+        prompt = await state.pool.run(tokenize_chat, conversation, req.add_generation_prompt,
+                                      state.limits)
+        if req.max_completion_tokens is not None:
+            max_tokens, max_param = req.max_completion_tokens, "max_completion_tokens"
+        else:
+            max_tokens, max_param = req.max_tokens, "max_tokens"
+        check_lengths([prompt], max_tokens, state.limits, "messages", max_param)
+        logprobs = (req.top_logprobs or 0) if req.logprobs else None
+        params = sampling_params(req, max_tokens=max_tokens, max_tokens_param=max_param,
+                                 logprobs=logprobs, prompt_logprobs=None, limits=state.limits)
+        gen = Generation(state, state.new_id("chatcmpl"), [prompt], params, ticket,
+                         priority=req.priority, cache_salt=req.cache_salt)
+    except BaseException:
+        ticket.release()
+        raise
     view = _ChatView(req, state)
     return await respond(gen, request, req.stream, view.full, view.chunks)
 
@@ -123,7 +131,7 @@ class _ChatView:
                     stop_reason=comp.stop_reason if reason else None,
                 ))
             update = await gen.next()
-        for i in range(n):  # cut by the deadline before finishing
+        for i in range(n):  # cut by the deadline or a forced shutdown before finishing
             if not done[i]:
                 yield chunk(ChatChunkChoice(index=i, delta=DeltaMessage(content=""),
                                             finish_reason=gen.finish_reason(None) or "length"))

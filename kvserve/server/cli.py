@@ -1,9 +1,10 @@
 """``kvserve serve [MODEL]``: run the OpenAI-compatible server with uvicorn.
 
 Shutdown: the first SIGTERM (or SIGINT) starts draining: ``/ready`` turns 503 and new
-generation requests get 503 while in-flight ones finish; once none is left (or
-``--drain-timeout`` passes) uvicorn closes the listener and the process exits 0. A second
-SIGINT/SIGTERM exits at once.
+generation requests get 503 while in-flight ones finish; once none is left uvicorn closes the
+listener and the process exits 0. When ``--drain-timeout`` passes first, or on a second
+signal, the requests still in flight are ended (streams with ``finish_reason: "abort"`` and
+``[DONE]``) and the server exits 0 within about 2 s more. A third signal exits at once.
 
 Only argparse is imported at module level: ``kvserve.cli`` imports this module on every run.
 """
@@ -19,25 +20,41 @@ logger = logging.getLogger("kvserve.server")
 
 
 def register(subparsers, add_engine_args: Callable, engine_args_from: Callable) -> None:
-    p = subparsers.add_parser("serve", help="run the OpenAI-compatible HTTP server")
+    p = subparsers.add_parser(
+        "serve", help="run the OpenAI-compatible HTTP server",
+        description="Serve MODEL with an OpenAI-compatible HTTP API (/v1/completions, "
+                    "/v1/chat/completions, /v1/models, /health, /ready, /metrics).")
     add_engine_args(p, model_positional=True)
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=8000)
-    p.add_argument("--served-model-name", default=None,
+    g = p.add_argument_group("server")
+    g.add_argument("--host", default="127.0.0.1", help="address to listen on")
+    g.add_argument("--port", type=int, default=8000, help="port to listen on")
+    g.add_argument("--served-model-name", default=None,
                    help="model id in the API (default: the model folder's name)")
-    p.add_argument("--api-key", default=os.environ.get("KVSERVE_API_KEY"),
-                   help="require 'Authorization: Bearer KEY' (default: $KVSERVE_API_KEY)")
-    p.add_argument("--max-queue", type=int, default=256,
-                   help="requests that may wait beyond --max-num-seqs before 429")
-    p.add_argument("--request-timeout", type=float, default=600.0,
+    g.add_argument("--api-key", default=os.environ.get("KVSERVE_API_KEY"),
+                   help="require 'Authorization: Bearer KEY' on /v1 (default: "
+                        "$KVSERVE_API_KEY; unset: no authentication)")
+    g.add_argument("--max-queue", type=int, default=256,
+                   help="sequences (prompts x n) that may be admitted beyond --max-num-seqs; "
+                        "more get 429")
+    g.add_argument("--request-timeout", type=float, default=600.0,
                    help="seconds per request before it is cut (0: no limit)")
-    p.add_argument("--max-body-bytes", type=int, default=4 * 2**20)
-    p.add_argument("--max-n", type=int, default=16, help="largest n per request")
-    p.add_argument("--drain-timeout", type=float, default=60.0,
-                   help="seconds to wait for in-flight requests on SIGTERM")
-    p.add_argument("--step-delay", type=float, default=0.0,
-                   help="sleep after each engine step (testing: simulates a slower model)")
-    p.add_argument("--uvicorn-log-level", default="warning")
+    g.add_argument("--max-body-bytes", type=int, default=4 * 2**20,
+                   help="largest request body in bytes; larger get 413")
+    g.add_argument("--max-n", type=int, default=16, help="largest n per request")
+    g.add_argument("--drain-timeout", type=float, default=60.0,
+                   help="seconds to let in-flight requests finish on SIGTERM before ending "
+                        "them (streams get finish_reason 'abort' and [DONE]); exit follows "
+                        "within about 2 s")
+    g.add_argument("--tokenizer-workers", type=int, default=2,
+                   help="threads that tokenize prompts and render chat templates off the "
+                        "event loop")
+    g.add_argument("--no-access-log", action="store_true",
+                   help="do not log a line per HTTP request (logger kvserve.access)")
+    g.add_argument("--step-delay", type=float, default=0.0,
+                   help="seconds to sleep after each engine step (testing: a slower model)")
+    g.add_argument("--uvicorn-log-level", default="warning",
+                   choices=["critical", "error", "warning", "info", "debug", "trace"],
+                   help="uvicorn's own log level")
     p.set_defaults(func=lambda ns: serve(ns, engine_args_from(ns)))
 
 
@@ -69,10 +86,13 @@ def serve(ns: argparse.Namespace, engine_args) -> int:
         request_timeout=ns.request_timeout if ns.request_timeout > 0 else None,
         max_body_bytes=ns.max_body_bytes,
         max_n=ns.max_n,
+        tokenizer_workers=ns.tokenizer_workers,
+        access_log=not ns.no_access_log,
     )
     if ns.drain_timeout < 0:
         raise ValueError(f"drain_timeout must be >= 0, got {ns.drain_timeout}")
     engine = AsyncLLMEngine.from_engine_args(engine_args, step_delay_s=ns.step_delay)
+    app = None
     try:
         app = build_app(engine, settings)
         engine.start()
@@ -82,4 +102,6 @@ def serve(ns: argparse.Namespace, engine_args) -> int:
         server.run()
     finally:
         engine.shutdown()
+        if app is not None:
+            app.state.server.close()
     return 0

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import json
+import re
 from collections.abc import Mapping, Sequence
+from typing import Any
 
 from fastapi import Request
 from fastapi.exceptions import RequestValidationError
@@ -12,6 +15,22 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 INVALID = "invalid_request_error"
 # pydantic puts union-branch tags into error locations ("str", "list[int]", ...): not params.
 _TYPE_TAGS = frozenset({"str", "int", "float", "bool", "none", "dict", "list"})
+_SURROGATES = re.compile("[\ud800-\udfff]")
+
+
+def encode_json(content: Any) -> bytes:
+    """Compact UTF-8 JSON that always encodes: lone surrogates (which a client can send as
+    ``"\\ud800"`` and see echoed in a message) become U+FFFD."""
+    text = json.dumps(content, ensure_ascii=False, allow_nan=False, separators=(",", ":"))
+    try:
+        return text.encode("utf-8")
+    except UnicodeEncodeError:
+        return _SURROGATES.sub("\ufffd", text).encode("utf-8")
+
+
+class SafeJSONResponse(JSONResponse):
+    def render(self, content: Any) -> bytes:
+        return encode_json(content)
 
 
 class APIError(Exception):
@@ -35,8 +54,8 @@ def error_body(message: str, *, type: str = INVALID, param: str | None = None,
 def error_response(status: int, message: str, *, type: str = INVALID, param: str | None = None,
                    code: str | None = None,
                    headers: Mapping[str, str] | None = None) -> JSONResponse:
-    return JSONResponse(error_body(message, type=type, param=param, code=code),
-                        status_code=status, headers=dict(headers or {}))
+    return SafeJSONResponse(error_body(message, type=type, param=param, code=code),
+                            status_code=status, headers=dict(headers or {}))
 
 
 def bad_request(message: str, param: str | None, code: str | None = None) -> APIError:
@@ -57,13 +76,24 @@ def loc_to_param(loc: Sequence[str | int]) -> str | None:
     return out or None
 
 
+def _most_specific(errors: Sequence[dict]) -> dict:
+    """Of the errors pydantic reports (one per union branch), the one that says most: a value
+    check that failed (lone surrogate, bad role...), else the deepest location (``content[0]
+    .type`` missing says more than "content should be a string"), else the first."""
+    for e in errors:
+        if e.get("type") == "value_error":
+            return e
+    deepest = max(len(e.get("loc", ())) for e in errors)
+    return next(e for e in errors if len(e.get("loc", ())) == deepest)
+
+
 async def validation_error_handler(_: Request, exc: Exception) -> JSONResponse:
     """FastAPI's 422 becomes OpenAI's 400, naming the first offending parameter."""
     assert isinstance(exc, RequestValidationError)
     errors = exc.errors()
     if not errors:
         return error_response(400, "invalid request")
-    first = errors[0]
+    first = _most_specific(errors)
     if first.get("type") in ("json_invalid", "model_attributes_type") or \
             tuple(first.get("loc", ())) in (("body",), ()):
         msg = "request body is not a valid JSON object"
@@ -72,8 +102,9 @@ async def validation_error_handler(_: Request, exc: Exception) -> JSONResponse:
             msg = f"malformed JSON in the request body: {detail or first.get('msg')}"
         return error_response(400, msg, code="invalid_json")
     param = loc_to_param(first.get("loc", ()))
-    return error_response(400, f"{param}: {first.get('msg')}" if param else first.get("msg", ""),
-                          param=param, code="invalid_value")
+    msg = str(first.get("msg", "invalid value")).removeprefix("Value error, ")
+    return error_response(400, f"{param}: {msg}" if param else msg, param=param,
+                          code="invalid_value")
 
 
 async def http_error_handler(_: Request, exc: Exception) -> JSONResponse:

@@ -1,16 +1,21 @@
-"""One HTTP generation request's life: admit -> submit its prompts -> consume outputs -> close.
+"""One HTTP generation request's life: admitted -> queued -> its prompts dispatched to the engine
+-> outputs consumed -> closed.
 
 ``Generation`` owns one sink queue shared by its engine requests (one per prompt), the request
-deadline, a client-disconnect watcher, and the admission slot. ``close()`` is idempotent and
-always runs (handler ``finally`` or the streaming response's ``finally``): it aborts whatever is
-unfinished (freeing its KV blocks before the engine's next step), records finish reasons and
-latency, and gives the admission slot back.
+deadline, a client-disconnect watcher and the admission ticket. Its prompts reach the engine
+through the server's ``FairQueue`` (one prompt per turn); the sink tells the queue as soon as an
+engine request has finished, so its room goes to the next turn. ``close()`` is idempotent and
+always runs (handler ``finally`` or the streaming response's ``finally``): it withdraws what
+was never dispatched, aborts whatever is unfinished (freeing its KV blocks before the engine's
+next step), records finish reasons and latency, and gives the admission ticket back.
 """
 
 from __future__ import annotations
 
 import asyncio
 import time
+from collections import deque
+from collections.abc import Callable
 
 from starlette.types import Receive
 
@@ -22,30 +27,51 @@ from kvserve.engine.async_engine import (
 )
 from kvserve.outputs import CompletionOutput, RequestOutput
 from kvserve.sampling_params import SamplingParams
+from kvserve.server.admission import Ticket
 from kvserve.server.errors import APIError, bad_request
 from kvserve.server.prompts import Prompt
 from kvserve.server.state import ServerState
 
 _DISCONNECTED = object()
+_FORCE_END = object()
 
 
 class ClientDisconnected(Exception):
     pass
 
 
+def shutting_down() -> APIError:
+    return APIError(503, "the server is shutting down", type="server_error",
+                    code="shutting_down")
+
+
 def engine_error(error: Exception) -> APIError:
     if isinstance(error, EngineShutdown):
-        return APIError(503, "the server is shutting down", type="server_error",
-                        code="shutting_down")
+        return shutting_down()
     if isinstance(error, EngineDeadError):
         return APIError(500, "the engine stopped on an internal error", type="server_error",
                         code="engine_dead")
     return APIError(500, "internal error", type="server_error")
 
 
+class _Sink(asyncio.Queue):
+    """The engine's delivery queue; reports each engine request's end the moment it arrives
+    (not when the consumer gets to it), so its room in the engine is handed on at once."""
+
+    def __init__(self, on_end: Callable[[str], None]) -> None:
+        super().__init__()
+        self._on_end = on_end
+
+    def put_nowait(self, item) -> None:
+        super().put_nowait(item)
+        if isinstance(item, RequestFailure) or (isinstance(item, RequestOutput)
+                                                and item.finished):
+            self._on_end(item.request_id)
+
+
 class Generation:
     def __init__(self, state: ServerState, request_id: str, prompts: list[Prompt],
-                 params: SamplingParams, *, priority: int = 0,
+                 params: SamplingParams, ticket: Ticket, *, priority: int = 0,
                  cache_salt: str | None = None) -> None:
         self.state = state
         self.request_id = request_id
@@ -58,40 +84,82 @@ class Generation:
         self.latest: list[RequestOutput | None] = [None] * len(prompts)
         self.done = [False] * len(prompts)
         self.timed_out = False
+        self.aborted = False  # ended by a forced shutdown
         self.arrival = time.monotonic()
         self.created = int(time.time())
-        self._sink: asyncio.Queue = asyncio.Queue()
+        self._ticket = ticket
+        self._sink = _Sink(self._engine_request_ended)
+        self._pending: deque[int] = deque(range(len(prompts)))  # prompts not yet dispatched
+        self._charged: dict[str, int] = {}  # dispatched, unfinished -> sequences charged
+        self._adds: set[asyncio.Task] = set()
+        self._deadline: float | None = None
+        self._timer: asyncio.TimerHandle | None = None
         self._watcher: asyncio.Task | None = None
-        self._admitted = False
-        self._submitted = False  # every prompt accepted by the engine
+        self._started = False
         self._closed = False
         self._last_token_time: float | None = None
         self._seen_tokens = 0
 
     # ---- start ----------------------------------------------------------------------------
     async def start(self, receive: Receive | None = None) -> None:
-        """Admit and submit every prompt. Raises ``APIError`` (429/503/400)."""
-        self.state.admit()
-        self._admitted = True
+        """Queue every prompt for the engine. Engine rejections and failures arrive through
+        ``next()``."""
+        if self.state.force_ended:
+            raise shutting_down()
+        self._started = True
+        self.state.generations.add(self)
         if receive is not None:
             self._watcher = asyncio.create_task(self._watch(receive))
         timeout = self.state.settings.request_timeout
-        deadline = self.arrival + timeout if timeout is not None else None
-        engine = self.state.engine
-        results = await asyncio.gather(*(
-            engine.add_request(rid, {"prompt_token_ids": p.token_ids, "prompt": p.text},
-                               self.params, sink=self._sink, priority=self.priority,
-                               cache_salt=self.cache_salt, deadline=deadline)
-            for rid, p in zip(self.engine_ids, self.prompts, strict=True)
-        ), return_exceptions=True)
-        for res in results:
-            if isinstance(res, ValueError):
-                raise bad_request(str(res), "prompt")
-            if isinstance(res, Exception):
-                raise engine_error(res)
-            if isinstance(res, BaseException):
-                raise res
-        self._submitted = True
+        if timeout is not None:
+            self._deadline = self.arrival + timeout
+            # loop.time() is time.monotonic(): prompts still queued here expire on time too.
+            self._timer = asyncio.get_running_loop().call_at(self._deadline, self._expire)
+        self.state.queue.submit(self)
+
+    # ---- FairQueue side ------------------------------------------------------------------
+    @property
+    def sequences_per_prompt(self) -> int:
+        return self.params.n
+
+    @property
+    def has_pending(self) -> bool:
+        return bool(self._pending)
+
+    def dispatch_next(self, charge: int) -> None:
+        i = self._pending.popleft()
+        rid, prompt = self.engine_ids[i], self.prompts[i]
+        self._charged[rid] = charge
+        task = asyncio.ensure_future(self._add(i, rid, prompt))
+        self._adds.add(task)
+        task.add_done_callback(self._adds.discard)
+
+    async def _add(self, i: int, rid: str, prompt: Prompt) -> None:
+        if self._closed or self.done[i]:
+            return  # closed (its abort already sent) before this task ran: never add it now
+        try:
+            await self.state.engine.add_request(
+                rid, {"prompt_token_ids": prompt.token_ids, "prompt": prompt.text},
+                self.params, sink=self._sink, priority=self.priority,
+                cache_salt=self.cache_salt, deadline=self._deadline)
+        except Exception as e:  # noqa: BLE001 - every failure is reported through the sink
+            self._sink.put_nowait(RequestFailure(rid, e))
+
+    def _engine_request_ended(self, rid: str) -> None:
+        charge = self._charged.pop(rid, 0)
+        if charge:
+            self.state.queue.release(charge)
+
+    def _expire(self) -> None:
+        """The deadline passed: prompts never dispatched end like engine-side expiries."""
+        self._timer = None
+        self.state.queue.withdraw(self)
+        while self._pending:
+            self._sink.put_nowait(RequestFailure(self.engine_ids[self._pending.popleft()],
+                                                 DeadlineExceeded()))
+
+    def force_end(self) -> None:
+        self._sink.put_nowait(_FORCE_END)
 
     async def _watch(self, receive: Receive) -> None:
         while True:
@@ -114,6 +182,10 @@ class Generation:
             item = await self._sink.get()
             if item is _DISCONNECTED:
                 raise ClientDisconnected()
+            if item is _FORCE_END:
+                self.aborted = True
+                self._stop_all()
+                return None
             if isinstance(item, RequestFailure):
                 i = self._index.get(item.request_id)
                 if i is None:
@@ -122,6 +194,8 @@ class Generation:
                 if isinstance(item.error, DeadlineExceeded):
                     self.timed_out = True
                     continue
+                if isinstance(item.error, ValueError):  # the engine refused the prompt
+                    raise bad_request(str(item.error), "prompt")
                 raise engine_error(item.error)
             if not isinstance(item, RequestOutput):
                 continue
@@ -162,10 +236,12 @@ class Generation:
         return out.outputs[choice] if out is not None and choice < len(out.outputs) else None
 
     def finish_reason(self, comp: CompletionOutput | None) -> str | None:
-        """OpenAI's reason: a deadline cut (or anything unfinished at the end) is "length"."""
+        """OpenAI's reason: a deadline cut is "length"; a forced shutdown's cut is "abort"."""
         reason = comp.finish_reason if comp is not None else None
         if reason in ("stop", "length"):
             return reason
+        if self.aborted:
+            return "abort"
         return "length" if self.timed_out else None
 
     @property
@@ -178,6 +254,8 @@ class Generation:
                    for c in out.outputs)
 
     def check_timeout_before_output(self) -> None:
+        if self.aborted and self.num_generated_tokens == 0:
+            raise shutting_down()
         if self.timed_out and self.num_generated_tokens == 0:
             raise APIError(503, f"the request did not start within the server's "
                            f"{self.state.settings.request_timeout:g} s request timeout",
@@ -185,16 +263,31 @@ class Generation:
                            headers={"Retry-After": "1"})
 
     # ---- close ----------------------------------------------------------------------------
+    def _stop_all(self) -> None:
+        """Withdraw what was never dispatched, abort the rest, hand back its engine room."""
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        self.state.queue.withdraw(self)
+        self._pending.clear()
+        unfinished = [rid for rid, d in zip(self.engine_ids, self.done, strict=True) if not d]
+        self.state.engine.abort(unfinished)  # before any add the queue makes next: in order
+        self.done = [True] * len(self.prompts)
+        charged, self._charged = sum(self._charged.values()), {}
+        if charged:
+            self.state.queue.release(charged)
+
     def close(self) -> None:
         if self._closed:
             return
         self._closed = True
         self.stop_watching()
-        unfinished = [rid for rid, d in zip(self.engine_ids, self.done, strict=True) if not d]
-        self.state.engine.abort(unfinished)
-        if self._admitted:
-            self.state.release()
-        if self._submitted:
+        finished = list(self.done)
+        self._stop_all()
+        self.done = finished
+        self._ticket.release()
+        self.state.generations.discard(self)
+        if self._started:
             self._record_finish()
 
     def _record_finish(self) -> None:

@@ -3,8 +3,14 @@
 Plain uvicorn closes its listening socket on the first signal, so a load balancer could never
 see ``/ready`` turn 503. Here the first signal only flags the app as draining (``/ready`` 503,
 new generation requests 503); uvicorn's 0.1 s tick then waits until no generation request is
-in flight (or the drain timeout passes) before starting its normal shutdown. The signal is not
-re-raised afterwards, so the process exits 0. A second signal exits at once.
+in flight before starting its normal shutdown. When the drain timeout passes first, or on a
+second signal, every request still in flight is ended on purpose (``ServerState.end_all``):
+streams get a final chunk with ``finish_reason: "abort"`` and ``data: [DONE]``, so no client
+sees a cut chunked body and no task is cancelled mid-write; the server then waits up to
+``FORCE_GRACE_S`` for those answers to be written before shutting down, and uvicorn's own
+grace period (``UVICORN_GRACE_S``, for connections still open after that) follows. A forced
+shutdown therefore takes at most ``--drain-timeout`` + 2 s. The signal is not re-raised
+afterwards, so the process exits 0. A third signal exits at once.
 """
 
 from __future__ import annotations
@@ -20,6 +26,8 @@ from fastapi import FastAPI
 from kvserve.server.state import ServerState
 
 logger = logging.getLogger("kvserve.server")
+FORCE_GRACE_S = 1.0
+UVICORN_GRACE_S = 1
 
 
 class DrainingServer(uvicorn.Server):
@@ -28,18 +36,26 @@ class DrainingServer(uvicorn.Server):
         self._state = state
         self._drain_timeout = drain_timeout
         self._drain_started: float | None = None
+        self._force_requested = False
+        self._forced_at: float | None = None
 
     @classmethod
     def create(cls, app: FastAPI, host: str, port: int, drain_timeout: float,
                log_level: str = "warning") -> DrainingServer:
         config = uvicorn.Config(app, host=host, port=port, log_level=log_level,
-                                lifespan="off", timeout_graceful_shutdown=5,
+                                lifespan="off", timeout_graceful_shutdown=UVICORN_GRACE_S,
                                 access_log=False)
         return cls(config, app.state.server, drain_timeout)
 
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
-        if self._drain_started is not None or self.should_exit:
-            self.should_exit = self.force_exit = True  # second signal: stop now
+        # A signal handler: only flags here; on_tick (on the event loop) acts on them.
+        if self._force_requested or self.should_exit:
+            self.should_exit = self.force_exit = True  # third signal: stop now
+            return
+        if self._drain_started is not None:
+            logger.warning("second %s: ending %d in-flight request(s) now",
+                           signal.Signals(sig).name, self._state.inflight)
+            self._force_requested = True
             return
         name = signal.Signals(sig).name
         logger.warning("%s: draining %d in-flight request(s)", name, self._state.inflight)
@@ -48,12 +64,20 @@ class DrainingServer(uvicorn.Server):
 
     async def on_tick(self, counter: int) -> bool:
         if self._drain_started is not None and not self.should_exit:
-            waited = time.monotonic() - self._drain_started
+            now = time.monotonic()
             if self._state.inflight <= 0:
-                logger.warning("drained; shutting down")
+                logger.warning("drained; shutting down" if self._forced_at is None else
+                               "in-flight requests ended; shutting down")
                 self.should_exit = True
-            elif waited >= self._drain_timeout:
-                logger.warning("drain timeout: %d request(s) still in flight",
-                               self._state.inflight)
-                self.should_exit = True
+            elif self._forced_at is not None:
+                if now - self._forced_at >= FORCE_GRACE_S:
+                    logger.warning("%d request(s) still open after ending them; shutting down",
+                                   self._state.inflight)
+                    self.should_exit = True
+            elif self._force_requested or now - self._drain_started >= self._drain_timeout:
+                if not self._force_requested:
+                    logger.warning("drain timeout: ending %d in-flight request(s)",
+                                   self._state.inflight)
+                self._state.end_all()
+                self._forced_at = now
         return await super().on_tick(counter)

@@ -12,6 +12,7 @@ from kvserve.server.protocol import CompletionLogprobs, TokenLogprob, TopLogprob
 
 _FLOOR = -9999.0  # JSON has no -inf; OpenAI and vLLM clamp the same way
 _CACHE_LIMIT = 1 << 18
+_SLACK = 32  # characters a token may be found past the current offset (dropped whitespace)
 
 
 def clean(lp: float) -> float:
@@ -54,16 +55,41 @@ def chat_logprobs(token_ids: Sequence[int], logprobs: Sequence[Logprobs], top: i
     return out
 
 
+class TextOffsets:
+    """Places tokens in the text a choice returns, for ``text_offset``.
+
+    Each token's string is looked for at the current offset (or a little after it: word-level
+    tokenizers drop the spaces between words). A token that is not there takes no room and
+    gets the current offset: a special token the text does not contain (``<|bos|>``, which
+    decoding skips), or a fragment of a multi-byte character. The next token found puts the
+    offsets back in step. ``extend`` adds text as a stream produces it."""
+
+    def __init__(self, text: str = "") -> None:
+        self.text = text
+        self.pos = 0
+
+    def extend(self, more: str) -> None:
+        self.text += more
+
+    def place(self, token: str) -> int:
+        if not token:
+            return self.pos
+        i = self.text.find(token, self.pos, self.pos + len(token) + _SLACK)
+        if i < 0:
+            return self.pos
+        self.pos = i + len(token)
+        return i
+
+
 def completion_logprobs(token_ids: Sequence[int], logprobs: Sequence[Logprobs | None],
-                        text: TokenText, offset: int = 0) -> CompletionLogprobs:
-    """``offset``: text offset of the first token. Positions without logprobs (the first prompt
-    token) get ``None``."""
+                        text: TokenText, offsets: TextOffsets) -> CompletionLogprobs:
+    """``offsets``: where the choice's text stands (see ``TextOffsets``). Positions without
+    logprobs (the first prompt token) get ``None``."""
     res = CompletionLogprobs()
     for tid, lps in zip(token_ids, logprobs, strict=False):
         s = text(tid)
         res.tokens.append(s)
-        res.text_offset.append(offset)
-        offset += len(s)
+        res.text_offset.append(offsets.place(s))
         if lps is None:
             res.token_logprobs.append(None)
             res.top_logprobs.append(None)

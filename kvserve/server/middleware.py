@@ -1,21 +1,28 @@
-"""Pure-ASGI middleware: HTTP error counting, API-key checks, request body size limit.
+"""Pure-ASGI middleware: access log, HTTP error counting (and the last-resort 500), API-key
+checks, request body size limit.
 
-Order (outermost first): ``ErrorCounter`` -> ``APIKeyAuth`` -> ``BodyLimit`` -> the app, so
-401s and 413s are counted and an unauthenticated client never gets its body read.
+Order (outermost first): ``AccessLog`` -> ``ErrorCounter`` -> ``APIKeyAuth`` -> ``BodyLimit``
+-> the app, so 401s, 413s and 500s are counted and logged and an unauthenticated client never
+gets its body read.
 """
 
 from __future__ import annotations
 
 import hmac
 import json
+import logging
 import posixpath
+import time
 from urllib.parse import unquote
 
 from prometheus_client import Counter
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from kvserve.server.errors import error_body
+from kvserve.server.streaming import CLIENT_CLOSED, GENERATION_KEY
 
+logger = logging.getLogger("kvserve.server")
+access_logger = logging.getLogger("kvserve.access")
 # Paths that stay open when an API key is set; everything else needs the key.
 OPEN_PATHS = frozenset({"/health", "/ready", "/version", "/metrics"})
 
@@ -42,20 +49,67 @@ def normalize_path(path: str) -> str:
     return "/" + path.lstrip("/")
 
 
+class AccessLog:
+    """One ``kvserve.access`` INFO line per HTTP request once it is fully answered:
+    client, method, path, status, latency and, for generation requests, tokens. A client that
+    left before any answer is logged with status 499."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        start = time.perf_counter()
+        status = CLIENT_CLOSED
+
+        async def recording_send(message: Message) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+            await send(message)
+
+        try:
+            await self.app(scope, receive, recording_send)
+        finally:
+            client = scope.get("client")
+            gen = scope.get(GENERATION_KEY)
+            tokens = "" if gen is None else (f" prompt_tokens={gen.num_prompt_tokens}"
+                                             f" completion_tokens={gen.num_generated_tokens}")
+            access_logger.info('%s "%s %s" %d %.3fs%s',
+                               f"{client[0]}:{client[1]}" if client else "-",
+                               scope.get("method", "-"), scope.get("path", "-"), status,
+                               time.perf_counter() - start, tokens)
+
+
 class ErrorCounter:
+    """Counts responses >= 400 by status, and answers any exception that escapes the app with
+    an OpenAI-shaped 500 (counted like the rest; the traceback goes to the log once)."""
+
     def __init__(self, app: ASGIApp, counter: Counter) -> None:
         self.app, self.counter = app, counter
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
+        started = False
 
         async def counting_send(message: Message) -> None:
-            if message["type"] == "http.response.start" and message["status"] >= 400:
-                self.counter.labels(str(message["status"])).inc()
+            nonlocal started
+            if message["type"] == "http.response.start":
+                started = True
+                if message["status"] >= 400:
+                    self.counter.labels(str(message["status"])).inc()
             await send(message)
 
-        await self.app(scope, receive, counting_send)
+        try:
+            await self.app(scope, receive, counting_send)
+        except Exception:
+            logger.exception("unhandled error answering %s %s", scope.get("method"),
+                             scope.get("path"))
+            if not started:  # after the headers nothing can be said; the body just ends
+                await send_error(counting_send, 500, "internal server error",
+                                 type="server_error", code="internal_error")
 
 
 class APIKeyAuth:

@@ -1,7 +1,11 @@
 """Turn a validated request into engine inputs: token ids and ``SamplingParams``.
 
-Everything here runs on the event loop with the front end's own tokenizer instance (the
-engine thread owns the engine's), and raises ``APIError`` 400 naming the parameter.
+Two halves: cheap shape and size checks on the event loop (``completion_items``,
+``chat_conversation``: nothing here is proportional to more than the body's length), then
+tokenization and chat templating in a worker thread of the ``TokenizerPool``, each worker with
+its own tokenizer copy (``tokenize_prompts``, ``tokenize_chat``). Text longer than
+``Limits.max_prompt_chars`` is refused before it is tokenized. Everything raises ``APIError``
+400 naming the parameter.
 """
 
 from __future__ import annotations
@@ -27,6 +31,15 @@ class Limits:
     vocab_size: int
     max_model_len: int
     capacity_tokens: int
+    max_prompt_chars: int  # longer prompt text is refused before tokenizing
+
+
+def max_prompt_chars(tokenizer, max_model_len: int) -> int:
+    """The character bound for prompt text: ``max_model_len`` tokens of the vocabulary's longest
+    token, each with one separator. Text over it cannot fit the context (short of a tokenizer
+    that drops long runs of characters), so it is refused without spending time on it."""
+    longest = max((len(t) for t in tokenizer.get_vocab()), default=1)
+    return max_model_len * (longest + 1)
 
 
 @dataclass(frozen=True, slots=True)
@@ -57,8 +70,17 @@ def _check_ids(ids: list[int], limits: Limits, param: str) -> list[int]:
     return ids
 
 
-def completion_prompts(req: CompletionRequest, tokenizer, limits: Limits,
-                       settings: ServerSettings) -> list[Prompt]:
+def _too_long(param: str, what: str, limits: Limits) -> APIError:
+    return bad_request(f"the {param} has {what}, leaving no room to generate: this model's "
+                       f"maximum context length is {limits.max_model_len} tokens (and prompt "
+                       f"text is limited to {limits.max_prompt_chars} characters)", param,
+                       "context_length_exceeded")
+
+
+def completion_items(req: CompletionRequest, limits: Limits,
+                     settings: ServerSettings) -> list[str | list[int]]:
+    """The prompts of a completion request (text or token ids), checked for emptiness and
+    size without tokenizing: event-loop side."""
     p = req.prompt
     if isinstance(p, str):
         items: list[str | list[int]] = [p]
@@ -71,11 +93,26 @@ def completion_prompts(req: CompletionRequest, tokenizer, limits: Limits,
     if len(items) > settings.max_prompts:
         raise bad_request(f"prompt batch has {len(items)} prompts; at most "
                           f"{settings.max_prompts} allowed", "prompt")
+    for i, item in enumerate(items):
+        param = "prompt" if len(items) == 1 else f"prompt[{i}]"
+        if not item:
+            raise bad_request(f"{param} must not be empty", param)
+        if isinstance(item, str) and len(item) > limits.max_prompt_chars:
+            raise _too_long(param, f"{len(item)} characters", limits)
+        if not isinstance(item, str) and len(item) >= limits.max_model_len:
+            raise _too_long(param, f"{len(item)} tokens", limits)
+    return items
+
+
+def tokenize_prompts(tokenizer, items: list[str | list[int]], limits: Limits) -> list[Prompt]:
+    """Worker-thread side of ``completion_items``; stops at the first prompt over the context."""
     out = []
     for i, item in enumerate(items):
         param = "prompt" if len(items) == 1 else f"prompt[{i}]"
         if isinstance(item, str):
             ids = tokenizer.encode(item, add_special_tokens=True)
+            if len(ids) >= limits.max_model_len:
+                raise _too_long(param, f"{len(ids)} tokens", limits)
             out.append(Prompt(item, _check_ids(list(ids), limits, param)))
         else:
             out.append(Prompt(None, _check_ids(list(item), limits, param)))
@@ -87,26 +124,42 @@ def _message_text(content, index: int) -> str:
         return content or ""
     texts = []
     for j, part in enumerate(content):
-        if part.type != "text" or part.text is None:
-            raise bad_request(f"content part type {part.type!r} is not supported; only text",
-                              f"messages[{index}].content[{j}]")
+        param = f"messages[{index}].content[{j}]"
+        if part.type != "text":
+            raise bad_request(f"{param} has type {part.type!r}, which this server does not "
+                              "support; send text parts ({\"type\": \"text\", \"text\": "
+                              "...}) or a string", param, "unsupported_content_type")
+        if part.text is None:
+            raise bad_request(f"{param} is a text part without its 'text' field", param)
         texts.append(part.text)
     return "\n".join(texts)
 
 
-def chat_prompt(req: ChatCompletionRequest, tokenizer, limits: Limits) -> Prompt:
+def chat_conversation(req: ChatCompletionRequest, tokenizer, limits: Limits) -> list[dict]:
+    """The messages as the chat template takes them, size-checked: event-loop side.
+    ``developer`` (OpenAI's newer name for ``system``) is rendered as ``system``."""
     if not getattr(tokenizer, "chat_template", None):
         raise bad_request("the served model's tokenizer has no chat template; use "
                           "/v1/completions", "messages")
-    conversation = []
+    conversation, chars = [], 0
     for i, m in enumerate(req.messages):
-        msg = {"role": m.role, "content": _message_text(m.content, i)}
+        role = "system" if m.role == "developer" else m.role
+        msg = {"role": role, "content": _message_text(m.content, i)}
+        chars += len(msg["content"])
         if m.name is not None:
             msg["name"] = m.name
         conversation.append(msg)
+    if chars > limits.max_prompt_chars:
+        raise _too_long("messages", f"{chars} characters", limits)
+    return conversation
+
+
+def tokenize_chat(tokenizer, conversation: list[dict], add_generation_prompt: bool,
+                  limits: Limits) -> Prompt:
+    """Worker-thread side of ``chat_conversation``: the chat template, then token ids."""
     try:
         ids = tokenizer.apply_chat_template(conversation, tokenize=True,
-                                            add_generation_prompt=req.add_generation_prompt)
+                                            add_generation_prompt=add_generation_prompt)
     except Exception as e:  # noqa: BLE001 - jinja templates raise anything on bad input
         raise bad_request(f"messages could not be rendered with the chat template: {e}",
                           "messages") from e

@@ -1,6 +1,8 @@
 """OpenAI-compatible request and response models (pydantic 2).
 
-Requests ignore unknown fields (``extra="ignore"``) and reject NaN / infinity. Bounds that do
+Requests ignore unknown fields (``extra="ignore"``), are strictly typed as OpenAI's API is (no
+coercion of ``"yes"`` to a bool or ``true`` to a token id), reject NaN / infinity and strings
+with lone surrogates, and limit chat roles to OpenAI's five. Bounds that do
 not depend on the served model live here as ``Field`` constraints, so they show up in the
 OpenAPI schema; bounds that do (context length, vocabulary, ``n``) are checked when serving.
 Fields marked *kvserve* are extensions beyond OpenAI's API (vLLM spells them the same way).
@@ -9,18 +11,52 @@ Fields marked *kvserve* are extensions beyond OpenAI's API (vLLM spells them the
 from __future__ import annotations
 
 import time
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    ConfigDict,
+    Field,
+    StrictInt,
+    ValidationError,
+    field_validator,
+)
 
 from kvserve.sampling_params import MAX_LOGPROBS
 
 MAX_STOP_SEQUENCES = 16
 MAX_SEED = 2**63 - 1
+SURROGATE_MESSAGE = "contains an unpaired UTF-16 surrogate (not valid Unicode)"
+
+
+def first_surrogate(value: str) -> int | None:
+    """Index of the first lone surrogate in ``value`` (JSON ``"\\ud800"`` decodes to one).
+    Fast on multi-megabyte prompts: ASCII is checked in C, anything else is encoded once."""
+    if value.isascii():
+        return None
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError as e:
+        return e.start
+    return None
+
+
+def _valid_unicode(value: str) -> str:
+    i = first_surrogate(value)
+    if i is not None:
+        raise ValueError(f"{SURROGATE_MESSAGE} at character {i}")
+    return value
+
+
+# Every string a request carries is valid Unicode: it is tokenized, hashed or echoed back.
+Text = Annotated[str, AfterValidator(_valid_unicode)]
 
 
 class _Request(BaseModel):
-    model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
+    # strict: types as OpenAI's API defines them ("stream": "yes", "echo": 0 or
+    # "prompt": [true] are errors, not coerced); floats still accept integers.
+    model_config = ConfigDict(extra="ignore", allow_inf_nan=False, strict=True)
 
 
 class _Response(BaseModel):
@@ -35,21 +71,22 @@ class StreamOptions(_Request):
 class SamplingRequest(_Request):
     """Fields shared by ``/v1/completions`` and ``/v1/chat/completions``."""
 
-    model: str | None = Field(None, description="Must name the served model when given.")
+    model: Text | None = Field(None, description="Must name the served model when given.")
     n: int = Field(1, ge=1, description="Choices per prompt (capped by the server's --max-n).")
     temperature: float | None = Field(None, ge=0, le=2, description="Default 1.0; 0 = greedy.")
     top_p: float | None = Field(None, gt=0, le=1)
     seed: int | None = Field(None, ge=0, le=MAX_SEED)
-    stop: str | list[str] | None = Field(None, description="Up to 16 stop strings.")
+    stop: Text | list[Text] | None = Field(None, description="Up to 16 stop strings.")
     presence_penalty: float | None = Field(None, ge=-2, le=2)
     frequency_penalty: float | None = Field(None, ge=-2, le=2)
     stream: bool = False
     stream_options: StreamOptions | None = None
-    user: str | None = Field(None, description="Accepted and ignored.")
+    user: Text | None = Field(None, description="Accepted and ignored.")
 
     @field_validator("stop", mode="wrap")
     @classmethod
     def _stop_shape(cls, value: Any, handler: Any) -> Any:
+        _check_strings(value, "stop")
         try:
             return handler(value)
         except ValidationError:
@@ -62,13 +99,13 @@ class SamplingRequest(_Request):
     min_tokens: int = Field(0, ge=0, description="kvserve: no stop before this many tokens.")
     priority: int = Field(0, description="kvserve: lower runs first (--scheduling-policy "
                                          "priority).")
-    cache_salt: str | None = Field(None, max_length=256,
+    cache_salt: Text | None = Field(None, max_length=256,
                                    description="kvserve: isolates prefix-cache sharing.")
 
 
 class CompletionRequest(SamplingRequest):
-    prompt: str | list[str] | list[int] | list[list[int]] = Field(
-        ..., description="Text, token ids, or a batch of either.")
+    prompt: str | list[str] | list[StrictInt] | list[list[StrictInt]] = Field(
+        ..., description="Text, token ids, or a batch of either (not empty).")
     max_tokens: int | None = Field(16, ge=1, description="None: up to the context length.")
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     echo: bool = False
@@ -76,6 +113,7 @@ class CompletionRequest(SamplingRequest):
     @field_validator("prompt", mode="wrap")
     @classmethod
     def _prompt_shape(cls, value: Any, handler: Any) -> Any:
+        _check_strings(value, "prompt")
         try:
             return handler(value)
         except ValidationError:
@@ -83,15 +121,27 @@ class CompletionRequest(SamplingRequest):
                              "or a list of token-id lists") from None
 
 
-class TextContentPart(_Request):
-    type: str = "text"
-    text: str | None = None
+def _check_strings(value: Any, param: str) -> None:
+    """A lone surrogate in a string (or a list of strings) is named precisely, before a union's
+    generic shape message could hide it."""
+    items = [value] if isinstance(value, str) else value if isinstance(value, list) else []
+    for k, item in enumerate(items):
+        if isinstance(item, str) and (i := first_surrogate(item)) is not None:
+            where = param if isinstance(value, str) else f"{param}[{k}]"
+            raise ValueError(f"{where} {SURROGATE_MESSAGE} at character {i}")
+
+
+class ContentPart(_Request):
+    """Only ``{"type": "text", "text": ...}`` is served; other types get a 400 saying so."""
+
+    type: Text = Field(..., max_length=64)
+    text: Text | None = None
 
 
 class ChatMessage(_Request):
-    role: str = Field(..., max_length=64)
-    content: str | list[TextContentPart] | None = None
-    name: str | None = None
+    role: Literal["system", "user", "assistant", "tool", "developer"]
+    content: Text | list[ContentPart] | None = None
+    name: Text | None = Field(None, max_length=256)
 
 
 class ChatCompletionRequest(SamplingRequest):
@@ -118,11 +168,14 @@ class CompletionLogprobs(_Response):
     text_offset: list[int] = Field(default_factory=list)
 
 
+FinishReason = Literal["stop", "length", "abort"]  # abort: cut by a forced server shutdown
+
+
 class CompletionChoice(_Response):
     index: int
     text: str
     logprobs: CompletionLogprobs | None = None
-    finish_reason: Literal["stop", "length"] | None = None
+    finish_reason: FinishReason | None = None
     stop_reason: int | str | None = None
 
 
@@ -159,7 +212,7 @@ class ChatChoice(_Response):
     index: int
     message: AssistantMessage
     logprobs: ChoiceLogprobs | None = None
-    finish_reason: Literal["stop", "length"] | None = None
+    finish_reason: FinishReason | None = None
     stop_reason: int | str | None = None
 
 
@@ -181,7 +234,7 @@ class ChatChunkChoice(_Response):
     index: int
     delta: DeltaMessage
     logprobs: ChoiceLogprobs | None = None
-    finish_reason: Literal["stop", "length"] | None = None
+    finish_reason: FinishReason | None = None
     stop_reason: int | str | None = None
 
 

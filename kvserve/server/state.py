@@ -1,16 +1,23 @@
-"""Per-app server state: the engine client, settings, limits, admission and draining."""
+"""Per-app server state: the engine client, settings, limits, admission, the fair queue, the
+tokenizer pool, the live generations and the draining / forced-shutdown flags."""
 
 from __future__ import annotations
 
 import itertools
 import uuid
+from typing import TYPE_CHECKING
 
 from kvserve.engine.async_engine import AsyncLLMEngine
+from kvserve.server.admission import Admission, FairQueue, Ticket
 from kvserve.server.errors import APIError
 from kvserve.server.logprobs import TokenText
 from kvserve.server.metrics import ServerMetrics
-from kvserve.server.prompts import Limits
+from kvserve.server.prompts import Limits, max_prompt_chars
 from kvserve.server.settings import ServerSettings
+from kvserve.server.workers import TokenizerPool
+
+if TYPE_CHECKING:
+    from kvserve.server.generation import Generation
 
 
 class ServerState:
@@ -19,21 +26,37 @@ class ServerState:
         self.settings = settings
         self.tokenizer = tokenizer  # the front end's own instance; event loop only
         self.text = TokenText(tokenizer)
+        self.pool = TokenizerPool(tokenizer, settings.tokenizer_workers)
         self.metrics = ServerMetrics(engine.snapshot)
         mc = engine.model_config
         self.limits = Limits(vocab_size=mc.vocab_size, max_model_len=mc.max_model_len,
-                             capacity_tokens=engine.capacity_tokens)
-        self.max_inflight = engine.engine_args.max_num_seqs + settings.max_queue
-        self.inflight = 0  # admitted generation requests not yet fully answered
+                             capacity_tokens=engine.capacity_tokens,
+                             max_prompt_chars=max_prompt_chars(tokenizer, mc.max_model_len))
+        args = engine.engine_args
+        self.admission = Admission(args.max_num_seqs + settings.max_queue)
+        self.queue = FairQueue(2 * args.max_num_seqs,
+                               by_priority=args.scheduling_policy == "priority")
+        self.generations: set[Generation] = set()  # started, not closed
         self.draining = False
+        self.force_ended = False  # a forced shutdown ended every generation
         self._ids = itertools.count()
         self._salt = uuid.uuid4().hex[:8]
+
+    @property
+    def max_sequences(self) -> int:
+        return self.admission.max_sequences
+
+    @property
+    def inflight(self) -> int:
+        """Admitted generation requests not yet fully answered."""
+        return self.admission.requests
 
     def new_id(self, prefix: str) -> str:
         return f"{prefix}-{self._salt}{next(self._ids):x}"
 
-    def admit(self) -> None:
-        """Count one generation request in, or refuse it (503 draining, 429 queue full)."""
+    def admit(self, prompts: int, n: int) -> Ticket:
+        """Count a generation request's sequences in, or refuse it (503 draining or engine
+        dead, 400 never fits, 429 queue full)."""
         if self.draining:
             self.metrics.rejected.labels("draining").inc()
             raise APIError(503, "the server is shutting down", type="server_error",
@@ -42,12 +65,19 @@ class ServerState:
             self.metrics.rejected.labels("engine_dead").inc()
             raise APIError(503, "the engine is not running", type="server_error",
                            code="engine_dead")
-        if self.inflight >= self.max_inflight:
-            self.metrics.rejected.labels("queue_full").inc()
-            raise APIError(429, f"the server queue is full ({self.max_inflight} requests in "
-                           "flight); retry later", type="rate_limit_error", code="queue_full",
-                           headers={"Retry-After": "1"})
-        self.inflight += 1
+        try:
+            return self.admission.admit(prompts, n)
+        except APIError as e:
+            if e.status == 429:
+                self.metrics.rejected.labels("queue_full").inc()
+            raise
 
-    def release(self) -> None:
-        self.inflight -= 1
+    def end_all(self) -> None:
+        """Forced shutdown: every live generation ends now (streams with ``finish_reason
+        "abort"`` and ``[DONE]``); requests still being prepared get 503."""
+        self.force_ended = True
+        for gen in list(self.generations):
+            gen.force_end()
+
+    def close(self) -> None:
+        self.pool.close()

@@ -9,14 +9,15 @@ when the client disconnects (Starlette cancels the body iterator) and when sendi
 from __future__ import annotations
 
 import json
+import logging
 from collections.abc import AsyncIterator, Callable
 
 from fastapi import Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import Response, StreamingResponse
 from starlette.types import Receive, Scope, Send
 
 from kvserve.outputs import RequestOutput
-from kvserve.server.errors import APIError, error_body
+from kvserve.server.errors import APIError, SafeJSONResponse, error_body
 from kvserve.server.generation import ClientDisconnected, Generation, run_to_first
 
 Update = tuple[int, RequestOutput]
@@ -24,6 +25,9 @@ ChunkSource = Callable[[Generation, Update | None], AsyncIterator[dict]]
 
 _SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 CLIENT_CLOSED = 499  # nginx's "client closed request"; nobody reads it
+GENERATION_KEY = "kvserve.generation"  # in the ASGI scope, for the access log
+
+logger = logging.getLogger("kvserve.server")
 
 
 def sse(payload: dict | str) -> str:
@@ -52,6 +56,9 @@ async def _events(gen: Generation, first: Update | None, chunks: ChunkSource
         return
     except APIError as e:
         yield sse(error_body(e.message, type=e.type, param=e.param, code=e.code))
+    except Exception:  # headers are sent: the stream still ends with an error and [DONE]
+        logger.exception("stream %s failed", gen.request_id)
+        yield sse(error_body("internal error", type="server_error", code="internal_error"))
     finally:
         gen.close()
     yield sse("[DONE]")
@@ -59,6 +66,7 @@ async def _events(gen: Generation, first: Update | None, chunks: ChunkSource
 
 async def respond(gen: Generation, request: Request, stream: bool,
                   full: Callable[[Generation], dict], chunks: ChunkSource) -> Response:
+    request.scope[GENERATION_KEY] = gen
     handed_over = False
     try:
         first = await run_to_first(gen, request.receive)
@@ -68,7 +76,7 @@ async def respond(gen: Generation, request: Request, stream: bool,
             return GenerationStream(_events(gen, first, chunks), gen)
         await gen.drain()
         gen.check_timeout_before_output()
-        return JSONResponse(full(gen))
+        return SafeJSONResponse(full(gen))
     except ClientDisconnected:
         return Response(status_code=CLIENT_CLOSED)
     finally:

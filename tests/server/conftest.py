@@ -1,8 +1,10 @@
 """Server test fixtures: real ``kvserve serve`` subprocesses and in-process ASGI apps.
 
-All servers use the session's tiny random Llama (word-level vocabulary ``w0``..``w508``) with a
-16 MiB KV cache. ``--step-delay`` slows engine steps a little so streams last long enough to
-be interrupted deterministically.
+Most servers use the session's tiny random Llama (word-level vocabulary ``w0``..``w508``) with
+a 16 MiB KV cache; ``demo_server`` and the servers some tests start for themselves serve the
+built-in demo model (a byte-level BPE tokenizer that adds ``<|bos|>``, 2,048-token context).
+``--step-delay`` slows engine steps a little so streams last long enough to be interrupted
+deterministically.
 """
 
 from __future__ import annotations
@@ -93,6 +95,22 @@ def main_server(tiny_llama) -> Iterator[ServerProcess]:
         server.stop()
 
 
+def demo_model() -> str:
+    from kvserve.engine.arg_utils import demo_model_path
+
+    return demo_model_path()
+
+
+@pytest.fixture(scope="session")
+def demo_server() -> Iterator[ServerProcess]:
+    """The demo model with the default server settings (4 MiB body limit, no API key)."""
+    server = ServerProcess(demo_model(), "--step-delay", "0.002")
+    try:
+        yield server.wait_healthy()
+    finally:
+        server.stop()
+
+
 @pytest.fixture
 def client(main_server) -> Iterator[httpx.Client]:
     with httpx.Client(base_url=main_server.url, timeout=60,
@@ -154,6 +172,7 @@ class InProcess:
 
     def close(self) -> None:
         self.engine.shutdown()
+        self.state.close()
 
 
 @pytest.fixture

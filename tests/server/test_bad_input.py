@@ -60,6 +60,39 @@ CASES = [
     ("malformed-json", CMPL, b'{"prompt": "w1", ', None),
     ("json-not-object", CHAT, b'[1, 2, 3]', None),
     ("empty-body", CMPL, b"", None),
+    # Lone surrogates (JSON "\ud800" escapes) used to be a bare 500 (issue 15, item 2).
+    ("surrogate-model", CMPL, b'{"model": "\\ud800", "prompt": "w1"}', "model"),
+    ("surrogate-prompt", CMPL, b'{"prompt": "a\\ud800b", "max_tokens": 3}', "prompt"),
+    ("surrogate-prompt-batch", CMPL, b'{"prompt": ["w1", "x\\udfff"]}', "prompt"),
+    ("surrogate-stop", CMPL, b'{"prompt": "w1", "stop": ["\\udc00"]}', "stop"),
+    ("surrogate-cache-salt", CMPL, b'{"prompt": "w1", "cache_salt": "\\ud800"}', "cache_salt"),
+    ("surrogate-user", CHAT, b'{"messages": [{"role": "user", "content": "w1"}], '
+                             b'"user": "\\ud800"}', "user"),
+    ("surrogate-content", CHAT, b'{"messages": [{"role": "user", "content": "w1\\ud800"}]}',
+     "messages[0].content"),
+    ("surrogate-content-part", CHAT, b'{"messages": [{"role": "user", "content": '
+                                     b'[{"type": "text", "text": "\\udfff"}]}]}',
+     "messages[0].content[0].text"),
+    # Strict types, as OpenAI's API defines them (issue 15, item 6).
+    ("stream-string", CMPL, _c(stream="yes"), "stream"),
+    ("stream-int", CHAT, _chat(stream=1), "stream"),
+    ("echo-int", CMPL, _c(echo=0), "echo"),
+    ("prompt-bools", CMPL, _c(prompt=[True, False]), "prompt"),
+    ("prompt-bools-batch", CMPL, _c(prompt=[[1, True]]), "prompt"),
+    ("max-tokens-numeric-string", CMPL, _c(max_tokens="5"), "max_tokens"),
+    ("n-float", CMPL, _c(n=2.0), "n"),
+    ("logprobs-bool", CMPL, _c(logprobs=True), "logprobs"),
+    ("chat-logprobs-string", CHAT, _chat(logprobs="true"), "logprobs"),
+    ("include-usage-string", CMPL, _c(stream=True, stream_options={"include_usage": "yes"}),
+     "stream_options.include_usage"),
+    ("role-eos", CHAT, _chat(messages=[{"role": "eos", "content": "w1"}]), "messages[0].role"),
+    ("role-missing", CHAT, _chat(messages=[{"content": "w1"}]), "messages[0].role"),
+    ("text-part-without-text", CHAT, _chat(messages=[{"role": "user", "content": [
+        {"type": "text"}]}]), "messages[0].content[0]"),
+    ("content-part-without-type", CHAT, _chat(messages=[{"role": "user", "content": [
+        {"text": "w1"}]}]), "messages[0].content[0].type"),
+    ("empty-prompt-in-batch", CMPL, _c(prompt=["w1", ""]), "prompt[1]"),
+    ("too-many-sequences", CMPL, _c(prompt=["w1"] * 64, n=16), "n"),
 ]
 
 
@@ -74,6 +107,62 @@ def test_bad_request_is_400_naming_the_parameter(client, path, body, param):
     assert err["type"] == "invalid_request_error" and err["message"]
     assert err["param"] == param, err
     assert_ok(client)
+
+
+MESSAGES = [
+    # (body, words the message must contain)
+    (_chat(messages=[{"role": "eos", "content": "w1"}]), ["role", "'user'", "'developer'"]),
+    (_chat(messages=[{"role": "user", "content": [{"type": "text"}]}]), ["text", "field"]),
+    (_chat(messages=[{"role": "user", "content": [{"type": "image_url", "image_url": {
+        "url": "http://x"}}]}]), ["'image_url'", "not support", "text parts"]),
+    (_c(prompt="a\ud800b"), ["surrogate", "character 1"]),
+    (_c(prompt=["w1"] * 64, n=16), ["1024 sequences", "64 prompt(s) x n=16", "at most 320"]),
+]
+
+
+@pytest.mark.parametrize("body,words", MESSAGES, ids=[str(i) for i in range(len(MESSAGES))])
+def test_error_messages_say_what_is_wrong(client, body, words):
+    r = client.post(CHAT if "messages" in body else CMPL, content=json.dumps(body).encode(),
+                    headers={"Content-Type": "application/json"})  # json.dumps escapes \ud800
+    assert r.status_code == 400, r.text
+    message = r.json()["error"]["message"]
+    for word in words:
+        assert word in message, (word, message)
+
+
+def test_no_bad_request_was_a_server_error(client):
+    metrics = client.get("/metrics").text
+    assert 'kvserve_http_errors_total{status="400"}' in metrics
+    assert not any(line.startswith('kvserve_http_errors_total{status="5')
+                   for line in metrics.splitlines())
+
+
+def test_developer_role_is_accepted(client):
+    r = client.post(CHAT, json=_chat(messages=[{"role": "developer", "content": "w3"},
+                                               {"role": "user", "content": "w1 w2"}]))
+    assert r.status_code == 200, r.text
+
+
+def test_unexpected_exception_is_an_openai_500_and_counted(inprocess):
+    srv = inprocess()
+
+    @srv.app.get("/boom")
+    async def boom() -> None:
+        raise RuntimeError("unexpected")
+
+    async def main():
+        async with srv.client() as c:
+            r = await c.get("/boom")
+            assert r.status_code == 500
+            assert r.json() == {"error": {"message": "internal server error",
+                                          "type": "server_error", "param": None,
+                                          "code": "internal_error"}}
+            metrics = (await c.get("/metrics")).text
+            assert 'kvserve_http_errors_total{status="500"} 1.0' in metrics
+            r = await c.post(CMPL, json=_c())
+            assert r.status_code == 200, r.text
+
+    srv.run(main())
 
 
 def test_unknown_model_is_404(client):

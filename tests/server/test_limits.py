@@ -13,7 +13,7 @@ SHORT = {"model": MODEL_NAME, "prompt": "w4 w5", "max_tokens": 2}
 
 def test_full_queue_is_429_with_retry_after(inprocess):
     srv = inprocess(step_delay_s=0.01, engine_kw={"max_num_seqs": 1}, max_queue=1)
-    assert srv.state.max_inflight == 2
+    assert srv.state.max_sequences == 2
 
     async def main():
         async with srv.client() as c:

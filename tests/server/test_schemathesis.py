@@ -40,6 +40,18 @@ def test_schema_lists_every_operation(api_schema):
     assert found == set(OPERATIONS)
 
 
+def test_metrics_content_type_is_declared(fuzz_app):
+    async def main():
+        async with fuzz_app.client() as c:
+            return (await c.get("/openapi.json")).json(), await c.get("/metrics")
+
+    schema, metrics = fuzz_app.run(main())
+    content = schema["paths"]["/metrics"]["get"]["responses"]["200"]["content"]
+    assert list(content) == [metrics.headers["content-type"]]
+    assert content[metrics.headers["content-type"]]["schema"] == {"type": "string"}
+    assert metrics.headers["content-type"].startswith("text/plain")
+
+
 CASES = [(m, p, mode) for m, p in OPERATIONS
          for mode in ((GenerationMode.POSITIVE, GenerationMode.NEGATIVE) if m == "POST"
                       else (GenerationMode.POSITIVE,))]
@@ -56,6 +68,12 @@ def test_no_server_errors(api_schema, method, path, mode):
     def check(case):
         response = case.call()
         assert response.status_code < 500, (case.body, response.text)
+        declared = case.operation.definition.raw["responses"].get(str(response.status_code))
+        if declared and declared.get("content"):  # the answer's type is the declared one
+            ctype = response.headers["content-type"]
+            media = (ctype[0] if isinstance(ctype, list) else ctype).split(";")[0]
+            assert any(t.split(";")[0] == media for t in declared["content"]), (
+                ctype, list(declared["content"]))
         if response.status_code >= 400:  # OpenAI's error shape
             assert set(response.json()["error"]) == {"message", "type", "param", "code"}
 

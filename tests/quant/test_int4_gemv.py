@@ -85,3 +85,53 @@ def test_gemv_max_m_dispatch(monkeypatch: pytest.MonkeyPatch) -> None:
     assert calls == [1]
     with pytest.raises(ValueError, match="gemv_max_m"):
         Int4Linear(q, gemv_max_m=-1)
+
+
+def _portable_gemv(tmp_path):
+    """int4_gemv.c built without AVX2 / F16C (the scalar loops a non-AVX2 CPU runs)."""
+    import ctypes
+    import shutil
+    import subprocess
+
+    from kvserve import cbuild
+
+    cc = shutil.which("cc") or shutil.which("gcc")
+    if cc is None:
+        pytest.skip("no C compiler")
+    flags = [f for f in cbuild.FLAGS if f != "-march=native"]
+    lib = str(tmp_path / "int4_gemv_portable.so")
+    subprocess.run([cc, f"{cbuild.CSRC}/int4_gemv.c", "-o", lib, "-march=x86-64", "-mno-avx2",
+                    "-mno-f16c", *flags], check=True, capture_output=True)
+    dll = ctypes.CDLL(lib)
+    p, i64 = ctypes.c_void_p, ctypes.c_int64
+    dll.kvs_int4_gemv.argtypes = [p, p, p, p, i64, i64, i64, i64, i64, ctypes.c_int,
+                                  ctypes.c_int, p]
+    dll.kvs_int4_gemv.restype = None
+    return dll
+
+
+@pytest.mark.parametrize("form", ["bf16-zero-point", "gguf-min-form"])
+def test_portable_build_matches_twin(form, tmp_path, monkeypatch):
+    """The scalar fallbacks (bf16 (s, z) pairs; fp16 (d, m) pairs of the GGUF min form, incl.
+    subnormal fp16 scales) against the twin, as on a CPU without AVX2."""
+    import platform
+
+    if platform.machine() not in ("x86_64", "AMD64"):
+        pytest.skip("x86-64 flags")
+    g = torch.Generator().manual_seed(7)
+    n, k = 64, 128
+    if form == "gguf-min-form":
+        q = int4.quantize_rtn(torch.randn(n, k, generator=g) * 0.05, 32, True)
+        d = (torch.rand(n, k // 32, generator=g) * 0.01).half()
+        d[0, 0] = 2.0 ** -20  # an fp16 subnormal
+        m = (torch.randn(n, k // 32, generator=g) * 0.05).half()
+        q = int4.Int4Weight(q.values, d, None, 32, None, m)
+    else:
+        q = int4.quantize_rtn(torch.randn(n, k, generator=g) * 0.05, 32, False)
+    lin = Int4Linear(q, gemv_max_m=8)
+    monkeypatch.setattr(int4_linear, "_gemv_lib", lambda: _portable_gemv(tmp_path))
+    for mm in (1, 3):
+        x = torch.randn(mm, k, generator=g)
+        y = lin._forward_gemv(x)
+        ref = x.double() @ lin.dequantize().double().t()
+        assert (y.double() - ref).abs().max().item() <= 1e-5 * ref.abs().max().item()

@@ -21,6 +21,7 @@ from kvserve.layers.int4_linear import Int4Linear
 from kvserve.quant import int4
 from kvserve.quant.gguf_q4 import BLOCK_BYTES, unpack_q4
 from tests.model.gguf_writer import dequantized_hf, write_gguf
+from tests.model.parity import assert_greedy_equal, assert_logits_close
 
 gguf = pytest.importorskip("gguf")
 from gguf import GGMLQuantizationType as QT  # noqa: E402
@@ -126,18 +127,8 @@ def test_gguf_model_matches_transformers(arch, overrides, gguf_factory, make_llm
     llm = make_llm(path, dtype="float32", kv_cache_dtype="fp32")
     packed = [m for m in llm.engine.model.modules() if type(m).__name__ == "Int4MergedLinear"]
     assert packed and all(m.scheme.format == "gguf" for m in packed)
-    for ids in PROMPTS[:2]:
-        ours = llm.engine.prompt_logits(ids)
-        with torch.no_grad():
-            ref = hf(torch.tensor([ids])).logits[0].float()
-        torch.testing.assert_close(ours, ref, atol=1e-4, rtol=1e-4)
-    outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS],
-                        SamplingParams(temperature=0, max_tokens=32, ignore_eos=True))
-    for ids, out in zip(PROMPTS, outs, strict=True):
-        with torch.no_grad():
-            ref = hf.generate(torch.tensor([ids]), max_new_tokens=32, do_sample=False,
-                              eos_token_id=None, pad_token_id=0)[0, len(ids):].tolist()
-        assert out.outputs[0].token_ids == ref
+    assert_logits_close(llm, hf, PROMPTS[:2], atol=1e-4, rtol=1e-4)
+    assert_greedy_equal(llm, hf, PROMPTS)
 
 
 def test_gguf_tokenizer_and_chat_template_from_metadata(gguf_factory, make_llm):
@@ -230,17 +221,8 @@ def test_default_model_packed_matches_transformers_dequantized():
     hf = dequantized_hf(path)
     convs = [[{"role": "user", "content": c}] for c in CHAT]
     prompts = [llm.apply_chat_template(c) for c in convs]
-    ours = llm.engine.prompt_logits(prompts[0])
-    with torch.no_grad():
-        ref = hf(torch.tensor([prompts[0]])).logits[0].float()
-    torch.testing.assert_close(ours, ref, atol=2e-3, rtol=1e-3)
-    outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
-                        SamplingParams(temperature=0, max_tokens=32, ignore_eos=True))
-    for ids, out in zip(prompts, outs, strict=True):
-        with torch.no_grad():
-            ref_ids = hf.generate(torch.tensor([ids]), max_new_tokens=32, do_sample=False,
-                                  eos_token_id=None, pad_token_id=0)[0, len(ids):].tolist()
-        assert out.outputs[0].token_ids == ref_ids
+    assert_logits_close(llm, hf, prompts[:1], atol=2e-3, rtol=1e-3)
+    outs = assert_greedy_equal(llm, hf, prompts)
     assert "Paris" in llm.get_tokenizer().decode(outs[0].outputs[0].token_ids)
     llm.engine.check_no_leaks()
 

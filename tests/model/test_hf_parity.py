@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvserve import SamplingParams
+from tests.model.parity import assert_greedy_equal, assert_logits_close
 
 ARCHS = {
     "llama": {},
@@ -48,18 +48,8 @@ def test_logits_and_greedy_match_transformers(name, model_factory, make_llm):
     path = model_factory(arch, **ARCHS[name])
     hf = _hf(path)
     llm = make_llm(path, dtype="float32", block_size=16)
-    for ids in PROMPTS[:2]:
-        ours = llm.engine.prompt_logits(ids)
-        with torch.no_grad():
-            ref = hf(torch.tensor([ids])).logits[0].float()
-        torch.testing.assert_close(ours, ref, atol=2e-3, rtol=1e-3)
-    outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS],
-                        SamplingParams(temperature=0, max_tokens=32, ignore_eos=True))
-    for ids, out in zip(PROMPTS, outs, strict=True):
-        with torch.no_grad():
-            ref = hf.generate(torch.tensor([ids]), max_new_tokens=32, do_sample=False,
-                              eos_token_id=None, pad_token_id=0)[0, len(ids):].tolist()
-        assert out.outputs[0].token_ids == ref, name
+    assert_logits_close(llm, hf, PROMPTS[:2], atol=2e-3, rtol=1e-3)
+    assert_greedy_equal(llm, hf, PROMPTS)
 
 
 def test_bf16_model_close_to_transformers(model_factory, make_llm):

@@ -253,3 +253,47 @@ void kvs_int4_gemv(const uint8_t *packed, const uint16_t *sz, const float *x, co
         }
     }
 }
+
+/*
+ * Dequantize stored rows [r0, r1) (multiples of BN) to W^T, fp32 out [K, r1 - r0] (k-major),
+ * for the GEMM path of larger batches. Twin: Int4Linear._dequant_rows_t's torch code, which
+ * it reproduces bit for bit: per (group, row) t = z - 8 s (bf16 pairs) or t = m (fp16 min
+ * form), then w = fl(fl(u * s) + t) -- two roundings, so no contraction into an FMA here.
+ */
+__attribute__((optimize("fp-contract=off")))
+void kvs_int4_dequant_t(const uint8_t *restrict packed, const uint16_t *restrict sz,
+                        int64_t N, int64_t K, int64_t G, int64_t BN, int min_form, int64_t r0,
+                        int64_t r1, int num_threads, float *restrict out) {
+    const int64_t rows = r1 - r0, half = BN / 2, ng = K / G;
+#pragma omp parallel num_threads(num_threads)
+    {
+        float s[64], t[64];   /* BN <= 64 */
+#pragma omp for schedule(static)
+        for (int64_t b = r0 / BN; b < r1 / BN; b++) {
+            const int64_t c0 = b * BN - r0;   /* this block's first output column */
+            for (int64_t g = 0; g < ng; g++) {
+                const uint16_t *p = sz + (g * N + b * BN) * 2;
+                for (int64_t r = 0; r < BN; r++) {
+                    if (min_form) {
+                        s[r] = f16f(p[2 * r]);
+                        t[r] = f16f(p[2 * r + 1]);
+                    } else {
+                        s[r] = bf16f(p[2 * r]);
+                        const float e = 8.0f * s[r];
+                        t[r] = bf16f(p[2 * r + 1]) - e;
+                    }
+                }
+                for (int64_t k = g * G; k < (g + 1) * G; k++) {
+                    const uint8_t *restrict q = packed + (b * K + k) * half;
+                    float *restrict o = out + k * rows + c0;
+                    for (int64_t j = 0; j < half; j++) {
+                        const float lo = (float)(q[j] & 15) * s[j];
+                        const float hi = (float)(q[j] >> 4) * s[half + j];
+                        o[j] = lo + t[j];
+                        o[half + j] = hi + t[half + j];
+                    }
+                }
+            }
+        }
+    }
+}

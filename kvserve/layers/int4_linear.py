@@ -75,6 +75,11 @@ from kvserve.quant.int4 import Int4Weight
 
 DEQUANT_MIN_M = 96  # rows of x from which dequant -> fp32 GEMM beats the int4 op (measured)
 GEMV_MAX_M = 64  # rows of x up to which the C kernel (kvserve/csrc/int4_gemv.c) is fastest
+# GGUF min-form layers skip the bf16 op (fp32 activations throughout): past this many rows the
+# C dequantize (kvs_int4_dequant_t, ~2 ns per weight on one thread) + fp32 GEMM beats the GEMV,
+# which is compute-bound (~0.07 ms per row of x at SmolLM2's 1536 x 576, AVX-512 Xeon, vs
+# ~0.01-0.02 ms per row for the fp32 GEMM); SmolLM2 decode: B=16 GEMV faster, B=64 3x slower.
+MIN_FORM_GEMV_MAX_M = 24
 _OP_GROUPS = (256, 128, 64, 32)  # group sizes the CPU int4 op accepts
 _CHUNK_BYTES = 4 << 20  # fp32 weight rows dequantized per GEMM call in the dequant path
 
@@ -130,7 +135,7 @@ class Int4Linear(nn.Module):
         bias: torch.Tensor | None = None,
         *,
         dequant_min_m: int = DEQUANT_MIN_M,
-        gemv_max_m: int = GEMV_MAX_M,
+        gemv_max_m: int | None = None,
     ) -> None:
         super().__init__()
         n, k = weight.out_features, weight.in_features
@@ -138,6 +143,8 @@ class Int4Linear(nn.Module):
             raise ValueError(f"bias must be [out={n}], got {tuple(bias.shape)}")
         if dequant_min_m < 1:
             raise ValueError(f"dequant_min_m must be >= 1, got {dequant_min_m}")
+        if gemv_max_m is None:  # min form: no bf16 op in between, the C dequant GEMM next
+            gemv_max_m = MIN_FORM_GEMV_MAX_M if weight.mins is not None else GEMV_MAX_M
         if gemv_max_m < 0:
             raise ValueError(f"gemv_max_m must be >= 0 (0: never the C kernel), got {gemv_max_m}")
         self.in_features, self.out_features = k, n
@@ -374,6 +381,14 @@ class Int4Linear(nn.Module):
         assert self._layout is not None
         block_n, mode = self._layout
         rows, g = r1 - r0, self.op_group
+        lib = _gemv_lib()
+        if lib is not None and self.scales_zeros.dtype == (
+                torch.float16 if self.min_form else torch.bfloat16):
+            out = torch.empty(self.k_pad, rows, dtype=torch.float32)
+            lib.kvs_int4_dequant_t(self.packed.data_ptr(), self.scales_zeros.data_ptr(),
+                                   self.n_pad, self.k_pad, g, block_n, int(self.min_form),
+                                   r0, r1, torch.get_num_threads(), out.data_ptr())
+            return out  # the C twin of the torch code below, bit for bit
         ng = self.k_pad // g
         # nibbles as [k_pad, rows] (uint8): column c is stored row r0 + c
         u = _unpack_blocks(self.packed, self.n_pad, self.k_pad, block_n, mode,
@@ -616,12 +631,18 @@ def _gemv_lib() -> ctypes.CDLL | None:
     if layout is None or layout[1] != "halves" or layout[0] not in (32, 64):
         return None
     dll = build_library("int4_gemv")
-    if dll is None:
-        return None
+    return None if dll is None else bind_int4_library(dll)
+
+
+def bind_int4_library(dll: ctypes.CDLL) -> ctypes.CDLL:
+    """Declare kvserve/csrc/int4_gemv.c's entry points on a loaded library."""
     p, i64 = ctypes.c_void_p, ctypes.c_int64
     dll.kvs_int4_gemv.argtypes = [p, p, p, p, i64, i64, i64, i64, i64, ctypes.c_int,
                                   ctypes.c_int, p]
     dll.kvs_int4_gemv.restype = None
+    dll.kvs_int4_dequant_t.argtypes = [p, p, i64, i64, i64, i64, ctypes.c_int, i64, i64,
+                                       ctypes.c_int, p]
+    dll.kvs_int4_dequant_t.restype = None
     return dll
 
 

@@ -102,12 +102,7 @@ def _portable_gemv(tmp_path):
     lib = str(tmp_path / "int4_gemv_portable.so")
     subprocess.run([cc, f"{cbuild.CSRC}/int4_gemv.c", "-o", lib, "-march=x86-64", "-mno-avx2",
                     "-mno-f16c", *flags], check=True, capture_output=True)
-    dll = ctypes.CDLL(lib)
-    p, i64 = ctypes.c_void_p, ctypes.c_int64
-    dll.kvs_int4_gemv.argtypes = [p, p, p, p, i64, i64, i64, i64, i64, ctypes.c_int,
-                                  ctypes.c_int, p]
-    dll.kvs_int4_gemv.restype = None
-    return dll
+    return int4_linear.bind_int4_library(ctypes.CDLL(lib))
 
 
 @pytest.mark.parametrize("form", ["bf16-zero-point", "gguf-min-form"])
@@ -129,9 +124,31 @@ def test_portable_build_matches_twin(form, tmp_path, monkeypatch):
     else:
         q = int4.quantize_rtn(torch.randn(n, k, generator=g) * 0.05, 32, False)
     lin = Int4Linear(q, gemv_max_m=8)
-    monkeypatch.setattr(int4_linear, "_gemv_lib", lambda: _portable_gemv(tmp_path))
-    for mm in (1, 3):
+    dll = _portable_gemv(tmp_path)
+    monkeypatch.setattr(int4_linear, "_gemv_lib", lambda: dll)
+    for mm in (1, 3, 100):  # 100: the C dequantize + GEMM path
         x = torch.randn(mm, k, generator=g)
         y = lin._forward_gemv(x)
         ref = x.double() @ lin.dequantize().double().t()
         assert (y.double() - ref).abs().max().item() <= 1e-5 * ref.abs().max().item()
+
+
+@pytest.mark.parametrize("n,k,gs,sym", SHAPES)
+def test_c_dequantize_bit_exact_with_torch_twin(n, k, gs, sym, monkeypatch):
+    """kvs_int4_dequant_t (the GEMM path's weight tiles) == the torch code it replaces, bit for
+    bit, for bf16 zero-point pairs and the GGUF fp16 min form."""
+    g = torch.Generator().manual_seed(n + k)
+    q = int4.quantize_rtn(torch.randn(n, k, generator=g) * 0.05, gs, sym)
+    layers = [Int4Linear(q)]
+    if gs == 32:
+        d = (torch.rand(q.scales.shape, generator=g) * 0.01).half()
+        m = (torch.randn(q.scales.shape, generator=g) * 0.05).half()
+        layers.append(Int4Linear(int4.Int4Weight(q.values, d, None, 32, None, m)))
+    for lin in layers:
+        fast = lin.dequantize()
+        with monkeypatch.context() as mp:
+            mp.setattr(int4_linear, "_gemv_lib", lambda: None)
+            twin = lin.dequantize()
+        assert torch.equal(fast.view(torch.int32), twin.view(torch.int32))
+        x = torch.randn(100, k, generator=g)  # M >= dequant_min_m: the C-dequant GEMM
+        torch.testing.assert_close(lin(x), x @ twin.t(), rtol=1e-5, atol=1e-5)

@@ -182,6 +182,8 @@ def load_model(path: str, dtype: str | torch.dtype = "auto", device: str = "cpu"
     if missing:
         raise ValueError(f"checkpoint {path!r} is missing tensor(s): {', '.join(missing[:8])}"
                          + (f" (+{len(missing) - 8} more)" if len(missing) > 8 else ""))
+    if ggml is not None and torch.device(device).type == "cpu":
+        keep_q8_tables(model, ggml, name_map, dtype)
     if quant is not None:
         densify_int4_modules(model, dtype, device)
     for module in model.modules():
@@ -200,12 +202,18 @@ def load_model(path: str, dtype: str | torch.dtype = "auto", device: str = "cpu"
 def weight_bytes(model: torch.nn.Module) -> tuple[int, int]:
     """(bytes the model's weights hold now, bytes the same weights take in bf16). INT4
     modules count their packed nibbles, scales and zero points; tied tensors count once."""
+    from kvserve.layers.q8_embedding import Q8Embedding
+
     held = bf16 = 0
     seen: set[int] = set()
     for module in model.modules():
         if isinstance(module, Int4MergedLinear):
             held += module.weight_bytes()
             bf16 += 2 * module.in_features * sum(module.out_sizes)
+            seen.update(id(t) for t in module.parameters())
+        elif isinstance(module, Q8Embedding):
+            held += module.weight_bytes()
+            bf16 += 2 * module.dense_numel()
             seen.update(id(t) for t in module.parameters())
     for t in model.parameters():  # dense weights (buffers are rope tables etc.)
         if id(t) in seen or not t.is_floating_point() or t.dim() < 1:
@@ -249,6 +257,46 @@ def export_gguf_to_hf(path: str, out: str, dtype: torch.dtype = torch.bfloat16,
     hf_config.dtype = dtype
     hf_config.save_pretrained(out)
     return out
+
+
+def keep_q8_tables(model: torch.nn.Module, ckpt: GGUFCheckpoint, name_map: dict[str, str],
+                   dtype: torch.dtype) -> int:
+    """A Q8_0 token embedding (and a Q8_0 ``output`` LM head) stays 8-bit after loading: the
+    dense weights just loaded are replaced by ``Q8Embedding`` / ``Q8LMHead`` over the file's
+    own blocks (the same values: d * q is exact in fp32, checked here for fp32 models). A
+    tied LM head reads the embedding's tensors. Returns how many tables were kept."""
+    from kvserve.layers.q8_embedding import Q8Embedding, Q8LMHead
+    from kvserve.quant.gguf_q8 import dequantize_q8, unpack_q8_0
+
+    by_hf = {hf: g for g, hf in name_map.items()}
+
+    def table(hf_name: str, dense: torch.Tensor) -> Q8Embedding | None:
+        g = by_hf.get(hf_name)
+        if g is None or ckpt.type_of(g) != "Q8_0" or dense.dim() != 2:
+            return None
+        q, d = unpack_q8_0(ckpt.tensors[g].data, tuple(dense.shape))
+        if dense.dtype == torch.float32:
+            assert torch.equal(dequantize_q8(q, d), dense), hf_name  # exact, as documented
+        return Q8Embedding(q, d, dense.dtype)
+
+    n = 0
+    embed = getattr(getattr(model, "model", None), "embed_tokens", None)
+    head = getattr(model, "lm_head", None)
+    if not isinstance(embed, torch.nn.Embedding) or not isinstance(head, Linear):
+        return 0  # e.g. vocab-parallel layers: left as loaded
+    tied = head.weight is embed.weight
+    emb = table("model.embed_tokens.weight", embed.weight.detach())
+    if emb is not None:
+        model.model.embed_tokens = emb
+        n += 1
+        if tied:
+            model.lm_head = Q8LMHead(emb)
+    if not tied:
+        out = table("lm_head.weight", head.weight.detach())
+        if out is not None and head.bias is None:
+            model.lm_head = Q8LMHead(out)
+            n += 1
+    return n
 
 
 def ggml_packed_modules(model: torch.nn.Module) -> list[str]:

@@ -38,7 +38,7 @@ def unpack_q4(data: np.ndarray | torch.Tensor, kind: str, shape: tuple[int, int]
     out, k = shape
     if k % GROUP:
         raise ValueError(f"{kind} rows hold whole blocks of {GROUP}; in_features {k} is not")
-    raw = torch.as_tensor(np.ascontiguousarray(data)).view(torch.uint8).reshape(-1)
+    raw = _as_bytes(data)
     nb, bb = k // GROUP, BLOCK_BYTES[kind]
     if raw.numel() != out * nb * bb:
         raise ValueError(f"{kind} [{out}, {k}] needs {out * nb * bb} bytes, got {raw.numel()}")
@@ -61,3 +61,10 @@ def permute_rows(data: np.ndarray | torch.Tensor, perm: torch.Tensor) -> torch.T
     row permutation of quantized data is exact)."""
     t = torch.as_tensor(np.ascontiguousarray(data))
     return t.index_select(0, perm)
+
+
+def _as_bytes(data: np.ndarray | torch.Tensor) -> torch.Tensor:
+    """uint8 view of a tensor, or of a (possibly read-only, memory-mapped) array's copy."""
+    if isinstance(data, torch.Tensor):
+        return data.contiguous().view(torch.uint8).reshape(-1)
+    return torch.from_numpy(np.array(data, dtype=np.uint8).reshape(-1))

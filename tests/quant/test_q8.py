@@ -1,0 +1,80 @@
+"""GGUF Q8_0 kept 8-bit: unpacking exact against gguf, the C GEMV (AVX2 and scalar builds)
+and the chunked GEMM path against the twin (fp32, relative 1e-5), embedding rows exact."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from kvserve.layers import q8_embedding
+from kvserve.layers.q8_embedding import Q8Embedding, Q8LMHead
+from kvserve.quant.gguf_q8 import dequantize_q8, unpack_q8_0
+
+gguf = pytest.importorskip("gguf")
+from gguf import GGMLQuantizationType as QT  # noqa: E402
+from gguf.quants import dequantize, quantize  # noqa: E402
+
+
+def _table(n: int, k: int, seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    w = np.random.default_rng(seed).standard_normal((n, k)).astype(np.float32) * 0.05
+    raw = quantize(w, QT.Q8_0)
+    q, d = unpack_q8_0(raw, (n, k))
+    return q, d, torch.from_numpy(dequantize(raw, QT.Q8_0))
+
+
+@pytest.mark.parametrize("shape", [(8, 32), (100, 576), (333, 96)])
+def test_unpack_exact_against_gguf(shape):
+    q, d, ref = _table(*shape, seed=shape[0])
+    got = dequantize_q8(q, d)
+    assert torch.equal(got.view(torch.int32), ref.view(torch.int32))  # bit for bit
+    rows = torch.tensor([0, shape[0] - 1, 3 % shape[0]])
+    emb = Q8Embedding(q, d, torch.float32)
+    assert torch.equal(emb(rows), ref[rows])
+
+
+def _check_head(head: Q8LMHead, ref: torch.Tensor, ms=(1, 2, 5, 16, 17, 40)) -> None:
+    g = torch.Generator().manual_seed(0)
+    for m in ms:  # <= GEMV_MAX_M: the C GEMV; above: chunked dequantize + GEMM
+        x = torch.randn(m, ref.shape[1], generator=g)
+        want = x.double() @ ref.double().t()
+        got = head(x)
+        assert got.dtype == torch.float32 and got.shape == (m, ref.shape[0])
+        assert (got.double() - want).abs().max() <= 1e-5 * want.abs().max()
+
+
+def test_lm_head_matches_twin():
+    q, d, ref = _table(5000, 576, 1)
+    _check_head(Q8LMHead(Q8Embedding(q, d, torch.float32)), ref)
+
+
+def test_lm_head_scalar_build(tmp_path, monkeypatch):
+    import ctypes
+    import platform
+    import shutil
+    import subprocess
+
+    from kvserve import cbuild
+
+    cc = shutil.which("cc") or shutil.which("gcc")
+    if cc is None or platform.machine() not in ("x86_64", "AMD64"):
+        pytest.skip("needs cc on x86-64")
+    lib = str(tmp_path / "q8_portable.so")
+    flags = [f for f in cbuild.FLAGS if f != "-march=native"]
+    subprocess.run([cc, f"{cbuild.CSRC}/q8_gemv.c", "-o", lib, "-march=x86-64", "-mno-avx2",
+                    *flags], check=True, capture_output=True)
+    dll = ctypes.CDLL(lib)
+    p, i64 = ctypes.c_void_p, ctypes.c_int64
+    dll.kvs_q8_gemv.argtypes = [p, p, p, i64, i64, i64, ctypes.c_int, p]
+    monkeypatch.setattr(q8_embedding, "_q8_lib", lambda: dll)
+    q, d, ref = _table(700, 96, 2)
+    d[0, 0] = 2.0 ** -20  # an fp16 subnormal scale
+    ref = dequantize_q8(q, d)
+    _check_head(Q8LMHead(Q8Embedding(q, d, torch.float32)), ref, ms=(1, 3))
+
+
+def test_bad_shapes_are_refused():
+    with pytest.raises(ValueError, match="int8"):
+        Q8Embedding(torch.zeros(4, 32), torch.zeros(4, 1, dtype=torch.float16), torch.float32)
+    with pytest.raises(ValueError, match="whole blocks"):
+        unpack_q8_0(np.zeros(34, np.uint8), (1, 31))

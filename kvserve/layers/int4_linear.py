@@ -63,6 +63,7 @@ import ctypes
 import functools
 import math
 import os
+import threading
 from collections.abc import Sequence
 
 import torch
@@ -76,9 +77,10 @@ from kvserve.quant.int4 import Int4Weight
 DEQUANT_MIN_M = 96  # rows of x from which dequant -> fp32 GEMM beats the int4 op (measured)
 GEMV_MAX_M = 64  # rows of x up to which the C kernel (kvserve/csrc/int4_gemv.c) is fastest
 # GGUF min-form layers skip the bf16 op (fp32 activations throughout): past this many rows the
-# C dequantize (kvs_int4_dequant_t, ~2 ns per weight on one thread) + fp32 GEMM beats the GEMV,
+# C dequantize (kvs_int4_dequant_t, ~1.5 ns per weight on one thread) + fp32 GEMM beats the GEMV,
 # which is compute-bound (~0.07 ms per row of x at SmolLM2's 1536 x 576, AVX-512 Xeon, vs
-# ~0.01-0.02 ms per row for the fp32 GEMM); SmolLM2 decode: B=16 GEMV faster, B=64 3x slower.
+# ~0.01-0.02 ms per row for the fp32 GEMM): crossover ~24 rows (GEMV 1.1 / 2.2 ms vs 1.7 / 1.8
+# at 16 / 32 rows).
 MIN_FORM_GEMV_MAX_M = 24
 _OP_GROUPS = (256, 128, 64, 32)  # group sizes the CPU int4 op accepts
 _CHUNK_BYTES = 4 << 20  # fp32 weight rows dequantized per GEMM call in the dequant path
@@ -384,11 +386,12 @@ class Int4Linear(nn.Module):
         lib = _gemv_lib()
         if lib is not None and self.scales_zeros.dtype == (
                 torch.float16 if self.min_form else torch.bfloat16):
-            out = torch.empty(self.k_pad, rows, dtype=torch.float32)
+            out = _workspace(self.k_pad * rows).view(self.k_pad, rows)
             lib.kvs_int4_dequant_t(self.packed.data_ptr(), self.scales_zeros.data_ptr(),
                                    self.n_pad, self.k_pad, g, block_n, int(self.min_form),
                                    r0, r1, torch.get_num_threads(), out.data_ptr())
-            return out  # the C twin of the torch code below, bit for bit
+            return out  # the C twin of the torch code below, bit for bit (a workspace view:
+            # consumed by the caller's GEMM before the next call)
         ng = self.k_pad // g
         # nibbles as [k_pad, rows] (uint8): column c is stored row r0 + c
         u = _unpack_blocks(self.packed, self.n_pad, self.k_pad, block_n, mode,
@@ -594,7 +597,8 @@ class Int4Linear(nn.Module):
         """The dense fp32 [out, in] weight this layer computes with (original column order)."""
         if self.device_kernel is not None:
             return self._dequantize_device()
-        w_t = torch.cat([self._dequant_rows_t(r0, r1) for r0, r1 in self._row_chunks()], 1)
+        w_t = torch.cat([self._dequant_rows_t(r0, r1).clone() for r0, r1 in self._row_chunks()],
+                        1)  # clone: the C path returns a reused workspace
         w = w_t.t()[: self.out_features, : self.in_features]
         if self.perm is not None:
             dense = torch.empty_like(w)
@@ -622,6 +626,18 @@ def int4_experts_from_dense(
     Int4Linear, each quantized independently like a plain linear (compressed-tensors and GPTQ
     checkpoints store ``experts.<e>.<proj>`` per expert: build each with the constructors)."""
     return nn.ModuleList(Int4Linear.from_dense(w, group_size, symmetric) for w in weights)
+
+
+_WORKSPACE = threading.local()
+
+
+def _workspace(numel: int) -> torch.Tensor:
+    """A reusable fp32 buffer per thread for dequantized weight tiles: a fresh 4 MiB tensor
+    per call page-faults (~1.5 ms, as much as the dequantize itself)."""
+    buf = getattr(_WORKSPACE, "buf", None)
+    if buf is None or buf.numel() < numel:
+        buf = _WORKSPACE.buf = torch.empty(numel, dtype=torch.float32)
+    return buf[:numel]
 
 
 @functools.cache

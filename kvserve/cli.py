@@ -15,7 +15,8 @@ def add_engine_args(p: argparse.ArgumentParser, model_positional: bool = False) 
     p.add_argument("--model", default=None, help="HF model folder (default: built-in demo model)")
     p.add_argument("--dtype", default="auto", help="auto | bf16 | fp16 | fp32")
     p.add_argument("--kv-cache-dtype", default="auto",
-                   help="auto | bf16 | fp16 | fp32 | fp8 (=fp8_e4m3) | fp8_e5m2")
+                   help="auto | bf16 | fp16 | fp32 | int8 (rotated; recommended 8-bit) | "
+                        "int8_plain | fp8 (=fp8_e4m3) | fp8_rot | fp8_e5m2 | fp8_e5m2_rot")
     p.add_argument("--kv-cache-memory", default=None, help='KV byte budget, e.g. "256MiB"')
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--max-num-seqs", type=int, default=64)

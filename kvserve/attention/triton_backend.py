@@ -24,6 +24,9 @@ class TritonAttentionBackend:
 
         if kv_cache.components != 2:
             raise ValueError("the triton backend serves K/V caches; MLA models use mla_triton")
+        if kv_cache.is_int8:
+            raise ValueError("kv_cache_dtype int8 / int8_plain is CPU-only for now (the C "
+                             "kernel); on the triton backend use fp8_rot or fp8")
         self._attn, self._cache = triton_attention, triton_cache
         self.kv = kv_cache
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
@@ -63,6 +66,16 @@ class TritonAttentionBackend:
                            "decode": True, "max_seq_len": max_seq_len, "max_query_len": 1}}
 
     def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                meta: AttentionMetadata) -> torch.Tensor:
+        rot = self.kv.rotation
+        if rot is None:
+            return self._attend(layer, q, k, v, meta)
+        # rotated modes (fp8_rot...): attend in the basis of R, rotate the output back
+        dt = q.dtype  # the kernels take the model's dtype
+        return rot.invert(self._attend(layer, rot.apply(q).to(dt), rot.apply(k).to(dt),
+                                       rot.apply(v).to(dt), meta))
+
+    def _attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 meta: AttentionMetadata) -> torch.Tensor:
         p = self._plan(meta)
         kv = self.kv

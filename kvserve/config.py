@@ -13,7 +13,8 @@ from typing import Literal
 
 import torch
 
-KVCacheDType = Literal["auto", "bf16", "fp16", "fp32", "fp8", "fp8_e4m3", "fp8_e5m2"]
+KVCacheDType = Literal["auto", "bf16", "fp16", "fp32", "fp8", "fp8_e4m3", "fp8_e5m2", "int8",
+                      "int8_plain", "fp8_rot", "fp8_e4m3_rot", "fp8_e5m2_rot"]
 IntegrityMode = Literal["off", "on", "paranoid"]
 
 _KV_DTYPES: dict[str, torch.dtype] = {
@@ -27,6 +28,7 @@ _KV_DTYPES: dict[str, torch.dtype] = {
     "fp8": torch.float8_e4m3fn,
     "fp8_e4m3": torch.float8_e4m3fn,
     "fp8_e5m2": torch.float8_e5m2,
+    "int8_plain": torch.int8,  # INT8 without the rotation (for comparison)
 }
 _MODEL_DTYPES: dict[str, torch.dtype] = {
     "bf16": torch.bfloat16,
@@ -39,6 +41,17 @@ _MODEL_DTYPES: dict[str, torch.dtype] = {
     "float": torch.float32,
 }
 FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
+# Storage dtypes kept with one bf16 scale per (token, head, K-or-V) row.
+SCALED_KV_DTYPES = (*FP8_DTYPES, torch.int8)
+# 8-bit modes with the randomized Hadamard rotation of q/k/v (kvserve/quant/rotation.py):
+# name -> storage dtype. ``int8`` is rotated (the recommended 8-bit KV); ``int8_plain`` is not.
+_KV_ROTATED: dict[str, torch.dtype] = {
+    "int8": torch.int8,
+    "fp8_rot": torch.float8_e4m3fn,
+    "fp8_e4m3_rot": torch.float8_e4m3fn,
+    "fp8_e5m2_rot": torch.float8_e5m2,
+}
+_KV_MODE_NAMES = (*_KV_DTYPES, *_KV_ROTATED)
 
 _SIZE_RE = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*([KMGT]?)(i?)B?\s*$", re.IGNORECASE)
 
@@ -110,15 +123,41 @@ def resolve_model_dtype(dtype: str | torch.dtype, checkpoint_dtype: torch.dtype,
         ) from None
 
 
-def resolve_kv_dtype(kv_cache_dtype: str, model_dtype: torch.dtype) -> torch.dtype:
+@dataclass(frozen=True, slots=True)
+class KVMode:
+    """What a ``kv_cache_dtype`` name means: the storage dtype and whether q/k/v are rotated."""
+
+    dtype: torch.dtype
+    rotate: bool = False
+
+    @property
+    def scaled(self) -> bool:
+        """Stored with per-row bf16 scales (FP8 and INT8)."""
+        return self.dtype in SCALED_KV_DTYPES
+
+    @property
+    def name(self) -> str:
+        """Canonical name: ``int8`` (rotated), ``int8_plain``, ``fp8_e4m3_rot``, ``bf16``..."""
+        if self.dtype == torch.int8:
+            return "int8" if self.rotate else "int8_plain"
+        return dtype_name(self.dtype) + ("_rot" if self.rotate else "")
+
+
+def resolve_kv_mode(kv_cache_dtype: str, model_dtype: torch.dtype) -> KVMode:
     if kv_cache_dtype == "auto":
-        return model_dtype
-    try:
-        return _KV_DTYPES[kv_cache_dtype.lower()]
-    except KeyError:
-        raise ValueError(
-            f"kv_cache_dtype must be one of auto, {', '.join(_KV_DTYPES)}; got {kv_cache_dtype!r}"
-        ) from None
+        return KVMode(model_dtype)
+    name = kv_cache_dtype.lower()
+    if name in _KV_ROTATED:
+        return KVMode(_KV_ROTATED[name], rotate=True)
+    if name in _KV_DTYPES:
+        return KVMode(_KV_DTYPES[name])
+    raise ValueError(
+        f"kv_cache_dtype must be one of auto, {', '.join(_KV_MODE_NAMES)}; got {kv_cache_dtype!r}"
+    )
+
+
+def resolve_kv_dtype(kv_cache_dtype: str, model_dtype: torch.dtype) -> torch.dtype:
+    return resolve_kv_mode(kv_cache_dtype, model_dtype).dtype
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -128,6 +167,7 @@ def dtype_name(dtype: torch.dtype) -> str:
         torch.float32: "fp32",
         torch.float8_e4m3fn: "fp8_e4m3",
         torch.float8_e5m2: "fp8_e5m2",
+        torch.int8: "int8",
     }[dtype]
 
 
@@ -143,14 +183,21 @@ class CacheConfig:
     kv_integrity: str = "on"
     # Sealed blocks the background scrubber verifies per engine step (0 = auto from budget).
     scrub_blocks_per_step: int = 0
+    # Seed of the random signs of the q/k/v rotation (rotated KV modes: int8, fp8_rot, ...).
+    kv_rotation_seed: int = 0
 
     def __post_init__(self) -> None:
         if not isinstance(self.block_size, int) or not 1 <= self.block_size <= 1024:
             raise ValueError(f"block_size must be an int in [1, 1024], got {self.block_size!r}")
-        if self.kv_cache_dtype != "auto" and self.kv_cache_dtype.lower() not in _KV_DTYPES:
+        if self.kv_cache_dtype != "auto" and self.kv_cache_dtype.lower() not in _KV_MODE_NAMES:
             raise ValueError(
-                f"kv_cache_dtype must be one of auto, {', '.join(_KV_DTYPES)}; "
+                f"kv_cache_dtype must be one of auto, {', '.join(_KV_MODE_NAMES)}; "
                 f"got {self.kv_cache_dtype!r}"
+            )
+        if (not isinstance(self.kv_rotation_seed, int) or isinstance(self.kv_rotation_seed, bool)
+                or not 0 <= self.kv_rotation_seed < 2**63):
+            raise ValueError(
+                f"kv_rotation_seed must be an int in [0, 2**63), got {self.kv_rotation_seed!r}"
             )
         if self.kv_cache_memory is not None and self.kv_cache_memory <= 0:
             raise ValueError(f"kv_cache_memory must be positive, got {self.kv_cache_memory}")
@@ -212,5 +259,5 @@ class ModelConfig:
     def kv_bytes_per_token(self, kv_dtype: torch.dtype) -> int:
         """Payload + per-token-head scale bytes, all layers."""
         elem = torch.empty((), dtype=kv_dtype).element_size()
-        per_row = self.head_dim * elem + (2 if kv_dtype in FP8_DTYPES else 0)
+        per_row = self.head_dim * elem + (2 if kv_dtype in SCALED_KV_DTYPES else 0)
         return self.num_layers * self.kv_components * self.num_kv_heads * per_row

@@ -16,7 +16,7 @@ from kvserve.cbuild import build_library
 
 DTYPE_CODES = {
     torch.float32: 0, torch.bfloat16: 1, torch.float16: 2,
-    torch.float8_e4m3fn: 3, torch.float8_e5m2: 4,
+    torch.float8_e4m3fn: 3, torch.float8_e5m2: 4, torch.int8: 5,
 }
 
 
@@ -32,6 +32,8 @@ def load() -> ctypes.CDLL | None:
     dll.kvs_attention_simd.restype = i
     dll.kvs_write_fp8.argtypes = [p, p, i, i, i, i, p, p, p]
     dll.kvs_write_fp8.restype = None
+    dll.kvs_write_int8.argtypes = [p, p, i, i, i, p, p]
+    dll.kvs_write_int8.restype = None
     return dll
 
 
@@ -48,7 +50,8 @@ def paged_attention(kv_layer: torch.Tensor, scales_layer: torch.Tensor | None, q
     """Each query row r attends tokens [0, lens[r]) of sequence ``row_seq[r]`` (row r itself
     when ``row_seq`` is None).
 
-    kv_layer [NB+1, 2, bs, H, D]; q [n, H*G, D] fp32 contiguous; block_tables [S, mb] int64;
+    kv_layer [NB+1, 2, bs, H, D]; scales_layer [NB+1, 2, bs, H] bf16 (FP8 / INT8, else None);
+    q [n, H*G, D] fp32 contiguous; block_tables [S, mb] int64;
     row_seq [n] int64 or None; lens [n] int64; out [n, H*G, D] fp32 (written).
     ``force_scalar`` runs the portable job even where the AVX2 one exists (tests)."""
     dll = load()
@@ -85,3 +88,18 @@ def write_fp8(x: torch.Tensor, rows: torch.Tensor, dst_rows: torch.Tensor,
     dll.kvs_write_fp8(x.data_ptr(), rows.data_ptr(), t, h, d, DTYPE_CODES[dst_rows.dtype],
                       dst_rows.data_ptr(), scale_rows.data_ptr(),
                       static_scales.data_ptr() if static_scales is not None else None)
+
+
+def write_int8(x: torch.Tensor, rows: torch.Tensor, dst_rows: torch.Tensor,
+               scale_rows: torch.Tensor) -> None:
+    """Quantize x [T, H, D] (fp32) into dst_rows [R, H, D] (int8) at ``rows``, symmetric, with
+    dynamic per-row bf16 scales into scale_rows [R, H] (twin: kvserve/quant/int8.py)."""
+    dll = load()
+    assert dll is not None
+    x = x.float().contiguous()
+    t, h, d = x.shape
+    assert rows.dtype == torch.int64 and rows.is_contiguous()
+    assert dst_rows.dtype == torch.int8 and dst_rows.is_contiguous()
+    assert scale_rows.dtype == torch.bfloat16 and scale_rows.is_contiguous()
+    dll.kvs_write_int8(x.data_ptr(), rows.data_ptr(), t, h, d, dst_rows.data_ptr(),
+                       scale_rows.data_ptr())

@@ -12,7 +12,9 @@ the matmul (the G query heads of a KV head form the M dimension):
       -> f32 [n, C, H, mb*bs, D]
     q    [n, H, G, D] @ K^T [n, H, D, L] -> scores [n, H, G, L] -> softmax -> @ V -> [n, H, G, D]
 
-FP8 scales are folded into the scores (K) and probabilities (V) instead of the D-wide payload.
+FP8 / INT8 scales are folded into the scores (K) and probabilities (V) instead of the D-wide
+payload. Rotated modes (``kv.rotation``, e.g. ``int8``): q, k, v are multiplied by R before the
+write and the attention, the output by R^T after (kvserve/quant/rotation.py), on both paths.
 Prefill/extend sequences are attended one at a time with SDPA over the dequantized context.
 Chunks of sequences keep the workspace bounded; nothing large is allocated per step.
 """
@@ -59,7 +61,7 @@ class TorchAttentionBackend:
         )
         self.ws_scales = (
             torch.empty(self.ws_tokens * 2 * num_kv_heads, dtype=torch.bfloat16, device=dev)
-            if kv_cache.is_fp8 else None
+            if kv_cache.has_scales else None
         )
         self.factor = fp8.HALF_BITS_FACTOR.get(kv_cache.dtype, 1.0)
         # Every row through the C kernel when it builds (kvserve/csrc); this class's pure-torch
@@ -91,6 +93,17 @@ class TorchAttentionBackend:
         self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         meta: AttentionMetadata,
     ) -> torch.Tensor:
+        rot = self.kv.rotation
+        if rot is None:
+            return self._attend(layer, q, k, v, meta)
+        # q . k and p . v commute with the orthogonal R: attend in the rotated basis.
+        out = self._attend(layer, rot.apply(q), rot.apply(k), rot.apply(v), meta)
+        return rot.invert(out)
+
+    def _attend(
+        self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
         self.kv.write(layer, meta.write_rows, k, v)
         plan = self._plan(meta)
         out = torch.empty(q.shape, dtype=torch.float32, device=q.device)
@@ -98,7 +111,7 @@ class TorchAttentionBackend:
             from kvserve.attention import cpu_kernel
 
             row_seq, tables, lens = plan["kernel"]
-            scales = self.kv.scales[layer] if self.kv.is_fp8 else None
+            scales = self.kv.scales[layer] if self.kv.has_scales else None
             return cpu_kernel.paged_attention(self.kv.data[layer], scales,
                                               q.float().contiguous(), tables, row_seq, lens,
                                               self.scale, out)
@@ -109,7 +122,8 @@ class TorchAttentionBackend:
         return out
 
     def _gather_f32(self, layer: int, ids: torch.Tensor, n: int, mb: int) -> torch.Tensor:
-        """Blocks ``ids`` ([n*mb]) of ``layer`` -> fp32 [n, 2, H, mb*bs, D] (unscaled for FP8)."""
+        """Blocks ``ids`` ([n*mb]) of ``layer`` -> fp32 [n, 2, H, mb*bs, D] (unscaled for
+        FP8 / INT8; INT8 widens exactly by the copy)."""
         kv, bs, H, D = self.kv, self.kv.block_size, self.num_kv_heads, self.head_dim
         numel = n * mb * 2 * bs * H * D
         raw = self.ws_raw[:numel].view(n * mb, 2 * bs * H * D)
@@ -122,7 +136,8 @@ class TorchAttentionBackend:
         return dst.view(n, 2, H, mb * bs, D)
 
     def _gather_scales(self, layer: int, ids: torch.Tensor, n: int, mb: int) -> torch.Tensor:
-        """FP8 scales of blocks ``ids`` -> fp32 [n, 2, H, mb*bs] (times the half-bits factor)."""
+        """FP8 / INT8 scales of blocks ``ids`` -> fp32 [n, 2, H, mb*bs] (times the FP8
+        half-bits factor; 1 for INT8)."""
         bs, H = self.kv.block_size, self.num_kv_heads
         numel = n * mb * 2 * bs * H
         raw = self.ws_scales[:numel].view(n * mb, 2 * bs * H)
@@ -140,12 +155,12 @@ class TorchAttentionBackend:
         k, v = kvf[:, 0], kvf[:, 1]  # [n, H, L, D]
         qh = q.float().view(n, H, G, D)
         scores = torch.matmul(qh, k.transpose(-1, -2))  # [n, H, G, L]
-        if self.kv.is_fp8:
+        if self.kv.has_scales:
             s = self._gather_scales(layer, ids, n, mb)
             scores.mul_(s[:, 0].unsqueeze(2))
         scores.mul_(self.scale).masked_fill_(mask, float("-inf"))
         probs = torch.softmax(scores, dim=-1)
-        if self.kv.is_fp8:
+        if self.kv.has_scales:
             probs.mul_(s[:, 1].unsqueeze(2))
         return torch.matmul(probs, v).view(n, H * G, D)
 
@@ -155,7 +170,7 @@ class TorchAttentionBackend:
         qlen = q.shape[0]
         mb = ids.numel()
         kvf = self._gather_f32(layer, ids, 1, mb)[0]  # [2, H, L, D]
-        if self.kv.is_fp8:
+        if self.kv.has_scales:
             s = self._gather_scales(layer, ids, 1, mb)[0]  # [2, H, L]
             kvf.mul_(s.unsqueeze(-1))
         k = kvf[0, :, :seq_len].unsqueeze(0)

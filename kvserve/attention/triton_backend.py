@@ -64,6 +64,16 @@ class TritonAttentionBackend:
 
     def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 meta: AttentionMetadata) -> torch.Tensor:
+        rot = self.kv.rotation
+        if rot is None:
+            return self._attend(layer, q, k, v, meta)
+        # rotated modes (fp8_rot...): attend in the basis of R, rotate the output back
+        dt = q.dtype  # the kernels take the model's dtype
+        return rot.invert(self._attend(layer, rot.apply(q).to(dt), rot.apply(k).to(dt),
+                                       rot.apply(v).to(dt), meta))
+
+    def _attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                meta: AttentionMetadata) -> torch.Tensor:
         p = self._plan(meta)
         kv = self.kv
         ks = vs = None

@@ -129,7 +129,9 @@ def register(subparsers, add_engine_args: Callable, engine_args_from: Callable) 
                        "agreement, KL")
     add_engine_args(q)
     _override(q, "kv_cache_dtype", default=None,
-              help="candidate KV dtype (default fp8; bf16 when --candidate-model is given)")
+              help="candidate KV dtype, or a comma list of them measured against one baseline "
+                   "run (then --json needs {kv} in the path); default fp8 (bf16 when "
+                   "--candidate-model is given)")
     q.add_argument("--baseline-kv-cache-dtype", default="bf16",
                    help="KV dtype of the reference run")
     q.add_argument("--candidate-model", default=None, metavar="PATH2",
@@ -222,7 +224,11 @@ def _quality(ns: argparse.Namespace, engine_args_from: Callable) -> int:
         ppl_window=ns.ppl_window, ppl_max_tokens=ns.ppl_max_tokens, seed=ns.seed,
         progress=not ns.no_progress,
     )
-    result = ql.run_quality(qc)
-    write_json(ns.json, result)
-    log(ql.format_summary(result))
+    cands = parse_list(cand_kv, str, "--kv-cache-dtype") if cand_kv else [qc.candidate_kv_dtype]
+    if len(cands) > 1 and ns.json not in (None, "-") and "{kv}" not in ns.json:
+        raise ValueError("--json: with several --kv-cache-dtype candidates, put {kv} in the "
+                         "path (one JSON per candidate)")
+    for kv, result in zip(cands, ql.run_quality_many(qc, cands), strict=True):
+        write_json(ns.json.replace("{kv}", kv) if ns.json else ns.json, result)
+        log(ql.format_summary(result))
     return 0

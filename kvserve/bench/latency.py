@@ -664,7 +664,7 @@ def _run(lc: LatencyConfig, model: str) -> dict[str, Any]:
         "bench": "latency",
         "model": model_label(model),
         "model_dtype": dtype_name(engine.model_config.dtype),
-        "kv_cache_dtype": dtype_name(engine.kv_dtype),
+        "kv_cache_dtype": engine.kv_mode,
         "kv_integrity": base.kv_integrity,
         "input_len": lc.input_len,
         "output_len": lc.output_len,

@@ -185,6 +185,14 @@ def _engine_args(qc: QualityConfig, model: str, kv: str, num_blocks: int | None,
 
 
 def run_quality(qc: QualityConfig) -> dict[str, Any]:
+    """One candidate against the baseline (see :func:`run_quality_many`)."""
+    return run_quality_many(qc, [qc.candidate_kv_dtype])[0]
+
+
+def run_quality_many(qc: QualityConfig, candidate_kv_dtypes: list[str]) -> list[dict[str, Any]]:
+    """Every candidate KV dtype against ONE baseline run (its perplexity, greedy continuations
+    and logits computed once); one result dict per candidate, in order. Candidate engines are
+    built one at a time."""
     model = resolve_model_path(qc.base.model)
     cand_model = resolve_model_path(qc.candidate_model) if qc.candidate_model else model
     bs = qc.base.block_size
@@ -192,13 +200,7 @@ def run_quality(qc: QualityConfig) -> dict[str, Any]:
     blocks = (qc.num_prompts * math.ceil(max(seq, qc.ppl_window) / bs)
               + math.ceil(max(seq, qc.ppl_window) / bs) + 2)
     base_eng = LLMEngine(_engine_args(qc, model, qc.baseline_kv_cache_dtype, blocks, None))
-    cand_eng = LLMEngine(_engine_args(qc, cand_model, qc.candidate_kv_dtype, blocks,
-                                      qc.quantization))
-    if cand_eng.model_config.vocab_size != base_eng.model_config.vocab_size:
-        raise ValueError("candidate and baseline vocabularies differ "
-                         f"({cand_eng.model_config.vocab_size} vs "
-                         f"{base_eng.model_config.vocab_size})")
-    max_len = min(base_eng.model_config.max_model_len, cand_eng.model_config.max_model_len)
+    max_len = base_eng.model_config.max_model_len
     if seq > max_len:
         raise ValueError(f"prompt_len + gen_len = {seq} exceeds max_model_len {max_len}")
     window = min(qc.ppl_window, max_len)
@@ -207,16 +209,62 @@ def run_quality(qc: QualityConfig) -> dict[str, Any]:
     windows = [ids[i:i + window] for i in range(0, min(len(ids), qc.ppl_max_tokens), window)]
     windows = [w for w in windows if len(w) >= 2]
     log(f"quality: {source['kind']} text, {len(ids)} tokens; {len(windows)} perplexity windows "
-        f"of {window}; {qc.num_prompts} prompts x {qc.gen_len} greedy tokens")
+        f"of {window}; {qc.num_prompts} prompts x {qc.gen_len} greedy tokens; "
+        f"candidates {', '.join(candidate_kv_dtypes)}")
     base_ppl = perplexity(base_eng, windows, "baseline", qc.progress)
-    cand_ppl = perplexity(cand_eng, windows, "candidate", qc.progress)
-
     prompts = prompt_windows(ids, qc.num_prompts, qc.prompt_len)
     greedy = SamplingParams(temperature=0.0, max_tokens=qc.gen_len, ignore_eos=True,
                             detokenize=False)
     base_out = generate(base_eng, prompts, greedy, "baseline", qc.progress)
-    cand_out = generate(cand_eng, prompts, greedy, "candidate", qc.progress)
+    base_logits = [base_eng.prompt_logits(p + b)[len(p) - 1:len(p + b) - 1]
+                   for p, b in zip(prompts, base_out, strict=True)]
+    base_desc = _describe(base_eng, model)
+    base_eng.check_no_leaks()
+    del base_eng
+    gc.collect()
 
+    results = []
+    for kv in candidate_kv_dtypes:
+        cand_eng = LLMEngine(_engine_args(qc, cand_model, kv, blocks, qc.quantization))
+        if cand_eng.model_config.vocab_size != base_logits[0].shape[-1]:
+            raise ValueError("candidate and baseline vocabularies differ "
+                             f"({cand_eng.model_config.vocab_size} vs "
+                             f"{base_logits[0].shape[-1]})")
+        if seq > cand_eng.model_config.max_model_len:
+            raise ValueError(f"prompt_len + gen_len = {seq} exceeds max_model_len "
+                             f"{cand_eng.model_config.max_model_len}")
+        cand_ppl = perplexity(cand_eng, windows, "candidate", qc.progress)
+        cand_out = generate(cand_eng, prompts, greedy, "candidate", qc.progress)
+        result = _compare(qc, prompts, base_out, base_logits, cand_eng, cand_out)
+        results.append({
+            "bench": "quality",
+            "model": model_label(model),
+            "candidate_model": model_label(cand_model),
+            "quantization": qc.quantization,
+            "text_source": source,
+            "baseline": {**base_desc, **base_ppl},
+            "candidate": {**_describe(cand_eng, cand_model), **cand_ppl},
+            "perplexity_ratio": cand_ppl["perplexity"] / base_ppl["perplexity"],
+            **result,
+            "env": env_info(),
+        })
+        cand_eng.check_no_leaks()
+        del cand_eng
+        gc.collect()
+    return results
+
+
+def _describe(eng: LLMEngine, path: str) -> dict[str, Any]:
+    return {"model": model_label(path), "model_dtype": dtype_name(eng.model_config.dtype),
+            "kv_cache_dtype": eng.kv_mode,
+            "kv_bytes_per_token": eng.kv_cache.bytes_per_token}
+
+
+def _compare(qc: QualityConfig, prompts: list[list[int]], base_out: list[list[int]],
+             base_logits: list[torch.Tensor], cand_eng: LLMEngine,
+             cand_out: list[list[int]]) -> dict[str, Any]:
+    """Greedy agreement, teacher-forced KL / top-1 and divergence margins of one candidate
+    against the baseline's continuations ``base_out`` and their logits ``base_logits``."""
     per_prompt, equal, total, fdf = [], 0, 0, []
     for b, c in zip(base_out, cand_out, strict=True):
         n = min(len(b), len(c))
@@ -234,9 +282,8 @@ def run_quality(qc: QualityConfig) -> dict[str, Any]:
     for i, (p, b) in enumerate(tqdm(list(zip(prompts, base_out, strict=True)), desc="KL",
                                     disable=not qc.progress, leave=False)):
         full = p + b
-        lo = len(p) - 1
-        lb = base_eng.prompt_logits(full)[lo:len(full) - 1]
-        lc = cand_eng.prompt_logits(full)[lo:len(full) - 1]
+        lb = base_logits[i]
+        lc = cand_eng.prompt_logits(full)[len(p) - 1:len(full) - 1]
         kls.append(kl_rows(lb, lc))
         top1 += int((lb.argmax(-1) == lc.argmax(-1)).sum())
         top1_n += lb.shape[0]
@@ -249,21 +296,7 @@ def run_quality(qc: QualityConfig) -> dict[str, Any]:
     kl = torch.cat(kls).tolist()
     gap = torch.cat(gaps).tolist()
     margins = [x["divergence_margin"] for x in per_prompt if x["divergence_margin"] is not None]
-
-    def describe(eng: LLMEngine, path: str) -> dict[str, Any]:
-        return {"model": model_label(path), "model_dtype": dtype_name(eng.model_config.dtype),
-                "kv_cache_dtype": dtype_name(eng.kv_dtype),
-                "kv_bytes_per_token": eng.kv_cache.bytes_per_token}
-
-    result = {
-        "bench": "quality",
-        "model": model_label(model),
-        "candidate_model": model_label(cand_model),
-        "quantization": qc.quantization,
-        "text_source": source,
-        "baseline": {**describe(base_eng, model), **base_ppl},
-        "candidate": {**describe(cand_eng, cand_model), **cand_ppl},
-        "perplexity_ratio": cand_ppl["perplexity"] / base_ppl["perplexity"],
+    return {
         "num_prompts": qc.num_prompts,
         "prompt_len": qc.prompt_len,
         "gen_len": qc.gen_len,
@@ -278,13 +311,7 @@ def run_quality(qc: QualityConfig) -> dict[str, Any]:
         "divergence_margin_max": max(margins) if margins else None,
         "baseline_top2_gap": {f"p{q}": percentile(gap, q) for q in (1, 5, 10, 50)},
         "per_prompt": per_prompt,
-        "env": env_info(),
     }
-    for eng in (base_eng, cand_eng):
-        eng.check_no_leaks()
-    del base_eng, cand_eng
-    gc.collect()
-    return result
 
 
 def format_summary(r: dict[str, Any]) -> str:

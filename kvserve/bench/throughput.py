@@ -14,7 +14,8 @@ a BF16 cache saturates at about N concurrent sequences and FP8 fits about twice 
 
 Summary: ``capacity_ratio`` (FP8 / BF16 capacity tokens), ``peak_ratio`` (FP8 / BF16 peak
 tokens/s), ``equal_batch_overhead`` (FP8 / BF16 mean pure-decode step time at the largest
-running batch both reached with enough samples, minus 1) and ``integrity_overhead``
+running batch both reached with enough samples, minus 1), for the first 8-bit mode listed
+(FP8 or INT8) at the top level and for every one in ``by_kv_cache_dtype`` and ``integrity_overhead``
 (``tok/s(off) / tok/s(mode) - 1`` per dtype and concurrency, i.e. extra time per token).
 """
 
@@ -252,7 +253,7 @@ def run_throughput(tc: ThroughputConfig) -> dict[str, Any]:
     for kv in tc.kv_cache_dtypes:
         for mode in tc.integrity_modes:
             eng = LLMEngine(dataclasses.replace(base, kv_cache_dtype=kv, kv_integrity=mode))
-            name = f"{dtype_name(eng.kv_dtype)}/{mode}"
+            name = f"{eng.kv_mode}/{mode}"
             if any(c.name == name for c in configs):
                 raise ValueError(f"kv_cache_dtype list resolves to {name} twice")
             configs.append(_Config(name, kv, mode, eng, StepRecorder(eng)))
@@ -296,7 +297,7 @@ def run_throughput(tc: ThroughputConfig) -> dict[str, Any]:
             leak = f"error: {e}"
         out_configs.append({
             "name": cfg.name,
-            "kv_cache_dtype": dtype_name(eng.kv_dtype),
+            "kv_cache_dtype": eng.kv_mode,
             "kv_cache_dtype_arg": cfg.kv_cache_dtype,
             "kv_integrity": cfg.kv_integrity,
             "kv_bytes_per_token": eng.kv_cache.bytes_per_token,
@@ -386,42 +387,59 @@ def decode_peak(by_batch: dict[int, list[float]], min_samples: int) -> dict[str,
     return {"batch": b, "tokens_per_s": rates[b]}
 
 
+def _vs_bf16(by_name: dict, bf16: list[dict], cand: list[dict], modes: list[str],
+             min_samples: int) -> dict[str, Any]:
+    """capacity / peak / equal-batch / decode-peak ratios of one KV mode against BF16."""
+    s: dict[str, Any] = {
+        "capacity_ratio": cand[0]["capacity_tokens"] / bf16[0]["capacity_tokens"],
+        "bytes_per_token_ratio": bf16[0]["kv_bytes_per_token"] / cand[0]["kv_bytes_per_token"],
+    }
+    peak_by, eq_by, dec_by = {}, {}, {}
+    for m in modes:
+        b = [c for c in bf16 if c["kv_integrity"] == m]
+        f = [c for c in cand if c["kv_integrity"] == m]
+        if not (b and f):
+            continue
+        bp, fp = b[0]["peak"]["output_tokens_per_s"], f[0]["peak"]["output_tokens_per_s"]
+        peak_by[m] = fp / bp if bp and fp else None
+        bb = by_name[b[0]["name"]].by_batch  # type: ignore[attr-defined]
+        fb = by_name[f[0]["name"]].by_batch  # type: ignore[attr-defined]
+        eq_by[m] = equal_batch(bb, fb, min_samples)
+        dp = (decode_peak(bb, min_samples), decode_peak(fb, min_samples))
+        dec_by[m] = {"bf16": dp[0], "fp8": dp[1], "candidate": dp[1],
+                     "ratio": dp[1]["tokens_per_s"] / dp[0]["tokens_per_s"]
+                     if dp[0] and dp[1] else None}
+    first = next(iter(peak_by), None)
+    s["peak_ratio"] = peak_by.get(first) if first else None
+    s["peak_ratio_by_integrity"] = peak_by
+    eq = eq_by.get(first, {}) if first else {}
+    s["equal_batch_overhead"] = eq.get("overhead")
+    s["equal_batch_size"] = eq.get("batch")
+    s["equal_batch_samples"] = eq.get("samples")
+    s["equal_batch_overhead_by_integrity"] = eq_by
+    # pure-decode steps only (prefill excluded): candidate / BF16 best decode tokens/s
+    s["decode_peak_ratio"] = (dec_by.get(first) or {}).get("ratio") if first else None
+    s["decode_peak_by_integrity"] = dec_by
+    s["ratios_integrity_mode"] = first
+    return s
+
+
 def summarize(configs: list[_Config], out_configs: list[dict], min_samples: int) -> dict:
     by_name = {c.name: c for c in configs}
     modes = list(dict.fromkeys(c["kv_integrity"] for c in out_configs))
     s: dict[str, Any] = {}
     bf16 = _find(out_configs, lambda c: c["kv_cache_dtype"] == "bf16")
-    fp8 = _find(out_configs, lambda c: c["kv_cache_dtype"].startswith("fp8"))
-    if bf16 and fp8:
-        s["capacity_ratio"] = fp8[0]["capacity_tokens"] / bf16[0]["capacity_tokens"]
-        s["bytes_per_token_ratio"] = bf16[0]["kv_bytes_per_token"] / fp8[0]["kv_bytes_per_token"]
-        peak_by, eq_by, dec_by = {}, {}, {}
-        for m in modes:
-            b = [c for c in bf16 if c["kv_integrity"] == m]
-            f = [c for c in fp8 if c["kv_integrity"] == m]
-            if not (b and f):
-                continue
-            bp, fp = b[0]["peak"]["output_tokens_per_s"], f[0]["peak"]["output_tokens_per_s"]
-            peak_by[m] = fp / bp if bp and fp else None
-            bb = by_name[b[0]["name"]].by_batch  # type: ignore[attr-defined]
-            fb = by_name[f[0]["name"]].by_batch  # type: ignore[attr-defined]
-            eq_by[m] = equal_batch(bb, fb, min_samples)
-            dp = (decode_peak(bb, min_samples), decode_peak(fb, min_samples))
-            dec_by[m] = {"bf16": dp[0], "fp8": dp[1],
-                         "ratio": dp[1]["tokens_per_s"] / dp[0]["tokens_per_s"]
-                         if dp[0] and dp[1] else None}
-        first = next(iter(peak_by), None)
-        s["peak_ratio"] = peak_by.get(first) if first else None
-        s["peak_ratio_by_integrity"] = peak_by
-        eq = eq_by.get(first, {}) if first else {}
-        s["equal_batch_overhead"] = eq.get("overhead")
-        s["equal_batch_size"] = eq.get("batch")
-        s["equal_batch_samples"] = eq.get("samples")
-        s["equal_batch_overhead_by_integrity"] = eq_by
-        # pure-decode steps only (prefill excluded): FP8 / BF16 best decode tokens/s
-        s["decode_peak_ratio"] = (dec_by.get(first) or {}).get("ratio") if first else None
-        s["decode_peak_by_integrity"] = dec_by
-        s["ratios_integrity_mode"] = first
+    # every 8-bit KV mode (fp8_e4m3, fp8_e4m3_rot, int8, int8_plain...) against BF16; the
+    # top-level ratios are the first one's (the FP8-vs-BF16 figures of earlier runs)
+    cands = list(dict.fromkeys(c["kv_cache_dtype"] for c in out_configs
+                               if c["kv_cache_dtype"].startswith(("fp8", "int8"))))
+    if bf16 and cands:
+        vs_bf16 = {m: _vs_bf16(by_name, bf16, _find(out_configs, lambda c, m=m:
+                                                      c["kv_cache_dtype"] == m),
+                                modes, min_samples) for m in cands}
+        s.update(vs_bf16[cands[0]])
+        s["candidate_kv_cache_dtype"] = cands[0]
+        s["by_kv_cache_dtype"] = vs_bf16
     if "off" in modes and len(modes) > 1:
         io: dict[str, Any] = {}
         for dt in dict.fromkeys(c["kv_cache_dtype"] for c in out_configs):
@@ -508,7 +526,8 @@ def plot_throughput(result: dict[str, Any], path: str) -> None:
     ax2.set_ylabel("mean step time (ms)")
     eq = s.get("equal_batch_overhead")
     ax2.set_title("decode step time vs batch" + (
-        f"\nFP8 vs BF16 at batch {s['equal_batch_size']}: {eq:+.1%}" if eq is not None else ""),
+        f"\n{s.get('candidate_kv_cache_dtype', 'fp8')} vs bf16 at batch {s['equal_batch_size']}: "
+        f"{eq:+.1%}" if eq is not None else ""),
         fontsize=10)
     ax2.grid(True, alpha=0.3)
     if ax2.lines:
@@ -542,6 +561,11 @@ def format_table(result: dict[str, Any]) -> str:
               "equal_batch_size"):
         if s.get(k) is not None:
             lines.append(f"{k}: {s[k]:.3f}" if isinstance(s[k], float) else f"{k}: {s[k]}")
+    for dt, v in (s.get("by_kv_cache_dtype") or {}).items():
+        eq = v.get("equal_batch_overhead")
+        lines.append(f"{dt} vs bf16: capacity x{v['capacity_ratio']:.3f}, peak x"
+                     f"{fmt(v.get('peak_ratio'), 3)}, equal-batch step time "
+                     f"{'-' if eq is None else f'{eq:+.1%}'} at batch {v.get('equal_batch_size')}")
     for dt, per_mode in (s.get("integrity_overhead") or {}).items():
         for m, v in per_mode.items():
             med = v["median"]

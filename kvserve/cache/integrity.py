@@ -3,7 +3,7 @@ verify before reuse, scrub in the background, repair by recomputation.
 
 Checksum (per block, per layer): the block's bytes viewed as signed 16-bit words w_i,
 i = 0..N-1 in row-major order of data[layer, block] = [C, bs, H, D] (and separately of the
-FP8 scales [C, bs, H]), reduced to two exact integer sums
+FP8 / INT8 scales [C, bs, H]), reduced to two exact integer sums
 
     S1 = sum_i w_i            S2 = sum_i (i + 1) * w_i          (int64, no wrap-around)
 
@@ -350,7 +350,7 @@ class IntegrityChecker:
             raw[index % raw.numel()] ^= 1 << (bit % 8)
         elif kind == "scale":
             if self.kv.scales is None:
-                raise ValueError("kind='scale' needs an FP8 KV cache")
+                raise ValueError("kind='scale' needs an FP8 or INT8 KV cache")
             raw = self.kv.scales[layer, block_id].reshape(-1).view(torch.uint8)
             raw[index % raw.numel()] ^= 1 << (bit % 8)
         elif kind == "swap":

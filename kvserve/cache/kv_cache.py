@@ -1,7 +1,11 @@
-"""The paged KV tensors: one preallocated tensor for all layers, plus FP8 scales.
+"""The paged KV tensors: one preallocated tensor for all layers, plus FP8 / INT8 scales.
 
     data   [num_layers, num_blocks + 1, C, block_size, num_kv_heads, head_dim]  storage dtype
-    scales [num_layers, num_blocks + 1, C, block_size, num_kv_heads]            bf16 (FP8 only)
+    scales [num_layers, num_blocks + 1, C, block_size, num_kv_heads]   bf16 (FP8 / INT8 only)
+
+Rotated modes (``int8``, ``fp8_rot``...) store k R and v R for one orthogonal R [D, D]
+(``rotation``, kvserve/quant/rotation.py); the attention backends rotate q alike and rotate the
+output back, so what is stored here is still "one row per (token, head)".
 
 C = 2 (K at c=0, V at c=1) for MHA/GQA and 1 for MLA (the latent row). The extra block at
 index ``num_blocks`` (``null_block``) is never allocated and stays zero: padded block tables
@@ -28,8 +32,9 @@ import logging
 
 import torch
 
-from kvserve.config import FP8_DTYPES, dtype_name
-from kvserve.quant import fp8
+from kvserve.config import FP8_DTYPES, SCALED_KV_DTYPES, KVMode
+from kvserve.quant import fp8, int8
+from kvserve.quant.rotation import KVRotation
 
 logger = logging.getLogger(__name__)
 
@@ -41,7 +46,7 @@ def bytes_per_block(
     dtype: torch.dtype,
 ) -> int:
     elem = torch.empty((), dtype=dtype).element_size()
-    per_row = head_dim * elem + (SCALE_DTYPE.itemsize if dtype in FP8_DTYPES else 0)
+    per_row = head_dim * elem + (SCALE_DTYPE.itemsize if dtype in SCALED_KV_DTYPES else 0)
     return num_layers * components * block_size * num_kv_heads * per_row
 
 
@@ -57,6 +62,7 @@ class PagedKVCache:
         dtype: torch.dtype,
         device: torch.device | str = "cpu",
         static_scales: torch.Tensor | None = None,
+        rotation_seed: int | None = None,
     ) -> None:
         self.num_layers = num_layers
         self.num_blocks = num_blocks
@@ -67,16 +73,24 @@ class PagedKVCache:
         self.components = components
         self.dtype = dtype
         self.is_fp8 = dtype in FP8_DTYPES
-        if self.is_fp8 and head_dim % 2:
-            raise ValueError(f"FP8 KV cache needs an even head_dim, got {head_dim}")
+        self.is_int8 = dtype == torch.int8
+        self.has_scales = dtype in SCALED_KV_DTYPES  # FP8 / INT8: one bf16 scale per row
+        if self.has_scales and head_dim % 2:
+            raise ValueError(f"8-bit KV cache needs an even head_dim, got {head_dim}")
+        # q/k/v rotation of the rotated modes (None: stored as computed).
+        self.rotation = (
+            None if rotation_seed is None else KVRotation(head_dim, rotation_seed, device)
+        )
+        self.mode = KVMode(dtype, rotate=self.rotation is not None)
         shape = (num_layers, num_blocks + 1, components, block_size, num_kv_heads, head_dim)
         self.data = torch.zeros(shape, dtype=dtype, device=device)
         self.scales = (
-            torch.zeros(shape[:-1], dtype=SCALE_DTYPE, device=device) if self.is_fp8 else None
+            torch.zeros(shape[:-1], dtype=SCALE_DTYPE, device=device) if self.has_scales else None
         )
-        # FP8 writes go through the C kernel when it builds; fp8.quantize is its twin.
+        # FP8 / INT8 writes go through the C kernel when it builds; fp8.quantize /
+        # int8.quantize are its twins.
         self.use_kernel = False
-        if self.is_fp8 and not self.data.is_cuda:
+        if self.has_scales and not self.data.is_cuda:
             from kvserve.attention import cpu_kernel
 
             self.use_kernel = cpu_kernel.load() is not None
@@ -86,8 +100,9 @@ class PagedKVCache:
         # Optional checkpoint scales [num_layers, C, H] (per-tensor scales broadcast over H).
         self.static_scales = None
         if static_scales is not None:
-            if not self.is_fp8:
-                logger.info("checkpoint KV scales ignored: KV cache is %s", dtype_name(dtype))
+            if not self.is_fp8 or self.rotation is not None:
+                # INT8 scales are dynamic; a checkpoint's scales were calibrated unrotated.
+                logger.info("checkpoint KV scales ignored: KV cache is %s", self.mode.name)
             else:
                 self.static_scales = static_scales.to(SCALE_DTYPE).reshape(
                     num_layers, components, num_kv_heads
@@ -128,15 +143,25 @@ class PagedKVCache:
         bs = self.block_size
         for c, x in enumerate(parts):
             r = rows if c == 0 else rows + c * bs
-            if not self.is_fp8:
+            if not self.has_scales:
                 flat.index_copy_(0, r, x.to(self.dtype))
+                continue
+            scale_rows = self.scales[layer].view(-1, self.num_kv_heads)
+            if self.is_int8:
+                if self.use_kernel and not x.is_cuda:
+                    from kvserve.attention import cpu_kernel
+
+                    cpu_kernel.write_int8(x, r, flat, scale_rows)
+                    continue
+                q, s = int8.quantize_dynamic(x)
+                flat.index_copy_(0, r, q)
+                scale_rows.index_copy_(0, r, s)
                 continue
             if self.use_kernel and not x.is_cuda:
                 from kvserve.attention import cpu_kernel
 
                 static = None if self.static_scales is None else self.static_scales[layer, c]
-                cpu_kernel.write_fp8(x, r, flat, self.scales[layer].view(-1, self.num_kv_heads),
-                                     static)
+                cpu_kernel.write_fp8(x, r, flat, scale_rows, static)
                 continue
             if self.static_scales is not None:
                 s = self.static_scales[layer, c].expand(x.shape[0], -1)
@@ -144,16 +169,18 @@ class PagedKVCache:
                 s = fp8.compute_scales(x, self.dtype)
             q = fp8.quantize(x, s, self.dtype)
             flat.view(torch.uint8).index_copy_(0, r, q.view(torch.uint8))
-            self.scales[layer].view(-1, self.num_kv_heads).index_copy_(0, r, s)
+            scale_rows.index_copy_(0, r, s)
 
     def describe(self) -> str:
         cap_tokens = self.num_blocks * self.block_size
         scale_note = ""
-        if self.is_fp8:
+        if self.has_scales:
             scale_bytes = self.num_layers * self.components * self.num_kv_heads * 2
             scale_note = f" (incl. {scale_bytes} B/token of bf16 scales)"
+        if self.rotation is not None:
+            scale_note += f", q/k/v rotated ({self.rotation.describe()})"
         return (
-            f"KV cache: {dtype_name(self.dtype)}, {self.num_blocks} blocks x {self.block_size} "
+            f"KV cache: {self.mode.name}, {self.num_blocks} blocks x {self.block_size} "
             f"tokens = {cap_tokens} tokens, {self.bytes_per_token} B/token{scale_note}, "
             f"{self.num_blocks * self.bytes_per_block / 2**20:.1f} MiB"
         )

@@ -1,5 +1,5 @@
 /*
- * CPU paged attention reading BF16/FP16/FP32 or FP8 (E4M3/E5M2) KV directly.
+ * CPU paged attention reading BF16/FP16/FP32, FP8 (E4M3/E5M2) or INT8 KV directly.
  *
  * One query row attends tokens [0, len) of its sequence's paged K/V. Decode rows are a
  * sequence's single new token; a prefill/extend row at position p is the same thing with
@@ -11,7 +11,7 @@
  *
  * Layout (see kvserve/cache/kv_cache.py):
  *   kv      [num_blocks+1, 2, bs, H, D]   (one layer; component 0 = K, 1 = V)
- *   scales  [num_blocks+1, 2, bs, H]      bf16 (FP8 only)
+ *   scales  [num_blocks+1, 2, bs, H]      bf16 (FP8 / INT8 only)
  *   q       [n, H*G, D] fp32,  out [n, H*G, D] fp32
  *   block_tables [S, max_blocks] int64;  row_seq [n] int64 (row -> table row; NULL: row i
  *   uses table i);  lens [n] int64 tokens each row attends
@@ -24,6 +24,7 @@
  *   e5m2  s eeeee mm        -> fp32 bits s<<31 | (eeeee mm)<<21    value * 2^-112
  *   fp16  s eeeee m(10)     -> fp32 bits s<<31 | (e m)<<13         value * 2^-112
  *   bf16                    -> fp32 bits h<<16                     exact
+ *   int8                    -> (float)q                            exact (scale = amax/127)
  *
  * For K the scale multiplies the score (q . k), for V the probability, never the D-wide row.
  * Parallel over jobs with OpenMP: a job is a tile of rows (one decode row, or up to 16
@@ -52,7 +53,7 @@
 #define KVS_AVX2 1
 #endif
 
-enum { DT_F32 = 0, DT_BF16 = 1, DT_F16 = 2, DT_E4M3 = 3, DT_E5M2 = 4 };
+enum { DT_F32 = 0, DT_BF16 = 1, DT_F16 = 2, DT_E4M3 = 3, DT_E5M2 = 4, DT_I8 = 5 };
 
 static inline float bf16_to_f32(uint16_t h) {
     uint32_t u = (uint32_t)h << 16;
@@ -73,6 +74,9 @@ static inline void widen(const void *src, int dtype, int D, float *restrict dst)
         const uint16_t *s = (const uint16_t *)src;
         for (int d = 0; d < D; d++)
             u[d] = ((uint32_t)(s[d] & 0x8000u) << 16) | ((uint32_t)(s[d] & 0x7FFFu) << 13);
+    } else if (dtype == DT_I8) {
+        const int8_t *s = (const int8_t *)src;
+        for (int d = 0; d < D; d++) dst[d] = (float)s[d];
     } else if (dtype == DT_E4M3) {
         const uint8_t *s = (const uint8_t *)src;
         for (int d = 0; d < D; d++)
@@ -94,13 +98,13 @@ static float dtype_factor(int dtype) {
 }
 
 static int elem_size(int dtype) {
-    return dtype == DT_F32 ? 4 : (dtype == DT_BF16 || dtype == DT_F16) ? 2 : 1;
+    return dtype == DT_F32 ? 4 : (dtype == DT_BF16 || dtype == DT_F16) ? 2 : 1; /* FP8, INT8 */
 }
 
 /* Everything a job needs that is the same for every job of the call. */
 typedef struct {
     const uint8_t *kv;
-    const uint16_t *scales; /* NULL unless FP8 */
+    const uint16_t *scales; /* NULL unless FP8 / INT8 */
     int dtype, bs, H, G, D;
     float sm_scale, factor;
     size_t row_bytes, comp_bytes, block_bytes, comp_scales;
@@ -177,6 +181,8 @@ static void job_scalar(const Geo *g, const float *qs, const int64_t *table, int 
  *   e5m2  << 8                                      -> fp16 bits of value (its top byte) */
 static inline __attribute__((always_inline)) __m256 widen8(const uint8_t *src, const int dtype) {
     if (dtype == DT_F32) return _mm256_loadu_ps((const float *)src);
+    if (dtype == DT_I8)
+        return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)src)));
     if (dtype == DT_BF16 || dtype == DT_F16) {
         __m256i x = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)src));
         if (dtype == DT_BF16) return _mm256_castsi256_ps(_mm256_slli_epi32(x, 16));
@@ -421,6 +427,7 @@ KVS_JOB(job_bf16, DT_BF16)
 KVS_JOB(job_f16, DT_F16)
 KVS_JOB(job_e4m3, DT_E4M3)
 KVS_JOB(job_e5m2, DT_E5M2)
+KVS_JOB(job_i8, DT_I8)
 #endif
 
 typedef void (*JobFn)(const Geo *, const float *, size_t, int, const int64_t *,
@@ -469,7 +476,7 @@ void kvs_paged_attention(const void *kv, const uint16_t *scales, int dtype, cons
     JobFn fn = job_rows_scalar;
 #ifdef KVS_AVX2
     if (!force_scalar && D % 8 == 0) {
-        static const JobFn fns[] = {job_f32, job_bf16, job_f16, job_e4m3, job_e5m2};
+        static const JobFn fns[] = {job_f32, job_bf16, job_f16, job_e4m3, job_e5m2, job_i8};
         fn = fns[dtype];
     }
 #endif
@@ -586,6 +593,36 @@ void kvs_write_fp8(const float *x, const int64_t *rows, int T, int H, int D, int
                 float v = xr[d] / s;
                 v = v > fmax ? fmax : (v < -fmax ? -fmax : v);
                 out[d] = f32_to_fp8(v, mant, bias, min_normal, sub_scale);
+            }
+            scales[(size_t)rows[t] * H + h] = sb;
+        }
+    }
+}
+
+/* ---- INT8 quantize-on-write (symmetric, per row) ----------------------------------------
+ * Twin: kvserve/quant/int8.py (compute_scales + quantize); bit-exact.
+ * x [T, H, D] fp32; rows [T] (row ids into dst [R, H, D] int8 / scales [R, H] bf16).
+ * scale = bf16_rne(max(amax, 1e-12) / 127); q = clamp(rint(x / scale), -127, 127)
+ * (rintf rounds half to even, as torch.round does).
+ */
+void kvs_write_int8(const float *x, const int64_t *rows, int T, int H, int D, int8_t *dst,
+                    uint16_t *scales) {
+    for (int t = 0; t < T; t++) {
+        for (int h = 0; h < H; h++) {
+            const float *xr = x + ((size_t)t * H + h) * D;
+            float amax = 0.f;
+            for (int d = 0; d < D; d++) {
+                float a = fabsf(xr[d]);
+                amax = a > amax ? a : amax;
+            }
+            if (!(amax >= 1e-12f)) amax = 1e-12f;
+            const uint16_t sb = f32_to_bf16_rne(amax / 127.0f);
+            const float s = bf16_to_f32(sb);
+            int8_t *out = dst + ((size_t)rows[t] * H + h) * D;
+            for (int d = 0; d < D; d++) {
+                float v = rintf(xr[d] / s);
+                v = v > 127.f ? 127.f : (v < -127.f ? -127.f : v);
+                out[d] = (int8_t)v;
             }
             scales[(size_t)rows[t] * H + h] = sb;
         }

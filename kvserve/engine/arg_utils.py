@@ -28,6 +28,7 @@ class EngineArgs:
     scheduling_policy: str = "fcfs"
     kv_integrity: str = "on"
     scrub_blocks_per_step: int = 0
+    kv_rotation_seed: int = 0  # rotated KV modes (int8, fp8_rot, ...): seed of R's signs
     attention_backend: str = "auto"
     device: str = "cpu"
     # CUDA only: False captures decode steps as CUDA graphs per batch bucket
@@ -49,6 +50,7 @@ class EngineArgs:
             enable_prefix_caching=self.enable_prefix_caching,
             kv_integrity=self.kv_integrity,
             scrub_blocks_per_step=self.scrub_blocks_per_step,
+            kv_rotation_seed=self.kv_rotation_seed,
         )
 
     def scheduler_config(self) -> SchedulerConfig:

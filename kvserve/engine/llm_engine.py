@@ -21,7 +21,7 @@ from kvserve.attention import get_backend
 from kvserve.cache.block_pool import BlockPool
 from kvserve.cache.kv_cache import PagedKVCache, bytes_per_block
 from kvserve.cache.kv_cache_manager import KVCacheManager
-from kvserve.config import ModelConfig, dtype_name, resolve_kv_dtype
+from kvserve.config import ModelConfig, dtype_name, resolve_kv_mode
 from kvserve.engine.arg_utils import EngineArgs
 from kvserve.engine.cuda_graphs import CudaGraphRunner, clear_scratch_block
 from kvserve.engine.detokenizer import IncrementalDetokenizer
@@ -72,8 +72,18 @@ class LLMEngine:
         # still caches bf16 (half the bytes; attention reads it with the C kernel).
         ckpt = checkpoint_dtype(loaded.hf_config)
         auto_kv = ckpt if ckpt in (torch.bfloat16, torch.float16) else loaded.dtype
-        kv_dtype = resolve_kv_dtype(cache_cfg.kv_cache_dtype, auto_kv)
+        kv_mode = resolve_kv_mode(cache_cfg.kv_cache_dtype, auto_kv)
+        kv_dtype = kv_mode.dtype
         self.kv_dtype = kv_dtype
+        # Canonical KV mode name (``int8``, ``int8_plain``, ``fp8_e4m3_rot``, ``bf16``...).
+        self.kv_mode = kv_mode.name
+        rot_seed = cache_cfg.kv_rotation_seed if kv_mode.rotate else None
+        if kv_mode.rotate and spec["components"] != 2:
+            raise ValueError(f"kv_cache_dtype {cache_cfg.kv_cache_dtype!r} (rotated) is not "
+                             "supported for an MLA latent cache; use fp8 or bf16")
+        if kv_dtype == torch.int8 and spec["components"] != 2:
+            raise ValueError(f"kv_cache_dtype {cache_cfg.kv_cache_dtype!r} (INT8) is not "
+                             "supported for an MLA latent cache; use fp8 or bf16")
         per_block = bytes_per_block(spec["num_layers"], cache_cfg.block_size,
                                     spec["num_kv_heads"], spec["head_dim"],
                                     spec["components"], kv_dtype)
@@ -101,9 +111,10 @@ class LLMEngine:
         self.kv_cache = PagedKVCache(
             spec["num_layers"], num_blocks, bs, spec["num_kv_heads"], spec["head_dim"],
             spec["components"], kv_dtype, args.device, static_scales=static,
+            rotation_seed=rot_seed,
         )
         self.fingerprint = self._fingerprint(folder, loaded.weight_files, loaded.dtype,
-                                             kv_dtype, bs)
+                                             self.kv_cache, bs)
         self.pool = BlockPool(num_blocks)
         self.integrity = self._make_integrity(cache_cfg)
         self.kv = KVCacheManager(self.pool, bs, cache_cfg.enable_prefix_caching,
@@ -192,14 +203,18 @@ class LLMEngine:
 
     @staticmethod
     def _fingerprint(folder: str, weight_files: tuple[str, ...], dtype: torch.dtype,
-                     kv_dtype: torch.dtype, bs: int) -> bytes:
+                     kv: PagedKVCache, bs: int) -> bytes:
+        """Model files, compute dtype, KV mode (storage dtype + rotation and its seed) and
+        block size: the prefix-cache salt and the integrity records' identity. Blocks written
+        under another mode or rotation never match."""
         h = hashlib.blake2b(digest_size=16)
         with open(os.path.join(folder, "config.json"), "rb") as f:
             h.update(f.read())
         for file in weight_files:
             st = os.stat(file)
             h.update(f"{os.path.basename(file)}:{st.st_size}:{st.st_mtime_ns}".encode())
-        h.update(f"{dtype_name(dtype)}|{dtype_name(kv_dtype)}|{bs}".encode())
+        rot = "" if kv.rotation is None else f"|rot={kv.rotation.describe()}"
+        h.update(f"{dtype_name(dtype)}|{dtype_name(kv.dtype)}|{bs}{rot}".encode())
         return h.digest()
 
     def _make_integrity(self, cfg):

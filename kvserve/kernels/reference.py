@@ -8,7 +8,7 @@ triton and runs on CPU and CUDA alike.
 Paged KV cache layout (fixed; the engine's CPU path uses exactly this)::
 
     kv_data   [num_layers, num_blocks, C, block_size, num_kv_heads, head_dim]   storage dtype
-    kv_scales [num_layers, num_blocks, C, block_size, num_kv_heads]             bfloat16 (FP8 only)
+    kv_scales [num_layers, num_blocks, C, block_size, num_kv_heads]     bfloat16 (FP8 / INT8 only)
 
     C = 2 (K at c=0, V at c=1) for MHA/GQA; C = 1 for MLA (one latent row [c_kv | k_rope],
     num_kv_heads = 1, head_dim = kv_lora_rank + qk_rope_head_dim).
@@ -18,8 +18,10 @@ Paged KV cache layout (fixed; the engine's CPU path uses exactly this)::
 
     sequence b, token position p  ->  block block_tables[b, p // bs], offset p % bs
 
-FP8 dequantisation: ``x = fp8_value.float() * scale.float()`` with one bf16 scale per
-(token, head, component), chosen at write time from the row's absolute maximum.
+FP8 / INT8 dequantisation: ``x = stored_value.float() * scale.float()`` with one bf16 scale
+per (token, head, component), chosen at write time from the row's absolute maximum (INT8:
+symmetric, ``scale = bf16(amax / 127)``, round half to even; its twin is
+:mod:`kvserve.quant.int8`, shared with the C kernel).
 
 Integrity checksum over one block ``kv_data[l, b]`` (shape [C, bs, H, D], row-major), viewed as
 signed int16 words w_0 .. w_{N-1}::
@@ -43,6 +45,7 @@ __all__ = [
     "FP8_DTYPES",
     "fp8_max",
     "is_fp8",
+    "is_scaled",
     "quantize_fp8_rows",
     "dequantize_rows",
     "write_kv",
@@ -66,6 +69,11 @@ AMAX_EPS = 1e-12
 
 def is_fp8(dtype: torch.dtype) -> bool:
     return dtype in FP8_DTYPES
+
+
+def is_scaled(dtype: torch.dtype) -> bool:
+    """Stored with per-row bf16 scales: FP8 and INT8."""
+    return dtype in FP8_DTYPES or dtype == torch.int8
 
 
 def fp8_max(dtype: torch.dtype) -> float:
@@ -115,9 +123,10 @@ def quantize_fp8_rows(
 
 
 def dequantize_rows(data: torch.Tensor, scales: torch.Tensor | None) -> torch.Tensor:
-    """fp32 values of stored rows ``data[..., D]`` (``scales[...]`` for FP8, else None)."""
-    if is_fp8(data.dtype):
-        assert scales is not None, "FP8 cache needs kv_scales"
+    """fp32 values of stored rows ``data[..., D]`` (``scales[...]`` for FP8 / INT8, else
+    None)."""
+    if is_scaled(data.dtype):
+        assert scales is not None, "FP8 / INT8 cache needs kv_scales"
         return data.float() * scales.float().unsqueeze(-1)
     return data.float()
 
@@ -227,6 +236,8 @@ def write_kv(
       distinct.
     * FP8 storage: quantised per (token, head, component) with dynamic scales, or with the
       static ``k_scale`` / ``v_scale`` (scalar or [H]) broadcast into ``kv_scales``.
+    * INT8 storage: symmetric per (token, head, component), dynamic scales only
+      (:func:`kvserve.quant.int8.quantize_dynamic`).
     * Other storage dtypes: ``x.to(storage dtype)`` (a plain copy when dtypes match).
     * ``csum_state`` int64 [num_layers, num_blocks, 4]: each written token's contribution
       (:func:`token_checksum_contrib`) is added to ``csum_state[layer, block]``. The state equals
@@ -237,8 +248,11 @@ def write_kv(
     if (v is None) != (n_comp == 1):
         raise ValueError("pass v for a C=2 (K/V) cache and v=None for a C=1 (MLA) cache")
     fp8 = is_fp8(kv_data.dtype)
-    if fp8 and kv_scales is None:
-        raise ValueError("an FP8 cache needs kv_scales")
+    i8 = kv_data.dtype == torch.int8
+    if (fp8 or i8) and kv_scales is None:
+        raise ValueError("an FP8 / INT8 cache needs kv_scales")
+    if i8 and (k_scale is not None or v_scale is not None):
+        raise ValueError("k_scale / v_scale: an INT8 cache takes dynamic scales only")
     bs = kv_data.shape[3]
     valid = slot_mapping >= 0
     slots = slot_mapping[valid].to(device=kv_data.device, dtype=torch.long)
@@ -250,10 +264,17 @@ def write_kv(
             q, scale = quantize_fp8_rows(rows, kv_data.dtype, static)
             kv_data[layer, blocks, c, offs] = q
             kv_scales[layer, blocks, c, offs] = scale  # type: ignore[index]
+        elif i8:
+            from kvserve.quant import int8
+
+            q, scale = int8.quantize_dynamic(rows)
+            kv_data[layer, blocks, c, offs] = q
+            kv_scales[layer, blocks, c, offs] = scale  # type: ignore[index]
         else:
             kv_data[layer, blocks, c, offs] = rows.to(kv_data.dtype)
     if csum_state is not None and slots.numel():
-        contrib = token_checksum_contrib(kv_data, kv_scales if fp8 else None, layer, slots)
+        contrib = token_checksum_contrib(kv_data, kv_scales if fp8 or i8 else None, layer,
+                                         slots)
         csum_state[layer].index_add_(0, blocks, contrib)
 
 
@@ -276,7 +297,7 @@ def gather_kv(
     offs = pos % bs
     data = kv_data[layer, blocks, :, offs]  # [S, C, H, D]
     scales = None if kv_scales is None else kv_scales[layer, blocks, :, offs]  # [S, C, H]
-    return dequantize_rows(data, scales if is_fp8(kv_data.dtype) else None).transpose(0, 1)
+    return dequantize_rows(data, scales if is_scaled(kv_data.dtype) else None).transpose(0, 1)
 
 
 def paged_attention(

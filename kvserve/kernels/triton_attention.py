@@ -20,7 +20,8 @@ their FP8 code values (exactly representable in bf16/fp16) inside the dots::
     acc[h]  += sum_n (p[h, n] * v_scale[n]) * v8[n, :]
 
 (with an fp16 model, p * v_scale could fall into fp16's subnormals, so there the V tile is
-dequantised instead: acc[h] += sum_n p[h, n] * (v8[n, :] * v_scale[n])).
+dequantised instead: acc[h] += sum_n p[h, n] * (v8[n, :] * v_scale[n])). INT8 takes the same
+path (``IS_FP8`` means "scaled"): its codes, integers in [-127, 127], are exact in bf16/fp16.
 
 Softmax runs online in base 2 (``exp2``; scores pre-multiplied by log2(e)), with the usual
 running max m, running sum l and rescaled accumulator.
@@ -93,10 +94,10 @@ def _num_sms(device: torch.device) -> int:
 
 
 def _scales_arg(kv_data: torch.Tensor, kv_scales: torch.Tensor | None, layer: int) -> torch.Tensor:
-    """``kv_scales[layer]`` for FP8, else a dummy 4-d tensor (never dereferenced)."""
-    if ref.is_fp8(kv_data.dtype):
+    """``kv_scales[layer]`` for FP8 / INT8, else a dummy 4-d tensor (never dereferenced)."""
+    if ref.is_scaled(kv_data.dtype):
         if kv_scales is None:
-            raise ValueError("an FP8 cache needs kv_scales")
+            raise ValueError("an FP8 / INT8 cache needs kv_scales")
         return kv_scales[layer]
     return kv_data[layer, :, :, :, :, 0]
 
@@ -395,7 +396,7 @@ def paged_decode_attention(
         BLOCK_H=_pow2(group),
         BLOCK_D=_pow2(D),
         BLOCK_N=block_n,
-        IS_FP8=ref.is_fp8(kv_data.dtype),
+        IS_FP8=ref.is_scaled(kv_data.dtype),
         DEQUANT_V=q.dtype == torch.float16,
         DOT_DTYPE=dot_dtype,
         PRECISION="ieee" if dot_dtype == tl.float32 else "tf32",
@@ -580,7 +581,7 @@ def paged_attention(
         BLOCK_M=block_m,
         BLOCK_D=_pow2(D),
         BLOCK_N=block_n,
-        IS_FP8=ref.is_fp8(kv_data.dtype),
+        IS_FP8=ref.is_scaled(kv_data.dtype),
         DEQUANT_V=q.dtype == torch.float16,
         DOT_DTYPE=dot_dtype,
         PRECISION="ieee" if dot_dtype == tl.float32 else "tf32",
@@ -773,7 +774,7 @@ def mla_decode(
         BLOCK_L=_pow2(lora),
         BLOCK_R=_pow2(R),
         BLOCK_N=block_n,
-        IS_FP8=ref.is_fp8(kv_data.dtype),
+        IS_FP8=ref.is_scaled(kv_data.dtype),
         DOT_DTYPE=dot_dtype,
         PRECISION="ieee" if dot_dtype == tl.float32 else "tf32",
         num_warps=8 if lora >= 256 else 4,

@@ -1,4 +1,4 @@
-"""Fused paged-KV cache write: copy or FP8-quantise, store, and accumulate the checksum state.
+"""Fused paged-KV cache write: copy or FP8 / INT8-quantise, store, accumulate the checksum state.
 
 Twin (the spec): :func:`kvserve.kernels.reference.write_kv`. The result is bit-exact with the
 twin on every backend: all float -> narrower-float roundings the write needs (fp32 -> bf16 for
@@ -17,7 +17,7 @@ e = ((c*bs + off)*H + h)*D + d of the [C, bs, H, D] payload:
 
     2-byte storage:  element e is word e
     4-byte storage:  element e is words 2e (low half) and 2e+1 (high half)
-    1-byte (FP8):    byte e is half of word e // 2:  w = byte[2k] + 256 * int8(byte[2k+1])
+    1-byte (FP8, INT8): byte e is half of word e // 2: w = byte[2k] + 256 * int8(byte[2k+1])
                      so an even byte adds its unsigned value, an odd byte 256 * its signed value
 """
 
@@ -124,6 +124,7 @@ def _write_kv_kernel(
     MIN_NORMAL: tl.constexpr,
     STATIC_SCALE: tl.constexpr,
     WITH_CSUM: tl.constexpr,
+    INT8: tl.constexpr = False,  # MODE 2 with a symmetric INT8 grid (FP8_MAX = 127)
 ):
     t = tl.program_id(0).to(tl.int64)
     slot = tl.load(SLOTS + t)
@@ -165,7 +166,13 @@ def _write_kv_kernel(
             scale = _bf16_bits_to_fp32(sbits)  # [BLOCK_H], exactly the stored bf16 value
             y = tl.math.div_rn(x, tl.broadcast_to(scale[:, None], [BLOCK_H, BLOCK_D]))
             y = tl.minimum(tl.maximum(y, -FP8_MAX), FP8_MAX)
-            byte = _fp32_to_fp8_bits(y, MANT, BIAS, SUB_SCALE, MIN_NORMAL)  # int32 [0, 255]
+            if INT8:
+                # round half to even (|y| <= 127 < 2^22: adding 1.5 * 2^23 leaves an fp32 whose
+                # ulp is 1, so the add rounds y to an integer RNE), then two's-complement byte
+                r = (y + 12582912.0) - 12582912.0
+                byte = r.to(tl.int32) & 0xFF  # int32 [0, 255]
+            else:
+                byte = _fp32_to_fp8_bits(y, MANT, BIAS, SUB_SCALE, MIN_NORMAL)  # int32 [0, 255]
             tl.store(dst, byte.to(tl.uint8), mask=mask)
             hi = tl.where(byte >= 128, byte - 256, byte) * 256
             contrib = tl.where((offs_d % 2 == 1)[None, :], hi, byte).to(tl.int64)
@@ -232,11 +239,14 @@ def write_kv(
     if T == 0:
         return
     _, _, _, bs, n_heads, head_dim = kv_data.shape
-    fp8 = ref.is_fp8(kv_data.dtype)
+    i8 = kv_data.dtype == torch.int8
+    fp8 = ref.is_fp8(kv_data.dtype) or i8  # both quantised with per-row scales (MODE 2)
     if fp8 and kv_scales is None:
-        raise ValueError("an FP8 cache needs kv_scales")
+        raise ValueError("an FP8 / INT8 cache needs kv_scales")
     if fp8 and head_dim % 2:
-        raise ValueError("FP8 checksum words need an even head_dim")
+        raise ValueError("FP8 / INT8 checksum words need an even head_dim")
+    if i8 and (k_scale is not None or v_scale is not None):
+        raise ValueError("k_scale / v_scale: an INT8 cache takes dynamic scales only")
     kv_l = kv_data[layer]  # [NB, C, bs, H, D]; layer offset applied on the host (int64-safe)
     if kv_l.stride(-1) != 1:
         raise ValueError("kv_data must be contiguous in head_dim")
@@ -252,8 +262,8 @@ def write_kv(
     vv = prep(v) if v is not None else kk
     if fp8:
         mode, kv_view = _MODE_FP8, kv_l.view(torch.uint8)
-        mant, bias = _FP8_FORMAT[kv_data.dtype]
-        fmax = ref.fp8_max(kv_data.dtype)
+        mant, bias = _FP8_FORMAT.get(kv_data.dtype, (3, 7))  # (unused for INT8)
+        fmax = 127.0 if i8 else ref.fp8_max(kv_data.dtype)
         sc = kv_scales[layer].view(torch.int16)  # type: ignore[index]
     else:
         mode = _MODE_COPY16 if kv_data.element_size() == 2 else _MODE_COPY32
@@ -305,6 +315,7 @@ def write_kv(
         MIN_NORMAL=float(2.0 ** (1 - bias)),
         STATIC_SCALE=use_static,
         WITH_CSUM=with_csum,
+        INT8=i8,
         num_warps=4,
     )
 

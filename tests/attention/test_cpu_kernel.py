@@ -16,7 +16,7 @@ pytestmark = pytest.mark.skipif(cpu_kernel.load() is None, reason="no C compiler
 
 
 ALL_DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float8_e4m3fn,
-              torch.float8_e5m2]
+              torch.float8_e5m2, torch.int8]
 SHAPES = [(4, 4, 16, 4), (8, 2, 64, 16), (6, 1, 128, 8), (16, 2, 72, 16), (4, 2, 20, 16)]
 
 
@@ -63,7 +63,7 @@ def _kernel_vs_twin(dtype, hq, hk, d, bs, seq_lens, query_lens):
     # the portable job (the kernel's own fallback) agrees too
     meta.cache.clear()
     row_seq, tables, lens = fast._plan(meta)["kernel"]
-    c = cpu_kernel.paged_attention(kv.data[0], kv.scales[0] if kv.is_fp8 else None,
+    c = cpu_kernel.paged_attention(kv.data[0], kv.scales[0] if kv.has_scales else None,
                                    q.float().contiguous(), tables, row_seq, lens, d**-0.5,
                                    torch.empty_like(a), force_scalar=True)
     torch.testing.assert_close(c, b, atol=1e-4, rtol=1e-3)
@@ -122,6 +122,56 @@ def test_fp8_write_kernel_bit_exact_with_twin(dtype, static):
     twin.write(0, rows, x, -x)
     assert torch.equal(fast.data.view(torch.uint8), twin.data.view(torch.uint8))
     assert torch.equal(fast.scales.view(torch.int16), twin.scales.view(torch.int16))
+
+
+def test_int8_write_kernel_bit_exact_with_twin():
+    """kvs_write_int8 == int8.compute_scales + quantize (RNE ties, clamping, zero rows, huge and
+    tiny rows), bytes and scales."""
+    torch.manual_seed(2)
+    t, h, d = 37, 3, 64
+    x = torch.randn(t, h, d) * torch.logspace(-8, 6, t).view(-1, 1, 1)
+    x[0, 0, :5] = torch.tensor([0.0, -0.0, 1e30, -1e30, 1e-30])
+    x[1] = 0.0
+    x[2, 0] = torch.arange(d) - 31.5  # exact .5 ties after scaling are not guaranteed; mixed
+    fast = PagedKVCache(1, 8, 8, h, d, 2, torch.int8)
+    twin = PagedKVCache(1, 8, 8, h, d, 2, torch.int8)
+    twin.use_kernel = False
+    assert fast.use_kernel
+    rows = torch.randperm(8 * 2 * 8)[:t]
+    rows = (rows // 16) * 16 + rows % 8  # component-0 rows
+    fast.write(0, rows, x, -x)
+    twin.write(0, rows, x, -x)
+    assert torch.equal(fast.data, twin.data)
+    assert torch.equal(fast.scales.view(torch.int16), twin.scales.view(torch.int16))
+    assert int(fast.data.min()) >= -127
+
+
+@pytest.mark.parametrize("seed", [None, 0])
+@pytest.mark.parametrize("dtype", [torch.int8, torch.float8_e4m3fn])
+def test_rotated_backend_kernel_matches_twin(dtype, seed):
+    """A rotated (or plain) 8-bit cache written and read through the backend: the C kernel
+    path and the pure-torch twin give the same attention (writes are bit-exact, reads within
+    fp32 reassociation)."""
+    torch.manual_seed(5)
+    hq, hk, d, bs = 6, 2, 64, 16
+    outs = []
+    for use_kernel in (True, False):
+        kv = PagedKVCache(1, 12, bs, hk, d, 2, dtype, rotation_seed=seed)
+        kv.use_kernel = use_kernel
+        be = TorchAttentionBackend(kv, hq, hk, d, d**-0.5, 1024)
+        be.use_kernel = use_kernel
+        perm = list(range(12))
+        meta = _meta([40, 7], [40, 7], perm, bs)
+        meta.write_rows = torch.tensor(
+            [perm[p // bs] * 2 * bs + p % bs for p in range(40)]
+            + [perm[3 + p // bs] * 2 * bs + p % bs for p in range(7)])
+        g = torch.Generator().manual_seed(0)
+        q = torch.randn(47, hq, d, generator=g)
+        k = torch.randn(47, hk, d, generator=g) * 3
+        v = torch.randn(47, hk, d, generator=g)
+        outs.append((be.forward(0, q, k, v, meta), kv.data.clone()))
+    assert torch.equal(outs[0][1].view(torch.uint8), outs[1][1].view(torch.uint8))
+    torch.testing.assert_close(outs[0][0], outs[1][0], atol=1e-4, rtol=1e-3)
 
 
 def test_decode_row_alone_equals_row_in_batch():

@@ -59,7 +59,7 @@ def test_attention_kernel_tiny(tmp_path):
                     "--budget-mib", "1", "--threads", "1", "--json", str(out)]) == 0
     r = json.loads(out.read_text())
     assert [x["kv_cache_dtype"] for x in r["results"]] == ["bf16", "fp8_e4m3", "fp8_e5m2",
-                                                          "fp32"]
+                                                          "int8", "fp32"]
     for x in r["results"]:
         for path in ("kernel", "kernel_portable", "torch_twin"):
             assert x[path]["ms_per_step"] > 0

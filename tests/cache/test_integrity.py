@@ -57,7 +57,7 @@ def clean(tiny_llama):
     from kvserve import LLM
 
     out = {}
-    for kv in ("bf16", "fp8"):
+    for kv in ("bf16", "fp8", "int8"):
         llm = LLM(tiny_llama, dtype="float32", kv_cache_dtype=kv, kv_cache_memory="8MiB",
                   progress=False, enable_prefix_caching=False)
         out[kv] = _run(llm, [PREFIX + t for t in TAILS])
@@ -76,7 +76,7 @@ def _cached_prefix_blocks(engine):
     return ids
 
 
-@pytest.mark.parametrize("kv", ["bf16", "fp8"])
+@pytest.mark.parametrize("kv", ["bf16", "fp8", "int8"])
 @given(data=st.data())
 @settings(max_examples=6, deadline=None,
           suppress_health_check=[HealthCheck.function_scoped_fixture])
@@ -85,7 +85,7 @@ def test_fault_in_cached_prefix_detected_and_repaired(tiny_llama, make_llm, clea
     eng = llm.engine
     assert _run(llm, [PREFIX + TAILS[0]]) == clean[kv][:1]
     blocks = _cached_prefix_blocks(eng)
-    kinds = ["bitflip", "swap", "stale"] + (["scale"] if kv == "fp8" else [])
+    kinds = ["bitflip", "swap", "stale"] + (["scale"] if kv in ("fp8", "int8") else [])
     kind = data.draw(st.sampled_from(kinds))
     block = data.draw(st.sampled_from(blocks))
     layer = data.draw(st.integers(0, eng.kv_cache.num_layers - 1))
@@ -109,7 +109,7 @@ def test_fault_in_cached_prefix_detected_and_repaired(tiny_llama, make_llm, clea
     assert eng.pool.blocks[block].quarantined
 
 
-@pytest.mark.parametrize("kv", ["bf16", "fp8"])
+@pytest.mark.parametrize("kv", ["bf16", "fp8", "int8"])
 def test_fault_in_running_request_repaired_in_paranoid_mode(tiny_llama, make_llm, clean, kv):
     llm = make_llm(tiny_llama, dtype="float32", kv_cache_dtype=kv, kv_integrity="paranoid")
     eng = llm.engine

@@ -37,7 +37,7 @@ def test_batched_equals_single(tiny_llama, make_llm, ref_outputs):
     assert _toks(llm.generate([_p(p) for p in _prompts()], GREEDY)) == ref_outputs
 
 
-@pytest.mark.parametrize("kv", ["auto", "bf16", "fp8"])
+@pytest.mark.parametrize("kv", ["auto", "bf16", "fp8", "int8", "int8_plain", "fp8_rot"])
 @pytest.mark.parametrize("extra", [-1, 0, 1, 16])  # prefix of b-1, b, b+1, 2b tokens (b=16)
 def test_prefix_hit_equals_cold(tiny_llama, make_llm, kv, extra):
     b = 16
@@ -81,7 +81,7 @@ def prompt_kv_rows(engine, ids):
     return torch.stack(raw), torch.stack(vals), cached
 
 
-@pytest.mark.parametrize("kv", ["bf16", "fp8"])
+@pytest.mark.parametrize("kv", ["bf16", "fp8", "int8", "fp8_rot"])
 @pytest.mark.parametrize("plen", [15, 16, 17, 32])
 def test_prefix_hit_kv_bytes_equal_cold(tiny_llama, make_llm, kv, plen):
     """With integrity on, the KV a prefix-hit request ends up with equals the no-cache path's:
@@ -99,6 +99,10 @@ def test_prefix_hit_kv_bytes_equal_cold(tiny_llama, make_llm, kv, plen):
     assert hit == 16 * (plen // 16)
     want, want_vals, _ = prompt_kv_rows(cold.engine, ids)
     assert got[:hit].equal(want[:hit])
+    if kv == "int8":  # one step of the row's uniform grid (amax / 127, absolute)
+        grid = want_vals[hit:].abs().amax(-1, keepdim=True) / 127 * (1 + 2**-7)
+        assert ((got_vals[hit:] - want_vals[hit:]).abs() <= grid + 1e-6).all()
+        return
     step = 2.0**-7 if kv == "bf16" else 2.0**-3  # one relative rounding step of the storage
     torch.testing.assert_close(got_vals[hit:], want_vals[hit:], rtol=step, atol=1e-6)
 

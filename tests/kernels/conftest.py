@@ -18,6 +18,7 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from kvserve.kernels import reference as ref  # noqa: E402
+from kvserve.quant import int8  # noqa: E402
 
 
 @dataclass
@@ -40,6 +41,8 @@ def _poison(kv_data: torch.Tensor, kv_scales: torch.Tensor | None) -> None:
     """NaN everywhere, so a kernel that reads a slot it should not read produces NaN."""
     if ref.is_fp8(kv_data.dtype):
         kv_data.view(torch.uint8).fill_(0x7F)  # NaN in both e4m3fn and e5m2
+    elif kv_data.dtype == torch.int8:
+        kv_data.fill_(127)  # no NaN code: the NaN scales below poison INT8 reads
     else:
         kv_data.fill_(float("nan"))
     if kv_scales is not None:
@@ -69,7 +72,7 @@ def build_paged_cache(
     shape = (num_layers, n_blocks, n_comp, block_size, n_kv_heads, head_dim)
     kv_data = torch.empty(shape, dtype=dtype, device=device)
     kv_scales = None
-    if ref.is_fp8(dtype):
+    if ref.is_scaled(dtype):
         kv_scales = torch.empty(shape[:-1], dtype=torch.bfloat16, device=device)
     _poison(kv_data, kv_scales)
     perm = torch.randperm(n_blocks, generator=gen)
@@ -92,6 +95,9 @@ def build_paged_cache(
         if ref.is_fp8(dtype):
             q8, sc = ref.quantize_fp8_rows(rows, dtype)
             dense.append(ref.dequantize_rows(q8, sc).transpose(0, 1))
+        elif dtype == torch.int8:
+            q8, sc = int8.quantize_dynamic(rows)
+            dense.append(int8.dequantize(q8, sc).transpose(0, 1))
         else:
             dense.append(rows.to(dtype).float().transpose(0, 1))
     return PagedCache(

@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from kvserve.kernels import reference as ref
 
 FP8 = [torch.float8_e4m3fn, torch.float8_e5m2]
-STORAGE = [torch.float32, torch.bfloat16, torch.float16, *FP8]
+STORAGE = [torch.float32, torch.bfloat16, torch.float16, *FP8, torch.int8]
 
 
 def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sm_scale: float) -> torch.Tensor:
@@ -128,7 +128,7 @@ def test_mla_decode_matches_unabsorbed_attention(paged_cache, dtype):
 
 def _empty_cache(dtype, n_comp=2, blocks=6, bs=4, heads=2, dim=16, layers=2):
     kv = torch.zeros(layers, blocks, n_comp, bs, heads, dim, dtype=dtype)
-    sc = torch.zeros(kv.shape[:-1], dtype=torch.bfloat16) if ref.is_fp8(dtype) else None
+    sc = torch.zeros(kv.shape[:-1], dtype=torch.bfloat16) if ref.is_scaled(dtype) else None
     return kv, sc, torch.zeros(layers, blocks, 4, dtype=torch.int64)
 
 
@@ -146,6 +146,9 @@ def test_write_kv_round_trip(dtype):
         got = ref.dequantize_rows(kv[1, blocks, c, offs], scales)
         if dtype == torch.float32:
             assert torch.equal(got, x)
+        elif dtype == torch.int8:  # uniform grid: half a step of amax / 127
+            amax = x.abs().amax(-1, keepdim=True)
+            assert ((got - x).abs() <= amax / 254 * (1 + 2**-7) + 1e-30).all()
         elif not ref.is_fp8(dtype):
             assert torch.equal(got, x.to(dtype).float())
         else:

@@ -9,7 +9,7 @@ pytest.importorskip("triton")
 from kvserve import SamplingParams  # noqa: E402
 
 
-@pytest.mark.parametrize("kv", ["fp32", "fp8"])
+@pytest.mark.parametrize("kv", ["fp32", "fp8", "int8", "fp8_rot"])
 def test_engine_on_triton_backend_matches_torch(model_factory, make_llm, kv):
     path = model_factory("llama", hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
                          head_dim=16, num_hidden_layers=1)

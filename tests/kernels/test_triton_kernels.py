@@ -28,7 +28,8 @@ if not ON_GPU and os.environ.get("TRITON_INTERPRET") != "1":
     pytest.skip("no CUDA and TRITON_INTERPRET is not 1", allow_module_level=True)
 
 FP8 = [torch.float8_e4m3fn, torch.float8_e5m2]
-ATTN_DTYPES = [torch.bfloat16, torch.float16, *FP8]
+SCALED = [*FP8, torch.int8]  # stored with per-row bf16 scales
+ATTN_DTYPES = [torch.bfloat16, torch.float16, *SCALED]
 
 
 def sweep(*axes: list) -> list[tuple]:
@@ -47,7 +48,7 @@ def sweep(*axes: list) -> list[tuple]:
 
 def _q_dtype(cache_dtype: torch.dtype, group: int = 1) -> torch.dtype:
     """Model dtype: fp16 for an fp16 cache; FP8 caches are paired with fp16 models at G=2."""
-    if cache_dtype == torch.float16 or (cache_dtype in FP8 and group == 2):
+    if cache_dtype == torch.float16 or (cache_dtype in SCALED and group == 2):
         return torch.float16
     return torch.bfloat16
 
@@ -187,12 +188,14 @@ def test_mla_decode(paged_cache, dtype, n_heads, block_size, dims):
 # Fused cache write (bit-exact with the twin, checksum state included)
 # ---------------------------------------------------------------------------------------------
 
-WRITE = sweep([torch.bfloat16, torch.float16, torch.float32, *FP8], [1, 2], [8, 16], [False, True])
+WRITE = sweep([torch.bfloat16, torch.float16, torch.float32, *SCALED], [1, 2], [8, 16],
+              [False, True])
 
 
 def _write_case(dtype, n_comp, block_size, n_heads, head_dim, n_blocks, device):
     kv = torch.zeros(2, n_blocks, n_comp, block_size, n_heads, head_dim, dtype=dtype, device=device)
-    sc = torch.zeros(kv.shape[:-1], dtype=torch.bfloat16, device=device) if dtype in FP8 else None
+    sc = (torch.zeros(kv.shape[:-1], dtype=torch.bfloat16, device=device) if dtype in SCALED
+          else None)
     cs = torch.zeros(2, n_blocks, 4, dtype=torch.int64, device=device)
     return kv, sc, cs
 
@@ -242,6 +245,23 @@ def test_write_kv_static_scales_and_strided_input():
     ref.write_kv(a[0], a[1], 0, slots, k, v, a[2], k_scale=k_scale, v_scale=0.02)
     tc.write_kv(b[0], b[1], 0, slots, k, v, b[2], k_scale=k_scale, v_scale=0.02)
     _assert_same_cache(a, b)
+
+
+def test_write_kv_int8_rounding_ties_and_clamp():
+    """INT8 write: exact .5 ties round to even, the row max maps to +-127, -128 never appears,
+    bit-exact with the twin (kvserve.quant.int8)."""
+    a = _write_case(torch.int8, 2, 8, 1, 8, 1, DEVICE)
+    b = _write_case(torch.int8, 2, 8, 1, 8, 1, DEVICE)
+    # amax 127 -> scale exactly 1.0: the codes are round-half-even of the inputs
+    k = torch.tensor([[[127.0, -127.0, 0.5, 1.5, 2.5, -0.5, -1.5, -126.5]]]).repeat(8, 1, 1)
+    slots = torch.arange(8, device=DEVICE)
+    ref.write_kv(a[0], a[1], 0, slots, k.to(DEVICE), -k.to(DEVICE), a[2])
+    tc.write_kv(b[0], b[1], 0, slots, k.to(DEVICE), -k.to(DEVICE), b[2])
+    _assert_same_cache(a, b)
+    assert b[0][0, 0, 0, 0, 0].tolist() == [127, -127, 0, 2, 2, 0, -2, -126]
+    with pytest.raises(ValueError, match="k_scale"):
+        tc.write_kv(b[0], b[1], 0, slots, k.to(DEVICE), k.to(DEVICE), b[2], k_scale=1.0,
+                    v_scale=1.0)
 
 
 def test_write_kv_without_checksum():

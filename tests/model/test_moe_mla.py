@@ -219,6 +219,17 @@ def test_deepseek_fp8_latent_cache_vs_bf16(tiny, make_llm):
     assert dec_agree >= 0.95
 
 
+@pytest.mark.parametrize("kv", ["int8", "int8_plain", "fp8_rot"])
+def test_mla_rejects_int8_and_rotated_kv(tiny, kv):
+    """The latent cache keeps fp8 / bf16: INT8 and the q/k/v rotation (which would have to be
+    folded into W_UK / W_UV) are refused naming the parameter."""
+    from kvserve import LLM
+
+    with pytest.raises(ValueError, match="kv_cache_dtype"):
+        LLM(tiny("deepseek_v3"), dtype="float32", kv_cache_dtype=kv, progress=False,
+            kv_cache_memory="8MiB")
+
+
 def test_deepseek_bf16_model_close_to_transformers(tiny, make_llm):
     """BF16 weights: our error against the fp32 reference is on par with transformers' own
     BF16 run (routing flips dominate the max error on both sides, so compare means)."""

@@ -211,7 +211,7 @@ def _latency(ns: argparse.Namespace, engine_args_from: Callable) -> int:
 
 def _quality(ns: argparse.Namespace, engine_args_from: Callable) -> int:
     from kvserve.bench import quality as ql
-    from kvserve.bench.common import log, set_threads, write_json
+    from kvserve.bench.common import log, parse_list, set_threads, write_json
 
     set_threads(ns.threads)
     cand_kv = ns.kv_cache_dtype

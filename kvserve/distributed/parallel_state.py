@@ -40,6 +40,9 @@ class ParallelState:
     device_group: object  # dist.ProcessGroup
     cpu_group: object  # dist.ProcessGroup (gloo)
     timeout_s: float
+    # gloo, no practical timeout: only for a worker waiting for the driver's next message
+    # (an idle engine is not a hung one; a dead driver closes the sockets, which fails at once)
+    idle_group: object
     enable_expert_parallel: bool = False
 
 
@@ -64,7 +67,9 @@ def init_distributed(init_method: str, rank: int, world_size: int, *, device: st
                             timeout=timeout)
     device_group = dist.group.WORLD
     cpu_group = dist.new_group(list(range(world_size)), backend="gloo", timeout=timeout)
-    _STATE = ParallelState(rank, world_size, device_group, cpu_group, timeout_s,
+    idle_group = dist.new_group(list(range(world_size)), backend="gloo",
+                                timeout=datetime.timedelta(days=365))
+    _STATE = ParallelState(rank, world_size, device_group, cpu_group, timeout_s, idle_group,
                            enable_expert_parallel)
     return _STATE
 
@@ -137,10 +142,12 @@ def tp_gather(x: torch.Tensor, dim: int = -1) -> torch.Tensor | None:
 
 
 # ---- cpu-group collectives (control) ---------------------------------------------------------
-def cpu_broadcast(x: torch.Tensor) -> torch.Tensor:
-    """Broadcast a CPU tensor from rank 0 over the gloo group (in place on the receivers)."""
+def cpu_broadcast(x: torch.Tensor, idle: bool = False) -> torch.Tensor:
+    """Broadcast a CPU tensor from rank 0 over the gloo group (in place on the receivers).
+    ``idle``: the message header a worker waits for between steps (no timeout)."""
     assert _STATE is not None
-    _run("broadcast", lambda: dist.broadcast(x, src=0, group=_STATE.cpu_group))
+    group = _STATE.idle_group if idle else _STATE.cpu_group
+    _run("broadcast", lambda: dist.broadcast(x, src=0, group=group))
     return x
 
 
@@ -151,10 +158,13 @@ def cpu_all_reduce_max(x: torch.Tensor) -> torch.Tensor:
     return x
 
 
-def cpu_all_reduce_min(x: torch.Tensor) -> torch.Tensor:
+def cpu_all_reduce_min(x: torch.Tensor, idle: bool = False) -> torch.Tensor:
+    """``idle``: at start-up, where ranks finish loading at different times (a rank that dies
+    while loading closes its sockets, which fails this at once)."""
     assert _STATE is not None
+    group = _STATE.idle_group if idle else _STATE.cpu_group
     _run("all_reduce(MIN)",
-         lambda: dist.all_reduce(x, op=dist.ReduceOp.MIN, group=_STATE.cpu_group))
+         lambda: dist.all_reduce(x, op=dist.ReduceOp.MIN, group=group))
     return x
 
 

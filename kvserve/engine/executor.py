@@ -20,6 +20,8 @@ for logprobs. Workers never need the sampled tokens: the next ``StepInput`` carr
 Control messages (all rank 0 -> every rank, on the gloo CPU group):
 
     header int64[2] = (kind, payload length), then payload int64[length]
+    (the header on a group without a timeout: workers wait for it however long the engine
+    idles; everything after it is bounded by the collective timeout)
     STEP     StepInput.to_tensor()
     SEAL     n, block ids[n], generations[n], token hashes[n, 2] (16 bytes as two int64)
     VERIFY   n, block ids[n], generations[n]   then all_reduce(MAX) of the bad mask [n]
@@ -30,12 +32,12 @@ Control messages (all rank 0 -> every rank, on the gloo CPU group):
 
 from __future__ import annotations
 
-import atexit
 import logging
 import multiprocessing as mp
 import os
 import shutil
 import tempfile
+import weakref
 from typing import Protocol
 
 import numpy as np
@@ -85,13 +87,13 @@ def make_executor(args: EngineArgs) -> UniProcExecutor | MultiprocExecutor:
 # ---- messages -----------------------------------------------------------------------------
 def _send(kind: int, payload: torch.Tensor | None = None) -> None:
     n = 0 if payload is None else payload.numel()
-    ps.cpu_broadcast(torch.tensor([kind, n], dtype=torch.int64))
+    ps.cpu_broadcast(torch.tensor([kind, n], dtype=torch.int64), idle=True)
     if n:
         ps.cpu_broadcast(payload.to(torch.int64).contiguous())
 
 
 def _recv() -> tuple[int, torch.Tensor]:
-    head = ps.cpu_broadcast(torch.zeros(2, dtype=torch.int64))
+    head = ps.cpu_broadcast(torch.zeros(2, dtype=torch.int64), idle=True)
     kind, n = int(head[0]), int(head[1])
     payload = ps.cpu_broadcast(torch.empty(n, dtype=torch.int64)) if n else torch.empty(0)
     return kind, payload
@@ -124,13 +126,15 @@ class MultiprocExecutor:
         tp = args.tensor_parallel_size
         # Clear errors before any process starts (heads, intermediate size, INT4 groups).
         validate_parallel(args.model, tp, args.enable_expert_parallel)
+        if ps.state() is not None:
+            raise ValueError("tensor_parallel_size: another tensor-parallel engine is alive in "
+                             "this process; call its engine.shutdown() first (one per process)")
         self.world_size = tp
-        self._tmp: str | None = None
-        self.procs: list[mp.process.BaseProcess] = []
+        self._res = _Resources()
         init = args.distributed_init_method
         if init is None:
-            self._tmp = tempfile.mkdtemp(prefix="kvserve-tp-")
-            init = f"file://{os.path.join(self._tmp, 'rendezvous')}"
+            self._res.tmp = tempfile.mkdtemp(prefix="kvserve-tp-")
+            init = f"file://{os.path.join(self._res.tmp, 'rendezvous')}"
         _, local = local_ranks(args)  # other nodes (or torchrun) start their own ranks
         ctx = mp.get_context("spawn")
         threads = torch.get_num_threads()
@@ -138,9 +142,10 @@ class MultiprocExecutor:
             p = ctx.Process(target=worker_main, args=(args, r, tp, init, threads),
                             name=f"kvserve-tp{r}", daemon=True)
             p.start()
-            self.procs.append(p)
-        self._closed = False
-        atexit.register(self.shutdown)
+            self._res.procs.append(p)
+        self.procs = self._res.procs
+        # Shut the workers down when this executor is collected or the process exits.
+        self._finalizer = weakref.finalize(self, self._res.close)
         try:
             ps.init_distributed(init, 0, tp, device=args.device,
                                 timeout_s=args.distributed_timeout_s,
@@ -154,7 +159,7 @@ class MultiprocExecutor:
     # ---- liveness ----------------------------------------------------------------------------
     def check_health(self) -> None:
         """Raise ``DistributedError`` if a local worker process has exited."""
-        if self._closed:
+        if self._res.closed:
             raise ps.DistributedError("the tensor-parallel executor was shut down")
         for i, p in enumerate(self.procs, start=1):
             if p.exitcode is not None:
@@ -205,9 +210,22 @@ class MultiprocExecutor:
         return parts
 
     def shutdown(self) -> None:
-        if getattr(self, "_closed", True):
+        self._finalizer()
+
+
+class _Resources:
+    """What a MultiprocExecutor must release (kept apart so a finalizer can hold it without
+    keeping the executor alive)."""
+
+    def __init__(self) -> None:
+        self.procs: list[mp.process.BaseProcess] = []
+        self.tmp: str | None = None
+        self.closed = False
+
+    def close(self) -> None:
+        if self.closed:
             return
-        self._closed = True
+        self.closed = True
         try:
             if ps.state() is not None and all(p.exitcode is None for p in self.procs):
                 _send(SHUTDOWN)
@@ -219,8 +237,8 @@ class MultiprocExecutor:
                 p.terminate()
                 p.join(timeout=5)
         ps.destroy_distributed()
-        if self._tmp is not None:
-            shutil.rmtree(self._tmp, ignore_errors=True)
+        if self.tmp is not None:
+            shutil.rmtree(self.tmp, ignore_errors=True)
 
 
 def local_ranks(args: EngineArgs) -> tuple[bool, list[int]]:

@@ -106,7 +106,8 @@ class Worker:
         n, note = num_kv_blocks(cache_cfg, per_block, sched_cfg.max_num_seqs * max_len)
         if ps.get_tp_size() > 1:
             # every rank must hold the same block ids: the smallest pool wins
-            agreed = int(ps.cpu_all_reduce_min(torch.tensor([n], dtype=torch.int64))[0])
+            agreed = int(ps.cpu_all_reduce_min(torch.tensor([n], dtype=torch.int64),
+                                               idle=True)[0])
             if agreed != n:
                 note += f"; {agreed} blocks agreed over {ps.get_tp_size()} ranks (min)"
             n = agreed

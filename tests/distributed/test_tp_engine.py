@@ -246,3 +246,31 @@ def _worker_death(path: str) -> str:
 def test_worker_death_is_a_clear_error(model_factory):
     msg = run_driver(_worker_death, model_factory("llama"))
     assert "worker rank 1" in msg and "exited with code -9" in msg, msg
+
+
+def _sequential_engines(path: str) -> list:
+    """Two TP engines one after the other in one process: the first is shut down when it is
+    collected (no explicit shutdown); two alive at once is a clear error."""
+    import gc
+
+    from kvserve import LLM, SamplingParams
+
+    sp = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    toks = []
+    for _ in range(2):
+        llm = LLM(path, **_kw(2))
+        toks.append(llm.generate({"prompt_token_ids": PROMPTS[0]}, sp)[0].outputs[0].token_ids)
+        try:
+            LLM(path, **_kw(2))
+            toks.append("second engine accepted")
+        except ValueError as e:
+            toks.append(str(e))
+        del llm
+        gc.collect()
+    return toks
+
+
+def test_sequential_engines_in_one_process(model_factory):
+    a, err, b, _ = run_driver(_sequential_engines, model_factory("llama"))
+    assert a == b
+    assert "another tensor-parallel engine is alive" in err

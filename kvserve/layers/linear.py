@@ -33,21 +33,31 @@ if TYPE_CHECKING:
 @dataclass(frozen=True, slots=True)
 class ShardSlice:
     """This rank's part of a checkpoint weight [out, in]: ``size`` rows (dim 0, column
-    parallel) or columns (dim 1, row parallel) from ``start``."""
+    parallel) or columns (dim 1, row parallel) from ``start``, of ``full``."""
 
     dim: int
     start: int
     size: int
+    full: int
 
     def take(self, t: torch.Tensor) -> torch.Tensor:
-        """The slice of a weight (any dim >= 1) or of a bias (1-D: only dim-0 slices apply)."""
-        if self.dim >= t.dim():
+        """The slice of a weight (any dim >= 1) or of a bias (1-D: only dim-0 slices apply).
+        A tensor the loader already read sliced (``size`` long on ``dim``) passes as is."""
+        if self.dim >= t.dim() or (t.shape[self.dim] == self.size != self.full):
             return t
         return t.narrow(self.dim, self.start, self.size)
 
+    def read(self, handle, name: str, is_bias: bool = False) -> torch.Tensor:
+        """Read only this slice of checkpoint tensor ``name`` from a safetensors handle."""
+        sl = handle.get_slice(name)
+        if is_bias and self.dim == 1:
+            return sl[:]
+        end = self.start + self.size
+        return sl[self.start : end] if self.dim == 0 else sl[:, self.start : end]
+
 
 # shard id -> this rank's slice (None: the whole tensor, tp=1 or replicated)
-TPPlan = dict
+TPPlan = dict[str | None, ShardSlice | None]
 
 
 def default_weight_loader(param: torch.Tensor, loaded: torch.Tensor, shard_id=None) -> None:
@@ -95,7 +105,7 @@ class ColumnParallelLinear(Linear):
         per = out_features // tp
         super().__init__(in_features, per, bias)
         self.full_out_sizes = (out_features,)
-        self.tp_plan = {None: ShardSlice(0, r * per, per) if tp > 1 else None}
+        self.tp_plan = {None: ShardSlice(0, r * per, per, out_features) if tp > 1 else None}
 
 
 class RowParallelLinear(Linear):
@@ -108,7 +118,7 @@ class RowParallelLinear(Linear):
         per = in_features // tp
         super().__init__(per, out_features, bias)
         self.full_in = in_features
-        self.tp_plan = {None: ShardSlice(1, r * per, per) if tp > 1 else None}
+        self.tp_plan = {None: ShardSlice(1, r * per, per, in_features) if tp > 1 else None}
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if get_tp_size() == 1:
@@ -166,8 +176,8 @@ class MergedColumnParallelLinear(MergedLinear):
         super().__init__(in_features, per, shard_ids, bias)
         self.full_out_sizes = out_sizes
         if tp > 1:
-            self.tp_plan = {s: ShardSlice(0, r * n, n) for s, n in zip(shard_ids, per,
-                                                                        strict=True)}
+            self.tp_plan = {s: ShardSlice(0, r * n, n, full) for s, n, full in
+                            zip(shard_ids, per, out_sizes, strict=True)}
 
 
 def kv_head_layout(num_kv_heads: int, tp: int, rank: int) -> tuple[int, int]:
@@ -194,8 +204,9 @@ class QKVParallelLinear(MergedLinear):
         self.num_heads, self.num_kv_heads = h, hk
         self.full_out_sizes = (num_heads * d, num_kv_heads * d, num_kv_heads * d)
         if tp > 1:
-            kv = ShardSlice(0, first_kv * d, hk * d)
-            self.tp_plan = {"q": ShardSlice(0, r * h * d, h * d), "k": kv, "v": kv}
+            kv = ShardSlice(0, first_kv * d, hk * d, num_kv_heads * d)
+            self.tp_plan = {"q": ShardSlice(0, r * h * d, h * d, num_heads * d), "k": kv,
+                            "v": kv}
 
 
 class Int4MergedLinear(nn.Module):

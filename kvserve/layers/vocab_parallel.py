@@ -71,7 +71,7 @@ class ParallelLMHead(ColumnParallelLinear):
         self.full_out_sizes = (vocab_size,)
         if tp > 1:
             self.tp_plan = {None: ShardSlice(0, get_tp_rank() * self.out_features,
-                                             self.out_features)}
+                                             self.out_features, vocab_size)}
 
     def _load(self, param: torch.Tensor, loaded: torch.Tensor, shard_id=None) -> None:
         if get_tp_size() == 1:

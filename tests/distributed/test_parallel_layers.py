@@ -37,10 +37,36 @@ def test_collectives_exact(tmp_path):
 
 
 def _load_shards(rank: int, world: int, path: str) -> dict:
-    from kvserve.model.loader import load_model
+    from kvserve.model import loader
 
-    model = load_model(path, "float32", progress=False).model
-    return {n: p.detach().clone() for n, p in model.named_parameters()}
+    real, whole = loader.safe_open, []
+
+    class Spy:  # records the tensors read whole (get_tensor) rather than sliced (get_slice)
+        def __init__(self, *a, **k) -> None:
+            self.cm = real(*a, **k)
+
+        def __enter__(self):
+            self.f = self.cm.__enter__()
+            return self
+
+        def __exit__(self, *exc):
+            return self.cm.__exit__(*exc)
+
+        def keys(self):
+            return self.f.keys()
+
+        def get_slice(self, name):
+            return self.f.get_slice(name)
+
+        def get_tensor(self, name):
+            whole.append(name)
+            return self.f.get_tensor(name)
+
+    loader.safe_open = Spy
+    model = loader.load_model(path, "float32", progress=False).model
+    out = {n: p.detach().clone() for n, p in model.named_parameters()}
+    out["__read_whole__"] = whole
+    return out
 
 
 @pytest.mark.parametrize("kv_heads", [2, 1])
@@ -81,6 +107,11 @@ def test_loader_shards_exact(tmp_path, model_factory, kv_heads):
         rows = torch.cat([s[name] for s in shards])
         assert rows.shape[0] == 512  # 512 is already a multiple of 64 x 2: no padding
         assert torch.equal(rows[:vocab], ckpt[name])
+    for s in shards:  # sharded weights are read as this rank's slice only
+        read_whole = s["__read_whole__"]
+        assert not [n for n in read_whole if any(p in n for p in (
+            "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"))]
+        assert "model.norm.weight" in read_whole  # replicated: whole
     norm = [s["model.norm.weight"] for s in shards]
     assert torch.equal(norm[0], norm[1])  # replicated
 

@@ -47,6 +47,21 @@ def add_engine_args(p: argparse.ArgumentParser, model_positional: bool = False) 
     p.add_argument("--device", default="cpu", help="cpu | cuda (Triton attention backend)")
     p.add_argument("--enforce-eager", action="store_true",
                    help="cuda: no CUDA graphs for decode steps (always eager)")
+    t = p.add_argument_group("parallelism (docs/parallelism.md)")
+    t.add_argument("-tp", "--tensor-parallel-size", type=int, default=1,
+                   help="split the model over this many ranks (processes / devices)")
+    t.add_argument("--enable-expert-parallel", action="store_true",
+                   help="MoE: each rank holds its share of the experts")
+    t.add_argument("--nnodes", type=int, default=1, help="nodes taking part")
+    t.add_argument("--node-rank", type=int, default=0,
+                   help="this node's index; nodes other than 0 run headless workers")
+    t.add_argument("--master-addr", default="127.0.0.1", help="node 0's address")
+    t.add_argument("--master-port", type=int, default=None,
+                   help="node 0's rendezvous port (tcp://MASTER_ADDR:MASTER_PORT)")
+    t.add_argument("--distributed-init-method", default=None,
+                   help="torch.distributed init method, e.g. env:// under torchrun / srun")
+    t.add_argument("--distributed-timeout", type=float, default=300.0,
+                   help="seconds before a collective fails (a dead or hung rank)")
 
 
 def engine_args_from(ns: argparse.Namespace):
@@ -62,7 +77,33 @@ def engine_args_from(ns: argparse.Namespace):
         attention_backend=ns.attention_backend, seed=ns.seed,
         device=getattr(ns, "device", "cpu"),
         enforce_eager=getattr(ns, "enforce_eager", False),
+        **parallel_args_from(ns),
     )
+
+
+def parallel_args_from(ns: argparse.Namespace) -> dict:
+    init = getattr(ns, "distributed_init_method", None)
+    if init is None and getattr(ns, "master_port", None) is not None:
+        init = f"tcp://{ns.master_addr}:{ns.master_port}"
+    return dict(tensor_parallel_size=getattr(ns, "tensor_parallel_size", 1),
+                enable_expert_parallel=getattr(ns, "enable_expert_parallel", False),
+                nnodes=getattr(ns, "nnodes", 1), node_rank=getattr(ns, "node_rank", 0),
+                distributed_init_method=init,
+                distributed_timeout_s=getattr(ns, "distributed_timeout", 300.0))
+
+
+def _run_headless_if_worker(ns: argparse.Namespace) -> int | None:
+    """On a node other than 0, or a torchrun / srun rank other than 0: run this node's
+    worker ranks (no scheduler, no server) and return their exit status; else None."""
+    if getattr(ns, "tensor_parallel_size", 1) == 1 and getattr(ns, "nnodes", 1) == 1:
+        return None
+    from kvserve.engine.executor import local_ranks, run_headless
+
+    args = engine_args_from(ns)
+    is_driver, ranks = local_ranks(args)
+    if is_driver:
+        return None
+    return run_headless(args, ranks)
 
 
 def _generate(ns: argparse.Namespace) -> int:
@@ -127,6 +168,9 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.DEBUG if ns.verbose else logging.INFO,
                         format="%(levelname)s %(name)s: %(message)s")
     try:
+        headless = _run_headless_if_worker(ns)
+        if headless is not None:
+            return headless
         return ns.func(ns)
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)

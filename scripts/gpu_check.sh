@@ -19,6 +19,8 @@
 #            which is faster), decode CUDA graphs vs --enforce-eager (tok/s at B=1/5/32, greedy
 #            tokens, logits of a padded step), INT4 checkpoint end to end on CUDA
 #                                                     -> int4_graphs.json, int4_graphs.log
+#   (5)      scripts/gpu_check_tp.py: tensor_parallel_size=2 (NCCL) vs 1 on a tiny Llama,
+#            logits within 1e-3, greedy tokens equal; skipped below 2 GPUs  -> tp.json
 #   (2)      kvserve bench throughput, BF16 vs FP8 KV, integrity off/on, Llama-8B shape
 #                                                     -> throughput.json, throughput.png,
 #                                                        bench.log
@@ -279,6 +281,7 @@ gpu_check plan (budget ${BUDGET_S}s; python: $PY; results: $OUT)
   (1)   $PY -m pytest tests/kernels -q [-n 8]                     -> pytest.log
   (3)   $PY decode_bench.py                                       -> decode_bw.json, decode_bw.png
   (4)   $PY scripts/gpu_check_int4_graphs.py                      -> int4_graphs.json, int4_graphs.log
+  (5)   $PY scripts/gpu_check_tp.py (tp=2 NCCL vs tp=1; needs 2 GPUs) -> tp.json, tp.log
   (2)   ${BENCH_CMD[*]}
                                                                   -> throughput.json/png, bench.log
   end   summary.json
@@ -295,6 +298,10 @@ if [ "$DRY" = 1 ]; then
         || rc=1
     "$PY" -m py_compile scripts/gpu_check_int4_graphs.py \
         && echo "[dry-run] scripts/gpu_check_int4_graphs.py compiles" || rc=1
+    "$PY" -m py_compile scripts/gpu_check_tp.py \
+        && echo "[dry-run] scripts/gpu_check_tp.py compiles" || rc=1
+    "$PY" -c 'import kvserve.engine.executor, kvserve.distributed.parallel_state' \
+        && echo "[dry-run] kvserve.engine.executor + kvserve.distributed import" || rc=1
     "$PY" -c 'import kvserve.engine.cuda_graphs, kvserve.layers.int4_linear' \
         && echo "[dry-run] kvserve.engine.cuda_graphs + kvserve.layers.int4_linear import" || rc=1
     "$PY" -m py_compile "$WORK/make_model.py" "$WORK/decode_bench.py" "$WORK/summary.py" \
@@ -356,6 +363,11 @@ record decode_bench "${PIPESTATUS[0]}" $(( $(date +%s) - s ))
 s=$(date +%s)
 timeout "$(cap 160)" "$PY" scripts/gpu_check_int4_graphs.py "$OUT" 2>&1 | tee "$OUT/int4_graphs.log"
 record int4_graphs "${PIPESTATUS[0]}" $(( $(date +%s) - s ))
+
+# (5) tensor parallelism on CUDA / NCCL (skipped with fewer than 2 GPUs)
+s=$(date +%s)
+timeout "$(cap 120)" "$PY" scripts/gpu_check_tp.py "$OUT" 2>&1 | tee "$OUT/tp.log"
+record tp_nccl "${PIPESTATUS[0]}" $(( $(date +%s) - s ))
 
 # (2) end-to-end throughput, whatever budget is left
 left=$(( BUDGET_S - $(elapsed) - 15 ))

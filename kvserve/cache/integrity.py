@@ -42,7 +42,7 @@ import time
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, TypeVar
+from typing import TYPE_CHECKING, Protocol, TypeVar
 
 import numpy as np
 import torch
@@ -169,11 +169,95 @@ def _timed(kind: str) -> Callable[[Callable[..., T]], Callable[..., T]]:
     return deco
 
 
+def _digest(fingerprint: bytes, block_id: int, generation: int, token_hash: bytes,
+            sums: np.ndarray) -> bytes:
+    h = hashlib.blake2b(fingerprint, digest_size=16)
+    h.update(np.array([block_id, generation], dtype=np.int64).tobytes())
+    h.update(token_hash)
+    h.update(sums.tobytes())
+    return h.digest()
+
+
+class IntegrityPeers(Protocol):
+    """The other tensor-parallel ranks (kvserve.engine.executor.MultiprocExecutor): each holds
+    its own slice (KV heads) of every block and seals / verifies that slice itself."""
+
+    def seal(self, block_ids: list[int], generations: list[int],
+             token_hashes: list[bytes]) -> None: ...
+
+    def verify(self, block_ids: list[int], generations: list[int],
+               local_bad: list[bool]) -> list[bool]: ...
+
+
+class SliceSeals:
+    """A worker rank's seals over its slice of the KV cache. The driver (rank 0) decides what
+    to seal and verify and sends the block ids and allocation generations; the digest binds
+    this rank's fingerprint (which includes the parallel layout), so a slice is only ever
+    compared with its own seal."""
+
+    def __init__(self, kv: PagedKVCache, fingerprint: bytes) -> None:
+        self.kv, self.fingerprint = kv, fingerprint
+        self.seals: dict[int, tuple[bytes, bytes]] = {}  # block -> (digest, token hash)
+
+    def seal(self, block_ids: list[int], generations: list[int],
+             token_hashes: list[bytes]) -> None:
+        if not block_ids:
+            return
+        sums = block_sums(self.kv, block_ids)
+        for i, (b, g, th) in enumerate(zip(block_ids, generations, token_hashes, strict=True)):
+            self.seals[b] = (_digest(self.fingerprint, b, g, th, sums[i]), th)
+
+    def verify(self, block_ids: list[int], generations: list[int]) -> list[bool]:
+        """Bad flags, one per block: unsealed here, or its bytes or identity (generation)
+        changed since it was sealed."""
+        sealed = [b for b in block_ids if b in self.seals]
+        bad = {b for b in block_ids if b not in self.seals}
+        if sealed:
+            sums = block_sums(self.kv, sealed)
+            gen = dict(zip(block_ids, generations, strict=True))
+            for i, b in enumerate(sealed):
+                digest, th = self.seals[b]
+                if _digest(self.fingerprint, b, gen[b], th, sums[i]) != digest:
+                    bad.add(b)
+                    logger.error("integrity: block %d failed verification on this rank", b)
+        return [b in bad for b in block_ids]
+
+    def drop(self, block_ids: list[int]) -> None:
+        for b in block_ids:
+            self.seals.pop(b, None)
+
+
+def inject_fault(kv: PagedKVCache, block_id: int, layer: int = 0, kind: str = "bitflip", *,
+                 index: int = 0, bit: int = 0, other_index: int = 1) -> None:
+    """Corrupt a block's bytes on purpose (tests, drills); see ``IntegrityChecker.inject``."""
+    if not 0 <= block_id < kv.num_blocks:
+        raise ValueError(f"block_id must be in [0, {kv.num_blocks}), got {block_id}")
+    if not 0 <= layer < kv.num_layers:
+        raise ValueError(f"layer must be in [0, {kv.num_layers}), got {layer}")
+    if kind == "bitflip":
+        raw = kv.data[layer, block_id].view(-1).view(torch.uint8)
+        raw[index % raw.numel()] ^= 1 << (bit % 8)
+    elif kind == "scale":
+        if kv.scales is None:
+            raise ValueError("kind='scale' needs an FP8 or INT8 KV cache")
+        raw = kv.scales[layer, block_id].reshape(-1).view(torch.uint8)
+        raw[index % raw.numel()] ^= 1 << (bit % 8)
+    elif kind == "swap":
+        words = kv.data[layer, block_id].view(-1).view(torch.int32)
+        i, j = index % words.numel(), other_index % words.numel()
+        a, b = words[i].clone(), words[j].clone()
+        words[i], words[j] = b, a
+    else:
+        raise ValueError(f"kind must be bitflip, scale, swap or stale; got {kind!r}")
+
+
 class IntegrityChecker:
     def __init__(self, kv: PagedKVCache, pool: BlockPool, fingerprint: bytes, mode: str,
-                 scrub_blocks_per_step: int = 0) -> None:
+                 scrub_blocks_per_step: int = 0, peers: IntegrityPeers | None = None) -> None:
         assert mode in ("on", "paranoid")
         self.kv, self.pool, self.fingerprint, self.mode = kv, pool, fingerprint, mode
+        # Tensor parallel: the other ranks' slices (sealed and verified there, verdicts agreed).
+        self.peers = peers
         self.scrub_blocks_per_step = scrub_blocks_per_step
         self.seals: dict[int, _Seal] = {}
         self.checks: Counter[str] = Counter()
@@ -196,12 +280,8 @@ class IntegrityChecker:
 
     # ---- sealing --------------------------------------------------------------------------
     def _digest(self, block_id: int, token_hash: bytes, sums: np.ndarray) -> bytes:
-        h = hashlib.blake2b(self.fingerprint, digest_size=16)
         gen = self.pool.blocks[block_id].generation
-        h.update(np.array([block_id, gen], dtype=np.int64).tobytes())
-        h.update(token_hash)
-        h.update(sums.tobytes())
-        return h.digest()
+        return _digest(self.fingerprint, block_id, gen, token_hash, sums)
 
     @_timed("allocate")
     def on_allocate(self, block_ids: list[int]) -> None:
@@ -226,6 +306,9 @@ class IntegrityChecker:
             self.seal_sources["recompute"] += len(block_ids)
         for i, (b, th) in enumerate(zip(block_ids, token_hashes, strict=True)):
             self.seals[b] = _Seal(self._digest(b, th, sums[i]), th, sums[i])
+        if self.peers is not None:
+            self.peers.seal(block_ids, [self.pool.blocks[b].generation for b in block_ids],
+                            token_hashes)
 
     def is_sealed(self, block_id: int) -> bool:
         return block_id in self.seals
@@ -248,6 +331,16 @@ class IntegrityChecker:
                 if self._digest(b, seal.token_hash, sums[i]) != seal.digest:
                     bad.append(b)
                     self._report(b, reason, sums[i], seal)
+        if self.peers is not None:
+            # one block's KV is spread over every rank: bad anywhere = bad everywhere
+            local = set(bad)
+            agreed = self.peers.verify(ids, [self.pool.blocks[b].generation for b in ids],
+                                       [b in local for b in ids])
+            for b, flag in zip(ids, agreed, strict=True):
+                if flag and b not in local:
+                    logger.error("integrity: block %d failed verification on another "
+                                 "tensor-parallel rank (%s)", b, reason)
+                    bad.append(b)
         for b in bad:
             if b not in self.seals:
                 logger.error("integrity: block %d was never sealed (%s)", b, reason)
@@ -341,29 +434,18 @@ class IntegrityChecker:
                index: int = 0, bit: int = 0, other_index: int = 1) -> None:
         """Corrupt a block on purpose (tests, drills). ``index`` is a byte offset (bitflip,
         scale) or an int32-word offset (swap) within data[layer, block_id]."""
-        if not 0 <= block_id < self.kv.num_blocks:
-            raise ValueError(f"block_id must be in [0, {self.kv.num_blocks}), got {block_id}")
-        if not 0 <= layer < self.kv.num_layers:
-            raise ValueError(f"layer must be in [0, {self.kv.num_layers}), got {layer}")
-        if kind == "bitflip":
-            raw = self.kv.data[layer, block_id].view(-1).view(torch.uint8)
-            raw[index % raw.numel()] ^= 1 << (bit % 8)
-        elif kind == "scale":
-            if self.kv.scales is None:
-                raise ValueError("kind='scale' needs an FP8 or INT8 KV cache")
-            raw = self.kv.scales[layer, block_id].reshape(-1).view(torch.uint8)
-            raw[index % raw.numel()] ^= 1 << (bit % 8)
-        elif kind == "swap":
-            words = self.kv.data[layer, block_id].view(-1).view(torch.int32)
-            i, j = index % words.numel(), other_index % words.numel()
-            a, b = words[i].clone(), words[j].clone()
-            words[i], words[j] = b, a
-        elif kind == "stale":
+        if kind == "stale":
+            if not 0 <= block_id < self.kv.num_blocks:
+                raise ValueError(f"block_id must be in [0, {self.kv.num_blocks}), got "
+                                 f"{block_id}")
+            if not 0 <= layer < self.kv.num_layers:
+                raise ValueError(f"layer must be in [0, {self.kv.num_layers}), got {layer}")
             # The block is "freed and reallocated" under its holder: new generation, new bytes.
             self.pool.blocks[block_id].generation += 1
             self.kv.data[layer, block_id].view(-1).view(torch.uint8)[index % 64] ^= 0x10
-        else:
-            raise ValueError(f"kind must be bitflip, scale, swap or stale; got {kind!r}")
+            return
+        inject_fault(self.kv, block_id, layer, kind, index=index, bit=bit,
+                     other_index=other_index)
 
     def stats(self) -> dict:
         return {

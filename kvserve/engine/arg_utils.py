@@ -36,6 +36,34 @@ class EngineArgs:
     enforce_eager: bool = False
     seed: int = 0
     progress: bool = True
+    # Tensor parallelism (kvserve/engine/executor.py, docs/parallelism.md): ranks that split
+    # the model; 1 = the single-process engine. Expert parallel: MoE experts split by rank.
+    tensor_parallel_size: int = 1
+    enable_expert_parallel: bool = False
+    # Rendezvous: None = a file:// in a temp dir (one node); "env://" (torchrun / srun) or
+    # "tcp://host:port" (--master-addr / --master-port) for several nodes.
+    distributed_init_method: str | None = None
+    nnodes: int = 1
+    node_rank: int = 0
+    # Every collective fails (never hangs) after this long: a dead or stuck rank.
+    distributed_timeout_s: float = 300.0
+
+    def __post_init__(self) -> None:
+        tp = self.tensor_parallel_size
+        if isinstance(tp, bool) or not isinstance(tp, int) or tp < 1:
+            raise ValueError(f"tensor_parallel_size must be an integer >= 1, got {tp!r}")
+        if self.nnodes < 1 or not 0 <= self.node_rank < self.nnodes:
+            raise ValueError(f"node_rank must be in [0, nnodes={self.nnodes}), got "
+                             f"{self.node_rank}")
+        if self.nnodes > 1 and tp % self.nnodes:
+            raise ValueError(f"tensor_parallel_size {tp} must be a multiple of nnodes "
+                             f"{self.nnodes} (the same number of ranks on every node)")
+        if self.nnodes > 1 and self.distributed_init_method is None:
+            raise ValueError("nnodes > 1 needs distributed_init_method (--master-addr / "
+                             "--master-port, or env://)")
+        if not self.distributed_timeout_s > 0:
+            raise ValueError(f"distributed_timeout_s must be > 0, got "
+                             f"{self.distributed_timeout_s}")
 
     def cache_config(self) -> CacheConfig:
         mem = None

@@ -211,6 +211,8 @@ class AsyncLLMEngine:
                 busy = engine.has_unfinished_requests()
                 if not self._apply_commands(block=not busy):
                     break
+                if not busy:
+                    engine.check_health()  # a dead tensor-parallel worker kills us when idle too
                 expired = self._expire_deadlines()
                 outputs = engine.step() if engine.has_unfinished_requests() else None
                 # Publish first: whoever gets an item also sees the engine state after it.

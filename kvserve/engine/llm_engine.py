@@ -8,28 +8,24 @@ raises ``ValueError`` naming the parameter, leaving the engine untouched.
 
 from __future__ import annotations
 
-import hashlib
-import json
+import dataclasses
 import logging
-import os
 import time
 from dataclasses import dataclass, field
 
 import torch
 
-from kvserve.attention import get_backend
 from kvserve.cache.block_pool import BlockPool
-from kvserve.cache.kv_cache import PagedKVCache, bytes_per_block
 from kvserve.cache.kv_cache_manager import KVCacheManager
-from kvserve.config import ModelConfig, dtype_name, resolve_kv_mode
+from kvserve.config import ModelConfig, dtype_name
 from kvserve.engine.arg_utils import EngineArgs
-from kvserve.engine.cuda_graphs import CudaGraphRunner, clear_scratch_block
 from kvserve.engine.detokenizer import IncrementalDetokenizer
-from kvserve.engine.model_runner import ModelRunner
+from kvserve.engine.executor import MultiprocExecutor, make_executor
+from kvserve.engine.model_runner import finish_step, prepare_step
 from kvserve.engine.scheduler import Scheduler
+from kvserve.engine.worker import DEFAULT_MAX_KV_BYTES  # noqa: F401 - re-exported
 from kvserve.layers.sampler import Sampler, SampleRow, top_logprobs
-from kvserve.model.default_model import resolve_model
-from kvserve.model.loader import checkpoint_dtype, describe_weight_bytes, load_model, load_tokenizer
+from kvserve.model.loader import describe_weight_bytes, load_tokenizer
 from kvserve.outputs import CompletionOutput, RequestOutput
 from kvserve.request import Request, RequestStatus
 from kvserve.sampling_params import SamplingParams
@@ -37,9 +33,6 @@ from kvserve.sampling_params import SamplingParams
 logger = logging.getLogger("kvserve")
 
 PromptType = str | list[int] | dict
-# Without kv_cache_memory: kv_cache_memory_fraction of available RAM, capped here (like
-# vLLM-CPU's 4 GiB default KV space) so a small model does not zero-fill half the machine.
-DEFAULT_MAX_KV_BYTES = 4 * 2**30
 
 
 @dataclass(slots=True)
@@ -61,169 +54,66 @@ class LLMEngine:
         cache_cfg, sched_cfg = args.cache_config(), args.scheduler_config()
         self.cache_config = cache_cfg
         torch.manual_seed(args.seed)
-        path = resolve_model(args.model)
         t0 = time.perf_counter()
-        loaded = load_model(path, args.dtype, args.device, progress=args.progress)
+        # The executor owns the model: in this process (tp=1) or over tp ranks, rank 0 here.
+        self.executor = make_executor(args)
+        worker = self.executor.driver
+        loaded, spec, layout = worker.loaded, worker.spec, worker.layout
+        path = worker.path
         folder = loaded.folder  # config.json + tokenizer (a GGUF's converted metadata)
-        self.model = loaded.model
+        self.model = worker.model  # rank 0's shard under tensor parallelism
         self.tokenizer = load_tokenizer(args.tokenizer or folder)
-        spec = self.model.kv_spec()
-        # "auto" KV = the checkpoint's dtype: a bf16 checkpoint computed in fp32 on an AVX2 CPU
-        # still caches bf16 (half the bytes; attention reads it with the C kernel).
-        ckpt = checkpoint_dtype(loaded.hf_config)
-        auto_kv = ckpt if ckpt in (torch.bfloat16, torch.float16) else loaded.dtype
-        kv_mode = resolve_kv_mode(cache_cfg.kv_cache_dtype, auto_kv)
-        kv_dtype = kv_mode.dtype
-        self.kv_dtype = kv_dtype
+        self.kv_dtype = layout.dtype
         # Canonical KV mode name (``int8``, ``int8_plain``, ``fp8_e4m3_rot``, ``bf16``...).
-        self.kv_mode = kv_mode.name
-        rot_seed = cache_cfg.kv_rotation_seed if kv_mode.rotate else None
-        if kv_mode.rotate and spec["components"] != 2:
-            raise ValueError(f"kv_cache_dtype {cache_cfg.kv_cache_dtype!r} (rotated) is not "
-                             "supported for an MLA latent cache; use fp8 or bf16")
-        if kv_dtype == torch.int8 and spec["components"] != 2:
-            raise ValueError(f"kv_cache_dtype {cache_cfg.kv_cache_dtype!r} (INT8) is not "
-                             "supported for an MLA latent cache; use fp8 or bf16")
-        per_block = bytes_per_block(spec["num_layers"], cache_cfg.block_size,
-                                    spec["num_kv_heads"], spec["head_dim"],
-                                    spec["components"], kv_dtype)
-        bs = cache_cfg.block_size
-        max_len = spec["max_position_embeddings"]
-        if spec.get("sliding_window"):
-            max_len = min(max_len, spec["sliding_window"])
-        if sched_cfg.max_model_len is not None:
-            if sched_cfg.max_model_len > max_len:
-                raise ValueError(f"max_model_len {sched_cfg.max_model_len} exceeds the model's "
-                                 f"context length {max_len}")
-            max_len = sched_cfg.max_model_len
-        num_blocks = self._num_blocks(cache_cfg, per_block, sched_cfg.max_num_seqs * max_len)
+        self.kv_mode = layout.mode_name
+        bs, num_blocks, max_len = layout.block_size, layout.num_blocks, layout.max_model_len
+        self._kv_budget_note = layout.budget_note
         self.capacity_tokens = num_blocks * bs
         self.model_config = ModelConfig(
             path=path, architecture=loaded.architecture, dtype=loaded.dtype,
             vocab_size=loaded.hf_config.vocab_size, num_layers=spec["num_layers"],
             num_kv_heads=spec["num_kv_heads"], head_dim=spec["head_dim"],
             kv_components=spec["components"], max_model_len=max_len,
-            eos_token_ids=self._eos_ids(folder), bos_token_id=self.tokenizer.bos_token_id,
+            eos_token_ids=worker.eos_ids(), bos_token_id=self.tokenizer.bos_token_id,
         )
-        static = loaded.kv_scales
-        if static is not None:
-            static = static.unsqueeze(-1).expand(-1, -1, spec["num_kv_heads"])
-        self.kv_cache = PagedKVCache(
-            spec["num_layers"], num_blocks, bs, spec["num_kv_heads"], spec["head_dim"],
-            spec["components"], kv_dtype, args.device, static_scales=static,
-            rotation_seed=rot_seed,
-        )
-        self.fingerprint = self._fingerprint(folder, loaded.weight_files, loaded.dtype,
-                                             self.kv_cache, bs)
+        self.kv_cache = worker.kv_cache  # rank 0's slice (its KV heads) under TP
+        self.fingerprint = worker.fingerprint
         self.pool = BlockPool(num_blocks)
         self.integrity = self._make_integrity(cache_cfg)
         self.kv = KVCacheManager(self.pool, bs, cache_cfg.enable_prefix_caching,
                                  self.fingerprint, self.integrity)
         self.scheduler = Scheduler(sched_cfg, self.kv)
-        # auto/torch/triton name a family; an MLA cache (components == 1) gets its MLA member
-        # (mla_triton on CUDA, mla_torch on CPU), see kvserve.attention.resolve_backend_name.
-        backend_name = args.attention_backend
-        backend = get_backend(backend_name, self.kv_cache, spec["num_heads"],
-                              spec["num_kv_heads"], spec["head_dim"], spec["scale"], max_len)
-        self.runner = ModelRunner(self.model, backend, bs, spec["components"], args.device,
-                                  graphs=self._cuda_graphs(backend, spec, sched_cfg, max_len))
+        # After the integrity checker: a fused-write backend keeps checksum state if asked.
+        self.runner = worker.init_runner()
         self.sampler = Sampler(self.model_config.vocab_size)
         self._parents: dict[str, _Parent] = {}
         self._finished_outputs: list[RequestOutput] = []
         self.stats = {"prompt_tokens": 0, "generation_tokens": 0, "steps": 0,
                       "finished": 0, "aborted": 0}
-        logger.info("model %s (%s, %s): %s", path, loaded.architecture,
-                    dtype_name(loaded.dtype), describe_weight_bytes(self.model))
+        tp = args.tensor_parallel_size
+        logger.info("model %s (%s, %s): %s%s", path, loaded.architecture,
+                    dtype_name(loaded.dtype), describe_weight_bytes(self.model),
+                    f" on rank 0 of {tp} (tensor parallel)" if tp > 1 else "")
         logger.info("%s; max_model_len %d; %d B/token of KV; %s", self.kv_cache.describe(),
                     max_len, self.kv_cache.bytes_per_token, self._kv_budget_note)
         logger.info("ready in %.1f s", time.perf_counter() - t0)
 
-    # ---- construction helpers -------------------------------------------------------------
-    def _cuda_graphs(self, backend, spec: dict, sched_cfg, max_len: int
-                     ) -> CudaGraphRunner | None:
-        """Decode CUDA graphs (kvserve/engine/cuda_graphs.py) unless ``enforce_eager``, off
-        CUDA, or the backend cannot be captured; a failed capture logs and runs eagerly."""
-        if self.args.enforce_eager or not self.kv_cache.data.is_cuda:
-            return None
-        if not hasattr(backend, "graph_plan"):
-            logger.info("CUDA graphs off: attention backend %r is not capturable", backend.name)
-            return None
-        graphs = CudaGraphRunner(self.model, backend, self.kv_cache, self.kv_cache.block_size,
-                                 spec["components"], sched_cfg.max_num_seqs, max_len)
-        try:
-            graphs.capture()
-        except Exception as e:  # noqa: BLE001 - e.g. a model that syncs the host: run eager
-            logger.warning("CUDA graph capture failed (%r); decode steps run eagerly", e)
-            torch.cuda.synchronize()
-            clear_scratch_block(self.kv_cache)
-            return None
-        return graphs
+    def check_health(self) -> None:
+        """Raise ``DistributedError`` if a tensor-parallel worker died (no-op otherwise)."""
+        self.executor.check_health()
 
-    def _num_blocks(self, cfg, per_block: int, want_tokens: int) -> int:
-        """Blocks for ``kv_cache_memory``, else enough for ``max_num_seqs x max_model_len``
-        tokens (``want_tokens``) capped by ``kv_cache_memory_fraction`` of available memory
-        and DEFAULT_MAX_KV_BYTES; ``_kv_budget_note`` says which applied."""
-        if cfg.num_blocks_override is not None:
-            self._kv_budget_note = f"num_blocks {cfg.num_blocks_override} given"
-            return cfg.num_blocks_override
-        if cfg.kv_cache_memory is not None:
-            budget = cfg.kv_cache_memory
-            self._kv_budget_note = f"kv_cache_memory {budget / 2**20:.0f} MiB given"
-        else:
-            need = -(-want_tokens // cfg.block_size) * per_block
-            avail = int(_available_memory() * cfg.kv_cache_memory_fraction)
-            budget = min(need, avail, DEFAULT_MAX_KV_BYTES)
-            why = ("max_num_seqs x max_model_len" if budget == need else
-                   f"capped by {cfg.kv_cache_memory_fraction:.0%} of available memory"
-                   if budget == avail else "capped at 4 GiB (set kv_cache_memory to change)")
-            self._kv_budget_note = (f"KV budget {budget / 2**20:.0f} MiB: {why} "
-                                    f"(wanted {need / 2**20:.0f} MiB for {want_tokens} tokens)")
-        n = budget // per_block
-        if n < 2:
-            raise ValueError(f"kv_cache_memory {budget} B holds fewer than 2 blocks "
-                             f"({per_block} B per block)")
-        return n
-
-    @staticmethod
-    def _eos_ids(path: str) -> tuple[int, ...]:
-        ids: list[int] = []
-        gen = os.path.join(path, "generation_config.json")
-        cfg = os.path.join(path, "config.json")
-        for f in (gen, cfg):
-            if os.path.isfile(f):
-                with open(f) as fh:
-                    eos = json.load(fh).get("eos_token_id")
-                if isinstance(eos, int):
-                    ids.append(eos)
-                elif isinstance(eos, list):
-                    ids.extend(int(e) for e in eos)
-                if ids:
-                    break
-        return tuple(dict.fromkeys(ids))
-
-    @staticmethod
-    def _fingerprint(folder: str, weight_files: tuple[str, ...], dtype: torch.dtype,
-                     kv: PagedKVCache, bs: int) -> bytes:
-        """Model files, compute dtype, KV mode (storage dtype + rotation and its seed) and
-        block size: the prefix-cache salt and the integrity records' identity. Blocks written
-        under another mode or rotation never match."""
-        h = hashlib.blake2b(digest_size=16)
-        with open(os.path.join(folder, "config.json"), "rb") as f:
-            h.update(f.read())
-        for file in weight_files:
-            st = os.stat(file)
-            h.update(f"{os.path.basename(file)}:{st.st_size}:{st.st_mtime_ns}".encode())
-        rot = "" if kv.rotation is None else f"|rot={kv.rotation.describe()}"
-        h.update(f"{dtype_name(dtype)}|{dtype_name(kv.dtype)}|{bs}{rot}".encode())
-        return h.digest()
+    def shutdown(self) -> None:
+        """Stop the tensor-parallel workers (a no-op for the single-process engine)."""
+        self.executor.shutdown()
 
     def _make_integrity(self, cfg):
         if cfg.kv_integrity == "off":
             return None
         from kvserve.cache.integrity import IntegrityChecker
 
+        peers = self.executor if isinstance(self.executor, MultiprocExecutor) else None
         return IntegrityChecker(self.kv_cache, self.pool, self.fingerprint, cfg.kv_integrity,
-                                cfg.scrub_blocks_per_step)
+                                cfg.scrub_blocks_per_step, peers=peers)
 
     # ---- requests -------------------------------------------------------------------------
     def tokenize(self, prompt: PromptType, param: str = "prompt") -> tuple[str | None, list[int]]:
@@ -330,7 +220,9 @@ class LLMEngine:
         for req, _ in sched.scheduled:
             if req.metrics.first_scheduled_time is None:
                 req.metrics.first_scheduled_time = now
-        result = self.runner.execute(sched, self.kv)
+        step, plan = prepare_step(sched, self.kv, self.runner.block_size,
+                                  self.runner.components)
+        result = finish_step(plan, self.executor.execute(step))
         self.stats["steps"] += 1
         sampled = None
         if result.sample_reqs:
@@ -441,17 +333,29 @@ class LLMEngine:
         if not self.kv.allocate_slots(req, len(ids)):
             raise ValueError("not enough free KV blocks to score token_ids")
         try:
-            batch = self.runner.build_batch(SchedulerOutput([(req, len(ids))]), self.kv)
-            return self.model.compute_logits(self.model(batch)).float().cpu()
+            step, _ = prepare_step(SchedulerOutput([(req, len(ids))]), self.kv,
+                                   self.runner.block_size, self.runner.components)
+            # group 0 (rows to sample) empty; group 1 every position, like a prompt-logprobs run
+            step = dataclasses.replace(step, logits_groups=((), tuple(range(len(ids)))))
+            logits = self.executor.execute(step)[1]
+            assert logits is not None
+            return logits.float().cpu()
         finally:
             self.kv.free(req)
             self.kv.forget(req)
 
     # ---- introspection --------------------------------------------------------------------
     def inject_kv_fault(self, block_id: int, layer: int = 0, kind: str = "bitflip",
-                        **kw) -> None:
-        """Corrupt one KV block on purpose (drills, tests); see IntegrityChecker.inject."""
+                        rank: int = 0, **kw) -> None:
+        """Corrupt one KV block on purpose (drills, tests); see IntegrityChecker.inject.
+        ``rank``: the tensor-parallel rank whose slice of the block is corrupted."""
         from kvserve.cache.integrity import IntegrityChecker
+
+        if rank != 0:
+            if not isinstance(self.executor, MultiprocExecutor):
+                raise ValueError(f"rank {rank}: this engine is not tensor parallel")
+            self.executor.inject(rank, block_id, layer, kind, **kw)
+            return
 
         checker = self.integrity or IntegrityChecker(self.kv_cache, self.pool, self.fingerprint,
                                                      "on")
@@ -466,13 +370,3 @@ class LLMEngine:
         assert not self._parents, f"unfinished requests: {list(self._parents)}"
         assert self.pool.num_used_blocks == 0, f"{self.pool.num_used_blocks} blocks in use"
 
-
-def _available_memory() -> int:
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return 4 * 2**30

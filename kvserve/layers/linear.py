@@ -15,17 +15,49 @@ for the fused module) once all shards are in.
 from __future__ import annotations
 
 import functools
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kvserve.distributed.parallel_state import get_tp_rank, get_tp_size, tp_all_reduce
 from kvserve.layers.int4_linear import Int4Linear
 from kvserve.quant import gguf_q4, int4
 
 if TYPE_CHECKING:
     from kvserve.model.quant_config import Int4Scheme
+
+
+@dataclass(frozen=True, slots=True)
+class ShardSlice:
+    """This rank's part of a checkpoint weight [out, in]: ``size`` rows (dim 0, column
+    parallel) or columns (dim 1, row parallel) from ``start``, of ``full``."""
+
+    dim: int
+    start: int
+    size: int
+    full: int
+
+    def take(self, t: torch.Tensor) -> torch.Tensor:
+        """The slice of a weight (any dim >= 1) or of a bias (1-D: only dim-0 slices apply).
+        A tensor the loader already read sliced (``size`` long on ``dim``) passes as is."""
+        if self.dim >= t.dim() or (t.shape[self.dim] == self.size != self.full):
+            return t
+        return t.narrow(self.dim, self.start, self.size)
+
+    def read(self, handle, name: str, is_bias: bool = False) -> torch.Tensor:
+        """Read only this slice of checkpoint tensor ``name`` from a safetensors handle."""
+        sl = handle.get_slice(name)
+        if is_bias and self.dim == 1:
+            return sl[:]
+        end = self.start + self.size
+        return sl[self.start : end] if self.dim == 0 else sl[:, self.start : end]
+
+
+# shard id -> this rank's slice (None: the whole tensor, tp=1 or replicated)
+TPPlan = dict[str | None, ShardSlice | None]
 
 
 def default_weight_loader(param: torch.Tensor, loaded: torch.Tensor, shard_id=None) -> None:
@@ -42,14 +74,57 @@ def _param(shape: tuple[int, ...], loader) -> nn.Parameter:
 
 
 class Linear(nn.Module):
+    # Tensor parallelism (the subclasses below): this rank's slice of each checkpoint shard,
+    # the checkpoint's [out, in] per shard, and whether outputs are partial sums (row parallel:
+    # all-reduced, then the bias added once).
+    tp_plan: TPPlan = {None: None}
+    reduce_results = False
+
     def __init__(self, in_features: int, out_features: int, bias: bool = False) -> None:
         super().__init__()
         self.in_features, self.out_features = in_features, out_features
-        self.weight = _param((out_features, in_features), default_weight_loader)
-        self.bias = _param((out_features,), default_weight_loader) if bias else None
+        self.full_in, self.full_out_sizes = in_features, (out_features,)
+        self.weight = _param((out_features, in_features), self._load)
+        self.bias = _param((out_features,), self._load) if bias else None
+
+    def _load(self, param: torch.Tensor, loaded: torch.Tensor, shard_id=None) -> None:
+        sl = self.tp_plan[None]
+        if sl is not None and not (param is self.bias and sl.dim == 1):
+            loaded = sl.take(loaded)
+        default_weight_loader(param, loaded)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return F.linear(x, self.weight, self.bias)
+
+
+class ColumnParallelLinear(Linear):
+    """Output rows split over the TP ranks: y_r = x W_r^T (+ b_r); no communication."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = False) -> None:
+        tp, r = get_tp_size(), get_tp_rank()
+        per = out_features // tp
+        super().__init__(in_features, per, bias)
+        self.full_out_sizes = (out_features,)
+        self.tp_plan = {None: ShardSlice(0, r * per, per, out_features) if tp > 1 else None}
+
+
+class RowParallelLinear(Linear):
+    """Input columns split over the TP ranks: y = all_reduce(x_r W_r^T) + b (bias once)."""
+
+    reduce_results = True
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = False) -> None:
+        tp, r = get_tp_size(), get_tp_rank()
+        per = in_features // tp
+        super().__init__(per, out_features, bias)
+        self.full_in = in_features
+        self.tp_plan = {None: ShardSlice(1, r * per, per, in_features) if tp > 1 else None}
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if get_tp_size() == 1:
+            return F.linear(x, self.weight, self.bias)
+        y = tp_all_reduce(F.linear(x, self.weight))  # [T, out]: the sum of every rank's part
+        return y if self.bias is None else y + self.bias
 
 
 class MergedLinear(nn.Module):
@@ -69,10 +144,16 @@ class MergedLinear(nn.Module):
         self.shard_ids = shard_ids
         self.offsets = {s: sum(out_sizes[:i]) for i, s in enumerate(shard_ids)}
         self.sizes = dict(zip(shard_ids, out_sizes, strict=True))
+        self.full_in, self.full_out_sizes = in_features, out_sizes
+        self.tp_plan = dict.fromkeys(shard_ids)
         self.weight = _param((sum(out_sizes), in_features), self._load)
         self.bias = _param((sum(out_sizes),), self._load) if bias else None
 
+    reduce_results = False
+
     def _load(self, param: torch.Tensor, loaded: torch.Tensor, shard_id: str) -> None:
+        if self.tp_plan[shard_id] is not None:
+            loaded = self.tp_plan[shard_id].take(loaded)
         off, size = self.offsets[shard_id], self.sizes[shard_id]
         dst = param.data.narrow(0, off, size)
         if dst.shape != loaded.shape:
@@ -82,6 +163,50 @@ class MergedLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return F.linear(x, self.weight, self.bias)
+
+
+class MergedColumnParallelLinear(MergedLinear):
+    """gate/up (or any fused column-parallel shards): rank r holds rows
+    [r * size / tp, (r + 1) * size / tp) of every shard, fused as [sum(size / tp), in]."""
+
+    def __init__(self, in_features: int, out_sizes: tuple[int, ...],
+                 shard_ids: tuple[str, ...], bias: bool = False) -> None:
+        tp, r = get_tp_size(), get_tp_rank()
+        per = tuple(n // tp for n in out_sizes)
+        super().__init__(in_features, per, shard_ids, bias)
+        self.full_out_sizes = out_sizes
+        if tp > 1:
+            self.tp_plan = {s: ShardSlice(0, r * n, n, full) for s, n, full in
+                            zip(shard_ids, per, out_sizes, strict=True)}
+
+
+def kv_head_layout(num_kv_heads: int, tp: int, rank: int) -> tuple[int, int]:
+    """(KV heads on this rank, index of its first KV head). tp <= num_kv_heads: heads split
+    evenly; tp > num_kv_heads: every rank holds one head, ``tp // num_kv_heads`` replicas of
+    each (vLLM's ``num_kv_head_replicas``), rank r holding head ``r // replicas``."""
+    if tp <= num_kv_heads:
+        per = num_kv_heads // tp
+        return per, rank * per
+    return 1, rank // (tp // num_kv_heads)
+
+
+class QKVParallelLinear(MergedLinear):
+    """Fused q/k/v, split by heads: rank r holds query heads [r*h/tp, (r+1)*h/tp) and its KV
+    heads (``kv_head_layout``; replicated when tp > num_kv_heads)."""
+
+    def __init__(self, hidden: int, num_heads: int, num_kv_heads: int, head_dim: int,
+                 bias: bool = False) -> None:
+        tp, r = get_tp_size(), get_tp_rank()
+        h = num_heads // tp
+        hk, first_kv = kv_head_layout(num_kv_heads, tp, r)
+        d = head_dim
+        super().__init__(hidden, (h * d, hk * d, hk * d), ("q", "k", "v"), bias)
+        self.num_heads, self.num_kv_heads = h, hk
+        self.full_out_sizes = (num_heads * d, num_kv_heads * d, num_kv_heads * d)
+        if tp > 1:
+            kv = ShardSlice(0, first_kv * d, hk * d, num_kv_heads * d)
+            self.tp_plan = {"q": ShardSlice(0, r * h * d, h * d, num_heads * d), "k": kv,
+                            "v": kv}
 
 
 class Int4MergedLinear(nn.Module):
@@ -108,6 +233,11 @@ class Int4MergedLinear(nn.Module):
         scheme: Int4Scheme,
         shard_names: dict[str | None, str],
         bias: torch.Tensor | None = None,
+        *,
+        tp_plan: TPPlan | None = None,
+        full_in: int | None = None,
+        full_out_sizes: tuple[int, ...] | None = None,
+        reduce_results: bool = False,
     ) -> None:
         super().__init__()
         assert len(out_sizes) == len(shard_ids)
@@ -115,6 +245,12 @@ class Int4MergedLinear(nn.Module):
         self.out_sizes = out_sizes
         self.shard_ids = shard_ids
         self.scheme = scheme
+        # Tensor parallelism: each shard is unpacked at its checkpoint shape [full_out, full_in]
+        # and then sliced (rows, or whole groups of columns) to this rank's [out, in].
+        self.tp_plan = tp_plan or dict.fromkeys(shard_ids)
+        self.full_in = full_in or in_features
+        self.full_sizes = dict(zip(shard_ids, full_out_sizes or out_sizes, strict=True))
+        self.reduce_results = reduce_results
         self.shard_names = shard_names
         self.offsets = {s: sum(out_sizes[:i]) for i, s in enumerate(shard_ids)}
         self.sizes = dict(zip(shard_ids, out_sizes, strict=True))
@@ -142,12 +278,14 @@ class Int4MergedLinear(nn.Module):
     def replacing(cls, module: nn.Module, scheme: Int4Scheme,
                   shard_names: dict[str | None, str]) -> Int4MergedLinear:
         """The INT4 module for a (meta) ``Linear`` or ``MergedLinear``."""
+        tp = dict(tp_plan=module.tp_plan, full_in=module.full_in,
+                  full_out_sizes=module.full_out_sizes, reduce_results=module.reduce_results)
         if isinstance(module, MergedLinear):
             return cls(module.in_features, module.out_sizes, module.shard_ids, scheme,
-                       shard_names, module.bias)
+                       shard_names, module.bias, **tp)
         if isinstance(module, Linear):
             return cls(module.in_features, (module.out_features,), (None,), scheme, shard_names,
-                       module.bias)
+                       module.bias, **tp)
         raise TypeError(f"cannot quantize {type(module).__name__}")
 
     # ---------------------------------------------------------------- loading
@@ -167,6 +305,9 @@ class Int4MergedLinear(nn.Module):
 
     def _load_bias(self, param: torch.Tensor, loaded: torch.Tensor,
                    shard_id: str | None = None) -> None:
+        sl = self.tp_plan[shard_id]
+        if sl is not None:
+            loaded = sl.take(loaded)  # column parallel: this rank's rows; row parallel: all
         off, size = self.offsets[shard_id], self.sizes[shard_id]
         dst = param.data.narrow(0, off, size)
         if dst.shape != loaded.shape:
@@ -212,7 +353,7 @@ class Int4MergedLinear(nn.Module):
         try:
             if s.format == "gguf":
                 w = gguf_q4.unpack_q4(t["gguf_blocks"], s.gguf_type,
-                                      (self.sizes[shard_id], self.in_features))
+                                      (self.full_sizes[shard_id], self.full_in))
             elif s.format == "pack-quantized":
                 w = int4.from_compressed_tensors(
                     t["weight_packed"], t["weight_scale"], t["weight_shape"],
@@ -227,6 +368,8 @@ class Int4MergedLinear(nn.Module):
                                      checkpoint_format=s.checkpoint_format)
         except ValueError as e:
             raise ValueError(f"{name} ({s.describe()}): {e}") from None
+        if self.tp_plan[shard_id] is not None:
+            w = slice_int4(w, self.tp_plan[shard_id], name)
         want = (self.sizes[shard_id], self.in_features)
         if (w.out_features, w.in_features) != want:
             raise ValueError(f"{name}: INT4 weight is [{w.out_features}, {w.in_features}], the "
@@ -242,6 +385,8 @@ class Int4MergedLinear(nn.Module):
             y = torch.cat([m(x) for m in self.int4], dim=-1)
         else:
             y = self.int4(x)
+        if self.reduce_results:
+            y = tp_all_reduce(y)  # row parallel: partial sums; the bias below is added once
         if self.bias is not None:
             y = y + self.bias.to(y.dtype)
         return y
@@ -264,3 +409,33 @@ class Int4MergedLinear(nn.Module):
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_sizes={self.out_sizes}, "
                 f"shards={self.shard_ids}, scheme={self.scheme.describe()!r}")
+
+
+def slice_int4(w: int4.Int4Weight, sl: ShardSlice, name: str) -> int4.Int4Weight:
+    """This rank's part of an unpacked INT4 weight: rows (column parallel) or whole quant groups
+    of columns (row parallel; a group never straddles two ranks)."""
+    if sl.dim == 0:
+        rows = slice(sl.start, sl.start + sl.size)
+        return int4.Int4Weight(
+            w.values[rows].contiguous(), w.scales[rows].contiguous(),
+            None if w.zeros is None else w.zeros[rows].contiguous(), w.group_size, w.g_idx,
+            None if w.mins is None else w.mins[rows].contiguous())
+    gs = w.group_size
+    if w.g_idx is not None and torch.equal(w.g_idx, torch.arange(w.in_features) // gs):
+        w = int4.Int4Weight(w.values, w.scales, w.zeros, gs, None, w.mins)  # trivial g_idx
+    cols = slice(sl.start, sl.start + sl.size)
+    if w.scales.shape[1] == 1 and w.g_idx is None:  # channel-wise: every column shares it
+        return int4.Int4Weight(w.values[:, cols].contiguous(), w.scales, w.zeros, sl.size,
+                               None, w.mins)
+    if w.g_idx is not None:
+        raise ValueError(f"{name}: an act-order (g_idx) INT4 weight cannot be split by input "
+                         "columns; use tensor_parallel_size=1")
+    if sl.start % gs or sl.size % gs:
+        raise ValueError(f"{name}: tensor_parallel_size splits its {w.in_features} input "
+                         f"columns into shards of {sl.size}, not a multiple of the INT4 group "
+                         f"size {gs}")
+    g = slice(sl.start // gs, (sl.start + sl.size) // gs)
+    return int4.Int4Weight(
+        w.values[:, cols].contiguous(), w.scales[:, g].contiguous(),
+        None if w.zeros is None else w.zeros[:, g].contiguous(), gs, None,
+        None if w.mins is None else w.mins[:, g].contiguous())

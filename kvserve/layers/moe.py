@@ -49,6 +49,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kvserve.distributed.parallel_state import (
+    expert_parallel,
+    get_tp_rank,
+    get_tp_size,
+    tp_all_reduce,
+)
 from kvserve.layers.linear import Linear, MergedLinear, default_weight_loader
 
 logger = logging.getLogger(__name__)
@@ -133,14 +139,35 @@ def grouped_topk(choice: torch.Tensor, top_k: int, n_group: int, topk_group: int
 
 
 class FusedMoE(nn.Module):
-    """Stacked experts ``w13 [E, 2I, hidden]``, ``w2 [E, hidden, I]`` (SiLU-gated MLPs)."""
+    """Stacked experts ``w13 [E, 2I, hidden]``, ``w2 [E, hidden, I]`` (SiLU-gated MLPs).
+
+    Tensor parallel (tp > 1), two layouts; the router runs replicated on every rank and every
+    rank already holds every token (the attention's row-parallel all-reduce replicated them:
+    the "all-gather tokens" step of EP is the identity here), so each rank computes a partial
+    output and one all-reduce sums them:
+
+    * split (default): every expert on every rank, its MLP split like a dense one:
+      w13 [E, 2 I/tp, hidden] (rank r's gate rows and up rows), w2 [E, hidden, I/tp].
+    * expert parallel (``enable_expert_parallel``): rank r holds experts
+      [r E/tp, (r + 1) E/tp) whole, w13 [E/tp, 2I, hidden]; pairs routed to other ranks'
+      experts contribute zero here. (No all-to-all: gloo has none on CPU.)
+    """
 
     def __init__(self, num_experts: int, hidden: int, intermediate: int) -> None:
         super().__init__()
+        tp, r = get_tp_size(), get_tp_rank()
+        self.ep = tp > 1 and expert_parallel()
+        self.split = tp > 1 and not self.ep
+        self.reduce_results = tp > 1
+        self.full_intermediate = intermediate
+        local = num_experts // tp if self.ep else num_experts
+        self.expert_lo, self.num_local = (r * local if self.ep else 0), local
+        if self.split:
+            intermediate //= tp
         self.num_experts, self.hidden, self.intermediate = num_experts, hidden, intermediate
-        self.w13 = nn.Parameter(torch.empty(num_experts, 2 * intermediate, hidden),
+        self.w13 = nn.Parameter(torch.empty(local, 2 * intermediate, hidden),
                                 requires_grad=False)
-        self.w2 = nn.Parameter(torch.empty(num_experts, hidden, intermediate),
+        self.w2 = nn.Parameter(torch.empty(local, hidden, intermediate),
                                requires_grad=False)
         self.w13.weight_loader = self._load  # type: ignore[attr-defined]
         self.w2.weight_loader = self._load  # type: ignore[attr-defined]
@@ -158,14 +185,19 @@ class FusedMoE(nn.Module):
         i = self.intermediate
         if expert is not None and not 0 <= expert < self.num_experts:
             raise ValueError(f"expert {expert} out of range (num_experts {self.num_experts})")
+        lo, hi = self.expert_lo, self.expert_lo + self.num_local
+        if expert is not None and not lo <= expert < hi:
+            self.loaded_shards["w2" if kind == "down" else "w13"].add((expert, kind))
+            return  # expert parallel: another rank's expert
+        loaded = self._tp_slice(loaded, expert, kind)
         if expert is None:
             dst = param.data
         elif kind == "gate":
-            dst = param.data[expert, :i]
+            dst = param.data[expert - lo, :i]
         elif kind == "up":
-            dst = param.data[expert, i:]
+            dst = param.data[expert - lo, i:]
         else:
-            dst = param.data[expert]
+            dst = param.data[expert - lo]
         if dst.shape != loaded.shape:
             raise ValueError(f"expert tensor {shard_id}: expected {tuple(dst.shape)}, got "
                              f"{tuple(loaded.shape)}")
@@ -176,6 +208,22 @@ class FusedMoE(nn.Module):
             seen.update((e, k) for e in range(self.num_experts) for k in kinds)
         else:
             seen.add((expert, kind))
+
+    def _tp_slice(self, t: torch.Tensor, expert: int | None, kind: str) -> torch.Tensor:
+        """This rank's part of a checkpoint expert tensor (per expert [out, in] or fused
+        [E, out, in]): its experts (expert parallel) or its rows / columns (split)."""
+        if expert is None and self.ep:
+            t = t[self.expert_lo : self.expert_lo + self.num_local]
+        if not self.split:
+            return t
+        i, full = self.intermediate, self.full_intermediate
+        start = get_tp_rank() * i
+        d = 0 if expert is not None else 1  # the out dim
+        if kind == "down":  # [.., hidden, I]: this rank's input columns
+            return t.narrow(d + 1, start, i)
+        if kind == "gate_up":  # fused [E, 2I, hidden]: rank's gate rows, then its up rows
+            return torch.cat((t.narrow(1, start, i), t.narrow(1, full + start, i)), dim=1)
+        return t.narrow(d, start, i)  # gate or up [I, hidden]
 
     def fully_loaded(self, which: str) -> bool:
         """Every expert's shards of ``which`` ("w13" or "w2") have been loaded."""
@@ -194,7 +242,11 @@ class FusedMoE(nn.Module):
     # ---- compute ----------------------------------------------------------------------------
     def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """x [T, hidden], weights [T, k] fp32, ids [T, k] -> [T, hidden] in x's dtype."""
-        return dispatch_experts(x, weights, ids, self.num_experts, self._run_expert)
+        lo = self.expert_lo
+        out = dispatch_experts(x, weights, ids, self.num_experts,
+                               lambda e, xe: self._run_expert(e - lo, xe),
+                               local=(lo, lo + self.num_local) if self.ep else None)
+        return tp_all_reduce(out) if self.reduce_results else out  # sum of the ranks' parts
 
     def _run_expert(self, e: int, xe: torch.Tensor) -> torch.Tensor:
         """Expert e on its routed rows: xe [n, hidden] -> [n, hidden]."""
@@ -206,13 +258,14 @@ class FusedMoE(nn.Module):
 
 
 def dispatch_experts(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
-                     num_experts: int, run_expert: Callable[[int, torch.Tensor], torch.Tensor]
-                     ) -> torch.Tensor:
+                     num_experts: int, run_expert: Callable[[int, torch.Tensor], torch.Tensor],
+                     local: tuple[int, int] | None = None) -> torch.Tensor:
     """Routed MoE evaluation shared by the dense and the INT4 expert layers.
 
     x [T, hidden], weights [T, k] fp32, ids [T, k] int64 -> [T, hidden] in x's dtype.
     ``run_expert(e, xe [n, hidden]) -> [n, hidden]`` is called once per expert that received
     n > 0 (token, slot) pairs, on those rows only (contiguous after one stable sort).
+    ``local`` = [lo, hi): only those experts run (expert parallel); other pairs add zero.
     """
     t, k = ids.shape
     out = torch.zeros_like(x)
@@ -223,12 +276,14 @@ def dispatch_experts(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
     token = order // k  # [T*k] token of each sorted pair
     counts = torch.bincount(flat, minlength=num_experts).tolist()
     xs = x.index_select(0, token)  # [T*k, hidden], grouped by expert
-    ys = torch.empty_like(xs)
+    ys = torch.empty_like(xs) if local is None else torch.zeros_like(xs)
+    lo, hi = local if local is not None else (0, num_experts)
     start = 0
     for e, n in enumerate(counts):
         if n == 0:
             continue
-        ys[start : start + n] = run_expert(e, xs[start : start + n])
+        if lo <= e < hi:
+            ys[start : start + n] = run_expert(e, xs[start : start + n])
         start += n
     w = weights.reshape(-1)[order].unsqueeze(1)  # [T*k, 1] fp32 routing weight per pair
     out.index_add_(0, token, (ys.float() * w).to(x.dtype))

@@ -33,10 +33,12 @@ import math
 import torch
 from torch import nn
 
-from kvserve.layers.linear import Linear, default_weight_loader
+from kvserve.distributed.parallel_state import get_tp_size
+from kvserve.layers.linear import ColumnParallelLinear, Linear, RowParallelLinear
 from kvserve.layers.moe import check_activation, load_expert_tensor
 from kvserve.layers.norm import RMSNorm
 from kvserve.layers.rotary import RotaryEmbedding, _rope_parameters
+from kvserve.layers.vocab_parallel import ParallelLMHead, VocabParallelEmbedding, gather_logits
 from kvserve.model.forward_batch import ForwardBatch
 from kvserve.model.glm4_moe import deepseek_style_moe
 from kvserve.model.llama import LlamaMLP
@@ -73,8 +75,8 @@ def mla_kv_spec(config) -> dict:
     == 1, so the registry picks mla_torch / mla_triton: resolve_backend_name)."""
     return {
         "num_layers": config.num_hidden_layers,
-        "num_heads": config.num_attention_heads,
-        "num_kv_heads": 1,
+        "num_heads": config.num_attention_heads // get_tp_size(),  # this rank's heads
+        "num_kv_heads": 1,  # the latent row, replicated on every tensor-parallel rank
         "head_dim": config.kv_lora_rank + config.qk_rope_head_dim,
         "components": 1,
         "scale": mla_softmax_scale(config),
@@ -87,7 +89,11 @@ class DeepseekV3Attention(nn.Module):
     def __init__(self, config, layer_idx: int, rotary: RotaryEmbedding) -> None:
         super().__init__()
         self.layer_idx = layer_idx
-        self.num_heads = h = config.num_attention_heads
+        # Tensor parallel: heads split (q_b / kv_b column parallel, o_proj row parallel); the
+        # latent projections q_a / kv_a are replicated, so every rank computes and caches the
+        # same latent rows: the MLA cache is replicated per rank (docs/parallelism.md).
+        h = config.num_attention_heads
+        self.num_heads = h // get_tp_size()
         self.nope_dim, self.rope_dim = config.qk_nope_head_dim, config.qk_rope_head_dim
         self.v_dim, self.kv_lora_rank = config.v_head_dim, config.kv_lora_rank
         qk = self.nope_dim + self.rope_dim
@@ -95,15 +101,16 @@ class DeepseekV3Attention(nn.Module):
         hidden = config.hidden_size
         self.q_lora_rank = config.q_lora_rank
         if self.q_lora_rank is None:
-            self.q_proj = Linear(hidden, h * qk)
+            self.q_proj = ColumnParallelLinear(hidden, h * qk)
         else:
             self.q_a_proj = Linear(hidden, self.q_lora_rank, bias=bias)
             self.q_a_layernorm = RMSNorm(self.q_lora_rank, config.rms_norm_eps)
-            self.q_b_proj = Linear(self.q_lora_rank, h * qk)
+            self.q_b_proj = ColumnParallelLinear(self.q_lora_rank, h * qk)
         self.kv_a_proj_with_mqa = Linear(hidden, self.kv_lora_rank + self.rope_dim, bias=bias)
         self.kv_a_layernorm = RMSNorm(self.kv_lora_rank, config.rms_norm_eps)
-        self.kv_b_proj = Linear(self.kv_lora_rank, h * (self.nope_dim + self.v_dim))
-        self.o_proj = Linear(h * self.v_dim, hidden, bias=bias)
+        self.kv_b_proj = ColumnParallelLinear(self.kv_lora_rank,
+                                              h * (self.nope_dim + self.v_dim))
+        self.o_proj = RowParallelLinear(h * self.v_dim, hidden, bias=bias)
         self.rotary = rotary
 
     def forward(self, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
@@ -146,9 +153,7 @@ class DeepseekV3DecoderLayer(nn.Module):
 class DeepseekV3Model(nn.Module):
     def __init__(self, config) -> None:
         super().__init__()
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.embed_tokens.weight.requires_grad_(False)
-        self.embed_tokens.weight.weight_loader = default_weight_loader  # type: ignore[attr-defined]
+        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
         interleave = bool(getattr(config, "rope_interleave", True))
         with torch.device("cpu"):  # cos/sin tables are plain attributes: never on meta
             rotary = RotaryEmbedding(config, config.qk_rope_head_dim,
@@ -190,7 +195,7 @@ class DeepseekV3ForCausalLM(nn.Module):
         self.config = config
         self.model = DeepseekV3Model(config)
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
-        self.lm_head = Linear(config.hidden_size, config.vocab_size)
+        self.lm_head = ParallelLMHead(config.hidden_size, config.vocab_size)
 
     def tie_weights(self) -> None:
         if self.tie_word_embeddings:
@@ -199,8 +204,8 @@ class DeepseekV3ForCausalLM(nn.Module):
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
         return self.model(batch)
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden).float()
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        return gather_logits(self.lm_head(hidden).float(), self.config.vocab_size)
 
     def kv_spec(self) -> dict:
         return mla_kv_spec(self.config)

@@ -13,7 +13,6 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from kvserve.layers.linear import Linear, default_weight_loader
 from kvserve.layers.moe import (
     FusedMoE,
     SparseMoeBlock,
@@ -23,6 +22,7 @@ from kvserve.layers.moe import (
 )
 from kvserve.layers.norm import RMSNorm
 from kvserve.layers.rotary import RotaryEmbedding
+from kvserve.layers.vocab_parallel import ParallelLMHead, VocabParallelEmbedding
 from kvserve.model.llama import (
     LlamaDecoderLayer,
     LlamaForCausalLM,
@@ -69,9 +69,7 @@ class Glm4MoeDecoderLayer(LlamaDecoderLayer):
 class Glm4MoeModel(LlamaModel):
     def __init__(self, config, **attn_kw) -> None:
         nn.Module.__init__(self)
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.embed_tokens.weight.requires_grad_(False)
-        self.embed_tokens.weight.weight_loader = default_weight_loader  # type: ignore[attr-defined]
+        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
         rotary_dim = int(head_dim_of(config) * partial_rotary_factor(config))
         with torch.device("cpu"):  # cos/sin tables are plain attributes: never on meta
             rotary = RotaryEmbedding(config, rotary_dim, config.max_position_embeddings)
@@ -92,7 +90,7 @@ class Glm4MoeForCausalLM(LlamaForCausalLM):
             qk_norm=bool(getattr(config, "use_qk_norm", False)),
         )
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
-        self.lm_head = Linear(config.hidden_size, config.vocab_size)
+        self.lm_head = ParallelLMHead(config.hidden_size, config.vocab_size)
 
     def load_extra(self, name: str, handle, loaded: set) -> bool:
         return load_expert_tensor(self, name, handle, loaded)

@@ -8,9 +8,16 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kvserve.layers.linear import Linear, MergedLinear, default_weight_loader
+from kvserve.distributed.parallel_state import get_tp_rank, get_tp_size
+from kvserve.layers.linear import (
+    MergedColumnParallelLinear,
+    QKVParallelLinear,
+    RowParallelLinear,
+    kv_head_layout,
+)
 from kvserve.layers.norm import RMSNorm
 from kvserve.layers.rotary import RotaryEmbedding
+from kvserve.layers.vocab_parallel import ParallelLMHead, VocabParallelEmbedding, gather_logits
 from kvserve.model.forward_batch import ForwardBatch
 
 
@@ -23,13 +30,14 @@ class LlamaAttention(nn.Module):
                  o_bias: bool, qk_norm: bool) -> None:
         super().__init__()
         self.layer_idx = layer_idx
-        self.num_heads = config.num_attention_heads
-        self.num_kv_heads = getattr(config, "num_key_value_heads", None) or self.num_heads
-        self.head_dim = head_dim_of(config)
-        h, hk, d = self.num_heads, self.num_kv_heads, self.head_dim
-        self.qkv_proj = MergedLinear(config.hidden_size, (h * d, hk * d, hk * d),
-                                     ("q", "k", "v"), bias=qkv_bias)
-        self.o_proj = Linear(h * d, config.hidden_size, bias=o_bias)
+        total_heads = config.num_attention_heads
+        total_kv = getattr(config, "num_key_value_heads", None) or total_heads
+        self.head_dim = d = head_dim_of(config)
+        # Tensor parallel: this rank's query heads and KV heads (see QKVParallelLinear).
+        self.qkv_proj = QKVParallelLinear(config.hidden_size, total_heads, total_kv, d,
+                                          bias=qkv_bias)
+        self.num_heads, self.num_kv_heads = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads
+        self.o_proj = RowParallelLinear(total_heads * d, config.hidden_size, bias=o_bias)
         self.q_norm = RMSNorm(d, config.rms_norm_eps) if qk_norm else None
         self.k_norm = RMSNorm(d, config.rms_norm_eps) if qk_norm else None
         self.rotary = rotary
@@ -51,10 +59,10 @@ class LlamaAttention(nn.Module):
 class LlamaMLP(nn.Module):
     def __init__(self, hidden: int, intermediate: int, bias: bool = False) -> None:
         super().__init__()
-        self.intermediate = intermediate
-        self.gate_up_proj = MergedLinear(hidden, (intermediate, intermediate), ("gate", "up"),
-                                         bias=bias)
-        self.down_proj = Linear(intermediate, hidden, bias=bias)
+        self.intermediate = intermediate // get_tp_size()  # this rank's columns
+        self.gate_up_proj = MergedColumnParallelLinear(hidden, (intermediate, intermediate),
+                                                       ("gate", "up"), bias=bias)
+        self.down_proj = RowParallelLinear(intermediate, hidden, bias=bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).split(self.intermediate, dim=-1)
@@ -81,9 +89,7 @@ class LlamaDecoderLayer(nn.Module):
 class LlamaModel(nn.Module):
     def __init__(self, config, layer_cls=LlamaDecoderLayer, **attn_kw) -> None:
         super().__init__()
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.embed_tokens.weight.requires_grad_(False)
-        self.embed_tokens.weight.weight_loader = default_weight_loader  # type: ignore[attr-defined]
+        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
         d = head_dim_of(config)
         rotary_dim = int(d * getattr(config, "partial_rotary_factor", 1.0))
         with torch.device("cpu"):
@@ -123,7 +129,7 @@ class LlamaForCausalLM(nn.Module):
             qk_norm=self.qk_norm,
         )
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
-        self.lm_head = Linear(config.hidden_size, config.vocab_size)
+        self.lm_head = ParallelLMHead(config.hidden_size, config.vocab_size)
 
     def tie_weights(self) -> None:
         if self.tie_word_embeddings:
@@ -132,8 +138,9 @@ class LlamaForCausalLM(nn.Module):
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
         return self.model(batch)
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden).float()
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        """[N, V] fp32 logits; under TP only rank 0 gets them (None elsewhere)."""
+        return gather_logits(self.lm_head(hidden).float(), self.config.vocab_size)
 
 
 class MistralForCausalLM(LlamaForCausalLM):
@@ -152,10 +159,13 @@ def _kv_spec(self) -> dict:
     """What the KV cache and attention backend need to know about this model."""
     c = self.config
     h = c.num_attention_heads
+    tp = get_tp_size()
+    hk, _ = kv_head_layout(getattr(c, "num_key_value_heads", None) or h, tp, get_tp_rank())
     return {
         "num_layers": c.num_hidden_layers,
-        "num_heads": h,
-        "num_kv_heads": getattr(c, "num_key_value_heads", None) or h,
+        # this rank's heads (tensor parallel): its attention and its slice of the KV cache
+        "num_heads": h // tp,
+        "num_kv_heads": hk,
         "head_dim": head_dim_of(c),
         "components": 2,
         "scale": head_dim_of(c) ** -0.5,

@@ -18,8 +18,10 @@ import torch
 from safetensors import safe_open
 from tqdm.auto import tqdm
 
+from kvserve.distributed.parallel_state import get_tp_size
 from kvserve.layers.linear import Int4MergedLinear, Linear, MergedLinear
 from kvserve.layers.moe import FusedMoE, Int4FusedMoE
+from kvserve.layers.vocab_parallel import ParallelLMHead
 from kvserve.model import gguf, registry
 from kvserve.model.gguf import GGUFCheckpoint
 from kvserve.model.quant_config import QuantConfig, parse_quant_config
@@ -176,7 +178,7 @@ def load_model(path: str, dtype: str | torch.dtype = "auto", device: str = "cpu"
                                 "for it (e.g. an MoE router gate)")
                         logger.warning("ignoring checkpoint tensor %s (no such parameter)", name)
                         continue
-                    load_one(name, f.get_tensor(name))
+                    load_one(name, _read_rank_slice(f, name, model, pname, shard))
                     bar.update(1)
     missing = [hf for key, hf in expected.items() if key not in loaded]
     if missing:
@@ -197,6 +199,21 @@ def load_model(path: str, dtype: str | torch.dtype = "auto", device: str = "cpu"
     files = (ggml.path,) if ggml is not None else tuple(safetensors_files(folder))
     return LoadedModel(model, hf_config, arch, dtype, _scales_tensor(kv_scales, hf_config),
                        folder, files)
+
+
+def _read_rank_slice(handle, name: str, model: torch.nn.Module, pname: str,
+                     shard: str | None) -> torch.Tensor:
+    """Tensor parallel: a dense column / row parallel weight (or bias) is read as this rank's
+    slice only (safetensors ``get_slice``: the other ranks' rows are never read); everything
+    else (tp = 1, replicated, vocabulary tables, INT4 parts) is read whole."""
+    if get_tp_size() > 1:
+        mod_name, _, attr = pname.rpartition(".")
+        module = model.get_submodule(mod_name) if mod_name else model
+        if isinstance(module, (Linear, MergedLinear)) and not isinstance(module, ParallelLMHead):
+            sl = module.tp_plan.get(shard)
+            if sl is not None:
+                return sl.read(handle, name, is_bias=attr == "bias")
+    return handle.get_tensor(name)
 
 
 def weight_bytes(model: torch.nn.Module) -> tuple[int, int]:
@@ -279,19 +296,22 @@ def keep_q8_tables(model: torch.nn.Module, ckpt: GGUFCheckpoint, name_map: dict[
             assert torch.equal(dequantize_q8(q, d), dense), hf_name  # exact, as documented
         return Q8Embedding(q, d, dense.dtype)
 
+    from kvserve.distributed.parallel_state import get_tp_size
+
     n = 0
     embed = getattr(getattr(model, "model", None), "embed_tokens", None)
     head = getattr(model, "lm_head", None)
-    if not isinstance(embed, torch.nn.Embedding) or not isinstance(head, Linear):
-        return 0  # e.g. vocab-parallel layers: left as loaded
-    tied = head.weight is embed.weight
-    emb = table("model.embed_tokens.weight", embed.weight.detach())
+    weight = getattr(embed, "weight", None)
+    if get_tp_size() > 1 or not isinstance(weight, torch.Tensor) or weight.dim() != 2:
+        return 0  # vocabulary-parallel shards (tp > 1): left as loaded
+    tied = isinstance(head, Linear) and head.weight is weight
+    emb = table("model.embed_tokens.weight", weight.detach())
     if emb is not None:
         model.model.embed_tokens = emb
         n += 1
         if tied:
             model.lm_head = Q8LMHead(emb)
-    if not tied:
+    if not tied and isinstance(head, Linear):  # an INT4 head stays as it is
         out = table("lm_head.weight", head.weight.detach())
         if out is not None and head.bias is None:
             model.lm_head = Q8LMHead(out)

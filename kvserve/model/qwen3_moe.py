@@ -10,7 +10,6 @@ from __future__ import annotations
 
 from torch import nn
 
-from kvserve.layers.linear import Linear
 from kvserve.layers.moe import (
     FusedMoE,
     SparseMoeBlock,
@@ -18,6 +17,7 @@ from kvserve.layers.moe import (
     check_activation,
     load_expert_tensor,
 )
+from kvserve.layers.vocab_parallel import ParallelLMHead
 from kvserve.model.llama import LlamaDecoderLayer, LlamaMLP, LlamaModel, Qwen3ForCausalLM
 
 
@@ -46,7 +46,7 @@ class Qwen3MoeForCausalLM(Qwen3ForCausalLM):
         self.model = LlamaModel(config, layer_cls=Qwen3MoeDecoderLayer, qkv_bias=bias,
                                 o_bias=bias, qk_norm=True)
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
-        self.lm_head = Linear(config.hidden_size, config.vocab_size)
+        self.lm_head = ParallelLMHead(config.hidden_size, config.vocab_size)
 
     def load_extra(self, name: str, handle, loaded: set) -> bool:
         return load_expert_tensor(self, name, handle, loaded)

@@ -155,9 +155,18 @@ def test_gguf_weights_stay_packed(gguf_factory, make_llm):
 
     llm = make_llm(gguf_factory("llama"), dtype="float32")
     held, bf16 = weight_bytes(llm.engine.model)
-    dense = sum(p.numel() * 4 for p in llm.engine.model.parameters())  # fp32 params only
+    dense = sum(p.numel() * 4 for p in llm.engine.model.parameters()
+                if p.dtype == torch.float32)  # the fp32 (norm) parameters
     assert held < bf16  # 4-bit linears: below even the bf16 size of the same weights
     assert held > dense  # the packed layers are counted, not just the dense parameters
+    from kvserve.layers.q8_embedding import Q8Embedding, Q8LMHead
+
+    m = llm.engine.model  # the Q8_0 token embedding stays 8-bit; the untied head is Q4_0
+    assert isinstance(m.model.embed_tokens, Q8Embedding)
+    assert type(m.lm_head).__name__ == "Int4MergedLinear"
+    tied = make_llm(gguf_factory("llama", tie_word_embeddings=True, num_key_value_heads=1))
+    assert isinstance(tied.engine.model.lm_head, Q8LMHead)
+    assert tied.engine.model.lm_head.table is tied.engine.model.model.embed_tokens
 
 
 def test_gguf_bad_inputs(tmp_path, gguf_factory):

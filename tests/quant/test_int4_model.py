@@ -123,7 +123,7 @@ def test_compressed_tensors_matches_dense_twin(bf16_tiny, tmp_path, make_llm, sy
         assert isinstance(mods[name], Int4MergedLinear), name
         assert isinstance(mods[name].int4, Int4Linear), name
     assert mods["model.layers.0.self_attn.qkv_proj"].int4.out_features == 128 + 64 + 64
-    assert type(mods["lm_head"]) is Linear
+    assert isinstance(mods["lm_head"], Linear)  # ParallelLMHead (a Linear), dense
     # placeholders are gone once packed
     params = dict(a.engine.model.named_parameters())
     assert not any(n.endswith(("weight_packed", "weight_scale")) for n in params)
@@ -371,7 +371,7 @@ def test_ignore_regex_keeps_module_dense(bf16_tiny, tmp_path, make_llm):
     _edit_config(qdir, lambda c: c["quantization_config"]["ignore"].append("re:.*down_proj$"))
     llm = make_llm(qdir, dtype="float32", kv_cache_dtype="fp32")
     mods = _modules(llm)
-    assert type(mods["model.layers.1.mlp.down_proj"]) is Linear
+    assert isinstance(mods["model.layers.1.mlp.down_proj"], Linear)
     assert isinstance(mods["model.layers.1.mlp.gate_up_proj"], Int4MergedLinear)
     assert torch.isfinite(llm.engine.prompt_logits(SHORT)).all()
 

@@ -173,7 +173,7 @@ def test_quantized_moe_matches_dense_twin(moe_bf16, tmp_path, make_llm, name):
         assert isinstance(mods["model.layers.1.mlp.shared_experts.gate_up_proj"],
                           Int4MergedLinear)
     if name == "deepseek_v3":  # MLA's latent projections are not quantizer targets
-        assert type(mods["model.layers.1.self_attn.kv_b_proj"]) is Linear
+        assert isinstance(mods["model.layers.1.self_attn.kv_b_proj"], Linear)
         assert isinstance(mods["model.layers.1.self_attn.o_proj"], Int4MergedLinear)
     params = dict(a.engine.model.named_parameters())
     assert not any(n.endswith(("weight_packed", "weight_scale")) for n in params)
@@ -238,8 +238,8 @@ def test_experts_only_kimi_style(moe_bf16, tmp_path, make_llm):
     a = _exact(make_llm(qdir, dtype="float32", kv_cache_dtype="fp32"))
     mods = _mods(a)
     assert isinstance(mods["model.layers.1.mlp.experts"], Int4FusedMoE)
-    assert type(mods["model.layers.1.mlp.shared_experts.gate_up_proj"]) is MergedLinear
-    assert type(mods["model.layers.1.self_attn.o_proj"]) is Linear
+    assert isinstance(mods["model.layers.1.mlp.shared_experts.gate_up_proj"], MergedLinear)
+    assert isinstance(mods["model.layers.1.self_attn.o_proj"], Linear)
     ref = make_llm(twin, dtype="float32", kv_cache_dtype="fp32").engine.prompt_logits(LONG)
     torch.testing.assert_close(a.engine.prompt_logits(LONG), ref, atol=1e-4, rtol=0)
 
@@ -294,8 +294,8 @@ def test_hand_built_compressed_tensors_asymmetric_group32(moe_bf16, tmp_path, ma
     gu = mods["model.layers.2.mlp.experts.3.gate_up_proj"]
     assert isinstance(gu, Int4MergedLinear) and gu.scheme.describe() == (
         "int4 pack-quantized group 32 asym")
-    assert type(mods["model.layers.2.self_attn.qkv_proj"]) is MergedLinear
-    assert type(mods["model.layers.1.mlp.gate_up_proj"]) is MergedLinear  # dense MLP layer
+    assert isinstance(mods["model.layers.2.self_attn.qkv_proj"], MergedLinear)
+    assert isinstance(mods["model.layers.1.mlp.gate_up_proj"], MergedLinear)  # dense MLP layer
     _compare_routed(a, b, SHORT, rel=0.04, max_flips=0)
     _exact(a)
     _compare_routed(a, b, LONG, atol=2e-2)
@@ -344,8 +344,8 @@ def test_gptq_experts(moe_bf16, tmp_path, make_llm, name, sym, fmt, act_order):
     assert isinstance(gu, Int4MergedLinear) and isinstance(gu.int4, Int4Linear)
     assert (gu.int4.perm is not None) == act_order
     if name == "deepseek_v3":
-        assert type(mods["model.layers.0.self_attn.kv_b_proj"]) is Linear
-        assert type(mods["model.layers.0.self_attn.q_b_proj"]) is Linear
+        assert isinstance(mods["model.layers.0.self_attn.kv_b_proj"], Linear)
+        assert isinstance(mods["model.layers.0.self_attn.q_b_proj"], Linear)
         assert isinstance(mods["model.layers.0.self_attn.q_a_proj"], Int4MergedLinear)
     _exact(a)
     if sym:  # exact: no routing can differ
@@ -440,8 +440,8 @@ def test_ignored_expert_stays_dense_inside_an_int4_layer(moe_bf16, quantized_qwe
     twin = _twin(src, str(tmp_path / "twin"), _ct_dequantized(qdir, quantized, 32))
     a = _exact(make_llm(qdir, dtype="float32", kv_cache_dtype="fp32"))
     mods = _mods(a)
-    assert type(mods[f"{e3}.gate_up_proj"]) is MergedLinear
-    assert type(mods[f"{e3}.down_proj"]) is Linear
+    assert isinstance(mods[f"{e3}.gate_up_proj"], MergedLinear)
+    assert isinstance(mods[f"{e3}.down_proj"], Linear)
     assert isinstance(mods["model.layers.2.mlp.experts.4.gate_up_proj"], Int4MergedLinear)
     b = make_llm(twin, dtype="float32", kv_cache_dtype="fp32")
     torch.testing.assert_close(a.engine.prompt_logits(LONG), b.engine.prompt_logits(LONG),

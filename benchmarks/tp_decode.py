@@ -1,0 +1,78 @@
+"""Tensor parallel (tp=2, one thread per rank) vs one process (one thread): decode tok/s and
+per-rank weight memory through ``LLM``, JSON out.
+
+    PYTHONPATH=. python benchmarks/tp_decode.py --model demo --json docs/bench/tp_decode.json
+
+Per (tp, batch): B prompts of 8 tokens are prefilled, one decode step warms up, then
+``--repeats`` windows of ``--steps`` decode steps are timed through ``LLMEngine.step``;
+tok/s = B x steps / seconds, median window reported. The engines are built one after the other
+(tp=2 spawns its worker), each with ``torch.set_num_threads(1)`` per rank. The host load
+average is recorded: on a shared machine, compare runs only at similar load.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import time
+
+
+def _bench(model: str, tp: int, batches: list[int], steps: int, repeats: int) -> dict:
+    import torch
+
+    from kvserve import LLM, SamplingParams
+    from kvserve.model.loader import weight_bytes
+
+    torch.set_num_threads(1)
+    llm = LLM(model, tensor_parallel_size=tp, kv_cache_memory="256MiB", progress=False,
+              max_num_seqs=max(batches))
+    eng = llm.engine
+    held, _ = weight_bytes(eng.model)
+    out: dict = {"tp": tp, "rank0_weight_bytes": held, "batches": {}}
+    try:
+        for b in batches:
+            sp = SamplingParams(max_tokens=steps * repeats + 2, ignore_eos=True)
+            for i in range(b):
+                eng.add_request(f"{b}-{i}", {"prompt_token_ids": [5 + (i + j) % 200
+                                                                   for j in range(8)]}, sp)
+            eng.step()  # prefill
+            eng.step()  # warm-up decode
+            windows = []
+            for _ in range(repeats):
+                t0 = time.perf_counter()
+                for _ in range(steps):
+                    eng.step()
+                windows.append(b * steps / (time.perf_counter() - t0))
+            eng.abort_request([f"{b}-{i}" for i in range(b)])
+            out["batches"][str(b)] = {"tok_s_median": statistics.median(windows),
+                                      "windows": windows}
+            print(f"tp={tp} batch={b}: {statistics.median(windows):.1f} tok/s", flush=True)
+    finally:
+        eng.shutdown()
+    return out
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--model", default="demo")
+    p.add_argument("--batches", default="1,16,64")
+    p.add_argument("--steps", type=int, default=8)
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--json", default=None)
+    a = p.parse_args()
+    batches = [int(x) for x in a.batches.split(",")]
+    load0 = os.getloadavg()
+    runs = [_bench(a.model, tp, batches, a.steps, a.repeats) for tp in (1, 2)]
+    res = {"model": a.model, "cpus": os.cpu_count(), "threads_per_rank": 1,
+           "loadavg_before": load0, "loadavg_after": os.getloadavg(), "runs": runs}
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump(res, f, indent=2)
+    print(json.dumps({r["tp"]: {b: round(v["tok_s_median"], 1) for b, v in r["batches"].items()}
+                      for r in runs}))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,1 @@
+"""Tensor / expert parallelism on ``torch.distributed`` (see docs/parallelism.md)."""

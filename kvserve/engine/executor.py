@@ -1,0 +1,332 @@
+"""Executors: how the engine's step reaches the ranks that hold the model.
+
+``UniProcExecutor`` is the single-process engine: one ``Worker`` (the whole model and KV
+cache) in the engine's process, called directly.
+
+``MultiprocExecutor`` is driver-worker tensor parallelism (vLLM's and nano-vllm's shape): the
+engine's process is rank 0, the driver. It alone owns the scheduler, block pool, prefix cache
+and integrity bookkeeping; it spawns ranks 1..tp-1, each a ``Worker`` holding its weight shards
+and its KV heads. Per step the driver broadcasts a ``StepInput`` over the gloo CPU group as
+one flat int64 tensor (``StepInput.to_tensor``: no pickle ever crosses ranks, unlike
+``broadcast_object_list``), every rank runs the forward (activations reduced over the device
+group), and the LM head gathers the logits to rank 0.
+
+Sampling happens once, on rank 0, after that gather. Why not on every rank with identical
+seeds (vLLM V1, SGLang)? Ranks could then disagree on a token if any reduction or sampling
+kernel were not bitwise identical across ranks, and a disagreement is a hang or silent garbage;
+sampling once removes the RNG coupling and costs one [N, V] gather, which rank 0 needs anyway
+for logprobs. Workers never need the sampled tokens: the next ``StepInput`` carries them.
+
+Control messages (all rank 0 -> every rank, on the gloo CPU group):
+
+    header int64[2] = (kind, payload length), then payload int64[length]
+    (the header on a group without a timeout: workers wait for it however long the engine
+    idles; everything after it is bounded by the collective timeout)
+    STEP     StepInput.to_tensor()
+    SEAL     n, block ids[n], generations[n], token hashes[n, 2] (16 bytes as two int64)
+    VERIFY   n, block ids[n], generations[n]   then all_reduce(MAX) of the bad mask [n]
+    INJECT   target rank, block, layer, kind code, index, bit, other_index
+    DUMP_KV  (tests) gather of every rank's KV bytes to rank 0
+    SHUTDOWN
+"""
+
+from __future__ import annotations
+
+import logging
+import multiprocessing as mp
+import os
+import shutil
+import tempfile
+import weakref
+from typing import Protocol
+
+import numpy as np
+import torch
+
+from kvserve.distributed import parallel_state as ps
+from kvserve.engine.arg_utils import EngineArgs
+from kvserve.engine.model_runner import StepInput
+from kvserve.engine.worker import Worker
+
+logger = logging.getLogger("kvserve")
+
+STEP, SEAL, VERIFY, INJECT, DUMP_KV, SHUTDOWN = range(1, 7)
+_FAULT_KINDS = ("bitflip", "scale", "swap")
+
+
+class Executor(Protocol):
+    driver: Worker  # rank 0's worker (the whole model at tp=1)
+
+    def execute(self, step: StepInput) -> list[torch.Tensor | None]: ...
+    def check_health(self) -> None: ...
+    def shutdown(self) -> None: ...
+
+
+class UniProcExecutor:
+    """Today's single-process path: the driver worker is the model."""
+
+    def __init__(self, args: EngineArgs) -> None:
+        self.driver = Worker(args)
+
+    def execute(self, step: StepInput) -> list[torch.Tensor | None]:
+        return self.driver.execute(step)
+
+    def check_health(self) -> None:
+        pass
+
+    def shutdown(self) -> None:
+        pass
+
+
+def make_executor(args: EngineArgs) -> UniProcExecutor | MultiprocExecutor:
+    if args.tensor_parallel_size == 1:
+        return UniProcExecutor(args)
+    return MultiprocExecutor(args)
+
+
+# ---- messages -----------------------------------------------------------------------------
+def _send(kind: int, payload: torch.Tensor | None = None) -> None:
+    n = 0 if payload is None else payload.numel()
+    ps.cpu_broadcast(torch.tensor([kind, n], dtype=torch.int64), idle=True)
+    if n:
+        ps.cpu_broadcast(payload.to(torch.int64).contiguous())
+
+
+def _recv() -> tuple[int, torch.Tensor]:
+    head = ps.cpu_broadcast(torch.zeros(2, dtype=torch.int64), idle=True)
+    kind, n = int(head[0]), int(head[1])
+    payload = ps.cpu_broadcast(torch.empty(n, dtype=torch.int64)) if n else torch.empty(0)
+    return kind, payload
+
+
+def _hashes_to_tensor(hashes: list[bytes]) -> torch.Tensor:
+    assert all(len(h) == 16 for h in hashes)
+    return torch.from_numpy(np.frombuffer(b"".join(hashes), dtype=np.int64).copy())
+
+
+def _tensor_to_hashes(t: torch.Tensor) -> list[bytes]:
+    raw = t.numpy().astype(np.int64).tobytes()
+    return [raw[i : i + 16] for i in range(0, len(raw), 16)]
+
+
+def _kv_bytes(worker: Worker) -> torch.Tensor:
+    kv = worker.kv_cache
+    parts = [kv.data.reshape(-1).view(torch.uint8)]
+    if kv.scales is not None:
+        parts.append(kv.scales.reshape(-1).view(torch.uint8))
+    return torch.cat(parts).cpu()
+
+
+class MultiprocExecutor:
+    """Rank 0 of a tensor-parallel world (see the module docstring)."""
+
+    def __init__(self, args: EngineArgs) -> None:
+        from kvserve.model.parallel_check import validate_parallel
+
+        tp = args.tensor_parallel_size
+        # Clear errors before any process starts (heads, intermediate size, INT4 groups).
+        validate_parallel(args.model, tp, args.enable_expert_parallel)
+        if ps.state() is not None:
+            raise ValueError("tensor_parallel_size: another tensor-parallel engine is alive in "
+                             "this process; call its engine.shutdown() first (one per process)")
+        self.world_size = tp
+        self._res = _Resources()
+        init = args.distributed_init_method
+        if init is None:
+            self._res.tmp = tempfile.mkdtemp(prefix="kvserve-tp-")
+            init = f"file://{os.path.join(self._res.tmp, 'rendezvous')}"
+        _, local = local_ranks(args)  # other nodes (or torchrun) start their own ranks
+        ctx = mp.get_context("spawn")
+        threads = torch.get_num_threads()
+        for r in local:
+            p = ctx.Process(target=worker_main, args=(args, r, tp, init, threads),
+                            name=f"kvserve-tp{r}", daemon=True)
+            p.start()
+            self._res.procs.append(p)
+        self.procs = self._res.procs
+        # Shut the workers down when this executor is collected or the process exits.
+        self._finalizer = weakref.finalize(self, self._res.close)
+        try:
+            ps.init_distributed(init, 0, tp, device=args.device,
+                                timeout_s=args.distributed_timeout_s,
+                                enable_expert_parallel=args.enable_expert_parallel)
+            self.driver = Worker(args, 0, tp)
+        except BaseException:
+            self.shutdown()
+            raise
+        logger.info("tensor parallel: %d ranks (driver = rank 0), rendezvous %s", tp, init)
+
+    # ---- liveness ----------------------------------------------------------------------------
+    def check_health(self) -> None:
+        """Raise ``DistributedError`` if a local worker process has exited."""
+        if self._res.closed:
+            raise ps.DistributedError("the tensor-parallel executor was shut down")
+        for i, p in enumerate(self.procs, start=1):
+            if p.exitcode is not None:
+                raise ps.DistributedError(
+                    f"tensor-parallel worker rank {i} (pid {p.pid}) exited with code "
+                    f"{p.exitcode}; the engine cannot continue")
+
+    def _send(self, kind: int, payload: torch.Tensor | None = None) -> None:
+        self.check_health()
+        _send(kind, payload)
+
+    # ---- the step ----------------------------------------------------------------------------
+    def execute(self, step: StepInput) -> list[torch.Tensor | None]:
+        self._send(STEP, step.to_tensor())
+        return self.driver.execute(step)
+
+    # ---- integrity across ranks (kvserve.cache.integrity.IntegrityPeers) ----------------------
+    def seal(self, block_ids: list[int], generations: list[int],
+             token_hashes: list[bytes]) -> None:
+        n = len(block_ids)
+        self._send(SEAL, torch.cat([torch.tensor([n, *block_ids, *generations]),
+                                    _hashes_to_tensor(token_hashes)]))
+
+    def verify(self, block_ids: list[int], generations: list[int],
+               local_bad: list[bool]) -> list[bool]:
+        """Every rank checks its own slice of the blocks; a block is bad if it is bad on any
+        rank (all_reduce MAX), and every rank learns the same verdict."""
+        n = len(block_ids)
+        self._send(VERIFY, torch.tensor([n, *block_ids, *generations]))
+        mask = ps.cpu_all_reduce_max(torch.tensor(local_bad, dtype=torch.int64))
+        return [bool(x) for x in mask.tolist()]
+
+    def inject(self, rank: int, block_id: int, layer: int, kind: str, index: int = 0,
+               bit: int = 0, other_index: int = 1) -> None:
+        """Corrupt a block on another rank only (drills, tests)."""
+        if not 0 < rank < self.world_size:
+            raise ValueError(f"rank must be in [1, {self.world_size}), got {rank}")
+        if kind not in _FAULT_KINDS:
+            raise ValueError(f"kind must be one of {_FAULT_KINDS} on a worker rank, got {kind!r}")
+        self._send(INJECT, torch.tensor([rank, block_id, layer, _FAULT_KINDS.index(kind),
+                                         index, bit, other_index]))
+
+    def gather_kv(self) -> list[torch.Tensor]:
+        """Every rank's KV bytes (data, then FP8 scales) as flat uint8 on rank 0 (tests)."""
+        self._send(DUMP_KV)
+        parts = ps.cpu_gather(_kv_bytes(self.driver))
+        assert parts is not None
+        return parts
+
+    def shutdown(self) -> None:
+        self._finalizer()
+
+
+class _Resources:
+    """What a MultiprocExecutor must release (kept apart so a finalizer can hold it without
+    keeping the executor alive)."""
+
+    def __init__(self) -> None:
+        self.procs: list[mp.process.BaseProcess] = []
+        self.tmp: str | None = None
+        self.closed = False
+
+    def close(self) -> None:
+        if self.closed:
+            return
+        self.closed = True
+        try:
+            if ps.state() is not None and all(p.exitcode is None for p in self.procs):
+                _send(SHUTDOWN)
+        except ps.DistributedError:
+            pass
+        for p in self.procs:
+            p.join(timeout=30)
+            if p.exitcode is None:
+                p.terminate()
+                p.join(timeout=5)
+        ps.destroy_distributed()
+        if self.tmp is not None:
+            shutil.rmtree(self.tmp, ignore_errors=True)
+
+
+def local_ranks(args: EngineArgs) -> tuple[bool, list[int]]:
+    """(whether this process is the driver, rank 0; the worker ranks it must start here).
+
+    ``env://`` (torchrun, srun): the launcher started one process per rank and set RANK;
+    rank 0 drives, every other process is one worker. Otherwise node ``node_rank`` of
+    ``nnodes`` hosts ranks [node_rank * tp / nnodes, (node_rank + 1) * tp / nnodes); node 0's
+    first rank is the driver, which spawns the rest of its node."""
+    tp = args.tensor_parallel_size
+    if args.distributed_init_method == "env://":
+        rank, world = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
+        if world != tp:
+            raise ValueError(f"tensor_parallel_size {tp} must equal the launcher's WORLD_SIZE "
+                             f"{world} (env://)")
+        return rank == 0, [] if rank == 0 else [rank]
+    per_node = tp // args.nnodes
+    ranks = list(range(args.node_rank * per_node, (args.node_rank + 1) * per_node))
+    return (True, ranks[1:]) if args.node_rank == 0 else (False, ranks)
+
+
+def run_headless(args: EngineArgs, ranks: list[int]) -> int:
+    """Run worker ranks on a node that is not the driver's; exit status 0 only if all of
+    them ended cleanly (the driver's SHUTDOWN), non-zero if any died or timed out."""
+    tp, init = args.tensor_parallel_size, args.distributed_init_method
+    assert init is not None
+    threads = torch.get_num_threads()
+    if args.distributed_init_method == "env://":  # this process is the rank
+        try:
+            worker_main(args, ranks[0], tp, init, threads)
+        except Exception as e:  # noqa: BLE001 - reported, then a non-zero exit
+            logger.error("worker rank %d failed: %s", ranks[0], e)
+            return 1
+        return 0
+    ctx = mp.get_context("spawn")
+    procs = [ctx.Process(target=worker_main, args=(args, r, tp, init, threads),
+                         name=f"kvserve-tp{r}") for r in ranks]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join()
+    bad = [(r, p.exitcode) for r, p in zip(ranks, procs, strict=True) if p.exitcode != 0]
+    for r, code in bad:
+        logger.error("worker rank %d exited with code %s", r, code)
+    return 1 if bad else 0
+
+
+def worker_main(args: EngineArgs, rank: int, world_size: int, init_method: str,
+                threads: int = 1) -> None:
+    """A worker rank: load this rank's shards, then serve the driver's messages until
+    SHUTDOWN. Any failure (a dead driver, a timed-out collective) exits non-zero."""
+    from kvserve.cache.integrity import SliceSeals, inject_fault
+
+    torch.set_num_threads(threads)
+    torch.manual_seed(args.seed)
+    logging.basicConfig(level=logging.WARNING)
+    ps.init_distributed(init_method, rank, world_size, device=args.device,
+                        timeout_s=args.distributed_timeout_s,
+                        enable_expert_parallel=args.enable_expert_parallel)
+    try:
+        worker = Worker(args, rank, world_size)
+        worker.init_runner()
+        seals = SliceSeals(worker.kv_cache, worker.fingerprint)
+        with torch.inference_mode():
+            while True:
+                kind, x = _recv()
+                if kind == STEP:
+                    worker.execute(StepInput.from_tensor(x))
+                elif kind == SEAL:
+                    n = int(x[0])
+                    ids, gens = x[1 : 1 + n].tolist(), x[1 + n : 1 + 2 * n].tolist()
+                    seals.seal(ids, gens, _tensor_to_hashes(x[1 + 2 * n :]))
+                elif kind == VERIFY:
+                    n = int(x[0])
+                    ids, gens = x[1 : 1 + n].tolist(), x[1 + n : 1 + 2 * n].tolist()
+                    mask = torch.tensor(seals.verify(ids, gens), dtype=torch.int64)
+                    agreed = ps.cpu_all_reduce_max(mask)
+                    seals.drop([b for b, bad in zip(ids, agreed.tolist(), strict=True) if bad])
+                elif kind == INJECT:
+                    target, block, layer, k, index, bit, other = x.tolist()
+                    if target == rank:
+                        inject_fault(worker.kv_cache, block, layer, _FAULT_KINDS[k],
+                                     index=index, bit=bit, other_index=other)
+                elif kind == DUMP_KV:
+                    ps.cpu_gather(_kv_bytes(worker))
+                elif kind == SHUTDOWN:
+                    break
+                else:
+                    raise ps.DistributedError(f"rank {rank}: unknown message kind {kind}")
+    finally:
+        ps.destroy_distributed()

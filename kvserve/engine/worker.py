@@ -1,0 +1,218 @@
+"""One rank of the engine: its model shard, its slice of the KV cache, its runner.
+
+Every rank derives the same cache geometry from the same ``EngineArgs`` (the KV block count is
+then the minimum over ranks, agreed with an all-reduce), so block ids mean the same thing
+everywhere while each rank stores only its own KV heads:
+
+    rank r's cache  data [L, NB + 1, C, bs, H_r, D]     H_r = this rank's KV heads
+
+``kv_cache_memory`` is a per-rank budget. Rank 0's ``Worker`` lives inside the engine (the
+driver); ranks 1.. run ``worker_main`` (kvserve.engine.executor), a loop over the driver's
+messages.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+from dataclasses import dataclass
+
+import torch
+
+from kvserve.attention import get_backend
+from kvserve.cache.kv_cache import PagedKVCache, bytes_per_block
+from kvserve.config import dtype_name, resolve_kv_mode
+from kvserve.distributed import parallel_state as ps
+from kvserve.engine.arg_utils import EngineArgs
+from kvserve.engine.cuda_graphs import CudaGraphRunner, clear_scratch_block
+from kvserve.engine.model_runner import ModelRunner, StepInput
+from kvserve.model.default_model import resolve_model
+from kvserve.model.loader import LoadedModel, checkpoint_dtype, load_model
+
+logger = logging.getLogger("kvserve")
+
+# Without kv_cache_memory: kv_cache_memory_fraction of available RAM, capped here (like
+# vLLM-CPU's 4 GiB default KV space) so a small model does not zero-fill half the machine.
+DEFAULT_MAX_KV_BYTES = 4 * 2**30
+
+
+@dataclass(frozen=True, slots=True)
+class KVLayout:
+    """The KV cache every rank allocates (same block count; heads are per rank)."""
+
+    num_blocks: int
+    block_size: int
+    dtype: torch.dtype
+    max_model_len: int
+    budget_note: str
+    mode_name: str = ""  # canonical KV mode (int8, int8_plain, fp8_e4m3_rot, bf16, ...)
+    rotation_seed: int | None = None  # rotated modes: the Hadamard rotation's seed
+
+
+class Worker:
+    def __init__(self, args: EngineArgs, rank: int = 0, world_size: int = 1) -> None:
+        self.args, self.rank, self.world_size = args, rank, world_size
+        self.path = resolve_model(args.model)
+        self.loaded: LoadedModel = load_model(self.path, args.dtype, args.device,
+                                              progress=args.progress and rank == 0)
+        self.model = self.loaded.model
+        self.spec = self.model.kv_spec()  # this rank's heads
+        self.layout = self._layout()
+        spec, lay = self.spec, self.layout
+        static = self.loaded.kv_scales
+        if static is not None:
+            static = static.unsqueeze(-1).expand(-1, -1, spec["num_kv_heads"])
+        self.kv_cache = PagedKVCache(
+            spec["num_layers"], lay.num_blocks, lay.block_size, spec["num_kv_heads"],
+            spec["head_dim"], spec["components"], lay.dtype, args.device, static_scales=static,
+            rotation_seed=lay.rotation_seed,
+        )
+        self.fingerprint = self._fingerprint()
+
+    def init_runner(self) -> ModelRunner:
+        """The attention backend and runner. Separate from ``__init__`` so that the driver's
+        integrity checker can ask for write-side checksums before the backend is built."""
+        spec, args = self.spec, self.args
+        backend = get_backend(args.attention_backend, self.kv_cache, spec["num_heads"],
+                              spec["num_kv_heads"], spec["head_dim"], spec["scale"],
+                              self.layout.max_model_len)
+        self.runner = ModelRunner(self.model, backend, self.layout.block_size,
+                                  spec["components"], args.device,
+                                  graphs=self._cuda_graphs(backend))
+        return self.runner
+
+    def execute(self, step: StepInput) -> list[torch.Tensor | None]:
+        return self.runner.run(step)
+
+    # ---- geometry ----------------------------------------------------------------------------
+    def _layout(self) -> KVLayout:
+        args, spec = self.args, self.spec
+        cache_cfg, sched_cfg = args.cache_config(), args.scheduler_config()
+        # "auto" KV = the checkpoint's dtype: a bf16 checkpoint computed in fp32 on an AVX2 CPU
+        # still caches bf16 (half the bytes; attention reads it with the C kernel).
+        ckpt = checkpoint_dtype(self.loaded.hf_config)
+        auto_kv = ckpt if ckpt in (torch.bfloat16, torch.float16) else self.loaded.dtype
+        kv_mode = resolve_kv_mode(cache_cfg.kv_cache_dtype, auto_kv)
+        kv_dtype = kv_mode.dtype
+        rot_seed = cache_cfg.kv_rotation_seed if kv_mode.rotate else None
+        if kv_mode.rotate and spec["components"] != 2:
+            raise ValueError(f"kv_cache_dtype {cache_cfg.kv_cache_dtype!r} (rotated) is not "
+                             "supported for an MLA latent cache; use fp8 or bf16")
+        if kv_dtype == torch.int8 and spec["components"] != 2:
+            raise ValueError(f"kv_cache_dtype {cache_cfg.kv_cache_dtype!r} (INT8) is not "
+                             "supported for an MLA latent cache; use fp8 or bf16")
+        per_block = bytes_per_block(spec["num_layers"], cache_cfg.block_size,
+                                    spec["num_kv_heads"], spec["head_dim"],
+                                    spec["components"], kv_dtype)
+        max_len = spec["max_position_embeddings"]
+        if spec.get("sliding_window"):
+            max_len = min(max_len, spec["sliding_window"])
+        if sched_cfg.max_model_len is not None:
+            if sched_cfg.max_model_len > max_len:
+                raise ValueError(f"max_model_len {sched_cfg.max_model_len} exceeds the model's "
+                                 f"context length {max_len}")
+            max_len = sched_cfg.max_model_len
+        n, note = num_kv_blocks(cache_cfg, per_block, sched_cfg.max_num_seqs * max_len)
+        if ps.get_tp_size() > 1:
+            # every rank must hold the same block ids: the smallest pool wins
+            agreed = int(ps.cpu_all_reduce_min(torch.tensor([n], dtype=torch.int64),
+                                               idle=True)[0])
+            if agreed != n:
+                note += f"; {agreed} blocks agreed over {ps.get_tp_size()} ranks (min)"
+            n = agreed
+            note += " (per rank)"
+        return KVLayout(n, cache_cfg.block_size, kv_dtype, max_len, note, kv_mode.name, rot_seed)
+
+    def _fingerprint(self) -> bytes:
+        """Binds seals and prefix-cache hashes to the model files, dtypes, block size and
+        (tensor parallel) the layout: tp size, this rank and its KV head range."""
+        folder = self.loaded.folder
+        h = hashlib.blake2b(digest_size=16)
+        with open(os.path.join(folder, "config.json"), "rb") as f:
+            h.update(f.read())
+        for file in self.loaded.weight_files:
+            st = os.stat(file)
+            h.update(f"{os.path.basename(file)}:{st.st_size}:{st.st_mtime_ns}".encode())
+        rotation = self.kv_cache.rotation
+        rot = "" if rotation is None else f"|rot={rotation.describe()}"
+        h.update(f"{dtype_name(self.loaded.dtype)}|{dtype_name(self.layout.dtype)}|"
+                 f"{self.layout.block_size}{rot}".encode())
+        if self.world_size > 1:
+            h.update(f"|tp={self.world_size}|rank={self.rank}|kv_heads="
+                     f"{self.spec['num_kv_heads']}".encode())
+        return h.digest()
+
+    def eos_ids(self) -> tuple[int, ...]:
+        ids: list[int] = []
+        for name in ("generation_config.json", "config.json"):
+            f = os.path.join(self.loaded.folder, name)
+            if os.path.isfile(f):
+                with open(f) as fh:
+                    eos = json.load(fh).get("eos_token_id")
+                if isinstance(eos, int):
+                    ids.append(eos)
+                elif isinstance(eos, list):
+                    ids.extend(int(e) for e in eos)
+                if ids:
+                    break
+        return tuple(dict.fromkeys(ids))
+
+    def _cuda_graphs(self, backend) -> CudaGraphRunner | None:
+        """Decode CUDA graphs (kvserve/engine/cuda_graphs.py) unless ``enforce_eager``, off
+        CUDA, under tensor parallelism (collectives are not captured), or the backend cannot
+        be captured; a failed capture logs and runs eagerly."""
+        if self.args.enforce_eager or not self.kv_cache.data.is_cuda or self.world_size > 1:
+            return None
+        if not hasattr(backend, "graph_plan"):
+            logger.info("CUDA graphs off: attention backend %r is not capturable", backend.name)
+            return None
+        sched_cfg = self.args.scheduler_config()
+        graphs = CudaGraphRunner(self.model, backend, self.kv_cache, self.kv_cache.block_size,
+                                 self.spec["components"], sched_cfg.max_num_seqs,
+                                 self.layout.max_model_len)
+        try:
+            graphs.capture()
+        except Exception as e:  # noqa: BLE001 - e.g. a model that syncs the host: run eager
+            logger.warning("CUDA graph capture failed (%r); decode steps run eagerly", e)
+            torch.cuda.synchronize()
+            clear_scratch_block(self.kv_cache)
+            return None
+        return graphs
+
+
+def num_kv_blocks(cfg, per_block: int, want_tokens: int) -> tuple[int, str]:
+    """Blocks for ``kv_cache_memory``, else enough for ``max_num_seqs x max_model_len``
+    tokens (``want_tokens``) capped by ``kv_cache_memory_fraction`` of available memory
+    and DEFAULT_MAX_KV_BYTES; and a note saying which applied."""
+    if cfg.num_blocks_override is not None:
+        return cfg.num_blocks_override, f"num_blocks {cfg.num_blocks_override} given"
+    if cfg.kv_cache_memory is not None:
+        budget = cfg.kv_cache_memory
+        note = f"kv_cache_memory {budget / 2**20:.0f} MiB given"
+    else:
+        need = -(-want_tokens // cfg.block_size) * per_block
+        avail = int(available_memory() * cfg.kv_cache_memory_fraction)
+        budget = min(need, avail, DEFAULT_MAX_KV_BYTES)
+        why = ("max_num_seqs x max_model_len" if budget == need else
+               f"capped by {cfg.kv_cache_memory_fraction:.0%} of available memory"
+               if budget == avail else "capped at 4 GiB (set kv_cache_memory to change)")
+        note = (f"KV budget {budget / 2**20:.0f} MiB: {why} "
+                f"(wanted {need / 2**20:.0f} MiB for {want_tokens} tokens)")
+    n = budget // per_block
+    if n < 2:
+        raise ValueError(f"kv_cache_memory {budget} B holds fewer than 2 blocks "
+                         f"({per_block} B per block)")
+    return n, note
+
+
+def available_memory() -> int:
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 4 * 2**30

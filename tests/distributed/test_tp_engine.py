@@ -1,0 +1,276 @@
+"""Tensor-parallel engine (tensor_parallel_size=2) against the single-process engine, on CPU
+with gloo. Each test runs one spawned driver process that builds the TP=1 engine and then the
+TP=2 engine (which spawns its worker rank), one thread per rank, so both see the same
+conditions."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from tests.distributed.harness import run_driver
+
+PROMPTS = [list(range(3, 40)), [5, 9, 11, 300, 301, 7, 7, 42], list(range(100, 170))]
+SHARED = list(range(10, 58))  # 48 tokens = 3 full blocks of 16: a prefix-cache hit
+
+
+def _kw(tp: int, **kw) -> dict:
+    base = dict(dtype="float32", kv_cache_dtype="fp32", num_blocks=64, progress=False,
+                tensor_parallel_size=tp, distributed_timeout_s=60)
+    base.update(kw)
+    return base
+
+
+def _engine_outputs(path: str, kw: dict) -> dict:
+    from kvserve import LLM, SamplingParams
+
+    res = {}
+    for tp in (1, 2):
+        llm = LLM(path, **_kw(tp, **kw))
+        try:
+            r: dict = {"logits": [llm.engine.prompt_logits(p) for p in PROMPTS[:2]]}
+            outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS],
+                                SamplingParams(temperature=0, max_tokens=32, ignore_eos=True))
+            r["greedy"] = [o.outputs[0].token_ids for o in outs]
+            outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS],
+                                SamplingParams(temperature=1.0, top_p=0.9, seed=1234,
+                                               max_tokens=16, ignore_eos=True))
+            r["seeded"] = [o.outputs[0].token_ids for o in outs]
+            outs = llm.generate({"prompt_token_ids": PROMPTS[1]},
+                                SamplingParams(temperature=0, max_tokens=4, logprobs=3,
+                                               prompt_logprobs=2))
+            r["logprobs"] = [sorted(d.items()) for d in outs[0].outputs[0].logprobs]
+            r["prompt_logprobs"] = [None if d is None else sorted(d.items())
+                                    for d in outs[0].prompt_logprobs]
+            llm.engine.check_no_leaks()
+        finally:
+            llm.engine.shutdown()
+        res[tp] = r
+    return res
+
+
+def _assert_same(res: dict) -> None:
+    one, two = res[1], res[2]
+    for a, b in zip(one["logits"], two["logits"], strict=True):
+        torch.testing.assert_close(b, a, atol=1e-4, rtol=1e-4)
+    assert two["greedy"] == one["greedy"]
+    assert two["seeded"] == one["seeded"]
+    for a, b in zip(one["logprobs"], two["logprobs"], strict=True):
+        assert [t for t, _ in a] == [t for t, _ in b]
+        torch.testing.assert_close(torch.tensor([x for _, x in b]),
+                                   torch.tensor([x for _, x in a]), atol=1e-4, rtol=1e-4)
+    assert len(one["prompt_logprobs"]) == len(two["prompt_logprobs"])
+
+
+@pytest.mark.parametrize("arch,overrides", [
+    ("llama", {}),
+    ("llama", {"num_key_value_heads": 1}),  # tp > num_kv_heads: the KV head is replicated
+    ("qwen3", {}),  # per-head q/k norm
+    ("qwen2", {}),  # q/k/v bias (column parallel), added once per shard
+])
+def test_tp2_matches_tp1(model_factory, arch, overrides):
+    path = model_factory(arch, **overrides)
+    _assert_same(run_driver(_engine_outputs, path, {}))
+
+
+@pytest.fixture(scope="module")
+def int4_models(tmp_path_factory):
+    from kvserve.quant.quantizer import quantize_checkpoint
+    from tests.conftest import make_tiny_model
+    from tests.model.gguf_writer import write_gguf
+
+    d = tmp_path_factory.mktemp("int4")
+    hf = make_tiny_model(str(d / "hf"), "llama")
+    ct = str(d / "ct")
+    quantize_checkpoint(hf, ct, group_size=32, symmetric=False, progress=False)
+    gguf = write_gguf(hf, str(d / "tiny.gguf"),
+                      lambda n: "Q8_0" if n.startswith("token_embd") or n.startswith("output.")
+                      else ("F32" if "norm" in n else "Q4_1"))
+    return {"compressed-tensors": ct, "gguf-q4_1": gguf}
+
+
+@pytest.mark.parametrize("fmt", ["compressed-tensors", "gguf-q4_1"])
+def test_tp2_int4_matches_tp1(int4_models, fmt):
+    """INT4 shards: rows of column-parallel weights, whole quant groups of row-parallel ones."""
+    _assert_same(run_driver(_engine_outputs, int4_models[fmt], {}))
+
+
+def _fp8_caches(path: str) -> dict:
+    from kvserve import LLM, SamplingParams
+
+    res = {}
+    for tp in (1, 2):
+        llm = LLM(path, **_kw(tp, kv_cache_dtype="fp8", kv_integrity="off"))
+        try:
+            outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS[:2]],
+                                SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
+            kv = llm.engine.kv_cache
+            shape = (tuple(kv.data.shape), tuple(kv.scales.shape))
+            if tp == 1:
+                ranks = [torch.cat([kv.data.reshape(-1).view(torch.uint8),
+                                    kv.scales.reshape(-1).view(torch.uint8)])]
+            else:
+                ranks = llm.engine.executor.gather_kv()
+            res[tp] = {"tokens": [o.outputs[0].token_ids for o in outs], "ranks": ranks,
+                       "shape": shape}
+        finally:
+            llm.engine.shutdown()
+    return res
+
+
+def _split(raw: torch.Tensor, data_shape, scale_shape):
+    n = 1
+    for s in data_shape:
+        n *= s
+    data = raw[:n].view(torch.float8_e4m3fn).reshape(data_shape)
+    scales = raw[n:].view(torch.bfloat16).reshape(scale_shape)
+    return data, scales
+
+
+def test_fp8_kv_slices_match_tp1(model_factory):
+    """Rank r's FP8 cache (and its per-token-head scales) is the TP=1 cache's slice of its
+    KV heads: same block ids on every rank, heads split."""
+    res = run_driver(_fp8_caches, model_factory("llama"))
+    assert res[2]["tokens"] == res[1]["tokens"]
+    full_data, full_scales = _split(res[1]["ranks"][0], *res[1]["shape"])
+    assert full_data.shape[-2] == 2
+    for r, raw in enumerate(res[2]["ranks"]):
+        data, scales = _split(raw, *res[2]["shape"])
+        want, want_s = full_data[..., r : r + 1, :], full_scales[..., r : r + 1]
+        torch.testing.assert_close(data.float(), want.float(), rtol=1e-2, atol=1e-2)
+        torch.testing.assert_close(scales.float(), want_s.float(), rtol=1e-2, atol=1e-6)
+        same = (data.view(torch.uint8) == want.view(torch.uint8)).float().mean()
+        assert same >= 0.99, f"rank {r}: only {same:.4f} of the FP8 bytes equal"
+
+
+def _scheduling(path: str) -> dict:
+    """Prefix hits, chunked prefill (16-token chunks) and preemption (8 blocks for 4
+    requests) under TP."""
+    from kvserve import LLM, SamplingParams
+
+    prompts = [SHARED + [400 + i, 401 + i] for i in range(4)]
+    res = {}
+    for tp in (1, 2):
+        llm = LLM(path, **_kw(tp, num_blocks=8, max_num_batched_tokens=16, max_num_seqs=4))
+        try:
+            sp = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+            first = llm.generate({"prompt_token_ids": prompts[0]}, sp)
+            rest = llm.generate([{"prompt_token_ids": p} for p in prompts[1:]], sp)
+            outs = first + rest
+            res[tp] = {"tokens": [o.outputs[0].token_ids for o in outs],
+                       "cached": [o.num_cached_tokens for o in outs],
+                       "preempted": llm.engine.scheduler.num_preemptions}
+            llm.engine.check_no_leaks()
+        finally:
+            llm.engine.shutdown()
+    return res
+
+
+def test_prefix_chunked_preemption_under_tp(model_factory):
+    res = run_driver(_scheduling, model_factory("llama"))
+    assert res[2]["tokens"] == res[1]["tokens"]
+    assert res[2]["cached"] == res[1]["cached"]
+    assert max(res[2]["cached"][1:]) >= 32  # later prompts hit the shared prefix blocks
+    assert res[2]["preempted"] == res[1]["preempted"] > 0
+
+
+def _drill(path: str) -> dict:
+    """Seal the shared prefix, flip one bit of a sealed block on rank 1 only, reuse the
+    prefix: every rank must agree the block is bad, and recompute must give the clean
+    output."""
+    from kvserve import LLM, SamplingParams
+
+    sp = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    prompt = {"prompt_token_ids": SHARED + [400, 401]}
+    llm = LLM(path, **_kw(2))
+    try:
+        clean = llm.generate(prompt, sp)[0].outputs[0].token_ids
+        block = sorted(llm.engine.integrity.seals)[0]  # the shared prefix's first block
+        llm.engine.inject_kv_fault(block, layer=1, kind="bitflip", rank=1, index=5, bit=3)
+        again = llm.generate(prompt, sp)[0]
+        stats = llm.engine.integrity.stats()
+        llm.engine.check_no_leaks()
+    finally:
+        llm.engine.shutdown()
+    return {"clean": clean, "again": again.outputs[0].token_ids, "stats": stats,
+            "cached": again.num_cached_tokens}
+
+
+def test_integrity_drill_rank1_bitflip(model_factory):
+    res = run_driver(_drill, model_factory("llama"))
+    assert res["again"] == res["clean"]
+    assert sum(res["stats"]["failures"].values()) >= 1  # detected (agreed via all-reduce)
+    assert res["stats"]["quarantined_blocks"] >= 1
+    assert res["cached"] < len(SHARED)  # the bad block and what follows were recomputed
+
+
+def test_validation_before_any_process(model_factory):
+    """tp must divide the heads: a ValueError naming the parameter and the sizes that work,
+    raised before a worker is spawned (fast, in-process)."""
+    from kvserve import LLM
+
+    path = model_factory("llama")
+    with pytest.raises(ValueError, match=r"num_attention_heads=4.*\[1, 2, 4\]"):
+        LLM(path, tensor_parallel_size=3, progress=False)
+    with pytest.raises(ValueError, match="tensor_parallel_size must be an integer"):
+        LLM(path, tensor_parallel_size=0, progress=False)
+    path = model_factory("llama", intermediate_size=90)
+    with pytest.raises(ValueError, match=r"intermediate_size=90.*\[1, 2\]"):
+        LLM(path, tensor_parallel_size=4, progress=False)
+
+
+def _worker_death(path: str) -> str:
+    import time
+
+    from kvserve import LLM, SamplingParams
+    from kvserve.distributed.parallel_state import DistributedError
+
+    llm = LLM(path, **_kw(2, distributed_timeout_s=20))
+    llm.generate({"prompt_token_ids": PROMPTS[0]}, SamplingParams(max_tokens=2))
+    proc = llm.engine.executor.procs[0]
+    os.kill(proc.pid, 9)
+    proc.join(10)
+    t0 = time.monotonic()
+    try:
+        llm.generate({"prompt_token_ids": PROMPTS[1]}, SamplingParams(max_tokens=2))
+    except DistributedError as e:
+        msg = f"{e} after {time.monotonic() - t0:.1f}s"
+    else:
+        msg = "no error"
+    llm.engine.shutdown()
+    return msg
+
+
+def test_worker_death_is_a_clear_error(model_factory):
+    msg = run_driver(_worker_death, model_factory("llama"))
+    assert "worker rank 1" in msg and "exited with code -9" in msg, msg
+
+
+def _sequential_engines(path: str) -> list:
+    """Two TP engines one after the other in one process: the first is shut down when it is
+    collected (no explicit shutdown); two alive at once is a clear error."""
+    import gc
+
+    from kvserve import LLM, SamplingParams
+
+    sp = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    toks = []
+    for _ in range(2):
+        llm = LLM(path, **_kw(2))
+        toks.append(llm.generate({"prompt_token_ids": PROMPTS[0]}, sp)[0].outputs[0].token_ids)
+        try:
+            LLM(path, **_kw(2))
+            toks.append("second engine accepted")
+        except ValueError as e:
+            toks.append(str(e))
+        del llm
+        gc.collect()
+    return toks
+
+
+def test_sequential_engines_in_one_process(model_factory):
+    a, err, b, _ = run_driver(_sequential_engines, model_factory("llama"))
+    assert a == b
+    assert "another tensor-parallel engine is alive" in err

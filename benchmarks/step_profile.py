@@ -220,7 +220,8 @@ def plot(result: dict[str, Any], path: str) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--model", default=None, help="HF folder, .gguf file or demo (default: SmolLM2-135M-Instruct)")
+    ap.add_argument("--model", default=None,
+                    help="HF folder, .gguf file or demo (default: SmolLM2-135M-Instruct)")
     ap.add_argument("--configs", default="bf16@32,fp8@32,bf16@64,fp8@64",
                     help="comma list of KVDTYPE@BATCH; the ratio is last / first")
     ap.add_argument("--context", type=int, default=192, help="mean context of timed steps")

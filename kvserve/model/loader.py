@@ -185,7 +185,9 @@ def load_model(path: str, dtype: str | torch.dtype = "auto", device: str = "cpu"
         raise ValueError(f"checkpoint {path!r} is missing tensor(s): {', '.join(missing[:8])}"
                          + (f" (+{len(missing) - 8} more)" if len(missing) > 8 else ""))
     if ggml is not None and torch.device(device).type == "cpu":
-        keep_q8_tables(model, ggml, name_map, dtype)
+        kept = keep_q8_tables(model, ggml, name_map, dtype)
+        if kept:
+            logger.info("GGUF: %d Q8_0 table(s) (token embedding / LM head) kept 8-bit", kept)
     if quant is not None:
         densify_int4_modules(model, dtype, device)
     for module in model.modules():

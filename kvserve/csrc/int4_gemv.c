@@ -264,33 +264,36 @@ __attribute__((optimize("fp-contract=off")))
 void kvs_int4_dequant_t(const uint8_t *restrict packed, const uint16_t *restrict sz,
                         int64_t N, int64_t K, int64_t G, int64_t BN, int min_form, int64_t r0,
                         int64_t r1, int num_threads, float *restrict out) {
-    const int64_t rows = r1 - r0, half = BN / 2, ng = K / G;
+    const int64_t rows = r1 - r0, half = BN / 2, ng = K / G, b0 = r0 / BN, b1 = r1 / BN;
+    /* groups outer (parallel): each group's (s, t) per row once, then its G k-rows of the
+     * output written front to back (contiguous rows of W^T) */
 #pragma omp parallel num_threads(num_threads)
     {
-        float s[64], t[64];   /* BN <= 64 */
+        float *s = (float *)__builtin_alloca(2 * rows * sizeof(float)), *t = s + rows;
 #pragma omp for schedule(static)
-        for (int64_t b = r0 / BN; b < r1 / BN; b++) {
-            const int64_t c0 = b * BN - r0;   /* this block's first output column */
-            for (int64_t g = 0; g < ng; g++) {
-                const uint16_t *p = sz + (g * N + b * BN) * 2;
-                for (int64_t r = 0; r < BN; r++) {
-                    if (min_form) {
-                        s[r] = f16f(p[2 * r]);
-                        t[r] = f16f(p[2 * r + 1]);
-                    } else {
-                        s[r] = bf16f(p[2 * r]);
-                        const float e = 8.0f * s[r];
-                        t[r] = bf16f(p[2 * r + 1]) - e;
-                    }
+        for (int64_t g = 0; g < ng; g++) {
+            const uint16_t *p = sz + (g * N + r0) * 2;
+            for (int64_t r = 0; r < rows; r++) {
+                if (min_form) {
+                    s[r] = f16f(p[2 * r]);
+                    t[r] = f16f(p[2 * r + 1]);
+                } else {
+                    s[r] = bf16f(p[2 * r]);
+                    const float e = 8.0f * s[r];
+                    t[r] = bf16f(p[2 * r + 1]) - e;
                 }
-                for (int64_t k = g * G; k < (g + 1) * G; k++) {
+            }
+            for (int64_t k = g * G; k < (g + 1) * G; k++) {
+                float *restrict o = out + k * rows;
+                for (int64_t b = b0; b < b1; b++) {
                     const uint8_t *restrict q = packed + (b * K + k) * half;
-                    float *restrict o = out + k * rows + c0;
+                    const int64_t c = (b - b0) * BN;
+                    const float *restrict sb = s + c, *restrict tb = t + c;
                     for (int64_t j = 0; j < half; j++) {
-                        const float lo = (float)(q[j] & 15) * s[j];
-                        const float hi = (float)(q[j] >> 4) * s[half + j];
-                        o[j] = lo + t[j];
-                        o[half + j] = hi + t[half + j];
+                        const float lo = (float)(q[j] & 15) * sb[j];
+                        const float hi = (float)(q[j] >> 4) * sb[half + j];
+                        o[c + j] = lo + tb[j];
+                        o[c + half + j] = hi + tb[half + j];
                     }
                 }
             }

@@ -715,11 +715,15 @@ def plot_latency(result: dict[str, Any], path: str) -> None:
     for name, peer in result["peers"].items():
         if isinstance(peer, dict) and isinstance(peer.get("results"), list):
             series[name] = peer["results"]
+    labels = {"kvserve": f"kvserve ({os.path.basename(result['model'])})"}
+    cmp_ = result["peers"].get("kvserve_compare")
+    if isinstance(cmp_, dict):
+        labels["kvserve_compare"] = f"kvserve ({os.path.basename(cmp_.get('model', '?'))})"
     for name, rows in series.items():
         pts = [(r["batch_size"], r.get("decode_tokens_per_s")) for r in rows]
         pts = [(b, t) for b, t in pts if t]
         if pts:
-            ax.plot(*zip(*pts, strict=True), marker="o", label=name)
+            ax.plot(*zip(*pts, strict=True), marker="o", label=labels.get(name, name))
     ax.set_xscale("log", base=2)
     ax.set_xticks(result["batch_sizes"], [str(b) for b in result["batch_sizes"]])
     ax.set_xlabel("batch size")

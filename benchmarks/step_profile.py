@@ -13,7 +13,8 @@ wall-clock timers around the parts of a step:
 
     attention      the C paged-attention kernel (all layers)
     kv_write       writing the step's K/V into the cache (FP8: quantize + scales)
-    linear         every Linear / MergedLinear forward: the GEMMs, lm_head included
+    linear         every Linear / MergedLinear / INT4 / Q8 LM-head forward: the GEMMs, lm_head
+                   included
     forward_other  the rest of the model forward (embedding, norms, rope, activations)
     sampling       the sampler
     engine         the rest of ``step()``: scheduling, batch building, bookkeeping, detokenize,
@@ -86,7 +87,10 @@ def install_class_timers(timers: Timers):
     the function that puts the originals back."""
     saved = [(cpu_kernel, "paged_attention", cpu_kernel.paged_attention)]
     cpu_kernel.paged_attention = timers.wrap("attention", cpu_kernel.paged_attention)
-    for cls in (linear_mod.Linear, linear_mod.MergedLinear):
+    from kvserve.layers.q8_embedding import Q8LMHead
+
+    for cls in (linear_mod.Linear, linear_mod.MergedLinear, linear_mod.Int4MergedLinear,
+                Q8LMHead):
         saved.append((cls, "forward", cls.forward))
         cls.forward = timers.wrap("linear", cls.forward)
 

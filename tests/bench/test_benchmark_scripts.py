@@ -30,8 +30,8 @@ def test_step_profile_tiny(tmp_path):
     sp = _script("step_profile")
     before = (cpu_kernel.paged_attention, linear.Linear.forward, linear.MergedLinear.forward)
     out, png = tmp_path / "s.json", tmp_path / "s.png"
-    assert sp.main(["--configs", "bf16@2,fp8@3", "--context", "24", "--steps", "2",
-                    "--repeats", "2", "--threads", "1", "--json", str(out),
+    assert sp.main(["--model", "demo", "--configs", "bf16@2,fp8@3", "--context", "24",
+                    "--steps", "2", "--repeats", "2", "--threads", "1", "--json", str(out),
                     "--plot", str(png)]) == 0
     # its timers are gone again
     assert (cpu_kernel.paged_attention, linear.Linear.forward,

@@ -15,7 +15,8 @@ wall-clock timers around the parts of a step:
     kv_write       writing the step's K/V into the cache (FP8: quantize + scales)
     linear         every Linear / MergedLinear / INT4 / Q8 LM-head forward: the GEMMs, lm_head
                    included
-    forward_other  the rest of the model forward (embedding, norms, rope, activations)
+    forward_other  the rest of the model forward and LM-head step (embedding, norms, rope,
+                   activations, row gathers)
     sampling       the sampler
     engine         the rest of ``step()``: scheduling, batch building, bookkeeping, detokenize,
                    integrity sealing / scrubbing
@@ -71,14 +72,18 @@ class Timers:
 
     def __init__(self) -> None:
         self.current: dict[str, float] = defaultdict(float)
+        self._depth: dict[str, int] = defaultdict(int)  # nested timed calls count once
 
     def wrap(self, name: str, fn):
         def timed(*args, **kwargs):
+            self._depth[name] += 1
             t0 = time.perf_counter()
             try:
                 return fn(*args, **kwargs)
             finally:
-                self.current[name] += time.perf_counter() - t0
+                self._depth[name] -= 1
+                if self._depth[name] == 0:  # e.g. a parallel linear calling Linear.forward
+                    self.current[name] += time.perf_counter() - t0
         return timed
 
 
@@ -134,7 +139,7 @@ def build(args, kv: str, batch: int, timers: Timers, prompt_len: int) -> Config:
                                kv_cache_memory=max(MIN_BUDGET, need), max_num_seqs=batch,
                                seed=args.seed))
     eng.kv_cache.write = timers.wrap("kv_write", eng.kv_cache.write)
-    eng.runner.forward = timers.wrap("forward", eng.runner.forward)
+    eng.runner.run = timers.wrap("forward", eng.runner.run)  # model forward + LM head
     eng.sampler = timers.wrap("sampling", eng.sampler)
     cfg = Config(kv, batch, eng)
     params = SamplingParams(temperature=0.0, max_tokens=args.steps * args.repeats + 64,

@@ -12,6 +12,7 @@ import ctypes
 import hashlib
 import logging
 import os
+import pathlib
 import shutil
 import subprocess
 import tempfile
@@ -37,7 +38,10 @@ def build_library(name: str) -> ctypes.CDLL | None:
     src_path = os.path.join(CSRC, f"{name}.c")
     with open(src_path, "rb") as f:
         src = f.read()
-    key = hashlib.sha256(src + " ".join(FLAGS).encode()).hexdigest()[:16]
+    # shared headers (csrc/*.h) are part of every kernel's version
+    headers = b"".join(pathlib.Path(CSRC, h).read_bytes()
+                       for h in sorted(os.listdir(CSRC)) if h.endswith(".h"))
+    key = hashlib.sha256(src + headers + " ".join(FLAGS).encode()).hexdigest()[:16]
     cache_dir = os.path.join(
         os.path.expanduser(os.environ.get("XDG_CACHE_HOME", "~/.cache")), "kvserve")
     lib = os.path.join(cache_dir, f"{name}_{key}.so")

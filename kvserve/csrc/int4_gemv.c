@@ -29,6 +29,7 @@
 #include <stdint.h>
 #include <string.h>
 #include <omp.h>
+#include "half.h"
 #ifdef __AVX2__
 #include <immintrin.h>
 #endif
@@ -149,22 +150,6 @@ static void unit_dot(const uint8_t *restrict wk, int64_t stride, const float *re
 #endif
 }
 
-static inline float f16f(uint16_t h) {
-    const uint32_t sign = (uint32_t)(h & 0x8000) << 16, e = (h >> 10) & 31, m = h & 1023;
-    uint32_t u;
-    if (e == 31) {
-        u = sign | 0x7f800000u | (m << 13);
-    } else if (e != 0) {
-        u = sign | ((e + 112) << 23) | (m << 13);
-    } else {  /* zero or subnormal: m * 2^-24, exact in fp32 */
-        float f = (float)m * 5.9604644775390625e-8f;
-        memcpy(&u, &f, 4);
-        u |= sign;
-    }
-    float f;
-    memcpy(&f, &u, 4);
-    return f;
-}
 
 /* min form: out[mm][r] += s[r] * acc[mm][r] + m[r] * xs[mm], fp16 (s, m) pairs at p. */
 static inline void combine8_min(const uint16_t *restrict p, int mt, float acc[2][32], int r0,
@@ -185,7 +170,7 @@ static inline void combine8_min(const uint16_t *restrict p, int mt, float acc[2]
     }
 #else
     for (int i = 0; i < 8; i++) {
-        const float s = f16f(p[2 * i]), m = f16f(p[2 * i + 1]);
+        const float s = kvs_f16f(p[2 * i]), m = kvs_f16f(p[2 * i + 1]);
         for (int mm = 0; mm < mt; mm++)
             out[mm][r0 + i] += s * acc[mm][r0 + i] + m * xsv[mm];
     }
@@ -275,8 +260,8 @@ void kvs_int4_dequant_t(const uint8_t *restrict packed, const uint16_t *restrict
             const uint16_t *p = sz + (g * N + r0) * 2;
             for (int64_t r = 0; r < rows; r++) {
                 if (min_form) {
-                    s[r] = f16f(p[2 * r]);
-                    t[r] = f16f(p[2 * r + 1]);
+                    s[r] = kvs_f16f(p[2 * r]);
+                    t[r] = kvs_f16f(p[2 * r + 1]);
                 } else {
                     s[r] = bf16f(p[2 * r]);
                     const float e = 8.0f * s[r];

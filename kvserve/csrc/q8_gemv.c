@@ -13,26 +13,11 @@
 #include <stdint.h>
 #include <string.h>
 #include <omp.h>
+#include "half.h"
 #ifdef __AVX2__
 #include <immintrin.h>
 #endif
 
-static inline float q8_f16f(uint16_t h) {
-    const uint32_t sign = (uint32_t)(h & 0x8000) << 16, e = (h >> 10) & 31, m = h & 1023;
-    uint32_t u;
-    if (e == 31) {
-        u = sign | 0x7f800000u | (m << 13);
-    } else if (e != 0) {
-        u = sign | ((e + 112) << 23) | (m << 13);
-    } else {
-        float f = (float)m * 5.9604644775390625e-8f;
-        memcpy(&u, &f, 4);
-        u |= sign;
-    }
-    float f;
-    memcpy(&f, &u, 4);
-    return f;
-}
 
 void kvs_q8_gemv(const int8_t *restrict q, const uint16_t *restrict d,
                  const float *restrict x, int64_t M, int64_t N, int64_t K, int num_threads,
@@ -55,7 +40,7 @@ void kvs_q8_gemv(const int8_t *restrict q, const uint16_t *restrict d,
                     const __m256 w = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(b));
                     t = _mm256_fmadd_ps(w, _mm256_loadu_ps(xg + 8 * i), t);
                 }
-                acc = _mm256_fmadd_ps(t, _mm256_set1_ps(q8_f16f(dr[g])), acc);
+                acc = _mm256_fmadd_ps(t, _mm256_set1_ps(kvs_f16f(dr[g])), acc);
             }
             __m128 s = _mm_add_ps(_mm256_castps256_ps128(acc), _mm256_extractf128_ps(acc, 1));
             s = _mm_add_ps(s, _mm_movehl_ps(s, s));
@@ -67,7 +52,7 @@ void kvs_q8_gemv(const int8_t *restrict q, const uint16_t *restrict d,
                 float t = 0.0f;
                 for (int i = 0; i < 32; i++)
                     t += (float)qr[32 * g + i] * xr[32 * g + i];
-                acc += t * q8_f16f(dr[g]);
+                acc += t * kvs_f16f(dr[g]);
             }
             y[m * N + n] = acc;
 #endif

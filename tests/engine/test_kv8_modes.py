@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from kvserve import SamplingParams
+from tests.model.parity import teacher_forced_stats
 
 MODES = ["int8", "int8_plain", "fp8_rot", "fp8_e5m2_rot"]
 ARCHS = {"llama": ("llama", {}), "qwen3_hd32": ("qwen3", dict(head_dim=32)),
@@ -48,21 +49,7 @@ def test_mode_agrees_with_bf16_kv(name, mode, bf16_refs, make_llm):
     kv = llm.engine.kv_cache
     assert kv.has_scales and (kv.rotation is not None) == (mode != "int8_plain")
     _greedy(llm, PROMPTS)  # decode path through the mode (C kernel, batched)
-    kls, hits, n, dec_hits, dec_n = [], 0, 0, 0, 0
-    for ids, toks in zip(PROMPTS, ref_tokens, strict=True):
-        seq = ids + toks
-        a = bf16.engine.prompt_logits(seq).log_softmax(-1)
-        b = llm.engine.prompt_logits(seq).log_softmax(-1)
-        kls.append((a.exp() * (a - b)).sum(-1).mean().item())
-        gen = slice(len(ids) - 1, len(seq) - 1)
-        same = b[gen].argmax(-1) == torch.tensor(toks)
-        top2 = a[gen].topk(2, dim=-1).values
-        decisive = (top2[:, 0] - top2[:, 1]) > 0.1
-        hits += same.sum().item()
-        n += len(toks)
-        dec_hits += (same & decisive).sum().item()
-        dec_n += decisive.sum().item()
-    mean_kl = sum(kls) / len(kls)
+    mean_kl, hits, n, dec_hits, dec_n = teacher_forced_stats(bf16, llm, PROMPTS, ref_tokens)
     print(f"\n{name} {mode} vs bf16 KV: KL {mean_kl:.2e}, top-1 {hits / n:.3f}, "
           f"decisive {dec_hits}/{dec_n}")
     assert mean_kl < 0.02

@@ -26,3 +26,27 @@ def assert_greedy_equal(llm, hf, prompts: list[list[int]], max_tokens: int = 32)
                               eos_token_id=None, pad_token_id=0)[0, len(ids):].tolist()
         assert out.outputs[0].token_ids == ref, ids
     return outs
+
+
+def teacher_forced_stats(base, cand, prompts: list[list[int]], ref_tokens: list[list[int]],
+                         check_reference: bool = False) -> tuple[float, int, int, int, int]:
+    """Score ``base``'s greedy continuations with both engines: (mean KL(base || cand) per
+    position, top-1 hits, positions, hits where base's top-2 gap > 0.1 nats, such positions).
+    ``check_reference``: base's own scoring must reproduce its generated tokens."""
+    kls, hits, n, dec_hits, dec_n = [], 0, 0, 0, 0
+    for ids, toks in zip(prompts, ref_tokens, strict=True):
+        seq = ids + toks
+        a = base.engine.prompt_logits(seq).log_softmax(-1)
+        b = cand.engine.prompt_logits(seq).log_softmax(-1)
+        kls.append((a.exp() * (a - b)).sum(-1).mean().item())
+        gen = slice(len(ids) - 1, len(seq) - 1)  # positions that chose the generated tokens
+        if check_reference:
+            assert a[gen].argmax(-1).tolist() == toks
+        same = b[gen].argmax(-1) == torch.tensor(toks)
+        top2 = a[gen].topk(2, dim=-1).values
+        decisive = (top2[:, 0] - top2[:, 1]) > 0.1
+        hits += same.sum().item()
+        n += len(toks)
+        dec_hits += (same & decisive).sum().item()
+        dec_n += decisive.sum().item()
+    return sum(kls) / len(kls), hits, n, dec_hits, dec_n

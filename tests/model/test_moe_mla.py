@@ -20,6 +20,7 @@ import torch
 
 from kvserve import SamplingParams
 from tests.conftest import save_tiny_tokenizer
+from tests.model.parity import teacher_forced_stats
 
 COMMON = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_attention_heads=4,
               max_position_embeddings=512, rms_norm_eps=1e-6, tie_word_embeddings=False,
@@ -193,22 +194,9 @@ def test_deepseek_fp8_latent_cache_vs_bf16(tiny, make_llm):
     assert fp8.engine.kv_cache.is_fp8 and fp8.engine.kv_cache.components == 1
     ref_tokens = _greedy(bf16, PROMPTS)
     fp8_tokens = _greedy(fp8, PROMPTS)  # exercises the FP8 absorbed decode path
-    kls, hits, n, dec_hits, dec_n = [], 0, 0, 0, 0
-    for ids, toks in zip(PROMPTS, ref_tokens, strict=True):
-        seq = ids + toks
-        a = bf16.engine.prompt_logits(seq).log_softmax(-1)
-        b = fp8.engine.prompt_logits(seq).log_softmax(-1)
-        kls.append((a.exp() * (a - b)).sum(-1).mean().item())
-        gen = slice(len(ids) - 1, len(seq) - 1)  # positions that chose the generated tokens
-        assert a[gen].argmax(-1).tolist() == toks  # BF16 scoring reproduces BF16 generation
-        same = b[gen].argmax(-1) == torch.tensor(toks)
-        top2 = a[gen].topk(2, dim=-1).values
-        decisive = (top2[:, 0] - top2[:, 1]) > 0.1
-        hits += same.sum().item()
-        n += len(toks)
-        dec_hits += (same & decisive).sum().item()
-        dec_n += decisive.sum().item()
-    agree, dec_agree, mean_kl = hits / n, dec_hits / dec_n, sum(kls) / len(kls)
+    mean_kl, hits, n, dec_hits, dec_n = teacher_forced_stats(bf16, fp8, PROMPTS, ref_tokens,
+                                                             check_reference=True)
+    agree, dec_agree = hits / n, dec_hits / dec_n
     first_flip = [next((i for i, (x, y) in enumerate(zip(p, q, strict=True)) if x != y), len(p))
                   for p, q in zip(ref_tokens, fp8_tokens, strict=True)]
     print(f"\nMLA latent cache FP8 vs BF16: mean KL {mean_kl:.2e}; teacher-forced greedy "

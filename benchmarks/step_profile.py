@@ -70,20 +70,21 @@ MIN_BUDGET = 16 * 2**20
 class Timers:
     """Accumulates seconds per part for whichever config is ``current``."""
 
-    def __init__(self) -> None:
+    def __init__(self, clock=time.perf_counter) -> None:
+        self.clock = clock  # perf_counter (wall) or process_time (CPU seconds, all threads)
         self.current: dict[str, float] = defaultdict(float)
         self._depth: dict[str, int] = defaultdict(int)  # nested timed calls count once
 
     def wrap(self, name: str, fn):
         def timed(*args, **kwargs):
             self._depth[name] += 1
-            t0 = time.perf_counter()
+            t0 = self.clock()
             try:
                 return fn(*args, **kwargs)
             finally:
                 self._depth[name] -= 1
                 if self._depth[name] == 0:  # e.g. a parallel linear calling Linear.forward
-                    self.current[name] += time.perf_counter() - t0
+                    self.current[name] += self.clock() - t0
         return timed
 
 
@@ -148,11 +149,11 @@ def build(args, kv: str, batch: int, timers: Timers, prompt_len: int) -> Config:
                                          args.seed)):
         eng.add_request(f"r{i}", p, params)
     # prefill: steps until every request has its first token
-    t0 = time.perf_counter()
+    t0 = timers.clock()
     while any(r.num_computed_tokens < r.num_prompt_tokens for r in eng.scheduler.running) \
             or eng.scheduler.waiting:
         eng.step()
-    cfg.prefill_s_per_token = (time.perf_counter() - t0) / (batch * prompt_len)
+    cfg.prefill_s_per_token = (timers.clock() - t0) / (batch * prompt_len)
     for _ in range(3):  # warm decode steps
         eng.step()
     return cfg
@@ -160,11 +161,11 @@ def build(args, kv: str, batch: int, timers: Timers, prompt_len: int) -> Config:
 
 def run_window(cfg: Config, steps: int, timers: Timers) -> dict[str, float]:
     timers.current = defaultdict(float)
-    t0 = time.perf_counter()
+    t0 = timers.clock()
     for _ in range(steps):
         outs = cfg.engine.step()
         assert len(outs) == cfg.batch, "a request finished or was preempted mid-window"
-    total = time.perf_counter() - t0
+    total = timers.clock() - t0
     t = timers.current
     parts = {
         "attention": t["attention"],
@@ -240,6 +241,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--output-len", type=int, default=128)
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--clock", choices=("wall", "cpu"), default="wall",
+                    help="wall: elapsed time; cpu: CPU seconds of this process (all threads), "
+                         "robust to other jobs on a shared machine; with --threads 1 it is "
+                         "the step time an idle machine would show")
     ap.add_argument("--json", default=None)
     ap.add_argument("--plot", default=None)
     ap.add_argument("--replot", default=None, metavar="JSON",
@@ -260,7 +265,7 @@ def main(argv: list[str] | None = None) -> int:
                          f"{args.repeats} timed steps")
     if args.threads:
         torch.set_num_threads(args.threads)
-    timers = Timers()
+    timers = Timers(time.process_time if args.clock == "cpu" else time.perf_counter)
     undo = install_class_timers(timers)
     try:
         configs = []
@@ -281,6 +286,7 @@ def main(argv: list[str] | None = None) -> int:
         "bench": "step_profile",
         "model": model_label(resolve_model_path(args.model)),
         "context": args.context,
+        "clock": args.clock,
         "steps": args.steps,
         "repeats": args.repeats,
         "input_len": args.input_len,

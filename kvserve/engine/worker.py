@@ -137,6 +137,8 @@ class Worker:
             h.update(f"{os.path.basename(file)}:{st.st_size}:{st.st_mtime_ns}".encode())
         rotation = self.kv_cache.rotation
         rot = "" if rotation is None else f"|rot={rotation.describe()}"
+        if self.layout.dtype == torch.int8:
+            rot += "|scale=log8"  # 1-byte 2^(e/8) scale codes (kvserve/quant/int8.py)
         h.update(f"{dtype_name(self.loaded.dtype)}|{dtype_name(self.layout.dtype)}|"
                  f"{self.layout.block_size}{rot}".encode())
         if self.world_size > 1:

@@ -28,6 +28,7 @@ from kvserve.distributed import parallel_state as ps
 from kvserve.engine.arg_utils import EngineArgs
 from kvserve.engine.cuda_graphs import CudaGraphRunner, clear_scratch_block
 from kvserve.engine.model_runner import ModelRunner, StepInput
+from kvserve.layers.linear import kv_head_layout
 from kvserve.model.default_model import resolve_model
 from kvserve.model.loader import LoadedModel, checkpoint_dtype, load_model
 from kvserve.quant.wq import activation_terms
@@ -66,12 +67,18 @@ class Worker:
         static = self.loaded.kv_scales
         if static is not None:
             static = static.unsqueeze(-1).expand(-1, -1, spec["num_kv_heads"])
+        mla = spec["components"] == 1
+        split = (spec["kv_lora_rank"], spec["head_dim"] - spec["kv_lora_rank"]) if mla else None
         self.kv_cache = PagedKVCache(
             spec["num_layers"], lay.num_blocks, lay.block_size, spec["num_kv_heads"],
             spec["head_dim"], spec["components"], lay.dtype, args.device, static_scales=static,
-            rotation_seed=lay.rotation_seed,
+            rotation_seed=lay.rotation_seed, rotation_split=split,
         )
+        if mla and self.kv_cache.rotation is not None:
+            # MLA: the latent's rotation is folded into kv_b_proj (W_UK / W_UV) once, here
+            self.model.fold_kv_rotation(self.kv_cache.rotation)
         self.fingerprint = self._fingerprint()
+        self.replica_key = self._replica_key()
 
     def init_runner(self) -> ModelRunner:
         """The attention backend and runner. Separate from ``__init__`` so that the driver's
@@ -99,12 +106,10 @@ class Worker:
         kv_mode = resolve_kv_mode(cache_cfg.kv_cache_dtype, auto_kv)
         kv_dtype = kv_mode.dtype
         rot_seed = cache_cfg.kv_rotation_seed if kv_mode.rotate else None
-        if kv_mode.rotate and spec["components"] != 2:
-            raise ValueError(f"kv_cache_dtype {cache_cfg.kv_cache_dtype!r} (rotated) is not "
-                             "supported for an MLA latent cache; use fp8 or bf16")
-        if kv_dtype == torch.int8 and spec["components"] != 2:
-            raise ValueError(f"kv_cache_dtype {cache_cfg.kv_cache_dtype!r} (INT8) is not "
-                             "supported for an MLA latent cache; use fp8 or bf16")
+        if kv_mode.rotate and spec["components"] != 2 and (
+                not hasattr(self.model, "fold_kv_rotation") or "kv_lora_rank" not in spec):
+            raise ValueError(f"kv_cache_dtype {cache_cfg.kv_cache_dtype!r} (rotated) needs a "
+                             "model that folds the rotation into its latent up-projection")
         per_block = bytes_per_block(spec["num_layers"], cache_cfg.block_size,
                                     spec["num_kv_heads"], spec["head_dim"],
                                     spec["components"], kv_dtype)
@@ -127,6 +132,26 @@ class Worker:
             note += " (per rank)"
         return KVLayout(n, cache_cfg.block_size, kv_dtype, max_len, note, kv_mode.name, rot_seed)
 
+    def _replica_key(self) -> int | None:
+        """Which replicated copy of the KV this rank holds, or None when its slice is its own.
+
+        Tensor parallel ranks hold identical KV bytes in two layouts: MLA (every rank caches
+        the same latent row: key 0) and GQA with tp > num_key_value_heads (rank r holds KV
+        head ``r // replicas``: the key is that head). Ranks with the same key must agree bit
+        for bit (their inputs are the same all-reduced activations and the weights that
+        produce them are replicated); ``kvserve.cache.integrity`` compares their checksums
+        at seal time. Every rank derives the same answer from the same config, so all of them
+        know without a collective whether the comparison runs."""
+        if self.world_size == 1:
+            return None
+        if self.spec["components"] == 1:
+            return 0
+        cfg = self.loaded.hf_config
+        kv = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
+        if self.world_size <= kv:
+            return None
+        return kv_head_layout(kv, self.world_size, self.rank)[1]
+
     def _fingerprint(self) -> bytes:
         """Binds seals and prefix-cache hashes to the model files, dtypes, block size and
         (tensor parallel) the layout: tp size, this rank and its KV head range."""
@@ -139,6 +164,8 @@ class Worker:
             h.update(f"{os.path.basename(file)}:{st.st_size}:{st.st_mtime_ns}".encode())
         rotation = self.kv_cache.rotation
         rot = "" if rotation is None else f"|rot={rotation.describe()}"
+        if self.layout.dtype == torch.int8:
+            rot += "|scale=log8"  # 1-byte 2^(e/8) scale codes (kvserve/quant/int8.py)
         h.update(f"{dtype_name(self.loaded.dtype)}|{dtype_name(self.layout.dtype)}|"
                  f"{self.layout.block_size}{rot}".encode())
         if self.world_size > 1:

@@ -24,6 +24,7 @@
  */
 #include <math.h>
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 #include <omp.h>
 #include "half.h"
@@ -365,4 +366,38 @@ void kvs_wq_gemm(const uint8_t *restrict codes, const uint16_t *restrict sm,
                 memcpy(y + (m0 + mm) * N + tile * 16, out[mm], 16 * sizeof(float));
         }
     }
+}
+
+/* ---------------------------------------------------------------- one call per layer */
+
+/*
+ * y fp32 [M, N] = W . x^ for x fp32 [M, K]: quantize (terms int8 passes), GEMM, and add the
+ * passes' rows -- what kvserve.kernels.wq_cpu.wq_linear does in one ctypes call. Scratch
+ * space (per calling thread, grown on demand) holds q / dx / qs and the terms > 1 rows.
+ * Returns 0, or -1 if scratch could not be allocated (y untouched).
+ */
+static _Thread_local void *scratch_buf = NULL;
+static _Thread_local size_t scratch_cap = 0;
+
+int kvs_wq_linear(const float *x, int64_t M, int64_t K, const uint8_t *codes,
+                  const uint16_t *sm, int64_t N, int64_t G, int bits, int terms,
+                  int num_threads, float *y) {
+    const int64_t rows = terms * M, nb = K / 32;
+    const size_t q_bytes = ((size_t)(rows * K) + 63) & ~(size_t)63;
+    const size_t need = q_bytes + (size_t)(rows * nb) * 8 + (terms > 1 ? (size_t)(rows * N) * 4 : 0);
+    if (need > scratch_cap) {
+        void *p = realloc(scratch_buf, need);
+        if (p == NULL) return -1;
+        scratch_buf = p;
+        scratch_cap = need;
+    }
+    int8_t *q = (int8_t *)scratch_buf;
+    float *dx = (float *)((char *)scratch_buf + q_bytes);
+    int32_t *qs = (int32_t *)(dx + rows * nb);
+    float *out = terms > 1 ? (float *)(qs + rows * nb) : y;
+    kvs_wq_quant_act(x, M, K, terms, num_threads, q, dx, qs);
+    kvs_wq_gemm(codes, sm, q, dx, qs, rows, N, K, G, bits, num_threads, out);
+    if (terms > 1)
+        for (int64_t i = 0; i < M * N; i++) y[i] = out[i] + out[M * N + i];
+    return 0;
 }

@@ -30,6 +30,11 @@ Compute paths (Zen2/3 AVX2, 1 thread, K = N = 4096, group 128, median ms, quiet 
     64    196         37          30.6               49.4            48.0
     128   -           -           61.4               99.2            73.6
 
+* GGUF Q4_0 / Q4_1 ("min form", w = u s + m) with ``act_terms`` 1 or 2 (the engine's
+  ``gguf_activations`` int8 / int8x2, default int8x2): the layer holds only integer-dot tiles
+  (kvserve.quant.wq) and every M runs kvserve/csrc/wq_gemm.c -- activations quantized per 32
+  columns to one or two int8 terms, AVX-512 VNNI / AVX2 / plain-C integer dot products, as
+  llama.cpp does. ``act_terms`` 0 (fp32) keeps the paths below.
 * M <= ``gemv_max_m`` (default 64; decode): the C kernel
   ``kvserve/csrc/int4_gemv.c`` (``kvserve.cbuild``) on the *same* packed bytes and bf16 (scale,
   zero) pairs, with fp32 activations: nibbles are masked in place and widened with one convert
@@ -326,6 +331,13 @@ class Int4Linear(nn.Module):
     # ---------------------------------------------------------------- compute
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.act_terms and x.dim() == 2 and x.dtype == torch.float32 and x.is_contiguous() \
+                and x.device.type == "cpu" and self.n_pad == self.out_features \
+                and x.shape[1] == self.in_features and self.bias is None:
+            lib = wq_cpu.wq_library()  # the decode hot path: one C call, nothing else
+            if lib is not None:
+                return wq_cpu.wq_linear(lib, x, self.wq_codes, self.wq_sm, self.n_pad,
+                                        self.group_size, 4, self.act_terms)
         if x.shape[-1] != self.in_features:
             raise ValueError(f"x must be [..., {self.in_features}], got {tuple(x.shape)}")
         lead = x.shape[:-1]
@@ -355,7 +367,7 @@ class Int4Linear(nn.Module):
         xf = x2.float().contiguous()
         lib = wq_cpu.wq_library() if xf.device.type == "cpu" else None
         if lib is not None:
-            y = wq_cpu.wq_matmul(lib, xf, self.wq_codes, self.wq_sm, self.n_pad,
+            y = wq_cpu.wq_linear(lib, xf, self.wq_codes, self.wq_sm, self.n_pad,
                                  self.group_size, 4, self.act_terms)[:, : self.out_features]
         else:
             u, s, m = self._wq_parts()

@@ -100,7 +100,7 @@ class Q8LMHead(nn.Module):
         if t.act_terms:
             lib = wq_cpu.wq_library() if x2.device.type == "cpu" else None
             if lib is not None:
-                y = wq_cpu.wq_matmul(lib, x2, t.codes, t.sm, t.n_pad, 32, 8, t.act_terms)
+                y = wq_cpu.wq_linear(lib, x2, t.codes, t.sm, t.n_pad, 32, 8, t.act_terms)
                 return y[:, :n].reshape(*x.shape[:-1], n)
             x2 = wq.fake_quant_act(x2, t.act_terms)  # the kernel's arithmetic, in torch
         lib = _q8_lib() if not t.act_terms else None

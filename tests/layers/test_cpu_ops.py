@@ -23,7 +23,7 @@ class _Cfg:
     rope_parameters = None
 
 
-@pytest.fixture(params=["native", "portable"])
+@pytest.fixture(params=["native", "avx2", "portable"])
 def lib(request, tmp_path_factory, monkeypatch):
     if request.param == "native":
         if cpu_ops.ops_library() is None:
@@ -33,10 +33,12 @@ def lib(request, tmp_path_factory, monkeypatch):
     cc = shutil.which("cc") or shutil.which("gcc")
     if cc is None:
         pytest.skip("no C compiler")
-    out = tmp_path_factory.mktemp("ops") / "cpu_ops_portable.so"
+    out = tmp_path_factory.mktemp("ops") / f"cpu_ops_{request.param}.so"
     flags = [f for f in FLAGS if f != "-march=native"]
-    subprocess.run([cc, os.path.join(CSRC, "cpu_ops.c"), "-o", str(out), *flags, "-mno-avx2",
-                    "-mno-fma", "-mno-avx512f"], check=True)
+    isa = (["-march=haswell"] if request.param == "avx2"
+           else ["-mno-avx2", "-mno-fma", "-mno-avx512f"])
+    subprocess.run([cc, os.path.join(CSRC, "cpu_ops.c"), "-o", str(out), *flags, *isa],
+                   check=True)
     dll = ctypes.CDLL(str(out))
     cpu_ops.ops_library.cache_clear()
     real = cpu_ops.build_library

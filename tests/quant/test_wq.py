@@ -1,10 +1,11 @@
 """The integer-dot kernel (kvserve/csrc/wq_gemm.c) against its twin (kvserve.quant.wq), on
-the build this machine makes and on a portable (no AVX2) build."""
+the build this machine makes, an AVX2-only build and a portable (no AVX2) build."""
 
 from __future__ import annotations
 
 import ctypes
 import os
+import platform
 import shutil
 import subprocess
 
@@ -16,14 +17,19 @@ from kvserve.kernels import wq_cpu
 from kvserve.quant import wq
 
 
-def _portable_lib(tmp_path_factory) -> ctypes.CDLL:
+# "avx2": the AVX2 + FMA + F16C path without AVX-512 (what an AVX2-only CPU builds natively);
+# "portable": no AVX2 at all (plain C)
+ISA_FLAGS = {"avx2": ["-march=haswell"], "portable": ["-mno-avx2", "-mno-f16c", "-mno-avx512f"]}
+
+
+def _built_lib(tmp_path_factory, isa: str) -> ctypes.CDLL:
     cc = shutil.which("cc") or shutil.which("gcc")
     if cc is None:
         pytest.skip("no C compiler")
-    out = tmp_path_factory.mktemp("wq") / "wq_portable.so"
+    out = tmp_path_factory.mktemp("wq") / f"wq_{isa}.so"
     flags = [f for f in FLAGS if f != "-march=native"]
     subprocess.run([cc, os.path.join(CSRC, "wq_gemm.c"), "-o", str(out), *flags,
-                    "-mno-avx2", "-mno-f16c", "-mno-avx512f"], check=True)
+                    *ISA_FLAGS[isa]], check=True)
     dll = ctypes.CDLL(str(out))
     p, i64, c_int = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
     dll.kvs_wq_quant_act.argtypes = [p, i64, i64, c_int, c_int, p, p, p]
@@ -31,14 +37,16 @@ def _portable_lib(tmp_path_factory) -> ctypes.CDLL:
     return dll
 
 
-@pytest.fixture(scope="module", params=["native", "portable"])
+@pytest.fixture(scope="module", params=["native", "avx2", "portable"])
 def lib(request, tmp_path_factory):
     if request.param == "native":
         dll = wq_cpu.wq_library()
         if dll is None:
             pytest.skip("C kernel unavailable")
         return dll
-    return _portable_lib(tmp_path_factory)
+    if request.param == "avx2" and platform.machine() not in ("x86_64", "AMD64"):
+        pytest.skip("x86-64 only")
+    return _built_lib(tmp_path_factory, request.param)
 
 
 def _weights(n, k, group, bits, seed):
@@ -98,11 +106,11 @@ def test_rows_are_batch_invariant(terms):
     u, s, mn = _weights(64, 256, 32, 4, 7)
     codes, sm = wq.pack_codes(u, 4), wq.pack_scales(s, mn)
     x = torch.randn(11, 256)
-    full = wq_cpu.wq_matmul(lib, x, codes, sm, 64, 32, 4, terms)
+    full = wq_cpu.wq_linear(lib, x, codes, sm, 64, 32, 4, terms)
     ref = wq.wq_matmul_ref(x, u, s, mn, 32, terms)
     torch.testing.assert_close(full, ref, rtol=1e-5, atol=1e-5 * float(ref.abs().max()))
     for i in range(11):
-        one = wq_cpu.wq_matmul(lib, x[i:i + 1].contiguous(), codes, sm, 64, 32, 4, terms)
+        one = wq_cpu.wq_linear(lib, x[i:i + 1].contiguous(), codes, sm, 64, 32, 4, terms)
         assert torch.equal(one[0], full[i])
 
 

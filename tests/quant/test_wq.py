@@ -16,7 +16,6 @@ from kvserve.cbuild import CSRC, FLAGS
 from kvserve.kernels import wq_cpu
 from kvserve.quant import wq
 
-
 # "avx2": the AVX2 + FMA + F16C path without AVX-512 (what an AVX2-only CPU builds natively);
 # "portable": no AVX2 at all (plain C)
 ISA_FLAGS = {"avx2": ["-march=haswell"], "portable": ["-mno-avx2", "-mno-f16c", "-mno-avx512f"]}

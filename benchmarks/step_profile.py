@@ -2,7 +2,7 @@
 
     .venv/bin/python benchmarks/step_profile.py [--model PATH] [--configs bf16@32,fp8@32,...]
         [--context 192] [--steps 16] [--repeats 5] [--threads 2] [--input-len 128]
-        [--output-len 128] [--json OUT] [--plot OUT.png]
+        [--output-len 128] [--clock wall|cpu] [--json OUT] [--plot OUT.png]
 
 Why: ``kvserve bench throughput`` measures what FP8 KV buys end to end (tokens/s at the KV
 limit); this says why it buys what it does. For each (KV dtype, batch) config one engine of the
@@ -31,7 +31,12 @@ share of prefill; preemption ignored):
 
     tok/s(B) = B * out / (out * T_decode(B) + B * in * t_prefill_token)
 
-and ``projected_ratio`` compares the last config with the first (default fp8@64 vs bf16@32:
+The roofline: ``bytes_per_step`` is what a decode step must read at least (every weight once,
+the LM head included, and each sequence's KV at the mean context); ``read_bandwidth_gbs`` is
+torch.sum's streaming read rate over 512 MiB on the same threads; ``roofline_floor_ms`` their
+quotient and ``step_over_floor`` how far the measured step is above it.
+
+``projected_ratio`` compares the last config with the first (default fp8@64 vs bf16@32:
 what doubling the batch at the KV limit can give on this machine).
 """
 
@@ -186,6 +191,40 @@ def run_window(cfg: Config, steps: int, timers: Timers) -> dict[str, float]:
     return {"step_ms": total / steps * 1e3, **{k: v / steps * 1e3 for k, v in parts.items()}}
 
 
+def read_bandwidth_gbs(threads: int, mib: int = 512, repeats: int = 5) -> float:
+    """Streaming read bandwidth (GB/s, best of ``repeats``): torch.sum over a buffer far larger
+    than the caches, with ``threads`` threads -- the denominator of the roofline."""
+    buf = torch.ones(mib * 2**20 // 4)
+    prev = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        best = math.inf
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            buf.sum()
+            best = min(best, time.perf_counter() - t0)
+    finally:
+        torch.set_num_threads(prev)
+    return buf.numel() * 4 / best / 1e9
+
+
+def bytes_per_step(cfg: Config, context: int) -> dict[str, int]:
+    """Bytes a decode step must read at least: every weight once (the LM head included; an
+    untied embedding table only for the B rows it looks up) and each sequence's KV."""
+    from kvserve.model.loader import weight_bytes
+
+    model = cfg.engine.model
+    held = weight_bytes(model)[0]
+    embed = getattr(getattr(model, "model", None), "embed_tokens", None)
+    head = getattr(model, "lm_head", None)
+    tied = head is not None and getattr(head, "table", None) is embed or (
+        getattr(head, "weight", None) is getattr(embed, "weight", 0))
+    if embed is not None and not tied:
+        held -= sum(t.numel() * t.element_size() for t in embed.parameters())
+    kv = cfg.batch * context * cfg.engine.kv_cache.bytes_per_token
+    return {"weights": held, "kv": kv, "total": held + kv}
+
+
 def summarize(cfg: Config, args) -> dict[str, Any]:
     med = {k: statistics.median(w[k] for w in cfg.windows) for k in ("step_ms", *PARTS)}
     t_dec = med["step_ms"] / 1e3
@@ -202,6 +241,7 @@ def summarize(cfg: Config, args) -> dict[str, Any]:
         "decode_tokens_per_s": cfg.batch / t_dec,
         "prefill_us_per_token": p * 1e6,
         "projected_tokens_per_s": proj,
+        "bytes_per_step": bytes_per_step(cfg, args.context),
         "windows": cfg.windows,
     }
 
@@ -289,12 +329,17 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         undo()
     rows = [summarize(c, args) for c in configs]
+    bw = read_bandwidth_gbs(torch.get_num_threads())
+    for row in rows:  # the floor: bytes that must be read / measured read bandwidth
+        row["roofline_floor_ms"] = row["bytes_per_step"]["total"] / bw / 1e6
+        row["step_over_floor"] = row["step_ms"] / row["roofline_floor_ms"]
     base, cand = rows[0], rows[-1]
     result = {
         "bench": "step_profile",
         "model": model_label(resolve_model_path(args.model)),
         "context": args.context,
         "clock": args.clock,
+        "read_bandwidth_gbs": bw,
         "steps": args.steps,
         "repeats": args.repeats,
         "input_len": args.input_len,
@@ -314,7 +359,10 @@ def main(argv: list[str] | None = None) -> int:
         parts = ", ".join(f"{k} {v:.2f}" for k, v in row["parts_ms"].items())
         log(f"{row['kv_cache_dtype']:>9}@{row['batch']:<3} step {row['step_ms']:.2f} ms "
             f"({parts}); prefill {row['prefill_us_per_token']:.1f} us/token; projected "
-            f"{row['projected_tokens_per_s']:.0f} tok/s")
+            f"{row['projected_tokens_per_s']:.0f} tok/s; reads "
+            f"{row['bytes_per_step']['total'] / 2**20:.1f} MiB/step -> floor "
+            f"{row['roofline_floor_ms']:.2f} ms ({row['step_over_floor']:.2f}x)")
+    log(f"read bandwidth {bw:.1f} GB/s ({torch.get_num_threads()} threads)")
     log(f"decode_ratio {result['summary']['decode_ratio']:.3f}, projected_ratio "
         f"{result['summary']['projected_ratio']:.3f}")
     if args.plot:

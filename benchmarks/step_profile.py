@@ -13,6 +13,7 @@ wall-clock timers around the parts of a step:
 
     attention      the C paged-attention kernel (all layers)
     kv_write       writing the step's K/V into the cache (FP8: quantize + scales)
+    rotation       rotated KV modes (int8, fp8_rot): q/k/v times R and the output times R^T
     linear         every Linear / MergedLinear / INT4 / Q8 LM-head forward: the GEMMs, lm_head
                    included
     forward_other  the rest of the model forward and LM-head step (embedding, norms, rope,
@@ -63,7 +64,7 @@ from kvserve.engine.llm_engine import LLMEngine
 from kvserve.layers import linear as linear_mod
 from kvserve.sampling_params import SamplingParams
 
-PARTS = ("attention", "kv_write", "linear", "forward_other", "sampling", "engine")
+PARTS = ("attention", "kv_write", "rotation", "linear", "forward_other", "sampling", "engine")
 MIN_BUDGET = 16 * 2**20
 
 
@@ -92,6 +93,11 @@ def install_class_timers(timers: Timers):
     the function that puts the originals back."""
     saved = [(cpu_kernel, "paged_attention", cpu_kernel.paged_attention)]
     cpu_kernel.paged_attention = timers.wrap("attention", cpu_kernel.paged_attention)
+    from kvserve.quant.rotation import KVRotation
+
+    for meth in ("apply", "invert"):
+        saved.append((KVRotation, meth, getattr(KVRotation, meth)))
+        setattr(KVRotation, meth, timers.wrap("rotation", getattr(KVRotation, meth)))
     from kvserve.layers.q8_embedding import Q8LMHead
 
     for cls in (linear_mod.Linear, linear_mod.MergedLinear, linear_mod.Int4MergedLinear,
@@ -169,8 +175,10 @@ def run_window(cfg: Config, steps: int, timers: Timers) -> dict[str, float]:
     parts = {
         "attention": t["attention"],
         "kv_write": t["kv_write"],
+        "rotation": t["rotation"],
         "linear": t["linear"],
-        "forward_other": t["forward"] - t["attention"] - t["kv_write"] - t["linear"],
+        "forward_other": (t["forward"] - t["attention"] - t["kv_write"] - t["rotation"]
+                          - t["linear"]),
         "sampling": t["sampling"],
         "engine": total - t["forward"] - t["sampling"],
     }
@@ -207,7 +215,7 @@ def plot(result: dict[str, Any], path: str) -> None:
                           (axes[1], "per_seq_us", "us per running sequence per step")):
         left = [0.0] * len(rows)
         for i, part in enumerate(PARTS):
-            vals = [r[key][part] for r in rows]
+            vals = [r[key].get(part, 0.0) for r in rows]  # (older JSONs: no "rotation")
             ax.barh(names, vals, left=left, color=colors[i % len(colors)], label=part)
             left = [a + b for a, b in zip(left, vals, strict=True)]
         ax.invert_yaxis()

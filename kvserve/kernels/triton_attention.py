@@ -21,7 +21,8 @@ their FP8 code values (exactly representable in bf16/fp16) inside the dots::
 
 (with an fp16 model, p * v_scale could fall into fp16's subnormals, so there the V tile is
 dequantised instead: acc[h] += sum_n p[h, n] * (v8[n, :] * v_scale[n])). INT8 takes the same
-path (``IS_FP8`` means "scaled"): its codes, integers in [-127, 127], are exact in bf16/fp16.
+path (``IS_FP8`` means "scaled"): its codes, integers in [-127, 127], are exact in bf16/fp16;
+its scales are 1-byte codes e read as ``2^(e/8)`` (``LOG8_SCALES``, kvserve/quant/int8.py).
 
 Softmax runs online in base 2 (``exp2``; scores pre-multiplied by log2(e)), with the usual
 running max m, running sum l and rescaled accumulator.
@@ -108,6 +109,14 @@ def _scales_arg(kv_data: torch.Tensor, kv_scales: torch.Tensor | None, layer: in
 
 
 @triton.jit
+def _scale(raw, LOG8: tl.constexpr):
+    """fp32 scales of loaded scale entries: bf16 values (FP8) or INT8's codes e -> 2^(e/8)."""
+    if LOG8:
+        return tl.exp2(raw.to(tl.float32) * 0.125)
+    return raw.to(tl.float32)
+
+
+@triton.jit
 def _row_offsets(
     BT_row, offs_n, mask_n, stride_kvb, stride_kvt, stride_scb, stride_sct, BLOCK_SIZE: tl.constexpr
 ):
@@ -156,6 +165,7 @@ def _decode_split_kernel(
     BLOCK_D: tl.constexpr,
     BLOCK_N: tl.constexpr,
     IS_FP8: tl.constexpr,
+    LOG8_SCALES: tl.constexpr,  # INT8 cache: scales are 1-byte codes e, 2^(e/8)
     DEQUANT_V: tl.constexpr,  # FP8 cache, fp16 model: scale the V rows, not p
     DOT_DTYPE: tl.constexpr,
     PRECISION: tl.constexpr,
@@ -191,7 +201,7 @@ def _decode_split_kernel(
         k = tl.load(kv_head + row[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
         s = tl.dot(q, tl.trans(k.to(DOT_DTYPE)), input_precision=PRECISION)
         if IS_FP8:
-            k_sc = tl.load(sc_head + srow, mask=mask_n, other=0.0).to(tl.float32)
+            k_sc = _scale(tl.load(sc_head + srow, mask=mask_n, other=0), LOG8_SCALES)
             s = s * k_sc[None, :]
         s = tl.where(mask_n[None, :], s * qk_scale, float("-inf"))  # [BLOCK_H, BLOCK_N]
         m_new = tl.maximum(m_i, tl.max(s, axis=1))  # finite: the tile has >= 1 valid position
@@ -200,7 +210,7 @@ def _decode_split_kernel(
         l_i = l_i * alpha + tl.sum(p, axis=1)
         v = tl.load(kv_head + stride_kvc + row[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
         if IS_FP8:
-            v_sc = tl.load(sc_head + stride_scc + srow, mask=mask_n, other=0.0).to(tl.float32)
+            v_sc = _scale(tl.load(sc_head + stride_scc + srow, mask=mask_n, other=0), LOG8_SCALES)
             if DEQUANT_V:
                 # fp16 would flush p * scale (scales reach 1e-8) into its subnormals:
                 # dequantise the V tile instead, back at the model's magnitudes
@@ -397,6 +407,7 @@ def paged_decode_attention(
         BLOCK_D=_pow2(D),
         BLOCK_N=block_n,
         IS_FP8=ref.is_scaled(kv_data.dtype),
+        LOG8_SCALES=kv_data.dtype == torch.int8,
         DEQUANT_V=q.dtype == torch.float16,
         DOT_DTYPE=dot_dtype,
         PRECISION="ieee" if dot_dtype == tl.float32 else "tf32",
@@ -441,6 +452,7 @@ def _prefill_kernel(
     BLOCK_D: tl.constexpr,
     BLOCK_N: tl.constexpr,
     IS_FP8: tl.constexpr,
+    LOG8_SCALES: tl.constexpr,  # INT8 cache: scales are 1-byte codes e, 2^(e/8)
     DEQUANT_V: tl.constexpr,  # FP8 cache, fp16 model: scale the V rows, not p
     DOT_DTYPE: tl.constexpr,
     PRECISION: tl.constexpr,
@@ -489,7 +501,7 @@ def _prefill_kernel(
         k = tl.load(kv_head + row[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
         s = tl.dot(q, tl.trans(k.to(DOT_DTYPE)), input_precision=PRECISION)
         if IS_FP8:
-            k_sc = tl.load(sc_head + srow, mask=mask_n, other=0.0).to(tl.float32)
+            k_sc = _scale(tl.load(sc_head + srow, mask=mask_n, other=0), LOG8_SCALES)
             s = s * k_sc[None, :]
         keep = mask_n[None, :] & (offs_n[None, :] <= pos_m[:, None])
         s = tl.where(keep, s * qk_scale, float("-inf"))  # [BLOCK_M, BLOCK_N]
@@ -500,7 +512,7 @@ def _prefill_kernel(
         l_i = l_i * alpha + tl.sum(p, axis=1)
         v = tl.load(kv_head + stride_kvc + row[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
         if IS_FP8:
-            v_sc = tl.load(sc_head + stride_scc + srow, mask=mask_n, other=0.0).to(tl.float32)
+            v_sc = _scale(tl.load(sc_head + stride_scc + srow, mask=mask_n, other=0), LOG8_SCALES)
             if DEQUANT_V:
                 # fp16 would flush p * scale (scales reach 1e-8) into its subnormals:
                 # dequantise the V tile instead, back at the model's magnitudes
@@ -582,6 +594,7 @@ def paged_attention(
         BLOCK_D=_pow2(D),
         BLOCK_N=block_n,
         IS_FP8=ref.is_scaled(kv_data.dtype),
+        LOG8_SCALES=kv_data.dtype == torch.int8,
         DEQUANT_V=q.dtype == torch.float16,
         DOT_DTYPE=dot_dtype,
         PRECISION="ieee" if dot_dtype == tl.float32 else "tf32",
@@ -631,6 +644,7 @@ def _mla_split_kernel(
     BLOCK_R: tl.constexpr,
     BLOCK_N: tl.constexpr,
     IS_FP8: tl.constexpr,
+    LOG8_SCALES: tl.constexpr,  # INT8 cache: scales are 1-byte codes e, 2^(e/8)
     DOT_DTYPE: tl.constexpr,
     PRECISION: tl.constexpr,
 ):
@@ -683,7 +697,7 @@ def _mla_split_kernel(
         s = tl.dot(qn, tl.trans(c), input_precision=PRECISION)
         s += tl.dot(qr, tl.trans(r.to(DOT_DTYPE)), input_precision=PRECISION)
         if IS_FP8:
-            sc = tl.load(SC + srow, mask=mask_n, other=0.0).to(tl.float32)
+            sc = _scale(tl.load(SC + srow, mask=mask_n, other=0), LOG8_SCALES)
             s = s * sc[None, :]
         s = tl.where(mask_n[None, :], s * qk_scale, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
@@ -775,6 +789,7 @@ def mla_decode(
         BLOCK_R=_pow2(R),
         BLOCK_N=block_n,
         IS_FP8=ref.is_scaled(kv_data.dtype),
+        LOG8_SCALES=kv_data.dtype == torch.int8,
         DOT_DTYPE=dot_dtype,
         PRECISION="ieee" if dot_dtype == tl.float32 else "tf32",
         num_warps=8 if lora >= 256 else 4,

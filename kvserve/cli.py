@@ -47,6 +47,11 @@ def add_engine_args(p: argparse.ArgumentParser, model_positional: bool = False) 
     p.add_argument("--device", default="cpu", help="cpu | cuda (Triton attention backend)")
     p.add_argument("--enforce-eager", action="store_true",
                    help="cuda: no CUDA graphs for decode steps (always eager)")
+    p.add_argument("--gguf-activations", default="int8x2", choices=["int8x2", "int8", "fp32"],
+                   help="GGUF Q4/Q8 weights on CPU: activations as int8 blocks of 32 for "
+                        "integer dot products -- int8x2: two int8 passes (~15 bits, "
+                        "near-exact), int8: one (llama.cpp's arithmetic, fastest); fp32: "
+                        "the dequantized weights' exact product (slowest)")
     t = p.add_argument_group("parallelism (docs/parallelism.md)")
     t.add_argument("-tp", "--tensor-parallel-size", type=int, default=1,
                    help="split the model over this many ranks (processes / devices)")
@@ -77,6 +82,7 @@ def engine_args_from(ns: argparse.Namespace):
         attention_backend=ns.attention_backend, seed=ns.seed,
         device=getattr(ns, "device", "cpu"),
         enforce_eager=getattr(ns, "enforce_eager", False),
+        gguf_activations=getattr(ns, "gguf_activations", "int8x2"),
         **parallel_args_from(ns),
     )
 

@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 from kvserve.config import CacheConfig, SchedulerConfig, parse_size
 from kvserve.model.default_model import demo_model_path  # noqa: F401 - re-exported
+from kvserve.quant.wq import activation_terms
 
 
 @dataclass(frozen=True, slots=True)
@@ -34,6 +35,10 @@ class EngineArgs:
     # CUDA only: False captures decode steps as CUDA graphs per batch bucket
     # (kvserve/engine/cuda_graphs.py); True runs every step eagerly (as vLLM's flag).
     enforce_eager: bool = False
+    # GGUF Q4_0 / Q4_1 / Q8_0 weights on CPU (kvserve.quant.wq): activations quantized to int8
+    # per 32 columns for integer dot products. "int8x2": two int8 passes (~15-bit, the
+    # default), "int8": one (llama.cpp's arithmetic), "fp32": exact product, slowest.
+    gguf_activations: str = "int8x2"
     seed: int = 0
     progress: bool = True
     # Tensor parallelism (kvserve/engine/executor.py, docs/parallelism.md): ranks that split
@@ -49,6 +54,7 @@ class EngineArgs:
     distributed_timeout_s: float = 300.0
 
     def __post_init__(self) -> None:
+        activation_terms(self.gguf_activations)  # ValueError naming gguf_activations
         tp = self.tensor_parallel_size
         if isinstance(tp, bool) or not isinstance(tp, int) or tp < 1:
             raise ValueError(f"tensor_parallel_size must be an integer >= 1, got {tp!r}")

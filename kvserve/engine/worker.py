@@ -31,6 +31,7 @@ from kvserve.engine.model_runner import ModelRunner, StepInput
 from kvserve.layers.linear import kv_head_layout
 from kvserve.model.default_model import resolve_model
 from kvserve.model.loader import LoadedModel, checkpoint_dtype, load_model
+from kvserve.quant.wq import activation_terms
 
 logger = logging.getLogger("kvserve")
 
@@ -57,7 +58,8 @@ class Worker:
         self.args, self.rank, self.world_size = args, rank, world_size
         self.path = resolve_model(args.model)
         self.loaded: LoadedModel = load_model(self.path, args.dtype, args.device,
-                                              progress=args.progress and rank == 0)
+                                              progress=args.progress and rank == 0,
+                                              act_terms=activation_terms(args.gguf_activations))
         self.model = self.loaded.model
         self.spec = self.model.kv_spec()  # this rank's heads
         self.layout = self._layout()

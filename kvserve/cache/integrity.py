@@ -42,7 +42,7 @@ import time
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Protocol, TypeVar
+from typing import Protocol, TypeVar
 
 import numpy as np
 import torch
@@ -52,9 +52,6 @@ from kvserve.cache.kv_cache import PagedKVCache
 from kvserve.cbuild import build_library
 
 T = TypeVar("T")
-
-if TYPE_CHECKING:
-    from kvserve.engine.llm_engine import LLMEngine
 
 logger = logging.getLogger("kvserve.integrity")
 
@@ -274,9 +271,6 @@ class IntegrityChecker:
         # Wall seconds spent in integrity work, by kind (seal, verify incl. scrub / paranoid /
         # reuse, allocate): the direct cost measure, beside tok/s comparisons.
         self.seconds: Counter[str] = Counter()
-        # Ask a fused writer (Triton backends) to keep the per-block checksum state; the
-        # backend allocates kv.csum_state when it is built (after this checker).
-        kv.checksums_wanted = True
 
     # ---- sealing --------------------------------------------------------------------------
     def _digest(self, block_id: int, token_hash: bytes, sums: np.ndarray) -> bytes:
@@ -355,38 +349,27 @@ class IntegrityChecker:
         what = f"layer(s) {layers}" if layers else "identity (generation/tokens/fingerprint)"
         logger.error("integrity: block %d failed verification (%s): %s", block_id, reason, what)
 
-    # ---- repair ---------------------------------------------------------------------------
-    def repair(self, engine: LLMEngine) -> None:
-        """Roll every request holding a quarantined block back to the last good block."""
-        if not self._pending:
-            return
-        bad = self._pending
-        bs = self.kv.block_size
-        for req in list(engine.scheduler.running):
-            blocks = engine.kv.get_block_ids(req)
-            hit = [i for i, b in enumerate(blocks) if b in bad]
-            if not hit:
-                continue
-            first = min(hit)
-            engine.kv.truncate(req, first)
-            req.num_computed_tokens = min(req.num_computed_tokens, first * bs)
-            self.repairs["rollback"] += 1
-            logger.warning("integrity: request %s rolled back to token %d (recompute)",
-                           req.request_id, first * bs)
-        self._pending = set()
-
     # ---- per-step hook --------------------------------------------------------------------
-    def scrub_step(self, engine: LLMEngine) -> None:
-        """Called at the start of every engine step: paranoid checks, scrubbing, repairs."""
+    def begin_step(self, held_blocks: Callable[[], list[int]]) -> list[int]:
+        """Called at the start of every engine step: paranoid checks of the blocks running
+        requests hold (``held_blocks()``), or a scrub batch. Returns the blocks found bad since
+        the last call (here or by a prefix-hit check), already quarantined: the scheduler rolls
+        back the requests holding them (``Scheduler.rollback``) and reports them with
+        ``record_rollbacks``."""
         self._step_start = time.perf_counter()
         if self.mode == "paranoid":
-            held = sorted({b for r in engine.scheduler.running
-                           for b in engine.kv.get_block_ids(r) if b in self.seals})
+            held = sorted({b for b in held_blocks() if b in self.seals})
             if held:
                 self.verify(held, "paranoid")
         else:
             self._scrub()
-        self.repair(engine)
+        bad, self._pending = sorted(self._pending), set()
+        return bad
+
+    def record_rollbacks(self, num_requests: int) -> None:
+        """Count requests rolled back to recompute from their last good block."""
+        if num_requests:
+            self.repairs["rollback"] += num_requests
 
     def end_step(self) -> None:
         """Called when an engine step's work is done: the scrub budget is a fraction of the

@@ -63,6 +63,7 @@ class PagedKVCache:
         device: torch.device | str = "cpu",
         static_scales: torch.Tensor | None = None,
         rotation_seed: int | None = None,
+        checksums: bool = False,
     ) -> None:
         self.num_layers = num_layers
         self.num_blocks = num_blocks
@@ -94,8 +95,9 @@ class PagedKVCache:
             from kvserve.attention import cpu_kernel
 
             self.use_kernel = cpu_kernel.load() is not None
-        # Per-block checksum state: wanted by the integrity checker, kept by a fused writer.
-        self.checksums_wanted = False
+        # Per-block checksum state: wanted when integrity is on (decided by whoever builds the
+        # cache), kept by a fused writer (``enable_checksum_state``).
+        self.checksums_wanted = checksums
         self.csum_state: torch.Tensor | None = None
         # Optional checkpoint scales [num_layers, C, H] (per-tensor scales broadcast over H).
         self.static_scales = None
@@ -110,7 +112,7 @@ class PagedKVCache:
 
     def enable_checksum_state(self) -> torch.Tensor | None:
         """Called by a backend whose writes accumulate the checksum state: allocates
-        ``csum_state`` (once) if the integrity checker asked for it, else returns None.
+        ``csum_state`` (once) if the cache was built with ``checksums``, else returns None.
 
         Must run before any block is allocated: the checker zeroes a block's row on allocation,
         so a row that existed before allocation began would not be trustworthy.

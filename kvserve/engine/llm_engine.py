@@ -212,7 +212,9 @@ class LLMEngine:
     @torch.inference_mode()
     def step(self) -> list[RequestOutput]:
         if self.integrity is not None:
-            self.integrity.scrub_step(self)
+            bad = self.integrity.begin_step(self.scheduler.held_block_ids)
+            if bad:
+                self.integrity.record_rollbacks(len(self.scheduler.rollback(bad)))
         sched = self.scheduler.schedule()
         if sched.is_empty:
             return []

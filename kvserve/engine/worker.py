@@ -68,12 +68,13 @@ class Worker:
             spec["num_layers"], lay.num_blocks, lay.block_size, spec["num_kv_heads"],
             spec["head_dim"], spec["components"], lay.dtype, args.device, static_scales=static,
             rotation_seed=lay.rotation_seed,
+            # rank 0 seals from the fused writer's state; other ranks recompute their slice
+            checksums=args.kv_integrity != "off" and rank == 0,
         )
         self.fingerprint = self._fingerprint()
 
     def init_runner(self) -> ModelRunner:
-        """The attention backend and runner. Separate from ``__init__`` so that the driver's
-        integrity checker can ask for write-side checksums before the backend is built."""
+        """The attention backend and runner."""
         spec, args = self.spec, self.args
         backend = get_backend(args.attention_backend, self.kv_cache, spec["num_heads"],
                               spec["num_kv_heads"], spec["head_dim"], spec["scale"],

@@ -162,29 +162,24 @@ class StepRecord:
 
 @dataclass
 class StepRecorder:
-    """Times ``engine.step()`` and sees each step's ``SchedulerOutput`` by wrapping the
-    scheduler's ``schedule`` on this engine instance (no engine code changes)."""
+    """Times ``engine.step()`` and sees each step's ``SchedulerOutput`` through the engine's
+    ``on_schedule`` hook."""
 
     engine: LLMEngine
     steps: list[StepRecord] = field(default_factory=list)
     _last: Any = None
 
     def __post_init__(self) -> None:
-        sched = self.engine.scheduler
-        original = sched.schedule
-
-        def schedule():
-            out = original()
+        def on_schedule(out, num_running: int) -> None:
             decode = all(
                 n == 1 and req.num_computed_tokens == req.num_tokens - 1
                 and req.num_computed_tokens >= req.num_prompt_tokens
                 for req, n in out.scheduled
             )
-            self._last = (len(out.scheduled), len(sched.running), out.num_batched_tokens,
+            self._last = (len(out.scheduled), num_running, out.num_batched_tokens,
                           decode and bool(out.scheduled))
-            return out
 
-        sched.schedule = schedule  # instance attribute shadows the method
+        self.engine.on_schedule = on_schedule
 
     def step(self):
         self._last = None

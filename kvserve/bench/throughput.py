@@ -169,8 +169,8 @@ def run_closed_loop(cfg: _Config, concurrency: int, num_requests: int, input_len
         ntok[rid] = 0
         inflight.add(rid)
 
-    gen0 = engine.stats["generation_tokens"]
-    pre0 = engine.scheduler.num_preemptions
+    gen0 = engine.counters["generation_tokens"]
+    pre0 = engine.stats().num_preemptions
     rec.clear()
     t0 = time.perf_counter()
     for _ in range(concurrency):
@@ -195,7 +195,7 @@ def run_closed_loop(cfg: _Config, concurrency: int, num_requests: int, input_len
         if not outs and not engine.has_unfinished_requests():
             raise RuntimeError("engine has no work left before the level finished")
     elapsed = time.perf_counter() - t0
-    tokens = engine.stats["generation_tokens"] - gen0
+    tokens = engine.counters["generation_tokens"] - gen0
     engine.abort_request(sorted(inflight))
     steps = list(rec.steps)
     cfg.all_steps.extend(steps)
@@ -212,7 +212,7 @@ def run_closed_loop(cfg: _Config, concurrency: int, num_requests: int, input_len
         "mean_decode_step_ms": ms(mean(s.seconds for s in steps if s.all_decode)),
         "ttft_ms_median": ms(median(ttfts)),
         "itl_ms_median": ms(median(gaps)),
-        "preemptions": engine.scheduler.num_preemptions - pre0,
+        "preemptions": engine.stats().num_preemptions - pre0,
     }
 
 
@@ -268,8 +268,7 @@ def run_throughput(tc: ThroughputConfig) -> dict[str, Any]:
             run_closed_loop(cfg, c, tc.warmup_requests, tc.input_len,
                             min(tc.output_len, 16), tc.seed + 10_000 + i, tc.detokenize)
         cfg.all_steps.clear()
-        if cfg.engine.integrity is not None:
-            cfg.engine.integrity.seconds.clear()  # time only the measured runs
+        cfg.engine.reset_integrity_timers()  # time only the measured runs
 
     total = len(tc.concurrency) * tc.repeats * len(configs)
     bar = tqdm(total=total, desc="throughput", disable=not tc.progress, unit="run")
@@ -308,7 +307,7 @@ def run_throughput(tc: ThroughputConfig) -> dict[str, Any]:
             "peak": {"concurrency": peak["concurrency"],
                      "output_tokens_per_s": peak["output_tokens_per_s"]},
             "decode_step_ms_by_batch": summarize_by_batch(by_batch),
-            "integrity": eng.integrity.stats() if eng.integrity is not None else None,
+            "integrity": eng.stats().integrity,
             # all measured engine steps, for integrity seconds / step seconds
             "step_seconds_total": sum(st.seconds for st in cfg.all_steps),
             "leak_check": leak,

@@ -246,8 +246,8 @@ def run_llamacpp(args: argparse.Namespace, dense: str, work: str, vocab: int) ->
 
 
 def main() -> None:
-    from kvserve.quant.cli import safetensors_size, tensor_bytes
     from kvserve.quant.quantizer import quantize_checkpoint
+    from kvserve.quantize_cli import safetensors_size, tensor_bytes
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--json", default="int4_decode.json")

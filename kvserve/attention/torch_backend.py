@@ -31,6 +31,7 @@ from kvserve.attention.metadata import (
     plan_rows,
 )
 from kvserve.cache.kv_cache import PagedKVCache
+from kvserve.kernels.cpu import paged_attention as cpu_attention
 from kvserve.quant import fp8
 
 _WORKSPACE_MIN_TOKENS = 8192
@@ -66,10 +67,8 @@ class TorchAttentionBackend:
         self.factor = fp8.HALF_BITS_FACTOR.get(kv_cache.dtype, 1.0)
         # Every row through the C kernel when it builds (kvserve/csrc); this class's pure-torch
         # decode / prefill paths are its twin and the fallback.
-        from kvserve.attention import cpu_kernel
-
         self.use_kernel = (
-            not kv_cache.data.is_cuda and self.group <= 64 and cpu_kernel.load() is not None
+            not kv_cache.data.is_cuda and self.group <= 64 and cpu_attention.load() is not None
         )
 
     # ---- per-step planning (shared by all layers) -------------------------------------------
@@ -108,13 +107,11 @@ class TorchAttentionBackend:
         plan = self._plan(meta)
         out = torch.empty(q.shape, dtype=torch.float32, device=q.device)
         if plan["kernel"] is not None:
-            from kvserve.attention import cpu_kernel
-
             row_seq, tables, lens = plan["kernel"]
             scales = self.kv.scales[layer] if self.kv.has_scales else None
-            return cpu_kernel.paged_attention(self.kv.data[layer], scales,
-                                              q.float().contiguous(), tables, row_seq, lens,
-                                              self.scale, out)
+            return cpu_attention.paged_attention(self.kv.data[layer], scales,
+                                                 q.float().contiguous(), tables, row_seq,
+                                                 lens, self.scale, out)
         for tok, ids, mb, mask in plan["decode"]:
             out[tok] = self._decode(layer, q[tok], ids, mb, mask)
         for start, qlen, slen, ids in plan["prefill"]:

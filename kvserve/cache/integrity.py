@@ -34,7 +34,6 @@ belongs to another model/KV dtype, fails verification even if its bytes are inta
 
 from __future__ import annotations
 
-import ctypes
 import functools
 import hashlib
 import logging
@@ -49,7 +48,7 @@ import torch
 
 from kvserve.cache.block_pool import BlockPool
 from kvserve.cache.kv_cache import PagedKVCache
-from kvserve.cbuild import build_library
+from kvserve.kernels.cpu import block_sums as c_block_sums
 
 T = TypeVar("T")
 
@@ -72,43 +71,19 @@ class _Seal:
     sums: np.ndarray  # [L, 4] int64: S1, S2 (payload), S1, S2 (scales)
 
 
-@functools.cache
-def _sums_lib() -> ctypes.CDLL | None:
-    dll = build_library("block_sums")
-    if dll is None:
-        return None
-    p, i64 = ctypes.c_void_p, ctypes.c_int64
-    dll.kvs_block_sums.argtypes = [p, i64, i64, i64, p, i64, i64, ctypes.c_int, p]
-    dll.kvs_block_sums.restype = None
-    return dll
-
-
-def _region_sums_c(t: torch.Tensor, ids: np.ndarray, out: np.ndarray) -> None:
-    """C kernel: t [L, NB+1, ...] (any dtype, contiguous) -> out [n, L, 2] (S1, S2) of the
-    int16 words of t[l, b] for b in ids."""
-    lib = _sums_lib()
-    assert lib is not None and t.is_contiguous()
-    L, nb1 = t.shape[0], t.shape[1]
-    words = t.numel() // (L * nb1) * t.element_size() // 2
-    # a thread team costs ~20 us to wake: worth it only for many blocks (~1 us each)
-    threads = torch.get_num_threads() if len(ids) >= 32 else 1
-    lib.kvs_block_sums(t.data_ptr(), nb1 * words, words, words, ids.ctypes.data, len(ids), L,
-                       threads, out.ctypes.data)
-
-
 def block_sums(kv: PagedKVCache, block_ids: list[int]) -> np.ndarray:
     """[n, L, 4] int64 checksum sums of the given blocks, all layers (see module docstring).
     On a CPU cache this is the C kernel ``kvserve/csrc/block_sums.c`` reading the cache in
     place (one pass, ~10x the numpy reductions); its twin is ``block_sums_numpy``."""
-    if kv.data.is_cuda or _sums_lib() is None:
+    if kv.data.is_cuda or c_block_sums.load() is None:
         return block_sums_numpy(kv, block_ids)
     ids = np.asarray(block_ids, dtype=np.int64)
     out = np.empty((len(ids), kv.num_layers, 4), dtype=np.int64)
     pay = np.empty((len(ids), kv.num_layers, 2), dtype=np.int64)
-    _region_sums_c(kv.data, ids, pay)
+    c_block_sums.region_sums(kv.data, ids, pay)
     out[:, :, 0:2] = pay
     if kv.scales is not None:
-        _region_sums_c(kv.scales, ids, pay)
+        c_block_sums.region_sums(kv.scales, ids, pay)
         out[:, :, 2:4] = pay
     else:
         out[:, :, 2:4] = 0

@@ -32,7 +32,8 @@ import logging
 
 import torch
 
-from kvserve.config import FP8_DTYPES, SCALED_KV_DTYPES, KVMode
+from kvserve.config import KVMode, is_scaled
+from kvserve.kernels.cpu import paged_attention as cpu_attention
 from kvserve.quant import fp8, int8
 from kvserve.quant.rotation import KVRotation
 
@@ -46,7 +47,7 @@ def bytes_per_block(
     dtype: torch.dtype,
 ) -> int:
     elem = torch.empty((), dtype=dtype).element_size()
-    per_row = head_dim * elem + (SCALE_DTYPE.itemsize if dtype in SCALED_KV_DTYPES else 0)
+    per_row = head_dim * elem + (SCALE_DTYPE.itemsize if is_scaled(dtype) else 0)
     return num_layers * components * block_size * num_kv_heads * per_row
 
 
@@ -73,16 +74,17 @@ class PagedKVCache:
         self.head_dim = head_dim
         self.components = components
         self.dtype = dtype
-        self.is_fp8 = dtype in FP8_DTYPES
-        self.is_int8 = dtype == torch.int8
-        self.has_scales = dtype in SCALED_KV_DTYPES  # FP8 / INT8: one bf16 scale per row
+        # The storage kind is decided here once; backends read these flags, never the dtype.
+        self.mode = KVMode(dtype, rotate=rotation_seed is not None)
+        self.is_fp8 = self.mode.is_fp8
+        self.is_int8 = self.mode.is_int8
+        self.has_scales = self.mode.scaled  # FP8 / INT8: one bf16 scale per row
         if self.has_scales and head_dim % 2:
             raise ValueError(f"8-bit KV cache needs an even head_dim, got {head_dim}")
         # q/k/v rotation of the rotated modes (None: stored as computed).
         self.rotation = (
             None if rotation_seed is None else KVRotation(head_dim, rotation_seed, device)
         )
-        self.mode = KVMode(dtype, rotate=self.rotation is not None)
         shape = (num_layers, num_blocks + 1, components, block_size, num_kv_heads, head_dim)
         self.data = torch.zeros(shape, dtype=dtype, device=device)
         self.scales = (
@@ -92,9 +94,7 @@ class PagedKVCache:
         # int8.quantize are its twins.
         self.use_kernel = False
         if self.has_scales and not self.data.is_cuda:
-            from kvserve.attention import cpu_kernel
-
-            self.use_kernel = cpu_kernel.load() is not None
+            self.use_kernel = cpu_attention.load() is not None
         # Per-block checksum state: wanted when integrity is on (decided by whoever builds the
         # cache), kept by a fused writer (``enable_checksum_state``).
         self.checksums_wanted = checksums
@@ -151,19 +151,15 @@ class PagedKVCache:
             scale_rows = self.scales[layer].view(-1, self.num_kv_heads)
             if self.is_int8:
                 if self.use_kernel and not x.is_cuda:
-                    from kvserve.attention import cpu_kernel
-
-                    cpu_kernel.write_int8(x, r, flat, scale_rows)
+                    cpu_attention.write_int8(x, r, flat, scale_rows)
                     continue
                 q, s = int8.quantize_dynamic(x)
                 flat.index_copy_(0, r, q)
                 scale_rows.index_copy_(0, r, s)
                 continue
             if self.use_kernel and not x.is_cuda:
-                from kvserve.attention import cpu_kernel
-
                 static = None if self.static_scales is None else self.static_scales[layer, c]
-                cpu_kernel.write_fp8(x, r, flat, scale_rows, static)
+                cpu_attention.write_fp8(x, r, flat, scale_rows, static)
                 continue
             if self.static_scales is not None:
                 s = self.static_scales[layer, c].expand(x.shape[0], -1)

@@ -7,10 +7,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvserve.attention import cpu_kernel
 from kvserve.attention.metadata import AttentionMetadata
 from kvserve.attention.torch_backend import TorchAttentionBackend
 from kvserve.cache.kv_cache import PagedKVCache
+from kvserve.kernels.cpu import paged_attention as cpu_kernel
 
 pytestmark = pytest.mark.skipif(cpu_kernel.load() is None, reason="no C compiler")
 

@@ -1,4 +1,5 @@
-"""Loader for the C paged-attention kernel (``kvserve/csrc/paged_attention.c``).
+"""Bindings of ``kvserve/csrc/paged_attention.c``: the paged-attention kernel and the 8-bit
+KV writers.
 
 Compiled on first use by ``kvserve.cbuild`` (system C compiler, no torch headers), called
 through ctypes on raw tensor pointers. If no compiler is available, or ``KVSERVE_CPU_KERNEL=0``,

@@ -105,6 +105,13 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except RuntimeError as e:
+        from kvserve.distributed.parallel_state import DistributedError
+
+        if not isinstance(e, DistributedError):
+            raise
+        print(f"error: {e}", file=sys.stderr)  # a dead or hung tensor-parallel rank
+        return 1
 
 
 if __name__ == "__main__":

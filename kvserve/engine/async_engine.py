@@ -150,6 +150,8 @@ class AsyncLLMEngine:
         self._stopping = True
         self._commands.put(_Stop())
         self._thread.join(timeout)
+        if not self._thread.is_alive():  # never while the thread may be inside a collective
+            self._engine.shutdown()  # tensor parallel: stop (or, after a failure, kill) workers
 
     def is_alive(self) -> bool:
         return self._thread is not None and self._thread.is_alive() and self._dead is None

@@ -37,6 +37,7 @@ import multiprocessing as mp
 import os
 import shutil
 import tempfile
+import time
 import weakref
 from typing import Protocol
 
@@ -51,6 +52,7 @@ from kvserve.engine.worker import Worker
 logger = logging.getLogger("kvserve")
 
 STEP, SEAL, VERIFY, INJECT, DUMP_KV, SHUTDOWN = range(1, 7)
+_EXIT_GRACE_S = 1.0  # after a failed collective: how long a dying worker's exit may take
 _FAULT_KINDS = ("bitflip", "scale", "swap")
 
 
@@ -143,6 +145,7 @@ class MultiprocExecutor:
                             name=f"kvserve-tp{r}", daemon=True)
             p.start()
             self._res.procs.append(p)
+            self._res.ranks.append(r)
         self.procs = self._res.procs
         # Shut the workers down when this executor is collected or the process exits.
         self._finalizer = weakref.finalize(self, self._res.close)
@@ -158,23 +161,54 @@ class MultiprocExecutor:
 
     # ---- liveness ----------------------------------------------------------------------------
     def check_health(self) -> None:
-        """Raise ``DistributedError`` if a local worker process has exited."""
+        """Raise ``DistributedError`` if a local worker process has exited, or an earlier
+        collective failed (the group is then unusable for good)."""
         if self._res.closed:
             raise ps.DistributedError("the tensor-parallel executor was shut down")
-        for i, p in enumerate(self.procs, start=1):
+        dead = self._dead_worker()
+        if dead is not None:
+            raise dead
+        if self._res.failed is not None:
+            raise ps.DistributedError(f"{self._res.failed}; the engine cannot continue")
+
+    def _dead_worker(self) -> ps.DistributedError | None:
+        for rank, p in zip(self._res.ranks, self.procs, strict=True):
             if p.exitcode is not None:
-                raise ps.DistributedError(
-                    f"tensor-parallel worker rank {i} (pid {p.pid}) exited with code "
-                    f"{p.exitcode}; the engine cannot continue")
+                msg = (f"tensor-parallel worker rank {rank} (pid {p.pid}) exited with code "
+                       f"{p.exitcode}")
+                self._res.failed = self._res.failed or msg
+                return ps.DistributedError(f"{msg}; the engine cannot continue")
+        return None
+
+    def _failed(self, e: ps.DistributedError) -> ps.DistributedError:
+        """The error to raise for a failed collective: a worker that exited is named (the
+        collective failing is its consequence); otherwise the collective's own error and the
+        local workers' states (a hung one shows, e.g. "stopped"; ranks on other nodes are
+        not listed)."""
+        deadline = time.monotonic() + _EXIT_GRACE_S  # the socket may close before the exit shows
+        while (dead := self._dead_worker()) is None and time.monotonic() < deadline:
+            time.sleep(0.02)
+        if dead is not None:
+            return dead
+        alive = ", ".join(f"rank {r} (pid {p.pid}, {_proc_state(p.pid)})"
+                          for r, p in zip(self._res.ranks, self.procs, strict=True))
+        self._res.failed = f"{e}; local workers: {alive or 'none'}"
+        return ps.DistributedError(f"{self._res.failed}; the engine cannot continue")
 
     def _send(self, kind: int, payload: torch.Tensor | None = None) -> None:
         self.check_health()
-        _send(kind, payload)
+        try:
+            _send(kind, payload)
+        except ps.DistributedError as e:
+            raise self._failed(e) from e
 
     # ---- the step ----------------------------------------------------------------------------
     def execute(self, step: StepInput) -> list[torch.Tensor | None]:
         self._send(STEP, step.to_tensor())
-        return self.driver.execute(step)
+        try:
+            return self.driver.execute(step)
+        except ps.DistributedError as e:
+            raise self._failed(e) from e
 
     # ---- integrity across ranks (kvserve.cache.integrity.IntegrityPeers) ----------------------
     def seal(self, block_ids: list[int], generations: list[int],
@@ -189,7 +223,10 @@ class MultiprocExecutor:
         rank (all_reduce MAX), and every rank learns the same verdict."""
         n = len(block_ids)
         self._send(VERIFY, torch.tensor([n, *block_ids, *generations]))
-        mask = ps.cpu_all_reduce_max(torch.tensor(local_bad, dtype=torch.int64))
+        try:
+            mask = ps.cpu_all_reduce_max(torch.tensor(local_bad, dtype=torch.int64))
+        except ps.DistributedError as e:
+            raise self._failed(e) from e
         return [bool(x) for x in mask.tolist()]
 
     def inject(self, rank: int, block_id: int, layer: int, kind: str, index: int = 0,
@@ -205,7 +242,10 @@ class MultiprocExecutor:
     def gather_kv(self) -> list[torch.Tensor]:
         """Every rank's KV bytes (data, then FP8 scales) as flat uint8 on rank 0 (tests)."""
         self._send(DUMP_KV)
-        parts = ps.cpu_gather(_kv_bytes(self.driver))
+        try:
+            parts = ps.cpu_gather(_kv_bytes(self.driver))
+        except ps.DistributedError as e:
+            raise self._failed(e) from e
         assert parts is not None
         return parts
 
@@ -219,26 +259,47 @@ class _Resources:
 
     def __init__(self) -> None:
         self.procs: list[mp.process.BaseProcess] = []
+        self.ranks: list[int] = []  # the rank of each local worker process
         self.tmp: str | None = None
         self.closed = False
+        self.failed: str | None = None  # why the group is unusable (None while healthy)
 
     def close(self) -> None:
+        """A clean SHUTDOWN when every rank is healthy (workers exit 0); after a failure the
+        surviving local workers are ended at once (one may hang in a collective or be
+        stopped: SIGKILL, unlike SIGTERM, ends a stopped process too)."""
         if self.closed:
             return
         self.closed = True
+        healthy = self.failed is None and all(p.exitcode is None for p in self.procs)
         try:
-            if ps.state() is not None and all(p.exitcode is None for p in self.procs):
+            if healthy and ps.state() is not None:
                 _send(SHUTDOWN)
         except ps.DistributedError:
-            pass
+            healthy = False
         for p in self.procs:
-            p.join(timeout=30)
+            p.join(timeout=30 if healthy else 0.5)
             if p.exitcode is None:
                 p.terminate()
+                p.join(timeout=2)
+            if p.exitcode is None:
+                p.kill()
                 p.join(timeout=5)
         ps.destroy_distributed()
         if self.tmp is not None:
             shutil.rmtree(self.tmp, ignore_errors=True)
+
+
+def _proc_state(pid: int) -> str:
+    """A local process's state from /proc ("running", "sleeping", "stopped", ...)."""
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            for line in f:
+                if line.startswith("State:"):
+                    return line.split(None, 2)[2].strip().strip("()")
+    except OSError:
+        pass
+    return "state unknown"
 
 
 def local_ranks(args: EngineArgs) -> tuple[bool, list[int]]:

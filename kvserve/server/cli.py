@@ -5,6 +5,8 @@ generation requests get 503 while in-flight ones finish; once none is left uvico
 listener and the process exits 0. When ``--drain-timeout`` passes first, or on a second
 signal, the requests still in flight are ended (streams with ``finish_reason: "abort"`` and
 ``[DONE]``) and the server exits 0 within about 2 s more. A third signal exits at once.
+If the engine dies (e.g. a tensor-parallel worker rank exits or hangs), the server fails the
+requests in flight, shuts down and exits 1 with a log line saying why.
 
 Only argparse is imported at module level: ``kvserve.cli`` imports this module on every run.
 """
@@ -104,4 +106,8 @@ def serve(ns: argparse.Namespace, engine_args) -> int:
         engine.shutdown()
         if app is not None:
             app.state.server.close()
+    if server.engine_error is not None:
+        logger.error("kvserve serve: exiting with status 1: the engine died: %s",
+                     server.engine_error)
+        return 1
     return 0

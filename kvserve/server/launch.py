@@ -11,6 +11,13 @@ sees a cut chunked body and no task is cancelled mid-write; the server then wait
 grace period (``UVICORN_GRACE_S``, for connections still open after that) follows. A forced
 shutdown therefore takes at most ``--drain-timeout`` + 2 s. The signal is not re-raised
 afterwards, so the process exits 0. A third signal exits at once.
+
+When the engine dies (its thread raised: a tensor-parallel rank exited or hung past the
+collective timeout, or any other engine failure) the server stops on its own: ``/health`` and
+``/ready`` answer 503 and every request in flight has already been failed by the engine (an
+error response or a stream's error event, never a hang); after ``FORCE_GRACE_S`` for those
+answers to be written it shuts down, and ``kvserve serve`` logs why and exits 1
+(``engine_error``), so a supervisor (systemd, Kubernetes) sees the failure and restarts it.
 """
 
 from __future__ import annotations
@@ -38,6 +45,8 @@ class DrainingServer(uvicorn.Server):
         self._drain_started: float | None = None
         self._force_requested = False
         self._forced_at: float | None = None
+        self._engine_dead_at: float | None = None
+        self.engine_error: BaseException | None = None  # why the engine died, if it did
 
     @classmethod
     def create(cls, app: FastAPI, host: str, port: int, drain_timeout: float,
@@ -63,6 +72,16 @@ class DrainingServer(uvicorn.Server):
         self._drain_started = time.monotonic()
 
     async def on_tick(self, counter: int) -> bool:
+        dead = self._state.engine.dead_error
+        if dead is not None and self._engine_dead_at is None:
+            self.engine_error = dead
+            self._engine_dead_at = time.monotonic()
+            self._state.draining = True
+            logger.error("the engine died (%s); shutting down", dead)
+        if self._engine_dead_at is not None and not self.should_exit and (
+                self._state.inflight <= 0
+                or time.monotonic() - self._engine_dead_at >= FORCE_GRACE_S):
+            self.should_exit = True  # the engine already failed every request in flight
         if self._drain_started is not None and not self.should_exit:
             now = time.monotonic()
             if self._state.inflight <= 0:

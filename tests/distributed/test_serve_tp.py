@@ -1,10 +1,14 @@
 """``kvserve serve -tp 2``: answers OpenAI-client requests like the single-process engine,
-SIGTERM stops every rank, and a killed worker turns /health unhealthy (no silent hang)."""
+SIGTERM stops every rank, and a worker that dies or hangs fails the request in flight, turns
+/health unhealthy and makes the server exit 1 naming the rank (no silent hang)."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
+import subprocess
+import threading
 import time
 
 import httpx
@@ -85,7 +89,76 @@ def test_sigterm_stops_every_rank(tiny_llama):
     assert not _alive(worker), "the worker rank outlived the server"
 
 
-def test_killed_worker_makes_health_fail(tiny_llama):
+def _fail_worker_mid_request(sig: int, timeout_s: str) -> tuple[int, float, str, dict]:
+    """Serve the demo model with ``-tp 2``, start a long completion, send ``sig`` to the
+    worker rank while it runs. Returns (the server's exit code, seconds from the signal to its
+    exit, its log, what the in-flight request got)."""
+    from tests.server.conftest import demo_model
+
+    server = ServerProcess(demo_model(), "-tp", "2", "--distributed-timeout", timeout_s,
+                           "--step-delay", "0.05")
+    got: dict = {}
+    try:
+        server.wait_healthy(timeout=180)
+        assert httpx.get(f"{server.url}/health", timeout=5).status_code == 200, server.log()
+        worker = _worker_pid(server)
+
+        def request() -> None:
+            try:
+                r = httpx.post(f"{server.url}/v1/completions", timeout=90, json={
+                    "model": "tiny", "prompt": "The", "max_tokens": 1000, "ignore_eos": True})
+                got["status"], got["body"] = r.status_code, r.text
+            except httpx.HTTPError as e:  # a hang would end here (90 s), not in an answer
+                got["error"] = repr(e)
+
+        t = threading.Thread(target=request)
+        t.start()
+        time.sleep(2.0)  # the request is decoding (50 ms per step, 1000 tokens)
+        health_before = httpx.get(f"{server.url}/health", timeout=5).status_code
+        os.kill(worker, sig)
+        t0 = time.monotonic()
+        try:
+            code = server.proc.wait(int(timeout_s) + 45)
+        except subprocess.TimeoutExpired:
+            code = None
+        took = time.monotonic() - t0
+        t.join(30)
+        got["health_before"] = health_before
+        if sig == signal.SIGSTOP:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(worker, signal.SIGKILL)  # if the server failed to
+        return code, took, server.log(), got
+    finally:
+        server.stop()
+
+
+def test_killed_worker_fails_the_request_and_exits_nonzero():
+    """SIGKILL the worker rank mid-request: the request gets an error answer (not a hang),
+    /health stops answering 200, and the server exits 1 naming the dead rank."""
+    code, took, log, got = _fail_worker_mid_request(signal.SIGKILL, "30")
+    assert got["health_before"] == 200
+    assert code == 1, f"exit code {code} after {took:.1f}s\n{log}"
+    assert took < 30, log  # a dead peer fails the collective at once, not at the timeout
+    assert got.get("status") == 500 and "engine_dead" in got["body"], (got, log)
+    assert "worker rank 1" in log and "exited with code -9" in log, log
+    assert "exiting with status 1" in log, log
+
+
+def test_hung_worker_times_out_and_exits_nonzero():
+    """SIGSTOP the worker rank mid-request (a hang, not a death): the driver's collective
+    times out after --distributed-timeout, the request gets an error answer and the server
+    exits 1, its log naming the stopped rank."""
+    code, took, log, got = _fail_worker_mid_request(signal.SIGSTOP, "5")
+    assert code == 1, f"exit code {code} after {took:.1f}s\n{log}"
+    assert 4 < took < 40, log
+    assert got.get("status") == 500 and "engine_dead" in got["body"], (got, log)
+    assert "rank 1" in log and "stopped" in log, log
+    assert "exiting with status 1" in log, log
+
+
+def test_killed_idle_worker_makes_health_fail_and_exit(tiny_llama):
+    """An idle server notices a dead worker too (no request needed): /health stops answering
+    200 and the process exits 1."""
     server = ServerProcess(tiny_llama, "-tp", "2", "--distributed-timeout", "5")
     try:
         server.wait_healthy(timeout=180)
@@ -94,12 +167,14 @@ def test_killed_worker_makes_health_fail(tiny_llama):
         os.kill(_worker_pid(server), signal.SIGKILL)
         deadline = time.monotonic() + 30
         status = 200
-        while time.monotonic() < deadline:
-            status = httpx.get(f"{server.url}/health", timeout=5).status_code
-            if status != 200:
-                break
-            time.sleep(0.5)
-        assert status == 503, server.log()
+        while time.monotonic() < deadline and status == 200:
+            try:
+                status = httpx.get(f"{server.url}/health", timeout=5).status_code
+            except httpx.HTTPError:
+                status = -1  # the server already exited
+            time.sleep(0.2)
+        assert status != 200, server.log()
+        assert server.proc.wait(30) == 1, server.log()
         assert "worker rank 1" in server.log()
     finally:
         server.stop()

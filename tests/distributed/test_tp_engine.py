@@ -248,6 +248,56 @@ def test_worker_death_is_a_clear_error(model_factory):
     assert "worker rank 1" in msg and "exited with code -9" in msg, msg
 
 
+def _worker_fails_mid_generate(path: str, sig: int) -> tuple[str, float]:
+    """``sig`` reaches the worker rank while ``generate`` is decoding (from a timer thread):
+    ``generate`` must raise, within the collective timeout, not hang."""
+    import signal
+    import threading
+    import time
+
+    from kvserve import LLM, SamplingParams
+    from kvserve.distributed.parallel_state import DistributedError
+
+    llm = LLM(path, **_kw(2, distributed_timeout_s=5))
+    pid = llm.engine.executor.procs[0].pid
+    sent: list[float] = []
+
+    def fail() -> None:
+        os.kill(pid, sig)
+        sent.append(time.monotonic())
+
+    timer = threading.Timer(1.0, fail)
+    timer.start()
+    try:
+        llm.generate([{"prompt_token_ids": p} for p in PROMPTS],
+                     SamplingParams(max_tokens=100000, ignore_eos=True))
+        msg = "no error"
+    except DistributedError as e:
+        msg = str(e)
+    took = time.monotonic() - sent[0] if sent else -1.0
+    timer.join()
+    llm.engine.shutdown()  # kills a stopped worker too
+    if sig == signal.SIGSTOP:
+        assert llm.engine.executor.procs[0].exitcode is not None, "the stopped worker lives"
+    return msg, took
+
+
+def test_worker_killed_mid_generate_raises(model_factory):
+    import signal
+
+    msg, took = run_driver(_worker_fails_mid_generate, model_factory("llama"), signal.SIGKILL)
+    assert "worker rank 1" in msg and "exited with code -9" in msg, msg
+    assert 0 <= took < 5, took  # a dead peer fails the collective at once
+
+
+def test_worker_hung_mid_generate_raises_after_timeout(model_factory):
+    import signal
+
+    msg, took = run_driver(_worker_fails_mid_generate, model_factory("llama"), signal.SIGSTOP)
+    assert "rank 1" in msg and "stopped" in msg and "cannot continue" in msg, msg
+    assert 4 < took < 30, took  # the 5 s collective timeout
+
+
 def _sequential_engines(path: str) -> list:
     """Two TP engines one after the other in one process: the first is shut down when it is
     collected (no explicit shutdown); two alive at once is a clear error."""

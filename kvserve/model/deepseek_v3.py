@@ -35,12 +35,11 @@ from torch import nn
 
 from kvserve.distributed.parallel_state import get_tp_size
 from kvserve.layers.linear import ColumnParallelLinear, Linear, RowParallelLinear
-from kvserve.layers.moe import check_activation, load_expert_tensor
+from kvserve.layers.moe import check_activation, deepseek_style_moe, load_expert_tensor
 from kvserve.layers.norm import RMSNorm
 from kvserve.layers.rotary import RotaryEmbedding, _rope_parameters
 from kvserve.layers.vocab_parallel import ParallelLMHead, VocabParallelEmbedding, gather_logits
 from kvserve.model.forward_batch import ForwardBatch
-from kvserve.model.glm4_moe import deepseek_style_moe
 from kvserve.model.llama import LlamaMLP
 
 
@@ -139,7 +138,7 @@ class DeepseekV3DecoderLayer(nn.Module):
         super().__init__()
         self.self_attn = DeepseekV3Attention(config, layer_idx, rotary)
         if layer_idx >= config.first_k_dense_replace:
-            self.mlp: nn.Module = deepseek_style_moe(config)
+            self.mlp: nn.Module = deepseek_style_moe(config, LlamaMLP)
         else:
             self.mlp = LlamaMLP(config.hidden_size, config.intermediate_size)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)

@@ -53,9 +53,9 @@ def build_engine(args: EngineArgs) -> EngineParts:
     tokenizer = load_tokenizer(args.tokenizer or loaded.folder)
     model_config = ModelConfig(
         path=worker.path, architecture=loaded.architecture, dtype=loaded.dtype,
-        vocab_size=loaded.hf_config.vocab_size, num_layers=spec["num_layers"],
-        num_kv_heads=spec["num_kv_heads"], head_dim=spec["head_dim"],
-        kv_components=spec["components"], max_model_len=layout.max_model_len,
+        vocab_size=loaded.hf_config.vocab_size, num_layers=spec.num_layers,
+        num_kv_heads=spec.num_kv_heads, head_dim=spec.head_dim,
+        kv_components=spec.components, max_model_len=layout.max_model_len,
         eos_token_ids=worker.eos_ids(), bos_token_id=tokenizer.bos_token_id,
     )
     kv_cache = worker.kv_cache  # rank 0's slice (its KV heads) under TP

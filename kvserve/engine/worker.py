@@ -63,10 +63,10 @@ class Worker:
         spec, lay = self.spec, self.layout
         static = self.loaded.kv_scales
         if static is not None:
-            static = static.unsqueeze(-1).expand(-1, -1, spec["num_kv_heads"])
+            static = static.unsqueeze(-1).expand(-1, -1, spec.num_kv_heads)
         self.kv_cache = PagedKVCache(
-            spec["num_layers"], lay.num_blocks, lay.block_size, spec["num_kv_heads"],
-            spec["head_dim"], spec["components"], lay.dtype, args.device, static_scales=static,
+            spec.num_layers, lay.num_blocks, lay.block_size, spec.num_kv_heads,
+            spec.head_dim, spec.components, lay.dtype, args.device, static_scales=static,
             rotation_seed=lay.rotation_seed,
             # rank 0 seals from the fused writer's state; other ranks recompute their slice
             checksums=args.kv_integrity != "off" and rank == 0,
@@ -76,11 +76,11 @@ class Worker:
     def init_runner(self) -> ModelRunner:
         """The attention backend and runner."""
         spec, args = self.spec, self.args
-        backend = get_backend(args.attention_backend, self.kv_cache, spec["num_heads"],
-                              spec["num_kv_heads"], spec["head_dim"], spec["scale"],
+        backend = get_backend(args.attention_backend, self.kv_cache, spec.num_heads,
+                              spec.num_kv_heads, spec.head_dim, spec.scale,
                               self.layout.max_model_len)
         self.runner = ModelRunner(self.model, backend, self.layout.block_size,
-                                  spec["components"], args.device,
+                                  spec.components, args.device,
                                   graphs=self._cuda_graphs(backend))
         return self.runner
 
@@ -98,18 +98,16 @@ class Worker:
         kv_mode = resolve_kv_mode(cache_cfg.kv_cache_dtype, auto_kv)
         kv_dtype = kv_mode.dtype
         rot_seed = cache_cfg.kv_rotation_seed if kv_mode.rotate else None
-        if kv_mode.rotate and spec["components"] != 2:
+        if kv_mode.rotate and spec.components != 2:
             raise ValueError(f"kv_cache_dtype {cache_cfg.kv_cache_dtype!r} (rotated) is not "
                              "supported for an MLA latent cache; use fp8 or bf16")
-        if kv_dtype == torch.int8 and spec["components"] != 2:
+        if kv_dtype == torch.int8 and spec.components != 2:
             raise ValueError(f"kv_cache_dtype {cache_cfg.kv_cache_dtype!r} (INT8) is not "
                              "supported for an MLA latent cache; use fp8 or bf16")
-        per_block = bytes_per_block(spec["num_layers"], cache_cfg.block_size,
-                                    spec["num_kv_heads"], spec["head_dim"],
-                                    spec["components"], kv_dtype)
-        max_len = spec["max_position_embeddings"]
-        if spec.get("sliding_window"):
-            max_len = min(max_len, spec["sliding_window"])
+        per_block = bytes_per_block(spec.num_layers, cache_cfg.block_size,
+                                    spec.num_kv_heads, spec.head_dim,
+                                    spec.components, kv_dtype)
+        max_len = spec.context_len
         if sched_cfg.max_model_len is not None:
             if sched_cfg.max_model_len > max_len:
                 raise ValueError(f"max_model_len {sched_cfg.max_model_len} exceeds the model's "
@@ -166,12 +164,12 @@ class Worker:
         be captured; a failed capture logs and runs eagerly."""
         if self.args.enforce_eager or not self.kv_cache.data.is_cuda or self.world_size > 1:
             return None
-        if not hasattr(backend, "graph_plan"):
+        if not backend.cuda_graphs:
             logger.info("CUDA graphs off: attention backend %r is not capturable", backend.name)
             return None
         sched_cfg = self.args.scheduler_config()
         graphs = CudaGraphRunner(self.model, backend, self.kv_cache, self.kv_cache.block_size,
-                                 self.spec["components"], sched_cfg.max_num_seqs,
+                                 self.spec.components, sched_cfg.max_num_seqs,
                                  self.layout.max_model_len)
         try:
             graphs.capture()

@@ -62,7 +62,7 @@ def _kernel_vs_twin(dtype, hq, hk, d, bs, seq_lens, query_lens):
     torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-3)
     # the portable job (the kernel's own fallback) agrees too
     meta.cache.clear()
-    row_seq, tables, lens = fast._plan(meta)["kernel"]
+    row_seq, tables, lens = fast._plan(meta).kernel
     c = cpu_kernel.paged_attention(kv.data[0], kv.scales[0] if kv.has_scales else None,
                                    q.float().contiguous(), tables, row_seq, lens, d**-0.5,
                                    torch.empty_like(a), force_scalar=True)

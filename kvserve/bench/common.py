@@ -330,20 +330,14 @@ def peer_importable(python: str | None, module: str, timeout: float = 120.0) -> 
 
 def run_peer_script(python: str, script: str, payload: dict[str, Any],
                     timeout: float) -> dict[str, Any]:
-    """Run ``script`` (source text) in ``python`` with ``payload`` as JSON on stdin; the script
-    prints one JSON object as its last stdout line. Failures come back as ``{"error": ...}``."""
-    import tempfile
-
-    with tempfile.NamedTemporaryFile("w", suffix=".py", delete=False) as f:
-        f.write(script)
-        name = f.name
+    """Run the peer runner file ``script`` (``kvserve.bench.peers``) in ``python`` with
+    ``payload`` as JSON on stdin; it prints one JSON object as its last stdout line. Failures
+    come back as ``{"error": ...}``."""
     try:
-        r = subprocess.run([python, name], input=json.dumps(payload), capture_output=True,
+        r = subprocess.run([python, script], input=json.dumps(payload), capture_output=True,
                            text=True, timeout=timeout)
     except subprocess.TimeoutExpired:
         return {"error": f"peer timed out after {timeout:.0f} s"}
-    finally:
-        os.unlink(name)
     lines = [ln for ln in r.stdout.splitlines() if ln.strip()]
     if r.returncode != 0 or not lines:
         return {"error": f"peer exited {r.returncode}", "stderr_tail": r.stderr[-2000:]}
@@ -379,7 +373,10 @@ def _json_default(o: Any) -> Any:
 
 def pyplot():
     """matplotlib.pyplot on the headless Agg backend."""
-    import matplotlib
+    try:
+        import matplotlib
+    except ImportError:
+        raise ValueError("--plot needs matplotlib: pip install 'kvserve[bench]'") from None
 
     matplotlib.use("Agg", force=True)
     import matplotlib.pyplot as plt

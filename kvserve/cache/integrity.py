@@ -150,12 +150,25 @@ def _digest(fingerprint: bytes, block_id: int, generation: int, token_hash: byte
     return h.digest()
 
 
+def content_hashes(sums: np.ndarray) -> np.ndarray:
+    """[n, L, 4] block sums -> [n] int64: one 64-bit hash of each block's payload and scale
+    checksums (no identity), comparable across ranks that hold the same bytes."""
+    out = np.empty(len(sums), dtype=np.int64)
+    for i, s in enumerate(sums):
+        out[i] = np.frombuffer(hashlib.blake2b(np.ascontiguousarray(s).tobytes(),
+                                               digest_size=8).digest(), dtype=np.int64)[0]
+    return out
+
+
 class IntegrityPeers(Protocol):
     """The other tensor-parallel ranks (kvserve.engine.executor.MultiprocExecutor): each holds
     its own slice (KV heads) of every block and seals / verifies that slice itself."""
 
-    def seal(self, block_ids: list[int], generations: list[int],
-             token_hashes: list[bytes]) -> None: ...
+    def seal(self, block_ids: list[int], generations: list[int], token_hashes: list[bytes],
+             sums: np.ndarray) -> list[bool]:
+        """Seal on every rank; ``sums`` are rank 0's. Returns, per block, whether ranks that
+        hold replicated copies (MLA latent, replicated KV heads) sealed different bytes."""
+        ...
 
     def verify(self, block_ids: list[int], generations: list[int],
                local_bad: list[bool]) -> list[bool]: ...
@@ -172,12 +185,13 @@ class SliceSeals:
         self.seals: dict[int, tuple[bytes, bytes]] = {}  # block -> (digest, token hash)
 
     def seal(self, block_ids: list[int], generations: list[int],
-             token_hashes: list[bytes]) -> None:
-        if not block_ids:
-            return
-        sums = block_sums(self.kv, block_ids)
+             token_hashes: list[bytes]) -> np.ndarray:
+        """Seal this rank's slice of the blocks; returns their sums [n, L, 4]."""
+        sums = block_sums(self.kv, block_ids) if block_ids else np.zeros(
+            (0, self.kv.num_layers, 4), dtype=np.int64)
         for i, (b, g, th) in enumerate(zip(block_ids, generations, token_hashes, strict=True)):
             self.seals[b] = (_digest(self.fingerprint, b, g, th, sums[i]), th)
+        return sums
 
     def verify(self, block_ids: list[int], generations: list[int]) -> list[bool]:
         """Bad flags, one per block: unsealed here, or its bytes or identity (generation)
@@ -276,8 +290,17 @@ class IntegrityChecker:
         for i, (b, th) in enumerate(zip(block_ids, token_hashes, strict=True)):
             self.seals[b] = _Seal(self._digest(b, th, sums[i]), th, sums[i])
         if self.peers is not None:
-            self.peers.seal(block_ids, [self.pool.blocks[b].generation for b in block_ids],
-                            token_hashes)
+            diverged = self.peers.seal(
+                block_ids, [self.pool.blocks[b].generation for b in block_ids], token_hashes,
+                sums)
+            for b, bad in zip(block_ids, diverged, strict=True):
+                if bad:  # two ranks' copies of a replicated block differ: neither is trusted
+                    logger.error("integrity: block %d: its replicated copies differ across "
+                                 "tensor-parallel ranks (at seal)", b)
+                    self.failures["replica"] += 1
+                    self.seals.pop(b, None)
+                    self.pool.quarantine(b)
+                    self._pending.add(b)
 
     def is_sealed(self, block_id: int) -> bool:
         return block_id in self.seals

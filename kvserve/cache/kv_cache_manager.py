@@ -173,7 +173,8 @@ class KVCacheManager:
             self.integrity.seal([p[0] for p in pending], [p[1] for p in pending])
         if self.enable_prefix_caching:
             for block_id, block_hash, toks in pending:
-                if self.pool.blocks[block_id].ref_cnt > 0:
+                block = self.pool.blocks[block_id]
+                if block.ref_cnt > 0 and not block.quarantined:  # failed its seal: not reusable
                     self.pool.register(block_id, block_hash, toks)
 
     def free(self, req: Request) -> None:

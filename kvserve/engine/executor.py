@@ -23,7 +23,9 @@ Control messages (all rank 0 -> every rank, on the gloo CPU group):
     (the header on a group without a timeout: workers wait for it however long the engine
     idles; everything after it is bounded by the collective timeout)
     STEP     StepInput.to_tensor()
-    SEAL     n, block ids[n], generations[n], token hashes[n, 2] (16 bytes as two int64)
+    SEAL     n, block ids[n], generations[n], token hashes[n, 2] (16 bytes as two int64);
+             with replicated KV (MLA latent, tp > KV heads) then a gather to rank 0 of
+             (replica key, content hash[n]) per rank, compared there (``replica_mismatch``)
     VERIFY   n, block ids[n], generations[n]   then all_reduce(MAX) of the bad mask [n]
     INJECT   target rank, block, layer, kind code, index, bit, other_index
     DUMP_KV  (tests) gather of every rank's KV bytes to rank 0
@@ -44,6 +46,7 @@ from typing import Protocol
 import numpy as np
 import torch
 
+from kvserve.cache.integrity import content_hashes
 from kvserve.distributed import parallel_state as ps
 from kvserve.engine.arg_utils import EngineArgs
 from kvserve.engine.model_runner import StepInput
@@ -109,6 +112,33 @@ def _hashes_to_tensor(hashes: list[bytes]) -> torch.Tensor:
 def _tensor_to_hashes(t: torch.Tensor) -> list[bytes]:
     raw = t.numpy().astype(np.int64).tobytes()
     return [raw[i : i + 16] for i in range(0, len(raw), 16)]
+
+
+def _replica_message(key: int, sums: np.ndarray) -> torch.Tensor:
+    """(replica key, content hash of each sealed block) for the seal-time comparison."""
+    return torch.cat([torch.tensor([key]), torch.from_numpy(content_hashes(sums))])
+
+
+def replica_mismatch(parts: list[torch.Tensor], block_ids: list[int]) -> list[bool]:
+    """Per block: do two ranks with the same replica key (``parts[r][0]``) hold different
+    content hashes (``parts[r][1:]``)? Logs which ranks disagree."""
+    groups: dict[int, list[int]] = {}
+    for r, p in enumerate(parts):
+        groups.setdefault(int(p[0]), []).append(r)
+    bad = torch.zeros(len(block_ids), dtype=torch.bool)
+    for key, ranks in groups.items():
+        if len(ranks) < 2:
+            continue
+        hashes = torch.stack([parts[r][1:] for r in ranks])  # [ranks, n]
+        differ = (hashes != hashes[0]).any(dim=0)
+        for i in differ.nonzero().flatten().tolist():
+            votes: dict[int, list[int]] = {}
+            for r, h in zip(ranks, hashes[:, i].tolist(), strict=True):
+                votes.setdefault(h, []).append(r)
+            logger.error("integrity: block %d: replicated copy %d differs across ranks (%s)",
+                         block_ids[i], key, " vs ".join(str(v) for v in votes.values()))
+        bad |= differ
+    return bad.tolist()
 
 
 def _kv_bytes(worker: Worker) -> torch.Tensor:
@@ -211,11 +241,24 @@ class MultiprocExecutor:
             raise self._failed(e) from e
 
     # ---- integrity across ranks (kvserve.cache.integrity.IntegrityPeers) ----------------------
-    def seal(self, block_ids: list[int], generations: list[int],
-             token_hashes: list[bytes]) -> None:
+    def seal(self, block_ids: list[int], generations: list[int], token_hashes: list[bytes],
+             sums: np.ndarray) -> list[bool]:
+        """Every rank seals its slice. Where ranks hold replicated copies (``Worker.
+        replica_key``), their checksums must agree: rank 0 gathers each rank's content hashes
+        and flags the blocks whose copies differ (the checker quarantines those and the
+        requests holding them recompute, on every rank alike: only rank 0 schedules)."""
         n = len(block_ids)
         self._send(SEAL, torch.cat([torch.tensor([n, *block_ids, *generations]),
                                     _hashes_to_tensor(token_hashes)]))
+        key = self.driver.replica_key
+        if key is None:
+            return [False] * n
+        try:
+            parts = ps.cpu_gather(_replica_message(key, sums))
+        except ps.DistributedError as e:
+            raise self._failed(e) from e
+        assert parts is not None
+        return replica_mismatch(parts, block_ids)
 
     def verify(self, block_ids: list[int], generations: list[int],
                local_bad: list[bool]) -> list[bool]:
@@ -371,7 +414,9 @@ def worker_main(args: EngineArgs, rank: int, world_size: int, init_method: str,
                 elif kind == SEAL:
                     n = int(x[0])
                     ids, gens = x[1 : 1 + n].tolist(), x[1 + n : 1 + 2 * n].tolist()
-                    seals.seal(ids, gens, _tensor_to_hashes(x[1 + 2 * n :]))
+                    sums = seals.seal(ids, gens, _tensor_to_hashes(x[1 + 2 * n :]))
+                    if worker.replica_key is not None:
+                        ps.cpu_gather(_replica_message(worker.replica_key, sums))
                 elif kind == VERIFY:
                     n = int(x[0])
                     ids, gens = x[1 : 1 + n].tolist(), x[1 + n : 1 + 2 * n].tolist()

@@ -28,6 +28,7 @@ from kvserve.distributed import parallel_state as ps
 from kvserve.engine.arg_utils import EngineArgs
 from kvserve.engine.cuda_graphs import CudaGraphRunner, clear_scratch_block
 from kvserve.engine.model_runner import ModelRunner, StepInput
+from kvserve.layers.linear import kv_head_layout
 from kvserve.model.default_model import resolve_model
 from kvserve.model.loader import LoadedModel, checkpoint_dtype, load_model
 
@@ -72,6 +73,7 @@ class Worker:
             checksums=args.kv_integrity != "off" and rank == 0,
         )
         self.fingerprint = self._fingerprint()
+        self.replica_key = self._replica_key()
 
     def init_runner(self) -> ModelRunner:
         """The attention backend and runner."""
@@ -123,6 +125,26 @@ class Worker:
             n = agreed
             note += " (per rank)"
         return KVLayout(n, cache_cfg.block_size, kv_dtype, max_len, note, kv_mode.name, rot_seed)
+
+    def _replica_key(self) -> int | None:
+        """Which replicated copy of the KV this rank holds, or None when its slice is its own.
+
+        Tensor parallel ranks hold identical KV bytes in two layouts: MLA (every rank caches
+        the same latent row: key 0) and GQA with tp > num_key_value_heads (rank r holds KV
+        head ``r // replicas``: the key is that head). Ranks with the same key must agree bit
+        for bit (their inputs are the same all-reduced activations and the weights that
+        produce them are replicated); ``kvserve.cache.integrity`` compares their checksums
+        at seal time. Every rank derives the same answer from the same config, so all of them
+        know without a collective whether the comparison runs."""
+        if self.world_size == 1:
+            return None
+        if self.spec["components"] == 1:
+            return 0
+        cfg = self.loaded.hf_config
+        kv = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
+        if self.world_size <= kv:
+            return None
+        return kv_head_layout(kv, self.world_size, self.rank)[1]
 
     def _fingerprint(self) -> bytes:
         """Binds seals and prefix-cache hashes to the model files, dtypes, block size and

@@ -109,19 +109,24 @@ class ColumnParallelLinear(Linear):
 
 
 class RowParallelLinear(Linear):
-    """Input columns split over the TP ranks: y = all_reduce(x_r W_r^T) + b (bias once)."""
+    """Input columns split over the TP ranks: y = all_reduce(x_r W_r^T) + b (bias once).
+    ``reduce_results=False`` (vLLM's name): return the partial sum x_r W_r^T; the caller
+    reduces once after summing several of them (an MoE layer's experts). No bias then."""
 
-    reduce_results = True
-
-    def __init__(self, in_features: int, out_features: int, bias: bool = False) -> None:
+    def __init__(self, in_features: int, out_features: int, bias: bool = False, *,
+                 reduce_results: bool = True) -> None:
+        if bias and not reduce_results:
+            raise ValueError("RowParallelLinear: bias needs reduce_results=True (a bias added "
+                             "to every rank's partial sum would be counted tp times)")
         tp, r = get_tp_size(), get_tp_rank()
         per = in_features // tp
         super().__init__(per, out_features, bias)
+        self.reduce_results = reduce_results
         self.full_in = in_features
         self.tp_plan = {None: ShardSlice(1, r * per, per, in_features) if tp > 1 else None}
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if get_tp_size() == 1:
+        if get_tp_size() == 1 or not self.reduce_results:
             return F.linear(x, self.weight, self.bias)
         y = tp_all_reduce(F.linear(x, self.weight))  # [T, out]: the sum of every rank's part
         return y if self.bias is None else y + self.bias

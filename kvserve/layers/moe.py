@@ -30,7 +30,10 @@ and ``index_add_``-ed back. No Python loop over tokens.
 INT4 checkpoints: ``Int4FusedMoE`` (per-expert ``ExpertMLP`` children whose gate_up_proj /
 down_proj the loader swaps for ``Int4MergedLinear``, i.e. one ``Int4Linear`` for gate+up and one
 for down per expert) replaces ``FusedMoE`` when ``quantization_config`` quantizes the experts;
-routing and dispatch (``dispatch_experts``) are shared.
+routing and dispatch (``dispatch_experts``) are shared. Under tensor parallelism it splits
+like ``FusedMoE``: each expert's gate/up rows and down columns (whole INT4 groups, checked
+up front) per rank, or, with expert parallelism, whole experts per rank (``RemoteExpert``
+placeholders stand for the others and their checkpoint tensors are skipped unread).
 
 INT4 hook (in-memory quantization): ``FusedMoE.use_expert_modules(w13_modules, w2_modules)``
 swaps the dense stacked weights for per-expert modules (``nn.ModuleList`` of E modules each
@@ -55,7 +58,13 @@ from kvserve.distributed.parallel_state import (
     get_tp_size,
     tp_all_reduce,
 )
-from kvserve.layers.linear import Linear, MergedLinear, default_weight_loader
+from kvserve.layers.linear import (
+    Linear,
+    MergedColumnParallelLinear,
+    MergedLinear,
+    RowParallelLinear,
+    default_weight_loader,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -294,20 +303,37 @@ class ExpertMLP(nn.Module):
     """One routed expert as its own modules, named like the checkpoint's per-expert tensors:
     ``gate_up_proj`` [2I, hidden] (rows [0, I) gate_proj, [I, 2I) up_proj: one GEMM, the w13
     slice of ``FusedMoE``) and ``down_proj`` [hidden, I] (w2). The loader swaps each for an
-    ``Int4MergedLinear`` (one ``Int4Linear``) when ``quantization_config`` quantizes it."""
+    ``Int4MergedLinear`` (one ``Int4Linear``) when ``quantization_config`` quantizes it.
 
-    def __init__(self, hidden: int, intermediate: int) -> None:
+    ``split`` (tensor parallel without expert parallelism): this rank's I/tp gate rows and up
+    rows (column parallel) and I/tp down columns (row parallel, whole INT4 groups), the down
+    output a partial sum that the MoE layer all-reduces once for all its experts."""
+
+    def __init__(self, hidden: int, intermediate: int, split: bool = False) -> None:
         super().__init__()
+        self.gate_up_proj: nn.Module
+        self.down_proj: nn.Module
+        if split:
+            self.gate_up_proj = MergedColumnParallelLinear(
+                hidden, (intermediate, intermediate), ("gate", "up"))
+            self.down_proj = RowParallelLinear(intermediate, hidden, reduce_results=False)
+            intermediate //= get_tp_size()
+        else:
+            self.gate_up_proj = MergedLinear(hidden, (intermediate, intermediate),
+                                             ("gate", "up"))
+            self.down_proj = Linear(intermediate, hidden)
         self.intermediate = intermediate
-        self.gate_up_proj: nn.Module = MergedLinear(hidden, (intermediate, intermediate),
-                                                    ("gate", "up"))
-        self.down_proj: nn.Module = Linear(intermediate, hidden)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [n, hidden] -> [n, hidden] in x's dtype."""
         h = self.gate_up_proj(x)  # [n, 2I]
         i = self.intermediate
         return self.down_proj(F.silu(h[:, :i]) * h[:, i:])
+
+
+class RemoteExpert(nn.Module):
+    """Expert parallel: stands in (no parameters) for an expert another rank holds, so the
+    local experts keep their checkpoint names (``experts.<e>``)."""
 
 
 class Int4FusedMoE(nn.ModuleList):
@@ -322,11 +348,25 @@ class Int4FusedMoE(nn.ModuleList):
     ``g_idx``) and one for down.
 
     Built by ``replacing`` a meta ``FusedMoE`` (``kvserve.model.loader.swap_int4_modules``).
+
+    Tensor parallel, as ``FusedMoE``: ``split`` experts (``ExpertMLP(split=True)``: rows and
+    whole-group columns per rank) or expert parallel (rank r holds experts [lo, lo + n) as
+    ``ExpertMLP``, the rest are ``RemoteExpert``); either way one all-reduce sums the ranks'
+    partial outputs.
     """
 
     def __init__(self, num_experts: int, hidden: int, intermediate: int) -> None:
-        super().__init__(ExpertMLP(hidden, intermediate) for _ in range(num_experts))
+        """``intermediate``: the checkpoint's (full) moe_intermediate_size."""
+        tp, r = get_tp_size(), get_tp_rank()
+        ep = tp > 1 and expert_parallel()
+        split = tp > 1 and not ep
+        local = num_experts // tp if ep else num_experts
+        lo = r * local if ep else 0
+        super().__init__(ExpertMLP(hidden, intermediate, split) if lo <= e < lo + local
+                         else RemoteExpert() for e in range(num_experts))
         self.num_experts, self.hidden, self.intermediate = num_experts, hidden, intermediate
+        self.ep, self.expert_lo, self.num_local = ep, lo, local
+        self.reduce_results = tp > 1
 
     @classmethod
     def replacing(cls, moe: FusedMoE) -> Int4FusedMoE:
@@ -335,20 +375,27 @@ class Int4FusedMoE(nn.ModuleList):
         torch.set_default_dtype(moe.w13.dtype)
         try:
             with torch.device("meta"):
-                return cls(moe.num_experts, moe.hidden, moe.intermediate)
+                return cls(moe.num_experts, moe.hidden, moe.full_intermediate)
         finally:
             torch.set_default_dtype(prev)
+
+    def is_local(self, expert: int) -> bool:
+        return self.expert_lo <= expert < self.expert_lo + self.num_local
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor,  # type: ignore[override]
                 ids: torch.Tensor) -> torch.Tensor:
         """x [T, hidden], weights [T, k] fp32, ids [T, k] -> [T, hidden] in x's dtype."""
-        return dispatch_experts(x, weights, ids, self.num_experts,
-                                lambda e, xe: self[e](xe))
+        lo = self.expert_lo
+        out = dispatch_experts(x, weights, ids, self.num_experts, lambda e, xe: self[e](xe),
+                               local=(lo, lo + self.num_local) if self.ep else None)
+        return tp_all_reduce(out) if self.reduce_results else out  # sum of the ranks' parts
 
     def weight_bytes(self) -> int:
         """Bytes of the expert weights held (INT4 packs, scales/zeros, dense leftovers)."""
         n = 0
         for expert in self:
+            if not isinstance(expert, ExpertMLP):
+                continue  # another rank's expert
             for mod in (expert.gate_up_proj, expert.down_proj):
                 if hasattr(mod, "weight_bytes"):  # Int4MergedLinear
                     n += mod.weight_bytes()
@@ -406,6 +453,7 @@ def check_activation(config) -> None:
 _PER_EXPERT = re.compile(r"^(?P<prefix>.+)\.experts\.(?P<e>\d+)\.(?P<kind>gate|up|down)_proj"
                          r"\.weight$")
 _FUSED = re.compile(r"^(?P<prefix>.+)\.experts\.(?P<kind>gate_up_proj|down_proj)(\.weight)?$")
+_ANY_EXPERT = re.compile(r"^(?P<prefix>.+)\.experts\.(?P<e>\d+)\.(gate|up|down)_proj\.\w+$")
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.")
 
 
@@ -423,6 +471,13 @@ def load_expert_tensor(model: nn.Module, name: str, handle, loaded: set) -> bool
     if m and int(m.group(1)) >= model.config.num_hidden_layers:
         logger.debug("skipping %s (layer beyond num_hidden_layers: MTP)", name)
         return True
+    if (m := _ANY_EXPERT.match(name)) is not None:
+        try:
+            experts = model.get_submodule(f"{m['prefix']}.experts")
+        except AttributeError:
+            experts = None
+        if isinstance(experts, Int4FusedMoE) and not experts.is_local(int(m["e"])):
+            return True  # expert parallel: another rank holds this expert (not read here)
     if (m := _PER_EXPERT.match(name)) is not None:
         e, kind = int(m["e"]), m["kind"]
         pname = f"{m['prefix']}.experts.{'w2' if kind == 'down' else 'w13'}"

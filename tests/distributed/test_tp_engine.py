@@ -206,6 +206,57 @@ def test_integrity_drill_rank1_bitflip(model_factory):
     assert res["cached"] < len(SHARED)  # the bad block and what follows were recomputed
 
 
+def _replica_drill(path: str) -> dict:
+    """Replicated KV (MLA latent, or KV heads when tp > num_key_value_heads): corrupt rank
+    1's copy of a block *before* it is sealed, so rank 1's own seal covers the bad bytes and
+    only the cross-rank comparison at seal time can see it. The block must be quarantined on
+    the agreed verdict, its holder recomputed, and the output equal the clean run's.
+
+    Prompt of 20 tokens, 16-token prefill chunks: step 1 fills and seals block 0, step 2
+    writes tokens 16-19 into block 1, which decode then fills. The flip hits the lowest
+    mantissa bit of token 17's first value in layer 1, too small to change a greedy token
+    while it is read before the seal."""
+    from kvserve import LLM, SamplingParams
+
+    prompt = {"prompt_token_ids": SHARED[:20]}
+    sp = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    llm = LLM(path, **_kw(2, max_num_batched_tokens=16, enable_prefix_caching=False))
+    try:
+        engine = llm.engine
+        clean = llm.generate(prompt, sp)[0].outputs[0].token_ids
+        assert sum(engine.integrity.stats()["failures"].values()) == 0
+        engine.add_request("drill", prompt, sp)
+        engine.step()
+        engine.step()
+        req = engine.scheduler.running[0]
+        assert req.num_computed_tokens == 20
+        block = engine.kv.get_block_ids(req)[1]
+        row = engine.kv_cache.data[1, block, 0, 0].numel() * engine.kv_cache.data.element_size()
+        engine.inject_kv_fault(block, layer=1, kind="bitflip", rank=1, index=row, bit=0)
+        out = None
+        while engine.has_unfinished_requests():
+            for o in engine.step():
+                if o.finished:
+                    out = o.outputs[0].token_ids
+        stats = engine.integrity.stats()
+        engine.check_no_leaks()
+    finally:
+        llm.engine.shutdown()
+    return {"clean": clean, "again": out, "stats": stats, "replica": engine.executor.driver
+            .replica_key}
+
+
+def test_replicated_kv_heads_compared_across_ranks(model_factory):
+    """tp=2 > num_key_value_heads=1: both ranks hold KV head 0; a copy that differs on rank
+    1 only is caught at seal and repaired by recompute."""
+    res = run_driver(_replica_drill, model_factory("llama", num_key_value_heads=1))
+    assert res["replica"] == 0
+    assert res["again"] == res["clean"]
+    assert res["stats"]["failures"] == {"replica": 1}, res["stats"]
+    assert res["stats"]["repairs"].get("rollback", 0) >= 1, res["stats"]
+    assert res["stats"]["quarantined_blocks"] == 1
+
+
 def test_validation_before_any_process(model_factory):
     """tp must divide the heads: a ValueError naming the parameter and the sizes that work,
     raised before a worker is spawned (fast, in-process)."""
@@ -324,3 +375,14 @@ def test_sequential_engines_in_one_process(model_factory):
     a, err, b, _ = run_driver(_sequential_engines, model_factory("llama"))
     assert a == b
     assert "another tensor-parallel engine is alive" in err
+
+
+def test_replica_mismatch_groups_by_copy():
+    """Four ranks, two replicated KV heads (keys 0, 0, 1, 1): a block is flagged only where
+    two ranks holding the same copy disagree; different copies never compare."""
+    from kvserve.engine.executor import replica_mismatch
+
+    parts = [torch.tensor([0, 11, 12, 13]), torch.tensor([0, 11, 99, 13]),
+             torch.tensor([1, 21, 22, 23]), torch.tensor([1, 21, 22, 98])]
+    assert replica_mismatch(parts, [5, 6, 7]) == [False, True, True]
+    assert replica_mismatch(parts[:1] + parts[2:3], [5, 6, 7]) == [False] * 3

@@ -76,10 +76,10 @@ def _hf_classes(family: str):
     return getattr(tf, f"{family}Config"), getattr(tf, f"{family}ForCausalLM")
 
 
-def make_tiny_moe(path: str, name: str) -> str:
+def make_tiny_moe(path: str, name: str, **extra) -> str:
     family, overrides = ARCHS[name]
     cfg_cls, model_cls = _hf_classes(family)
-    cfg = cfg_cls(**{**COMMON, **overrides})
+    cfg = cfg_cls(**{**COMMON, **overrides, **extra})
     torch.manual_seed(0)
     model = model_cls(cfg).to(torch.float32)
     with torch.no_grad():  # sharper than the default init, so greedy is not knife-edge

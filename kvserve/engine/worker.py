@@ -138,7 +138,7 @@ class Worker:
         know without a collective whether the comparison runs."""
         if self.world_size == 1:
             return None
-        if self.spec["components"] == 1:
+        if self.spec.components == 1:
             return 0
         cfg = self.loaded.hf_config
         kv = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads

@@ -79,7 +79,7 @@ def main(argv: list[str] | None = None) -> int:
         kv, meta, q = setup(dtype, a)
         be = TorchAttentionBackend(kv, a.kv_heads * a.group, a.kv_heads, a.head_dim,
                                    a.head_dim**-0.5, 4096)
-        plan = be._plan(meta)["kernel"]
+        plan = be._plan(meta).kernel
         out = torch.empty_like(q)
 
         def kernel(force_scalar: bool, kv=kv, plan=plan, q=q, out=out) -> None:

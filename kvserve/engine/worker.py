@@ -162,7 +162,7 @@ class Worker:
                  f"{self.layout.block_size}{rot}".encode())
         if self.world_size > 1:
             h.update(f"|tp={self.world_size}|rank={self.rank}|kv_heads="
-                     f"{self.spec['num_kv_heads']}".encode())
+                     f"{self.spec.num_kv_heads}".encode())
         return h.digest()
 
     def eos_ids(self) -> tuple[int, ...]:

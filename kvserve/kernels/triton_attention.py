@@ -47,6 +47,7 @@ tiles are kept at the 16-row minimum.
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 
 import torch
 import triton
@@ -345,6 +346,35 @@ def _max_ctx(
     return max_seq_len
 
 
+@dataclass(frozen=True, slots=True)
+class _Splits:
+    """Split-K decode: S splits of ``tokens`` positions per sequence, each writing its partial
+    output mid_o fp32 [B, Hq, S, W] and log-sum-exp mid_lse fp32 [B, Hq, S] for ``_merge``."""
+
+    num: int
+    tokens: int
+    mid_o: torch.Tensor
+    mid_lse: torch.Tensor
+
+    def kernel_args(self, block_tables: torch.Tensor) -> tuple[int, ...]:
+        """The split kernels' trailing arguments: the block-table row stride, the mid_o and
+        mid_lse strides, tokens per split."""
+        return (block_tables.stride(0), *self.mid_o.stride()[:3], *self.mid_lse.stride()[:2],
+                self.tokens)
+
+
+def _splits(q: torch.Tensor, width: int, programs: int, block_tables: torch.Tensor,
+            seq_lens: torch.Tensor, bs: int, max_seq_len: int | None, block_n: int,
+            num_splits: int | None) -> _Splits:
+    """Plan the splits of q [B, Hq, *] (``programs`` per sequence besides the splits) and
+    allocate their outputs of ``width`` channels."""
+    B, n_qh = q.shape[:2]
+    max_ctx = _max_ctx(seq_lens, block_tables, bs, max_seq_len)
+    S, tps = _split_plan(q.device, B, programs, max_ctx, block_n, num_splits)
+    return _Splits(S, tps, torch.empty(B, n_qh, S, width, dtype=torch.float32, device=q.device),
+                   torch.empty(B, n_qh, S, dtype=torch.float32, device=q.device))
+
+
 def _int32(x: torch.Tensor) -> torch.Tensor:
     """Index metadata as the kernels read it: int32, unit stride in the last dim."""
     if x.dtype != torch.int32:
@@ -390,19 +420,16 @@ def paged_decode_attention(
         q = q.contiguous()
     kv_l = kv_data[layer]
     sc = _scales_arg(kv_data, kv_scales, layer)
-    max_ctx = _max_ctx(seq_lens, block_tables, bs, max_seq_len)
-    S, tps = _split_plan(q.device, B, n_kvh, max_ctx, block_n, num_splits)
-    mid_o = torch.empty(B, n_qh, S, D, dtype=torch.float32, device=q.device)
-    mid_lse = torch.empty(B, n_qh, S, dtype=torch.float32, device=q.device)
+    sp = _splits(q, D, n_kvh, block_tables, seq_lens, bs, max_seq_len, block_n, num_splits)
     dot_dtype = _dot_dtype(q.dtype)
-    _decode_split_kernel[(B, n_kvh, S)](
+    _decode_split_kernel[(B, n_kvh, sp.num)](
         q,
         kv_l,
         sc,
         block_tables,
         seq_lens,
-        mid_o,
-        mid_lse,
+        sp.mid_o,
+        sp.mid_lse,
         sm_scale * _LOG2E,
         q.stride(0),
         q.stride(1),
@@ -414,13 +441,7 @@ def paged_decode_attention(
         sc.stride(1),
         sc.stride(2),
         sc.stride(3),
-        block_tables.stride(0),
-        mid_o.stride(0),
-        mid_o.stride(1),
-        mid_o.stride(2),
-        mid_lse.stride(0),
-        mid_lse.stride(1),
-        tps,
+        *sp.kernel_args(block_tables),
         GROUP=group,
         HEAD_DIM=D,
         BLOCK_SIZE=bs,
@@ -434,7 +455,7 @@ def paged_decode_attention(
         num_warps=DECODE_CONFIG["num_warps"],
         num_stages=DECODE_CONFIG["num_stages"],
     )
-    return _merge(mid_o, mid_lse, torch.empty_like(q))
+    return _merge(sp.mid_o, sp.mid_lse, torch.empty_like(q))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -740,20 +761,18 @@ def mla_decode(
     kv_l = kv_data[layer]
     sc = _scales_arg(kv_data, kv_scales, layer)
     n_hblocks = triton.cdiv(n_qh, block_h)
-    max_ctx = _max_ctx(seq_lens, block_tables, bs, max_seq_len)
-    S, tps = _split_plan(qn.device, B, n_hblocks, max_ctx, block_n, num_splits)
-    mid_o = torch.empty(B, n_qh, S, lora, dtype=torch.float32, device=qn.device)
-    mid_lse = torch.empty(B, n_qh, S, dtype=torch.float32, device=qn.device)
+    sp = _splits(qn, lora, n_hblocks, block_tables, seq_lens, bs, max_seq_len, block_n,
+                 num_splits)
     dot_dtype = _dot_dtype(qn.dtype)
-    _mla_split_kernel[(B, n_hblocks, S)](
+    _mla_split_kernel[(B, n_hblocks, sp.num)](
         qn,
         qr,
         kv_l,
         sc,
         block_tables,
         seq_lens,
-        mid_o,
-        mid_lse,
+        sp.mid_o,
+        sp.mid_lse,
         sm_scale * _LOG2E,
         qn.stride(0),
         qn.stride(1),
@@ -763,13 +782,7 @@ def mla_decode(
         kv_l.stride(2),
         sc.stride(0),
         sc.stride(2),
-        block_tables.stride(0),
-        mid_o.stride(0),
-        mid_o.stride(1),
-        mid_o.stride(2),
-        mid_lse.stride(0),
-        mid_lse.stride(1),
-        tps,
+        *sp.kernel_args(block_tables),
         NUM_HEADS=n_qh,
         LORA=lora,
         ROPE=R,
@@ -784,4 +797,4 @@ def mla_decode(
         num_warps=8 if lora >= 256 else 4,
         num_stages=2,
     )
-    return _merge(mid_o, mid_lse, torch.empty_like(qn))
+    return _merge(sp.mid_o, sp.mid_lse, torch.empty_like(qn))

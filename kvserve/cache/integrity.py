@@ -254,7 +254,7 @@ class IntegrityChecker:
         self._scrub_credit = 0.0
         self._block_cost = 0.0  # EMA seconds to verify one block
         self._step_start: float | None = None
-        self._step_time = 0.0  # EMA seconds per engine step (scrub_step .. end_step)
+        self._step_time = 0.0  # EMA seconds per engine step (begin_step .. end_step)
         self.scrub_seconds = 0.0
         self.seal_sources: Counter[str] = Counter()  # blocks sealed from write_state/recompute
         # Wall seconds spent in integrity work, by kind (seal, verify incl. scrub / paranoid /

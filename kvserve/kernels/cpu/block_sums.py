@@ -10,18 +10,14 @@ import functools
 import numpy as np
 import torch
 
-from kvserve.cbuild import build_library
+from kvserve.kernels.cpu import INT, INT64, PTR, load_library
 
 
 @functools.cache
 def load() -> ctypes.CDLL | None:
-    dll = build_library("block_sums")
-    if dll is None:
-        return None
-    p, i64 = ctypes.c_void_p, ctypes.c_int64
-    dll.kvs_block_sums.argtypes = [p, i64, i64, i64, p, i64, i64, ctypes.c_int, p]
-    dll.kvs_block_sums.restype = None
-    return dll
+    # data, layer stride, block stride, words per block, ids, n, layers, threads, out
+    sig = [PTR, INT64, INT64, INT64, PTR, INT64, INT64, INT, PTR]
+    return load_library("block_sums", {"kvs_block_sums": (sig, None)})
 
 
 def region_sums(t: torch.Tensor, ids: np.ndarray, out: np.ndarray) -> None:

@@ -6,7 +6,8 @@
 The HF model runs in fp32 with K (after RoPE) and V replaced by their quantize-dequantize
 round trip, per token and head, before attention: a candidate's next-token distribution is
 compared with the same model's with BF16-rounded K/V (the engine's BF16 KV baseline). Recipes:
-FP8 E4M3 / INT8 symmetric / INT8 asymmetric (bf16 scale + bf16 zero point), each plain, with
+FP8 E4M3 / INT8 symmetric (the cache's 1-byte 2^(e/8) scale; ``int8_bf16s``: the previous
+bf16 scale) / INT8 asymmetric (bf16 scale + bf16 zero point), each plain, with
 the randomized Hadamard rotation of q/k/v (``kvserve.quant.rotation``), and with rotation + K
 smoothing (SageAttention, Zhang et al. 2024, arXiv:2410.02367: the per-head channel mean of the
 sequence's first 16 keys subtracted from every key; softmax-invariant). Reported per recipe:
@@ -37,6 +38,8 @@ def fake_quant(x: torch.Tensor, kind: str) -> torch.Tensor:
     if kind == "int8":
         q, s = int8.quantize_dynamic(x)
         return int8.dequantize(q, s)
+    if kind == "int8_bf16s":
+        return int8.fake_quantize(x, scale="bf16")
     if kind == "int8_asym":
         return int8.quantize_asymmetric(x)
     raise ValueError(f"unknown kind {kind!r}")
@@ -52,7 +55,7 @@ def make_attention(recipe: dict):
             r = rot.to(q.device)
             q, k, v = q @ r, k @ r, v @ r
         if recipe.get("smooth"):
-            k = k - k[:, :, :16].mean(dim=2, keepdim=True)
+            k = k - k[:, :, : recipe.get("smooth_keys", 16)].mean(dim=2, keepdim=True)
         k, v = fake_quant(k, recipe["kind"]), fake_quant(v, recipe["kind"])
         groups = q.shape[1] // k.shape[1]
         k = k.repeat_interleave(groups, dim=1)
@@ -73,6 +76,10 @@ def main() -> None:
     ap.add_argument("--window", type=int, default=256)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", default=None)
+    ap.add_argument("--recipes", default=None,
+                    help="comma list of recipe names to run (default: all)")
+    ap.add_argument("--smooth-keys", type=int, default=16,
+                    help="K smoothing: mean of the sequence's first N keys (default 16)")
     a = ap.parse_args()
     from transformers import AttentionInterface, AutoModelForCausalLM, AutoTokenizer
 
@@ -86,10 +93,17 @@ def main() -> None:
         model.config.hidden_size // model.config.num_attention_heads)
     rot = rotation_matrix(d, a.seed)
     recipes = {"bf16": {"kind": "bf16"}}
-    for kind in ("fp8", "int8", "int8_asym"):
+    for kind in ("fp8", "int8", "int8_bf16s", "int8_asym"):
         recipes[kind] = {"kind": kind}
         recipes[f"{kind}+rot"] = {"kind": kind, "rot": rot}
-        recipes[f"{kind}+rot+smooth16"] = {"kind": kind, "rot": rot, "smooth": True}
+        recipes[f"{kind}+rot+smooth16"] = {"kind": kind, "rot": rot, "smooth": True,
+                                           "smooth_keys": a.smooth_keys}
+    if a.recipes:
+        keep = a.recipes.split(",")
+        unknown = [r for r in keep if r not in recipes]
+        if unknown:
+            raise ValueError(f"--recipes: unknown {unknown}; known: {', '.join(recipes)}")
+        recipes = {k: v for k, v in recipes.items() if k == "bf16" or k in keep}
 
     def logprobs(name: str) -> list[torch.Tensor]:
         AttentionInterface.register(f"kv8_{name}", make_attention(recipes[name]))

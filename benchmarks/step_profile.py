@@ -2,7 +2,7 @@
 
     .venv/bin/python benchmarks/step_profile.py [--model PATH] [--configs bf16@32,fp8@32,...]
         [--context 192] [--steps 16] [--repeats 5] [--threads 2] [--input-len 128]
-        [--output-len 128] [--json OUT] [--plot OUT.png]
+        [--output-len 128] [--clock wall|cpu] [--json OUT] [--plot OUT.png]
 
 Why: ``kvserve bench throughput`` measures what FP8 KV buys end to end (tokens/s at the KV
 limit); this says why it buys what it does. For each (KV dtype, batch) config one engine of the
@@ -13,6 +13,7 @@ wall-clock timers around the parts of a step:
 
     attention      the C paged-attention kernel (all layers)
     kv_write       writing the step's K/V into the cache (FP8: quantize + scales)
+    rotation       rotated KV modes (int8, fp8_rot): q/k/v times R and the output times R^T
     linear         every Linear / MergedLinear / INT4 / Q8 LM-head forward: the GEMMs, lm_head
                    included
     forward_other  the rest of the model forward and LM-head step (embedding, norms, rope,
@@ -30,7 +31,12 @@ share of prefill; preemption ignored):
 
     tok/s(B) = B * out / (out * T_decode(B) + B * in * t_prefill_token)
 
-and ``projected_ratio`` compares the last config with the first (default fp8@64 vs bf16@32:
+The roofline: ``bytes_per_step`` is what a decode step must read at least (every weight once,
+the LM head included, and each sequence's KV at the mean context); ``read_bandwidth_gbs`` is
+torch.sum's streaming read rate over 512 MiB on the same threads; ``roofline_floor_ms`` their
+quotient and ``step_over_floor`` how far the measured step is above it.
+
+``projected_ratio`` compares the last config with the first (default fp8@64 vs bf16@32:
 what doubling the batch at the KV limit can give on this machine).
 """
 
@@ -63,27 +69,28 @@ from kvserve.kernels.cpu import paged_attention as cpu_kernel
 from kvserve.layers import linear as linear_mod
 from kvserve.sampling_params import SamplingParams
 
-PARTS = ("attention", "kv_write", "linear", "forward_other", "sampling", "engine")
+PARTS = ("attention", "kv_write", "rotation", "linear", "forward_other", "sampling", "engine")
 MIN_BUDGET = 16 * 2**20
 
 
 class Timers:
     """Accumulates seconds per part for whichever config is ``current``."""
 
-    def __init__(self) -> None:
+    def __init__(self, clock=time.perf_counter) -> None:
+        self.clock = clock  # perf_counter (wall) or process_time (CPU seconds, all threads)
         self.current: dict[str, float] = defaultdict(float)
         self._depth: dict[str, int] = defaultdict(int)  # nested timed calls count once
 
     def wrap(self, name: str, fn):
         def timed(*args, **kwargs):
             self._depth[name] += 1
-            t0 = time.perf_counter()
+            t0 = self.clock()
             try:
                 return fn(*args, **kwargs)
             finally:
                 self._depth[name] -= 1
                 if self._depth[name] == 0:  # e.g. a parallel linear calling Linear.forward
-                    self.current[name] += time.perf_counter() - t0
+                    self.current[name] += self.clock() - t0
         return timed
 
 
@@ -92,6 +99,11 @@ def install_class_timers(timers: Timers):
     the function that puts the originals back."""
     saved = [(cpu_kernel, "paged_attention", cpu_kernel.paged_attention)]
     cpu_kernel.paged_attention = timers.wrap("attention", cpu_kernel.paged_attention)
+    from kvserve.quant.rotation import KVRotation
+
+    for meth in ("apply", "invert"):
+        saved.append((KVRotation, meth, getattr(KVRotation, meth)))
+        setattr(KVRotation, meth, timers.wrap("rotation", getattr(KVRotation, meth)))
     from kvserve.layers.q8_embedding import Q8LMHead
 
     for cls in (linear_mod.Linear, linear_mod.MergedLinear, linear_mod.Int4MergedLinear,
@@ -148,11 +160,11 @@ def build(args, kv: str, batch: int, timers: Timers, prompt_len: int) -> Config:
                                          args.seed)):
         eng.add_request(f"r{i}", p, params)
     # prefill: steps until every request has its first token
-    t0 = time.perf_counter()
+    t0 = timers.clock()
     while any(r.num_computed_tokens < r.num_prompt_tokens for r in eng.scheduler.running) \
             or eng.scheduler.waiting:
         eng.step()
-    cfg.prefill_s_per_token = (time.perf_counter() - t0) / (batch * prompt_len)
+    cfg.prefill_s_per_token = (timers.clock() - t0) / (batch * prompt_len)
     for _ in range(3):  # warm decode steps
         eng.step()
     return cfg
@@ -160,21 +172,57 @@ def build(args, kv: str, batch: int, timers: Timers, prompt_len: int) -> Config:
 
 def run_window(cfg: Config, steps: int, timers: Timers) -> dict[str, float]:
     timers.current = defaultdict(float)
-    t0 = time.perf_counter()
+    t0 = timers.clock()
     for _ in range(steps):
         outs = cfg.engine.step()
         assert len(outs) == cfg.batch, "a request finished or was preempted mid-window"
-    total = time.perf_counter() - t0
+    total = timers.clock() - t0
     t = timers.current
     parts = {
         "attention": t["attention"],
         "kv_write": t["kv_write"],
+        "rotation": t["rotation"],
         "linear": t["linear"],
-        "forward_other": t["forward"] - t["attention"] - t["kv_write"] - t["linear"],
+        "forward_other": (t["forward"] - t["attention"] - t["kv_write"] - t["rotation"]
+                          - t["linear"]),
         "sampling": t["sampling"],
         "engine": total - t["forward"] - t["sampling"],
     }
     return {"step_ms": total / steps * 1e3, **{k: v / steps * 1e3 for k, v in parts.items()}}
+
+
+def read_bandwidth_gbs(threads: int, mib: int = 512, repeats: int = 5) -> float:
+    """Streaming read bandwidth (GB/s, best of ``repeats``): torch.sum over a buffer far larger
+    than the caches, with ``threads`` threads -- the denominator of the roofline."""
+    buf = torch.ones(mib * 2**20 // 4)
+    prev = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        best = math.inf
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            buf.sum()
+            best = min(best, time.perf_counter() - t0)
+    finally:
+        torch.set_num_threads(prev)
+    return buf.numel() * 4 / best / 1e9
+
+
+def bytes_per_step(cfg: Config, context: int) -> dict[str, int]:
+    """Bytes a decode step must read at least: every weight once (the LM head included; an
+    untied embedding table only for the B rows it looks up) and each sequence's KV."""
+    from kvserve.model.loader import weight_bytes
+
+    model = cfg.engine.model
+    held = weight_bytes(model)[0]
+    embed = getattr(getattr(model, "model", None), "embed_tokens", None)
+    head = getattr(model, "lm_head", None)
+    tied = head is not None and getattr(head, "table", None) is embed or (
+        getattr(head, "weight", None) is getattr(embed, "weight", 0))
+    if embed is not None and not tied:
+        held -= sum(t.numel() * t.element_size() for t in embed.parameters())
+    kv = cfg.batch * context * cfg.engine.kv_cache.bytes_per_token
+    return {"weights": held, "kv": kv, "total": held + kv}
 
 
 def summarize(cfg: Config, args) -> dict[str, Any]:
@@ -193,6 +241,7 @@ def summarize(cfg: Config, args) -> dict[str, Any]:
         "decode_tokens_per_s": cfg.batch / t_dec,
         "prefill_us_per_token": p * 1e6,
         "projected_tokens_per_s": proj,
+        "bytes_per_step": bytes_per_step(cfg, args.context),
         "windows": cfg.windows,
     }
 
@@ -207,7 +256,7 @@ def plot(result: dict[str, Any], path: str) -> None:
                           (axes[1], "per_seq_us", "us per running sequence per step")):
         left = [0.0] * len(rows)
         for i, part in enumerate(PARTS):
-            vals = [r[key][part] for r in rows]
+            vals = [r[key].get(part, 0.0) for r in rows]  # (older JSONs: no "rotation")
             ax.barh(names, vals, left=left, color=colors[i % len(colors)], label=part)
             left = [a + b for a, b in zip(left, vals, strict=True)]
         ax.invert_yaxis()
@@ -240,6 +289,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--output-len", type=int, default=128)
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--clock", choices=("wall", "cpu"), default="wall",
+                    help="wall: elapsed time; cpu: CPU seconds of this process (all threads), "
+                         "robust to other jobs on a shared machine; with --threads 1 it is "
+                         "the step time an idle machine would show")
     ap.add_argument("--json", default=None)
     ap.add_argument("--plot", default=None)
     ap.add_argument("--replot", default=None, metavar="JSON",
@@ -260,7 +313,7 @@ def main(argv: list[str] | None = None) -> int:
                          f"{args.repeats} timed steps")
     if args.threads:
         torch.set_num_threads(args.threads)
-    timers = Timers()
+    timers = Timers(time.process_time if args.clock == "cpu" else time.perf_counter)
     undo = install_class_timers(timers)
     try:
         configs = []
@@ -276,11 +329,17 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         undo()
     rows = [summarize(c, args) for c in configs]
+    bw = read_bandwidth_gbs(torch.get_num_threads())
+    for row in rows:  # the floor: bytes that must be read / measured read bandwidth
+        row["roofline_floor_ms"] = row["bytes_per_step"]["total"] / bw / 1e6
+        row["step_over_floor"] = row["step_ms"] / row["roofline_floor_ms"]
     base, cand = rows[0], rows[-1]
     result = {
         "bench": "step_profile",
         "model": model_label(resolve_model_path(args.model)),
         "context": args.context,
+        "clock": args.clock,
+        "read_bandwidth_gbs": bw,
         "steps": args.steps,
         "repeats": args.repeats,
         "input_len": args.input_len,
@@ -300,7 +359,10 @@ def main(argv: list[str] | None = None) -> int:
         parts = ", ".join(f"{k} {v:.2f}" for k, v in row["parts_ms"].items())
         log(f"{row['kv_cache_dtype']:>9}@{row['batch']:<3} step {row['step_ms']:.2f} ms "
             f"({parts}); prefill {row['prefill_us_per_token']:.1f} us/token; projected "
-            f"{row['projected_tokens_per_s']:.0f} tok/s")
+            f"{row['projected_tokens_per_s']:.0f} tok/s; reads "
+            f"{row['bytes_per_step']['total'] / 2**20:.1f} MiB/step -> floor "
+            f"{row['roofline_floor_ms']:.2f} ms ({row['step_over_floor']:.2f}x)")
+    log(f"read bandwidth {bw:.1f} GB/s ({torch.get_num_threads()} threads)")
     log(f"decode_ratio {result['summary']['decode_ratio']:.3f}, projected_ratio "
         f"{result['summary']['projected_ratio']:.3f}")
     if args.plot:

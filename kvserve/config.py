@@ -36,7 +36,8 @@ _MODEL_DTYPES: dict[str, torch.dtype] = {
     "float": torch.float32,
 }
 FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
-# Storage dtypes kept with one bf16 scale per (token, head, K-or-V) row.
+# Storage dtypes kept with one scale per (token, head, K-or-V) row: bf16 for FP8, a 1-byte
+# log-domain code for INT8 (kvserve/quant/int8.py).
 SCALED_KV_DTYPES = (*FP8_DTYPES, torch.int8)
 
 
@@ -46,8 +47,22 @@ def is_fp8(dtype: torch.dtype) -> bool:
 
 
 def is_scaled(dtype: torch.dtype) -> bool:
-    """Stored with per-row bf16 scales: FP8 and INT8."""
+    """Stored with per-row scales: FP8 (bf16) and INT8 (1-byte log-domain codes)."""
     return dtype in SCALED_KV_DTYPES
+
+
+def kv_scale_dtype(kv_dtype: torch.dtype) -> torch.dtype | None:
+    """The dtype of the per-row scales stored with ``kv_dtype`` (None: no scales)."""
+    if kv_dtype == torch.int8:
+        return torch.int8
+    return torch.bfloat16 if kv_dtype in FP8_DTYPES else None
+
+
+def kv_scale_bytes(kv_dtype: torch.dtype) -> int:
+    """Bytes of scale per (token, head, K-or-V) row: 2 (FP8), 1 (INT8), 0."""
+    sd = kv_scale_dtype(kv_dtype)
+    return 0 if sd is None else sd.itemsize
+
 
 # 8-bit modes with the randomized Hadamard rotation of q/k/v (kvserve/quant/rotation.py):
 # name -> storage dtype. ``int8`` is rotated (the recommended 8-bit KV); ``int8_plain`` is not.
@@ -138,7 +153,7 @@ class KVMode:
 
     @property
     def scaled(self) -> bool:
-        """Stored with per-row bf16 scales (FP8 and INT8)."""
+        """Stored with per-row scales (FP8: bf16, INT8: 1-byte log-domain codes)."""
         return is_scaled(self.dtype)
 
     @property

@@ -3,7 +3,8 @@
 Cache: one row per token and layer (C = 1 component, num_kv_heads = 1)::
 
     row [R + dr] = [ c_kv (R = kv_lora_rank, after kv_a_layernorm) | k_pe (dr, after rope) ]
-    data [L, NB+1, 1, bs, 1, R + dr]      scales [L, NB+1, 1, bs, 1]  (FP8: one bf16 per row)
+    data [L, NB+1, 1, bs, 1, R + dr]      scales [L, NB+1, 1, bs, 1]  (FP8: one bf16 per row;
+                                                                      INT8: one 1-byte code)
 
 The per-head keys/values are never stored; with W = kv_b_proj.weight viewed [H, dn + dv, R],
 W_UK = W[:, :dn] [H, dn, R] and W_UV = W[:, dn:] [H, dv, R]:
@@ -19,8 +20,13 @@ Decode (q_len = 1), weight absorption -- no per-step re-expansion of the latent:
     o_lat[h] = sum_s p[h, s] c_kv[s]                  [H, R]
     o[h] = W_UV[h] o_lat[h]                           [H, dv]
 
-FP8 rows are dequantized on read; in decode the per-row scales are folded into the scores and
-the probabilities (as the GQA torch backend does) instead of the R-wide payload.
+FP8 / INT8 rows are dequantized on read; in decode the per-row scales are folded into the
+scores and the probabilities (as the GQA torch backend does) instead of the R-wide payload.
+
+Rotated modes (``int8``, ``fp8_rot``; kvserve/quant/rotation.py with ``split=(R, dr)``): the
+row stored is ``[c_kv R_c | k_pe R_pe]``; R_c was folded into ``kv_b_proj.weight`` at load
+(``DeepseekV3ForCausalLM.fold_kv_rotation``), so the weight this backend is handed already
+reads rotated latents, and only q_pe is rotated here (by R_pe, after RoPE, like k_pe).
 
 ``mla_triton`` (kvserve/attention/mla_triton.py, the CUDA default) subclasses this backend and
 replaces the ``_write`` / ``_decode_all`` hooks with the Triton kernels; planning of prefill
@@ -51,7 +57,7 @@ import torch.nn.functional as F
 from kvserve.attention.base import BackendBase
 from kvserve.attention.metadata import AttentionMetadata, plan_decode_chunks, plan_prefills
 from kvserve.cache.kv_cache import PagedKVCache
-from kvserve.quant import fp8
+from kvserve.quant import fp8, int8
 
 _WORKSPACE_MIN_TOKENS = 8192
 
@@ -111,8 +117,8 @@ class MlaTorchAttentionBackend(BackendBase):
         self.ws_raw = torch.empty(n, dtype=kv_cache.dtype, device=dev)
         self.ws_f32 = torch.empty(n, dtype=torch.float32, device=dev)
         self.ws_i16 = torch.empty(n, dtype=torch.int16, device=dev) if kv_cache.is_fp8 else None
-        self.ws_scales = (torch.empty(self.ws_tokens, dtype=torch.bfloat16, device=dev)
-                          if kv_cache.is_fp8 else None)
+        self.ws_scales = (torch.empty(self.ws_tokens, dtype=kv_cache.scales.dtype, device=dev)
+                          if kv_cache.has_scales else None)
         self.factor = fp8.HALF_BITS_FACTOR.get(kv_cache.dtype, 1.0)
 
     # ---- per-step planning (shared by all layers) -------------------------------------------
@@ -152,6 +158,10 @@ class MlaTorchAttentionBackend(BackendBase):
         r = kv_b_weight.shape[1]
         dv = kv_b_weight.shape[0] // h - dn
         assert h == self.num_heads and latent.shape == (t, self.row_dim)
+        rot = self.kv.rotation
+        if rot is not None:  # R_c is already in kv_b_weight (folded at load)
+            latent = rot.apply(latent)
+            q_pe = torch.matmul(q_pe.float(), rot.parts[1])
         self._write(layer, latent.view(t, 1, self.row_dim), meta)
         plan = self._plan(meta)
         w = kv_b_weight.float().view(h, dn + dv, r)
@@ -189,11 +199,14 @@ class MlaTorchAttentionBackend(BackendBase):
         return dst.view(n, mb * bs, d)
 
     def _gather_scales(self, layer: int, ids: torch.Tensor, n: int, mb: int) -> torch.Tensor:
-        """FP8 row scales of blocks ``ids`` -> fp32 [n, mb*bs] (times the half-bits factor)."""
+        """FP8 / INT8 row scales of blocks ``ids`` -> fp32 [n, mb*bs] (FP8: times the
+        half-bits factor; INT8: its codes through ``int8.code_to_scale``)."""
         bs = self.kv.block_size
         raw = self.ws_scales[: n * mb * bs].view(n * mb, bs)
         torch.index_select(self.kv.scales[layer].view(self.kv.num_blocks + 1, -1), 0, ids,
                            out=raw)
+        if self.kv.is_int8:
+            return int8.code_to_scale(raw.view(n, mb * bs))
         return raw.view(n, mb * bs).float().mul_(self.factor)
 
     def _decode(
@@ -205,12 +218,12 @@ class MlaTorchAttentionBackend(BackendBase):
         rows = self._gather(layer, ids, n, mb)  # [n, L, R+dr]
         q = torch.cat((absorb_query(q_nope, w), q_pe.float()), dim=-1)  # [n, H, R+dr]
         scores = torch.bmm(q, rows.transpose(1, 2))  # [n, H, L]
-        if self.kv.is_fp8:
+        if self.kv.has_scales:
             s = self._gather_scales(layer, ids, n, mb).unsqueeze(1)  # [n, 1, L]
             scores.mul_(s)
         scores.mul_(self.scale).masked_fill_(pad, float("-inf"))
         probs = torch.softmax(scores, dim=-1)
-        if self.kv.is_fp8:
+        if self.kv.has_scales:
             probs.mul_(s)
         return up_project(torch.bmm(probs, rows[..., :r]), w, dn)  # o_lat [n, H, R]
 
@@ -221,7 +234,7 @@ class MlaTorchAttentionBackend(BackendBase):
         qlen, h, dn = q_nope.shape
         r = w.shape[2]
         rows = self._gather(layer, ids, 1, ids.numel())[0, :seq_len]  # [L, R+dr]
-        if self.kv.is_fp8:
+        if self.kv.has_scales:
             rows = rows * self._gather_scales(layer, ids, 1, ids.numel())[0, :seq_len, None]
         c_kv, k_pe = rows[:, :r], rows[:, r:]
         kv = F.linear(c_kv, w.view(-1, r)).view(seq_len, h, -1)  # [L, H, dn+dv]

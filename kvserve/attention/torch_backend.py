@@ -35,7 +35,7 @@ from kvserve.attention.metadata import (
 )
 from kvserve.cache.kv_cache import PagedKVCache
 from kvserve.kernels.cpu import paged_attention as cpu_attention
-from kvserve.quant import fp8
+from kvserve.quant import fp8, int8
 
 _WORKSPACE_MIN_TOKENS = 8192
 
@@ -75,7 +75,8 @@ class TorchAttentionBackend(BackendBase):
             if kv_cache.is_fp8 else None
         )
         self.ws_scales = (
-            torch.empty(self.ws_tokens * 2 * num_kv_heads, dtype=torch.bfloat16, device=dev)
+            torch.empty(self.ws_tokens * 2 * num_kv_heads, dtype=kv_cache.scales.dtype,
+                        device=dev)
             if kv_cache.has_scales else None
         )
         self.factor = fp8.HALF_BITS_FACTOR.get(kv_cache.dtype, 1.0)
@@ -148,13 +149,14 @@ class TorchAttentionBackend(BackendBase):
 
     def _gather_scales(self, layer: int, ids: torch.Tensor, n: int, mb: int) -> torch.Tensor:
         """FP8 / INT8 scales of blocks ``ids`` -> fp32 [n, 2, H, mb*bs] (times the FP8
-        half-bits factor; 1 for INT8)."""
+        half-bits factor; INT8: its 1-byte codes through ``int8.code_to_scale``)."""
         bs, H = self.kv.block_size, self.num_kv_heads
         numel = n * mb * 2 * bs * H
         raw = self.ws_scales[:numel].view(n * mb, 2 * bs * H)
         torch.index_select(self.kv.scales[layer].view(self.kv.num_blocks + 1, -1), 0, ids,
                            out=raw)
-        s = raw.view(n, mb, 2, bs, H).permute(0, 2, 4, 1, 3).float()
+        s = raw.view(n, mb, 2, bs, H).permute(0, 2, 4, 1, 3)
+        s = int8.code_to_scale(s) if self.kv.is_int8 else s.float()
         return s.reshape(n, 2, H, mb * bs).mul_(self.factor)
 
     def _decode(

@@ -139,6 +139,9 @@ def register(subparsers, add_engine_args: Callable, engine_args_from: Callable) 
     q.add_argument("--quantization", default=None,
                    help="label of the candidate's weight quantization (e.g. int4); needs "
                         "--candidate-model")
+    q.add_argument("--candidate-activations", default=None, choices=("int8x2", "int8", "fp32"),
+                   help="GGUF weights: the candidate's activations (default: as the "
+                        "baseline's --gguf-activations)")
     q.add_argument("--text", default=None, metavar="FILE",
                    help="evaluation text (default <model>/heldout.txt, else generated)")
     q.add_argument("--num-prompts", type=int, default=16,
@@ -231,6 +234,7 @@ def _quality(ns: argparse.Namespace, engine_args_from: Callable) -> int:
         base=dataclasses.replace(base, kv_cache_dtype=ns.baseline_kv_cache_dtype),
         kv_cache_dtype=cand_kv, baseline_kv_cache_dtype=ns.baseline_kv_cache_dtype,
         candidate_model=ns.candidate_model, quantization=ns.quantization, text=ns.text,
+        candidate_gguf_activations=ns.candidate_activations,
         num_prompts=ns.num_prompts, prompt_len=ns.prompt_len, gen_len=ns.gen_len,
         ppl_window=ns.ppl_window, ppl_max_tokens=ns.ppl_max_tokens, seed=ns.seed,
         progress=not ns.no_progress,

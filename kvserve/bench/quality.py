@@ -52,6 +52,8 @@ class QualityConfig:
     baseline_kv_cache_dtype: str = "bf16"
     candidate_model: str | None = None
     quantization: str | None = None
+    # the candidate's GGUF activations (EngineArgs.gguf_activations); None: as the baseline's
+    candidate_gguf_activations: str | None = None
     text: str | None = None
     num_prompts: int = 16
     prompt_len: int = 32
@@ -225,7 +227,11 @@ def run_quality_many(qc: QualityConfig, candidate_kv_dtypes: list[str]) -> list[
 
     results = []
     for kv in candidate_kv_dtypes:
-        cand_eng = LLMEngine(_engine_args(qc, cand_model, kv, blocks, qc.quantization))
+        cand_args = _engine_args(qc, cand_model, kv, blocks, qc.quantization)
+        if qc.candidate_gguf_activations is not None:
+            cand_args = dataclasses.replace(cand_args,
+                                            gguf_activations=qc.candidate_gguf_activations)
+        cand_eng = LLMEngine(cand_args)
         if cand_eng.model_config.vocab_size != base_logits[0].shape[-1]:
             raise ValueError("candidate and baseline vocabularies differ "
                              f"({cand_eng.model_config.vocab_size} vs "
@@ -257,7 +263,8 @@ def run_quality_many(qc: QualityConfig, candidate_kv_dtypes: list[str]) -> list[
 def _describe(eng: LLMEngine, path: str) -> dict[str, Any]:
     return {"model": model_label(path), "model_dtype": dtype_name(eng.model_config.dtype),
             "kv_cache_dtype": eng.kv_mode,
-            "kv_bytes_per_token": eng.kv_cache.bytes_per_token}
+            "kv_bytes_per_token": eng.kv_cache.bytes_per_token,
+            "gguf_activations": eng.args.gguf_activations}
 
 
 def _compare(qc: QualityConfig, prompts: list[list[int]], base_out: list[list[int]],

@@ -3,7 +3,8 @@ verify before reuse, scrub in the background, repair by recomputation.
 
 Checksum (per block, per layer): the block's bytes viewed as signed 16-bit words w_i,
 i = 0..N-1 in row-major order of data[layer, block] = [C, bs, H, D] (and separately of the
-FP8 / INT8 scales [C, bs, H]), reduced to two exact integer sums
+FP8 bf16 scales / INT8 1-byte scale codes [C, bs, H], whose bytes pair up into words the same
+way; an INT8 cache needs C * bs * H even), reduced to two exact integer sums
 
     S1 = sum_i w_i            S2 = sum_i (i + 1) * w_i          (int64, no wrap-around)
 
@@ -100,8 +101,11 @@ def block_sums_numpy(kv: PagedKVCache, block_ids: list[int]) -> np.ndarray:
     w = data.contiguous().view(torch.int16).numpy().reshape(L, n, rows, -1)
     out[:, :, 0:2] = _sums(w).transpose(1, 0, 2)
     if kv.scales is not None:
-        s = kv.scales.index_select(1, idx).cpu().contiguous().view(torch.int16).numpy()
-        out[:, :, 2:4] = _sums(s.reshape(L, n, rows, -1)).transpose(1, 0, 2)
+        s = kv.scales.index_select(1, idx).cpu().contiguous().reshape(L, n, rows, -1)
+        if s.element_size() == 1:  # INT8 codes: one row of words per block
+            s = s.reshape(L, n, 1, -1)
+        s = s.view(torch.int16).numpy()
+        out[:, :, 2:4] = _sums(s).transpose(1, 0, 2)
     return out
 
 

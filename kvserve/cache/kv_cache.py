@@ -1,7 +1,8 @@
 """The paged KV tensors: one preallocated tensor for all layers, plus FP8 / INT8 scales.
 
     data   [num_layers, num_blocks + 1, C, block_size, num_kv_heads, head_dim]  storage dtype
-    scales [num_layers, num_blocks + 1, C, block_size, num_kv_heads]   bf16 (FP8 / INT8 only)
+    scales [num_layers, num_blocks + 1, C, block_size, num_kv_heads]   bf16 (FP8) or int8
+                                                                        codes (INT8) only
 
 Rotated modes (``int8``, ``fp8_rot``...) store k R and v R for one orthogonal R [D, D]
 (``rotation``, kvserve/quant/rotation.py); the attention backends rotate q alike and rotate the
@@ -32,14 +33,14 @@ import logging
 
 import torch
 
-from kvserve.config import KVMode, is_scaled
+from kvserve.config import KVMode, kv_scale_bytes, kv_scale_dtype
 from kvserve.kernels.cpu import paged_attention as cpu_attention
 from kvserve.quant import fp8, int8
 from kvserve.quant.rotation import KVRotation
 
 logger = logging.getLogger(__name__)
 
-SCALE_DTYPE = torch.bfloat16
+SCALE_DTYPE = torch.bfloat16  # FP8 (and static checkpoint scales); INT8 stores 1-byte codes
 
 
 def bytes_per_block(
@@ -47,7 +48,7 @@ def bytes_per_block(
     dtype: torch.dtype,
 ) -> int:
     elem = torch.empty((), dtype=dtype).element_size()
-    per_row = head_dim * elem + (SCALE_DTYPE.itemsize if is_scaled(dtype) else 0)
+    per_row = head_dim * elem + kv_scale_bytes(dtype)
     return num_layers * components * block_size * num_kv_heads * per_row
 
 
@@ -64,6 +65,7 @@ class PagedKVCache:
         device: torch.device | str = "cpu",
         static_scales: torch.Tensor | None = None,
         rotation_seed: int | None = None,
+        rotation_split: tuple[int, ...] | None = None,
         checksums: bool = False,
     ) -> None:
         self.num_layers = num_layers
@@ -78,17 +80,23 @@ class PagedKVCache:
         self.mode = KVMode(dtype, rotate=rotation_seed is not None)
         self.is_fp8 = self.mode.is_fp8
         self.is_int8 = self.mode.is_int8
-        self.has_scales = self.mode.scaled  # FP8 / INT8: one bf16 scale per row
+        self.has_scales = self.mode.scaled  # FP8 / INT8: one scale per row
         if self.has_scales and head_dim % 2:
             raise ValueError(f"8-bit KV cache needs an even head_dim, got {head_dim}")
+        if self.is_int8 and (components * block_size * num_kv_heads) % 2:
+            # the checksum reads a block's 1-byte scale codes as 16-bit words
+            raise ValueError(f"INT8 KV cache needs an even block_size, got {block_size}")
         # q/k/v rotation of the rotated modes (None: stored as computed).
+        # (MLA: block-diagonal over [c_kv | k_pe], ``rotation_split`` = (R, dr).)
         self.rotation = (
-            None if rotation_seed is None else KVRotation(head_dim, rotation_seed, device)
+            None if rotation_seed is None
+            else KVRotation(head_dim, rotation_seed, device, split=rotation_split)
         )
         shape = (num_layers, num_blocks + 1, components, block_size, num_kv_heads, head_dim)
         self.data = torch.zeros(shape, dtype=dtype, device=device)
         self.scales = (
-            torch.zeros(shape[:-1], dtype=SCALE_DTYPE, device=device) if self.has_scales else None
+            torch.zeros(shape[:-1], dtype=kv_scale_dtype(dtype), device=device)
+            if self.has_scales else None
         )
         # FP8 / INT8 writes go through the C kernel when it builds; fp8.quantize /
         # int8.quantize are its twins.
@@ -173,8 +181,10 @@ class PagedKVCache:
         cap_tokens = self.num_blocks * self.block_size
         scale_note = ""
         if self.has_scales:
-            scale_bytes = self.num_layers * self.components * self.num_kv_heads * 2
-            scale_note = f" (incl. {scale_bytes} B/token of bf16 scales)"
+            per = kv_scale_bytes(self.dtype)
+            scale_bytes = self.num_layers * self.components * self.num_kv_heads * per
+            kind = "1-byte log-domain" if self.is_int8 else "bf16"
+            scale_note = f" (incl. {scale_bytes} B/token of {kind} scales)"
         if self.rotation is not None:
             scale_note += f", q/k/v rotated ({self.rotation.describe()})"
         return (

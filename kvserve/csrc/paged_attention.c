@@ -11,7 +11,8 @@
  *
  * Layout (see kvserve/cache/kv_cache.py):
  *   kv      [num_blocks+1, 2, bs, H, D]   (one layer; component 0 = K, 1 = V)
- *   scales  [num_blocks+1, 2, bs, H]      bf16 (FP8 / INT8 only)
+ *   scales  [num_blocks+1, 2, bs, H]      bf16 (FP8) / int8 log-scale codes e (INT8:
+ *                                          scale = 2^(e/8), see kvserve/quant/int8.py)
  *   q       [n, H*G, D] fp32,  out [n, H*G, D] fp32
  *   block_tables [S, max_blocks] int64;  row_seq [n] int64 (row -> table row; NULL: row i
  *   uses table i);  lens [n] int64 tokens each row attends
@@ -24,7 +25,7 @@
  *   e5m2  s eeeee mm        -> fp32 bits s<<31 | (eeeee mm)<<21    value * 2^-112
  *   fp16  s eeeee m(10)     -> fp32 bits s<<31 | (e m)<<13         value * 2^-112
  *   bf16                    -> fp32 bits h<<16                     exact
- *   int8                    -> (float)q                            exact (scale = amax/127)
+ *   int8                    -> (float)q                            exact (scale = 2^(e/8))
  *
  * For K the scale multiplies the score (q . k), for V the probability, never the D-wide row.
  * Parallel over jobs with OpenMP: a job is a tile of rows (one decode row, or up to 16
@@ -48,6 +49,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <omp.h>
+#include "vmath.h"
 #if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 #include <immintrin.h>
 #define KVS_AVX2 1
@@ -88,6 +90,31 @@ static inline void widen(const void *src, int dtype, int D, float *restrict dst)
     }
 }
 
+/* INT8 scale codes: scale(e) = 2^floor(e/8) * fp32(2^((e mod 8)/8)), exact; the mantissas
+ * are kvserve/quant/int8.py SCALE_MANTISSAS (its SCALE_TABLE == kvs_int8_scale_table). */
+static const float LOG8_MANT[8] = {0x1p+0f,         0x1.172b84p+0f, 0x1.306fe0p+0f,
+                                   0x1.4bfdaep+0f,  0x1.6a09e6p+0f, 0x1.8ace54p+0f,
+                                   0x1.ae89fap+0f,  0x1.d5818ep+0f};
+
+static inline float log8_scale(int e) {
+    return ldexpf(LOG8_MANT[e & 7], e >> 3); /* e >> 3 = floor(e / 8) (arithmetic shift) */
+}
+
+static float LOG8_TABLE[256]; /* index e + 128 */
+static int log8_ready = 0;
+
+static void log8_init(void) {
+    if (__atomic_load_n(&log8_ready, __ATOMIC_ACQUIRE)) return;
+    for (int e = -128; e < 128; e++) LOG8_TABLE[e + 128] = log8_scale(e);
+    __atomic_store_n(&log8_ready, 1, __ATOMIC_RELEASE);
+}
+
+/* the 256 scales (tests compare them with the Python table) */
+void kvs_int8_scale_table(float *out) {
+    log8_init();
+    memcpy(out, LOG8_TABLE, sizeof(LOG8_TABLE));
+}
+
 static float dtype_factor(int dtype) {
     switch (dtype) {
     case DT_E4M3: return ldexpf(1.0f, 120);
@@ -104,7 +131,8 @@ static int elem_size(int dtype) {
 /* Everything a job needs that is the same for every job of the call. */
 typedef struct {
     const uint8_t *kv;
-    const uint16_t *scales; /* NULL unless FP8 / INT8 */
+    const uint16_t *scales; /* bf16; NULL unless FP8 */
+    const int8_t *codes;    /* INT8 log-scale codes; NULL unless INT8 */
     int dtype, bs, H, G, D;
     float sm_scale, factor;
     size_t row_bytes, comp_bytes, block_bytes, comp_scales;
@@ -131,8 +159,9 @@ static void job_scalar(const Geo *g, const float *qs, const int64_t *table, int 
         const uint8_t *base = g->kv + blk * g->block_bytes;
         widen(base + ((size_t)off * H + h) * g->row_bytes, g->dtype, D, row);
         float ks = g->sm_scale * g->factor;
-        if (g->scales)
-            ks *= bf16_to_f32(g->scales[blk * 2 * g->comp_scales + (size_t)off * H + h]);
+        const size_t ki = blk * 2 * g->comp_scales + (size_t)off * H + h;
+        if (g->scales) ks *= bf16_to_f32(g->scales[ki]);
+        else if (g->codes) ks *= LOG8_TABLE[g->codes[ki] + 128];
         for (int j = 0; j < G; j++) {
             const float *qg = qs + (int64_t)j * D;
             float dot = 0.f;
@@ -156,9 +185,9 @@ static void job_scalar(const Geo *g, const float *qs, const int64_t *table, int 
         const uint8_t *base = g->kv + blk * g->block_bytes + g->comp_bytes;
         widen(base + ((size_t)off * H + h) * g->row_bytes, g->dtype, D, row);
         float vs = g->factor;
-        if (g->scales)
-            vs *= bf16_to_f32(g->scales[blk * 2 * g->comp_scales + g->comp_scales +
-                                        (size_t)off * H + h]);
+        const size_t vi = blk * 2 * g->comp_scales + g->comp_scales + (size_t)off * H + h;
+        if (g->scales) vs *= bf16_to_f32(g->scales[vi]);
+        else if (g->codes) vs *= LOG8_TABLE[g->codes[vi] + 128];
         for (int j = 0; j < G; j++) {
             float p = scores[(size_t)t * G + j] * vs;
             float *ag = acc + (size_t)j * D;
@@ -200,30 +229,6 @@ static inline __attribute__((always_inline)) __m256 widen8(const uint8_t *src, c
 /* What widen8's raw values are multiplied by. */
 static inline float simd_factor(int dtype) {
     return dtype == DT_E4M3 ? 256.0f : dtype == DT_F16 ? ldexpf(1.0f, 112) : 1.0f;
-}
-
-/* exp(x) for x <= 0 (x >= -87.3 kept, below -> 0): Cephes-style degree-6 polynomial on
- * x - n ln2, |rel err| < 2e-7. */
-static inline __m256 exp8(__m256 x) {
-    const __m256 lo = _mm256_set1_ps(-87.3f);
-    __m256 under = _mm256_cmp_ps(x, lo, _CMP_LT_OQ);
-    x = _mm256_max_ps(x, lo);
-    __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
-                               _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
-    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
-    __m256 p = _mm256_set1_ps(1.9875691500e-4f);
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
-    __m256 r2 = _mm256_mul_ps(r, r);
-    p = _mm256_fmadd_ps(p, r2, _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
-    __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n),
-                                                   _mm256_set1_epi32(127)), 23);
-    p = _mm256_mul_ps(p, _mm256_castsi256_ps(e));
-    return _mm256_andnot_ps(under, p);
 }
 
 /* [sum(v0), ..., sum(v7)] */
@@ -282,6 +287,16 @@ static inline void widen_scales(const uint16_t *sk, const uint16_t *sv, int H, i
         }
 }
 
+/* INT8 log-scale codes of tokens [0, nt) x heads [h0, h0 + nh) -> fp32 ks / vs (as above). */
+static inline void widen_codes(const int8_t *sk, const int8_t *sv, int H, int h0, int nh,
+                               int nt, float kf, float vf, float *ks, float *vs) {
+    for (int i = 0; i < nt; i++)
+        for (int hh = 0; hh < nh; hh++) {
+            ks[i * nh + hh] = kf * LOG8_TABLE[sk[(size_t)i * H + h0 + hh] + 128];
+            vs[i * nh + hh] = vf * LOG8_TABLE[sv[(size_t)i * H + h0 + hh] + 128];
+        }
+}
+
 /* R consecutive query rows of one sequence (row r attends lens[r] tokens; lens ascending by
  * one for a prefill tile, R = 1 for decode) x kv heads [h0, h0 + nh) x their G query heads:
  * the K/V tiles are widened once per block for all nh*R*G queries.
@@ -317,7 +332,10 @@ static inline __attribute__((always_inline)) void job_avx2(
                    w->vw);
         /* per-token factors, token-major [i * nh + hh]: K folds in sm_scale */
         const float kf = g->sm_scale * factor;
-        if (g->scales) {
+        if (dtype == DT_I8 && g->codes) {
+            const int8_t *sc = g->codes + blk * 2 * g->comp_scales;
+            widen_codes(sc, sc + g->comp_scales, H, h0, nh, nt, kf, factor, w->ks, w->vs);
+        } else if (dtype != DT_I8 && g->scales) {
             const uint16_t *sc = g->scales + blk * 2 * g->comp_scales;
             widen_scales(sc, sc + g->comp_scales, H, h0, nh, nt, kf, factor, w->ks, w->vs);
         } else {
@@ -455,13 +473,15 @@ int kvs_attention_simd(void) {
 /* Query rows per job for prefill/extend tiles (consecutive rows of one sequence). */
 #define ROW_TILE 16
 
-void kvs_paged_attention(const void *kv, const uint16_t *scales, int dtype, const float *q,
+void kvs_paged_attention(const void *kv, const void *scales, int dtype, const float *q,
                          const int64_t *block_tables, const int64_t *row_seq,
                          const int64_t *lens, int n, int max_blocks, int bs, int H, int G,
                          int D, float sm_scale, int num_threads, int force_scalar, float *out) {
     Geo g;
     g.kv = (const uint8_t *)kv;
-    g.scales = scales;
+    log8_init();
+    g.scales = dtype == DT_I8 ? NULL : (const uint16_t *)scales;
+    g.codes = dtype == DT_I8 ? (const int8_t *)scales : NULL;
     g.dtype = dtype;
     g.bs = bs;
     g.H = H;
@@ -599,14 +619,15 @@ void kvs_write_fp8(const float *x, const int64_t *rows, int T, int H, int D, int
     }
 }
 
-/* ---- INT8 quantize-on-write (symmetric, per row) ----------------------------------------
- * Twin: kvserve/quant/int8.py (compute_scales + quantize); bit-exact.
- * x [T, H, D] fp32; rows [T] (row ids into dst [R, H, D] int8 / scales [R, H] bf16).
- * scale = bf16_rne(max(amax, 1e-12) / 127); q = clamp(rint(x / scale), -127, 127)
- * (rintf rounds half to even, as torch.round does).
+/* ---- INT8 quantize-on-write (symmetric, per row, log-domain 1-byte scale) --------------
+ * Twin: kvserve/quant/int8.py (compute_codes + quantize); bit-exact.
+ * x [T, H, D] fp32; rows [T] (row ids into dst [R, H, D] int8 / codes [R, H] int8).
+ * e = the smallest code in [-128, 127] with 127 * scale(e) >= amax (fp32 products; 127 if
+ * none); q = clamp(rint(x / scale(e)), -127, 127) (rintf rounds half to even, as torch.round).
  */
 void kvs_write_int8(const float *x, const int64_t *rows, int T, int H, int D, int8_t *dst,
-                    uint16_t *scales) {
+                    int8_t *codes) {
+    log8_init();
     for (int t = 0; t < T; t++) {
         for (int h = 0; h < H; h++) {
             const float *xr = x + ((size_t)t * H + h) * D;
@@ -615,16 +636,19 @@ void kvs_write_int8(const float *x, const int64_t *rows, int T, int H, int D, in
                 float a = fabsf(xr[d]);
                 amax = a > amax ? a : amax;
             }
-            if (!(amax >= 1e-12f)) amax = 1e-12f;
-            const uint16_t sb = f32_to_bf16_rne(amax / 127.0f);
-            const float s = bf16_to_f32(sb);
+            /* first guess from log2, then the exact search (monotone table) */
+            float g = amax > 0.f ? ceilf(8.0f * log2f(amax / 127.0f)) : -128.f;
+            int e = g >= -128.f ? (g <= 127.f ? (int)g : 127) : -128; /* NaN -> -128 */
+            while (e > -128 && 127.0f * LOG8_TABLE[e - 1 + 128] >= amax) e--;
+            while (e < 127 && 127.0f * LOG8_TABLE[e + 128] < amax) e++;
+            const float s = LOG8_TABLE[e + 128];
             int8_t *out = dst + ((size_t)rows[t] * H + h) * D;
             for (int d = 0; d < D; d++) {
                 float v = rintf(xr[d] / s);
                 v = v > 127.f ? 127.f : (v < -127.f ? -127.f : v);
                 out[d] = (int8_t)v;
             }
-            scales[(size_t)rows[t] * H + h] = sb;
+            codes[(size_t)rows[t] * H + h] = (int8_t)e;
         }
     }
 }

@@ -79,6 +79,13 @@ class EngineArgs:
     # (kvserve/engine/cuda_graphs.py); True runs every step eagerly (as vLLM's flag).
     enforce_eager: bool = arg(False, "cuda: no CUDA graphs for decode steps (always eager)",
                               action="store_true")
+    # GGUF Q4_0 / Q4_1 / Q8_0 weights on CPU (kvserve.quant.wq): activations quantized to int8
+    # per 32 columns for integer dot products.
+    gguf_activations: str = arg(
+        "int8x2", "GGUF Q4/Q8 weights on CPU: activations as int8 blocks of 32 for integer dot "
+        "products -- int8x2: two int8 passes (~15 bits, near-exact), int8: one (llama.cpp's "
+        "arithmetic, fastest); fp32: the dequantized weights' exact product (slowest)",
+        choices=["int8x2", "int8", "fp32"])
     seed: int = arg(0, "global torch seed (random draws of requests without their own seed; "
                     "see --sampling-seed)", type=int)
     progress: bool = arg(True, "progress bars while loading", cli=False)
@@ -107,6 +114,9 @@ class EngineArgs:
         flags=("--distributed-timeout",), group=PARALLEL, type=float)
 
     def __post_init__(self) -> None:
+        from kvserve.quant.wq import activation_terms  # torch: not at import (--help)
+
+        activation_terms(self.gguf_activations)  # ValueError naming gguf_activations
         if self.distributed_init_method is None and self.master_port is not None:
             # frozen: the one derived field, settled here so every reader sees the same value
             object.__setattr__(self, "distributed_init_method",

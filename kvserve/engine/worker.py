@@ -31,6 +31,7 @@ from kvserve.engine.model_runner import ModelRunner, StepInput
 from kvserve.layers.linear import kv_head_layout
 from kvserve.model.default_model import resolve_model
 from kvserve.model.loader import LoadedModel, checkpoint_dtype, load_model
+from kvserve.quant.wq import activation_terms
 
 logger = logging.getLogger("kvserve")
 
@@ -57,7 +58,8 @@ class Worker:
         self.args, self.rank, self.world_size = args, rank, world_size
         self.path = resolve_model(args.model)
         self.loaded: LoadedModel = load_model(self.path, args.dtype, args.device,
-                                              progress=args.progress and rank == 0)
+                                              progress=args.progress and rank == 0,
+                                              act_terms=activation_terms(args.gguf_activations))
         self.model = self.loaded.model
         self.spec = self.model.kv_spec()  # this rank's heads
         self.layout = self._layout()
@@ -65,13 +67,18 @@ class Worker:
         static = self.loaded.kv_scales
         if static is not None:
             static = static.unsqueeze(-1).expand(-1, -1, spec.num_kv_heads)
+        mla = spec.components == 1
+        split = (spec.kv_lora_rank, spec.head_dim - spec.kv_lora_rank) if mla else None
         self.kv_cache = PagedKVCache(
             spec.num_layers, lay.num_blocks, lay.block_size, spec.num_kv_heads,
             spec.head_dim, spec.components, lay.dtype, args.device, static_scales=static,
-            rotation_seed=lay.rotation_seed,
+            rotation_seed=lay.rotation_seed, rotation_split=split,
             # rank 0 seals from the fused writer's state; other ranks recompute their slice
             checksums=args.kv_integrity != "off" and rank == 0,
         )
+        if mla and self.kv_cache.rotation is not None:
+            # MLA: the latent's rotation is folded into kv_b_proj (W_UK / W_UV) once, here
+            self.model.fold_kv_rotation(self.kv_cache.rotation)
         self.fingerprint = self._fingerprint()
         self.replica_key = self._replica_key()
 
@@ -100,12 +107,9 @@ class Worker:
         kv_mode = resolve_kv_mode(cache_cfg.kv_cache_dtype, auto_kv)
         kv_dtype = kv_mode.dtype
         rot_seed = cache_cfg.kv_rotation_seed if kv_mode.rotate else None
-        if kv_mode.rotate and spec.components != 2:
-            raise ValueError(f"kv_cache_dtype {cache_cfg.kv_cache_dtype!r} (rotated) is not "
-                             "supported for an MLA latent cache; use fp8 or bf16")
-        if kv_dtype == torch.int8 and spec.components != 2:
-            raise ValueError(f"kv_cache_dtype {cache_cfg.kv_cache_dtype!r} (INT8) is not "
-                             "supported for an MLA latent cache; use fp8 or bf16")
+        if kv_mode.rotate and spec.components != 2 and spec.kv_lora_rank is None:
+            raise ValueError(f"kv_cache_dtype {cache_cfg.kv_cache_dtype!r} (rotated) needs a "
+                             "model that folds the rotation into its latent up-projection")
         per_block = bytes_per_block(spec.num_layers, cache_cfg.block_size,
                                     spec.num_kv_heads, spec.head_dim,
                                     spec.components, kv_dtype)
@@ -158,6 +162,8 @@ class Worker:
             h.update(f"{os.path.basename(file)}:{st.st_size}:{st.st_mtime_ns}".encode())
         rotation = self.kv_cache.rotation
         rot = "" if rotation is None else f"|rot={rotation.describe()}"
+        if self.layout.dtype == torch.int8:
+            rot += "|scale=log8"  # 1-byte 2^(e/8) scale codes (kvserve/quant/int8.py)
         h.update(f"{dtype_name(self.loaded.dtype)}|{dtype_name(self.layout.dtype)}|"
                  f"{self.layout.block_size}{rot}".encode())
         if self.world_size > 1:

@@ -8,7 +8,8 @@ triton and runs on CPU and CUDA alike.
 Paged KV cache layout (fixed; the engine's CPU path uses exactly this)::
 
     kv_data   [num_layers, num_blocks, C, block_size, num_kv_heads, head_dim]   storage dtype
-    kv_scales [num_layers, num_blocks, C, block_size, num_kv_heads]     bfloat16 (FP8 / INT8 only)
+    kv_scales [num_layers, num_blocks, C, block_size, num_kv_heads]     bfloat16 (FP8) or
+                                                                        int8 codes (INT8) only
 
     C = 2 (K at c=0, V at c=1) for MHA/GQA; C = 1 for MLA (one latent row [c_kv | k_rope],
     num_kv_heads = 1, head_dim = kv_lora_rank + qk_rope_head_dim).
@@ -18,17 +19,19 @@ Paged KV cache layout (fixed; the engine's CPU path uses exactly this)::
 
     sequence b, token position p  ->  block block_tables[b, p // bs], offset p % bs
 
-FP8 / INT8 dequantisation: ``x = stored_value.float() * scale.float()`` with one bf16 scale
-per (token, head, component), chosen at write time from the row's absolute maximum (INT8:
-symmetric, ``scale = bf16(amax / 127)``, round half to even; its twin is
-:mod:`kvserve.quant.int8`, shared with the C kernel).
+FP8 / INT8 dequantisation: ``x = stored_value.float() * scale`` with one scale per (token,
+head, component), chosen at write time from the row's absolute maximum. FP8 stores the scale
+as bf16. INT8 (symmetric, round half to even) stores a 1-byte code e, ``scale = 2^(e/8)``, the
+smallest such step with ``127 * scale >= amax``; its twin is :mod:`kvserve.quant.int8`, shared
+with the C kernel.
 
 Integrity checksum over one block ``kv_data[l, b]`` (shape [C, bs, H, D], row-major), viewed as
 signed int16 words w_0 .. w_{N-1}::
 
     S1 = sum_i w_i            S2 = sum_i (i + 1) * w_i          (exact, int64)
 
-and the same over ``kv_scales[l, b]`` (shape [C, bs, H], one bf16 = one word). The state of a
+and the same over ``kv_scales[l, b]`` (shape [C, bs, H]: one bf16 = one word; INT8's 1-byte
+codes pair up into words like FP8 payload bytes, whatever token they belong to). The state of a
 block is int64 [4] = (S1_payload, S2_payload, S1_scales, S2_scales). Any single-word change
 alters S1 (w is a bijection of the bits), two changes that cancel in S1 alter S2 by
 (i - j) * delta != 0, and swapping two distinct words alters S2 by (i - j) * (w_j - w_i) != 0.
@@ -119,6 +122,10 @@ def dequantize_rows(data: torch.Tensor, scales: torch.Tensor | None) -> torch.Te
     None)."""
     if is_scaled(data.dtype):
         assert scales is not None, "FP8 / INT8 cache needs kv_scales"
+        if data.dtype == torch.int8:
+            from kvserve.quant import int8
+
+            return int8.dequantize(data, scales)
         return data.float() * scales.float().unsqueeze(-1)
     return data.float()
 
@@ -146,6 +153,17 @@ def _s1_s2(words: torch.Tensor, base: torch.Tensor) -> tuple[torch.Tensor, torch
     """S1/S2 of ``words[n, W]`` whose first word sits at block word index ``base[n]``."""
     idx1 = base.unsqueeze(1) + torch.arange(1, words.shape[1] + 1, device=words.device)  # i + 1
     return words.sum(dim=1), (idx1 * words).sum(dim=1)
+
+
+def _byte_s1_s2(b: torch.Tensor, base: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """S1/S2 of 1-byte data ``b[n, B]`` whose first byte sits at block byte index ``base[n]``:
+    byte e is half of word e // 2 (even: its unsigned value, odd: 256 * its signed value),
+    so a run of bytes that does not start or end on a word boundary still adds exactly its
+    share of the block's sums."""
+    u = b.contiguous().view(torch.uint8).to(torch.int64)
+    e = base.unsqueeze(1) + torch.arange(u.shape[1], device=u.device)
+    contrib = torch.where(e % 2 == 0, u, 256 * (u - 256 * (u >= 128).to(torch.int64)))
+    return contrib.sum(dim=1), ((e // 2 + 1) * contrib).sum(dim=1)
 
 
 def block_checksum_state(
@@ -184,7 +202,8 @@ def token_checksum_contrib(
     Returns int64 [n, 4]. A token at offset o, component c of a block owns the words::
 
         payload words  [(c*bs + o) * Wp, (c*bs + o + 1) * Wp)   Wp = H*D*itemsize/2
-        scale words    [(c*bs + o) * H,  (c*bs + o + 1) * H)
+        scale words    [(c*bs + o) * H,  (c*bs + o + 1) * H)       (bf16 scales)
+        scale bytes    [(c*bs + o) * H,  (c*bs + o + 1) * H)       (INT8's 1-byte codes)
 
     so the per-token sums add up, over a fully written block, to ``block_checksum_state``.
     """
@@ -199,8 +218,12 @@ def token_checksum_contrib(
         out[:, 0] += s1
         out[:, 1] += s2
         if kv_scales is not None:
-            words = _as_words(kv_scales[layer, blocks, c, offs])  # [n, H]
-            s1, s2 = _s1_s2(words, (c * bs + offs) * words.shape[1])
+            sc = kv_scales[layer, blocks, c, offs]  # [n, H]
+            base = (c * bs + offs) * sc.shape[1]
+            if sc.element_size() == 1:
+                s1, s2 = _byte_s1_s2(sc, base)
+            else:
+                s1, s2 = _s1_s2(_as_words(sc), base)
             out[:, 2] += s1
             out[:, 3] += s2
     return out
@@ -228,8 +251,8 @@ def write_kv(
       distinct.
     * FP8 storage: quantised per (token, head, component) with dynamic scales, or with the
       static ``k_scale`` / ``v_scale`` (scalar or [H]) broadcast into ``kv_scales``.
-    * INT8 storage: symmetric per (token, head, component), dynamic scales only
-      (:func:`kvserve.quant.int8.quantize_dynamic`).
+    * INT8 storage: symmetric per (token, head, component), dynamic 1-byte log-domain scale
+      codes only (:func:`kvserve.quant.int8.quantize_dynamic`).
     * Other storage dtypes: ``x.to(storage dtype)`` (a plain copy when dtypes match).
     * ``csum_state`` int64 [num_layers, num_blocks, 4]: each written token's contribution
       (:func:`token_checksum_contrib`) is added to ``csum_state[layer, block]``. The state equals

@@ -21,7 +21,8 @@ their FP8 code values (exactly representable in bf16/fp16) inside the dots::
 
 (with an fp16 model, p * v_scale could fall into fp16's subnormals, so there the V tile is
 dequantised instead: acc[h] += sum_n p[h, n] * (v8[n, :] * v_scale[n])). INT8 takes the same
-path (``IS_FP8`` means "scaled"): its codes, integers in [-127, 127], are exact in bf16/fp16.
+path (``IS_FP8`` means "scaled"): its codes, integers in [-127, 127], are exact in bf16/fp16;
+its scales are 1-byte codes e read as ``2^(e/8)`` (``LOG8_SCALES``, kvserve/quant/int8.py).
 
 Softmax runs online in base 2 (``exp2``; scores pre-multiplied by log2(e)), with the usual
 running max m, running sum l and rescaled accumulator.
@@ -109,6 +110,14 @@ def _scales_arg(kv_data: torch.Tensor, kv_scales: torch.Tensor | None, layer: in
 
 
 @triton.jit
+def _scale(raw, LOG8: tl.constexpr):
+    """fp32 scales of loaded scale entries: bf16 values (FP8) or INT8's codes e -> 2^(e/8)."""
+    if LOG8:
+        return tl.exp2(raw.to(tl.float32) * 0.125)
+    return raw.to(tl.float32)
+
+
+@triton.jit
 def _row_offsets(
     BT_row, offs_n, mask_n, stride_kvb, stride_kvt, stride_scb, stride_sct, BLOCK_SIZE: tl.constexpr
 ):
@@ -142,8 +151,8 @@ def _split_result(acc, m_i, l_i):
 def _attend_kv_tile(
     q, m_i, l_i, acc, kv_head, sc_head, BT_row, offs_n, mask_n, keep, offs_d, mask_d, qk_scale,
     stride_kvb, stride_kvc, stride_kvt, stride_scb, stride_scc, stride_sct,
-    BLOCK_SIZE: tl.constexpr, IS_FP8: tl.constexpr, DEQUANT_V: tl.constexpr,
-    DOT_DTYPE: tl.constexpr, PRECISION: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr, IS_FP8: tl.constexpr, LOG8_SCALES: tl.constexpr,
+    DEQUANT_V: tl.constexpr, DOT_DTYPE: tl.constexpr, PRECISION: tl.constexpr,
 ):
     """The K/V loop body of decode and prefill: q [M, D] against the BLOCK_N positions
     ``offs_n`` of one sequence (``keep`` [M, N] or [1, N]: which scores count), folded into
@@ -155,13 +164,13 @@ def _attend_kv_tile(
     k = tl.load(kv_head + row[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
     s = tl.dot(q, tl.trans(k.to(DOT_DTYPE)), input_precision=PRECISION)
     if IS_FP8:
-        k_sc = tl.load(sc_head + srow, mask=mask_n, other=0.0).to(tl.float32)
+        k_sc = _scale(tl.load(sc_head + srow, mask=mask_n, other=0), LOG8_SCALES)
         s = s * k_sc[None, :]
     s = tl.where(keep, s * qk_scale, float("-inf"))  # [M, BLOCK_N]
     p, alpha, m_new, l_i = _online_softmax(s, m_i, l_i)
     v = tl.load(kv_head + stride_kvc + row[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
     if IS_FP8:
-        v_sc = tl.load(sc_head + stride_scc + srow, mask=mask_n, other=0.0).to(tl.float32)
+        v_sc = _scale(tl.load(sc_head + stride_scc + srow, mask=mask_n, other=0), LOG8_SCALES)
         if DEQUANT_V:
             # fp16 would flush p * scale (scales reach 1e-8) into its subnormals:
             # dequantise the V tile instead, back at the model's magnitudes
@@ -211,6 +220,7 @@ def _decode_split_kernel(
     BLOCK_D: tl.constexpr,
     BLOCK_N: tl.constexpr,
     IS_FP8: tl.constexpr,
+    LOG8_SCALES: tl.constexpr,  # INT8 cache: scales are 1-byte codes e, 2^(e/8)
     DEQUANT_V: tl.constexpr,  # FP8 cache, fp16 model: scale the V rows, not p
     DOT_DTYPE: tl.constexpr,
     PRECISION: tl.constexpr,
@@ -242,7 +252,7 @@ def _decode_split_kernel(
         m_i, l_i, acc = _attend_kv_tile(
             q, m_i, l_i, acc, kv_head, sc_head, BT_row, offs_n, mask_n, mask_n[None, :], offs_d,
             mask_d, qk_scale, stride_kvb, stride_kvc, stride_kvt, stride_scb, stride_scc,
-            stride_sct, BLOCK_SIZE, IS_FP8, DEQUANT_V, DOT_DTYPE, PRECISION,
+            stride_sct, BLOCK_SIZE, IS_FP8, LOG8_SCALES, DEQUANT_V, DOT_DTYPE, PRECISION,
         )
 
     out, lse = _split_result(acc, m_i, l_i)  # lse -inf for every row when the split is empty
@@ -449,6 +459,7 @@ def paged_decode_attention(
         BLOCK_D=_pow2(D),
         BLOCK_N=block_n,
         IS_FP8=ref.is_scaled(kv_data.dtype),
+        LOG8_SCALES=kv_data.dtype == torch.int8,
         DEQUANT_V=q.dtype == torch.float16,
         DOT_DTYPE=dot_dtype,
         PRECISION="ieee" if dot_dtype == tl.float32 else "tf32",
@@ -493,6 +504,7 @@ def _prefill_kernel(
     BLOCK_D: tl.constexpr,
     BLOCK_N: tl.constexpr,
     IS_FP8: tl.constexpr,
+    LOG8_SCALES: tl.constexpr,  # INT8 cache: scales are 1-byte codes e, 2^(e/8)
     DEQUANT_V: tl.constexpr,  # FP8 cache, fp16 model: scale the V rows, not p
     DOT_DTYPE: tl.constexpr,
     PRECISION: tl.constexpr,
@@ -539,7 +551,7 @@ def _prefill_kernel(
         m_i, l_i, acc = _attend_kv_tile(
             q, m_i, l_i, acc, kv_head, sc_head, BT_row, offs_n, mask_n, keep, offs_d, mask_d,
             qk_scale, stride_kvb, stride_kvc, stride_kvt, stride_scb, stride_scc, stride_sct,
-            BLOCK_SIZE, IS_FP8, DEQUANT_V, DOT_DTYPE, PRECISION,
+            BLOCK_SIZE, IS_FP8, LOG8_SCALES, DEQUANT_V, DOT_DTYPE, PRECISION,
         )
 
     out = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
@@ -613,6 +625,7 @@ def paged_attention(
         BLOCK_D=_pow2(D),
         BLOCK_N=block_n,
         IS_FP8=ref.is_scaled(kv_data.dtype),
+        LOG8_SCALES=kv_data.dtype == torch.int8,
         DEQUANT_V=q.dtype == torch.float16,
         DOT_DTYPE=dot_dtype,
         PRECISION="ieee" if dot_dtype == tl.float32 else "tf32",
@@ -662,6 +675,7 @@ def _mla_split_kernel(
     BLOCK_R: tl.constexpr,
     BLOCK_N: tl.constexpr,
     IS_FP8: tl.constexpr,
+    LOG8_SCALES: tl.constexpr,  # INT8 cache: scales are 1-byte codes e, 2^(e/8)
     DOT_DTYPE: tl.constexpr,
     PRECISION: tl.constexpr,
 ):
@@ -714,7 +728,7 @@ def _mla_split_kernel(
         s = tl.dot(qn, tl.trans(c), input_precision=PRECISION)
         s += tl.dot(qr, tl.trans(r.to(DOT_DTYPE)), input_precision=PRECISION)
         if IS_FP8:
-            sc = tl.load(SC + srow, mask=mask_n, other=0.0).to(tl.float32)
+            sc = _scale(tl.load(SC + srow, mask=mask_n, other=0), LOG8_SCALES)
             s = s * sc[None, :]
         s = tl.where(mask_n[None, :], s * qk_scale, float("-inf"))
         p, alpha, m_i, l_i = _online_softmax(s, m_i, l_i)
@@ -792,6 +806,7 @@ def mla_decode(
         BLOCK_R=_pow2(R),
         BLOCK_N=block_n,
         IS_FP8=ref.is_scaled(kv_data.dtype),
+        LOG8_SCALES=kv_data.dtype == torch.int8,
         DOT_DTYPE=dot_dtype,
         PRECISION="ieee" if dot_dtype == tl.float32 else "tf32",
         num_warps=8 if lora >= 256 else 4,

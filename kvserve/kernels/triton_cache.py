@@ -10,6 +10,7 @@ One program per token (grid = (T,)); it handles every head and both components o
 
     k/v[t]  [H, D]  --quantise-->  kv_data[layer, blk, c, off, :, :]     payload words
                                    kv_scales[layer, blk, c, off, :]      scale words (FP8)
+                                                                         / scale bytes (INT8)
             per-token partial (S1, S2, S1s, S2s) --atomic add--> csum_state[layer, blk, :]
 
 Word indices inside the block (see reference.token_checksum_contrib), element index
@@ -19,6 +20,11 @@ e = ((c*bs + off)*H + h)*D + d of the [C, bs, H, D] payload:
     4-byte storage:  element e is words 2e (low half) and 2e+1 (high half)
     1-byte (FP8, INT8): byte e is half of word e // 2: w = byte[2k] + 256 * int8(byte[2k+1])
                      so an even byte adds its unsigned value, an odd byte 256 * its signed value
+
+INT8's scale is a 1-byte code e (scale = 2^(e/8), kvserve/quant/int8.py): the smallest e with
+127 * scale(e) >= amax, found from a log2 guess and exact compares against the same fp32 table
+the twin uses (``TABLE``); its byte (c*bs + off)*H + h of the block's scale bytes adds to the
+scale sums by the same byte rule.
 """
 
 from __future__ import annotations
@@ -99,6 +105,7 @@ def _write_kv_kernel(
     SC,  # kv_scales[layer] as int16 [num_blocks, C, bs, H] (FP8) or a dummy
     CSUM,  # csum_state[layer] int64 [num_blocks, 4] or a dummy
     STATIC,  # int16 bf16 bits [C, H] of static scales, or a dummy
+    TABLE,  # fp32 [256] INT8 scales 2^(e/8) (index e + 128), or a dummy
     stride_kt,
     stride_kh,
     stride_vt,
@@ -154,7 +161,18 @@ def _write_kv_kernel(
         e = ((c * BLOCK_SIZE + off) * NUM_HEADS + offs_h[:, None]) * HEAD_DIM + offs_d[None, :]
         if MODE == 2:
             x = tl.load(src, mask=mask, other=0.0).to(tl.float32)
-            if STATIC_SCALE:
+            if INT8:
+                amax = tl.max(tl.abs(x), axis=1)  # [BLOCK_H]
+                g = tl.math.ceil(8.0 * tl.math.log2(tl.maximum(amax, 1e-30) / 127.0))
+                code = tl.minimum(tl.maximum(g, -128.0), 127.0).to(tl.int32)
+                for _ in tl.static_range(2):  # exact search around the guess (monotone table)
+                    lo = tl.load(TABLE + tl.maximum(code - 1, -128) + 128)
+                    code = tl.where((code > -128) & (127.0 * lo >= amax), code - 1, code)
+                for _ in tl.static_range(2):
+                    cur = tl.load(TABLE + code + 128)
+                    code = tl.where((code < 127) & (127.0 * cur < amax), code + 1, code)
+                sbits = code  # int32 in [-128, 127]
+            elif STATIC_SCALE:
                 sbits = tl.load(STATIC + c * NUM_HEADS + offs_h, mask=mask_h, other=0)
                 sbits = sbits.to(tl.int32) & 0xFFFF
             else:
@@ -163,7 +181,10 @@ def _write_kv_kernel(
                 # not broadcast, hence the explicit full/broadcast_to
                 fmax = tl.full([BLOCK_H], FP8_MAX, dtype=tl.float32)
                 sbits = _fp32_to_bf16_bits(tl.math.div_rn(amax, fmax))
-            scale = _bf16_bits_to_fp32(sbits)  # [BLOCK_H], exactly the stored bf16 value
+            if INT8:  # noqa: SIM108 (a constexpr branch)
+                scale = tl.load(TABLE + sbits + 128)  # [BLOCK_H], exactly the twin's scale
+            else:
+                scale = _bf16_bits_to_fp32(sbits)  # [BLOCK_H], exactly the stored bf16 value
             y = tl.math.div_rn(x, tl.broadcast_to(scale[:, None], [BLOCK_H, BLOCK_D]))
             y = tl.minimum(tl.maximum(y, -FP8_MAX), FP8_MAX)
             if INT8:
@@ -179,14 +200,22 @@ def _write_kv_kernel(
             contrib = tl.where(mask, contrib, 0)
             s1 += _sum_all(contrib)
             s2 += _sum_all((e // 2 + 1) * contrib)
-            # scale words: one per (c, off, h), index (c*bs + off)*H + h
-            sw = tl.where(sbits >= 32768, sbits - 65536, sbits)
-            sw = tl.where(mask_h, sw, 0).to(tl.int64)
             sdst = SC + blk * stride_scb + c * stride_scc + off * stride_sct + offs_h
-            tl.store(sdst, sw.to(tl.int16), mask=mask_h)
             sidx = (c * BLOCK_SIZE + off) * NUM_HEADS + offs_h
-            ss1 += tl.sum(sw, axis=0)
-            ss2 += tl.sum((sidx + 1) * sw, axis=0)
+            if INT8:
+                # scale bytes: byte sidx of the block's codes, half of word sidx // 2
+                tl.store(sdst, sbits.to(tl.int8), mask=mask_h)
+                sb = tl.where(sidx % 2 == 1, sbits * 256, sbits & 0xFF)
+                sb = tl.where(mask_h, sb, 0).to(tl.int64)
+                ss1 += tl.sum(sb, axis=0)
+                ss2 += tl.sum((sidx // 2 + 1) * sb, axis=0)
+            else:
+                # scale words: one per (c, off, h), index (c*bs + off)*H + h
+                sw = tl.where(sbits >= 32768, sbits - 65536, sbits)
+                sw = tl.where(mask_h, sw, 0).to(tl.int64)
+                tl.store(sdst, sw.to(tl.int16), mask=mask_h)
+                ss1 += tl.sum(sw, axis=0)
+                ss2 += tl.sum((sidx + 1) * sw, axis=0)
         elif MODE == 0:
             w = tl.load(src, mask=mask, other=0)  # int16 bits
             tl.store(dst, w, mask=mask)
@@ -264,7 +293,10 @@ def write_kv(
         mode, kv_view = _MODE_FP8, kv_l.view(torch.uint8)
         mant, bias = _FP8_FORMAT.get(kv_data.dtype, (3, 7))  # (unused for INT8)
         fmax = 127.0 if i8 else ref.fp8_max(kv_data.dtype)
-        sc = kv_scales[layer].view(torch.int16)  # type: ignore[index]
+        sc = kv_scales[layer]  # type: ignore[index]
+        if i8 and sc.dtype != torch.int8:
+            raise ValueError(f"kv_scales: an INT8 cache stores int8 scale codes, got {sc.dtype}")
+        sc = sc if i8 else sc.view(torch.int16)
     else:
         mode = _MODE_COPY16 if kv_data.element_size() == 2 else _MODE_COPY32
         kv_view = _int_view(kv_l)
@@ -282,6 +314,12 @@ def write_kv(
     with_csum = csum_state is not None
     csum = csum_state[layer] if csum_state is not None else sc
     slots = slot_mapping.to(device=kv_data.device, dtype=torch.int64)
+    if i8:
+        from kvserve.quant import int8
+
+        table = int8.SCALE_TABLE.to(kv_data.device)
+    else:
+        table = sc
     _write_kv_kernel[(T,)](
         kk,
         vv,
@@ -290,6 +328,7 @@ def write_kv(
         sc,
         csum,
         static,
+        table,
         kk.stride(0),
         kk.stride(1),
         vv.stride(0),

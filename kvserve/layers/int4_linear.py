@@ -30,6 +30,11 @@ Compute paths (Zen2/3 AVX2, 1 thread, K = N = 4096, group 128, median ms, quiet 
     64    196         37          30.6               49.4            48.0
     128   -           -           61.4               99.2            73.6
 
+* GGUF Q4_0 / Q4_1 ("min form", w = u s + m) with ``act_terms`` 1 or 2 (the engine's
+  ``gguf_activations`` int8 / int8x2, default int8x2): the layer holds only integer-dot tiles
+  (kvserve.quant.wq) and every M runs kvserve/csrc/wq_gemm.c -- activations quantized per 32
+  columns to one or two int8 terms, AVX-512 VNNI / AVX2 / plain-C integer dot products, as
+  llama.cpp does. ``act_terms`` 0 (fp32) keeps the paths below.
 * M <= ``gemv_max_m`` (default 64; decode): the C kernel
   ``kvserve/csrc/int4_gemv.c`` (``kvserve.cbuild``) on the *same* packed bytes and bf16 (scale,
   zero) pairs, with fp32 activations: nibbles are masked in place and widened with one convert
@@ -71,7 +76,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from kvserve.cbuild import build_library
-from kvserve.quant import int4
+from kvserve.kernels.cpu import wq_gemm as wq_cpu
+from kvserve.quant import int4, wq
 from kvserve.quant.int4 import Int4Weight
 
 DEQUANT_MIN_M = 96  # rows of x from which dequant -> fp32 GEMM beats the int4 op (measured)
@@ -138,6 +144,7 @@ class Int4Linear(nn.Module):
         *,
         dequant_min_m: int = DEQUANT_MIN_M,
         gemv_max_m: int | None = None,
+        act_terms: int = 0,
     ) -> None:
         super().__init__()
         n, k = weight.out_features, weight.in_features
@@ -171,6 +178,15 @@ class Int4Linear(nn.Module):
             else:
                 perm = None  # irregular groups: canonical path with g_idx
         self.register_buffer("perm", perm, persistent=False)
+        for name in ("wq_codes", "wq_sm"):
+            self.register_buffer(name, None, persistent=False)
+        if act_terms not in (0, 1, 2):
+            raise ValueError(f"act_terms must be 0 (fp32), 1 or 2, got {act_terms}")
+        self.act_terms = act_terms if self.min_form and perm is None and _wq_form_ok(weight) \
+            else 0
+        if self.act_terms:
+            self._init_wq(weight)
+            return
 
         # 2. fast-op grouping: op group G' divides the group (or anything, channel-wise)
         layout = int4pack_layout()
@@ -202,6 +218,29 @@ class Int4Linear(nn.Module):
             self.register_buffer("ct_mins", None if weight.mins is None else
                                  weight.mins.float().contiguous(), persistent=False)
             self.register_buffer("ct_group_index", weight.group_index(), persistent=False)
+
+    def _init_wq(self, weight: Int4Weight) -> None:
+        """GGUF min form on CPU: integer-dot tiles (kvserve.quant.wq) and nothing else."""
+        n, k = self.out_features, self.in_features
+        self.fast, self._layout, self.op_group = False, None, 0
+        self.k_pad, self.n_pad = k, _ceil_to(n, wq.TILE)
+        u = torch.zeros(self.n_pad, k, dtype=torch.uint8)  # padded rows: u = s = m = 0
+        u[:n] = (weight.values.to(torch.int16) + int4.OFFSET).to(torch.uint8)
+        s = torch.zeros(self.n_pad, weight.n_groups, dtype=torch.float16)
+        m = torch.zeros_like(s)
+        s[:n], m[:n] = weight.scales.to(torch.float16), weight.mins.to(torch.float16)
+        self.register_buffer("wq_codes", wq.pack_codes(u, 4), persistent=False)
+        self.register_buffer("wq_sm", wq.pack_scales(s, m), persistent=False)
+        for name in ("packed", "scales_zeros", "ct_packed", "ct_scales", "ct_zeros", "ct_mins",
+                     "ct_group_index"):
+            self.register_buffer(name, None, persistent=False)
+
+    def _wq_parts(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(u uint8 [N, K], s fp16 [N, G], m fp16 [N, G]) of a wq-form layer (unpadded)."""
+        n, k = self.out_features, self.in_features
+        u = wq.unpack_codes(self.wq_codes, self.n_pad, k, 4)[:n]
+        s, m = wq.unpack_scales(self.wq_sm)
+        return u, s[:n], m[:n]
 
     # ---------------------------------------------------------------- constructors
 
@@ -292,6 +331,13 @@ class Int4Linear(nn.Module):
     # ---------------------------------------------------------------- compute
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.act_terms and x.dim() == 2 and x.dtype == torch.float32 and x.is_contiguous() \
+                and x.device.type == "cpu" and self.n_pad == self.out_features \
+                and x.shape[1] == self.in_features and self.bias is None:
+            lib = wq_cpu.wq_library()  # the decode hot path: one C call, nothing else
+            if lib is not None:
+                return wq_cpu.wq_linear(lib, x, self.wq_codes, self.wq_sm, self.n_pad,
+                                        self.group_size, 4, self.act_terms)
         if x.shape[-1] != self.in_features:
             raise ValueError(f"x must be [..., {self.in_features}], got {tuple(x.shape)}")
         lead = x.shape[:-1]
@@ -303,6 +349,8 @@ class Int4Linear(nn.Module):
             y = x2.new_zeros(0, self.out_features)
         elif self.device_kernel is not None:  # GPU layout (see to_device_layout)
             y = self._forward_device(x2)
+        elif self.wq_codes is not None:
+            y = self._forward_wq(x2)
         elif self.fast and m <= self.gemv_max_m and _gemv_lib() is not None:
             y = self._forward_gemv(x2)
         elif self.fast and m < self.dequant_min_m and not self.min_form:
@@ -312,6 +360,20 @@ class Int4Linear(nn.Module):
         if self.bias is not None:
             y = y + self.bias.to(y.dtype)
         return y.reshape(*lead, self.out_features)
+
+    def _forward_wq(self, x2: torch.Tensor) -> torch.Tensor:
+        """GGUF min form: int8 activations x integer-dot tiles (kvserve/csrc/wq_gemm.c), or
+        the same arithmetic in torch without the C library: [m, K] -> [m, N]."""
+        xf = x2.float().contiguous()
+        lib = wq_cpu.wq_library() if xf.device.type == "cpu" else None
+        if lib is not None:
+            y = wq_cpu.wq_linear(lib, xf, self.wq_codes, self.wq_sm, self.n_pad,
+                                 self.group_size, 4, self.act_terms)[:, : self.out_features]
+        else:
+            u, s, m = self._wq_parts()
+            y = wq.fake_quant_act(xf, self.act_terms) @ \
+                wq.dequantize_ref(u, s, m, self.group_size).t()
+        return y.to(x2.dtype)
 
     def _forward_gemv(self, x2: torch.Tensor) -> torch.Tensor:
         """C/AVX2 skinny GEMM on the op's packed bytes, fp32 activations: [m, K] -> [m, N]."""
@@ -467,7 +529,7 @@ class Int4Linear(nn.Module):
             sz[: scales.shape[1], :n, 1] = ((int4.OFFSET - zpf) * scales).t()  # zero
             bufs["dev_sz"] = sz
         for name in ("packed", "scales_zeros", "ct_packed", "ct_scales", "ct_zeros", "ct_mins",
-                     "ct_group_index"):
+                     "ct_group_index", "wq_codes", "wq_sm"):
             self.register_buffer(name, None, persistent=False)
         for name, t in bufs.items():
             self.register_buffer(name, None if t is None else t.contiguous(), persistent=False)
@@ -483,6 +545,9 @@ class Int4Linear(nn.Module):
         """(u uint8 [N, K] stored-column nibbles, scales fp32 [N, G], unsigned zero points
         [N, G] int16 or None, group) of the weight as held; u is None for irregular groups."""
         n, k = self.out_features, self.in_features
+        if self.wq_codes is not None:
+            u, s, m = self._wq_parts()
+            return u, s.float(), self._min_form_zero_points(s.float(), m), self.group_size
         if self.fast:
             assert self._layout is not None
             block_n, mode = self._layout
@@ -597,6 +662,9 @@ class Int4Linear(nn.Module):
         """The dense fp32 [out, in] weight this layer computes with (original column order)."""
         if self.device_kernel is not None:
             return self._dequantize_device()
+        if self.wq_codes is not None:
+            u, s, m = self._wq_parts()
+            return wq.dequantize_ref(u, s, m, self.group_size)
         w_t = torch.cat([self._dequant_rows_t(r0, r1).clone() for r0, r1 in self._row_chunks()],
                         1)  # clone: the C path returns a reused workspace
         w = w_t.t()[: self.out_features, : self.in_features]
@@ -611,7 +679,7 @@ class Int4Linear(nn.Module):
         return sum(b.numel() * b.element_size() for b in self.buffers())
 
     def extra_repr(self) -> str:
-        path = "int4-op" if self.fast else "dequant"
+        path = "w4a8" if self.wq_codes is not None else "int4-op" if self.fast else "dequant"
         return (f"in_features={self.in_features}, out_features={self.out_features}, "
                 f"group_size={self.group_size}, symmetric={self.symmetric}, "
                 f"bias={self.bias is not None}, path={path}, act_order={self.perm is not None}")
@@ -629,6 +697,14 @@ def int4_experts_from_dense(
 
 
 _WORKSPACE = threading.local()
+
+
+def _wq_form_ok(w: Int4Weight) -> bool:
+    """GGUF-style groups the integer-dot layout holds: whole 32-column blocks, fp16 (s, m)."""
+    if w.n_groups == 1 or w.group_size % wq.BLOCK or w.in_features % w.group_size:
+        return False
+    s, m = w.scales.float(), w.mins.float()
+    return bool(torch.equal(s.half().float(), s) and torch.equal(m.half().float(), m))
 
 
 def _workspace(numel: int) -> torch.Tensor:

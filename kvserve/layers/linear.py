@@ -338,10 +338,12 @@ class Int4MergedLinear(nn.Module):
         g_idx = [w.g_idx for w in weights]
         same = all((g is None) == (g_idx[0] is None) and (g is None or torch.equal(g, g_idx[0]))
                    for g in g_idx)
+        terms = self.scheme.act_terms
         if same:
-            self.int4 = Int4Linear(int4.concat_out(weights) if len(weights) > 1 else weights[0])
+            self.int4 = Int4Linear(int4.concat_out(weights) if len(weights) > 1 else weights[0],
+                                   act_terms=terms)
         else:
-            self.int4 = nn.ModuleList(Int4Linear(w) for w in weights)
+            self.int4 = nn.ModuleList(Int4Linear(w, act_terms=terms) for w in weights)
         self._parts = None
         for tname in self.scheme.tensor_names:
             delattr(self, tname)

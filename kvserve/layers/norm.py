@@ -4,6 +4,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kvserve.kernels.cpu import cpu_ops
 from kvserve.layers.linear import default_weight_loader
 
 
@@ -15,6 +16,18 @@ class RMSNorm(nn.Module):
         self.eps = eps
         self.weight = nn.Parameter(torch.empty(dim), requires_grad=False)
         self.weight.weight_loader = default_weight_loader  # type: ignore[attr-defined]
+
+    def add_norm(self, x: torch.Tensor, residual: torch.Tensor | None
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(norm(x + residual), x + residual); residual None: (norm(x), x). The sum is written
+        into ``residual`` in place where the fused C op runs (fp32 on CPU, one call)."""
+        if residual is None:
+            return self(x), x
+        out = cpu_ops.add_rms_norm(x, residual, self.weight, self.eps)
+        if out is not None:
+            return out, residual
+        residual = x + residual
+        return self(residual), residual
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         dtype = x.dtype

@@ -18,6 +18,8 @@ import torch
 from torch import nn
 
 from kvserve.cbuild import build_library
+from kvserve.kernels.cpu import wq_gemm as wq_cpu
+from kvserve.quant import wq
 from kvserve.quant.gguf_q8 import dequantize_q8
 
 GEMV_MAX_M = 16
@@ -25,25 +27,63 @@ _CHUNK_ROWS = 2048  # vocab rows dequantized per GEMM in the large-M path (4.5 M
 
 
 class Q8Embedding(nn.Module):
-    def __init__(self, q: torch.Tensor, d: torch.Tensor, dtype: torch.dtype) -> None:
+    """Held in one of two layouts, chosen once:
+
+    * ``act_terms`` 1 or 2 (default 2): integer-dot tiles (kvserve.quant.wq, 8-bit codes
+      u = q + 128, s = d, m = -128 d -- the same weights exactly); the head quantizes its input
+      to int8 terms per 32 columns (1: as llama.cpp does for Q8_0; kvserve/csrc/wq_gemm.c);
+    * otherwise row-major int8 q [N, K] + fp16 d [N, K/32] with fp32 activations
+      (kvserve/csrc/q8_gemv.c).
+    """
+
+    def __init__(self, q: torch.Tensor, d: torch.Tensor, dtype: torch.dtype,
+                 act_terms: int = 2) -> None:
         super().__init__()
         if q.dtype != torch.int8 or d.dtype != torch.float16 or d.shape != (
                 q.shape[0], q.shape[1] // 32):
             raise ValueError(f"q must be int8 [N, K] and d fp16 [N, K/32], got {q.dtype} "
                              f"{tuple(q.shape)}, {d.dtype} {tuple(d.shape)}")
-        self.num_embeddings, self.embedding_dim = q.shape
+        self.num_embeddings, self.embedding_dim = n, k = q.shape
         self.dtype = dtype
-        self.q = nn.Parameter(q.contiguous(), requires_grad=False)
-        self.d = nn.Parameter(d.contiguous(), requires_grad=False)
+        if act_terms not in (0, 1, 2):
+            raise ValueError(f"act_terms must be 0 (fp32), 1 or 2, got {act_terms}")
+        self.act_terms = act_terms
+        if act_terms:
+            self.n_pad = -(-n // wq.TILE) * wq.TILE
+            u = torch.zeros(self.n_pad, k, dtype=torch.uint8)  # padded rows: s = m = 0
+            u[:n] = (q.to(torch.int16) + 128).to(torch.uint8)
+            s = torch.zeros(self.n_pad, k // 32, dtype=torch.float16)
+            s[:n] = d
+            self.codes = nn.Parameter(wq.pack_codes(u, 8), requires_grad=False)
+            self.sm = nn.Parameter(wq.pack_scales(s, -128 * s), requires_grad=False)  # exact
+            self.q = self.d = None
+        else:
+            self.q = nn.Parameter(q.contiguous(), requires_grad=False)
+            self.d = nn.Parameter(d.contiguous(), requires_grad=False)
+            self.codes = self.sm = None
+
+    def rows(self, ids: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """(q int8 [len(ids), K], d fp16 [len(ids), K/32]) of the given rows (all if None)."""
+        if self.q is not None:
+            return (self.q, self.d) if ids is None else (self.q[ids], self.d[ids])
+        if ids is None:
+            ids = torch.arange(self.num_embeddings)
+        ids = ids.reshape(-1)
+        k = self.embedding_dim
+        tile, r = ids // wq.TILE, ids % wq.TILE
+        u = self.codes.view(-1, k // 4, wq.TILE, 4)[tile, :, r, :].reshape(-1, k)
+        d = self.sm.view(-1, k // 32, 2, wq.TILE)[tile, :, 0, r]
+        return (u.to(torch.int16) - 128).to(torch.int8), d
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        return dequantize_q8(self.q, self.d, ids).to(self.dtype)
+        q, d = self.rows(ids)
+        return dequantize_q8(q, d).view(*ids.shape, self.embedding_dim).to(self.dtype)
 
     def weight_bytes(self) -> int:
-        return self.q.numel() + 2 * self.d.numel()
+        return sum(p.numel() * p.element_size() for p in self.parameters())
 
     def dense_numel(self) -> int:
-        return self.q.numel()
+        return self.num_embeddings * self.embedding_dim
 
 
 class Q8LMHead(nn.Module):
@@ -57,16 +97,21 @@ class Q8LMHead(nn.Module):
         t = self.table
         x2 = x.reshape(-1, t.embedding_dim).float().contiguous()
         m, n = x2.shape[0], t.num_embeddings
-        lib = _q8_lib()
+        if t.act_terms:
+            lib = wq_cpu.wq_library() if x2.device.type == "cpu" else None
+            if lib is not None:
+                y = wq_cpu.wq_linear(lib, x2, t.codes, t.sm, t.n_pad, 32, 8, t.act_terms)
+                return y[:, :n].reshape(*x.shape[:-1], n)
+            x2 = wq.fake_quant_act(x2, t.act_terms)  # the kernel's arithmetic, in torch
+        lib = _q8_lib() if not t.act_terms else None
+        y = torch.empty(m, n, dtype=torch.float32)
         if lib is not None and m <= GEMV_MAX_M:
-            y = torch.empty(m, n, dtype=torch.float32)
             lib.kvs_q8_gemv(t.q.data_ptr(), t.d.data_ptr(), x2.data_ptr(), m, n,
                             t.embedding_dim, torch.get_num_threads(), y.data_ptr())
         else:
-            y = torch.empty(m, n, dtype=torch.float32)
             for r0 in range(0, n, _CHUNK_ROWS):
                 r1 = min(n, r0 + _CHUNK_ROWS)
-                y[:, r0:r1] = x2 @ dequantize_q8(t.q[r0:r1], t.d[r0:r1]).t()
+                y[:, r0:r1] = x2 @ dequantize_q8(*t.rows(torch.arange(r0, r1))).t()
         return y.reshape(*x.shape[:-1], n)
 
 

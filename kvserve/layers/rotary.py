@@ -6,6 +6,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from kvserve.kernels.cpu import cpu_ops
+
 
 def _rope_parameters(config) -> dict:
     params = getattr(config, "rope_parameters", None) or {}
@@ -48,6 +50,14 @@ class RotaryEmbedding(nn.Module):
         self.interleaved = interleaved
         self.cos = freqs.cos() * scaling  # plain attributes: never on the meta device
         self.sin = freqs.sin() * scaling
+
+    def rotate_qk_(self, positions: torch.Tensor, qkv: torch.Tensor, nheads: int,
+                   head_dim: int) -> bool:
+        """In place on a fused projection's output (fp32 [T, W] on CPU): heads [0, nheads)
+        of each row -- q's then k's -- rotated (kvserve/csrc/cpu_ops.c; the same math as
+        ``forward``). False, nothing done, where that kernel does not apply."""
+        return cpu_ops.rope_qk_(qkv, positions, self.cos, self.sin, nheads, head_dim,
+                                self.interleaved)
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         """x [T, H, D] (any float dtype) -> rotated, fp32."""

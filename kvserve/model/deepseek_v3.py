@@ -81,6 +81,7 @@ def mla_kv_spec(config) -> KVSpec:
         components=1,
         scale=mla_softmax_scale(config),
         max_position_embeddings=config.max_position_embeddings,
+        kv_lora_rank=config.kv_lora_rank,  # the row is [c_kv (R) | k_pe (dr)]
     )
 
 
@@ -204,6 +205,25 @@ class DeepseekV3ForCausalLM(CausalLMBase):
 
     def kv_spec(self) -> KVSpec:
         return mla_kv_spec(self.config)
+
+    @torch.no_grad()
+    def fold_kv_rotation(self, rotation) -> None:
+        """Rotated KV modes (``int8``, ``fp8_rot``): the cache stores ``[c_kv R_c | k_pe R_pe]``
+        (kvserve/quant/rotation.py, ``split=(R, dr)``); fold R_c into every layer's
+        ``kv_b_proj.weight`` W [H * (dn + dv), R] as ``W R_c``, so W_UK and W_UV (absorbed
+        decode and prefill expansion alike) read the rotated latent unchanged. Computed in
+        fp32, stored in the weight's dtype (a bf16 weight is rounded once more: relative
+        2^-9, like the weight itself). Called once, by the worker, before serving."""
+        if getattr(self, "_kv_rotation_folded", None) is not None:
+            raise ValueError("kv rotation already folded into kv_b_proj")
+        r_c = rotation.parts[0]
+        for layer in self.model.layers:
+            w = layer.self_attn.kv_b_proj.weight
+            if not w.is_floating_point() or w.shape[-1] != r_c.shape[0]:
+                raise ValueError(f"kv_b_proj.weight {tuple(w.shape)} {w.dtype}: cannot fold a "
+                                 f"{r_c.shape[0]}-wide rotation into it")
+            w.copy_((w.float() @ r_c.to(w.device)).to(w.dtype))
+        self._kv_rotation_folded = rotation.describe()
 
     def load_extra(self, name: str, handle, loaded: set) -> bool:
         return load_expert_tensor(self, name, handle, loaded)

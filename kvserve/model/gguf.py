@@ -280,7 +280,8 @@ class GGUFQuant:
     tensor_names = ("gguf_blocks",)
 
     def __init__(self, ckpt: GGUFCheckpoint, name_map: dict[str, str],
-                 packed_modules: dict[str, tuple[str, str]]) -> None:
+                 packed_modules: dict[str, tuple[str, str]],
+                 act_terms: int = 2) -> None:
         from kvserve.model.quant_config import Int4Scheme
 
         by_module = {hf.rpartition(".")[0]: ckpt.type_of(g) for g, hf in name_map.items()
@@ -294,7 +295,8 @@ class GGUFQuant:
             siblings = [f"{parent}.{c}" for c, (fz, _) in packed_modules.items()
                         if fused is not None and fz == fused[0]] or [module]
             if all(by_module.get(s) == kind for s in siblings):
-                self.schemes[module] = Int4Scheme("gguf", 32, False, gguf_type=kind)
+                self.schemes[module] = Int4Scheme("gguf", 32, False, gguf_type=kind,
+                                                  act_terms=act_terms)
 
     def scheme_for(self, name: str, class_name: str = "Linear"):
         return self.schemes.get(name)

@@ -26,6 +26,7 @@ class KVSpec:
     scale: float  # softmax scale
     max_position_embeddings: int
     sliding_window: int | None = None
+    kv_lora_rank: int | None = None  # MLA: the row is [c_kv (kv_lora_rank) | k_pe (rope dim)]
 
     @property
     def context_len(self) -> int:
@@ -47,6 +48,12 @@ class CausalLM(Protocol):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None: ...  # [N, V] fp32
     def kv_spec(self) -> KVSpec: ...
     def tie_weights(self) -> None: ...  # after materializing, before loading
+
+    def fold_kv_rotation(self, rotation) -> None:
+        """MLA with a rotated KV mode: fold the latent's rotation into the up-projection once
+        (kvserve/quant/rotation.py); the worker calls it when ``kv_spec().kv_lora_rank`` is
+        set."""
+        ...
 
     def load_extra(self, name: str, handle, loaded: set) -> bool:
         """Load a checkpoint tensor that maps to no parameter (e.g. per-expert tensors into
@@ -71,3 +78,7 @@ class CausalLMBase(nn.Module):
 
     def load_extra(self, name: str, handle, loaded: set) -> bool:
         return False
+
+    def fold_kv_rotation(self, rotation) -> None:
+        raise ValueError(f"{type(self).__name__} has no latent up-projection to fold a KV "
+                         "rotation into")

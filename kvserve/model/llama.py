@@ -9,6 +9,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kvserve.distributed.parallel_state import get_tp_rank, get_tp_size
+from kvserve.kernels.cpu import cpu_ops
 from kvserve.layers.linear import (
     MergedColumnParallelLinear,
     QKVParallelLinear,
@@ -46,7 +47,15 @@ class LlamaAttention(nn.Module):
     def forward(self, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         t = x.shape[0]
         h, hk, d = self.num_heads, self.num_kv_heads, self.head_dim
-        q, k, v = self.qkv_proj(x).split((h * d, hk * d, hk * d), dim=-1)
+        qkv = self.qkv_proj(x)
+        if self.q_norm is None and self.rotary.rotate_qk_(batch.positions, qkv, h + hk, d):
+            # fp32 on CPU: q and k rotated in place in one C call (views, no copies)
+            q = qkv[:, : h * d].view(t, h, d)
+            k = qkv[:, h * d:(h + hk) * d].view(t, hk, d)
+            v = qkv[:, (h + hk) * d:].view(t, hk, d)
+            o = batch.attn.forward(self.layer_idx, q, k, v, batch.meta)
+            return self.o_proj(o.reshape(t, h * d).to(x.dtype))
+        q, k, v = qkv.split((h * d, hk * d, hk * d), dim=-1)
         q, k, v = q.view(t, h, d), k.view(t, hk, d), v.view(t, hk, d)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
@@ -66,8 +75,12 @@ class LlamaMLP(nn.Module):
         self.down_proj = RowParallelLinear(intermediate, hidden, bias=bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).split(self.intermediate, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        gate_up = self.gate_up_proj(x)
+        act = cpu_ops.silu_mul(gate_up)  # fp32 on CPU: one C call
+        if act is None:
+            gate, up = gate_up.split(self.intermediate, dim=-1)
+            act = F.silu(gate) * up
+        return self.down_proj(act)
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -82,9 +95,13 @@ class LlamaDecoderLayer(nn.Module):
         return LlamaMLP(config.hidden_size, config.intermediate_size,
                         bias=getattr(config, "mlp_bias", False))
 
-    def forward(self, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), batch)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def forward(self, x: torch.Tensor, batch: ForwardBatch, residual: torch.Tensor | None = None
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(this layer's MLP output, the residual stream before it): the next norm adds the
+        two (one fused add + RMSNorm per norm, as vLLM passes the residual)."""
+        h, residual = self.input_layernorm.add_norm(x, residual)
+        h, residual = self.post_attention_layernorm.add_norm(self.self_attn(h, batch), residual)
+        return self.mlp(h), residual
 
 
 class LlamaModel(nn.Module):
@@ -102,9 +119,10 @@ class LlamaModel(nn.Module):
 
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
         x = self.embed_tokens(batch.input_ids)
+        residual = None
         for layer in self.layers:
-            x = layer(x, batch)
-        return self.norm(x)
+            x, residual = layer(x, batch, residual)
+        return self.norm.add_norm(x, residual)[0]
 
 
 class LlamaForCausalLM(CausalLMBase):

@@ -107,7 +107,10 @@ def model_source(path: str) -> tuple[str, GGUFCheckpoint | None]:
 
 
 def load_model(path: str, dtype: str | torch.dtype = "auto", device: str = "cpu",
-               progress: bool = True) -> LoadedModel:
+               progress: bool = True, act_terms: int = 2) -> LoadedModel:
+    """``act_terms``: GGUF Q4_0 / Q4_1 / Q8_0 weights multiply activations quantized to this
+    many int8 terms per 32 columns on CPU (integer dot products, kvserve.quant.wq); 0 keeps
+    fp32 activations (the dequantized weights' exact product, slower)."""
     from kvserve.config import resolve_model_dtype
 
     folder, ggml = model_source(path)
@@ -127,7 +130,7 @@ def load_model(path: str, dtype: str | torch.dtype = "auto", device: str = "cpu"
     if ggml is not None:
         dense = _expected_tensors(model, dict(model.named_parameters(remove_duplicate=False)))
         name_map = ggml.name_map(list(dense.values()), hf_config.num_hidden_layers)
-        quant = gguf.GGUFQuant(ggml, name_map, model.packed_modules)
+        quant = gguf.GGUFQuant(ggml, name_map, model.packed_modules, act_terms)
     if quant is not None:
         n = swap_int4_modules(model, quant)
         logger.info("%s: %d linear module(s) load as %s", path, n, quant.describe())
@@ -185,7 +188,7 @@ def load_model(path: str, dtype: str | torch.dtype = "auto", device: str = "cpu"
         raise ValueError(f"checkpoint {path!r} is missing tensor(s): {', '.join(missing[:8])}"
                          + (f" (+{len(missing) - 8} more)" if len(missing) > 8 else ""))
     if ggml is not None and torch.device(device).type == "cpu":
-        kept = keep_q8_tables(model, ggml, name_map, dtype)
+        kept = keep_q8_tables(model, ggml, name_map, dtype, act_terms)
         if kept:
             logger.info("GGUF: %d Q8_0 table(s) (token embedding / LM head) kept 8-bit", kept)
     if quant is not None:
@@ -279,7 +282,7 @@ def export_gguf_to_hf(path: str, out: str, dtype: torch.dtype = torch.bfloat16,
 
 
 def keep_q8_tables(model: torch.nn.Module, ckpt: GGUFCheckpoint, name_map: dict[str, str],
-                   dtype: torch.dtype) -> int:
+                   dtype: torch.dtype, act_terms: int = 2) -> int:
     """A Q8_0 token embedding (and a Q8_0 ``output`` LM head) stays 8-bit after loading: the
     dense weights just loaded are replaced by ``Q8Embedding`` / ``Q8LMHead`` over the file's
     own blocks (the same values: d * q is exact in fp32, checked here for fp32 models). A
@@ -296,7 +299,7 @@ def keep_q8_tables(model: torch.nn.Module, ckpt: GGUFCheckpoint, name_map: dict[
         q, d = unpack_q8_0(ckpt.tensors[g].data, tuple(dense.shape))
         if dense.dtype == torch.float32:
             assert torch.equal(dequantize_q8(q, d), dense), hf_name  # exact, as documented
-        return Q8Embedding(q, d, dense.dtype)
+        return Q8Embedding(q, d, dense.dtype, act_terms)
 
     from kvserve.distributed.parallel_state import get_tp_size
 

@@ -23,6 +23,8 @@ class Int4Scheme:
     act_order: bool = False  # a g_idx tensor is required
     checkpoint_format: str = "gptq"  # GPTQ only: "gptq" (v1) or "gptq_v2"
     gguf_type: str | None = None  # GGUF only: "Q4_0" or "Q4_1"
+    # GGUF only: int8 terms per activation on CPU (kvserve.quant.wq); 0: fp32 activations
+    act_terms: int = 0
 
     @property
     def tensor_names(self) -> tuple[str, ...]:

@@ -1,24 +1,37 @@
-"""INT8 quantize/dequantize for the KV cache: one bf16 scale per (token, head, K-or-V) row.
+"""INT8 quantize/dequantize for the KV cache: one 1-byte scale per (token, head, K-or-V) row.
 
-Symmetric (what the cache stores)::
+Symmetric, with a log-domain 8-bit scale (what the cache stores)::
 
-    scale = bf16_rne(max(amax, 1e-12) / 127)          amax = max_d |x|   (fp32)
-    q     = clamp(rne(x / scale), -127, 127)  int8     (round half to even, like rintf)
-    x'    = q * scale                                  |x' - x| <= scale / 2 per element
+    scale(e) = 2^(e / 8)                     e an int8 code in [-128, 127]  (stored: 1 byte)
+    e        = the smallest code with 127 * scale(e) >= amax     (fp32 compare; amax = max|x|)
+    q        = clamp(rne(x / scale(e)), -127, 127)  int8  (round half to even, like rintf)
+    x'       = q * scale(e)                         |x' - x| <= scale(e) / 2 per element
+
+The scale is rounded UP to the next step of 2^(1/8) (9.05%), so |x / scale| <= 127 always
+holds (nothing clips); the price is that a row's amax lands on 116.5..127 levels instead of
+exactly 127, i.e. at most 0.125 bit (0.06 bit on average) of the 7 a row has. The range,
+2^-16 .. 2^15.875, covers amax from ~1.9e-3 (a row below that is quantized on the 2^-16 grid:
+an absolute error <= 7.6e-6) to ~7.6e6 (above: clamped to +-127). ``scale(e)`` is exact in
+fp32 and identical everywhere: ``2^floor(e/8) * M[e mod 8]`` with the 8 fp32 constants
+``M[k] = fp32(2^(k/8))`` (``SCALE_MANTISSAS``; the C kernel has the same literals).
 
 A uniform 8-bit grid keeps ~7 bits of every element where E4M3 keeps 3 mantissa bits; after
 the per-head rotation (``kvserve.quant.rotation``) a row's values are spread evenly, which is
 the case a uniform grid fits best. -128 is never produced (the grid is symmetric).
 
-Byte cost: 2 scale bytes per head_dim-wide row, the same as FP8 (3.1% at head_dim 64, 1.6%
-at 128), so INT8 KV holds as many tokens as FP8 KV.
+Byte cost: 1 scale byte per head_dim-wide row (1.6% at head_dim 64, 0.8% at 128; FP8 keeps
+a bf16 scale: 3.1% / 1.6%), so INT8 KV holds 1.97x the tokens of BF16 at head_dim 64.
+Rounding the scale up to a 2^(1/8) grid instead of storing bf16(amax / 127) costs nothing
+measurable on SmolLM2 (README, "8-bit KV on a real model").
 
-``quantize_asymmetric`` (min/max grid, a bf16 scale AND a bf16 zero point per row: twice the
-scale bytes) is kept for the measurement that chose symmetric (``benchmarks/kv8_sim.py``); the
-cache never stores it.
+``quantize_asymmetric`` (min/max grid, a bf16 scale AND a bf16 zero point per row: four
+times the scale bytes) is kept for the measurement that chose symmetric
+(``benchmarks/kv8_sim.py``); the cache never stores it. ``compute_scales_bf16`` is the
+previous (bf16-scale) recipe, kept for the same measurement.
 
-The C writer ``kvs_write_int8`` (kvserve/csrc/paged_attention.c) is bit-exact with
-``compute_scales`` + ``quantize`` here (tests/attention/test_cpu_kernel.py).
+The C writer ``kvs_write_int8`` (kvserve/csrc/paged_attention.c) and the Triton writer are
+bit-exact with ``compute_codes`` + ``quantize`` here (tests/attention/test_cpu_kernel.py,
+tests/kernels).
 """
 
 from __future__ import annotations
@@ -27,28 +40,72 @@ import torch
 
 QMAX = 127.0
 _MIN_AMAX = 1e-12
+SCALE_DTYPE = torch.int8  # what the cache stores per row: the code e
+CODE_MIN, CODE_MAX = -128, 127
+#: fp32(2^(k/8)), k = 0..7 (correctly rounded; the C kernel carries the same literals).
+SCALE_MANTISSAS = (1.0, 1.0905077457427979, 1.1892070770263672, 1.2968395948410034,
+                   1.4142135381698608, 1.5422108173370361, 1.6817928552627563,
+                   1.8340080976486206)
+
+
+def _table() -> torch.Tensor:
+    e = torch.arange(CODE_MIN, CODE_MAX + 1, dtype=torch.int64)
+    m = torch.tensor(SCALE_MANTISSAS, dtype=torch.float32)[e % 8]
+    return torch.ldexp(m, torch.div(e, 8, rounding_mode="floor").float()).float()
+
+
+#: scale(e) for e = -128..127 (index e + 128), fp32 [256]; and 127 * scale(e) (fp32 products).
+SCALE_TABLE = _table()
+_THRESH = SCALE_TABLE * QMAX
+
+
+def code_to_scale(codes: torch.Tensor) -> torch.Tensor:
+    """int8 codes [...] -> fp32 scales [...] (exact)."""
+    table = SCALE_TABLE.to(codes.device)
+    return table[codes.long() + 128]
+
+
+def compute_codes(x: torch.Tensor) -> torch.Tensor:
+    """x [..., D] -> int8 codes [...]: the smallest e with 127 * 2^(e/8) >= amax (fp32)."""
+    amax = x.detach().abs().amax(dim=-1).float()
+    thresh = _THRESH.to(amax.device)
+    idx = torch.searchsorted(thresh, amax.contiguous(), right=False).clamp_(max=255)
+    return (idx - 128).to(torch.int8)
 
 
 def compute_scales(x: torch.Tensor) -> torch.Tensor:
-    """x [..., D] -> bf16 scales [...]: amax / 127 per row, rounded to bf16."""
+    """x [..., D] -> the fp32 scales the cache uses (``code_to_scale(compute_codes(x))``)."""
+    return code_to_scale(compute_codes(x))
+
+
+def compute_scales_bf16(x: torch.Tensor) -> torch.Tensor:
+    """The previous recipe, for measurement: bf16(max(amax, 1e-12) / 127) per row."""
     amax = x.detach().abs().amax(dim=-1).float().clamp_min_(_MIN_AMAX)
     return (amax / QMAX).to(torch.bfloat16)
 
 
 def quantize(x: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
-    """x [..., D] float, bf16 scales [...] -> int8 [..., D] (RNE, clamped to +-127)."""
+    """x [..., D] float, scales [...] (fp32 or bf16 values) -> int8 [..., D] (RNE, +-127)."""
     y = x.float() / scales.float().unsqueeze(-1)
     return torch.round(y).clamp_(-QMAX, QMAX).to(torch.int8)
 
 
 def quantize_dynamic(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    scales = compute_scales(x)
-    return quantize(x, scales), scales
+    """x [..., D] -> (int8 payload [..., D], int8 scale codes [...]): what the cache stores."""
+    codes = compute_codes(x)
+    return quantize(x, code_to_scale(codes)), codes
 
 
-def dequantize(q: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
-    """int8 [..., D], bf16 scales [...] -> fp32 [..., D]."""
-    return q.float() * scales.float().unsqueeze(-1)
+def dequantize(q: torch.Tensor, codes: torch.Tensor) -> torch.Tensor:
+    """int8 [..., D], int8 scale codes [...] -> fp32 [..., D]."""
+    return q.float() * code_to_scale(codes).unsqueeze(-1)
+
+
+def fake_quantize(x: torch.Tensor, scale: str = "log8") -> torch.Tensor:
+    """Measurement: x's fp32 values after a round trip; ``scale`` "log8" (the cache) or
+    "bf16" (the previous recipe)."""
+    s = compute_scales(x) if scale == "log8" else compute_scales_bf16(x).float()
+    return quantize(x, s).float() * s.unsqueeze(-1)
 
 
 def quantize_asymmetric(x: torch.Tensor) -> torch.Tensor:

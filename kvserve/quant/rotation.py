@@ -19,6 +19,12 @@ Gaussian), which has the same spreading property in expectation.
 Rotation happens after RoPE (RoPE is position-dependent, so R cannot be folded into W_q / W_k).
 This module's ``apply`` / ``invert`` are plain fp32 matmuls: they are their own twin, used by
 every attention backend (no kernel).
+
+MLA latent rows ``[c_kv (R) | k_pe (dr)]`` (DeepSeek-V3) take a block-diagonal rotation,
+``split=(R, dr)``: R_c on c_kv and R_pe on k_pe. Keys and values are both ``W_UK c`` /
+``W_UV c`` of the same latent, so R_c is folded into ``kv_b_proj.weight`` once at load
+(``W' = W R_c``: ``W' (c R_c)^T = W c^T``); R_pe rotates q_pe and k_pe after RoPE at run time,
+and nothing rotates the output back (the values leave through the folded W_UV).
 """
 
 from __future__ import annotations
@@ -53,15 +59,31 @@ def rotation_matrix(head_dim: int, seed: int) -> torch.Tensor:
 
 
 class KVRotation:
-    """R for one cache (all layers and heads share it). x is [..., D] for all methods."""
+    """R for one cache (all layers and heads share it). x is [..., D] for all methods.
 
-    def __init__(self, head_dim: int, seed: int, device: torch.device | str = "cpu") -> None:
+    ``split`` (MLA): sizes of the diagonal blocks of a block-diagonal R, each block its own
+    ``rotation_matrix(size, seed + i)``; ``parts[i]`` is block i."""
+
+    def __init__(self, head_dim: int, seed: int, device: torch.device | str = "cpu",
+                 split: tuple[int, ...] | None = None) -> None:
         self.head_dim, self.seed = head_dim, seed
-        self.matrix = rotation_matrix(head_dim, seed).to(device)  # R
+        self.split = None if split is None else tuple(int(n) for n in split)
+        if self.split is None:
+            self.parts = [rotation_matrix(head_dim, seed).to(device)]
+        else:
+            if sum(self.split) != head_dim or min(self.split) < 1:
+                raise ValueError(f"rotation split {split} must be positive sizes summing to "
+                                 f"head_dim {head_dim}")
+            self.parts = [rotation_matrix(n, seed + i).to(device)
+                          for i, n in enumerate(self.split)]
+        self.matrix = torch.block_diag(*self.parts)  # R
         self.inverse = self.matrix.t().contiguous()  # R^T = R^-1
 
     def apply(self, x: torch.Tensor) -> torch.Tensor:
         """x R in fp32 (q, k and v before the cache write / attention)."""
+        if self.split is not None:  # block by block: no multiplies by the zero blocks
+            return torch.cat([torch.matmul(p.float(), m) for p, m in
+                              zip(x.split(self.split, dim=-1), self.parts, strict=True)], -1)
         return torch.matmul(x.float(), self.matrix)
 
     def invert(self, x: torch.Tensor) -> torch.Tensor:
@@ -69,5 +91,9 @@ class KVRotation:
         return torch.matmul(x.float(), self.inverse)
 
     def describe(self) -> str:
-        kind = "hadamard" if self.head_dim & (self.head_dim - 1) == 0 else "orthogonal"
-        return f"{kind}:{self.head_dim}:seed={self.seed}"
+        def kind(n: int) -> str:
+            return "hadamard" if n & (n - 1) == 0 else "orthogonal"
+
+        if self.split is not None:
+            return "+".join(f"{kind(n)}:{n}" for n in self.split) + f":seed={self.seed}"
+        return f"{kind(self.head_dim)}:{self.head_dim}:seed={self.seed}"

@@ -11,6 +11,7 @@ from kvserve.attention.metadata import AttentionMetadata
 from kvserve.attention.torch_backend import TorchAttentionBackend
 from kvserve.cache.kv_cache import PagedKVCache
 from kvserve.kernels.cpu import paged_attention as cpu_kernel
+from kvserve.quant import int8
 
 pytestmark = pytest.mark.skipif(cpu_kernel.load() is None, reason="no C compiler")
 
@@ -124,26 +125,40 @@ def test_fp8_write_kernel_bit_exact_with_twin(dtype, static):
     assert torch.equal(fast.scales.view(torch.int16), twin.scales.view(torch.int16))
 
 
-def test_int8_write_kernel_bit_exact_with_twin():
-    """kvs_write_int8 == int8.compute_scales + quantize (RNE ties, clamping, zero rows, huge and
-    tiny rows), bytes and scales."""
-    torch.manual_seed(2)
-    t, h, d = 37, 3, 64
+@pytest.mark.parametrize("t,h,d", [(37, 3, 64), (5, 1, 8), (19, 2, 128), (9, 4, 576),
+                                   (3, 3, 6)])
+def test_int8_write_kernel_bit_exact_with_twin(t, h, d):
+    """kvs_write_int8 == int8.compute_codes + quantize (RNE ties, zero rows, huge and tiny
+    rows beyond the code range, amax exactly on a code's threshold), payload and 1-byte scale
+    codes, over shapes."""
+    torch.manual_seed(2 + d)
     x = torch.randn(t, h, d) * torch.logspace(-8, 6, t).view(-1, 1, 1)
-    x[0, 0, :5] = torch.tensor([0.0, -0.0, 1e30, -1e30, 1e-30])
+    x[0, 0, :5] = torch.tensor([0.0, -0.0, 1e30, -1e30, 1e-30])[: min(5, d)]
     x[1] = 0.0
-    x[2, 0] = torch.arange(d) - 31.5  # exact .5 ties after scaling are not guaranteed; mixed
-    fast = PagedKVCache(1, 8, 8, h, d, 2, torch.int8)
-    twin = PagedKVCache(1, 8, 8, h, d, 2, torch.int8)
+    if t > 2:
+        x[2, 0] = (torch.arange(d) - d / 2 + 0.5) * 0.37  # mixed values and ties
+        thr = int8.SCALE_TABLE * 127  # amax exactly on / just past a code's threshold
+        x[2, -1, 0], x[-1, -1, 0] = thr[131], torch.nextafter(thr[97], torch.tensor(1e9))
+    bs = 8
+    nb = -(-t // bs) * 2
+    fast = PagedKVCache(1, nb, bs, h, d, 2, torch.int8)
+    twin = PagedKVCache(1, nb, bs, h, d, 2, torch.int8)
     twin.use_kernel = False
-    assert fast.use_kernel
-    rows = torch.randperm(8 * 2 * 8)[:t]
+    assert fast.use_kernel and fast.scales.dtype == torch.int8
+    rows = torch.randperm(nb * 2 * bs)[:t]
     rows = (rows // 16) * 16 + rows % 8  # component-0 rows
+    rows = torch.unique(rows)[:t]
+    x = x[: rows.numel()]
     fast.write(0, rows, x, -x)
     twin.write(0, rows, x, -x)
     assert torch.equal(fast.data, twin.data)
-    assert torch.equal(fast.scales.view(torch.int16), twin.scales.view(torch.int16))
+    assert torch.equal(fast.scales, twin.scales)
     assert int(fast.data.min()) >= -127
+
+
+def test_int8_scale_table_matches_twin():
+    """The kernel's 256 scales 2^(e/8) are bit-identical to kvserve.quant.int8.SCALE_TABLE."""
+    assert torch.equal(cpu_kernel.int8_scale_table(), int8.SCALE_TABLE)
 
 
 @pytest.mark.parametrize("seed", [None, 0])

@@ -27,18 +27,23 @@ def _script(name: str):
 
 @pytest.mark.skipif(cpu_kernel.load() is None, reason="no C compiler")
 def test_step_profile_tiny(tmp_path):
+    from kvserve.quant.rotation import KVRotation
+
     sp = _script("step_profile")
-    before = (cpu_kernel.paged_attention, linear.Linear.forward, linear.MergedLinear.forward)
+    before = (cpu_kernel.paged_attention, linear.Linear.forward, linear.MergedLinear.forward,
+              KVRotation.apply)
     out, png = tmp_path / "s.json", tmp_path / "s.png"
-    assert sp.main(["--model", "demo", "--configs", "bf16@2,fp8@3", "--context", "24",
+    assert sp.main(["--model", "demo", "--configs", "bf16@2,int8@3", "--context", "24",
                     "--steps", "2", "--repeats", "2", "--threads", "1", "--json", str(out),
                     "--plot", str(png)]) == 0
     # its timers are gone again
     assert (cpu_kernel.paged_attention, linear.Linear.forward,
-            linear.MergedLinear.forward) == before
+            linear.MergedLinear.forward, KVRotation.apply) == before
     r = json.loads(out.read_text())
     assert png.read_bytes()[:4] == b"\x89PNG"
-    assert [(c["kv_cache_dtype"], c["batch"]) for c in r["configs"]] == [("bf16", 2), ("fp8", 3)]
+    assert [(c["kv_cache_dtype"], c["batch"]) for c in r["configs"]] == [("bf16", 2), ("int8", 3)]
+    # the rotated mode's q/k/v and output rotations are timed as their own part
+    assert r["configs"][0]["parts_ms"]["rotation"] == 0 < r["configs"][1]["parts_ms"]["rotation"]
     for c in r["configs"]:
         assert len(c["windows"]) == 2
         assert set(c["parts_ms"]) == set(r["parts"])
@@ -46,7 +51,7 @@ def test_step_profile_tiny(tmp_path):
         # the parts partition the step (engine = step - forward - sampling, so they add up)
         assert sum(c["parts_ms"].values()) == pytest.approx(c["step_ms"], rel=0.25)
         assert c["prefill_us_per_token"] > 0 and c["projected_tokens_per_s"] > 0
-    assert r["summary"]["baseline"] == "bf16@2" and r["summary"]["candidate"] == "fp8@3"
+    assert r["summary"]["baseline"] == "bf16@2" and r["summary"]["candidate"] == "int8@3"
     with pytest.raises(ValueError, match="DTYPE@BATCH"):
         sp.main(["--configs", "fp8"])
 

@@ -386,3 +386,32 @@ def test_replica_mismatch_groups_by_copy():
              torch.tensor([1, 21, 22, 23]), torch.tensor([1, 21, 22, 98])]
     assert replica_mismatch(parts, [5, 6, 7]) == [False, True, True]
     assert replica_mismatch(parts[:1] + parts[2:3], [5, 6, 7]) == [False] * 3
+
+
+def _weight_bytes(path: str) -> dict:
+    from kvserve import LLM
+    from kvserve.model.loader import weight_bytes
+
+    out = {}
+    for tp in (1, 2):
+        llm = LLM(path, **_kw(tp))
+        try:
+            model = llm.engine.model
+            held = weight_bytes(model)[0]
+            norms = sum(p.numel() * p.element_size() for n, p in model.named_parameters()
+                        if p.dim() == 1)
+            out[tp] = {"held": held, "replicated": norms}
+        finally:
+            llm.engine.shutdown()
+    return out
+
+
+def test_per_rank_weight_memory_is_half(model_factory):
+    """Each rank holds 1/tp of every sharded weight (q/k/v/o, gate/up/down, vocab-parallel
+    embedding and LM head); only the 1-D norms are replicated: rank 0 at tp=2 holds
+    (total - norms) / 2 + norms, exactly."""
+    res = run_driver(_weight_bytes, model_factory("llama"))
+    one, two = res[1], res[2]
+    assert two["replicated"] == one["replicated"]
+    assert two["held"] == (one["held"] - one["replicated"]) // 2 + one["replicated"], res
+    assert 0.5 <= two["held"] / one["held"] < 0.52, res

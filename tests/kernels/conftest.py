@@ -17,6 +17,7 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+from kvserve.config import kv_scale_dtype  # noqa: E402
 from kvserve.kernels import reference as ref  # noqa: E402
 from kvserve.quant import int8  # noqa: E402
 
@@ -42,10 +43,12 @@ def _poison(kv_data: torch.Tensor, kv_scales: torch.Tensor | None) -> None:
     if ref.is_fp8(kv_data.dtype):
         kv_data.view(torch.uint8).fill_(0x7F)  # NaN in both e4m3fn and e5m2
     elif kv_data.dtype == torch.int8:
-        kv_data.fill_(127)  # no NaN code: the NaN scales below poison INT8 reads
+        kv_data.fill_(127)  # no NaN code: 127 * the largest scale (~7.6e6) poisons INT8 reads
     else:
         kv_data.fill_(float("nan"))
-    if kv_scales is not None:
+    if kv_scales is not None and kv_scales.dtype == torch.int8:
+        kv_scales.fill_(127)  # INT8 scale codes have no NaN either: scale 2^15.875
+    elif kv_scales is not None:
         kv_scales.fill_(float("nan"))
 
 
@@ -73,7 +76,7 @@ def build_paged_cache(
     kv_data = torch.empty(shape, dtype=dtype, device=device)
     kv_scales = None
     if ref.is_scaled(dtype):
-        kv_scales = torch.empty(shape[:-1], dtype=torch.bfloat16, device=device)
+        kv_scales = torch.empty(shape[:-1], dtype=kv_scale_dtype(dtype), device=device)
     _poison(kv_data, kv_scales)
     perm = torch.randperm(n_blocks, generator=gen)
     tables = torch.full((B, max_blocks), int(perm[-1]), dtype=torch.int32)  # spare = poisoned

@@ -17,6 +17,7 @@ import torch
 
 pytest.importorskip("triton")
 
+from kvserve.config import kv_scale_dtype  # noqa: E402
 from kvserve.kernels import reference as ref  # noqa: E402
 from kvserve.kernels import triton_attention as ta  # noqa: E402
 from kvserve.kernels import triton_cache as tc  # noqa: E402
@@ -194,8 +195,8 @@ WRITE = sweep([torch.bfloat16, torch.float16, torch.float32, *SCALED], [1, 2], [
 
 def _write_case(dtype, n_comp, block_size, n_heads, head_dim, n_blocks, device):
     kv = torch.zeros(2, n_blocks, n_comp, block_size, n_heads, head_dim, dtype=dtype, device=device)
-    sc = (torch.zeros(kv.shape[:-1], dtype=torch.bfloat16, device=device) if dtype in SCALED
-          else None)
+    sc = (torch.zeros(kv.shape[:-1], dtype=kv_scale_dtype(dtype), device=device)
+          if dtype in SCALED else None)
     cs = torch.zeros(2, n_blocks, 4, dtype=torch.int64, device=device)
     return kv, sc, cs
 
@@ -203,13 +204,15 @@ def _write_case(dtype, n_comp, block_size, n_heads, head_dim, n_blocks, device):
 def _assert_same_cache(a, b):
     assert torch.equal(a[0].view(torch.uint8), b[0].view(torch.uint8))
     if a[1] is not None:
-        assert torch.equal(a[1].view(torch.int16), b[1].view(torch.int16))
+        assert torch.equal(a[1].view(torch.uint8), b[1].view(torch.uint8))
     assert torch.equal(a[2], b[2])
 
 
 @pytest.mark.parametrize("dtype,n_comp,block_size,input_fp32", WRITE, ids=_ids(WRITE))
 def test_write_kv_bit_exact(dtype, n_comp, block_size, input_fp32):
     n_heads, head_dim = (2, 64) if n_comp == 2 else (1, 48)  # MLA-style 32 + 16 row
+    if dtype == torch.int8 and n_comp == 2:
+        n_heads = 3  # odd: a token's 1-byte scale codes straddle checksum words
     if ON_GPU:
         n_heads, head_dim = (8, 128) if n_comp == 2 else (1, 576)
     n_blocks = 40 if ON_GPU else 2

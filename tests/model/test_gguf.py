@@ -18,7 +18,7 @@ import torch
 
 from kvserve import SamplingParams
 from kvserve.layers.int4_linear import Int4Linear
-from kvserve.quant import int4
+from kvserve.quant import int4, wq
 from kvserve.quant.gguf_q4 import BLOCK_BYTES, unpack_q4
 from tests.model.gguf_writer import dequantized_hf, write_gguf
 from tests.model.parity import assert_greedy_equal, assert_logits_close
@@ -65,21 +65,28 @@ def test_q4_unpacking_exact_against_gguf(kind):
                            torch.from_numpy(dequantize(q, QT[kind])))
 
 
+@pytest.mark.parametrize("a8", [2, 1, 0])
 @pytest.mark.parametrize("kind", ["Q4_0", "Q4_1"])
 @pytest.mark.parametrize("shape", [(64, 64), (200, 96), (576, 1536)])
-def test_packed_int4_layer_equals_dequantized_matmul(kind, shape):
+def test_packed_int4_layer_equals_dequantized_matmul(kind, shape, a8):
     n, k = shape
     w = np.random.default_rng(n).standard_normal((n, k)).astype(np.float32) * 0.05
     q = quantize(w, QT[kind])
     ref_w = torch.from_numpy(dequantize(q, QT[kind]))
-    layer = Int4Linear(unpack_q4(q, kind, (n, k)))
-    assert layer.min_form and layer.scales_zeros is None or layer.scales_zeros.dtype in (
-        torch.float16,)
+    layer = Int4Linear(unpack_q4(q, kind, (n, k)), act_terms=a8)
+    # int8 activations: integer-dot tiles and nothing else; fp32: torch's int4 pack, fp16 pairs
+    assert layer.min_form and (layer.wq_codes is not None) == bool(a8)
+    assert a8 or layer.scales_zeros is None or layer.scales_zeros.dtype == torch.float16
     assert torch.equal(layer.dequantize(), ref_w)  # the layer holds exactly these weights
     g = torch.Generator().manual_seed(0)
-    for m in (1, 2, 7, 64, 80, 130):  # C GEMV (<= 64), fp32 dequant GEMM (> 64)
+    for m in (1, 2, 7, 64, 80, 130):  # fp32: C GEMV (<= 24 rows), dequantize + GEMM above
         x = torch.randn(m, k, generator=g)
-        torch.testing.assert_close(layer(x), x @ ref_w.t(), rtol=1e-5, atol=1e-5)
+        if a8:  # the exact weights times x quantized to int8 terms per 32 columns (twin)
+            want = wq.wq_matmul_ref(x, *layer._wq_parts(), 32, a8)
+            torch.testing.assert_close(layer(x), want, rtol=1e-5,
+                                       atol=1e-5 * float(want.abs().max()))
+        else:
+            torch.testing.assert_close(layer(x), x @ ref_w.t(), rtol=1e-5, atol=1e-5)
 
 
 def _types(gname: str) -> str:
@@ -124,11 +131,35 @@ def gguf_factory(tmp_path_factory):
 def test_gguf_model_matches_transformers(arch, overrides, gguf_factory, make_llm):
     path = gguf_factory(arch, **overrides)
     hf = dequantized_hf(path)
-    llm = make_llm(path, dtype="float32", kv_cache_dtype="fp32")
+    # fp32 activations: the dequantized weights' exact product, as transformers computes it
+    llm = make_llm(path, dtype="float32", kv_cache_dtype="fp32", gguf_activations="fp32")
     packed = [m for m in llm.engine.model.modules() if type(m).__name__ == "Int4MergedLinear"]
     assert packed and all(m.scheme.format == "gguf" for m in packed)
     assert_logits_close(llm, hf, PROMPTS[:2], atol=1e-4, rtol=1e-4)
     assert_greedy_equal(llm, hf, PROMPTS)
+
+
+@pytest.mark.parametrize("acts", ["int8x2", "int8"])
+def test_int8_activations_close_to_fp32(acts, gguf_factory, make_llm):
+    """The default (int8 activations, integer dot products, as llama.cpp) against fp32
+    activations on the same GGUF: every packed layer and the Q8_0 table switch layout, and
+    the logits move by the activation rounding only (teacher-forced KL tiny, top-1 kept)."""
+    from tests.model.parity import teacher_forced_stats
+
+    path = gguf_factory("llama", tie_word_embeddings=True)
+    exact = make_llm(path, dtype="float32", kv_cache_dtype="fp32", gguf_activations="fp32")
+    a8 = make_llm(path, dtype="float32", kv_cache_dtype="fp32", gguf_activations=acts)
+    int4s = [m for m in a8.engine.model.modules() if type(m).__name__ == "Int4Linear"]
+    assert int4s and all(m.wq_codes is not None for m in int4s)
+    assert a8.engine.model.model.embed_tokens.act_terms == wq.activation_terms(acts)
+    assert all(m.wq_codes is None for m in exact.engine.model.modules()
+               if type(m).__name__ == "Int4Linear")
+    toks = [o.outputs[0].token_ids for o in exact.generate(
+        [{"prompt_token_ids": p} for p in PROMPTS],
+        SamplingParams(temperature=0, max_tokens=16, ignore_eos=True))]
+    kl, hits, n, dec_hits, dec_n = teacher_forced_stats(exact, a8, PROMPTS, toks)
+    assert kl < (1e-5 if acts == "int8x2" else 2e-3) and dec_hits >= dec_n - 1, (
+        kl, hits, n, dec_hits, dec_n)
 
 
 def test_gguf_tokenizer_and_chat_template_from_metadata(gguf_factory, make_llm):
@@ -226,7 +257,7 @@ def test_default_model_packed_matches_transformers_dequantized():
 
     path = default_model_path()
     llm = LLM(dtype="float32", kv_cache_dtype="fp32", kv_cache_memory="64MiB",
-              progress=False)
+              progress=False, gguf_activations="fp32")
     hf = dequantized_hf(path)
     convs = [[{"role": "user", "content": c}] for c in CHAT]
     prompts = [llm.apply_chat_template(c) for c in convs]
@@ -247,7 +278,8 @@ def test_quantize_cli_accepts_gguf(tmp_path, gguf_factory, make_llm):
     assert main(["quantize", "--model", path, "--out", dense, "--weights", "fp32",
                  "--no-progress"]) == 0
     ids = PROMPTS[1]
-    a = make_llm(path, dtype="float32", kv_cache_dtype="fp32").engine.prompt_logits(ids)
+    a = make_llm(path, dtype="float32", kv_cache_dtype="fp32",
+                 gguf_activations="fp32").engine.prompt_logits(ids)
     b = make_llm(dense, dtype="float32", kv_cache_dtype="fp32").engine.prompt_logits(ids)
     torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
     q = str(tmp_path / "int4")

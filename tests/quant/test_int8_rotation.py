@@ -65,17 +65,33 @@ def test_attention_with_rotated_qkv_equals_unrotated(d, group):
 
 @pytest.mark.parametrize("shape", [(1, 1, 8), (7, 2, 64), (33, 8, 128), (5, 1, 576)])
 def test_int8_round_trip_error_bound(shape):
-    """|x' - x| <= scale / 2 per element (uniform grid, round to nearest), scale ~ amax / 127,
-    so every element is within amax / 254 (+ the bf16 rounding of the scale)."""
+    """|x' - x| <= scale / 2 per element (uniform grid, round to nearest); the 1-byte scale
+    2^(e/8) is the smallest step with 127 * scale >= amax (nothing clips), so scale is within
+    a factor 2^(1/8) of amax / 127 and every element is within amax / 254 * 2^(1/8)."""
     torch.manual_seed(0)
-    x = torch.randn(shape) * torch.logspace(-3, 3, shape[0]).view(-1, 1, 1)
-    q, s = int8.quantize_dynamic(x)
-    assert q.dtype == torch.int8 and int(q.min()) >= -127
-    y = int8.dequantize(q, s)
+    x = torch.randn(shape) * torch.logspace(-2, 3, shape[0]).view(-1, 1, 1)
+    q, codes = int8.quantize_dynamic(x)
+    assert q.dtype == torch.int8 and codes.dtype == torch.int8 and int(q.min()) >= -127
+    s = int8.code_to_scale(codes)
+    amax = x.abs().amax(-1)
+    assert (127 * s >= amax).all()  # rounded up: |x / s| <= 127
+    assert (127 * int8.code_to_scale(codes.long() - 1) < amax).all()  # and the smallest such
+    y = int8.dequantize(q, codes)
     err = (y - x).abs()
-    assert (err <= s.float().unsqueeze(-1) / 2 * (1 + 2**-20) + 1e-30).all()
-    amax = x.abs().amax(-1, keepdim=True)
-    assert (err <= amax / 254 * (1 + 2**-7)).all()
+    assert (err <= s.unsqueeze(-1) / 2 * (1 + 2**-20) + 1e-30).all()
+    assert (err <= amax.unsqueeze(-1) / 254 * 2 ** (1 / 8) * (1 + 2**-20)).all()
+
+
+def test_int8_scale_codes_range_and_table():
+    """scale(e) = 2^(e/8) exactly for the 8 mantissas; codes saturate at both ends."""
+    e = torch.arange(-128, 128)
+    assert torch.allclose(int8.SCALE_TABLE.double(), 2.0 ** (e.double() / 8), rtol=2**-24)
+    assert torch.equal(int8.SCALE_TABLE[::8], torch.exp2(e[::8].float() / 8))
+    x = torch.tensor([[0.0, 0.0], [1e-9, 0.0], [1e9, 1.0], [127.0, 1.0]])
+    codes = int8.compute_codes(x)
+    assert codes.tolist() == [-128, -128, 127, 0]
+    q = int8.quantize(x, int8.code_to_scale(codes))
+    assert q[2, 0] == 127 and q[3, 0] == 127  # beyond the range: saturates, no wrap
 
 
 @pytest.mark.parametrize("kind", ["int8", "fp8_e4m3", "fp8_e5m2"])
@@ -91,11 +107,13 @@ def test_cache_write_matches_quantizer_twin_and_bounds(kind):
     rows = torch.arange(t)
     rows = (rows // 8) * 16 + rows % 8
     kv.write(0, rows, x, x)
-    got = kv.layer_rows(0)[rows].float() * kv.scales[0].view(-1, h)[rows].float().unsqueeze(-1)
     if kind == "int8":
+        got = int8.dequantize(kv.layer_rows(0)[rows], kv.scales[0].view(-1, h)[rows])
         want = int8.dequantize(*int8.quantize_dynamic(x))
-        bound = x.abs().amax(-1, keepdim=True) / 254 * (1 + 2**-7)
+        bound = x.abs().amax(-1, keepdim=True) / 254 * 2 ** (1 / 8) * (1 + 2**-20)
     else:
+        got = (kv.layer_rows(0)[rows].float()
+               * kv.scales[0].view(-1, h)[rows].float().unsqueeze(-1))
         want = fp8.dequantize(*fp8.quantize_dynamic(x, dtype))
         rel = 2**-4 if dtype == torch.float8_e4m3fn else 2**-3
         bound = rel * torch.maximum(x.abs(), x.abs().amax(-1, keepdim=True) * 2**-6)
@@ -103,14 +121,20 @@ def test_cache_write_matches_quantizer_twin_and_bounds(kind):
     assert ((got - x).abs() <= bound + 1e-30).all()
 
 
-def test_int8_bytes_equal_fp8_bytes_and_scale_overhead():
+def test_int8_scale_overhead_and_capacity():
+    """INT8 stores 1 scale byte per head_dim-wide row (FP8: 2): <= 3% at head_dim 64."""
     for d in (64, 128):
         i8 = bytes_per_block(30, 16, 3, d, 2, torch.int8)
         f8 = bytes_per_block(30, 16, 3, d, 2, torch.float8_e4m3fn)
         b16 = bytes_per_block(30, 16, 3, d, 2, torch.bfloat16)
-        assert i8 == f8
-        assert (i8 - b16 / 2) / i8 <= 2 / (d + 2) + 1e-12  # 3.0% at 64, 1.5% at 128
-        assert b16 / i8 >= 1.93
+        assert i8 == 30 * 2 * 16 * 3 * (d + 1) and f8 == 30 * 2 * 16 * 3 * (d + 2)
+        assert (i8 - b16 / 2) / i8 == 1 / (d + 1)  # 1.54% at 64, 0.78% at 128
+        assert b16 / i8 >= 1.96
+    kv = PagedKVCache(2, 3, 16, 3, 64, 2, torch.int8)
+    assert kv.scales.dtype == torch.int8 and kv.bytes_per_token == 2 * 2 * 3 * 65
+    assert "1-byte" in kv.describe()
+    with pytest.raises(ValueError, match="block_size"):
+        PagedKVCache(1, 2, 3, 1, 64, 1, torch.int8)
 
 
 def test_kv_modes_and_errors():

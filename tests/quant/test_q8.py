@@ -9,6 +9,7 @@ import torch
 
 from kvserve.layers import q8_embedding
 from kvserve.layers.q8_embedding import Q8Embedding, Q8LMHead
+from kvserve.quant import wq
 from kvserve.quant.gguf_q8 import dequantize_q8, unpack_q8_0
 
 gguf = pytest.importorskip("gguf")
@@ -29,23 +30,31 @@ def test_unpack_exact_against_gguf(shape):
     got = dequantize_q8(q, d)
     assert torch.equal(got.view(torch.int32), ref.view(torch.int32))  # bit for bit
     rows = torch.tensor([0, shape[0] - 1, 3 % shape[0]])
-    emb = Q8Embedding(q, d, torch.float32)
-    assert torch.equal(emb(rows), ref[rows])
+    for a8 in (True, False):  # integer-dot tiles or row-major int8: the same rows exactly
+        emb = Q8Embedding(q, d, torch.float32, act_terms=2 if a8 else 0)
+        assert torch.equal(emb(rows), ref[rows])
+        assert torch.equal(emb(rows.view(3, 1)), ref[rows].view(3, 1, -1))
 
 
 def _check_head(head: Q8LMHead, ref: torch.Tensor, ms=(1, 2, 5, 16, 17, 40)) -> None:
     g = torch.Generator().manual_seed(0)
     for m in ms:  # <= GEMV_MAX_M: the C GEMV; above: chunked dequantize + GEMM
         x = torch.randn(m, ref.shape[1], generator=g)
+        if head.table.act_terms:  # W8A8: the weights times x quantized per 32 to int8 terms
+            x = wq.fake_quant_act(x, head.table.act_terms)
         want = x.double() @ ref.double().t()
         got = head(x)
         assert got.dtype == torch.float32 and got.shape == (m, ref.shape[0])
         assert (got.double() - want).abs().max() <= 1e-5 * want.abs().max()
 
 
-def test_lm_head_matches_twin():
+@pytest.mark.parametrize("a8", [2, 1, 0])
+def test_lm_head_matches_twin(a8, monkeypatch):
     q, d, ref = _table(5000, 576, 1)
-    _check_head(Q8LMHead(Q8Embedding(q, d, torch.float32)), ref)
+    _check_head(Q8LMHead(Q8Embedding(q, d, torch.float32, a8)), ref)
+    if a8:  # without the C library: the same arithmetic in torch
+        monkeypatch.setattr(q8_embedding.wq_cpu, "wq_library", lambda: None)
+        _check_head(Q8LMHead(Q8Embedding(q, d, torch.float32, a8)), ref, ms=(1, 7))
 
 
 def test_lm_head_scalar_build(tmp_path, monkeypatch):
@@ -70,7 +79,8 @@ def test_lm_head_scalar_build(tmp_path, monkeypatch):
     q, d, ref = _table(700, 96, 2)
     d[0, 0] = 2.0 ** -20  # an fp16 subnormal scale
     ref = dequantize_q8(q, d)
-    _check_head(Q8LMHead(Q8Embedding(q, d, torch.float32)), ref, ms=(1, 3))
+    _check_head(Q8LMHead(Q8Embedding(q, d, torch.float32, act_terms=0)), ref,
+                ms=(1, 3))
 
 
 def test_bad_shapes_are_refused():

@@ -29,6 +29,7 @@ def load() -> ctypes.CDLL | None:
         "kvs_attention_simd": ([], INT),
         "kvs_write_fp8": ([PTR, PTR, INT, INT, INT, INT, PTR, PTR, PTR], None),
         "kvs_write_int8": ([PTR, PTR, INT, INT, INT, PTR, PTR], None),
+        "kvs_int8_scale_table": ([PTR], None),
     })
 
 
@@ -45,7 +46,8 @@ def paged_attention(kv_layer: torch.Tensor, scales_layer: torch.Tensor | None, q
     """Each query row r attends tokens [0, lens[r]) of sequence ``row_seq[r]`` (row r itself
     when ``row_seq`` is None).
 
-    kv_layer [NB+1, 2, bs, H, D]; scales_layer [NB+1, 2, bs, H] bf16 (FP8 / INT8, else None);
+    kv_layer [NB+1, 2, bs, H, D]; scales_layer [NB+1, 2, bs, H]: bf16 (FP8), int8 log-scale
+    codes (INT8, kvserve/quant/int8.py), else None;
     q [n, H*G, D] fp32 contiguous; block_tables [S, mb] int64;
     row_seq [n] int64 or None; lens [n] int64; out [n, H*G, D] fp32 (written).
     ``force_scalar`` runs the portable job even where the AVX2 one exists (tests)."""
@@ -58,6 +60,9 @@ def paged_attention(kv_layer: torch.Tensor, scales_layer: torch.Tensor | None, q
     assert lens.dtype == torch.int64 and lens.is_contiguous() and lens.numel() == n
     assert row_seq is None or (row_seq.dtype == torch.int64 and row_seq.is_contiguous())
     assert hq % h == 0 and hq // h <= 64
+    if scales_layer is not None:
+        want = torch.int8 if kv_layer.dtype == torch.int8 else torch.bfloat16
+        assert scales_layer.dtype == want and scales_layer.is_contiguous()
     dll.kvs_paged_attention(
         kv_layer.data_ptr(), scales_layer.data_ptr() if scales_layer is not None else None,
         DTYPE_CODES[kv_layer.dtype], q.data_ptr(), block_tables.data_ptr(),
@@ -88,13 +93,24 @@ def write_fp8(x: torch.Tensor, rows: torch.Tensor, dst_rows: torch.Tensor,
 def write_int8(x: torch.Tensor, rows: torch.Tensor, dst_rows: torch.Tensor,
                scale_rows: torch.Tensor) -> None:
     """Quantize x [T, H, D] (fp32) into dst_rows [R, H, D] (int8) at ``rows``, symmetric, with
-    dynamic per-row bf16 scales into scale_rows [R, H] (twin: kvserve/quant/int8.py)."""
+    dynamic per-row 1-byte log-scale codes into scale_rows [R, H] int8 (twin:
+    kvserve/quant/int8.py ``quantize_dynamic``)."""
     dll = load()
     assert dll is not None
     x = x.float().contiguous()
     t, h, d = x.shape
     assert rows.dtype == torch.int64 and rows.is_contiguous()
     assert dst_rows.dtype == torch.int8 and dst_rows.is_contiguous()
-    assert scale_rows.dtype == torch.bfloat16 and scale_rows.is_contiguous()
+    assert scale_rows.dtype == torch.int8 and scale_rows.is_contiguous()
     dll.kvs_write_int8(x.data_ptr(), rows.data_ptr(), t, h, d, dst_rows.data_ptr(),
                        scale_rows.data_ptr())
+
+
+def int8_scale_table() -> torch.Tensor:
+    """The kernel's 256 INT8 scales (index code + 128), fp32; tests compare them with
+    ``kvserve.quant.int8.SCALE_TABLE``."""
+    dll = load()
+    assert dll is not None
+    out = torch.empty(256, dtype=torch.float32)
+    dll.kvs_int8_scale_table(out.data_ptr())
+    return out

@@ -1,0 +1,403 @@
+/*
+ * Integer-dot GEMM for GGUF-style weights (W4A8 / W8A8), llama.cpp's approach on CPU:
+ * activations are quantized per row to int8 in blocks of 32 (one fp32 scale each), weights are
+ * unsigned codes u with a (scale s, min m) pair per group of G columns (w = u * s + m), and the
+ * inner products run on integer units: AVX-512 VNNI `vpdpbusd` (u8 x s8 -> s32, 64 products
+ * per instruction), AVX2 `vpmaddubsw` + `vpmaddwd`, or plain C (any CPU).
+ *
+ *   y[m, n] = sum_g ( s[n,g] * sum_{b in g} dx[m,b] * sum_{k in b} u[n,k] q[m,k]
+ *                   + m[n,g] * sum_{b in g} dx[m,b] * qs[m,b] )
+ *
+ * which is exactly dequant(W) . dequant(quant(x)) up to fp32 rounding: x is taken as
+ * x^[m,k] = dx[m,b] * q[m,k]. Twin: kvserve.quant.wq.wq_matmul_ref (fake-quantized x @ W^T);
+ * tests/quant/test_wq.py sweeps shapes against it. Integer sums are exact, so results differ
+ * from the twin only in the order of fp32 additions. A row's result depends on that row alone
+ * (batch invariant): rows of x are never mixed and every row runs the same instruction stream.
+ *
+ * Weight tiles (16 output rows each; `bits` = 4 or 8):
+ *   bits 4: codes uint8 [N/16, K/8, 16, 4]  byte j of row r in k-oct t: low nibble u[r, 8t+j],
+ *                                             high nibble u[r, 8t+4+j]
+ *   bits 8: codes uint8 [N/16, K/4, 16, 4]  byte j of row r in k-quad t: u[r, 4t+j]
+ *   sm      fp16  [N/16, K/G, 2, 16]         s for the tile's 16 rows, then m
+ * A 64-byte load is 16 rows x 4 columns: one dpbusd against 4 int8 of x broadcast to all lanes.
+ * Activations: q int8 [M, K], dx fp32 [M, K/32], qs int32 [M, K/32] (sum of q per block).
+ */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#include <omp.h>
+#include "half.h"
+#if defined(__AVX2__)
+#include <immintrin.h>
+#endif
+
+#define MT 4 /* rows of x per pass over a weight tile */
+
+/* 16 fp16 -> fp32 */
+static inline void f16x16(const uint16_t *restrict p, float *restrict out) {
+#if defined(__AVX2__) && defined(__F16C__)
+    _mm256_storeu_ps(out, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p)));
+    _mm256_storeu_ps(out + 8, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(p + 8))));
+#else
+    for (int r = 0; r < 16; r++) out[r] = kvs_f16f(p[r]);
+#endif
+}
+
+/* ---------------------------------------------------------------- activation quantization */
+
+/* x fp32 [M, K] (K % 32 == 0) -> q, dx, qs, each [terms * M, ...]. Per 32-column block:
+ * v = x * (127 / amax), q = rint(v) clamped to +-127, dx = amax / 127 (a zero block: dx = 0,
+ * q = 0). terms == 2 adds rows M + m with the remainder: q' = rint((v - q) * 254), dx' = dx / 254,
+ * so x ~ dx q + dx' q' to ~1.5e-5 of the block's amax (two int8 passes of the same GEMM).
+ * Twin: kvserve.quant.wq.quantize_act_ref (same fp32 operations: bit-identical, so no
+ * contraction of x * inv - q into an FMA). */
+__attribute__((optimize("fp-contract=off")))
+void kvs_wq_quant_act(const float *restrict x, int64_t M, int64_t K, int terms,
+                      int num_threads, int8_t *restrict q, float *restrict dx,
+                      int32_t *restrict qs) {
+    const int64_t nb = K / 32;
+#pragma omp parallel for schedule(static) num_threads(num_threads) if (M * K > 65536)
+    for (int64_t i = 0; i < M * nb; i++) {
+        const float *xb = x + i * 32;
+        float amax = 0.0f;
+        for (int j = 0; j < 32; j++) amax = fmaxf(amax, fabsf(xb[j]));
+        const float inv = amax > 0.0f ? 127.0f / amax : 0.0f;
+        int32_t s = 0, s2 = 0;
+        for (int j = 0; j < 32; j++) {
+            const float v = xb[j] * inv;
+            const float r = fminf(fmaxf(nearbyintf(v), -127.0f), 127.0f);
+            q[i * 32 + j] = (int8_t)r;
+            s += (int32_t)r;
+            if (terms == 2) {
+                const float r2 = fminf(fmaxf(nearbyintf((v - r) * 254.0f), -127.0f), 127.0f);
+                q[(M * nb + i) * 32 + j] = (int8_t)r2;
+                s2 += (int32_t)r2;
+            }
+        }
+        dx[i] = amax / 127.0f;
+        qs[i] = s;
+        if (terms == 2) {
+            dx[M * nb + i] = dx[i] / 254.0f;
+            qs[M * nb + i] = s2;
+        }
+    }
+}
+
+/* ---------------------------------------------------------------- per-block integer dots */
+
+/* acc[mm][r] = sum_{k in block} u[r, k] * q[m0 + mm, k] for the 16 rows of a tile, one
+ * 32-column block. wb points at the block's first code byte in the tile. */
+static inline void block_dots(const uint8_t *restrict wb, int bits, const int8_t *restrict qb,
+                              int64_t K, int mt, int32_t acc[MT][16]) {
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+    const __m512i lo4 = _mm512_set1_epi8(0x0F);
+    __m512i a[MT];
+    for (int mm = 0; mm < MT; mm++) a[mm] = _mm512_setzero_si512();
+    for (int t = 0; t < 4; t++) { /* 4 k-octs of 8 columns */
+        __m512i w0, w1;
+        if (bits == 4) {
+            const __m512i v = _mm512_loadu_si512((const void *)(wb + 64 * t));
+            w0 = _mm512_and_si512(v, lo4);
+            w1 = _mm512_and_si512(_mm512_srli_epi16(v, 4), lo4);
+        } else {
+            w0 = _mm512_loadu_si512((const void *)(wb + 128 * t));
+            w1 = _mm512_loadu_si512((const void *)(wb + 128 * t + 64));
+        }
+        for (int mm = 0; mm < mt; mm++) {
+            int32_t x0, x1;
+            memcpy(&x0, qb + mm * K + 8 * t, 4);
+            memcpy(&x1, qb + mm * K + 8 * t + 4, 4);
+            a[mm] = _mm512_dpbusd_epi32(a[mm], w0, _mm512_set1_epi32(x0));
+            a[mm] = _mm512_dpbusd_epi32(a[mm], w1, _mm512_set1_epi32(x1));
+        }
+    }
+    for (int mm = 0; mm < mt; mm++) _mm512_storeu_si512((void *)acc[mm], a[mm]);
+#elif defined(__AVX2__)
+    /* maddubs: u8 x s8 pairs -> s16. Nibbles (<= 15) times |q| <= 127: a pair <= 3810, and
+     * 8 pairs per lane per block (<= 30480) stay below 32767. 8-bit codes are split into
+     * nibbles (u = 16 hi + lo) for the same bound. */
+    const __m256i lo4 = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
+    for (int mm = 0; mm < mt; mm++) {
+        __m256i lo[2] = {_mm256_setzero_si256(), _mm256_setzero_si256()};
+        __m256i hi[2] = {_mm256_setzero_si256(), _mm256_setzero_si256()};
+        for (int t = 0; t < 4; t++) {
+            int32_t x0, x1;
+            memcpy(&x0, qb + mm * K + 8 * t, 4);
+            memcpy(&x1, qb + mm * K + 8 * t + 4, 4);
+            const __m256i b0 = _mm256_set1_epi32(x0), b1 = _mm256_set1_epi32(x1);
+            for (int h = 0; h < 2; h++) { /* rows 0-7, 8-15 */
+                if (bits == 4) {
+                    const __m256i v = _mm256_loadu_si256((const __m256i *)(wb + 64 * t + 32 * h));
+                    const __m256i w0 = _mm256_and_si256(v, lo4);
+                    const __m256i w1 = _mm256_and_si256(_mm256_srli_epi16(v, 4), lo4);
+                    lo[h] = _mm256_add_epi16(lo[h], _mm256_maddubs_epi16(w0, b0));
+                    lo[h] = _mm256_add_epi16(lo[h], _mm256_maddubs_epi16(w1, b1));
+                } else {
+                    const __m256i v0 = _mm256_loadu_si256(
+                        (const __m256i *)(wb + 128 * t + 32 * h));
+                    const __m256i v1 = _mm256_loadu_si256(
+                        (const __m256i *)(wb + 128 * t + 64 + 32 * h));
+                    lo[h] = _mm256_add_epi16(lo[h],
+                                             _mm256_maddubs_epi16(_mm256_and_si256(v0, lo4), b0));
+                    lo[h] = _mm256_add_epi16(lo[h],
+                                             _mm256_maddubs_epi16(_mm256_and_si256(v1, lo4), b1));
+                    hi[h] = _mm256_add_epi16(hi[h], _mm256_maddubs_epi16(
+                        _mm256_and_si256(_mm256_srli_epi16(v0, 4), lo4), b0));
+                    hi[h] = _mm256_add_epi16(hi[h], _mm256_maddubs_epi16(
+                        _mm256_and_si256(_mm256_srli_epi16(v1, 4), lo4), b1));
+                }
+            }
+        }
+        for (int h = 0; h < 2; h++) {
+            __m256i s = _mm256_madd_epi16(lo[h], ones);
+            if (bits == 8)
+                s = _mm256_add_epi32(s, _mm256_slli_epi32(_mm256_madd_epi16(hi[h], ones), 4));
+            _mm256_storeu_si256((__m256i *)(acc[mm] + 8 * h), s);
+        }
+    }
+#else
+    for (int mm = 0; mm < mt; mm++) {
+        for (int r = 0; r < 16; r++) {
+            int32_t s = 0;
+            for (int t = 0; t < 4; t++)
+                for (int j = 0; j < 4; j++) {
+                    int u0, u1;
+                    if (bits == 4) {
+                        const uint8_t b = wb[64 * t + 4 * r + j];
+                        u0 = b & 15;
+                        u1 = b >> 4;
+                    } else {
+                        u0 = wb[128 * t + 4 * r + j];
+                        u1 = wb[128 * t + 64 + 4 * r + j];
+                    }
+                    s += u0 * qb[mm * K + 8 * t + j] + u1 * qb[mm * K + 8 * t + 4 + j];
+                }
+            acc[mm][r] = s;
+        }
+    }
+#endif
+}
+
+/* ---------------------------------------------------------------- GEMM */
+
+/* Per-row updates, one fixed instruction sequence whatever the number of rows in the pass
+ * (the compiler may not vectorize a loop over rows differently for 1 row and for MT). */
+static inline void axpy16_i32(float d, const int32_t *restrict a, float *restrict f) {
+#if defined(__AVX2__)
+    const __m256 vd = _mm256_set1_ps(d);
+    for (int h = 0; h < 16; h += 8) {
+        const __m256 v = _mm256_cvtepi32_ps(_mm256_loadu_si256((const __m256i *)(a + h)));
+        _mm256_storeu_ps(f + h, _mm256_fmadd_ps(vd, v, _mm256_loadu_ps(f + h)));
+    }
+#else
+    for (int r = 0; r < 16; r++) f[r] += d * (float)a[r];
+#endif
+}
+
+/* out += s * f + mn * ms */
+static inline void group_update16(const float *restrict s, const float *restrict f,
+                                  const float *restrict mn, float ms, float *restrict out) {
+#if defined(__AVX2__)
+    const __m256 vms = _mm256_set1_ps(ms);
+    for (int h = 0; h < 16; h += 8) {
+        __m256 o = _mm256_loadu_ps(out + h);
+        o = _mm256_fmadd_ps(_mm256_loadu_ps(s + h), _mm256_loadu_ps(f + h), o);
+        o = _mm256_fmadd_ps(_mm256_loadu_ps(mn + h), vms, o);
+        _mm256_storeu_ps(out + h, o);
+    }
+#else
+    for (int r = 0; r < 16; r++) out[r] += s[r] * f[r] + mn[r] * ms;
+#endif
+}
+
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+/*
+ * AVX-512 VNNI pass: VT tiles (64 rows) x VM rows of x over all of K. 16 independent
+ * dpbusd chains hide its latency; each x broadcast feeds VT tiles, each code load VM rows.
+ * Rows and tiles past the ends are aliased to valid ones and their results dropped, so every
+ * row runs the same instructions wherever it sits (batch invariance).
+ */
+#define VT 4
+#define VM 4
+/* vm (1, 2 or 4) rows; always inlined with a constant vm so each variant is specialized.
+ * out fp32 [VT][VM][16] in memory (updated once per group). */
+static inline __attribute__((always_inline)) void pass_vnni(
+    const uint8_t *const wt[VT], const uint16_t *const st[VT], const int8_t *const qr[VM],
+    const float *const dxr[VM], const int32_t *const qsr[VM], int64_t K, int64_t G, int bits,
+    const int vm, float out[VT][VM][16]) {
+    const __m512i lo4 = _mm512_set1_epi8(0x0F);
+    const int64_t ng = K / G, bpg = G / 32, block_bytes = 32 * 16 * bits / 8;
+    memset(out, 0, sizeof(float) * VT * VM * 16);
+    for (int64_t g = 0; g < ng; g++) {
+        __m512 f[VT][VM];
+        float ms[VM] = {0};
+        for (int j = 0; j < VT; j++)
+            for (int i = 0; i < vm; i++) f[j][i] = _mm512_setzero_ps();
+        for (int64_t b = g * bpg; b < (g + 1) * bpg; b++) {
+            __m512i a[VT][VM];
+            for (int j = 0; j < VT; j++)
+                for (int i = 0; i < vm; i++) a[j][i] = _mm512_setzero_si512();
+            for (int t = 0; t < 4; t++) {
+                __m512i x0[VM], x1[VM];
+                for (int i = 0; i < vm; i++) {
+                    int32_t v0, v1;
+                    memcpy(&v0, qr[i] + 32 * b + 8 * t, 4);
+                    memcpy(&v1, qr[i] + 32 * b + 8 * t + 4, 4);
+                    x0[i] = _mm512_set1_epi32(v0);
+                    x1[i] = _mm512_set1_epi32(v1);
+                }
+                for (int j = 0; j < VT; j++) {
+                    const uint8_t *wb = wt[j] + b * block_bytes;
+                    __m512i w0, w1;
+                    if (bits == 4) {
+                        const __m512i v = _mm512_loadu_si512((const void *)(wb + 64 * t));
+                        w0 = _mm512_and_si512(v, lo4);
+                        w1 = _mm512_and_si512(_mm512_srli_epi16(v, 4), lo4);
+                    } else {
+                        w0 = _mm512_loadu_si512((const void *)(wb + 128 * t));
+                        w1 = _mm512_loadu_si512((const void *)(wb + 128 * t + 64));
+                    }
+                    for (int i = 0; i < vm; i++) {
+                        a[j][i] = _mm512_dpbusd_epi32(a[j][i], w0, x0[i]);
+                        a[j][i] = _mm512_dpbusd_epi32(a[j][i], w1, x1[i]);
+                    }
+                }
+            }
+            for (int i = 0; i < vm; i++) {
+                const __m512 d = _mm512_set1_ps(dxr[i][b]);
+                ms[i] += dxr[i][b] * (float)qsr[i][b];
+                for (int j = 0; j < VT; j++)
+                    f[j][i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(a[j][i]), d, f[j][i]);
+            }
+        }
+        for (int j = 0; j < VT; j++) {
+            const __m512 s = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(st[j] + g * 32)));
+            const __m512 mn = _mm512_cvtph_ps(
+                _mm256_loadu_si256((const __m256i *)(st[j] + g * 32 + 16)));
+            for (int i = 0; i < vm; i++) {
+                __m512 o = _mm512_loadu_ps(out[j][i]);
+                o = _mm512_fmadd_ps(s, f[j][i], o);
+                o = _mm512_fmadd_ps(mn, _mm512_set1_ps(ms[i]), o);
+                _mm512_storeu_ps(out[j][i], o);
+            }
+        }
+    }
+}
+#endif
+
+/* y fp32 [M, N] (N % 16 == 0, K % G == 0, G % 32 == 0). OpenMP over weight tiles: each
+ * tile's codes are read once per MT rows of x. */
+void kvs_wq_gemm(const uint8_t *restrict codes, const uint16_t *restrict sm,
+                 const int8_t *restrict q, const float *restrict dx, const int32_t *restrict qs,
+                 int64_t M, int64_t N, int64_t K, int64_t G, int bits, int num_threads,
+                 float *restrict y) {
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+    {
+        const int64_t ntiles = N / 16, ng = K / G, nb = K / 32;
+        const int64_t tile_bytes = K * 16 * bits / 8, ngroups = (ntiles + VT - 1) / VT;
+#pragma omp parallel for schedule(static) num_threads(num_threads)
+        for (int64_t tg = 0; tg < ngroups; tg++) {
+            const uint8_t *wt[VT];
+            const uint16_t *st[VT];
+            for (int j = 0; j < VT; j++) {
+                int64_t tile = tg * VT + j;
+                if (tile >= ntiles) tile = ntiles - 1; /* alias; result dropped */
+                wt[j] = codes + tile * tile_bytes;
+                st[j] = sm + tile * ng * 32;
+            }
+            for (int64_t m0 = 0; m0 < M;) {
+                const int64_t rem = M - m0;
+                const int vm = rem >= 4 ? 4 : rem >= 2 ? 2 : 1;
+                const int8_t *qr[VM];
+                const float *dxr[VM];
+                const int32_t *qsr[VM];
+                for (int i = 0; i < VM; i++) {
+                    const int64_t m = i < vm ? m0 + i : m0;
+                    qr[i] = q + m * K;
+                    dxr[i] = dx + m * nb;
+                    qsr[i] = qs + m * nb;
+                }
+                float out[VT][VM][16];
+                if (vm == 4)
+                    pass_vnni(wt, st, qr, dxr, qsr, K, G, bits, 4, out);
+                else if (vm == 2)
+                    pass_vnni(wt, st, qr, dxr, qsr, K, G, bits, 2, out);
+                else
+                    pass_vnni(wt, st, qr, dxr, qsr, K, G, bits, 1, out);
+                for (int j = 0; j < VT && tg * VT + j < ntiles; j++)
+                    for (int i = 0; i < vm; i++)
+                        memcpy(y + (m0 + i) * N + (tg * VT + j) * 16, out[j][i], 64);
+                m0 += vm;
+            }
+        }
+        return;
+    }
+#endif
+    const int64_t ntiles = N / 16, ng = K / G, nb = K / 32, bpg = G / 32;
+    const int64_t tile_bytes = K * 16 * bits / 8, block_bytes = 32 * 16 * bits / 8;
+#pragma omp parallel for schedule(static) num_threads(num_threads)
+    for (int64_t tile = 0; tile < ntiles; tile++) {
+        const uint8_t *wt = codes + tile * tile_bytes;
+        const uint16_t *st = sm + tile * ng * 32;
+        for (int64_t m0 = 0; m0 < M; m0 += MT) {
+            const int mt = (M - m0) < MT ? (int)(M - m0) : MT;
+            float out[MT][16];
+            memset(out, 0, sizeof(out));
+            for (int64_t g = 0; g < ng; g++) {
+                float f[MT][16], msum[MT];
+                memset(f, 0, sizeof(f));
+                memset(msum, 0, sizeof(msum));
+                for (int64_t b = g * bpg; b < (g + 1) * bpg; b++) {
+                    int32_t acc[MT][16];
+                    block_dots(wt + b * block_bytes, bits, q + m0 * K + 32 * b, K, mt, acc);
+                    for (int mm = 0; mm < mt; mm++) {
+                        const float d = dx[(m0 + mm) * nb + b];
+                        axpy16_i32(d, acc[mm], f[mm]);
+                        msum[mm] += d * (float)qs[(m0 + mm) * nb + b];
+                    }
+                }
+                float s[16], mn[16];
+                f16x16(st + g * 32, s);
+                f16x16(st + g * 32 + 16, mn);
+                for (int mm = 0; mm < mt; mm++) group_update16(s, f[mm], mn, msum[mm], out[mm]);
+            }
+            for (int mm = 0; mm < mt; mm++)
+                memcpy(y + (m0 + mm) * N + tile * 16, out[mm], 16 * sizeof(float));
+        }
+    }
+}
+
+/* ---------------------------------------------------------------- one call per layer */
+
+/*
+ * y fp32 [M, N] = W . x^ for x fp32 [M, K]: quantize (terms int8 passes), GEMM, and add the
+ * passes' rows -- what kvserve.kernels.cpu.wq_gemm.wq_linear does in one ctypes call. Scratch
+ * space (per calling thread, grown on demand) holds q / dx / qs and the terms > 1 rows.
+ * Returns 0, or -1 if scratch could not be allocated (y untouched).
+ */
+static _Thread_local void *scratch_buf = NULL;
+static _Thread_local size_t scratch_cap = 0;
+
+int kvs_wq_linear(const float *x, int64_t M, int64_t K, const uint8_t *codes,
+                  const uint16_t *sm, int64_t N, int64_t G, int bits, int terms,
+                  int num_threads, float *y) {
+    const int64_t rows = terms * M, nb = K / 32;
+    const size_t q_bytes = ((size_t)(rows * K) + 63) & ~(size_t)63;
+    const size_t need = q_bytes + (size_t)(rows * nb) * 8 + (terms > 1 ? (size_t)(rows * N) * 4 : 0);
+    if (need > scratch_cap) {
+        void *p = realloc(scratch_buf, need);
+        if (p == NULL) return -1;
+        scratch_buf = p;
+        scratch_cap = need;
+    }
+    int8_t *q = (int8_t *)scratch_buf;
+    float *dx = (float *)((char *)scratch_buf + q_bytes);
+    int32_t *qs = (int32_t *)(dx + rows * nb);
+    float *out = terms > 1 ? (float *)(qs + rows * nb) : y;
+    kvs_wq_quant_act(x, M, K, terms, num_threads, q, dx, qs);
+    kvs_wq_gemm(codes, sm, q, dx, qs, rows, N, K, G, bits, num_threads, out);
+    if (terms > 1)
+        for (int64_t i = 0; i < M * N; i++) y[i] = out[i] + out[M * N + i];
+    return 0;
+}

@@ -1,0 +1,75 @@
+"""ctypes bindings of kvserve/csrc/cpu_ops.c: fused small ops of a decoder layer on CPU.
+
+Each returns False / None when it does not apply (no C library, not fp32 on CPU, a layout it
+does not take); the caller then runs its torch code, the twin."""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+
+import torch
+
+from kvserve.cbuild import build_library
+
+
+@functools.cache
+def ops_library() -> ctypes.CDLL | None:
+    dll = build_library("cpu_ops")
+    if dll is None:
+        return None
+    p, i64, c_int = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
+    dll.kvs_rope_qk.argtypes = [p, i64, i64, i64, i64, i64, p, p, p, c_int, c_int]
+    dll.kvs_rope_qk.restype = None
+    dll.kvs_silu_mul.argtypes = [p, i64, i64, p, c_int]
+    dll.kvs_silu_mul.restype = None
+    dll.kvs_add_rms_norm.argtypes = [p, p, p, i64, i64, ctypes.c_float, p, c_int]
+    dll.kvs_add_rms_norm.restype = None
+    return dll
+
+
+def _fp32_cpu(*ts: torch.Tensor) -> bool:
+    return all(t.dtype == torch.float32 and t.device.type == "cpu" for t in ts)
+
+
+def rope_qk_(x: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+             nheads: int, head_dim: int, interleaved: bool) -> bool:
+    """Rotate heads [0, nheads) of every row of x (fp32 [T, W], rows contiguous) in place."""
+    lib = ops_library()
+    if lib is None or not _fp32_cpu(x, cos, sin) or x.dim() != 2 or x.stride(1) != 1 \
+            or positions.dtype != torch.int64 or not positions.is_contiguous() \
+            or not cos.is_contiguous() or not sin.is_contiguous():
+        return False
+    assert nheads * head_dim <= x.shape[1] and positions.numel() == x.shape[0]
+    lib.kvs_rope_qk(x.data_ptr(), x.shape[0], x.stride(0), nheads, head_dim, 2 * cos.shape[1],
+                    positions.data_ptr(), cos.data_ptr(), sin.data_ptr(), int(interleaved),
+                    torch.get_num_threads())
+    return True
+
+
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor | None:
+    """fp32 [T, 2I] (gate | up, contiguous) -> [T, I] = silu(gate) * up."""
+    lib = ops_library()
+    if lib is None or not _fp32_cpu(gate_up) or gate_up.dim() != 2 \
+            or not gate_up.is_contiguous():
+        return None
+    t, i2 = gate_up.shape
+    out = torch.empty(t, i2 // 2, dtype=torch.float32)
+    lib.kvs_silu_mul(gate_up.data_ptr(), t, i2 // 2, out.data_ptr(), torch.get_num_threads())
+    return out
+
+
+def add_rms_norm(x: torch.Tensor | None, residual: torch.Tensor, weight: torch.Tensor,
+                 eps: float) -> torch.Tensor | None:
+    """residual += x (in place; x None: no add); returns rms_norm(residual) * weight, or None
+    (nothing done) if the C op does not apply. fp32 [T, D], contiguous."""
+    lib = ops_library()
+    ts = (residual, weight) if x is None else (x, residual, weight)
+    if lib is None or not _fp32_cpu(*ts) or not all(t.is_contiguous() for t in ts) \
+            or residual.dim() != 2:
+        return None
+    t, d = residual.shape
+    out = torch.empty_like(residual)
+    lib.kvs_add_rms_norm(0 if x is None else x.data_ptr(), residual.data_ptr(),
+                         weight.data_ptr(), t, d, eps, out.data_ptr(), torch.get_num_threads())
+    return out

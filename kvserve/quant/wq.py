@@ -1,0 +1,132 @@
+"""Integer-dot weight layout for CPU decode (W4A8 / W8A8) and its pure-torch twin.
+
+GGUF-style weights -- unsigned codes u (4 or 8 bits) and a (scale, min) pair per group of G
+input columns, w = u * s + m (Q4_0: m = -8 s; Q4_1: its min; Q8_0: u = q + 128, m = -128 s) --
+are multiplied with activations quantized per row in blocks of 32 to int8, as llama.cpp does
+for its Q4/Q8 formats (``ggml-cpu``: Q8_0 / Q8_1 activation blocks). The C kernel
+(kvserve/csrc/wq_gemm.c) runs the products on integer units (AVX-512 VNNI, AVX2, or plain C).
+
+Activation quantization, per row and 32-column block b (identical in C and here)::
+
+    amax = max |x|,  q = clamp(rint(x * (127 / amax)), -127, 127),  dx = amax / 127
+    (amax == 0: q = 0, dx = 0);  qs = sum q
+
+so the layer computes dequant(W) . x^ with x^ = dx * q, which is what ``wq_matmul_ref`` does.
+
+Tile layout (16 output rows per tile, N padded to 16; K % 32 == 0, G % 32 == 0)::
+
+    bits 4: codes uint8 [N/16, K/8, 16, 4]   byte j of row r, k-oct t: low nibble u[r, 8t+j],
+                                             high nibble u[r, 8t+4+j]
+    bits 8: codes uint8 [N/16, K/4, 16, 4]   byte j of row r, k-quad t: u[r, 4t+j]
+    sm      fp16  [N/16, K/G, 2, 16]         s of the tile's rows, then m
+"""
+
+from __future__ import annotations
+
+import torch
+
+BLOCK = 32  # activation block (columns per int8 scale)
+TILE = 16  # output rows per weight tile
+# EngineArgs.gguf_activations -> int8 terms per activation (0: fp32 activations, no int8 path)
+ACTIVATIONS = {"int8x2": 2, "int8": 1, "fp32": 0}
+
+
+def activation_terms(name: str) -> int:
+    """``gguf_activations`` -> int8 passes: "int8x2" 2 (~15-bit activations, the default),
+    "int8" 1 (llama.cpp's Q8 activation blocks), "fp32" 0 (no quantized activations)."""
+    if name not in ACTIVATIONS:
+        raise ValueError(f"gguf_activations must be one of {', '.join(ACTIVATIONS)}, "
+                         f"got {name!r}")
+    return ACTIVATIONS[name]
+
+
+def check_shape(k: int, group: int, bits: int) -> None:
+    """ValueError unless the layout can hold a [*, k] weight with this group and width."""
+    if bits not in (4, 8):
+        raise ValueError(f"bits must be 4 or 8, got {bits}")
+    if group % BLOCK or k % group:
+        raise ValueError(f"group_size must be a multiple of {BLOCK} dividing in_features; "
+                         f"got group_size={group}, in_features={k}")
+
+
+def pack_codes(u: torch.Tensor, bits: int) -> torch.Tensor:
+    """uint8 codes [N, K] (N % 16 == 0) -> tile bytes (module docstring), flat uint8."""
+    n, k = u.shape
+    assert n % TILE == 0 and k % BLOCK == 0 and u.dtype == torch.uint8
+    if bits == 4:
+        assert int(u.max()) < 16 if u.numel() else True
+        t = u.view(n // TILE, TILE, k // 8, 2, 4).permute(0, 2, 1, 4, 3)  # [nt, K/8, 16, 4, 2]
+        return (t[..., 0] | (t[..., 1] << 4)).contiguous().view(-1)
+    return u.view(n // TILE, TILE, k // 4, 4).permute(0, 2, 1, 3).contiguous().view(-1)
+
+
+def unpack_codes(codes: torch.Tensor, n: int, k: int, bits: int) -> torch.Tensor:
+    """Inverse of ``pack_codes``: uint8 [n, k] (n % 16 == 0)."""
+    if bits == 4:
+        t = codes.view(n // TILE, k // 8, TILE, 4)
+        u = torch.stack((t & 15, t >> 4), -1)  # [nt, K/8, 16, 4 (j), 2 (half)]
+        return u.permute(0, 2, 1, 4, 3).reshape(n, k)
+    return codes.view(n // TILE, k // 4, TILE, 4).permute(0, 2, 1, 3).reshape(n, k)
+
+
+def pack_scales(s: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
+    """fp16 s, m [N, K/G] (N % 16 == 0) -> fp16 [N/16, K/G, 2, 16]."""
+    n, ng = s.shape
+    sm = torch.stack((s.to(torch.float16), m.to(torch.float16)), 0)  # [2, N, ng]
+    return sm.view(2, n // TILE, TILE, ng).permute(1, 3, 0, 2).contiguous()
+
+
+def unpack_scales(sm: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Inverse of ``pack_scales``: fp16 (s, m), each [N, K/G]."""
+    nt, ng = sm.shape[:2]
+    t = sm.permute(2, 0, 3, 1).reshape(2, nt * TILE, ng)
+    return t[0], t[1]
+
+
+def quantize_act_ref(x: torch.Tensor, terms: int = 1
+                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """fp32 [M, K] -> (q int8 [T M, K], dx fp32 [T M, K/32], qs int32 [T M, K/32]), T = terms;
+    the twin of ``kvs_wq_quant_act`` (same fp32 operations: bit-identical). Rows M + m of a
+    second term hold the remainder: x ~ dx q + dx' q' (module docstring)."""
+    m, k = x.shape
+    xb = x.float().reshape(m, k // BLOCK, BLOCK)
+    amax = xb.abs().amax(-1)
+    inv = torch.where(amax > 0, 127.0 / amax, torch.zeros_like(amax))
+    v = xb * inv.unsqueeze(-1)
+    q = torch.round(v).clamp_(-127, 127)
+    dx = amax / 127.0
+    qs_, dxs, sums = [q], [dx], [q.sum(-1)]
+    if terms == 2:
+        q2 = torch.round((v - q) * 254.0).clamp_(-127, 127)
+        qs_.append(q2)
+        dxs.append(dx / 254.0)
+        sums.append(q2.sum(-1))
+    return (torch.cat(qs_).to(torch.int8).view(terms * m, k), torch.cat(dxs),
+            torch.cat(sums).to(torch.int32))
+
+
+def fake_quant_act(x: torch.Tensor, terms: int = 1) -> torch.Tensor:
+    """fp32 x^ = sum over terms of dx q: what the kernel multiplies the weights with."""
+    q, dx, _ = quantize_act_ref(x, terms)
+    tm, k = q.shape
+    xh = (q.float().view(tm, k // BLOCK, BLOCK) * dx.unsqueeze(-1)).view(terms, tm // terms, k)
+    return xh[0] if terms == 1 else xh[0] + xh[1]
+
+
+def dequantize_ref(u: torch.Tensor, s: torch.Tensor, m: torch.Tensor, group: int
+                   ) -> torch.Tensor:
+    """fp32 [N, K] = fl(fl(u * s) + m) per group (GGUF's own dequantization order)."""
+    w = u.float() * s.float().repeat_interleave(group, -1)
+    return w + m.float().repeat_interleave(group, -1)
+
+
+def wq_matmul_ref(x: torch.Tensor, u: torch.Tensor, s: torch.Tensor, m: torch.Tensor,
+                  group: int, terms: int = 1) -> torch.Tensor:
+    """The twin of ``kvs_wq_gemm``: fp32 [M, N] = x^ @ W^T in float64, x^ the int8
+    fake-quantized x (module docstring), W = u * s + m."""
+    q, dx, _ = quantize_act_ref(x, terms)
+    xh = (q.double().view(q.shape[0], -1, BLOCK) * dx.double().unsqueeze(-1)).view(q.shape)
+    xh = xh.view(terms, x.shape[0], -1).sum(0)
+    w = u.double() * s.double().repeat_interleave(group, -1) + \
+        m.double().repeat_interleave(group, -1)
+    return (xh @ w.t()).float()

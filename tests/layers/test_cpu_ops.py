@@ -1,0 +1,89 @@
+"""kvserve/csrc/cpu_ops.c against the torch code it replaces (the twins), on the build this
+machine makes and on a portable (no AVX2) build."""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import shutil
+import subprocess
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from kvserve.cbuild import CSRC, FLAGS
+from kvserve.kernels.cpu import cpu_ops
+from kvserve.layers.rotary import RotaryEmbedding
+
+
+class _Cfg:
+    rope_theta = 10000.0
+    rope_scaling = None
+    rope_parameters = None
+
+
+@pytest.fixture(params=["native", "avx2", "portable"])
+def lib(request, tmp_path_factory, monkeypatch):
+    if request.param == "native":
+        if cpu_ops.ops_library() is None:
+            pytest.skip("C kernels unavailable")
+        yield cpu_ops.ops_library()
+        return
+    cc = shutil.which("cc") or shutil.which("gcc")
+    if cc is None:
+        pytest.skip("no C compiler")
+    out = tmp_path_factory.mktemp("ops") / f"cpu_ops_{request.param}.so"
+    flags = [f for f in FLAGS if f != "-march=native"]
+    isa = (["-march=haswell"] if request.param == "avx2"
+           else ["-mno-avx2", "-mno-fma", "-mno-avx512f"])
+    subprocess.run([cc, os.path.join(CSRC, "cpu_ops.c"), "-o", str(out), *flags, *isa],
+                   check=True)
+    dll = ctypes.CDLL(str(out))
+    cpu_ops.ops_library.cache_clear()
+    real = cpu_ops.build_library
+    monkeypatch.setattr(cpu_ops, "build_library", lambda name: dll if name == "cpu_ops"
+                        else real(name))
+    yield cpu_ops.ops_library()
+    cpu_ops.ops_library.cache_clear()
+
+
+@pytest.mark.parametrize("interleaved", [False, True])
+@pytest.mark.parametrize("t,h,hk,d,rd", [(1, 9, 3, 64, 64), (5, 4, 2, 32, 16), (17, 2, 1, 128, 64)])
+def test_rope_in_place_matches_twin(lib, interleaved, t, h, hk, d, rd):
+    rot = RotaryEmbedding(_Cfg(), rd, 512, interleaved=interleaved)
+    qkv = torch.randn(t, (h + 2 * hk) * d)
+    pos = torch.randint(0, 512, (t,))
+    want = rot(pos, qkv[:, :(h + hk) * d].view(t, h + hk, d).clone())
+    got = qkv.clone()
+    assert rot.rotate_qk_(pos, got, h + hk, d)
+    torch.testing.assert_close(got[:, :(h + hk) * d].view(t, h + hk, d), want, rtol=1e-6,
+                               atol=1e-6)
+    assert torch.equal(got[:, (h + hk) * d:], qkv[:, (h + hk) * d:])  # v untouched
+
+
+def test_rope_declines_what_it_does_not_take(lib):
+    rot = RotaryEmbedding(_Cfg(), 64, 64)
+    pos = torch.zeros(2, dtype=torch.int64)
+    assert not rot.rotate_qk_(pos, torch.randn(2, 128).bfloat16(), 2, 64)  # not fp32
+    assert not rot.rotate_qk_(pos.int(), torch.randn(2, 128), 2, 64)  # int32 positions
+
+
+@pytest.mark.parametrize("t,i", [(1, 1536), (7, 37), (64, 256)])
+def test_silu_mul_matches_twin(lib, t, i):
+    gu = torch.randn(t, 2 * i) * 6  # both signs, past exp's easy range
+    gu[0, 0], gu[0, 1] = -100.0, 100.0
+    got = cpu_ops.silu_mul(gu)
+    torch.testing.assert_close(got, F.silu(gu[:, :i]) * gu[:, i:], rtol=1e-5, atol=1e-6)
+    assert cpu_ops.silu_mul(gu.bfloat16()) is None
+
+
+@pytest.mark.parametrize("with_x", [True, False])
+def test_add_rms_norm_matches_twin(lib, with_x):
+    x, res, w = torch.randn(6, 576), torch.randn(6, 576), torch.randn(576)
+    new_res = res + x if with_x else res.clone()
+    want = F.rms_norm(new_res, (576,), w, 1e-5)
+    r = res.clone()
+    got = cpu_ops.add_rms_norm(x if with_x else None, r, w, 1e-5)
+    torch.testing.assert_close(r, new_res, rtol=0, atol=0)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)

@@ -1,0 +1,133 @@
+"""The integer-dot kernel (kvserve/csrc/wq_gemm.c) against its twin (kvserve.quant.wq), on
+the build this machine makes, an AVX2-only build and a portable (no AVX2) build."""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import platform
+import shutil
+import subprocess
+
+import pytest
+import torch
+
+from kvserve.cbuild import CSRC, FLAGS
+from kvserve.kernels.cpu import wq_gemm as wq_cpu
+from kvserve.quant import wq
+
+# "avx2": the AVX2 + FMA + F16C path without AVX-512 (what an AVX2-only CPU builds natively);
+# "portable": no AVX2 at all (plain C)
+ISA_FLAGS = {"avx2": ["-march=haswell"], "portable": ["-mno-avx2", "-mno-f16c", "-mno-avx512f"]}
+
+
+def _built_lib(tmp_path_factory, isa: str) -> ctypes.CDLL:
+    cc = shutil.which("cc") or shutil.which("gcc")
+    if cc is None:
+        pytest.skip("no C compiler")
+    out = tmp_path_factory.mktemp("wq") / f"wq_{isa}.so"
+    flags = [f for f in FLAGS if f != "-march=native"]
+    subprocess.run([cc, os.path.join(CSRC, "wq_gemm.c"), "-o", str(out), *flags,
+                    *ISA_FLAGS[isa]], check=True)
+    dll = ctypes.CDLL(str(out))
+    p, i64, c_int = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
+    dll.kvs_wq_quant_act.argtypes = [p, i64, i64, c_int, c_int, p, p, p]
+    dll.kvs_wq_gemm.argtypes = [p, p, p, p, p, i64, i64, i64, i64, c_int, c_int, p]
+    return dll
+
+
+@pytest.fixture(scope="module", params=["native", "avx2", "portable"])
+def lib(request, tmp_path_factory):
+    if request.param == "native":
+        dll = wq_cpu.wq_library()
+        if dll is None:
+            pytest.skip("C kernel unavailable")
+        return dll
+    if request.param == "avx2" and platform.machine() not in ("x86_64", "AMD64"):
+        pytest.skip("x86-64 only")
+    return _built_lib(tmp_path_factory, request.param)
+
+
+def _weights(n, k, group, bits, seed):
+    g = torch.Generator().manual_seed(seed)
+    u = torch.randint(0, 1 << bits, (n, k), dtype=torch.uint8, generator=g)
+    s = (torch.rand(n, k // group, generator=g) * 0.02 + 1e-4).half()
+    m = (-(torch.rand(n, k // group, generator=g)) * 0.1).half()
+    return u, s, m
+
+
+def test_codes_and_scales_round_trip():
+    for bits in (4, 8):
+        u, s, m = _weights(32, 64, 32, bits, 0)
+        codes = wq.pack_codes(u, bits)
+        assert codes.numel() == 32 * 64 * bits // 8
+        assert torch.equal(wq.unpack_codes(codes, 32, 64, bits), u)
+        s2, m2 = wq.unpack_scales(wq.pack_scales(s, m))
+        assert torch.equal(s2, s) and torch.equal(m2, m)
+
+
+@pytest.mark.parametrize("terms", [1, 2])
+def test_quantize_act_matches_twin_bit_for_bit(lib, terms):
+    g = torch.Generator().manual_seed(terms)
+    x = torch.randn(64, 96, generator=g) * torch.logspace(-3, 2, 96)
+    x[1, :32] = 0.0  # a zero block: dx = 0, q = 0
+    t = terms
+    q, dx, qs = (torch.empty(t * 64, 96, dtype=torch.int8), torch.empty(t * 64, 3),
+                 torch.empty(t * 64, 3, dtype=torch.int32))
+    lib.kvs_wq_quant_act(x.data_ptr(), 64, 96, terms, 1, q.data_ptr(), dx.data_ptr(),
+                         qs.data_ptr())
+    q2, dx2, qs2 = wq.quantize_act_ref(x, terms)
+    assert torch.equal(q, q2) and torch.equal(dx, dx2) and torch.equal(qs, qs2)
+    assert int(q.abs().max()) == 127 and float(dx[1, 0]) == 0.0
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("m,n,k,group", [(1, 16, 32, 32), (3, 48, 64, 32), (4, 32, 128, 64),
+                                         (5, 64, 256, 128), (9, 80, 96, 32),
+                                         (17, 16, 576, 32)])
+def test_gemm_matches_twin(lib, bits, m, n, k, group):
+    u, s, mn = _weights(n, k, group, bits, m * 1000 + n + k)
+    x = torch.randn(m, k)
+    codes, sm = wq.pack_codes(u, bits), wq.pack_scales(s, mn)
+    q, dx, qs = wq.quantize_act_ref(x)
+    y = torch.empty(m, n)
+    lib.kvs_wq_gemm(codes.data_ptr(), sm.data_ptr(), q.data_ptr(), dx.data_ptr(), qs.data_ptr(),
+                    m, n, k, group, bits, 2, y.data_ptr())
+    ref = wq.wq_matmul_ref(x, u, s, mn, group)
+    torch.testing.assert_close(y, ref, rtol=1e-5, atol=1e-5 * float(ref.abs().max()))
+
+
+@pytest.mark.parametrize("terms", [1, 2])
+def test_rows_are_batch_invariant(terms):
+    lib = wq_cpu.wq_library()
+    if lib is None:
+        pytest.skip("C kernel unavailable")
+    u, s, mn = _weights(64, 256, 32, 4, 7)
+    codes, sm = wq.pack_codes(u, 4), wq.pack_scales(s, mn)
+    x = torch.randn(11, 256)
+    full = wq_cpu.wq_linear(lib, x, codes, sm, 64, 32, 4, terms)
+    ref = wq.wq_matmul_ref(x, u, s, mn, 32, terms)
+    torch.testing.assert_close(full, ref, rtol=1e-5, atol=1e-5 * float(ref.abs().max()))
+    for i in range(11):
+        one = wq_cpu.wq_linear(lib, x[i:i + 1].contiguous(), codes, sm, 64, 32, 4, terms)
+        assert torch.equal(one[0], full[i])
+
+
+def test_fake_quant_error_is_small():
+    """The twin's result against the unquantized-activation product (what the fp32 path
+    computes): one int8 term (llama.cpp's Q8 blocks) a few 1e-3 relative, two terms ~1e-5."""
+    u, s, mn = _weights(64, 576, 32, 4, 3)
+    x = torch.randn(8, 576)
+    w = wq.dequantize_ref(u, s, mn, 32)
+    exact = x.double() @ w.double().t()
+    err1 = (wq.wq_matmul_ref(x, u, s, mn, 32, 1).double() - exact).norm() / exact.norm()
+    err2 = (wq.wq_matmul_ref(x, u, s, mn, 32, 2).double() - exact).norm() / exact.norm()
+    assert 1e-4 < float(err1) < 1e-2 and 0 < float(err2) < 1e-4, (err1, err2)
+    torch.testing.assert_close(wq.fake_quant_act(x, 2), x, rtol=0, atol=2e-5 * 4.5)
+
+
+def test_check_shape_errors():
+    with pytest.raises(ValueError, match="bits"):
+        wq.check_shape(64, 32, 2)
+    with pytest.raises(ValueError, match="group_size"):
+        wq.check_shape(64, 48, 4)

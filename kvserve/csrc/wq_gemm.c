@@ -90,30 +90,7 @@ void kvs_wq_quant_act(const float *restrict x, int64_t M, int64_t K, int terms,
  * 32-column block. wb points at the block's first code byte in the tile. */
 static inline void block_dots(const uint8_t *restrict wb, int bits, const int8_t *restrict qb,
                               int64_t K, int mt, int32_t acc[MT][16]) {
-#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
-    const __m512i lo4 = _mm512_set1_epi8(0x0F);
-    __m512i a[MT];
-    for (int mm = 0; mm < MT; mm++) a[mm] = _mm512_setzero_si512();
-    for (int t = 0; t < 4; t++) { /* 4 k-octs of 8 columns */
-        __m512i w0, w1;
-        if (bits == 4) {
-            const __m512i v = _mm512_loadu_si512((const void *)(wb + 64 * t));
-            w0 = _mm512_and_si512(v, lo4);
-            w1 = _mm512_and_si512(_mm512_srli_epi16(v, 4), lo4);
-        } else {
-            w0 = _mm512_loadu_si512((const void *)(wb + 128 * t));
-            w1 = _mm512_loadu_si512((const void *)(wb + 128 * t + 64));
-        }
-        for (int mm = 0; mm < mt; mm++) {
-            int32_t x0, x1;
-            memcpy(&x0, qb + mm * K + 8 * t, 4);
-            memcpy(&x1, qb + mm * K + 8 * t + 4, 4);
-            a[mm] = _mm512_dpbusd_epi32(a[mm], w0, _mm512_set1_epi32(x0));
-            a[mm] = _mm512_dpbusd_epi32(a[mm], w1, _mm512_set1_epi32(x1));
-        }
-    }
-    for (int mm = 0; mm < mt; mm++) _mm512_storeu_si512((void *)acc[mm], a[mm]);
-#elif defined(__AVX2__)
+#if defined(__AVX2__)  /* (AVX-512 VNNI builds take pass_vnni instead) */
     /* maddubs: u8 x s8 pairs -> s16. Nibbles (<= 15) times |q| <= 127: a pair <= 3810, and
      * 8 pairs per lane per block (<= 30480) stay below 32767. 8-bit codes are split into
      * nibbles (u = 16 hi + lo) for the same bound. */

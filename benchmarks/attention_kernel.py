@@ -22,11 +22,11 @@ import time
 
 import torch
 
-from kvserve.attention import cpu_kernel
 from kvserve.attention.metadata import AttentionMetadata
 from kvserve.attention.torch_backend import TorchAttentionBackend
 from kvserve.bench.common import env_info, log, write_json
 from kvserve.cache.kv_cache import PagedKVCache
+from kvserve.kernels.cpu import paged_attention as cpu_kernel
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp8_e4m3": torch.float8_e4m3fn,
           "fp8_e5m2": torch.float8_e5m2, "int8": torch.int8}
@@ -79,7 +79,7 @@ def main(argv: list[str] | None = None) -> int:
         kv, meta, q = setup(dtype, a)
         be = TorchAttentionBackend(kv, a.kv_heads * a.group, a.kv_heads, a.head_dim,
                                    a.head_dim**-0.5, 4096)
-        plan = be._plan(meta)["kernel"]
+        plan = be._plan(meta).kernel
         out = torch.empty_like(q)
 
         def kernel(force_scalar: bool, kv=kv, plan=plan, q=q, out=out) -> None:

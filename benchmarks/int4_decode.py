@@ -205,7 +205,8 @@ def run_llamacpp(args: argparse.Namespace, dense: str, work: str, vocab: int) ->
     (B prompts of PROMPT_LEN random tokens, ``steps + 1`` tokens out, ``repeats`` rounds),
     measured by the latency bench's llama.cpp script in ``--peer-python``."""
     from kvserve.bench.common import peer_importable, run_peer_script
-    from kvserve.bench.latency import LLAMACPP_SCRIPT, convert_to_gguf
+    from kvserve.bench.latency import convert_to_gguf
+    from kvserve.bench.peers import script_path
 
     python = args.peer_python
     if not peer_importable(python, "llama_cpp"):
@@ -236,7 +237,7 @@ def run_llamacpp(args: argparse.Namespace, dense: str, work: str, vocab: int) ->
                    "output_len": args.steps + 2, "rounds": args.repeats, "seed": 0,
                    "threads": args.threads, "prompts": prompts, "dtype": kind}
         print(f"  llama.cpp {kind} ...", flush=True)
-        run = run_peer_script(python, LLAMACPP_SCRIPT, payload, 3600)
+        run = run_peer_script(python, script_path("llamacpp_latency"), payload, 3600)
         for row in run.get("results", []):
             row.pop("tokens", None)
             print(f"  llama.cpp {kind:5s} batch {row['batch_size']:3d}: "
@@ -246,8 +247,8 @@ def run_llamacpp(args: argparse.Namespace, dense: str, work: str, vocab: int) ->
 
 
 def main() -> None:
-    from kvserve.quant.cli import safetensors_size, tensor_bytes
     from kvserve.quant.quantizer import quantize_checkpoint
+    from kvserve.quantize_cli import safetensors_size, tensor_bytes
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--json", default="int4_decode.json")

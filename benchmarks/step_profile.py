@@ -54,7 +54,6 @@ from typing import Any
 
 import torch
 
-from kvserve.attention import cpu_kernel
 from kvserve.bench.common import (
     env_info,
     log,
@@ -66,6 +65,7 @@ from kvserve.bench.common import (
 )
 from kvserve.engine.arg_utils import EngineArgs
 from kvserve.engine.llm_engine import LLMEngine
+from kvserve.kernels.cpu import paged_attention as cpu_kernel
 from kvserve.layers import linear as linear_mod
 from kvserve.sampling_params import SamplingParams
 

@@ -8,14 +8,9 @@ from __future__ import annotations
 
 import functools
 import re
-from dataclasses import dataclass, field
-from typing import Literal
+from dataclasses import dataclass
 
 import torch
-
-KVCacheDType = Literal["auto", "bf16", "fp16", "fp32", "fp8", "fp8_e4m3", "fp8_e5m2", "int8",
-                      "int8_plain", "fp8_rot", "fp8_e4m3_rot", "fp8_e5m2_rot"]
-IntegrityMode = Literal["off", "on", "paranoid"]
 
 _KV_DTYPES: dict[str, torch.dtype] = {
     "bf16": torch.bfloat16,
@@ -46,6 +41,16 @@ FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 SCALED_KV_DTYPES = (*FP8_DTYPES, torch.int8)
 
 
+def is_fp8(dtype: torch.dtype) -> bool:
+    """The one test of "is this KV storage FP8?" (kernels, twins and the cache ask here)."""
+    return dtype in FP8_DTYPES
+
+
+def is_scaled(dtype: torch.dtype) -> bool:
+    """Stored with per-row scales: FP8 (bf16) and INT8 (1-byte log-domain codes)."""
+    return dtype in SCALED_KV_DTYPES
+
+
 def kv_scale_dtype(kv_dtype: torch.dtype) -> torch.dtype | None:
     """The dtype of the per-row scales stored with ``kv_dtype`` (None: no scales)."""
     if kv_dtype == torch.int8:
@@ -57,6 +62,8 @@ def kv_scale_bytes(kv_dtype: torch.dtype) -> int:
     """Bytes of scale per (token, head, K-or-V) row: 2 (FP8), 1 (INT8), 0."""
     sd = kv_scale_dtype(kv_dtype)
     return 0 if sd is None else sd.itemsize
+
+
 # 8-bit modes with the randomized Hadamard rotation of q/k/v (kvserve/quant/rotation.py):
 # name -> storage dtype. ``int8`` is rotated (the recommended 8-bit KV); ``int8_plain`` is not.
 _KV_ROTATED: dict[str, torch.dtype] = {
@@ -147,7 +154,15 @@ class KVMode:
     @property
     def scaled(self) -> bool:
         """Stored with per-row scales (FP8: bf16, INT8: 1-byte log-domain codes)."""
-        return self.dtype in SCALED_KV_DTYPES
+        return is_scaled(self.dtype)
+
+    @property
+    def is_fp8(self) -> bool:
+        return is_fp8(self.dtype)
+
+    @property
+    def is_int8(self) -> bool:
+        return self.dtype == torch.int8
 
     @property
     def name(self) -> str:
@@ -157,10 +172,12 @@ class KVMode:
         return dtype_name(self.dtype) + ("_rot" if self.rotate else "")
 
 
-def resolve_kv_mode(kv_cache_dtype: str, model_dtype: torch.dtype) -> KVMode:
+def parse_kv_mode(kv_cache_dtype: str) -> KVMode | None:
+    """The one check of a ``kv_cache_dtype`` name: its mode, None for ``auto`` (decided from
+    the checkpoint by ``resolve_kv_mode``); a ValueError naming the parameter otherwise."""
     if kv_cache_dtype == "auto":
-        return KVMode(model_dtype)
-    name = kv_cache_dtype.lower()
+        return None
+    name = kv_cache_dtype.lower() if isinstance(kv_cache_dtype, str) else None
     if name in _KV_ROTATED:
         return KVMode(_KV_ROTATED[name], rotate=True)
     if name in _KV_DTYPES:
@@ -170,8 +187,9 @@ def resolve_kv_mode(kv_cache_dtype: str, model_dtype: torch.dtype) -> KVMode:
     )
 
 
-def resolve_kv_dtype(kv_cache_dtype: str, model_dtype: torch.dtype) -> torch.dtype:
-    return resolve_kv_mode(kv_cache_dtype, model_dtype).dtype
+def resolve_kv_mode(kv_cache_dtype: str, model_dtype: torch.dtype) -> KVMode:
+    """``auto`` = ``model_dtype`` (the caller passes the checkpoint's 16-bit dtype)."""
+    return parse_kv_mode(kv_cache_dtype) or KVMode(model_dtype)
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -203,11 +221,7 @@ class CacheConfig:
     def __post_init__(self) -> None:
         if not isinstance(self.block_size, int) or not 1 <= self.block_size <= 1024:
             raise ValueError(f"block_size must be an int in [1, 1024], got {self.block_size!r}")
-        if self.kv_cache_dtype != "auto" and self.kv_cache_dtype.lower() not in _KV_MODE_NAMES:
-            raise ValueError(
-                f"kv_cache_dtype must be one of auto, {', '.join(_KV_MODE_NAMES)}; "
-                f"got {self.kv_cache_dtype!r}"
-            )
+        parse_kv_mode(self.kv_cache_dtype)
         if (not isinstance(self.kv_rotation_seed, int) or isinstance(self.kv_rotation_seed, bool)
                 or not 0 <= self.kv_rotation_seed < 2**63):
             raise ValueError(
@@ -268,10 +282,21 @@ class ModelConfig:
     max_model_len: int
     eos_token_ids: tuple[int, ...] = ()
     bos_token_id: int | None = None
-    extra: dict = field(default_factory=dict, compare=False, hash=False)
 
-    def kv_bytes_per_token(self, kv_dtype: torch.dtype) -> int:
-        """Payload + per-token-head scale bytes, all layers."""
-        elem = torch.empty((), dtype=kv_dtype).element_size()
-        per_row = self.head_dim * elem + kv_scale_bytes(kv_dtype)
-        return self.num_layers * self.kv_components * self.num_kv_heads * per_row
+
+@dataclass(frozen=True, slots=True)
+class EngineConfig:
+    """Everything decided at start-up, once (``kvserve.engine.builder``): the user's
+    ``EngineArgs`` resolved against the loaded checkpoint, ``auto`` values included."""
+
+    model: ModelConfig
+    cache: CacheConfig
+    scheduler: SchedulerConfig
+    kv_mode: KVMode  # kv_cache_dtype resolved (auto = the checkpoint's 16-bit dtype)
+    num_blocks: int  # KV pool size (every tensor-parallel rank holds the same block ids)
+    fingerprint: bytes  # model files + dtypes + block size (+ layout): salts hashes and seals
+    tensor_parallel_size: int = 1
+
+    @property
+    def capacity_tokens(self) -> int:
+        return self.num_blocks * self.cache.block_size

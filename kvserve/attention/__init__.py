@@ -1,26 +1,14 @@
-"""Attention backends: a Protocol plus a registry. Heavy backends import lazily."""
+"""Attention backends: the Protocol (``base.py``) plus a registry. Heavy backends import
+lazily."""
 
 from __future__ import annotations
 
 import importlib
-from typing import Protocol
 
-import torch
-
-from kvserve.attention.metadata import AttentionMetadata
+from kvserve.attention.base import AttentionBackend
 from kvserve.cache.kv_cache import PagedKVCache
 
-
-class AttentionBackend(Protocol):
-    name: str
-
-    def forward(
-        self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-        meta: AttentionMetadata,
-    ) -> torch.Tensor:
-        """Write k, v [T, Hkv, D] into the cache, attend q [T, Hq, D]; returns [T, Hq, D]."""
-        ...
-
+__all__ = ["AttentionBackend", "available_backends", "get_backend", "resolve_backend_name"]
 
 _REGISTRY: dict[str, str] = {
     "torch": "kvserve.attention.torch_backend:TorchAttentionBackend",

@@ -49,9 +49,12 @@ kvserve's GQA layout [C=2, H, D] V would be padded to D = 192: 5,996,544 B BF16.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 
+from kvserve.attention.base import BackendBase
 from kvserve.attention.metadata import AttentionMetadata, plan_decode_chunks, plan_prefills
 from kvserve.cache.kv_cache import PagedKVCache
 from kvserve.quant import fp8, int8
@@ -72,8 +75,28 @@ def up_project(o_lat: torch.Tensor, w: torch.Tensor, dn: int) -> torch.Tensor:
     return torch.bmm(o_lat.transpose(0, 1), w[:, dn:].transpose(1, 2)).transpose(0, 1)
 
 
-class MlaTorchAttentionBackend:
+@dataclass(frozen=True, slots=True)
+class MlaDecodeTables:
+    """mla_triton: every decode sequence of the step in one kernel launch."""
+
+    tok: torch.Tensor  # [n] the step token of each decode sequence
+    tables: torch.Tensor  # int32 [n, mb]
+    seq_lens: torch.Tensor  # int32 [n]
+    max_seq_len: int  # bounds the splits, no host sync
+
+
+@dataclass(frozen=True, slots=True)
+class MlaPlan:
+    # pure-torch decode chunks: (tok, block ids, max blocks, pad [n, 1, L])
+    decode: list[tuple[torch.Tensor, torch.Tensor, int, torch.Tensor]]
+    prefill: list[tuple[int, int, int, torch.Tensor]]  # (start, q_len, seq_len, block ids)
+    triton_decode: MlaDecodeTables | None = None  # mla_triton (then ``decode`` is empty)
+    slots: torch.Tensor | None = None  # mla_triton: int64 [T] slots of the fused write
+
+
+class MlaTorchAttentionBackend(BackendBase):
     name = "mla_torch"
+    latent = True
 
     def __init__(
         self, kv_cache: PagedKVCache, num_heads: int, num_kv_heads: int, head_dim: int,
@@ -99,7 +122,7 @@ class MlaTorchAttentionBackend:
         self.factor = fp8.HALF_BITS_FACTOR.get(kv_cache.dtype, 1.0)
 
     # ---- per-step planning (shared by all layers) -------------------------------------------
-    def _plan(self, meta: AttentionMetadata) -> dict:
+    def _plan(self, meta: AttentionMetadata) -> MlaPlan:
         plan = meta.cache.get(self.name)
         if plan is not None:
             return plan
@@ -110,7 +133,7 @@ class MlaTorchAttentionBackend:
                   for c in plan_decode_chunks(meta, decode, bs, self.kv.null_block,
                                               self.ws_tokens)]
         pre = self._plan_prefills(meta)
-        plan = {"decode": chunks, "prefill": pre}
+        plan = MlaPlan(chunks, pre)
         meta.cache[self.name] = plan
         return plan
 
@@ -123,13 +146,6 @@ class MlaTorchAttentionBackend:
                 for start, qlen, slen, ids in plan_prefills(meta, self.kv.block_size)]
 
     # ---- forward --------------------------------------------------------------------------
-    def forward(
-        self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-        meta: AttentionMetadata,
-    ) -> torch.Tensor:
-        """The GQA entry point of the Protocol; MLA layers call ``forward_mla`` instead."""
-        raise NotImplementedError("mla_torch serves MLA layers only: call forward_mla")
-
     def forward_mla(
         self, layer: int, q_nope: torch.Tensor, q_pe: torch.Tensor, latent: torch.Tensor,
         meta: AttentionMetadata, kv_b_weight: torch.Tensor,
@@ -151,7 +167,7 @@ class MlaTorchAttentionBackend:
         w = kv_b_weight.float().view(h, dn + dv, r)
         out = torch.empty((t, h, dv), dtype=torch.float32, device=q_nope.device)
         self._decode_all(layer, q_nope, q_pe, w, plan, out)
-        for start, qlen, slen, ids in plan["prefill"]:
+        for start, qlen, slen, ids in plan.prefill:
             sl = slice(start, start + qlen)
             out[sl] = self._prefill(layer, q_nope[sl], q_pe[sl], w, ids, slen)
         return out
@@ -163,10 +179,10 @@ class MlaTorchAttentionBackend:
 
     def _decode_all(
         self, layer: int, q_nope: torch.Tensor, q_pe: torch.Tensor, w: torch.Tensor,
-        plan: dict, out: torch.Tensor,
+        plan: MlaPlan, out: torch.Tensor,
     ) -> None:
         """Attend every decode (q_len = 1) sequence of the step into ``out`` [T, H, dv]."""
-        for tok, ids, mb, pad in plan["decode"]:
+        for tok, ids, mb, pad in plan.decode:
             out[tok] = self._decode(layer, q_nope[tok], q_pe[tok], w, ids, mb, pad)
 
     def _gather(self, layer: int, ids: torch.Tensor, n: int, mb: int) -> torch.Tensor:

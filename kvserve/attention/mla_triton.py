@@ -23,7 +23,13 @@ from __future__ import annotations
 import torch
 
 from kvserve.attention.metadata import AttentionMetadata, plan_decode_tables
-from kvserve.attention.mla_torch import MlaTorchAttentionBackend, absorb_query, up_project
+from kvserve.attention.mla_torch import (
+    MlaDecodeTables,
+    MlaPlan,
+    MlaTorchAttentionBackend,
+    absorb_query,
+    up_project,
+)
 from kvserve.cache.kv_cache import PagedKVCache
 
 
@@ -42,7 +48,7 @@ class MlaTritonAttentionBackend(MlaTorchAttentionBackend):
         self.csum_state = kv_cache.enable_checksum_state()
 
     # ---- per-step planning (shared by all layers) -------------------------------------------
-    def _plan(self, meta: AttentionMetadata) -> dict:
+    def _plan(self, meta: AttentionMetadata) -> MlaPlan:
         plan = meta.cache.get(self.name)
         if plan is not None:
             return plan
@@ -51,14 +57,9 @@ class MlaTritonAttentionBackend(MlaTorchAttentionBackend):
         tri = None
         if decode:  # one launch for all decodes: the kernel needs no gather workspace
             tok, tables, lens = plan_decode_tables(meta, decode, kv.block_size, kv.null_block)
-            tri = {
-                "tok": tok.to(dev),  # [n] step token of each decode sequence
-                "tables": tables.to(dev, torch.int32),  # [n, mb]
-                "seq_lens": lens.to(dev, torch.int32),  # [n]
-                "max_seq_len": int(lens.max()),  # bounds the splits, no host sync
-            }
-        plan = {"decode": [], "triton_decode": tri, "prefill": self._plan_prefills(meta),
-                "slots": meta.slot_mapping.to(dev)}
+            tri = MlaDecodeTables(tok.to(dev), tables.to(dev, torch.int32),
+                                  lens.to(dev, torch.int32), int(lens.max()))
+        plan = MlaPlan([], self._plan_prefills(meta), tri, meta.slot_mapping.to(dev))
         meta.cache[self.name] = plan
         return plan
 
@@ -66,17 +67,17 @@ class MlaTritonAttentionBackend(MlaTorchAttentionBackend):
     def _write(self, layer: int, rows: torch.Tensor, meta: AttentionMetadata) -> None:
         kv = self.kv
         static = None if kv.static_scales is None else kv.static_scales[layer, 0]  # [1]
-        self._cache.write_kv(kv.data, kv.scales, layer, self._plan(meta)["slots"], rows, None,
+        self._cache.write_kv(kv.data, kv.scales, layer, self._plan(meta).slots, rows, None,
                              self.csum_state, static)
 
     def _decode_all(
         self, layer: int, q_nope: torch.Tensor, q_pe: torch.Tensor, w: torch.Tensor,
-        plan: dict, out: torch.Tensor,
+        plan: MlaPlan, out: torch.Tensor,
     ) -> None:
-        p = plan["triton_decode"]
+        p = plan.triton_decode
         if p is None:
             return
-        tok = p["tok"]
+        tok = p.tok
         dn, r = q_nope.shape[-1], w.shape[2]
         # bf16 tensor-core dots on CUDA for a bf16 model; fp32 otherwise (and in the interpreter)
         qd = (torch.bfloat16 if self.kv.data.is_cuda and q_nope.dtype == torch.bfloat16
@@ -84,6 +85,6 @@ class MlaTritonAttentionBackend(MlaTorchAttentionBackend):
         q_lat = absorb_query(q_nope[tok], w).to(qd)  # [n, H, R]
         q_rope = q_pe[tok].to(qd)  # [n, H, dr]
         o_lat = self._attn.mla_decode(
-            q_lat, q_rope, self.kv.data, self.kv.scales, layer, p["tables"], p["seq_lens"],
-            self.scale, r, max_seq_len=p["max_seq_len"])  # [n, H, R] in qd
+            q_lat, q_rope, self.kv.data, self.kv.scales, layer, p.tables, p.seq_lens,
+            self.scale, r, max_seq_len=p.max_seq_len)  # [n, H, R] in qd
         out[tok] = up_project(o_lat.float(), w, dn)

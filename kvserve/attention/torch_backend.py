@@ -21,9 +21,12 @@ Chunks of sequences keep the workspace bounded; nothing large is allocated per s
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 
+from kvserve.attention.base import BackendBase
 from kvserve.attention.metadata import (
     AttentionMetadata,
     plan_decode_chunks,
@@ -31,12 +34,24 @@ from kvserve.attention.metadata import (
     plan_rows,
 )
 from kvserve.cache.kv_cache import PagedKVCache
+from kvserve.kernels.cpu import paged_attention as cpu_attention
 from kvserve.quant import fp8, int8
 
 _WORKSPACE_MIN_TOKENS = 8192
 
 
-class TorchAttentionBackend:
+@dataclass(frozen=True, slots=True)
+class TorchPlan:
+    """One step's plan: every row through the C kernel (``kernel`` = plan_rows' (row_seq,
+    tables, lens)), or the pure-torch decode chunks (tok, block ids, max blocks, pad
+    [n, 1, 1, L]) and prefills (start, q_len, seq_len, block ids)."""
+
+    kernel: tuple[torch.Tensor | None, torch.Tensor, torch.Tensor] | None
+    decode: list[tuple[torch.Tensor, torch.Tensor, int, torch.Tensor]]
+    prefill: list[tuple[int, int, int, torch.Tensor]]
+
+
+class TorchAttentionBackend(BackendBase):
     name = "torch"
 
     def __init__(
@@ -67,26 +82,24 @@ class TorchAttentionBackend:
         self.factor = fp8.HALF_BITS_FACTOR.get(kv_cache.dtype, 1.0)
         # Every row through the C kernel when it builds (kvserve/csrc); this class's pure-torch
         # decode / prefill paths are its twin and the fallback.
-        from kvserve.attention import cpu_kernel
-
         self.use_kernel = (
-            not kv_cache.data.is_cuda and self.group <= 64 and cpu_kernel.load() is not None
+            not kv_cache.data.is_cuda and self.group <= 64 and cpu_attention.load() is not None
         )
 
     # ---- per-step planning (shared by all layers) -------------------------------------------
-    def _plan(self, meta: AttentionMetadata) -> dict:
-        plan = meta.cache.get("torch")
+    def _plan(self, meta: AttentionMetadata) -> TorchPlan:
+        plan = meta.cache.get(self.name)
         if plan is not None:
             return plan
         bs, null = self.kv.block_size, self.kv.null_block
         if self.use_kernel:  # every row, in step order: no workspace, padding or gather
-            plan = {"kernel": plan_rows(meta, bs, null), "decode": [], "prefill": []}
+            plan = TorchPlan(plan_rows(meta, bs, null), [], [])
         else:
             decode = [b for b, q in enumerate(meta.query_lens) if q == 1]
             chunks = [(c.tok, c.block_ids, c.max_blocks, c.pad[:, None, None, :])
                       for c in plan_decode_chunks(meta, decode, bs, null, self.ws_tokens)]
-            plan = {"decode": chunks, "prefill": plan_prefills(meta, bs), "kernel": None}
-        meta.cache["torch"] = plan
+            plan = TorchPlan(None, chunks, plan_prefills(meta, bs))
+        meta.cache[self.name] = plan
         return plan
 
     # ---- forward --------------------------------------------------------------------------
@@ -108,17 +121,15 @@ class TorchAttentionBackend:
         self.kv.write(layer, meta.write_rows, k, v)
         plan = self._plan(meta)
         out = torch.empty(q.shape, dtype=torch.float32, device=q.device)
-        if plan["kernel"] is not None:
-            from kvserve.attention import cpu_kernel
-
-            row_seq, tables, lens = plan["kernel"]
+        if plan.kernel is not None:
+            row_seq, tables, lens = plan.kernel
             scales = self.kv.scales[layer] if self.kv.has_scales else None
-            return cpu_kernel.paged_attention(self.kv.data[layer], scales,
-                                              q.float().contiguous(), tables, row_seq, lens,
-                                              self.scale, out)
-        for tok, ids, mb, mask in plan["decode"]:
+            return cpu_attention.paged_attention(self.kv.data[layer], scales,
+                                                 q.float().contiguous(), tables, row_seq,
+                                                 lens, self.scale, out)
+        for tok, ids, mb, mask in plan.decode:
             out[tok] = self._decode(layer, q[tok], ids, mb, mask)
-        for start, qlen, slen, ids in plan["prefill"]:
+        for start, qlen, slen, ids in plan.prefill:
             out[start : start + qlen] = self._prefill(layer, q[start : start + qlen], ids, slen)
         return out
 

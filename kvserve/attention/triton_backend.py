@@ -9,14 +9,29 @@ CPU path never imports triton. On CPU it runs under ``TRITON_INTERPRET=1`` (test
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
+from kvserve.attention.base import BackendBase
 from kvserve.attention.metadata import AttentionMetadata, plan_decode_tables
 from kvserve.cache.kv_cache import PagedKVCache
 
 
-class TritonAttentionBackend:
+@dataclass(frozen=True, slots=True)
+class TritonPlan:
+    tables: torch.Tensor  # int32 [B, mb] on the cache's device
+    seq_lens: torch.Tensor  # int32 [B]
+    qsl: torch.Tensor  # int32 [B + 1] query start locations
+    slots: torch.Tensor  # int64 [T] cache slot of each new token
+    decode: bool  # every sequence has one query token: the split-K decode kernel
+    max_seq_len: int  # bounds the splits (no host sync)
+    max_query_len: int
+
+
+class TritonAttentionBackend(BackendBase):
     name = "triton"
+    cuda_graphs = True
 
     def __init__(self, kv_cache: PagedKVCache, num_heads: int, num_kv_heads: int,
                  head_dim: int, scale: float, max_model_len: int) -> None:
@@ -32,35 +47,31 @@ class TritonAttentionBackend:
         # (None when integrity is off: no atomics).
         self.csum_state = kv_cache.enable_checksum_state()
 
-    def _plan(self, meta: AttentionMetadata) -> dict:
-        plan = meta.cache.get("triton")
+    def _plan(self, meta: AttentionMetadata) -> TritonPlan:
+        plan = meta.cache.get(self.name)
         if plan is not None:
             return plan
         dev = self.kv.data.device
         _, tables, lens = plan_decode_tables(meta, range(meta.num_seqs), self.kv.block_size,
                                              self.kv.null_block)
-        plan = {
-            "tables": tables.to(dev, torch.int32, non_blocking=True),  # [B, mb]
-            "seq_lens": lens.to(dev, torch.int32),
-            "qsl": torch.tensor(meta.query_start_loc, dtype=torch.int32).to(dev),
-            "slots": meta.slot_mapping.to(dev),
-            "decode": all(q == 1 for q in meta.query_lens),
-            "max_seq_len": max(meta.seq_lens),
-            "max_query_len": max(meta.query_lens),
-        }
-        meta.cache["triton"] = plan
+        plan = TritonPlan(
+            tables=tables.to(dev, torch.int32, non_blocking=True),
+            seq_lens=lens.to(dev, torch.int32),
+            qsl=torch.tensor(meta.query_start_loc, dtype=torch.int32).to(dev),
+            slots=meta.slot_mapping.to(dev),
+            decode=all(q == 1 for q in meta.query_lens),
+            max_seq_len=max(meta.seq_lens), max_query_len=max(meta.query_lens),
+        )
+        meta.cache[self.name] = plan
         return plan
 
-    def graph_plan(self, tables: torch.Tensor, seq_lens: torch.Tensor, slots: torch.Tensor,
-                   max_seq_len: int) -> dict:
-        """``meta.cache`` entries for a decode step over static device tensors (CUDA graphs,
-        kvserve/engine/cuda_graphs.py): tables int32 [B, MB], seq_lens int32 [B], slots int64
-        [B]; ``max_seq_len`` (the table capacity MB * block_size) bounds the splits without a
-        host sync. Nothing here is rebuilt per step: the caller refills the tensors."""
+    def graph_plan(self, meta: AttentionMetadata, tables: torch.Tensor, seq_lens: torch.Tensor,
+                   slots: torch.Tensor, max_seq_len: int) -> None:
+        """``max_seq_len`` (the table capacity MB * block_size) bounds the splits without a
+        host sync (kvserve/engine/cuda_graphs.py)."""
         b = seq_lens.shape[0]
         qsl = torch.arange(b + 1, dtype=torch.int32, device=seq_lens.device)
-        return {"triton": {"tables": tables, "seq_lens": seq_lens, "qsl": qsl, "slots": slots,
-                           "decode": True, "max_seq_len": max_seq_len, "max_query_len": 1}}
+        meta.cache[self.name] = TritonPlan(tables, seq_lens, qsl, slots, True, max_seq_len, 1)
 
     def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 meta: AttentionMetadata) -> torch.Tensor:
@@ -79,13 +90,12 @@ class TritonAttentionBackend:
         ks = vs = None
         if kv.static_scales is not None:
             ks, vs = kv.static_scales[layer, 0], kv.static_scales[layer, 1]
-        self._cache.write_kv(kv.data, kv.scales, layer, p["slots"], k, v, self.csum_state,
-                             ks, vs)
+        self._cache.write_kv(kv.data, kv.scales, layer, p.slots, k, v, self.csum_state, ks, vs)
         q = q.contiguous()
-        if p["decode"]:
+        if p.decode:
             return self._attn.paged_decode_attention(
-                q, kv.data, kv.scales, layer, p["tables"], p["seq_lens"], self.scale,
-                max_seq_len=p["max_seq_len"]).float()
+                q, kv.data, kv.scales, layer, p.tables, p.seq_lens, self.scale,
+                max_seq_len=p.max_seq_len).float()
         return self._attn.paged_attention(
-            q, kv.data, kv.scales, layer, p["tables"], p["seq_lens"], p["qsl"], self.scale,
-            max_query_len=p["max_query_len"]).float()
+            q, kv.data, kv.scales, layer, p.tables, p.seq_lens, p.qsl, self.scale,
+            max_query_len=p.max_query_len).float()

@@ -163,8 +163,17 @@ def register(subparsers, add_engine_args: Callable, engine_args_from: Callable) 
 
 def _throughput(ns: argparse.Namespace, engine_args_from: Callable, kind: str) -> int:
     from kvserve.bench import throughput as tp
-    from kvserve.bench.common import log, parse_list, parse_positive_ints, set_threads, write_json
+    from kvserve.bench.common import (
+        log,
+        parse_list,
+        parse_positive_ints,
+        pyplot,
+        set_threads,
+        write_json,
+    )
 
+    if ns.plot:
+        pyplot()  # fail before the run, not after it, without matplotlib
     set_threads(ns.threads)
     dtypes = parse_list(ns.kv_cache_dtype, str, "--kv-cache-dtype")
     modes = parse_list(ns.kv_integrity, str, "--kv-integrity")
@@ -193,8 +202,10 @@ def _throughput(ns: argparse.Namespace, engine_args_from: Callable, kind: str) -
 
 def _latency(ns: argparse.Namespace, engine_args_from: Callable) -> int:
     from kvserve.bench import latency as lt
-    from kvserve.bench.common import log, parse_positive_ints, set_threads, write_json
+    from kvserve.bench.common import log, parse_positive_ints, pyplot, set_threads, write_json
 
+    if ns.plot:
+        pyplot()  # fail before the run, not after it, without matplotlib
     set_threads(ns.threads)
     base = engine_args_from(ns)
     lc = lt.LatencyConfig(

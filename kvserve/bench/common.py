@@ -162,29 +162,24 @@ class StepRecord:
 
 @dataclass
 class StepRecorder:
-    """Times ``engine.step()`` and sees each step's ``SchedulerOutput`` by wrapping the
-    scheduler's ``schedule`` on this engine instance (no engine code changes)."""
+    """Times ``engine.step()`` and sees each step's ``SchedulerOutput`` through the engine's
+    ``on_schedule`` hook."""
 
     engine: LLMEngine
     steps: list[StepRecord] = field(default_factory=list)
     _last: Any = None
 
     def __post_init__(self) -> None:
-        sched = self.engine.scheduler
-        original = sched.schedule
-
-        def schedule():
-            out = original()
+        def on_schedule(out, num_running: int) -> None:
             decode = all(
                 n == 1 and req.num_computed_tokens == req.num_tokens - 1
                 and req.num_computed_tokens >= req.num_prompt_tokens
                 for req, n in out.scheduled
             )
-            self._last = (len(out.scheduled), len(sched.running), out.num_batched_tokens,
+            self._last = (len(out.scheduled), num_running, out.num_batched_tokens,
                           decode and bool(out.scheduled))
-            return out
 
-        sched.schedule = schedule  # instance attribute shadows the method
+        self.engine.on_schedule = on_schedule
 
     def step(self):
         self._last = None
@@ -335,20 +330,14 @@ def peer_importable(python: str | None, module: str, timeout: float = 120.0) -> 
 
 def run_peer_script(python: str, script: str, payload: dict[str, Any],
                     timeout: float) -> dict[str, Any]:
-    """Run ``script`` (source text) in ``python`` with ``payload`` as JSON on stdin; the script
-    prints one JSON object as its last stdout line. Failures come back as ``{"error": ...}``."""
-    import tempfile
-
-    with tempfile.NamedTemporaryFile("w", suffix=".py", delete=False) as f:
-        f.write(script)
-        name = f.name
+    """Run the peer runner file ``script`` (``kvserve.bench.peers``) in ``python`` with
+    ``payload`` as JSON on stdin; it prints one JSON object as its last stdout line. Failures
+    come back as ``{"error": ...}``."""
     try:
-        r = subprocess.run([python, name], input=json.dumps(payload), capture_output=True,
+        r = subprocess.run([python, script], input=json.dumps(payload), capture_output=True,
                            text=True, timeout=timeout)
     except subprocess.TimeoutExpired:
         return {"error": f"peer timed out after {timeout:.0f} s"}
-    finally:
-        os.unlink(name)
     lines = [ln for ln in r.stdout.splitlines() if ln.strip()]
     if r.returncode != 0 or not lines:
         return {"error": f"peer exited {r.returncode}", "stderr_tail": r.stderr[-2000:]}
@@ -384,7 +373,10 @@ def _json_default(o: Any) -> Any:
 
 def pyplot():
     """matplotlib.pyplot on the headless Agg backend."""
-    import matplotlib
+    try:
+        import matplotlib
+    except ImportError:
+        raise ValueError("--plot needs matplotlib: pip install 'kvserve[bench]'") from None
 
     matplotlib.use("Agg", force=True)
     import matplotlib.pyplot as plt

@@ -36,7 +36,6 @@ import gc
 import json
 import math
 import os
-import struct
 import subprocess
 import tempfile
 import time
@@ -61,6 +60,7 @@ from kvserve.bench.common import (
     rotated,
     run_peer_script,
 )
+from kvserve.bench.peers import script_path
 from kvserve.config import dtype_name
 from kvserve.engine.arg_utils import EngineArgs
 from kvserve.engine.llm_engine import LLMEngine
@@ -194,196 +194,16 @@ class HFPeer:
 # peers in another interpreter
 # --------------------------------------------------------------------------------------------
 #
-# Each script reads a JSON payload on stdin: "prompts" maps str(B) to one list of B token-id
-# prompts per round (the very prompts kvserve decodes), plus input_len, output_len, threads,
-# dtype and the model (a HF folder, or "gguf" for llama.cpp). It prints one JSON line: peer,
-# version, threads, dtype and per-batch results (decode tokens/s median and per round, median
-# step ms, median prefill s, decode steps per round, and the greedy tokens of round 0, which
-# the bench turns into the agreement with kvserve). Only steps in which every one of the B
-# sequences decodes one token are timed, as for kvserve.
-
-LLAMACPP_SCRIPT = r'''
-import json, os, statistics, sys, time
-cfg = json.load(sys.stdin)
-import numpy as np
-import llama_cpp as L
-
-L.llama_backend_init()
-threads = int(cfg.get("threads") or os.cpu_count() or 1)
-mp = L.llama_model_default_params()
-model = L.llama_model_load_from_file(cfg["gguf"].encode(), mp)
-if not model:
-    raise SystemExit(f"llama.cpp could not load {cfg['gguf']}")
-n_vocab = L.llama_vocab_n_tokens(L.llama_model_get_vocab(model))
-inp, out_len = cfg["input_len"], cfg["output_len"]
+# Each runner (kvserve/bench/peers/*_latency.py) reads a JSON payload on stdin: "prompts" maps
+# str(B) to one list of B token-id prompts per round (the very prompts kvserve decodes),
+# plus input_len, output_len, threads, dtype and the model (a HF folder, or "gguf" for
+# llama.cpp). It prints one JSON line: peer, version, threads, dtype and per-batch results
+# (decode tokens/s median and per round, median step ms, median prefill s, decode steps per
+# round, and the greedy tokens of round 0, which the bench turns into the agreement with
+# kvserve). Only steps in which every one of the B sequences decodes one token are timed, as
+# for kvserve.
 
 
-def new_context(b, n_tokens):
-    cp = L.llama_context_default_params()
-    cp.n_ctx = b * (inp + out_len)
-    cp.n_batch = max(n_tokens, b)
-    cp.n_ubatch = min(512, cp.n_batch)
-    cp.n_seq_max = b
-    cp.n_threads = threads
-    cp.n_threads_batch = threads
-    ctx = L.llama_init_from_model(model, cp)
-    if not ctx:
-        raise SystemExit(f"llama.cpp could not make a context for batch {b}")
-    return ctx
-
-
-def fill(batch, entries):
-    """entries: (token, pos, seq, want_logits)."""
-    for i, (tok, pos, seq, want) in enumerate(entries):
-        batch.token[i] = tok
-        batch.pos[i] = pos
-        batch.n_seq_id[i] = 1
-        batch.seq_id[i][0] = seq
-        batch.logits[i] = 1 if want else 0
-    batch.n_tokens = len(entries)
-
-
-def argmax_rows(ctx, rows):
-    return [int(np.ctypeslib.as_array(L.llama_get_logits_ith(ctx, i), shape=(n_vocab,)).argmax())
-            for i in rows]
-
-
-def run_round(ctx, batch, prompts, n_out):
-    b = len(prompts)
-    L.llama_memory_clear(L.llama_get_memory(ctx), True)
-    entries, last = [], []
-    for s, p in enumerate(prompts):
-        entries += [(t, j, s, j == len(p) - 1) for j, t in enumerate(p)]
-        last.append(len(entries) - 1)
-    fill(batch, entries)
-    t0 = time.perf_counter()
-    rc = L.llama_decode(ctx, batch)
-    if rc != 0:
-        raise SystemExit(f"llama_decode (prefill, batch {b}) returned {rc}")
-    toks = argmax_rows(ctx, last)
-    prefill = time.perf_counter() - t0
-    gen = [[t] for t in toks]
-    steps = []
-    for k in range(n_out - 1):
-        t0 = time.perf_counter()
-        fill(batch, [(toks[s], len(prompts[s]) + k, s, True) for s in range(b)])
-        rc = L.llama_decode(ctx, batch)
-        if rc != 0:
-            raise SystemExit(f"llama_decode (decode, batch {b}) returned {rc}")
-        toks = argmax_rows(ctx, range(b))
-        steps.append(time.perf_counter() - t0)
-        for s in range(b):
-            gen[s].append(toks[s])
-    return steps, prefill, gen
-
-
-res = []
-for b in cfg["batch_sizes"]:
-    rounds_prompts = cfg["prompts"][str(b)]
-    n_tokens = max(len(p) for rp in rounds_prompts for p in rp) * b
-    ctx = new_context(b, n_tokens)
-    batch = L.llama_batch_init(max(n_tokens, b), 0, 1)
-    try:
-        w = [p[: min(len(p), 16)] for p in rounds_prompts[0]]
-        run_round(ctx, batch, w, 3)  # warmup: graph allocation, page faults
-        tps, step_ms, prefill, tokens = [], [], [], None
-        for prompts in rounds_prompts:
-            steps, pf, gen = run_round(ctx, batch, prompts, out_len)
-            tps.append(b * len(steps) / sum(steps))
-            step_ms.append(1e3 * statistics.median(steps))
-            prefill.append(pf)
-            tokens = tokens or gen
-    finally:
-        L.llama_batch_free(batch)
-        L.llama_free(ctx)
-    res.append({"batch_size": b, "decode_tokens_per_s": statistics.median(tps),
-                "decode_tokens_per_s_rounds": tps,
-                "decode_step_ms_median": statistics.median(step_ms),
-                "prefill_s_median": statistics.median(prefill),
-                "decode_steps_per_round": out_len - 1, "tokens": tokens})
-weights_bytes = L.llama_model_size(model)
-L.llama_model_free(model)
-import resource
-print(json.dumps({"peer": "llamacpp", "version": L.__version__, "threads": threads,
-                  "weights": os.path.basename(cfg["gguf"]),
-                  "memory": {"weights_mib": weights_bytes / 2**20,
-                             "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF)
-                             .ru_maxrss / 1024},
-                  "system_info": L.llama_print_system_info().decode(errors="replace").strip(),
-                  "results": res}))
-'''
-
-VLLM_LATENCY_SCRIPT = r'''
-import json, os, statistics, sys, time
-cfg = json.load(sys.stdin)
-threads = int(cfg.get("threads") or os.cpu_count() or 1)
-# Before torch / vllm load: the engine core in this process (no extra busy processes on a
-# small CPU), the same thread count as kvserve, a small KV space, no per-step stats.
-os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-os.environ["OMP_NUM_THREADS"] = str(threads)
-os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(cfg.get("kv_cache_gb") or 1))
-os.environ.setdefault("VLLM_CONFIGURE_LOGGING", "0")
-import torch, vllm
-from vllm import LLM, SamplingParams
-max_b = max(cfg["batch_sizes"])
-inp, out_len = cfg["input_len"], cfg["output_len"]
-max_len = inp + out_len
-llm = LLM(model=cfg["model"], dtype=cfg["dtype"], max_num_seqs=max_b, seed=0,
-          max_model_len=max_len, max_num_batched_tokens=max(max_b * inp, max_len, 2048),
-          enable_prefix_caching=False, enforce_eager=True, skip_tokenizer_init=True,
-          disable_log_stats=True)
-eng = llm.llm_engine
-n = 0
-
-
-def run_round(prompts, n_out):
-    global n
-    b = len(prompts)
-    sp = SamplingParams(temperature=0.0, max_tokens=n_out, ignore_eos=True, detokenize=False)
-    ids = []
-    for p in prompts:
-        ids.append(str(n)); eng.add_request(ids[-1], {"prompt_token_ids": p}, sp); n += 1
-    counts = dict.fromkeys(ids, 0)
-    toks = {}
-    steps, t_start, first_all = [], time.perf_counter(), None
-    while eng.has_unfinished_requests():
-        before = dict(counts)
-        t0 = time.perf_counter()
-        outs = eng.step()
-        dt = time.perf_counter() - t0
-        for o in outs:
-            counts[o.request_id] = len(o.outputs[0].token_ids)
-            toks[o.request_id] = list(o.outputs[0].token_ids)
-        if min(before.values()) >= 1 and all(counts[i] == before[i] + 1 for i in ids):
-            steps.append(dt)  # every sequence decoded exactly one token
-        if first_all is None and min(counts.values()) >= 1:
-            first_all = time.perf_counter()
-    return steps, (first_all or t_start) - t_start, [toks[i] for i in ids]
-
-
-res = []
-for b in cfg["batch_sizes"]:
-    rounds_prompts = cfg["prompts"][str(b)]
-    run_round([p[:16] for p in rounds_prompts[0]], 3)  # warmup
-    tps, step_ms, prefill, tokens, nsteps = [], [], [], None, 0
-    for prompts in rounds_prompts:
-        steps, pf, gen = run_round(prompts, out_len)
-        if steps:
-            tps.append(b * len(steps) / sum(steps))
-            step_ms.append(1e3 * statistics.median(steps))
-        prefill.append(pf)
-        nsteps = len(steps)
-        tokens = tokens or gen
-    res.append({"batch_size": b,
-                "decode_tokens_per_s": statistics.median(tps) if tps else None,
-                "decode_tokens_per_s_rounds": tps,
-                "decode_step_ms_median": statistics.median(step_ms) if step_ms else None,
-                "prefill_s_median": statistics.median(prefill),
-                "decode_steps_per_round": nsteps, "tokens": tokens})
-print(json.dumps({"peer": "vllm", "version": vllm.__version__, "torch": torch.__version__,
-                  "threads": torch.get_num_threads(), "dtype": cfg["dtype"],
-                  "kv_cache_gb": os.environ["VLLM_CPU_KVCACHE_SPACE"], "results": res}))
-'''
 
 _TORCH_DTYPE_NAMES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
 
@@ -392,36 +212,6 @@ def llamacpp_converter(lc: LatencyConfig) -> str | None:
     """llama.cpp's ``convert_hf_to_gguf.py``: ``--llamacpp-convert`` / the config, else the
     environment variable ``KVSERVE_LLAMACPP_CONVERT``; None when neither names one."""
     return lc.llamacpp_convert or os.environ.get("KVSERVE_LLAMACPP_CONVERT") or None
-
-
-def placeholder_spm(vocab: int) -> bytes:
-    """A SentencePiece ``ModelProto`` of ``vocab`` pieces (``<unk> <s> </s> w0 w1 ...``),
-    encoded by hand (no protobuf version to match). llama.cpp's converter reads a Llama vocab
-    from it when it cannot convert the checkpoint's own tokenizer (the random Llama's word-level
-    one); the bench feeds token ids, so the vocab's text never matters."""
-
-    def varint(n: int) -> bytes:
-        out = bytearray()
-        while True:
-            b, n = n & 0x7F, n >> 7
-            out.append(b | (0x80 if n else 0))
-            if not n:
-                return bytes(out)
-
-    def field(num: int, payload: bytes) -> bytes:  # length-delimited
-        return varint(num << 3 | 2) + varint(len(payload)) + payload
-
-    def piece(text: str, score: float, kind: int) -> bytes:
-        return field(1, field(1, text.encode()) + varint(2 << 3 | 5) + struct.pack("<f", score)
-                     + varint(3 << 3) + varint(kind))
-
-    normal, unknown, control = 1, 2, 3
-    specials = [("<unk>", unknown), ("<s>", control), ("</s>", control)]
-    pieces = specials + [(f"w{j}", normal) for j in range(vocab - len(specials))]
-    body = b"".join(piece(t, -float(i), k) for i, (t, k) in enumerate(pieces))
-    trainer = varint(3 << 3) + varint(1) + varint(4 << 3) + varint(vocab)  # UNIGRAM, size
-    normalizer = field(1, b"identity") + varint(3 << 3) + varint(0)  # no dummy prefix
-    return body + field(2, trainer) + field(3, normalizer)
 
 
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model",
@@ -444,7 +234,8 @@ def convert_to_gguf(python: str, converter: str, model: str, outfile: str, outty
                     timeout: float) -> tuple[str | None, str]:
     """Run llama.cpp's HF -> GGUF converter in ``python``. Returns (error or None, vocab): vocab
     is "checkpoint" when the checkpoint's tokenizer converted, else "placeholder" (a second
-    try on a copy of the folder, weights linked, with ``placeholder_spm`` of the same size)."""
+    try on a copy of the folder, weights linked, with a placeholder SentencePiece vocab of the
+    same size, written by the peer runner ``placeholder_spm``)."""
     if not os.path.isfile(converter):
         return f"no converter at {converter}", ""
     log(f"converting {model} to GGUF ({outtype}) with {converter}")
@@ -458,9 +249,11 @@ def convert_to_gguf(python: str, converter: str, model: str, outfile: str, outty
         for name in os.listdir(model):
             if name not in _TOKENIZER_FILES:
                 os.symlink(os.path.abspath(os.path.join(model, name)), os.path.join(stage, name))
-        with open(os.path.join(stage, "tokenizer.model"), "wb") as f:
-            f.write(placeholder_spm(vocab))
-        err2 = _run_converter(python, converter, stage, outfile, outtype, timeout)
+        spm = run_peer_script(python, script_path("placeholder_spm"),
+                              {"vocab": vocab, "out": os.path.join(stage, "tokenizer.model")},
+                              timeout)
+        err2 = (f"placeholder vocab: {spm}" if "error" in spm else
+                _run_converter(python, converter, stage, outfile, outtype, timeout))
     if err2 is not None:
         return f"{err}\nwith a placeholder vocab: {err2}", ""
     return None, "placeholder"
@@ -507,9 +300,9 @@ def run_external_peer(name: str, lc: LatencyConfig, model: str,
                 extra = {"gguf": "converted", "gguf_outtype": lc.llamacpp_outtype,
                          "gguf_vocab": vocab, "converter": converter}
             payload["gguf"] = gguf
-            script = LLAMACPP_SCRIPT
+            script = script_path("llamacpp_latency")
         else:
-            script = VLLM_LATENCY_SCRIPT
+            script = script_path("vllm_latency")
         log(f"running the {name} peer in {python}")
         out = run_peer_script(python or "", script, payload, lc.peer_timeout)
         out.update(extra)

@@ -92,14 +92,14 @@ def generate(engine: LLMEngine, prompts: list[list[int]], params: SamplingParams
         engine.add_request(f"{tag}-{i}", p, sp)
     outs: dict[str, list[int]] = {}
     total = sum(sp.max_tokens or 0 for sp in ps)
-    gen0 = engine.stats["generation_tokens"]
+    gen0 = engine.counters["generation_tokens"]
     with tqdm(total=total, desc=f"generate ({tag})", disable=not progress, unit="tok",
               leave=False) as bar:
         while engine.has_unfinished_requests():
             for o in engine.step():
                 if o.finished:
                     outs[o.request_id] = list(o.outputs[0].token_ids)
-            bar.update(engine.stats["generation_tokens"] - gen0 - bar.n)
+            bar.update(engine.counters["generation_tokens"] - gen0 - bar.n)
     return [outs[f"{tag}-{i}"] for i in range(len(prompts))]
 
 

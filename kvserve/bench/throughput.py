@@ -48,6 +48,7 @@ from kvserve.bench.common import (
     run_peer_script,
     summarize_by_batch,
 )
+from kvserve.bench.peers import script_path
 from kvserve.config import dtype_name, parse_size
 from kvserve.engine.arg_utils import EngineArgs
 from kvserve.engine.llm_engine import LLMEngine
@@ -169,8 +170,8 @@ def run_closed_loop(cfg: _Config, concurrency: int, num_requests: int, input_len
         ntok[rid] = 0
         inflight.add(rid)
 
-    gen0 = engine.stats["generation_tokens"]
-    pre0 = engine.scheduler.num_preemptions
+    gen0 = engine.counters["generation_tokens"]
+    pre0 = engine.stats().num_preemptions
     rec.clear()
     t0 = time.perf_counter()
     for _ in range(concurrency):
@@ -195,7 +196,7 @@ def run_closed_loop(cfg: _Config, concurrency: int, num_requests: int, input_len
         if not outs and not engine.has_unfinished_requests():
             raise RuntimeError("engine has no work left before the level finished")
     elapsed = time.perf_counter() - t0
-    tokens = engine.stats["generation_tokens"] - gen0
+    tokens = engine.counters["generation_tokens"] - gen0
     engine.abort_request(sorted(inflight))
     steps = list(rec.steps)
     cfg.all_steps.extend(steps)
@@ -212,7 +213,7 @@ def run_closed_loop(cfg: _Config, concurrency: int, num_requests: int, input_len
         "mean_decode_step_ms": ms(mean(s.seconds for s in steps if s.all_decode)),
         "ttft_ms_median": ms(median(ttfts)),
         "itl_ms_median": ms(median(gaps)),
-        "preemptions": engine.scheduler.num_preemptions - pre0,
+        "preemptions": engine.stats().num_preemptions - pre0,
     }
 
 
@@ -268,8 +269,7 @@ def run_throughput(tc: ThroughputConfig) -> dict[str, Any]:
             run_closed_loop(cfg, c, tc.warmup_requests, tc.input_len,
                             min(tc.output_len, 16), tc.seed + 10_000 + i, tc.detokenize)
         cfg.all_steps.clear()
-        if cfg.engine.integrity is not None:
-            cfg.engine.integrity.seconds.clear()  # time only the measured runs
+        cfg.engine.reset_integrity_timers()  # time only the measured runs
 
     total = len(tc.concurrency) * tc.repeats * len(configs)
     bar = tqdm(total=total, desc="throughput", disable=not tc.progress, unit="run")
@@ -308,7 +308,7 @@ def run_throughput(tc: ThroughputConfig) -> dict[str, Any]:
             "peak": {"concurrency": peak["concurrency"],
                      "output_tokens_per_s": peak["output_tokens_per_s"]},
             "decode_step_ms_by_batch": summarize_by_batch(by_batch),
-            "integrity": eng.integrity.stats() if eng.integrity is not None else None,
+            "integrity": eng.stats().integrity,
             # all measured engine steps, for integrity seconds / step seconds
             "step_seconds_total": sum(st.seconds for st in cfg.all_steps),
             "leak_check": leak,
@@ -581,77 +581,6 @@ def format_table(result: dict[str, Any]) -> str:
 # vLLM peer
 # --------------------------------------------------------------------------------------------
 
-VLLM_THROUGHPUT_SCRIPT = r'''
-import gc, json, os, statistics, sys, time
-cfg = json.load(sys.stdin)
-# Before torch / vllm load: the engine core in this process (vLLM's spawned core cannot start
-# from a stdin script, and extra busy processes distort a small CPU), kvserve's thread count.
-os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-os.environ["OMP_NUM_THREADS"] = str(cfg["threads"])
-os.environ.setdefault("VLLM_CONFIGURE_LOGGING", "0")
-import torch
-from vllm import LLM, SamplingParams
-
-def prompts(n, length, vocab, seed):
-    g = torch.Generator().manual_seed(seed)
-    return torch.randint(3, vocab, (n, length), generator=g).tolist()
-
-results = []
-for kv in cfg["kv_cache_dtypes"]:
-    kw = dict(model=cfg["model"], dtype=cfg["dtype"], kv_cache_dtype=kv,
-              max_num_seqs=max(cfg["concurrency"]), seed=0, enable_prefix_caching=False,
-              enforce_eager=True, disable_log_stats=True,
-              max_model_len=cfg["input_len"] + cfg["output_len"])
-    try:
-        try:
-            llm = LLM(**kw, kv_cache_memory_bytes=cfg["kv_cache_memory_bytes"])
-            budget = "kv_cache_memory_bytes"
-        except TypeError:
-            llm = LLM(**kw)
-            budget = "vllm default (no kv_cache_memory_bytes in this vLLM)"
-    except Exception as e:
-        results.append({"kv_cache_dtype": kv, "error": repr(e)})
-        continue
-    eng = llm.llm_engine
-    try:
-        cc = eng.vllm_config.cache_config
-        capacity = int(cc.num_gpu_blocks) * int(cc.block_size)
-    except Exception:
-        capacity = None
-    vocab = llm.get_tokenizer().vocab_size
-    sp = SamplingParams(temperature=0.0, max_tokens=cfg["output_len"], ignore_eos=True)
-    levels, seq = [], 0
-    for li, c in enumerate(cfg["concurrency"]):
-        target = cfg["requests_per_level"][str(c)]
-        ps = prompts(target + c, cfg["input_len"], vocab, cfg["seed"] + 1000 * li)
-        issued = done = 0
-        inflight = set()
-        t0 = time.perf_counter()
-        for _ in range(c):
-            eng.add_request(str(seq), {"prompt_token_ids": ps[issued]}, sp)
-            inflight.add(str(seq)); seq += 1; issued += 1
-        counts = {}
-        while done < target:
-            for out in eng.step():
-                counts[out.request_id] = len(out.outputs[0].token_ids)
-                if out.finished:
-                    done += 1
-                    inflight.discard(out.request_id)
-                    if done < target:
-                        eng.add_request(str(seq), {"prompt_token_ids": ps[issued]}, sp)
-                        inflight.add(str(seq)); seq += 1; issued += 1
-        dt = time.perf_counter() - t0
-        ntok = sum(counts.values())
-        eng.abort_request(list(inflight))
-        levels.append({"concurrency": c, "output_tokens_per_s": ntok / dt})
-    results.append({"kv_cache_dtype": kv, "budget": budget, "capacity_tokens": capacity,
-                    "levels": levels,
-                    "peak_output_tokens_per_s": max(l["output_tokens_per_s"] for l in levels)})
-    del llm, eng
-    gc.collect()
-import vllm
-print(json.dumps({"peer": "vllm", "version": vllm.__version__, "configs": results}))
-'''
 
 
 def run_vllm_peer(tc: ThroughputConfig, model: str, budget: int) -> dict[str, Any] | str:
@@ -671,5 +600,5 @@ def run_vllm_peer(tc: ThroughputConfig, model: str, budget: int) -> dict[str, An
         "kv_cache_memory_bytes": budget, "seed": tc.seed,
     }
     log(f"running the vllm peer in {tc.peer_python}")
-    return run_peer_script(tc.peer_python or "", VLLM_THROUGHPUT_SCRIPT, payload,
+    return run_peer_script(tc.peer_python or "", script_path("vllm_throughput"), payload,
                            tc.peer_timeout)

@@ -35,7 +35,6 @@ belongs to another model/KV dtype, fails verification even if its bytes are inta
 
 from __future__ import annotations
 
-import ctypes
 import functools
 import hashlib
 import logging
@@ -43,19 +42,16 @@ import time
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Protocol, TypeVar
+from typing import Protocol, TypeVar
 
 import numpy as np
 import torch
 
 from kvserve.cache.block_pool import BlockPool
 from kvserve.cache.kv_cache import PagedKVCache
-from kvserve.cbuild import build_library
+from kvserve.kernels.cpu import block_sums as c_block_sums
 
 T = TypeVar("T")
-
-if TYPE_CHECKING:
-    from kvserve.engine.llm_engine import LLMEngine
 
 logger = logging.getLogger("kvserve.integrity")
 
@@ -76,43 +72,19 @@ class _Seal:
     sums: np.ndarray  # [L, 4] int64: S1, S2 (payload), S1, S2 (scales)
 
 
-@functools.cache
-def _sums_lib() -> ctypes.CDLL | None:
-    dll = build_library("block_sums")
-    if dll is None:
-        return None
-    p, i64 = ctypes.c_void_p, ctypes.c_int64
-    dll.kvs_block_sums.argtypes = [p, i64, i64, i64, p, i64, i64, ctypes.c_int, p]
-    dll.kvs_block_sums.restype = None
-    return dll
-
-
-def _region_sums_c(t: torch.Tensor, ids: np.ndarray, out: np.ndarray) -> None:
-    """C kernel: t [L, NB+1, ...] (any dtype, contiguous) -> out [n, L, 2] (S1, S2) of the
-    int16 words of t[l, b] for b in ids."""
-    lib = _sums_lib()
-    assert lib is not None and t.is_contiguous()
-    L, nb1 = t.shape[0], t.shape[1]
-    words = t.numel() // (L * nb1) * t.element_size() // 2
-    # a thread team costs ~20 us to wake: worth it only for many blocks (~1 us each)
-    threads = torch.get_num_threads() if len(ids) >= 32 else 1
-    lib.kvs_block_sums(t.data_ptr(), nb1 * words, words, words, ids.ctypes.data, len(ids), L,
-                       threads, out.ctypes.data)
-
-
 def block_sums(kv: PagedKVCache, block_ids: list[int]) -> np.ndarray:
     """[n, L, 4] int64 checksum sums of the given blocks, all layers (see module docstring).
     On a CPU cache this is the C kernel ``kvserve/csrc/block_sums.c`` reading the cache in
     place (one pass, ~10x the numpy reductions); its twin is ``block_sums_numpy``."""
-    if kv.data.is_cuda or _sums_lib() is None:
+    if kv.data.is_cuda or c_block_sums.load() is None:
         return block_sums_numpy(kv, block_ids)
     ids = np.asarray(block_ids, dtype=np.int64)
     out = np.empty((len(ids), kv.num_layers, 4), dtype=np.int64)
     pay = np.empty((len(ids), kv.num_layers, 2), dtype=np.int64)
-    _region_sums_c(kv.data, ids, pay)
+    c_block_sums.region_sums(kv.data, ids, pay)
     out[:, :, 0:2] = pay
     if kv.scales is not None:
-        _region_sums_c(kv.scales, ids, pay)
+        c_block_sums.region_sums(kv.scales, ids, pay)
         out[:, :, 2:4] = pay
     else:
         out[:, :, 2:4] = 0
@@ -286,15 +258,12 @@ class IntegrityChecker:
         self._scrub_credit = 0.0
         self._block_cost = 0.0  # EMA seconds to verify one block
         self._step_start: float | None = None
-        self._step_time = 0.0  # EMA seconds per engine step (scrub_step .. end_step)
+        self._step_time = 0.0  # EMA seconds per engine step (begin_step .. end_step)
         self.scrub_seconds = 0.0
         self.seal_sources: Counter[str] = Counter()  # blocks sealed from write_state/recompute
         # Wall seconds spent in integrity work, by kind (seal, verify incl. scrub / paranoid /
         # reuse, allocate): the direct cost measure, beside tok/s comparisons.
         self.seconds: Counter[str] = Counter()
-        # Ask a fused writer (Triton backends) to keep the per-block checksum state; the
-        # backend allocates kv.csum_state when it is built (after this checker).
-        kv.checksums_wanted = True
 
     # ---- sealing --------------------------------------------------------------------------
     def _digest(self, block_id: int, token_hash: bytes, sums: np.ndarray) -> bytes:
@@ -382,38 +351,27 @@ class IntegrityChecker:
         what = f"layer(s) {layers}" if layers else "identity (generation/tokens/fingerprint)"
         logger.error("integrity: block %d failed verification (%s): %s", block_id, reason, what)
 
-    # ---- repair ---------------------------------------------------------------------------
-    def repair(self, engine: LLMEngine) -> None:
-        """Roll every request holding a quarantined block back to the last good block."""
-        if not self._pending:
-            return
-        bad = self._pending
-        bs = self.kv.block_size
-        for req in list(engine.scheduler.running):
-            blocks = engine.kv.get_block_ids(req)
-            hit = [i for i, b in enumerate(blocks) if b in bad]
-            if not hit:
-                continue
-            first = min(hit)
-            engine.kv.truncate(req, first)
-            req.num_computed_tokens = min(req.num_computed_tokens, first * bs)
-            self.repairs["rollback"] += 1
-            logger.warning("integrity: request %s rolled back to token %d (recompute)",
-                           req.request_id, first * bs)
-        self._pending = set()
-
     # ---- per-step hook --------------------------------------------------------------------
-    def scrub_step(self, engine: LLMEngine) -> None:
-        """Called at the start of every engine step: paranoid checks, scrubbing, repairs."""
+    def begin_step(self, held_blocks: Callable[[], list[int]]) -> list[int]:
+        """Called at the start of every engine step: paranoid checks of the blocks running
+        requests hold (``held_blocks()``), or a scrub batch. Returns the blocks found bad since
+        the last call (here or by a prefix-hit check), already quarantined: the scheduler rolls
+        back the requests holding them (``Scheduler.rollback``) and reports them with
+        ``record_rollbacks``."""
         self._step_start = time.perf_counter()
         if self.mode == "paranoid":
-            held = sorted({b for r in engine.scheduler.running
-                           for b in engine.kv.get_block_ids(r) if b in self.seals})
+            held = sorted({b for b in held_blocks() if b in self.seals})
             if held:
                 self.verify(held, "paranoid")
         else:
             self._scrub()
-        self.repair(engine)
+        bad, self._pending = sorted(self._pending), set()
+        return bad
+
+    def record_rollbacks(self, num_requests: int) -> None:
+        """Count requests rolled back to recompute from their last good block."""
+        if num_requests:
+            self.repairs["rollback"] += num_requests
 
     def end_step(self) -> None:
         """Called when an engine step's work is done: the scrub budget is a fraction of the

@@ -33,7 +33,8 @@ import logging
 
 import torch
 
-from kvserve.config import FP8_DTYPES, SCALED_KV_DTYPES, KVMode, kv_scale_bytes, kv_scale_dtype
+from kvserve.config import KVMode, kv_scale_bytes, kv_scale_dtype
+from kvserve.kernels.cpu import paged_attention as cpu_attention
 from kvserve.quant import fp8, int8
 from kvserve.quant.rotation import KVRotation
 
@@ -65,6 +66,7 @@ class PagedKVCache:
         static_scales: torch.Tensor | None = None,
         rotation_seed: int | None = None,
         rotation_split: tuple[int, ...] | None = None,
+        checksums: bool = False,
     ) -> None:
         self.num_layers = num_layers
         self.num_blocks = num_blocks
@@ -74,9 +76,11 @@ class PagedKVCache:
         self.head_dim = head_dim
         self.components = components
         self.dtype = dtype
-        self.is_fp8 = dtype in FP8_DTYPES
-        self.is_int8 = dtype == torch.int8
-        self.has_scales = dtype in SCALED_KV_DTYPES  # FP8 / INT8: one scale per row
+        # The storage kind is decided here once; backends read these flags, never the dtype.
+        self.mode = KVMode(dtype, rotate=rotation_seed is not None)
+        self.is_fp8 = self.mode.is_fp8
+        self.is_int8 = self.mode.is_int8
+        self.has_scales = self.mode.scaled  # FP8 / INT8: one scale per row
         if self.has_scales and head_dim % 2:
             raise ValueError(f"8-bit KV cache needs an even head_dim, got {head_dim}")
         if self.is_int8 and (components * block_size * num_kv_heads) % 2:
@@ -88,7 +92,6 @@ class PagedKVCache:
             None if rotation_seed is None
             else KVRotation(head_dim, rotation_seed, device, split=rotation_split)
         )
-        self.mode = KVMode(dtype, rotate=self.rotation is not None)
         shape = (num_layers, num_blocks + 1, components, block_size, num_kv_heads, head_dim)
         self.data = torch.zeros(shape, dtype=dtype, device=device)
         self.scales = (
@@ -99,11 +102,10 @@ class PagedKVCache:
         # int8.quantize are its twins.
         self.use_kernel = False
         if self.has_scales and not self.data.is_cuda:
-            from kvserve.attention import cpu_kernel
-
-            self.use_kernel = cpu_kernel.load() is not None
-        # Per-block checksum state: wanted by the integrity checker, kept by a fused writer.
-        self.checksums_wanted = False
+            self.use_kernel = cpu_attention.load() is not None
+        # Per-block checksum state: wanted when integrity is on (decided by whoever builds the
+        # cache), kept by a fused writer (``enable_checksum_state``).
+        self.checksums_wanted = checksums
         self.csum_state: torch.Tensor | None = None
         # Optional checkpoint scales [num_layers, C, H] (per-tensor scales broadcast over H).
         self.static_scales = None
@@ -118,7 +120,7 @@ class PagedKVCache:
 
     def enable_checksum_state(self) -> torch.Tensor | None:
         """Called by a backend whose writes accumulate the checksum state: allocates
-        ``csum_state`` (once) if the integrity checker asked for it, else returns None.
+        ``csum_state`` (once) if the cache was built with ``checksums``, else returns None.
 
         Must run before any block is allocated: the checker zeroes a block's row on allocation,
         so a row that existed before allocation began would not be trustworthy.
@@ -157,19 +159,15 @@ class PagedKVCache:
             scale_rows = self.scales[layer].view(-1, self.num_kv_heads)
             if self.is_int8:
                 if self.use_kernel and not x.is_cuda:
-                    from kvserve.attention import cpu_kernel
-
-                    cpu_kernel.write_int8(x, r, flat, scale_rows)
+                    cpu_attention.write_int8(x, r, flat, scale_rows)
                     continue
                 q, s = int8.quantize_dynamic(x)
                 flat.index_copy_(0, r, q)
                 scale_rows.index_copy_(0, r, s)
                 continue
             if self.use_kernel and not x.is_cuda:
-                from kvserve.attention import cpu_kernel
-
                 static = None if self.static_scales is None else self.static_scales[layer, c]
-                cpu_kernel.write_fp8(x, r, flat, scale_rows, static)
+                cpu_attention.write_fp8(x, r, flat, scale_rows, static)
                 continue
             if self.static_scales is not None:
                 s = self.static_scales[layer, c].expand(x.shape[0], -1)

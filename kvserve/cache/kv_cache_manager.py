@@ -34,7 +34,9 @@ BLOCK_HASH_FN = hash_block
 
 
 class BlockIntegrity(Protocol):
-    """What the manager needs from the integrity checker (kvserve.cache.integrity)."""
+    """What the manager needs from the integrity checker (kvserve.cache.integrity). The
+    checker never sees requests: ``verify`` returns bad block ids, and the scheduler rolls
+    back whoever holds them."""
 
     def on_allocate(self, block_ids: list[int]) -> None: ...
     def seal(self, block_ids: list[int], token_hashes: list[bytes]) -> None: ...
@@ -114,9 +116,6 @@ class KVCacheManager:
         self.num_queried_tokens += req.num_tokens
         self.num_hit_tokens += len(hits) * b
         return KVCacheBlocks(tuple(hits), len(hits) * b)
-
-    def can_allocate(self, req: Request, num_new_tokens: int, hit: KVCacheBlocks = EMPTY) -> bool:
-        return self._num_needed(req, num_new_tokens, hit) <= self._available(hit)
 
     def allocate_slots(
         self, req: Request, num_new_tokens: int, hit: KVCacheBlocks = EMPTY

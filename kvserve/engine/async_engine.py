@@ -27,11 +27,12 @@ import queue
 import threading
 import time
 from collections import defaultdict
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from kvserve.engine.arg_utils import EngineArgs
 from kvserve.engine.llm_engine import LLMEngine, PromptType
+from kvserve.engine.stats import EngineStats
 from kvserve.outputs import RequestOutput
 from kvserve.sampling_params import SamplingParams
 
@@ -58,19 +59,8 @@ class RequestFailure:
     error: Exception
 
 
-@dataclass(frozen=True, slots=True)
-class EngineSnapshot:
-    num_running: int = 0
-    num_waiting: int = 0
-    num_blocks_total: int = 0
-    num_blocks_used: int = 0
-    num_blocks_free: int = 0
-    prefix_cache_hit_rate: float = 0.0
-    num_preemptions: int = 0
-    num_unfinished_requests: int = 0
-    stats: dict[str, int] = field(default_factory=dict)
-    integrity: dict[str, Any] | None = None
-    timestamp: float = 0.0
+# What the engine thread publishes after every iteration (metrics read it).
+EngineSnapshot = EngineStats
 
 
 @dataclass(slots=True)
@@ -328,19 +318,4 @@ class AsyncLLMEngine:
             loop.call_soon_threadsafe(fn, *args)
 
     def _publish_snapshot(self) -> None:
-        e = self._engine
-        pool = e.pool
-        total = pool.num_blocks
-        self._snapshot = EngineSnapshot(
-            num_running=len(e.scheduler.running),
-            num_waiting=len(e.scheduler.waiting),
-            num_blocks_total=total,
-            num_blocks_used=pool.num_used_blocks,
-            num_blocks_free=pool.num_free_blocks,
-            prefix_cache_hit_rate=float(e.kv.hit_rate),
-            num_preemptions=e.scheduler.num_preemptions,
-            num_unfinished_requests=e.get_num_unfinished_requests(),
-            stats=dict(e.stats),
-            integrity=e.integrity.stats() if e.integrity is not None else None,
-            timestamp=time.monotonic(),
-        )
+        self._snapshot = self._engine.stats()

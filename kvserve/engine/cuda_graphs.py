@@ -30,6 +30,7 @@ from collections.abc import Sequence
 
 import torch
 
+from kvserve.attention import AttentionBackend
 from kvserve.attention.metadata import AttentionMetadata
 from kvserve.cache.kv_cache import PagedKVCache
 from kvserve.model.forward_batch import ForwardBatch
@@ -117,9 +118,10 @@ class CudaGraphRunner:
     capture failures are logged and leave graphs off).
     """
 
-    def __init__(self, model: torch.nn.Module, backend, kv: PagedKVCache, block_size: int,
-                 components: int, max_num_seqs: int, max_model_len: int) -> None:
-        if not hasattr(backend, "graph_plan"):
+    def __init__(self, model: torch.nn.Module, backend: AttentionBackend, kv: PagedKVCache,
+                 block_size: int, components: int, max_num_seqs: int,
+                 max_model_len: int) -> None:
+        if not backend.cuda_graphs:
             raise ValueError(f"attention backend {backend.name!r} cannot be graph-captured")
         self.model, self.backend, self.kv = model, backend, kv
         self.block_size, self.components = block_size, components
@@ -148,9 +150,8 @@ class CudaGraphRunner:
             seq_lens=[1] * b, block_tables=[[null]] * b, write_rows=self.write_rows[:b],
             slot_mapping=self.slots[:b],
         )
-        meta.cache.update(self.backend.graph_plan(
-            self.block_tables[:b], self.seq_lens[:b], self.slots[:b],
-            max_seq_len=self.max_blocks * self.block_size))
+        self.backend.graph_plan(meta, self.block_tables[:b], self.seq_lens[:b], self.slots[:b],
+                                max_seq_len=self.max_blocks * self.block_size)
         return ForwardBatch(input_ids=self.input_ids[:b], positions=self.positions[:b],
                             meta=meta, attn=self.backend)
 

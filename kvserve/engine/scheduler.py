@@ -12,11 +12,14 @@ from __future__ import annotations
 
 import bisect
 import itertools
+import logging
 from dataclasses import dataclass, field
 
 from kvserve.cache.kv_cache_manager import KVCacheManager
 from kvserve.config import SchedulerConfig
 from kvserve.request import Request, RequestStatus
+
+logger = logging.getLogger("kvserve.integrity")
 
 
 @dataclass(slots=True)
@@ -122,12 +125,28 @@ class Scheduler:
         self.kv.forget(req)
         self._order.pop(req.request_id, None)
 
-    def requeue(self, req: Request) -> None:
-        """Send a running request back to recompute (integrity repair of a whole table)."""
-        out = SchedulerOutput()
-        self._preempt(req, out)
-        req.metrics.num_preemptions -= 1
-        self.num_preemptions -= 1
+    def held_block_ids(self) -> list[int]:
+        """Every block a running request holds (paranoid integrity checks)."""
+        return [b for r in self.running for b in self.kv.get_block_ids(r)]
+
+    def rollback(self, block_ids: list[int]) -> list[Request]:
+        """Integrity repair: roll every running request holding one of ``block_ids`` (bad,
+        quarantined blocks) back to its last good block, to recompute from there. Returns the
+        requests rolled back."""
+        bad = set(block_ids)
+        bs = self.kv.block_size
+        rolled = []
+        for req in list(self.running):
+            hit = [i for i, b in enumerate(self.kv.get_block_ids(req)) if b in bad]
+            if not hit:
+                continue
+            first = min(hit)
+            self.kv.truncate(req, first)
+            req.num_computed_tokens = min(req.num_computed_tokens, first * bs)
+            rolled.append(req)
+            logger.warning("integrity: request %s rolled back to token %d (recompute)",
+                           req.request_id, first * bs)
+        return rolled
 
     @property
     def num_unfinished(self) -> int:

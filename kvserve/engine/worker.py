@@ -66,13 +66,15 @@ class Worker:
         spec, lay = self.spec, self.layout
         static = self.loaded.kv_scales
         if static is not None:
-            static = static.unsqueeze(-1).expand(-1, -1, spec["num_kv_heads"])
-        mla = spec["components"] == 1
-        split = (spec["kv_lora_rank"], spec["head_dim"] - spec["kv_lora_rank"]) if mla else None
+            static = static.unsqueeze(-1).expand(-1, -1, spec.num_kv_heads)
+        mla = spec.components == 1
+        split = (spec.kv_lora_rank, spec.head_dim - spec.kv_lora_rank) if mla else None
         self.kv_cache = PagedKVCache(
-            spec["num_layers"], lay.num_blocks, lay.block_size, spec["num_kv_heads"],
-            spec["head_dim"], spec["components"], lay.dtype, args.device, static_scales=static,
+            spec.num_layers, lay.num_blocks, lay.block_size, spec.num_kv_heads,
+            spec.head_dim, spec.components, lay.dtype, args.device, static_scales=static,
             rotation_seed=lay.rotation_seed, rotation_split=split,
+            # rank 0 seals from the fused writer's state; other ranks recompute their slice
+            checksums=args.kv_integrity != "off" and rank == 0,
         )
         if mla and self.kv_cache.rotation is not None:
             # MLA: the latent's rotation is folded into kv_b_proj (W_UK / W_UV) once, here
@@ -81,14 +83,13 @@ class Worker:
         self.replica_key = self._replica_key()
 
     def init_runner(self) -> ModelRunner:
-        """The attention backend and runner. Separate from ``__init__`` so that the driver's
-        integrity checker can ask for write-side checksums before the backend is built."""
+        """The attention backend and runner."""
         spec, args = self.spec, self.args
-        backend = get_backend(args.attention_backend, self.kv_cache, spec["num_heads"],
-                              spec["num_kv_heads"], spec["head_dim"], spec["scale"],
+        backend = get_backend(args.attention_backend, self.kv_cache, spec.num_heads,
+                              spec.num_kv_heads, spec.head_dim, spec.scale,
                               self.layout.max_model_len)
         self.runner = ModelRunner(self.model, backend, self.layout.block_size,
-                                  spec["components"], args.device,
+                                  spec.components, args.device,
                                   graphs=self._cuda_graphs(backend))
         return self.runner
 
@@ -106,16 +107,13 @@ class Worker:
         kv_mode = resolve_kv_mode(cache_cfg.kv_cache_dtype, auto_kv)
         kv_dtype = kv_mode.dtype
         rot_seed = cache_cfg.kv_rotation_seed if kv_mode.rotate else None
-        if kv_mode.rotate and spec["components"] != 2 and (
-                not hasattr(self.model, "fold_kv_rotation") or "kv_lora_rank" not in spec):
+        if kv_mode.rotate and spec.components != 2 and spec.kv_lora_rank is None:
             raise ValueError(f"kv_cache_dtype {cache_cfg.kv_cache_dtype!r} (rotated) needs a "
                              "model that folds the rotation into its latent up-projection")
-        per_block = bytes_per_block(spec["num_layers"], cache_cfg.block_size,
-                                    spec["num_kv_heads"], spec["head_dim"],
-                                    spec["components"], kv_dtype)
-        max_len = spec["max_position_embeddings"]
-        if spec.get("sliding_window"):
-            max_len = min(max_len, spec["sliding_window"])
+        per_block = bytes_per_block(spec.num_layers, cache_cfg.block_size,
+                                    spec.num_kv_heads, spec.head_dim,
+                                    spec.components, kv_dtype)
+        max_len = spec.context_len
         if sched_cfg.max_model_len is not None:
             if sched_cfg.max_model_len > max_len:
                 raise ValueError(f"max_model_len {sched_cfg.max_model_len} exceeds the model's "
@@ -144,7 +142,7 @@ class Worker:
         know without a collective whether the comparison runs."""
         if self.world_size == 1:
             return None
-        if self.spec["components"] == 1:
+        if self.spec.components == 1:
             return 0
         cfg = self.loaded.hf_config
         kv = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
@@ -170,7 +168,7 @@ class Worker:
                  f"{self.layout.block_size}{rot}".encode())
         if self.world_size > 1:
             h.update(f"|tp={self.world_size}|rank={self.rank}|kv_heads="
-                     f"{self.spec['num_kv_heads']}".encode())
+                     f"{self.spec.num_kv_heads}".encode())
         return h.digest()
 
     def eos_ids(self) -> tuple[int, ...]:
@@ -194,12 +192,12 @@ class Worker:
         be captured; a failed capture logs and runs eagerly."""
         if self.args.enforce_eager or not self.kv_cache.data.is_cuda or self.world_size > 1:
             return None
-        if not hasattr(backend, "graph_plan"):
+        if not backend.cuda_graphs:
             logger.info("CUDA graphs off: attention backend %r is not capturable", backend.name)
             return None
         sched_cfg = self.args.scheduler_config()
         graphs = CudaGraphRunner(self.model, backend, self.kv_cache, self.kv_cache.block_size,
-                                 self.spec["components"], sched_cfg.max_num_seqs,
+                                 self.spec.components, sched_cfg.max_num_seqs,
                                  self.layout.max_model_len)
         try:
             graphs.capture()

@@ -44,6 +44,8 @@ from __future__ import annotations
 
 import torch
 
+from kvserve.config import FP8_DTYPES, is_fp8, is_scaled
+
 __all__ = [
     "FP8_DTYPES",
     "fp8_max",
@@ -65,18 +67,8 @@ __all__ = [
     "int4_matmul",
 ]
 
-FP8_DTYPES: tuple[torch.dtype, ...] = (torch.float8_e4m3fn, torch.float8_e5m2)
 #: Lower bound on amax before dividing by FP8_MAX (an all-zero row still gets a finite scale).
 AMAX_EPS = 1e-12
-
-
-def is_fp8(dtype: torch.dtype) -> bool:
-    return dtype in FP8_DTYPES
-
-
-def is_scaled(dtype: torch.dtype) -> bool:
-    """Stored with per-row bf16 scales: FP8 and INT8."""
-    return dtype in FP8_DTYPES or dtype == torch.int8
 
 
 def fp8_max(dtype: torch.dtype) -> float:

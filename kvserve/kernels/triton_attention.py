@@ -48,6 +48,7 @@ tiles are kept at the 16-row minimum.
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 
 import torch
 import triton
@@ -126,6 +127,60 @@ def _row_offsets(
     return page * stride_kvb + tok * stride_kvt, page * stride_scb + tok * stride_sct
 
 
+@triton.jit
+def _online_softmax(s, m_i, l_i):
+    """One tile of the online softmax (log2 units). s [M, N] scores with masked entries -inf,
+    m_i / l_i [M] the running max and sum. Returns p [M, N] (unnormalised), alpha [M] (the
+    factor rescaling what was accumulated so far), the new max and the new sum."""
+    m_new = tl.maximum(m_i, tl.max(s, axis=1))
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(s - m_new[:, None])
+    return p, alpha, m_new, l_i * alpha + tl.sum(p, axis=1)
+
+
+@triton.jit
+def _split_result(acc, m_i, l_i):
+    """(out [M, D], lse [M]) of one split: lse = -inf (and out 0) where it held no position."""
+    nonempty = l_i > 0.0
+    out = acc / tl.where(nonempty, l_i, 1.0)[:, None]
+    lse = tl.where(nonempty, m_i + tl.log2(tl.where(nonempty, l_i, 1.0)), float("-inf"))
+    return out, lse
+
+
+@triton.jit
+def _attend_kv_tile(
+    q, m_i, l_i, acc, kv_head, sc_head, BT_row, offs_n, mask_n, keep, offs_d, mask_d, qk_scale,
+    stride_kvb, stride_kvc, stride_kvt, stride_scb, stride_scc, stride_sct,
+    BLOCK_SIZE: tl.constexpr, IS_FP8: tl.constexpr, LOG8_SCALES: tl.constexpr,
+    DEQUANT_V: tl.constexpr, DOT_DTYPE: tl.constexpr, PRECISION: tl.constexpr,
+):
+    """The K/V loop body of decode and prefill: q [M, D] against the BLOCK_N positions
+    ``offs_n`` of one sequence (``keep`` [M, N] or [1, N]: which scores count), folded into
+    the running (m_i, l_i, acc [M, D]). FP8 / INT8 scales scale the scores (K) and p (V)."""
+    row, srow = _row_offsets(
+        BT_row, offs_n, mask_n, stride_kvb, stride_kvt, stride_scb, stride_sct, BLOCK_SIZE
+    )
+    kv_mask = mask_n[:, None] & mask_d[None, :]
+    k = tl.load(kv_head + row[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
+    s = tl.dot(q, tl.trans(k.to(DOT_DTYPE)), input_precision=PRECISION)
+    if IS_FP8:
+        k_sc = _scale(tl.load(sc_head + srow, mask=mask_n, other=0), LOG8_SCALES)
+        s = s * k_sc[None, :]
+    s = tl.where(keep, s * qk_scale, float("-inf"))  # [M, BLOCK_N]
+    p, alpha, m_new, l_i = _online_softmax(s, m_i, l_i)
+    v = tl.load(kv_head + stride_kvc + row[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
+    if IS_FP8:
+        v_sc = _scale(tl.load(sc_head + stride_scc + srow, mask=mask_n, other=0), LOG8_SCALES)
+        if DEQUANT_V:
+            # fp16 would flush p * scale (scales reach 1e-8) into its subnormals:
+            # dequantise the V tile instead, back at the model's magnitudes
+            v = v.to(tl.float32) * v_sc[:, None]
+        else:
+            p = p * v_sc[None, :]
+    pv = tl.dot(p.to(DOT_DTYPE), v.to(DOT_DTYPE), input_precision=PRECISION)
+    return m_new, l_i, acc * alpha[:, None] + pv
+
+
 # ---------------------------------------------------------------------------------------------
 # Decode, stage 1: one program per (sequence, kv head, split)
 # ---------------------------------------------------------------------------------------------
@@ -193,37 +248,14 @@ def _decode_split_kernel(
     sc_head = SC + kvh.to(tl.int64) * stride_sch
     for n0 in range(start, end, BLOCK_N):
         offs_n = n0 + tl.arange(0, BLOCK_N)
-        mask_n = offs_n < end
-        row, srow = _row_offsets(
-            BT_row, offs_n, mask_n, stride_kvb, stride_kvt, stride_scb, stride_sct, BLOCK_SIZE
+        mask_n = offs_n < end  # the tile has >= 1 valid position: the max stays finite
+        m_i, l_i, acc = _attend_kv_tile(
+            q, m_i, l_i, acc, kv_head, sc_head, BT_row, offs_n, mask_n, mask_n[None, :], offs_d,
+            mask_d, qk_scale, stride_kvb, stride_kvc, stride_kvt, stride_scb, stride_scc,
+            stride_sct, BLOCK_SIZE, IS_FP8, LOG8_SCALES, DEQUANT_V, DOT_DTYPE, PRECISION,
         )
-        kv_mask = mask_n[:, None] & mask_d[None, :]
-        k = tl.load(kv_head + row[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
-        s = tl.dot(q, tl.trans(k.to(DOT_DTYPE)), input_precision=PRECISION)
-        if IS_FP8:
-            k_sc = _scale(tl.load(sc_head + srow, mask=mask_n, other=0), LOG8_SCALES)
-            s = s * k_sc[None, :]
-        s = tl.where(mask_n[None, :], s * qk_scale, float("-inf"))  # [BLOCK_H, BLOCK_N]
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))  # finite: the tile has >= 1 valid position
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(s - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        v = tl.load(kv_head + stride_kvc + row[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
-        if IS_FP8:
-            v_sc = _scale(tl.load(sc_head + stride_scc + srow, mask=mask_n, other=0), LOG8_SCALES)
-            if DEQUANT_V:
-                # fp16 would flush p * scale (scales reach 1e-8) into its subnormals:
-                # dequantise the V tile instead, back at the model's magnitudes
-                v = v.to(tl.float32) * v_sc[:, None]
-            else:
-                p = p * v_sc[None, :]
-        pv = tl.dot(p.to(DOT_DTYPE), v.to(DOT_DTYPE), input_precision=PRECISION)
-        acc = acc * alpha[:, None] + pv
-        m_i = m_new
 
-    nonempty = l_i > 0.0  # False for every row when this split holds no position
-    out = acc / tl.where(nonempty, l_i, 1.0)[:, None]
-    lse = tl.where(nonempty, m_i + tl.log2(tl.where(nonempty, l_i, 1.0)), float("-inf"))
+    out, lse = _split_result(acc, m_i, l_i)  # lse -inf for every row when the split is empty
     mo = MID_O + b.to(tl.int64) * stride_mob + qh[:, None] * stride_moh + split * stride_mos
     tl.store(mo + offs_d[None, :], out, mask=mask_h[:, None] & mask_d[None, :])
     tl.store(MID_LSE + b.to(tl.int64) * stride_mlb + qh * stride_mlh + split, lse, mask=mask_h)
@@ -324,6 +356,35 @@ def _max_ctx(
     return max_seq_len
 
 
+@dataclass(frozen=True, slots=True)
+class _Splits:
+    """Split-K decode: S splits of ``tokens`` positions per sequence, each writing its partial
+    output mid_o fp32 [B, Hq, S, W] and log-sum-exp mid_lse fp32 [B, Hq, S] for ``_merge``."""
+
+    num: int
+    tokens: int
+    mid_o: torch.Tensor
+    mid_lse: torch.Tensor
+
+    def kernel_args(self, block_tables: torch.Tensor) -> tuple[int, ...]:
+        """The split kernels' trailing arguments: the block-table row stride, the mid_o and
+        mid_lse strides, tokens per split."""
+        return (block_tables.stride(0), *self.mid_o.stride()[:3], *self.mid_lse.stride()[:2],
+                self.tokens)
+
+
+def _splits(q: torch.Tensor, width: int, programs: int, block_tables: torch.Tensor,
+            seq_lens: torch.Tensor, bs: int, max_seq_len: int | None, block_n: int,
+            num_splits: int | None) -> _Splits:
+    """Plan the splits of q [B, Hq, *] (``programs`` per sequence besides the splits) and
+    allocate their outputs of ``width`` channels."""
+    B, n_qh = q.shape[:2]
+    max_ctx = _max_ctx(seq_lens, block_tables, bs, max_seq_len)
+    S, tps = _split_plan(q.device, B, programs, max_ctx, block_n, num_splits)
+    return _Splits(S, tps, torch.empty(B, n_qh, S, width, dtype=torch.float32, device=q.device),
+                   torch.empty(B, n_qh, S, dtype=torch.float32, device=q.device))
+
+
 def _int32(x: torch.Tensor) -> torch.Tensor:
     """Index metadata as the kernels read it: int32, unit stride in the last dim."""
     if x.dtype != torch.int32:
@@ -369,19 +430,16 @@ def paged_decode_attention(
         q = q.contiguous()
     kv_l = kv_data[layer]
     sc = _scales_arg(kv_data, kv_scales, layer)
-    max_ctx = _max_ctx(seq_lens, block_tables, bs, max_seq_len)
-    S, tps = _split_plan(q.device, B, n_kvh, max_ctx, block_n, num_splits)
-    mid_o = torch.empty(B, n_qh, S, D, dtype=torch.float32, device=q.device)
-    mid_lse = torch.empty(B, n_qh, S, dtype=torch.float32, device=q.device)
+    sp = _splits(q, D, n_kvh, block_tables, seq_lens, bs, max_seq_len, block_n, num_splits)
     dot_dtype = _dot_dtype(q.dtype)
-    _decode_split_kernel[(B, n_kvh, S)](
+    _decode_split_kernel[(B, n_kvh, sp.num)](
         q,
         kv_l,
         sc,
         block_tables,
         seq_lens,
-        mid_o,
-        mid_lse,
+        sp.mid_o,
+        sp.mid_lse,
         sm_scale * _LOG2E,
         q.stride(0),
         q.stride(1),
@@ -393,13 +451,7 @@ def paged_decode_attention(
         sc.stride(1),
         sc.stride(2),
         sc.stride(3),
-        block_tables.stride(0),
-        mid_o.stride(0),
-        mid_o.stride(1),
-        mid_o.stride(2),
-        mid_lse.stride(0),
-        mid_lse.stride(1),
-        tps,
+        *sp.kernel_args(block_tables),
         GROUP=group,
         HEAD_DIM=D,
         BLOCK_SIZE=bs,
@@ -414,7 +466,7 @@ def paged_decode_attention(
         num_warps=DECODE_CONFIG["num_warps"],
         num_stages=DECODE_CONFIG["num_stages"],
     )
-    return _merge(mid_o, mid_lse, torch.empty_like(q))
+    return _merge(sp.mid_o, sp.mid_lse, torch.empty_like(q))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -494,34 +546,13 @@ def _prefill_kernel(
     for n0 in range(0, hi, BLOCK_N):
         offs_n = n0 + tl.arange(0, BLOCK_N)
         mask_n = offs_n < hi
-        row, srow = _row_offsets(
-            BT_row, offs_n, mask_n, stride_kvb, stride_kvt, stride_scb, stride_sct, BLOCK_SIZE
+        keep = mask_n[None, :] & (offs_n[None, :] <= pos_m[:, None])  # causal
+        # key 0 is in the first tile and visible to every row, so the max is finite from there
+        m_i, l_i, acc = _attend_kv_tile(
+            q, m_i, l_i, acc, kv_head, sc_head, BT_row, offs_n, mask_n, keep, offs_d, mask_d,
+            qk_scale, stride_kvb, stride_kvc, stride_kvt, stride_scb, stride_scc, stride_sct,
+            BLOCK_SIZE, IS_FP8, LOG8_SCALES, DEQUANT_V, DOT_DTYPE, PRECISION,
         )
-        kv_mask = mask_n[:, None] & mask_d[None, :]
-        k = tl.load(kv_head + row[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
-        s = tl.dot(q, tl.trans(k.to(DOT_DTYPE)), input_precision=PRECISION)
-        if IS_FP8:
-            k_sc = _scale(tl.load(sc_head + srow, mask=mask_n, other=0), LOG8_SCALES)
-            s = s * k_sc[None, :]
-        keep = mask_n[None, :] & (offs_n[None, :] <= pos_m[:, None])
-        s = tl.where(keep, s * qk_scale, float("-inf"))  # [BLOCK_M, BLOCK_N]
-        # key 0 is in the first tile and visible to every row, so m_new is finite from there on
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(s - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        v = tl.load(kv_head + stride_kvc + row[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
-        if IS_FP8:
-            v_sc = _scale(tl.load(sc_head + stride_scc + srow, mask=mask_n, other=0), LOG8_SCALES)
-            if DEQUANT_V:
-                # fp16 would flush p * scale (scales reach 1e-8) into its subnormals:
-                # dequantise the V tile instead, back at the model's magnitudes
-                v = v.to(tl.float32) * v_sc[:, None]
-            else:
-                p = p * v_sc[None, :]
-        pv = tl.dot(p.to(DOT_DTYPE), v.to(DOT_DTYPE), input_precision=PRECISION)
-        acc = acc * alpha[:, None] + pv
-        m_i = m_new
 
     out = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
     o_ptrs = OUT + q_rows[:, None] * stride_ot + h * stride_oh + offs_d[None, :]
@@ -700,18 +731,12 @@ def _mla_split_kernel(
             sc = _scale(tl.load(SC + srow, mask=mask_n, other=0), LOG8_SCALES)
             s = s * sc[None, :]
         s = tl.where(mask_n[None, :], s * qk_scale, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(s - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, axis=1)
+        p, alpha, m_i, l_i = _online_softmax(s, m_i, l_i)
         if IS_FP8:
             p = p * sc[None, :]  # one scale per row covers c_kv and k_rope alike
         acc = acc * alpha[:, None] + tl.dot(p.to(DOT_DTYPE), c, input_precision=PRECISION)
-        m_i = m_new
 
-    nonempty = l_i > 0.0
-    out = acc / tl.where(nonempty, l_i, 1.0)[:, None]
-    lse = tl.where(nonempty, m_i + tl.log2(tl.where(nonempty, l_i, 1.0)), float("-inf"))
+    out, lse = _split_result(acc, m_i, l_i)
     mo = MID_O + b64 * stride_mob + offs_h[:, None] * stride_moh + split * stride_mos
     tl.store(mo + offs_l[None, :], out, mask=mask_h[:, None] & mask_l[None, :])
     tl.store(MID_LSE + b64 * stride_mlb + offs_h * stride_mlh + split, lse, mask=mask_h)
@@ -750,20 +775,18 @@ def mla_decode(
     kv_l = kv_data[layer]
     sc = _scales_arg(kv_data, kv_scales, layer)
     n_hblocks = triton.cdiv(n_qh, block_h)
-    max_ctx = _max_ctx(seq_lens, block_tables, bs, max_seq_len)
-    S, tps = _split_plan(qn.device, B, n_hblocks, max_ctx, block_n, num_splits)
-    mid_o = torch.empty(B, n_qh, S, lora, dtype=torch.float32, device=qn.device)
-    mid_lse = torch.empty(B, n_qh, S, dtype=torch.float32, device=qn.device)
+    sp = _splits(qn, lora, n_hblocks, block_tables, seq_lens, bs, max_seq_len, block_n,
+                 num_splits)
     dot_dtype = _dot_dtype(qn.dtype)
-    _mla_split_kernel[(B, n_hblocks, S)](
+    _mla_split_kernel[(B, n_hblocks, sp.num)](
         qn,
         qr,
         kv_l,
         sc,
         block_tables,
         seq_lens,
-        mid_o,
-        mid_lse,
+        sp.mid_o,
+        sp.mid_lse,
         sm_scale * _LOG2E,
         qn.stride(0),
         qn.stride(1),
@@ -773,13 +796,7 @@ def mla_decode(
         kv_l.stride(2),
         sc.stride(0),
         sc.stride(2),
-        block_tables.stride(0),
-        mid_o.stride(0),
-        mid_o.stride(1),
-        mid_o.stride(2),
-        mid_lse.stride(0),
-        mid_lse.stride(1),
-        tps,
+        *sp.kernel_args(block_tables),
         NUM_HEADS=n_qh,
         LORA=lora,
         ROPE=R,
@@ -795,4 +812,4 @@ def mla_decode(
         num_warps=8 if lora >= 256 else 4,
         num_stages=2,
     )
-    return _merge(mid_o, mid_lse, torch.empty_like(qn))
+    return _merge(sp.mid_o, sp.mid_lse, torch.empty_like(qn))

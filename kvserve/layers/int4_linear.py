@@ -76,7 +76,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kvserve.cbuild import build_library
-from kvserve.kernels import wq_cpu
+from kvserve.kernels.cpu import wq_gemm as wq_cpu
 from kvserve.quant import int4, wq
 from kvserve.quant.int4 import Int4Weight
 

@@ -27,7 +27,7 @@ from kvserve.layers.int4_linear import Int4Linear
 from kvserve.quant import gguf_q4, int4
 
 if TYPE_CHECKING:
-    from kvserve.model.quant_config import Int4Scheme
+    from kvserve.quant.int4_scheme import Int4Scheme
 
 
 @dataclass(frozen=True, slots=True)

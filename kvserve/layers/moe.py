@@ -423,6 +423,26 @@ class SparseMoeBlock(nn.Module):
         return out
 
 
+def deepseek_style_moe(config, shared_mlp: Callable[[int, int], nn.Module]) -> SparseMoeBlock:
+    """Sigmoid router with correction bias + grouped top-k, stacked experts, shared experts
+    (the block of DeepSeek-V3, Kimi K2 and GLM-4.5). ``shared_mlp(hidden, intermediate)``
+    builds the model's dense MLP for the shared experts."""
+    n_experts = config.n_routed_experts
+    router = TopKRouter(
+        config.hidden_size, n_experts, config.num_experts_per_tok, scoring="sigmoid",
+        norm_topk_prob=bool(config.norm_topk_prob),
+        routed_scaling_factor=float(config.routed_scaling_factor),
+        n_group=config.n_group, topk_group=config.topk_group, correction_bias=True,
+        fp32_weight=True,
+    )
+    experts = FusedMoE(n_experts, config.hidden_size, config.moe_intermediate_size)
+    shared = None
+    if getattr(config, "n_shared_experts", 0):
+        shared = shared_mlp(config.hidden_size,
+                            config.moe_intermediate_size * config.n_shared_experts)
+    return SparseMoeBlock(router, experts, shared)
+
+
 def check_activation(config) -> None:
     act = getattr(config, "hidden_act", "silu")
     if act not in ("silu", "swish"):

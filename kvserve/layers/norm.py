@@ -4,7 +4,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kvserve.kernels import cpu_ops
+from kvserve.kernels.cpu import cpu_ops
 from kvserve.layers.linear import default_weight_loader
 
 

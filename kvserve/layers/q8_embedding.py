@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from kvserve.cbuild import build_library
-from kvserve.kernels import wq_cpu
+from kvserve.kernels.cpu import wq_gemm as wq_cpu
 from kvserve.quant import wq
 from kvserve.quant.gguf_q8 import dequantize_q8
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from kvserve.kernels import cpu_ops
+from kvserve.kernels.cpu import cpu_ops
 
 
 def _rope_parameters(config) -> dict:

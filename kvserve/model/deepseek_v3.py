@@ -35,12 +35,12 @@ from torch import nn
 
 from kvserve.distributed.parallel_state import get_tp_size
 from kvserve.layers.linear import ColumnParallelLinear, Linear, RowParallelLinear
-from kvserve.layers.moe import check_activation, load_expert_tensor
+from kvserve.layers.moe import check_activation, deepseek_style_moe, load_expert_tensor
 from kvserve.layers.norm import RMSNorm
 from kvserve.layers.rotary import RotaryEmbedding, _rope_parameters
 from kvserve.layers.vocab_parallel import ParallelLMHead, VocabParallelEmbedding, gather_logits
 from kvserve.model.forward_batch import ForwardBatch
-from kvserve.model.glm4_moe import deepseek_style_moe
+from kvserve.model.interface import CausalLMBase, KVSpec
 from kvserve.model.llama import LlamaMLP
 
 
@@ -70,20 +70,19 @@ def mla_softmax_scale(config) -> float:
     return scale
 
 
-def mla_kv_spec(config) -> dict:
+def mla_kv_spec(config) -> KVSpec:
     """KV cache spec of an MLA model: one latent row [R + dr] per token and layer (components
     == 1, so the registry picks mla_torch / mla_triton: resolve_backend_name)."""
-    return {
-        "num_layers": config.num_hidden_layers,
-        "num_heads": config.num_attention_heads // get_tp_size(),  # this rank's heads
-        "num_kv_heads": 1,  # the latent row, replicated on every tensor-parallel rank
-        "head_dim": config.kv_lora_rank + config.qk_rope_head_dim,
-        "kv_lora_rank": config.kv_lora_rank,  # the row is [c_kv (R) | k_pe (dr)]
-        "components": 1,
-        "scale": mla_softmax_scale(config),
-        "max_position_embeddings": config.max_position_embeddings,
-        "sliding_window": None,
-    }
+    return KVSpec(
+        num_layers=config.num_hidden_layers,
+        num_heads=config.num_attention_heads // get_tp_size(),  # this rank's heads
+        num_kv_heads=1,  # the latent row, replicated on every tensor-parallel rank
+        head_dim=config.kv_lora_rank + config.qk_rope_head_dim,
+        components=1,
+        scale=mla_softmax_scale(config),
+        max_position_embeddings=config.max_position_embeddings,
+        kv_lora_rank=config.kv_lora_rank,  # the row is [c_kv (R) | k_pe (dr)]
+    )
 
 
 class DeepseekV3Attention(nn.Module):
@@ -127,9 +126,9 @@ class DeepseekV3Attention(nn.Module):
         k_pe = self.rotary(batch.positions, k_pe.view(t, 1, self.rope_dim)).view(t, -1)
         latent = torch.cat((c_kv.float(), k_pe), dim=-1)  # [T, R + dr] the cache row
         attn = batch.attn
-        if not hasattr(attn, "forward_mla"):
+        if not attn.latent:
             raise ValueError(f"DeepseekV3 (MLA) needs the 'mla_torch' attention backend, not "
-                             f"{getattr(attn, 'name', type(attn).__name__)!r}")
+                             f"{attn.name!r}")
         o = attn.forward_mla(self.layer_idx, q_nope, q_pe, latent, batch.meta,
                              self.kv_b_proj.weight)  # fp32 [T, H, dv]
         return self.o_proj(o.reshape(t, h * self.v_dim).to(x.dtype))
@@ -140,7 +139,7 @@ class DeepseekV3DecoderLayer(nn.Module):
         super().__init__()
         self.self_attn = DeepseekV3Attention(config, layer_idx, rotary)
         if layer_idx >= config.first_k_dense_replace:
-            self.mlp: nn.Module = deepseek_style_moe(config)
+            self.mlp: nn.Module = deepseek_style_moe(config, LlamaMLP)
         else:
             self.mlp = LlamaMLP(config.hidden_size, config.intermediate_size)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
@@ -171,7 +170,7 @@ class DeepseekV3Model(nn.Module):
         return self.norm(x)
 
 
-class DeepseekV3ForCausalLM(nn.Module):
+class DeepseekV3ForCausalLM(CausalLMBase):
     # checkpoint module name -> (our fused module, shard id); q_proj is NOT fused here.
     packed_modules = {
         "gate_proj": ("gate_up_proj", "gate"),
@@ -198,17 +197,13 @@ class DeepseekV3ForCausalLM(nn.Module):
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
         self.lm_head = ParallelLMHead(config.hidden_size, config.vocab_size)
 
-    def tie_weights(self) -> None:
-        if self.tie_word_embeddings:
-            self.lm_head.weight = self.model.embed_tokens.weight
-
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
         return self.model(batch)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
         return gather_logits(self.lm_head(hidden).float(), self.config.vocab_size)
 
-    def kv_spec(self) -> dict:
+    def kv_spec(self) -> KVSpec:
         return mla_kv_spec(self.config)
 
     @torch.no_grad()

@@ -13,13 +13,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from kvserve.layers.moe import (
-    FusedMoE,
-    SparseMoeBlock,
-    TopKRouter,
-    check_activation,
-    load_expert_tensor,
-)
+from kvserve.layers.moe import check_activation, deepseek_style_moe, load_expert_tensor
 from kvserve.layers.norm import RMSNorm
 from kvserve.layers.rotary import RotaryEmbedding
 from kvserve.layers.vocab_parallel import ParallelLMHead, VocabParallelEmbedding
@@ -40,29 +34,10 @@ def partial_rotary_factor(config) -> float:
     return float(0.5 if factor is None else factor)
 
 
-def deepseek_style_moe(config) -> SparseMoeBlock:
-    """Sigmoid router with correction bias + grouped top-k, stacked experts, shared experts
-    (the block of DeepSeek-V3, Kimi K2 and GLM-4.5)."""
-    n_experts = config.n_routed_experts
-    router = TopKRouter(
-        config.hidden_size, n_experts, config.num_experts_per_tok, scoring="sigmoid",
-        norm_topk_prob=bool(config.norm_topk_prob),
-        routed_scaling_factor=float(config.routed_scaling_factor),
-        n_group=config.n_group, topk_group=config.topk_group, correction_bias=True,
-        fp32_weight=True,
-    )
-    experts = FusedMoE(n_experts, config.hidden_size, config.moe_intermediate_size)
-    shared = None
-    if getattr(config, "n_shared_experts", 0):
-        shared = LlamaMLP(config.hidden_size,
-                          config.moe_intermediate_size * config.n_shared_experts)
-    return SparseMoeBlock(router, experts, shared)
-
-
 class Glm4MoeDecoderLayer(LlamaDecoderLayer):
     def make_mlp(self, config, layer_idx: int) -> nn.Module:
         if layer_idx >= config.first_k_dense_replace:
-            return deepseek_style_moe(config)
+            return deepseek_style_moe(config, LlamaMLP)
         return LlamaMLP(config.hidden_size, config.intermediate_size)
 
 

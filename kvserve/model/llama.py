@@ -9,7 +9,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kvserve.distributed.parallel_state import get_tp_rank, get_tp_size
-from kvserve.kernels import cpu_ops
+from kvserve.kernels.cpu import cpu_ops
 from kvserve.layers.linear import (
     MergedColumnParallelLinear,
     QKVParallelLinear,
@@ -20,6 +20,7 @@ from kvserve.layers.norm import RMSNorm
 from kvserve.layers.rotary import RotaryEmbedding
 from kvserve.layers.vocab_parallel import ParallelLMHead, VocabParallelEmbedding, gather_logits
 from kvserve.model.forward_batch import ForwardBatch
+from kvserve.model.interface import CausalLMBase, KVSpec
 
 
 def head_dim_of(config) -> int:
@@ -124,7 +125,7 @@ class LlamaModel(nn.Module):
         return self.norm.add_norm(x, residual)[0]
 
 
-class LlamaForCausalLM(nn.Module):
+class LlamaForCausalLM(CausalLMBase):
     # checkpoint module name -> (our fused module, shard id)
     packed_modules = {
         "q_proj": ("qkv_proj", "q"),
@@ -149,16 +150,27 @@ class LlamaForCausalLM(nn.Module):
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
         self.lm_head = ParallelLMHead(config.hidden_size, config.vocab_size)
 
-    def tie_weights(self) -> None:
-        if self.tie_word_embeddings:
-            self.lm_head.weight = self.model.embed_tokens.weight
-
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
         return self.model(batch)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
         """[N, V] fp32 logits; under TP only rank 0 gets them (None elsewhere)."""
         return gather_logits(self.lm_head(hidden).float(), self.config.vocab_size)
+
+    def kv_spec(self) -> KVSpec:
+        c = self.config
+        h = c.num_attention_heads
+        tp = get_tp_size()
+        hk, _ = kv_head_layout(getattr(c, "num_key_value_heads", None) or h, tp, get_tp_rank())
+        window = getattr(c, "sliding_window", None) if getattr(c, "use_sliding_window",
+                                                              True) else None
+        return KVSpec(
+            num_layers=c.num_hidden_layers,
+            num_heads=h // tp,  # this rank's heads: its attention and its slice of the KV cache
+            num_kv_heads=hk, head_dim=head_dim_of(c), components=2,
+            scale=head_dim_of(c) ** -0.5, max_position_embeddings=c.max_position_embeddings,
+            sliding_window=window,
+        )
 
 
 class MistralForCausalLM(LlamaForCausalLM):
@@ -171,26 +183,3 @@ class Qwen2ForCausalLM(LlamaForCausalLM):
 
 class Qwen3ForCausalLM(LlamaForCausalLM):
     qk_norm = True
-
-
-def _kv_spec(self) -> dict:
-    """What the KV cache and attention backend need to know about this model."""
-    c = self.config
-    h = c.num_attention_heads
-    tp = get_tp_size()
-    hk, _ = kv_head_layout(getattr(c, "num_key_value_heads", None) or h, tp, get_tp_rank())
-    return {
-        "num_layers": c.num_hidden_layers,
-        # this rank's heads (tensor parallel): its attention and its slice of the KV cache
-        "num_heads": h // tp,
-        "num_kv_heads": hk,
-        "head_dim": head_dim_of(c),
-        "components": 2,
-        "scale": head_dim_of(c) ** -0.5,
-        "max_position_embeddings": c.max_position_embeddings,
-        "sliding_window": getattr(c, "sliding_window", None)
-        if getattr(c, "use_sliding_window", True) else None,
-    }
-
-
-LlamaForCausalLM.kv_spec = _kv_spec  # type: ignore[attr-defined]

@@ -24,6 +24,7 @@ from kvserve.layers.moe import FusedMoE, Int4FusedMoE
 from kvserve.layers.vocab_parallel import ParallelLMHead
 from kvserve.model import gguf, registry
 from kvserve.model.gguf import GGUFCheckpoint
+from kvserve.model.interface import CausalLM
 from kvserve.model.quant_config import QuantConfig, parse_quant_config
 
 logger = logging.getLogger(__name__)
@@ -34,7 +35,7 @@ _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 
 @dataclass(slots=True)
 class LoadedModel:
-    model: torch.nn.Module
+    model: CausalLM  # an nn.Module
     hf_config: object
     architecture: str
     dtype: torch.dtype
@@ -83,9 +84,9 @@ def safetensors_files(path: str) -> list[str]:
     return [os.path.join(path, f) for f in files]
 
 
-def _target(model: torch.nn.Module, name: str) -> tuple[str, str | None]:
+def _target(model: CausalLM, name: str) -> tuple[str, str | None]:
     """Checkpoint tensor name -> (our parameter name, shard id)."""
-    packed = getattr(model, "packed_modules", {})
+    packed = model.packed_modules
     parts = name.split(".")
     for i, part in enumerate(parts):
         if part in packed:
@@ -129,14 +130,12 @@ def load_model(path: str, dtype: str | torch.dtype = "auto", device: str = "cpu"
     if ggml is not None:
         dense = _expected_tensors(model, dict(model.named_parameters(remove_duplicate=False)))
         name_map = ggml.name_map(list(dense.values()), hf_config.num_hidden_layers)
-        quant = gguf.GGUFQuant(ggml, name_map, getattr(model, "packed_modules", {}),
-                               act_terms)
+        quant = gguf.GGUFQuant(ggml, name_map, model.packed_modules, act_terms)
     if quant is not None:
         n = swap_int4_modules(model, quant)
         logger.info("%s: %d linear module(s) load as %s", path, n, quant.describe())
     materialize(model, device)
-    if hasattr(model, "tie_weights"):
-        model.tie_weights()
+    model.tie_weights()
 
     params = dict(model.named_parameters(remove_duplicate=False))
     expected = _expected_tensors(model, params)
@@ -171,7 +170,7 @@ def load_model(path: str, dtype: str | torch.dtype = "auto", device: str = "cpu"
                         continue
                     pname, shard = _target(model, name)
                     if pname not in params:
-                        if hasattr(model, "load_extra") and model.load_extra(name, f, loaded):
+                        if model.load_extra(name, f, loaded):
                             continue
                         if quant is not None and name.rsplit(".", 1)[-1] in quant.tensor_names:
                             raise ValueError(
@@ -325,7 +324,7 @@ def keep_q8_tables(model: torch.nn.Module, ckpt: GGUFCheckpoint, name_map: dict[
     return n
 
 
-def ggml_packed_modules(model: torch.nn.Module) -> list[str]:
+def ggml_packed_modules(model: CausalLM) -> list[str]:
     """Checkpoint module names (``model.layers.0.self_attn.q_proj``) whose weight the model
     holds as raw GGUF Q4 blocks (shards of an ``Int4MergedLinear`` of format "gguf")."""
     out = []
@@ -340,7 +339,7 @@ def _raw_quantization_config(path: str) -> dict | None:
         return json.load(f).get("quantization_config")
 
 
-def swap_int4_modules(model: torch.nn.Module, quant: QuantConfig) -> int:
+def swap_int4_modules(model: CausalLM, quant: QuantConfig) -> int:
     """Replace the (meta) ``Linear`` / ``MergedLinear`` modules that ``quant`` quantizes with
     ``Int4MergedLinear``; returns how many. A fused module's shards are looked up by their
     checkpoint names (``packed_modules``) and must agree; a tied ``lm_head`` stays as it is.
@@ -360,9 +359,9 @@ def swap_int4_modules(model: torch.nn.Module, quant: QuantConfig) -> int:
             parent = model.get_submodule(parent_name) if parent_name else model
             setattr(parent, attr, Int4FusedMoE.replacing(module))
     shard_ckpt: dict[str, dict[str, str]] = {}  # fused module -> shard id -> checkpoint module
-    for ckpt, (fused, shard) in getattr(model, "packed_modules", {}).items():
+    for ckpt, (fused, shard) in model.packed_modules.items():
         shard_ckpt.setdefault(fused, {})[shard] = ckpt
-    tied = getattr(model, "tie_word_embeddings", False)
+    tied = model.tie_word_embeddings
     swapped = 0
     for name, module in list(model.named_modules()):
         if not isinstance(module, (Linear, MergedLinear)):
@@ -392,14 +391,14 @@ def swap_int4_modules(model: torch.nn.Module, quant: QuantConfig) -> int:
     return swapped
 
 
-def densify_int4_modules(model: torch.nn.Module, dtype: torch.dtype, device: str = "cpu"
+def densify_int4_modules(model: CausalLM, dtype: torch.dtype, device: str = "cpu"
                          ) -> int:
     """Modules a model reads as a dense weight matrix (its ``int4_dense_modules``: attribute
     names, e.g. MLA's ``kv_b_proj``, whose weight decode absorbs into the queries) load from
     INT4 checkpoint tensors like any other and are then dequantized once (on the CPU, after
     the checkpoint is read) into a plain ``Linear`` of ``dtype`` on ``device``. Returns how
     many."""
-    names = tuple(getattr(model, "int4_dense_modules", ()))
+    names = tuple(model.int4_dense_modules)
     n = 0
     for name, module in list(model.named_modules()):
         if not isinstance(module, Int4MergedLinear) or name.rpartition(".")[2] not in names:
@@ -455,9 +454,9 @@ def materialize(model: torch.nn.Module, device: str) -> None:
 def _expected_tensors(model, params) -> dict[tuple[str, str | None], str]:
     """(our param, shard) -> the checkpoint name we expect for it."""
     inverse: dict[str, list[tuple[str, str]]] = {}
-    for ckpt, (fused, shard) in getattr(model, "packed_modules", {}).items():
+    for ckpt, (fused, shard) in model.packed_modules.items():
         inverse.setdefault(fused, []).append((ckpt, shard))
-    tied = getattr(model, "tie_word_embeddings", False)
+    tied = model.tie_word_embeddings
     out: dict[tuple[str, str | None], str] = {}
     for pname, param in params.items():
         if tied and pname == "lm_head.weight":

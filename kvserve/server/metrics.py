@@ -53,10 +53,10 @@ class _SnapshotCollector:
         yield gauge("prefix_cache_hit_rate", "Prompt tokens served from the prefix cache "
                     "(fraction of queried tokens, since start).", s.prefix_cache_hit_rate)
         yield counter("prompt_tokens", "Prompt tokens accepted by the engine.",
-                      s.stats.get("prompt_tokens", 0))
+                      s.counters.get("prompt_tokens", 0))
         yield counter("generation_tokens", "Tokens generated.",
-                      s.stats.get("generation_tokens", 0))
-        yield counter("engine_steps", "Engine steps run.", s.stats.get("steps", 0))
+                      s.counters.get("generation_tokens", 0))
+        yield counter("engine_steps", "Engine steps run.", s.counters.get("steps", 0))
         yield counter("preemptions", "Sequences preempted for lack of KV blocks.",
                       s.num_preemptions)
         integrity = s.integrity or {}

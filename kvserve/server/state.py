@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import itertools
 import uuid
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from kvserve.engine.async_engine import AsyncLLMEngine
 from kvserve.server.admission import Admission, FairQueue, Ticket
@@ -16,8 +16,12 @@ from kvserve.server.prompts import Limits, max_prompt_chars
 from kvserve.server.settings import ServerSettings
 from kvserve.server.workers import TokenizerPool
 
-if TYPE_CHECKING:
-    from kvserve.server.generation import Generation
+
+class LiveGeneration(Protocol):
+    """What the state needs of a running generation (kvserve.server.generation.Generation,
+    which imports this module)."""
+
+    def force_end(self) -> None: ...
 
 
 class ServerState:
@@ -36,7 +40,7 @@ class ServerState:
         self.admission = Admission(args.max_num_seqs + settings.max_queue)
         self.queue = FairQueue(2 * args.max_num_seqs,
                                by_priority=args.scheduling_policy == "priority")
-        self.generations: set[Generation] = set()  # started, not closed
+        self.generations: set[LiveGeneration] = set()  # started, not closed
         self.draining = False
         self.force_ended = False  # a forced shutdown ended every generation
         self._ids = itertools.count()

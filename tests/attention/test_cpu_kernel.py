@@ -7,10 +7,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvserve.attention import cpu_kernel
 from kvserve.attention.metadata import AttentionMetadata
 from kvserve.attention.torch_backend import TorchAttentionBackend
 from kvserve.cache.kv_cache import PagedKVCache
+from kvserve.kernels.cpu import paged_attention as cpu_kernel
 from kvserve.quant import int8
 
 pytestmark = pytest.mark.skipif(cpu_kernel.load() is None, reason="no C compiler")
@@ -63,7 +63,7 @@ def _kernel_vs_twin(dtype, hq, hk, d, bs, seq_lens, query_lens):
     torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-3)
     # the portable job (the kernel's own fallback) agrees too
     meta.cache.clear()
-    row_seq, tables, lens = fast._plan(meta)["kernel"]
+    row_seq, tables, lens = fast._plan(meta).kernel
     c = cpu_kernel.paged_attention(kv.data[0], kv.scales[0] if kv.has_scales else None,
                                    q.float().contiguous(), tables, row_seq, lens, d**-0.5,
                                    torch.empty_like(a), force_scalar=True)

@@ -204,3 +204,20 @@ def test_decode_peak_hand_worked():
     by_batch = {1: [0.01] * 5, 4: [0.02] * 5, 8: [0.05, 0.01]}  # batch 8: too few samples
     assert decode_peak(by_batch, 3) == {"batch": 4, "tokens_per_s": 200.0}
     assert decode_peak(by_batch, 6) is None
+
+
+def test_placeholder_spm_runner_writes_the_expected_model(tmp_path):
+    """The llama.cpp converter's placeholder vocab is built by sentencepiece's own protobuf in
+    the peer's interpreter (no hand-written encoder); these are the bytes of 10 pieces."""
+    pytest.importorskip("sentencepiece")
+    import hashlib
+    import subprocess
+    import sys
+
+    from kvserve.bench.peers import script_path
+
+    out = tmp_path / "tokenizer.model"
+    subprocess.run([sys.executable, script_path("placeholder_spm")], check=True, text=True,
+                   input=json.dumps({"vocab": 10, "out": str(out)}), capture_output=True)
+    assert hashlib.sha256(out.read_bytes()).hexdigest() == (
+        "239df34aebf4a37bb2245876b1dd70dad9b1482845485d2408e8b476b3b153d2")

@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from kvserve.attention import cpu_kernel
+from kvserve.kernels.cpu import paged_attention as cpu_kernel
 from kvserve.layers import linear
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))

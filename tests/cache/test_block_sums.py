@@ -11,11 +11,11 @@ import numpy as np
 import pytest
 import torch
 
-from kvserve.cache import integrity
 from kvserve.cache.integrity import block_sums, block_sums_numpy
 from kvserve.cache.kv_cache import PagedKVCache
+from kvserve.kernels.cpu import block_sums as c_block_sums
 
-pytestmark = pytest.mark.skipif(integrity._sums_lib() is None, reason="no C compiler")
+pytestmark = pytest.mark.skipif(c_block_sums.load() is None, reason="no C compiler")
 
 CASES = [  # (layers, blocks, block_size, heads, head_dim, components, dtype)
     (2, 5, 16, 2, 64, 2, torch.bfloat16),

@@ -114,7 +114,7 @@ def test_fault_in_running_request_repaired_in_paranoid_mode(tiny_llama, make_llm
     llm = make_llm(tiny_llama, dtype="float32", kv_cache_dtype=kv, kv_integrity="paranoid")
     eng = llm.engine
     eng.add_request("r", _p(PREFIX + TAILS[0]), GREEDY)
-    req = eng._parents["r"].children[0]
+    req = eng.output_processor.parents["r"].children[0]
     eng.step()  # prefill: blocks 0 and 1 sealed
     eng.inject_kv_fault(eng.kv.get_block_ids(req)[1], 1, "bitflip", index=100, bit=6)
     final = None

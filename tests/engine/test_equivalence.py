@@ -60,7 +60,7 @@ def prompt_kv_rows(engine, ids):
     """Run one request until its prompt is computed; return its KV rows (all layers) as
     (bytes [P, ...] uint8, values [P, ...] fp32 dequantized) and its cached-prefix tokens."""
     engine.add_request("probe", _p(ids), SamplingParams(temperature=0, max_tokens=4))
-    req = engine._parents["probe"].children[0]
+    req = engine.output_processor.parents["probe"].children[0]
     while req.num_computed_tokens < len(ids):
         engine.step()
     kv = engine.kv_cache

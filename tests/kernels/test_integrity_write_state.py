@@ -25,7 +25,7 @@ BS = 8
 
 def _setup(kv_dtype: torch.dtype, components: int, integrity: bool = True):
     heads, dim = (2, 16) if components == 2 else (1, 48)  # GQA K/V, or an MLA 32 + 16 row
-    kv = PagedKVCache(2, 6, BS, heads, dim, components, kv_dtype, DEVICE)
+    kv = PagedKVCache(2, 6, BS, heads, dim, components, kv_dtype, DEVICE, checksums=integrity)
     pool = BlockPool(6)
     checker = IntegrityChecker(kv, pool, b"test-fingerprint", "on") if integrity else None
     backend = get_backend("triton", kv, 4, heads, dim, 0.25, 64)  # triton / mla_triton
@@ -115,7 +115,7 @@ def test_rewrite_without_reset_would_not_match():
 def test_no_state_without_integrity_or_on_the_torch_backend():
     kv, _, _, backend = _setup(torch.bfloat16, 2, integrity=False)
     assert kv.csum_state is None and backend.csum_state is None  # integrity off: no atomics
-    kv = PagedKVCache(2, 6, BS, 2, 16, 2, torch.bfloat16, DEVICE)
+    kv = PagedKVCache(2, 6, BS, 2, 16, 2, torch.bfloat16, DEVICE, checksums=True)
     checker = IntegrityChecker(kv, BlockPool(6), b"fp", "on")
     get_backend("torch", kv, 4, 2, 16, 0.25, 64)
     assert kv.csum_state is None  # the torch writer keeps no state: seal recomputes
@@ -149,7 +149,7 @@ def test_engine_triton_seals_from_write_state(tiny_llama, make_llm, kv):
     for i, p in enumerate(PROMPTS):
         eng.add_request(f"r{i}", {"prompt_token_ids": p}, GREEDY)
     eng.step()  # prefill chunk(s): the first full blocks are sealed from the state
-    req = eng._parents["r1"].children[0]
+    req = eng.output_processor.parents["r1"].children[0]
     victim = eng.kv.get_block_ids(req)[1]
     assert eng.integrity.is_sealed(victim)
     eng.inject_kv_fault(victim, 1, "bitflip", index=40, bit=6)

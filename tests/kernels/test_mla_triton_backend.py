@@ -72,7 +72,7 @@ def test_mla_triton_backend_equals_mla_torch(kv):
             assert b.shape == (t, H, DV) and b.dtype == torch.float32
             assert torch.isfinite(b).all()
             torch.testing.assert_close(b, a, atol=2e-4, rtol=2e-4)
-        assert meta_b.cache["mla_triton"]["triton_decode"] is not None or all(
+        assert meta_b.cache["mla_triton"].triton_decode is not None or all(
             n > 1 for _, n in steps)
     assert n_decode_steps == 4
     assert torch.equal(ref.kv.data.view(torch.uint8), tri.kv.data.view(torch.uint8))

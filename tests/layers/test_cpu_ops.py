@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from kvserve.cbuild import CSRC, FLAGS
-from kvserve.kernels import cpu_ops
+from kvserve.kernels.cpu import cpu_ops
 from kvserve.layers.rotary import RotaryEmbedding
 
 

@@ -293,7 +293,7 @@ def test_mla_kv_bytes_per_token_deepseek_v3_dims():
     from kvserve.model.deepseek_v3 import mla_kv_spec
 
     spec = mla_kv_spec(DeepseekV3Config())  # 61 layers, R 512, dr 64, 128 heads
-    assert (spec["components"], spec["num_kv_heads"], spec["head_dim"]) == (1, 1, 576)
+    assert (spec.components, spec.num_kv_heads, spec.head_dim) == (1, 1, 576)
 
     def per_token(dtype, heads, head_dim, comps):
         return bytes_per_block(61, 16, heads, head_dim, comps, dtype) // 16

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from kvserve.cbuild import CSRC, FLAGS
-from kvserve.kernels import wq_cpu
+from kvserve.kernels.cpu import wq_gemm as wq_cpu
 from kvserve.quant import wq
 
 # "avx2": the AVX2 + FMA + F16C path without AVX-512 (what an AVX2-only CPU builds natively);

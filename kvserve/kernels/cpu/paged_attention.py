@@ -1,4 +1,5 @@
-"""Loader for the C paged-attention kernel (``kvserve/csrc/paged_attention.c``).
+"""Bindings of ``kvserve/csrc/paged_attention.c``: the paged-attention kernel and the 8-bit
+KV writers.
 
 Compiled on first use by ``kvserve.cbuild`` (system C compiler, no torch headers), called
 through ctypes on raw tensor pointers. If no compiler is available, or ``KVSERVE_CPU_KERNEL=0``,
@@ -12,7 +13,7 @@ from functools import lru_cache
 
 import torch
 
-from kvserve.cbuild import build_library
+from kvserve.kernels.cpu import FLOAT, INT, PTR, load_library
 
 DTYPE_CODES = {
     torch.float32: 0, torch.bfloat16: 1, torch.float16: 2,
@@ -22,21 +23,14 @@ DTYPE_CODES = {
 
 @lru_cache(maxsize=1)
 def load() -> ctypes.CDLL | None:
-    dll = build_library("paged_attention")
-    if dll is None:
-        return None
-    p, i, f = ctypes.c_void_p, ctypes.c_int, ctypes.c_float
-    dll.kvs_paged_attention.argtypes = [p, p, i, p, p, p, p, i, i, i, i, i, i, f, i, i, p]
-    dll.kvs_paged_attention.restype = None
-    dll.kvs_attention_simd.argtypes = []
-    dll.kvs_attention_simd.restype = i
-    dll.kvs_write_fp8.argtypes = [p, p, i, i, i, i, p, p, p]
-    dll.kvs_write_fp8.restype = None
-    dll.kvs_write_int8.argtypes = [p, p, i, i, i, p, p]
-    dll.kvs_write_int8.restype = None
-    dll.kvs_int8_scale_table.argtypes = [p]
-    dll.kvs_int8_scale_table.restype = None
-    return dll
+    return load_library("paged_attention", {
+        "kvs_paged_attention": ([PTR, PTR, INT, PTR, PTR, PTR, PTR, INT, INT, INT, INT, INT, INT,
+                                 FLOAT, INT, INT, PTR], None),
+        "kvs_attention_simd": ([], INT),
+        "kvs_write_fp8": ([PTR, PTR, INT, INT, INT, INT, PTR, PTR, PTR], None),
+        "kvs_write_int8": ([PTR, PTR, INT, INT, INT, PTR, PTR], None),
+        "kvs_int8_scale_table": ([PTR], None),
+    })
 
 
 def simd() -> bool:

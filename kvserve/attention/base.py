@@ -1,0 +1,60 @@
+"""The attention-backend Protocol (what models, the runner and CUDA graphs may call) and
+``BackendBase``, the defaults a backend overrides. Capabilities are declared, not probed:
+``latent`` (serves an MLA latent cache through ``forward_mla``) and ``cuda_graphs``
+(``graph_plan`` can describe a decode step over static tensors).
+
+Per-step planning: a backend turns the step's ``AttentionMetadata`` into a typed plan once
+(the first layer) and keeps it in ``meta.cache[name]`` for the other layers."""
+
+from __future__ import annotations
+
+from typing import ClassVar, Protocol
+
+import torch
+
+from kvserve.attention.metadata import AttentionMetadata
+
+
+class AttentionBackend(Protocol):
+    name: ClassVar[str]
+    latent: ClassVar[bool]
+    cuda_graphs: ClassVar[bool]
+
+    def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                meta: AttentionMetadata) -> torch.Tensor:
+        """Write k, v [T, Hkv, D] into the cache, attend q [T, Hq, D]; returns [T, Hq, D]."""
+        ...
+
+    def forward_mla(self, layer: int, q_nope: torch.Tensor, q_pe: torch.Tensor,
+                    latent: torch.Tensor, meta: AttentionMetadata,
+                    kv_b_weight: torch.Tensor) -> torch.Tensor:
+        """MLA: write ``latent`` [T, R + dr], attend; returns fp32 [T, H, dv]."""
+        ...
+
+    def graph_plan(self, meta: AttentionMetadata, tables: torch.Tensor, seq_lens: torch.Tensor,
+                   slots: torch.Tensor, max_seq_len: int) -> None:
+        """CUDA graphs: plan a decode step over static device tensors (tables int32 [B, MB],
+        seq_lens int32 [B], slots int64 [B]) into ``meta``; refilled by the caller, never
+        rebuilt."""
+        ...
+
+
+class BackendBase:
+    """Defaults: a K/V backend (no ``forward_mla``) that cannot be graph-captured."""
+
+    name: ClassVar[str] = "base"
+    latent: ClassVar[bool] = False
+    cuda_graphs: ClassVar[bool] = False
+
+    def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                meta: AttentionMetadata) -> torch.Tensor:
+        raise NotImplementedError(f"{self.name} serves MLA layers only: call forward_mla")
+
+    def forward_mla(self, layer: int, q_nope: torch.Tensor, q_pe: torch.Tensor,
+                    latent: torch.Tensor, meta: AttentionMetadata,
+                    kv_b_weight: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError(f"{self.name} serves K/V caches, not an MLA latent cache")
+
+    def graph_plan(self, meta: AttentionMetadata, tables: torch.Tensor, seq_lens: torch.Tensor,
+                   slots: torch.Tensor, max_seq_len: int) -> None:
+        raise NotImplementedError(f"attention backend {self.name!r} cannot be graph-captured")

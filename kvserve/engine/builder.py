@@ -1,0 +1,84 @@
+"""Start-up: ``EngineArgs`` + checkpoint -> the frozen ``EngineConfig`` and the wired parts of
+an engine (executor and model, tokenizer, block pool, integrity checker, KV manager,
+scheduler, runner). Every ``auto`` and every cross-check is decided here, once; the engine
+itself only drives the parts.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from kvserve.cache.block_pool import BlockPool
+from kvserve.cache.integrity import IntegrityChecker
+from kvserve.cache.kv_cache_manager import KVCacheManager
+from kvserve.config import EngineConfig, ModelConfig, dtype_name
+from kvserve.engine.arg_utils import EngineArgs
+from kvserve.engine.executor import Executor, MultiprocExecutor, make_executor
+from kvserve.engine.model_runner import ModelRunner
+from kvserve.engine.scheduler import Scheduler
+from kvserve.model.loader import describe_weight_bytes, load_tokenizer
+
+logger = logging.getLogger("kvserve")
+
+
+@dataclass(frozen=True, slots=True)
+class EngineParts:
+    """What ``LLMEngine`` drives. The executor owns the model: in this process (tp=1) or over
+    tp ranks, rank 0 (the driver) here."""
+
+    args: EngineArgs
+    config: EngineConfig
+    executor: Executor
+    tokenizer: Any  # a transformers tokenizer
+    pool: BlockPool
+    integrity: IntegrityChecker | None
+    kv: KVCacheManager
+    scheduler: Scheduler
+    runner: ModelRunner
+
+
+def build_engine(args: EngineArgs) -> EngineParts:
+    cache_cfg, sched_cfg = args.cache_config(), args.scheduler_config()  # user errors first
+    torch.manual_seed(args.seed)
+    t0 = time.perf_counter()
+    executor = make_executor(args)
+    worker = executor.driver
+    loaded, spec, layout = worker.loaded, worker.spec, worker.layout
+    # config.json + tokenizer live in loaded.folder (a GGUF's converted metadata)
+    tokenizer = load_tokenizer(args.tokenizer or loaded.folder)
+    model_config = ModelConfig(
+        path=worker.path, architecture=loaded.architecture, dtype=loaded.dtype,
+        vocab_size=loaded.hf_config.vocab_size, num_layers=spec.num_layers,
+        num_kv_heads=spec.num_kv_heads, head_dim=spec.head_dim,
+        kv_components=spec.components, max_model_len=layout.max_model_len,
+        eos_token_ids=worker.eos_ids(), bos_token_id=tokenizer.bos_token_id,
+    )
+    kv_cache = worker.kv_cache  # rank 0's slice (its KV heads) under TP
+    config = EngineConfig(model=model_config, cache=cache_cfg, scheduler=sched_cfg,
+                          kv_mode=kv_cache.mode, num_blocks=layout.num_blocks,
+                          fingerprint=worker.fingerprint,
+                          tensor_parallel_size=args.tensor_parallel_size)
+    pool = BlockPool(layout.num_blocks)
+    integrity = None
+    if cache_cfg.kv_integrity != "off":
+        peers = executor if isinstance(executor, MultiprocExecutor) else None
+        integrity = IntegrityChecker(kv_cache, pool, config.fingerprint, cache_cfg.kv_integrity,
+                                     cache_cfg.scrub_blocks_per_step, peers=peers)
+    kv = KVCacheManager(pool, layout.block_size, cache_cfg.enable_prefix_caching,
+                        config.fingerprint, integrity)
+    scheduler = Scheduler(sched_cfg, kv)
+    runner = worker.init_runner()
+    tp = args.tensor_parallel_size
+    logger.info("model %s (%s, %s): %s%s", worker.path, loaded.architecture,
+                dtype_name(loaded.dtype), describe_weight_bytes(worker.model),
+                f" on rank 0 of {tp} (tensor parallel)" if tp > 1 else "")
+    logger.info("%s; max_model_len %d; %d B/token of KV; %s", kv_cache.describe(),
+                layout.max_model_len, kv_cache.bytes_per_token, layout.budget_note)
+    logger.info("ready in %.1f s", time.perf_counter() - t0)
+    return EngineParts(args, config, executor, tokenizer, pool, integrity, kv, scheduler,
+                       runner)

@@ -1,0 +1,127 @@
+"""From sampled tokens to ``RequestOutput``: stop checks, incremental detokenization, and the
+fan-in of a request's ``n`` sequences (its children) into one output.
+
+The processor owns the per-request state the user sees (text so far, stop reasons, logprobs);
+it never frees KV blocks: ``append_token`` returns the finish status and the engine tells the
+scheduler.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from kvserve.engine.detokenizer import IncrementalDetokenizer
+from kvserve.layers.sampler import top_logprobs
+from kvserve.outputs import CompletionOutput, RequestOutput
+from kvserve.request import Request, RequestStatus
+
+
+@dataclass(slots=True)
+class ParentRequest:
+    """One ``add_request``: its ``n`` children (sequences) and their detokenizers."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    children: list[Request]
+    detoks: list[IncrementalDetokenizer | None]  # [n]; None when detokenize=False
+
+
+class OutputProcessor:
+    def __init__(self, tokenizer, eos_token_ids: tuple[int, ...]) -> None:
+        self.tokenizer = tokenizer
+        self.eos_token_ids = eos_token_ids
+        self.parents: dict[str, ParentRequest] = {}
+
+    def add(self, request_id: str, prompt: str | None, ids: list[int],
+            children: list[Request]) -> None:
+        params = children[0].sampling_params
+        detoks = [
+            IncrementalDetokenizer(self.tokenizer, ids, params.skip_special_tokens, params.stop,
+                                   params.include_stop_str_in_output)
+            if params.detokenize else None
+            for _ in children
+        ]
+        self.parents[request_id] = ParentRequest(request_id, prompt, ids, children, detoks)
+
+    def pop(self, request_id: str) -> ParentRequest | None:
+        return self.parents.pop(request_id, None)
+
+    # ---- per token ----------------------------------------------------------------------------
+    def record_prompt_logprobs(self, req: Request, start: int, lps: torch.Tensor) -> None:
+        """lps [n, V]: logprobs of prompt positions start+1 .. start+n."""
+        k = req.sampling_params.prompt_logprobs or 0
+        assert req.prompt_logprobs is not None
+        if start != len(req.prompt_logprobs):
+            return  # a recompute after preemption: already recorded
+        for j in range(lps.shape[0]):
+            tok = req.prompt_token_ids[start + j]
+            req.prompt_logprobs.append(top_logprobs(lps[j], tok, k))
+
+    def append_token(self, req: Request, token: int, lps, lp: float,
+                     now: float) -> RequestStatus | None:
+        """Add one sampled token; the status the request finishes with, or None."""
+        req.output_token_ids.append(token)
+        if req.metrics.first_token_time is None:
+            req.metrics.first_token_time = now
+        req.metrics.last_token_time = now
+        if req.logprobs is not None:
+            req.logprobs.append(lps)
+            req.cumulative_logprob += lp
+        p = req.sampling_params
+        detok = self.parents[req.parent_id].detoks[req.index]
+        status = None
+        n_out = len(req.output_token_ids)
+        if n_out >= p.min_tokens:
+            if not p.ignore_eos and token in self.eos_token_ids:
+                status = RequestStatus.FINISHED_STOPPED
+            elif token in p.stop_token_ids:
+                status, req.stop_reason = RequestStatus.FINISHED_STOPPED, token
+        if detok is not None:
+            stop_str = detok.update([token])
+            if status is None and stop_str is not None and n_out >= p.min_tokens:
+                status, req.stop_reason = RequestStatus.FINISHED_STOPPED, stop_str
+        if status is None and n_out >= req.max_tokens:
+            status = RequestStatus.FINISHED_LENGTH
+        if status is not None:
+            req.metrics.finished_time = now
+        return status
+
+    # ---- outputs ------------------------------------------------------------------------------
+    def make_outputs(self, touched: set[str]) -> list[RequestOutput]:
+        """One output per touched parent; finished parents are dropped."""
+        outs = []
+        for pid in touched:
+            parent = self.parents.get(pid)
+            if parent is None:
+                continue
+            out = self._request_output(parent)
+            outs.append(out)
+            if out.finished:
+                del self.parents[pid]
+        return outs
+
+    @staticmethod
+    def _request_output(parent: ParentRequest) -> RequestOutput:
+        finished = all(c.is_finished for c in parent.children)
+        comps = []
+        for child, detok in zip(parent.children, parent.detoks, strict=True):
+            text = detok.output_text(child.is_finished) if detok is not None else ""
+            reason = child.status.value if child.is_finished else None
+            comps.append(CompletionOutput(
+                index=child.index, text=text, token_ids=list(child.output_token_ids),
+                cumulative_logprob=child.cumulative_logprob if child.logprobs is not None
+                else None,
+                logprobs=list(child.logprobs) if child.logprobs is not None else None,
+                finish_reason=reason, stop_reason=child.stop_reason,
+            ))
+        first = parent.children[0]
+        return RequestOutput(
+            request_id=parent.request_id, prompt=parent.prompt,
+            prompt_token_ids=parent.prompt_token_ids, outputs=comps, finished=finished,
+            prompt_logprobs=list(first.prompt_logprobs) if first.prompt_logprobs is not None
+            else None,
+            num_cached_tokens=first.metrics.num_cached_tokens, metrics=first.metrics,
+        )

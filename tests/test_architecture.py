@@ -1,0 +1,137 @@
+"""The package's dependency direction: no import cycle inside ``kvserve``, and no module
+importing from a layer above its own (issue 17). Every import counts: module level, inside a
+function, under ``TYPE_CHECKING``.
+
+The layer order, written down here once (highest first). A module may import from its own
+layer and any layer below it. Layers list package prefixes; the longest prefix decides.
+"""
+
+from __future__ import annotations
+
+import ast
+import pathlib
+
+import kvserve
+
+LAYERS: list[tuple[str, ...]] = [
+    # entry points: the command line, the offline API, the HTTP server, benchmarks
+    ("kvserve", "kvserve.cli", "kvserve.quantize_cli", "kvserve.llm", "kvserve.server",
+     "kvserve.bench"),
+    ("kvserve.engine",),  # scheduler, executor / workers, step loop
+    ("kvserve.model",),  # architectures, checkpoint loading
+    ("kvserve.layers", "kvserve.attention"),  # nn building blocks, attention backends
+    ("kvserve.cache",),  # block pool, paged KV tensors, integrity
+    ("kvserve.kernels", "kvserve.quant", "kvserve.distributed"),  # math, formats, collectives
+    # plain data and build helpers
+    ("kvserve.config", "kvserve.request", "kvserve.sampling_params", "kvserve.outputs",
+     "kvserve.cbuild", "kvserve.cli_help"),
+]
+
+ROOT = pathlib.Path(kvserve.__file__).parent
+
+
+def _modules() -> dict[str, pathlib.Path]:
+    out = {}
+    for path in ROOT.rglob("*.py"):
+        parts = path.relative_to(ROOT.parent).with_suffix("").parts
+        if parts[-1] == "__init__":
+            parts = parts[:-1]
+        out[".".join(parts)] = path
+    return out
+
+
+def _imports(name: str, path: pathlib.Path, modules: dict[str, pathlib.Path]) -> set[str]:
+    """The kvserve modules ``name`` imports (``from pkg import mod`` counts as ``pkg.mod``)."""
+    is_pkg = path.name == "__init__.py"
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            targets = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                pkg = name.split(".")[: len(name.split(".")) - node.level + is_pkg]
+                base = ".".join(pkg + ([base] if base else []))
+            targets = [f"{base}.{a.name}" if f"{base}.{a.name}" in modules else base
+                       for a in node.names]
+        else:
+            continue
+        for t in targets:
+            while t and t not in modules:
+                t = t.rpartition(".")[0]
+            if t.startswith("kvserve") and t != name:
+                found.add(t)
+    return found
+
+
+def _layer(name: str) -> int:
+    best, rank = -1, None
+    for i, prefixes in enumerate(LAYERS):
+        for p in prefixes:
+            if (name == p or name.startswith(p + ".")) and len(p) > best:
+                best, rank = len(p), i
+    assert rank is not None, f"{name} is in no layer: add it to LAYERS"
+    return rank
+
+
+def _graph() -> dict[str, set[str]]:
+    modules = _modules()
+    return {name: _imports(name, path, modules) for name, path in modules.items()}
+
+
+def test_every_module_has_a_layer():
+    for name in _graph():
+        _layer(name)
+
+
+def test_no_upward_import():
+    bad = [f"{m} (layer {_layer(m)}) imports {t} (layer {_layer(t)})"
+           for m, targets in sorted(_graph().items()) for t in sorted(targets)
+           if _layer(t) < _layer(m)]
+    assert not bad, "imports against the layer order:\n" + "\n".join(bad)
+
+
+def test_no_import_cycle():
+    graph = _graph()
+    # a package's __init__ importing its own submodules is how packages work, not a cycle
+    edges = {m: {t for t in ts if not m.startswith(t + ".")} for m, ts in graph.items()}
+    state: dict[str, int] = {}  # 1 on the stack, 2 done
+    cycles = []
+
+    def visit(m: str, stack: list[str]) -> None:
+        state[m] = 1
+        stack.append(m)
+        for t in sorted(edges[m]):
+            if state.get(t) == 1:
+                cycles.append(" -> ".join(stack[stack.index(t):] + [t]))
+            elif t not in state:
+                visit(t, stack)
+        stack.pop()
+        state[m] = 2
+
+    for m in sorted(edges):
+        if m not in state:
+            visit(m, [])
+    assert not cycles, "import cycles:\n" + "\n".join(cycles)
+
+
+def test_the_checker_sees_violations():
+    """The walk resolves relative and package imports (a checker that sees nothing passes
+    everything)."""
+    graph = _graph()
+    assert "kvserve.cache.kv_cache" in graph["kvserve.attention"]
+    assert "kvserve.kernels.cpu.paged_attention" in graph["kvserve.cache.kv_cache"]
+    assert _layer("kvserve.engine.llm_engine") < _layer("kvserve.cache.integrity")
+
+
+def test_readme_layout_lists_every_file():
+    """The README's design section is the map: one line per source file of kvserve."""
+    readme = (ROOT.parent / "README.md").read_text()
+    start = readme.index("### Layout")
+    block = readme[readme.index("```", start) + 3:]
+    block = block[: block.index("```")]
+    listed = {line.split()[0] for line in block.splitlines() if line.strip()}
+    files = sorted(p.relative_to(ROOT).as_posix() for p in ROOT.rglob("*.py")
+                   if p.name != "__init__.py" or p.parent.name == "attention")
+    missing = [f for f in files if f.rsplit("/", 1)[-1] not in listed]
+    assert not missing, f"README layout misses: {missing}"

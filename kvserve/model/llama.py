@@ -48,20 +48,16 @@ class LlamaAttention(nn.Module):
         t = x.shape[0]
         h, hk, d = self.num_heads, self.num_kv_heads, self.head_dim
         qkv = self.qkv_proj(x)
-        if self.q_norm is None and self.rotary.rotate_qk_(batch.positions, qkv, h + hk, d):
-            # fp32 on CPU: q and k rotated in place in one C call (views, no copies)
-            q = qkv[:, : h * d].view(t, h, d)
-            k = qkv[:, h * d:(h + hk) * d].view(t, hk, d)
-            v = qkv[:, (h + hk) * d:].view(t, hk, d)
-            o = batch.attn.forward(self.layer_idx, q, k, v, batch.meta)
-            return self.o_proj(o.reshape(t, h * d).to(x.dtype))
+        # fp32 on CPU without QK norm: q and k rotated in place in one C call (then views)
+        rotated = self.q_norm is None and self.rotary.rotate_qk_(batch.positions, qkv, h + hk, d)
         q, k, v = qkv.split((h * d, hk * d, hk * d), dim=-1)
         q, k, v = q.view(t, h, d), k.view(t, hk, d), v.view(t, hk, d)
-        if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        # One rope call for q and k together (rope is per head).
-        qk = self.rotary(batch.positions, torch.cat((q, k), dim=1))
-        q, k = qk[:, :h], qk[:, h:]
+        if not rotated:
+            if self.q_norm is not None:
+                q, k = self.q_norm(q), self.k_norm(k)
+            # One rope call for q and k together (rope is per head).
+            qk = self.rotary(batch.positions, torch.cat((q, k), dim=1))
+            q, k = qk[:, :h], qk[:, h:]
         o = batch.attn.forward(self.layer_idx, q, k, v, batch.meta)  # fp32 [T, H, D]
         return self.o_proj(o.reshape(t, h * d).to(x.dtype))
 

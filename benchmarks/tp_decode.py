@@ -65,8 +65,11 @@ def main() -> None:
     batches = [int(x) for x in a.batches.split(",")]
     load0 = os.getloadavg()
     runs = [_bench(a.model, tp, batches, a.steps, a.repeats) for tp in (1, 2)]
+    from kvserve.bench.common import env_info
+
     res = {"model": a.model, "cpus": os.cpu_count(), "threads_per_rank": 1,
-           "loadavg_before": load0, "loadavg_after": os.getloadavg(), "runs": runs}
+           "loadavg_before": load0, "loadavg_after": os.getloadavg(), "runs": runs,
+           "env": env_info()}
     if a.json:
         with open(a.json, "w") as f:
             json.dump(res, f, indent=2)

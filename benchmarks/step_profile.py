@@ -106,8 +106,9 @@ def install_class_timers(timers: Timers):
         setattr(KVRotation, meth, timers.wrap("rotation", getattr(KVRotation, meth)))
     from kvserve.layers.q8_embedding import Q8LMHead
 
-    for cls in (linear_mod.Linear, linear_mod.MergedLinear, linear_mod.Int4MergedLinear,
-                Q8LMHead):
+    # RowParallelLinear (o_proj, down_proj) overrides Linear.forward, so it is wrapped itself
+    for cls in (linear_mod.Linear, linear_mod.RowParallelLinear, linear_mod.MergedLinear,
+                linear_mod.Int4MergedLinear, Q8LMHead):
         saved.append((cls, "forward", cls.forward))
         cls.forward = timers.wrap("linear", cls.forward)
 

@@ -60,3 +60,25 @@ def build_library(name: str) -> ctypes.CDLL | None:
                 os.remove(tmp)
             return None
     return ctypes.CDLL(lib)
+
+
+# Builds the kernel tests make besides the native one, to cover every ISA path on any machine
+# that has a compiler: "avx2" is what an AVX2 + FMA + F16C CPU without AVX-512 builds natively,
+# "portable" has no AVX at all (the plain C paths).
+ISA_FLAGS = {"avx2": ("-march=haswell",),
+             "portable": ("-mno-avx2", "-mno-fma", "-mno-f16c", "-mno-avx512f")}
+
+
+def build_variant(name: str, isa: str, out_dir: str) -> ctypes.CDLL | None:
+    """Compile ``kvserve/csrc/<name>.c`` for ``isa`` (a key of ISA_FLAGS) into ``out_dir`` and
+    load it; None without a C compiler or off x86-64 (the flags are x86 flags)."""
+    import platform
+
+    cc = shutil.which(os.environ.get("CC", "cc")) or shutil.which("gcc")
+    if cc is None or platform.machine() not in ("x86_64", "AMD64"):
+        return None
+    out = os.path.join(out_dir, f"{name}_{isa}.so")
+    flags = [f for f in FLAGS if f != "-march=native"]
+    subprocess.run([cc, os.path.join(CSRC, f"{name}.c"), "-o", out, *flags, *ISA_FLAGS[isa]],
+                   check=True, capture_output=True)
+    return ctypes.CDLL(out)

@@ -23,6 +23,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kvserve.distributed.parallel_state import get_tp_rank, get_tp_size, tp_all_reduce
+from kvserve.kernels.cpu import w16_gemm
 from kvserve.layers.int4_linear import Int4Linear
 from kvserve.quant import gguf_q4, int4
 
@@ -67,6 +68,16 @@ def default_weight_loader(param: torch.Tensor, loaded: torch.Tensor, shard_id=No
     param.data.copy_(loaded)
 
 
+def dense_linear(x: torch.Tensor, weight: torch.Tensor,
+                 bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``F.linear``, except for fp32 activations against a 16-bit CPU weight (a bf16 / fp16
+    checkpoint kept 16-bit in memory and computed in fp32, see ``model.loader``): the C kernel
+    reads the weight as 16-bit (kvserve.kernels.cpu.w16_gemm; fp32 result)."""
+    if weight.dtype != x.dtype and w16_gemm.applies(x, weight):
+        return w16_gemm.linear_w16(x, weight, bias)
+    return F.linear(x, weight, bias)
+
+
 def _param(shape: tuple[int, ...], loader) -> nn.Parameter:
     p = nn.Parameter(torch.empty(shape), requires_grad=False)
     p.weight_loader = loader  # type: ignore[attr-defined]
@@ -94,7 +105,7 @@ class Linear(nn.Module):
         default_weight_loader(param, loaded)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        return dense_linear(x, self.weight, self.bias)
 
 
 class ColumnParallelLinear(Linear):
@@ -127,8 +138,8 @@ class RowParallelLinear(Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if get_tp_size() == 1 or not self.reduce_results:
-            return F.linear(x, self.weight, self.bias)
-        y = tp_all_reduce(F.linear(x, self.weight))  # [T, out]: the sum of every rank's part
+            return dense_linear(x, self.weight, self.bias)
+        y = tp_all_reduce(dense_linear(x, self.weight))  # [T, out]: the sum of every rank's part
         return y if self.bias is None else y + self.bias
 
 
@@ -167,7 +178,7 @@ class MergedLinear(nn.Module):
         dst.copy_(loaded)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        return dense_linear(x, self.weight, self.bias)
 
 
 class MergedColumnParallelLinear(MergedLinear):

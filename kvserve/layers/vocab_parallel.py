@@ -38,6 +38,10 @@ def _load_rows(param: torch.Tensor, loaded: torch.Tensor, start: int, vocab: int
 
 
 class VocabParallelEmbedding(nn.Module):
+    # rows are returned in this dtype when the table is stored narrower than the model
+    # computes (a 16-bit table of an fp32-compute model, see model.loader); None: as stored
+    out_dtype: torch.dtype | None = None
+
     def __init__(self, vocab_size: int, hidden: int) -> None:
         super().__init__()
         tp, r = get_tp_size(), get_tp_rank()
@@ -52,10 +56,13 @@ class VocabParallelEmbedding(nn.Module):
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         if get_tp_size() == 1:
-            return F.embedding(ids, self.weight)
+            x = F.embedding(ids, self.weight)
+            return x if self.out_dtype is None else x.to(self.out_dtype)
         local = ids - self.start
         mask = (local >= 0) & (local < self.per_rank)
         x = F.embedding(torch.where(mask, local, 0), self.weight)  # [T, hidden]
+        if self.out_dtype is not None:
+            x = x.to(self.out_dtype)
         x = x * mask.unsqueeze(-1).to(x.dtype)
         return tp_all_reduce(x)  # exactly one rank contributes a non-zero row per token
 

@@ -21,7 +21,7 @@ from tqdm.auto import tqdm
 from kvserve.distributed.parallel_state import get_tp_size
 from kvserve.layers.linear import Int4MergedLinear, Linear, MergedLinear
 from kvserve.layers.moe import FusedMoE, Int4FusedMoE
-from kvserve.layers.vocab_parallel import ParallelLMHead
+from kvserve.layers.vocab_parallel import ParallelLMHead, VocabParallelEmbedding
 from kvserve.model import gguf, registry
 from kvserve.model.gguf import GGUFCheckpoint
 from kvserve.model.interface import CausalLM
@@ -111,12 +111,13 @@ def load_model(path: str, dtype: str | torch.dtype = "auto", device: str = "cpu"
     """``act_terms``: GGUF Q4_0 / Q4_1 / Q8_0 weights multiply activations quantized to this
     many int8 terms per 32 columns on CPU (integer dot products, kvserve.quant.wq); 0 keeps
     fp32 activations (the dequantized weights' exact product, slower)."""
-    from kvserve.config import resolve_model_dtype
+    from kvserve.config import dtype_name, resolve_model_dtype
 
     folder, ggml = model_source(path)
     hf_config, arch = load_hf_config(folder)
     quant = None if ggml else parse_quant_config(_raw_quantization_config(folder))
     n_params = None if ggml else _checkpoint_params(folder)
+    storage = dense_storage_dtype(dtype, checkpoint_dtype(hf_config), device, n_params)
     dtype = resolve_model_dtype(dtype, checkpoint_dtype(hf_config), device, n_params)
     cls = registry.resolve(arch)
     prev = torch.get_default_dtype()
@@ -200,10 +201,53 @@ def load_model(path: str, dtype: str | torch.dtype = "auto", device: str = "cpu"
                 # packed on the CPU from the checkpoint; the move repacks once for the GPU
                 # kernel (Int4Linear.to_device_layout) and drops the CPU layout
                 module.to(device)
+    if storage != dtype:
+        n = narrow_dense_weights(model, storage)
+        logger.info("%d dense weight table(s) kept %s, computed in %s", n, dtype_name(storage),
+                    dtype_name(dtype))
     model.eval()
     files = (ggml.path,) if ggml is not None else tuple(safetensors_files(folder))
     return LoadedModel(model, hf_config, arch, dtype, _scales_tensor(kv_scales, hf_config),
                        folder, files)
+
+
+def dense_storage_dtype(dtype: str | torch.dtype, ckpt: torch.dtype, device: str,
+                        n_params: int | None) -> torch.dtype:
+    """The dtype dense weights are held in. ``auto`` on a CPU without native bf16 matmul
+    computes a bf16 / fp16 checkpoint in fp32 (``resolve_model_dtype``); its weights then stay
+    16-bit in memory -- half the bytes a decode step reads -- when the C kernel that multiplies
+    fp32 activations by 16-bit weights is built (kvserve.kernels.cpu.w16_gemm). An explicit
+    ``dtype`` holds the weights in that dtype."""
+    from kvserve.config import resolve_model_dtype
+    from kvserve.kernels.cpu.w16_gemm import w16_library
+
+    compute = resolve_model_dtype(dtype, ckpt, device, n_params)
+    if (dtype == "auto" and compute == torch.float32 and ckpt in (torch.bfloat16, torch.float16)
+            and torch.device(device).type == "cpu" and w16_library() is not None):
+        return ckpt
+    return compute
+
+
+def narrow_dense_weights(model: CausalLM, storage: torch.dtype) -> int:
+    """Cast the weight tables of dense linears and the token embedding to ``storage`` (16-bit,
+    exact: they were loaded from a ``storage`` checkpoint). Biases, norms, MoE experts and the
+    modules the model reads as a dense matrix (``int4_dense_modules``, e.g. MLA's kv_b_proj)
+    keep the compute dtype. A tied LM head shares the embedding's table, so it is cast once.
+    Returns the number of tables cast."""
+    keep = set(model.int4_dense_modules)
+    n = 0
+    for name, module in model.named_modules():
+        if name.rpartition(".")[2] in keep:
+            continue
+        if isinstance(module, VocabParallelEmbedding):
+            module.out_dtype = module.weight.dtype
+        elif not isinstance(module, (Linear, MergedLinear)):
+            continue
+        w = module.weight
+        if w.dtype == torch.float32 and w.device.type == "cpu":
+            w.data = w.data.to(storage)
+            n += 1
+    return n
 
 
 def _read_rank_slice(handle, name: str, model: torch.nn.Module, pname: str,

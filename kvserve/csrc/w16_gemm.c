@@ -1,0 +1,217 @@
+/*
+ * 16-bit weights read as 16-bit: y[M, N] = x[M, K] . W[N, K]^T with x and y fp32 and W bf16
+ * (kind 0) or fp16 (kind 1), row-major as the checkpoint stores it (so a tied LM head shares its
+ * table with the embedding). On a CPU without native bf16 matmul the engine computes in fp32;
+ * without this kernel it would hold an fp32 copy of every weight and read twice the bytes per
+ * decode step. Twin: kvserve.quant.w16.w16_linear_ref (x @ W.float().T); tests/quant/test_w16.py
+ * sweeps shapes, both kinds and the AVX-512 / AVX2 / portable builds against it.
+ *
+ * Every y[m, n] is one dot product over k in a fixed order: lane-wise FMA chains over VL-wide
+ * column chunks, a fixed horizontal sum, then the K % VL tail in scalar order. Rows of x are
+ * never mixed and every row runs the same arithmetic whatever M is, so a row's result does not
+ * depend on its batch (batch invariance; the test checks it bit for bit).
+ *
+ * Tiling: NR weight rows x MR rows of x per register tile (AVX-512: 4 x 4 zmm accumulators;
+ * AVX2: 4 x 2 ymm). OpenMP splits the N / NR weight tiles over threads; each tile is streamed
+ * from memory once. M <= MR: the tile is converted to fp32 in registers as it is read. M > MR:
+ * it is converted once into a per-thread fp32 scratch (NR * K floats, L1/L2-resident) and every
+ * MR-row block of x runs against that; the converted values are exact, so both paths compute the
+ * same sums.
+ */
+/* the build's -fassociative-math would let the compiler reorder a row's sum differently in
+ * each specialization of tile(), and contract a*b+c into an FMA in some; keep the order and
+ * the roundings as written (the vector FMAs are explicit) */
+#pragma GCC optimize("no-associative-math", "fp-contract=off")
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#include <omp.h>
+#include "half.h"
+#if defined(__AVX2__)
+#include <immintrin.h>
+#endif
+
+#define NR 4 /* weight rows per tile (vsum4 reduces 4 accumulators at once) */
+#ifndef PF_TILES
+#define PF_TILES 4
+#endif
+
+static inline float w16_scalar(const uint16_t *w, int kind) {
+    if (kind == 1) return kvs_f16f(*w);
+    uint32_t u = (uint32_t)*w << 16;
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+}
+
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+#define VL 16
+#define MR 4
+typedef __m512 vec;
+static inline vec vzero(void) { return _mm512_setzero_ps(); }
+static inline vec vload(const float *p) { return _mm512_loadu_ps(p); }
+static inline vec vfma(vec a, vec b, vec c) { return _mm512_fmadd_ps(a, b, c); }
+static inline __m256 vfold(vec v) {
+    return _mm256_add_ps(_mm512_castps512_ps256(v), _mm512_extractf32x8_ps(v, 1));
+}
+static inline vec vload16(const uint16_t *p, int kind) {
+    __m256i h = _mm256_loadu_si256((const __m256i *)p);
+    if (kind == 1) return _mm512_cvtph_ps(h);
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#define VL 8
+#define MR 2
+typedef __m256 vec;
+static inline vec vzero(void) { return _mm256_setzero_ps(); }
+static inline vec vload(const float *p) { return _mm256_loadu_ps(p); }
+static inline vec vfma(vec a, vec b, vec c) { return _mm256_fmadd_ps(a, b, c); }
+static inline __m256 vfold(vec v) { return v; }
+static inline vec vload16(const uint16_t *p, int kind) {
+    __m128i h = _mm_loadu_si128((const __m128i *)p);
+    if (kind == 1) return _mm256_cvtph_ps(h);
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+}
+#endif
+
+#ifdef VL
+/* [sum a0, sum a1, sum a2, sum a3] with one fixed addition tree per sum (4 sums for the
+ * shuffles of ~1.5) */
+static inline __m128 vsum4(vec a0, vec a1, vec a2, vec a3) {
+    const __m256 h0 = vfold(a0), h1 = vfold(a1), h2 = vfold(a2), h3 = vfold(a3);
+    const __m256 t0 = _mm256_add_ps(_mm256_unpacklo_ps(h0, h1), _mm256_unpackhi_ps(h0, h1));
+    const __m256 t1 = _mm256_add_ps(_mm256_unpacklo_ps(h2, h3), _mm256_unpackhi_ps(h2, h3));
+    const __m256 u = _mm256_add_ps(_mm256_shuffle_ps(t0, t1, _MM_SHUFFLE(1, 0, 1, 0)),
+                                   _mm256_shuffle_ps(t0, t1, _MM_SHUFFLE(3, 2, 3, 2)));
+    return _mm_add_ps(_mm256_castps256_ps128(u), _mm256_extractf128_ps(u, 1));
+}
+
+/* One register tile: rows x[0..mr) against weight rows w[0..NR) (16-bit, or fp32 when wf is
+ * set), K columns; out[i][j] = x_i . w_j. mr, kind and wf are constants at every call site, so
+ * each combination compiles to its own fully unrolled loop. */
+static inline __attribute__((always_inline)) void tile(
+    const float *const *x, int mr, const uint16_t *const *w, const float *const *wf, int kind,
+    int64_t K, int64_t pf, float out[MR][NR]) {
+    vec acc[MR][NR];
+    for (int i = 0; i < mr; i++)
+        for (int j = 0; j < NR; j++) acc[i][j] = vzero();
+    const int64_t kv = K - K % VL;
+    for (int64_t k = 0; k < kv; k += VL) {
+        vec wv[NR];
+        for (int j = 0; j < NR; j++) {
+            if (!wf) _mm_prefetch((const char *)(w[j] + k + pf), _MM_HINT_T0);
+            wv[j] = wf ? vload(wf[j] + k) : vload16(w[j] + k, kind);
+        }
+        for (int i = 0; i < mr; i++) {
+            const vec xv = vload(x[i] + k);
+            for (int j = 0; j < NR; j++) acc[i][j] = vfma(xv, wv[j], acc[i][j]);
+        }
+    }
+    for (int i = 0; i < mr; i++) {
+        _mm_storeu_ps(out[i], vsum4(acc[i][0], acc[i][1], acc[i][2], acc[i][3]));
+        for (int j = 0; j < NR; j++)
+            for (int64_t k = kv; k < K; k++)
+                out[i][j] += x[i][k] * (wf ? wf[j][k] : w16_scalar(w[j] + k, kind));
+    }
+}
+
+static void tile_dispatch(const float *const *x, int mr, const uint16_t *const *w,
+                          const float *const *wf, int kind, int64_t K, int64_t pf,
+                          float out[MR][NR]) {
+    /* literal arguments: one specialized copy of tile() per (mr, source) */
+#define KVS_TILE(MRV)                                                          \
+    if (wf)                                                                    \
+        tile(x, MRV, w, wf, 0, K, pf, out);                                        \
+    else if (kind == 1)                                                        \
+        tile(x, MRV, w, NULL, 1, K, pf, out);                                      \
+    else                                                                       \
+        tile(x, MRV, w, NULL, 0, K, pf, out);
+    switch (mr) {
+#if MR == 4
+    case 4: KVS_TILE(4) break;
+    case 3: KVS_TILE(3) break;
+#endif
+    case 2: KVS_TILE(2) break;
+    default: KVS_TILE(1) break;
+    }
+#undef KVS_TILE
+}
+#else
+#define MR 4
+/* plain C: the same per-element order as above with VL = 8 */
+static void tile_dispatch(const float *const *x, int mr, const uint16_t *const *w,
+                          const float *const *wf, int kind, int64_t K, int64_t pf,
+                          float out[MR][NR]) {
+    const int64_t kv = K - K % 8;
+    for (int i = 0; i < mr; i++)
+        for (int j = 0; j < NR; j++) {
+            float lane[8] = {0};
+            for (int64_t k = 0; k < kv; k += 8)
+                for (int l = 0; l < 8; l++)
+                    lane[l] += x[i][k + l] * (wf ? wf[j][k + l] : w16_scalar(w[j] + k + l, kind));
+            float s = ((lane[0] + lane[4]) + (lane[2] + lane[6])) +
+                      ((lane[1] + lane[5]) + (lane[3] + lane[7]));
+            for (int64_t k = kv; k < K; k++)
+                s += x[i][k] * (wf ? wf[j][k] : w16_scalar(w[j] + k, kind));
+            out[i][j] = s;
+        }
+}
+#endif
+
+/* 16-bit row -> fp32 (exact) */
+static void widen_row(const uint16_t *w, int64_t K, int kind, int64_t pf, float *out) {
+    int64_t k = 0;
+#ifdef VL
+    for (; k + VL <= K; k += VL) {
+        _mm_prefetch((const char *)(w + k + pf), _MM_HINT_T0);
+        const vec v = vload16(w + k, kind);
+        memcpy(out + k, &v, sizeof(v));
+    }
+#endif
+    for (; k < K; k++) out[k] = w16_scalar(w + k, kind);
+}
+
+/* x fp32 [M, K] (row stride ldx), w 16-bit [N, K] (row stride ldw), y fp32 [M, N] (row stride
+ * ldy). Returns 0, or 1 when the fp32 scratch could not be allocated (y is then incomplete). */
+int kvs_w16_gemm(const float *x, int64_t M, int64_t K, int64_t ldx, const uint16_t *w,
+                 int64_t N, int64_t ldw, int kind, int num_threads, float *y, int64_t ldy) {
+    const int64_t ntiles = (N + NR - 1) / NR;
+    const int convert = M > MR;
+    /* software prefetch PF_TILES weight tiles ahead: rows of a few KB are too short for the
+     * hardware prefetcher to reach full bandwidth on its own */
+    const int64_t pf = PF_TILES * NR * ldw;
+    int failed = 0;
+#pragma omp parallel num_threads(num_threads) if (N * K * (M < 4 ? M : 4) > 65536)
+    {
+        float *scratch = convert ? malloc(sizeof(float) * NR * (size_t)K) : NULL;
+        if (convert && scratch == NULL) {
+#pragma omp atomic write
+            failed = 1;
+        }
+#pragma omp for schedule(static)
+        for (int64_t t = 0; t < ntiles; t++) {
+            if (convert && scratch == NULL) continue;
+            const uint16_t *wr[NR];
+            const float *wf[NR];
+            for (int j = 0; j < NR; j++) {
+                int64_t n = t * NR + j;
+                if (n >= N) n = N - 1; /* alias the last row; its result is dropped */
+                wr[j] = w + n * ldw;
+                wf[j] = scratch + (size_t)j * K;
+                if (convert) widen_row(wr[j], K, kind, pf, scratch + (size_t)j * K);
+            }
+            const int nr = N - t * NR < NR ? (int)(N - t * NR) : NR;
+            for (int64_t m0 = 0; m0 < M; m0 += MR) {
+                const int mr = M - m0 < MR ? (int)(M - m0) : MR;
+                const float *xr[MR];
+                for (int i = 0; i < MR; i++) xr[i] = x + (m0 + (i < mr ? i : 0)) * ldx;
+                float out[MR][NR];
+                tile_dispatch(xr, mr, wr, convert ? wf : NULL, kind, K, pf, out);
+                for (int i = 0; i < mr; i++)
+                    memcpy(y + (m0 + i) * ldy + t * NR, out[i], sizeof(float) * nr);
+            }
+        }
+        free(scratch);
+    }
+    return failed;
+}

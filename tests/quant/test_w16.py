@@ -1,0 +1,156 @@
+"""The 16-bit-weight kernel (kvserve/csrc/w16_gemm.c) against its twin (kvserve.quant.w16), on
+the build this machine makes, an AVX2-only build and a portable build; and the loader keeping a
+bf16 checkpoint's weights 16-bit when it computes in fp32."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvserve.cbuild import build_variant
+from kvserve.kernels.cpu import w16_gemm as w16_cpu
+from kvserve.quant.w16 import w16_linear_ref
+
+
+@pytest.fixture(scope="module", params=["native", "avx2", "portable"])
+def lib(request, tmp_path_factory):
+    if request.param == "native":
+        dll = w16_cpu.w16_library()
+    else:
+        dll = build_variant("w16_gemm", request.param, str(tmp_path_factory.mktemp("w16")))
+        dll = None if dll is None else w16_cpu.bind(dll)
+    if dll is None:
+        pytest.skip("C kernel unavailable (no compiler, or not x86-64)")
+    return dll
+
+
+def _case(m, n, k, dtype, seed):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(m, k, generator=g)
+    w = (torch.randn(n, k, generator=g) * 0.05).to(dtype)
+    return x, w
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("m", [1, 2, 3, 4, 5, 8, 17, 64])
+@pytest.mark.parametrize("n,k", [(4, 16), (7, 40), (33, 576), (130, 1000), (64, 8)])
+def test_matches_twin(lib, dtype, m, n, k):
+    x, w = _case(m, n, k, dtype, m * 1000 + n + k)
+    y = w16_cpu.w16_gemm(lib, x, w)
+    ref = (x.double() @ w.double().t()).float()  # exact products, one rounding
+    assert y.shape == (m, n) and y.dtype == torch.float32
+    # fp32 accumulation over k terms: error <= ~k * eps * sum |x w|
+    bound = 4 * k * 2**-24 * (x.abs() @ w.float().abs().t()) + 1e-30
+    assert ((y - ref).abs() <= bound).all()
+    torch.testing.assert_close(y, w16_linear_ref(x, w), rtol=1e-5, atol=1e-5)
+
+
+def test_strided_rows_and_threads(lib):
+    x, w = _case(9, 50, 96, torch.bfloat16, 3)
+    wide = torch.zeros(9, 200)
+    wide[:, 10:106] = x
+    view = wide[:, 10:106]  # row stride 200
+    ref = w16_cpu.w16_gemm(lib, x, w)
+    assert torch.equal(w16_cpu.w16_gemm(lib, view, w), ref)
+    prev = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        assert torch.equal(w16_cpu.w16_gemm(lib, x, w), ref)  # a row's sum order is fixed
+    finally:
+        torch.set_num_threads(prev)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_batch_invariant(lib, dtype):
+    """A row's result is bit-identical whatever batch it is in (1, 3, 4, 5 or 64 rows: the
+    register-converted and the scratch-converted paths)."""
+    x, w = _case(64, 70, 200, dtype, 7)
+    full = w16_cpu.w16_gemm(lib, x, w)
+    for m in (1, 3, 4, 5, 17):
+        assert torch.equal(w16_cpu.w16_gemm(lib, x[:m], w), full[:m]), m
+    assert torch.equal(w16_cpu.w16_gemm(lib, x[40:41], w), full[40:41])
+
+
+def test_leading_dims_and_bias():
+    x, w = _case(6, 12, 32, torch.bfloat16, 1)
+    b = torch.randn(12)
+    y = w16_cpu.linear_w16(x.view(2, 3, 32), w, b)
+    assert y.shape == (2, 3, 12)
+    torch.testing.assert_close(y.view(6, 12), x @ w.float().t() + b, rtol=1e-5, atol=1e-5)
+    assert w16_cpu.linear_w16(x[:0], w).shape == (0, 12)
+
+
+def _bf16_checkpoint(path: str, **overrides) -> str:
+    """A tiny Llama saved as bf16 (config dtype and tensors)."""
+    import json
+    import os
+
+    from safetensors.torch import load_file, save_file
+
+    from tests.conftest import make_tiny_model
+
+    make_tiny_model(path, "llama", **overrides)
+    f = os.path.join(path, "model.safetensors")
+    save_file({k: v.to(torch.bfloat16) for k, v in load_file(f).items()}, f,
+              metadata={"format": "pt"})
+    cfg_path = os.path.join(path, "config.json")
+    with open(cfg_path) as fh:
+        cfg = json.load(fh)
+    cfg["torch_dtype"] = cfg["dtype"] = "bfloat16"
+    with open(cfg_path, "w") as fh:
+        json.dump(cfg, fh)
+    return path
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_loader_keeps_bf16_weights_for_fp32_compute(tmp_path, monkeypatch, make_llm, tied):
+    """``dtype=auto`` on a CPU without native bf16 matmul: fp32 compute with the dense weights
+    (and a tied head's shared table) held in bf16, read by the kernel; the same tokens and
+    logprobs as holding fp32 copies (``dtype=float32``)."""
+    from kvserve import config
+    from kvserve.layers.linear import Linear, MergedLinear
+    from kvserve.layers.vocab_parallel import VocabParallelEmbedding
+    from kvserve.model.loader import load_model
+    from kvserve.sampling_params import SamplingParams
+
+    if w16_cpu.w16_library() is None:
+        pytest.skip("C kernel unavailable: the loader keeps fp32 weights")
+    monkeypatch.setattr(config, "cpu_has_fast_half", lambda: False)
+    path = _bf16_checkpoint(str(tmp_path / "m"), tie_word_embeddings=tied)
+
+    loaded = load_model(path, "auto", progress=False)
+    assert loaded.dtype == torch.float32
+    model = loaded.model
+    dense = [m for m in model.modules() if isinstance(m, (Linear, MergedLinear))]
+    assert dense and all(m.weight.dtype == torch.bfloat16 for m in dense)
+    emb = model.model.embed_tokens
+    assert isinstance(emb, VocabParallelEmbedding) and emb.weight.dtype == torch.bfloat16
+    assert emb(torch.tensor([3, 5])).dtype == torch.float32
+    assert (model.lm_head.weight is emb.weight) == tied
+    norms = [p for n, p in model.named_parameters() if "norm" in n]
+    assert norms and all(p.dtype == torch.float32 for p in norms)
+    assert all(p.dtype == torch.float32 for p in load_model(path, "float32",
+                                                            progress=False).model.parameters())
+
+    sp = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True, logprobs=0)
+    prompts = [[5, 9, 17, 33], [100, 7, 250, 3, 8, 41]]
+    outs = [make_llm(path, dtype=d).generate(prompts, sp) for d in ("auto", "float32")]
+    for a, b in zip(*outs, strict=True):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+        la = [next(iter(lp.values())) for lp in a.outputs[0].logprobs]
+        lb = [next(iter(lp.values())) for lp in b.outputs[0].logprobs]
+        torch.testing.assert_close(torch.tensor(la), torch.tensor(lb), rtol=1e-4, atol=1e-4)
+
+
+def test_storage_dtype_decision(monkeypatch):
+    from kvserve import config
+    from kvserve.model.loader import dense_storage_dtype
+
+    bf16, fp16, fp32 = torch.bfloat16, torch.float16, torch.float32
+    monkeypatch.setattr(config, "cpu_has_fast_half", lambda: False)
+    assert dense_storage_dtype("auto", bf16, "cpu", 10) == (
+        bf16 if w16_cpu.w16_library() is not None else fp32)
+    assert dense_storage_dtype("float32", bf16, "cpu", 10) == fp32  # asked for: fp32 copies
+    assert dense_storage_dtype("auto", fp32, "cpu", 10) == fp32
+    monkeypatch.setattr(config, "cpu_has_fast_half", lambda: True)
+    assert dense_storage_dtype("auto", fp16, "cpu", 10) == fp16  # computed in fp16 itself

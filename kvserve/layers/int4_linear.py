@@ -75,7 +75,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kvserve.cbuild import build_library
+from kvserve.kernels.cpu import int4_gemv as int4_cpu
 from kvserve.kernels.cpu import wq_gemm as wq_cpu
 from kvserve.quant import int4, wq
 from kvserve.quant.int4 import Int4Weight
@@ -382,17 +382,12 @@ class Int4Linear(nn.Module):
         if self.k_pad != self.in_features:
             xf = F.pad(xf, (0, self.k_pad - self.in_features))
         xf = xf.contiguous()
-        m, g = xf.shape[0], self.op_group
-        xs = xf.view(m, self.k_pad // g, g).sum(-1)  # [m, groups]: the zero-point term
+        g = self.op_group
         sz = self.scales_zeros
         want = torch.float16 if self.min_form else torch.bfloat16
         if sz.dtype != want:  # a module-wide .to(dtype) cast it
             sz = sz.to(want)
-        y = torch.empty(m, self.n_pad, dtype=torch.float32)
-        _gemv_lib().kvs_int4_gemv(
-            self.packed.data_ptr(), sz.contiguous().data_ptr(), xf.data_ptr(), xs.data_ptr(),
-            m, self.n_pad, self.k_pad, g, self._layout[0], torch.get_num_threads(),
-            int(self.min_form), y.data_ptr())
+        y = int4_cpu.gemv(_gemv_lib(), self.packed, sz, xf, g, self._layout[0], self.min_form)
         if self.n_pad != self.out_features:
             y = y[:, : self.out_features]
         return y.to(x2.dtype)
@@ -448,12 +443,11 @@ class Int4Linear(nn.Module):
         lib = _gemv_lib()
         if lib is not None and self.scales_zeros.dtype == (
                 torch.float16 if self.min_form else torch.bfloat16):
+            # the C twin of the torch code below, bit for bit (a workspace view: consumed by
+            # the caller's GEMM before the next call)
             out = _workspace(self.k_pad * rows).view(self.k_pad, rows)
-            lib.kvs_int4_dequant_t(self.packed.data_ptr(), self.scales_zeros.data_ptr(),
-                                   self.n_pad, self.k_pad, g, block_n, int(self.min_form),
-                                   r0, r1, torch.get_num_threads(), out.data_ptr())
-            return out  # the C twin of the torch code below, bit for bit (a workspace view:
-            # consumed by the caller's GEMM before the next call)
+            return int4_cpu.dequant_t(lib, self.packed, self.scales_zeros, self.k_pad, g,
+                                      block_n, self.min_form, r0, r1, out)
         ng = self.k_pad // g
         # nibbles as [k_pad, rows] (uint8): column c is stored row r0 + c
         u = _unpack_blocks(self.packed, self.n_pad, self.k_pad, block_n, mode,
@@ -722,20 +716,7 @@ def _gemv_lib() -> ctypes.CDLL | None:
     layout = int4pack_layout()
     if layout is None or layout[1] != "halves" or layout[0] not in (32, 64):
         return None
-    dll = build_library("int4_gemv")
-    return None if dll is None else bind_int4_library(dll)
-
-
-def bind_int4_library(dll: ctypes.CDLL) -> ctypes.CDLL:
-    """Declare kvserve/csrc/int4_gemv.c's entry points on a loaded library."""
-    p, i64 = ctypes.c_void_p, ctypes.c_int64
-    dll.kvs_int4_gemv.argtypes = [p, p, p, p, i64, i64, i64, i64, i64, ctypes.c_int,
-                                  ctypes.c_int, p]
-    dll.kvs_int4_gemv.restype = None
-    dll.kvs_int4_dequant_t.argtypes = [p, p, i64, i64, i64, i64, ctypes.c_int, i64, i64,
-                                       ctypes.c_int, p]
-    dll.kvs_int4_dequant_t.restype = None
-    return dll
+    return int4_cpu.load()
 
 
 CUDA_KERNELS = ("triton", "tinygemm", "dense")

@@ -11,13 +11,10 @@ and the same weights exactly (``kvserve.quant.gguf_q8``):
 
 from __future__ import annotations
 
-import ctypes
-import functools
-
 import torch
 from torch import nn
 
-from kvserve.cbuild import build_library
+from kvserve.kernels.cpu import q8_gemv as q8_cpu
 from kvserve.kernels.cpu import wq_gemm as wq_cpu
 from kvserve.quant import wq
 from kvserve.quant.gguf_q8 import dequantize_q8
@@ -103,24 +100,13 @@ class Q8LMHead(nn.Module):
                 y = wq_cpu.wq_linear(lib, x2, t.codes, t.sm, t.n_pad, 32, 8, t.act_terms)
                 return y[:, :n].reshape(*x.shape[:-1], n)
             x2 = wq.fake_quant_act(x2, t.act_terms)  # the kernel's arithmetic, in torch
-        lib = _q8_lib() if not t.act_terms else None
-        y = torch.empty(m, n, dtype=torch.float32)
+        lib = q8_cpu.load() if not t.act_terms else None
         if lib is not None and m <= GEMV_MAX_M:
-            lib.kvs_q8_gemv(t.q.data_ptr(), t.d.data_ptr(), x2.data_ptr(), m, n,
-                            t.embedding_dim, torch.get_num_threads(), y.data_ptr())
+            y = q8_cpu.gemv(lib, t.q, t.d, x2)
         else:
+            y = torch.empty(m, n, dtype=torch.float32)
             for r0 in range(0, n, _CHUNK_ROWS):
                 r1 = min(n, r0 + _CHUNK_ROWS)
                 y[:, r0:r1] = x2 @ dequantize_q8(*t.rows(torch.arange(r0, r1))).t()
         return y.reshape(*x.shape[:-1], n)
 
-
-@functools.cache
-def _q8_lib() -> ctypes.CDLL | None:
-    dll = build_library("q8_gemv")
-    if dll is None:
-        return None
-    p, i64 = ctypes.c_void_p, ctypes.c_int64
-    dll.kvs_q8_gemv.argtypes = [p, p, p, i64, i64, i64, ctypes.c_int, p]
-    dll.kvs_q8_gemv.restype = None
-    return dll

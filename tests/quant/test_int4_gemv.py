@@ -11,6 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from kvserve.kernels.cpu import int4_gemv
 from kvserve.layers import int4_linear
 from kvserve.layers.int4_linear import Int4Linear
 from kvserve.quant import int4
@@ -102,7 +103,7 @@ def _portable_gemv(tmp_path):
     lib = str(tmp_path / "int4_gemv_portable.so")
     subprocess.run([cc, f"{cbuild.CSRC}/int4_gemv.c", "-o", lib, "-march=x86-64", "-mno-avx2",
                     "-mno-f16c", *flags], check=True, capture_output=True)
-    return int4_linear.bind_int4_library(ctypes.CDLL(lib))
+    return int4_gemv.bind(ctypes.CDLL(lib))
 
 
 @pytest.mark.parametrize("form", ["bf16-zero-point", "gguf-min-form"])

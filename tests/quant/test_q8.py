@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 import torch
 
+from kvserve.kernels.cpu import q8_gemv
 from kvserve.layers import q8_embedding
 from kvserve.layers.q8_embedding import Q8Embedding, Q8LMHead
 from kvserve.quant import wq
@@ -72,10 +73,8 @@ def test_lm_head_scalar_build(tmp_path, monkeypatch):
     flags = [f for f in cbuild.FLAGS if f != "-march=native"]
     subprocess.run([cc, f"{cbuild.CSRC}/q8_gemv.c", "-o", lib, "-march=x86-64", "-mno-avx2",
                     *flags], check=True, capture_output=True)
-    dll = ctypes.CDLL(lib)
-    p, i64 = ctypes.c_void_p, ctypes.c_int64
-    dll.kvs_q8_gemv.argtypes = [p, p, p, i64, i64, i64, ctypes.c_int, p]
-    monkeypatch.setattr(q8_embedding, "_q8_lib", lambda: dll)
+    dll = q8_gemv.bind(ctypes.CDLL(lib))
+    monkeypatch.setattr(q8_gemv, "load", lambda: dll)
     q, d, ref = _table(700, 96, 2)
     d[0, 0] = 2.0 ** -20  # an fp16 subnormal scale
     ref = dequantize_q8(q, d)

@@ -134,7 +134,7 @@ import torch
 import triton
 from triton.testing import do_bench
 
-from kvserve.kernels import triton_attention as ta
+from kvserve.kernels.triton import attention as ta
 
 out_dir = sys.argv[1]
 dev = torch.device("cuda")
@@ -307,7 +307,7 @@ if [ "$DRY" = 1 ]; then
     "$PY" -m py_compile "$WORK/make_model.py" "$WORK/decode_bench.py" "$WORK/summary.py" \
         && echo "[dry-run] inline helpers compile" || rc=1
     if "$PY" -c 'import triton' 2>/dev/null; then
-        "$PY" -c 'import triton, kvserve.kernels.triton_attention, kvserve.kernels.triton_cache, kvserve.kernels.triton_int4; print("[dry-run] triton", triton.__version__, "+ kernel modules import")' \
+        "$PY" -c 'import triton, kvserve.kernels.triton.attention, kvserve.kernels.triton.cache, kvserve.kernels.triton.int4; print("[dry-run] triton", triton.__version__, "+ kernel modules import")' \
             || rc=1
         "$PY" -c 'import kvserve.attention.triton_backend, kvserve.attention.mla_triton' \
             && echo "[dry-run] attention backends triton + mla_triton import" || rc=1

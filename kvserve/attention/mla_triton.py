@@ -41,7 +41,8 @@ class MlaTritonAttentionBackend(MlaTorchAttentionBackend):
         scale: float, max_model_len: int,
     ) -> None:
         super().__init__(kv_cache, num_heads, num_kv_heads, head_dim, scale, max_model_len)
-        from kvserve.kernels import triton_attention, triton_cache
+        from kvserve.kernels.triton import attention as triton_attention
+        from kvserve.kernels.triton import cache as triton_cache
 
         self._attn, self._cache = triton_attention, triton_cache
         # Kept by the write kernel for the integrity checker (None when integrity is off).

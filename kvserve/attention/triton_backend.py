@@ -35,7 +35,8 @@ class TritonAttentionBackend(BackendBase):
 
     def __init__(self, kv_cache: PagedKVCache, num_heads: int, num_kv_heads: int,
                  head_dim: int, scale: float, max_model_len: int) -> None:
-        from kvserve.kernels import triton_attention, triton_cache
+        from kvserve.kernels.triton import attention as triton_attention
+        from kvserve.kernels.triton import cache as triton_cache
 
         if kv_cache.components != 2:
             raise ValueError("the triton backend serves K/V caches; MLA models use mla_triton")

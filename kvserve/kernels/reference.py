@@ -1,6 +1,6 @@
 """Pure-torch twins of the GPU kernels: these functions ARE the specification.
 
-Every Triton kernel in ``kvserve/kernels/triton_*.py`` must agree with its twin here (bit-exact
+Every Triton kernel in ``kvserve/kernels/triton/*.py`` must agree with its twin here (bit-exact
 for the cache write and the checksum state, within floating-point tolerance for attention and
 the INT4 GEMM). Clarity beats speed: loops over sequences are fine. This module never imports
 triton and runs on CPU and CUDA alike.

@@ -1,7 +1,7 @@
 """INT4 weight-only linear layer (W4A16) for CPU, and CUDA via ``to_device_layout``.
 
 On CUDA (``.to("cuda")``; the loader moves INT4 modules for ``--device cuda``) the layer is
-repacked once for the Triton W4A16 kernel (kvserve/kernels/triton_int4.py) or torch's CUDA
+repacked once for the Triton W4A16 kernel (kvserve/kernels/triton/int4.py) or torch's CUDA
 tinygemm (``$KVSERVE_INT4_CUDA_KERNEL=tinygemm``); see "GPU layouts" below.
 
 Building (packing happens once, here; the layer is immutable afterwards)::
@@ -77,6 +77,7 @@ from torch import nn
 
 from kvserve.kernels.cpu import int4_gemv as int4_cpu
 from kvserve.kernels.cpu import wq_gemm as wq_cpu
+from kvserve.kernels.triton import interpreting
 from kvserve.quant import int4, wq
 from kvserve.quant.int4 import Int4Weight
 
@@ -464,7 +465,7 @@ class Int4Linear(nn.Module):
     # (``.to("cuda")``, ``.cuda()``; the loader does it for ``--device cuda``) first repacks,
     # once, into a GPU layout (``to_device_layout``) and drops the CPU buffers:
     #
-    #   "triton"   (default) kvserve/kernels/triton_int4.py, the compressed-tensors layout:
+    #   "triton"   (default) kvserve/kernels/triton/int4.py, the compressed-tensors layout:
     #              dev_packed int32 [N, ceil(K/8)] (nibble j of word w = column 8w + j, unsigned)
     #              dev_scales [N, G] fp32, dev_zeros int8 [N, G] unsigned zero points (0..16),
     #              fp32 fractional ones -m / s for the GGUF min form (Q4_0: exactly 8), or
@@ -619,8 +620,8 @@ class Int4Linear(nn.Module):
             return y[:, : self.out_features].to(x2.dtype)
         from kvserve.kernels import reference as ref
 
-        if x2.is_cuda or _triton_interpreting():
-            from kvserve.kernels import triton_int4
+        if x2.is_cuda or interpreting():
+            from kvserve.kernels.triton import int4 as triton_int4
 
             mm = triton_int4.int4_matmul
         else:
@@ -737,10 +738,6 @@ def _target_device(fn) -> str | None:  # noqa: ANN001
     except Exception:  # noqa: BLE001 - not a tensor-to-tensor function
         return None
     return t.device.type if isinstance(t, torch.Tensor) else None
-
-
-def _triton_interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
 def _ceil_to(x: int, m: int) -> int:

@@ -57,7 +57,7 @@ def _check(lin: Int4Linear, ms=(1, 3)) -> None:
 
 @pytest.mark.parametrize(("n", "k", "gs", "sym"), SHAPES)
 def test_triton_layout_matches_dequantize(n, k, gs, sym, monkeypatch):
-    from kvserve.kernels import triton_int4
+    from kvserve.kernels.triton import int4 as triton_int4
 
     calls = []
     real = triton_int4.int4_matmul

@@ -16,7 +16,7 @@ from kvserve.attention import get_backend  # noqa: E402
 from kvserve.cache.block_pool import BlockPool  # noqa: E402
 from kvserve.cache.integrity import IntegrityChecker, block_sums  # noqa: E402
 from kvserve.cache.kv_cache import PagedKVCache  # noqa: E402
-from kvserve.kernels import triton_cache as tc  # noqa: E402
+from kvserve.kernels.triton import cache as tc  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 KV_DTYPES = {"bf16": torch.bfloat16, "fp8_e4m3": torch.float8_e4m3fn, "fp32": torch.float32}

@@ -19,9 +19,9 @@ pytest.importorskip("triton")
 
 from kvserve.config import kv_scale_dtype  # noqa: E402
 from kvserve.kernels import reference as ref  # noqa: E402
-from kvserve.kernels import triton_attention as ta  # noqa: E402
-from kvserve.kernels import triton_cache as tc  # noqa: E402
-from kvserve.kernels import triton_int4 as t4  # noqa: E402
+from kvserve.kernels.triton import attention as ta  # noqa: E402
+from kvserve.kernels.triton import cache as tc  # noqa: E402
+from kvserve.kernels.triton import int4 as t4  # noqa: E402
 
 ON_GPU = torch.cuda.is_available()
 DEVICE = "cuda" if ON_GPU else "cpu"

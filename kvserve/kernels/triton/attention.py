@@ -47,7 +47,6 @@ tiles are kept at the 16-row minimum.
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 import torch
@@ -55,6 +54,7 @@ import triton
 import triton.language as tl
 
 from kvserve.kernels import reference as ref
+from kvserve.kernels.triton import interpreting
 
 __all__ = ["paged_decode_attention", "paged_attention", "mla_decode"]
 
@@ -74,13 +74,9 @@ PREFILL_CONFIG_LONG: dict[str, int] = {
 _TORCH_TO_TL = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
 
 
-def _interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") == "1"
-
-
 def _dot_dtype(q_dtype: torch.dtype) -> tl.dtype:
     """Operand dtype of the tensor-core dots (fp32 in the interpreter and for fp32 inputs)."""
-    if _interpreting() or q_dtype not in (torch.bfloat16, torch.float16):
+    if interpreting() or q_dtype not in (torch.bfloat16, torch.float16):
         return tl.float32
     return _TORCH_TO_TL[q_dtype]
 
@@ -424,7 +420,7 @@ def paged_decode_attention(
     if C != 2 or n_qh % n_kvh:
         raise ValueError("decode needs a C=2 cache and Hq a multiple of Hkv")
     group = n_qh // n_kvh
-    interp = _interpreting()
+    interp = interpreting()
     block_n = 16 if interp else DECODE_CONFIG["BLOCK_N"]
     if q.stride(-1) != 1:
         q = q.contiguous()
@@ -587,7 +583,7 @@ def paged_attention(
         return out
     if max_query_len is None:
         max_query_len = int((query_start_loc[1:] - query_start_loc[:-1]).max().item())
-    interp = _interpreting()
+    interp = interpreting()
     cfg = PREFILL_CONFIG if max_query_len < 128 else PREFILL_CONFIG_LONG
     block_m, block_n = (16, 16) if interp else (cfg["BLOCK_M"], cfg["BLOCK_N"])
     if q.stride(-1) != 1:
@@ -767,7 +763,7 @@ def mla_decode(
     R = row_dim - kv_lora_rank
     if lora != kv_lora_rank or q_rope.shape != (B, n_qh, R):
         raise ValueError("q shapes do not match kv_lora_rank / the cached row width")
-    interp = _interpreting()
+    interp = interpreting()
     block_n = 16 if interp else 32
     block_h = 16
     qn = q_nope_absorbed if q_nope_absorbed.stride(-1) == 1 else q_nope_absorbed.contiguous()

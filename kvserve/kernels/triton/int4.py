@@ -20,13 +20,12 @@ and scale in fp32 and feeds x's dtype to ``tl.dot`` (fp32 under the interpreter)
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
 
 from kvserve.kernels import reference as ref
+from kvserve.kernels.triton import interpreting
 
 __all__ = ["int4_matmul"]
 
@@ -109,7 +108,7 @@ def int4_matmul(
         raise ValueError("weight_packed must be int32 [N, ceil(K/8)]")
     if zeros is not None:
         zeros = ref.unpack_zero_points(zeros, N) if zeros.shape[0] != N else zeros
-    interp = os.environ.get("TRITON_INTERPRET", "0") == "1"
+    interp = interpreting()
     if interp or x.dtype not in (torch.bfloat16, torch.float16):
         dot_dtype, precision = tl.float32, "ieee"
     else:

@@ -49,6 +49,7 @@ import torch
 
 from kvserve.cache.block_pool import BlockPool
 from kvserve.cache.kv_cache import PagedKVCache
+from kvserve.kernels import reference as ref
 from kvserve.kernels.cpu import block_sums as c_block_sums
 
 T = TypeVar("T")
@@ -92,21 +93,12 @@ def block_sums(kv: PagedKVCache, block_ids: list[int]) -> np.ndarray:
 
 
 def block_sums_numpy(kv: PagedKVCache, block_ids: list[int]) -> np.ndarray:
-    """The twin of ``block_sums``: gather the blocks, two numpy reductions per layer."""
-    idx = torch.tensor(block_ids, dtype=torch.int64, device=kv.data.device)
-    data = kv.data.index_select(1, idx).cpu()  # [L, n, C, bs, H, D]
-    L, n = data.shape[0], data.shape[1]
-    out = np.zeros((n, L, 4), dtype=np.int64)
-    rows = kv.components * kv.block_size
-    w = data.contiguous().view(torch.int16).numpy().reshape(L, n, rows, -1)
-    out[:, :, 0:2] = _sums(w).transpose(1, 0, 2)
-    if kv.scales is not None:
-        s = kv.scales.index_select(1, idx).cpu().contiguous().reshape(L, n, rows, -1)
-        if s.element_size() == 1:  # INT8 codes: one row of words per block
-            s = s.reshape(L, n, 1, -1)
-        s = s.view(torch.int16).numpy()
-        out[:, :, 2:4] = _sums(s).transpose(1, 0, 2)
-    return out
+    """The twin of ``block_sums``: the reference checksum of each layer's blocks
+    (:func:`kvserve.kernels.reference.block_checksum_state`, the one specification)."""
+    ids = torch.tensor(block_ids, dtype=torch.int64)
+    per_layer = [ref.block_checksum_state(kv.data, kv.scales, layer, ids)
+                 for layer in range(kv.num_layers)]  # L x [n, 4]
+    return torch.stack(per_layer, 1).cpu().numpy()
 
 
 def write_state_sums(state: torch.Tensor, block_ids: list[int]) -> np.ndarray:
@@ -114,18 +106,6 @@ def write_state_sums(state: torch.Tensor, block_ids: list[int]) -> np.ndarray:
     ``state [L, NB+1, 4]`` (one small device->host copy; no read of the KV bytes)."""
     idx = torch.tensor(block_ids, dtype=torch.int64, device=state.device)
     return state.index_select(1, idx).permute(1, 0, 2).contiguous().cpu().numpy()
-
-
-def _sums(w: np.ndarray) -> np.ndarray:
-    """w [L, n, R, C] int16 -> [L, n, 2] (S1, S2) over the row-major flattening of [R, C]."""
-    r, c = w.shape[-2], w.shape[-1]
-    rowsum = w.sum(axis=3, dtype=np.int64)  # [L, n, R]
-    colsum = w.sum(axis=2, dtype=np.int64)  # [L, n, C]
-    s1 = rowsum.sum(axis=2)
-    s2 = c * (rowsum * np.arange(r, dtype=np.int64)).sum(axis=2) + (
-        colsum * np.arange(1, c + 1, dtype=np.int64)
-    ).sum(axis=2)
-    return np.stack([s1, s2], axis=-1)
 
 
 def _timed(kind: str) -> Callable[[Callable[..., T]], Callable[..., T]]:

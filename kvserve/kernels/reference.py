@@ -45,6 +45,7 @@ from __future__ import annotations
 import torch
 
 from kvserve.config import FP8_DTYPES, is_fp8, is_scaled
+from kvserve.quant import fp8, int4, int8
 
 __all__ = [
     "FP8_DTYPES",
@@ -67,15 +68,11 @@ __all__ = [
     "int4_matmul",
 ]
 
-#: Lower bound on amax before dividing by FP8_MAX (an all-zero row still gets a finite scale).
-AMAX_EPS = 1e-12
-
-
 def fp8_max(dtype: torch.dtype) -> float:
     """Largest finite value: 448 for e4m3fn, 57344 for e5m2."""
     if not is_fp8(dtype):
         raise ValueError(f"{dtype} is not an FP8 storage dtype")
-    return float(torch.finfo(dtype).max)
+    return fp8.FP8_MAX[dtype]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -106,15 +103,12 @@ def quantize_fp8_rows(
     it. With ``static_scale`` (scalar or per-head [H], where x is [..., H, D]) the same formula is
     used with that scale (rounded to bf16) instead of the dynamic one.
     """
-    fmax = fp8_max(dtype)
     xf = x.float()
     if static_scale is None:
-        amax = xf.abs().amax(dim=-1)
-        scale = (amax.clamp_min(AMAX_EPS) / fmax).to(torch.bfloat16)
+        scale = fp8.compute_scales(xf, dtype)
     else:
         scale = _static_scale_rows(static_scale, xf.shape[:-1]).clone()
-    q = (xf / scale.float().unsqueeze(-1)).clamp(-fmax, fmax).to(dtype)
-    return q, scale
+    return fp8.quantize(xf, scale, dtype), scale
 
 
 def dequantize_rows(data: torch.Tensor, scales: torch.Tensor | None) -> torch.Tensor:
@@ -123,10 +117,8 @@ def dequantize_rows(data: torch.Tensor, scales: torch.Tensor | None) -> torch.Te
     if is_scaled(data.dtype):
         assert scales is not None, "FP8 / INT8 cache needs kv_scales"
         if data.dtype == torch.int8:
-            from kvserve.quant import int8
-
             return int8.dequantize(data, scales)
-        return data.float() * scales.float().unsqueeze(-1)
+        return fp8.dequantize(data, scales)
     return data.float()
 
 
@@ -280,8 +272,6 @@ def write_kv(
             kv_data[layer, blocks, c, offs] = q
             kv_scales[layer, blocks, c, offs] = scale  # type: ignore[index]
         elif i8:
-            from kvserve.quant import int8
-
             q, scale = int8.quantize_dynamic(rows)
             kv_data[layer, blocks, c, offs] = q
             kv_scales[layer, blocks, c, offs] = scale  # type: ignore[index]
@@ -428,22 +418,16 @@ def mla_decode(
 #   [ceil(N/8), ceil(K/group)], 8 consecutive OUTPUT rows per word, low nibble first.
 
 
-def _unpack_nibbles(packed: torch.Tensor, n: int) -> torch.Tensor:
-    """int32 [..., W] -> int64 [..., n] nibbles in [0, 15], low nibble first along the last dim."""
-    shifts = torch.arange(8, device=packed.device, dtype=torch.int64) * 4
-    nib = (packed.to(torch.int64).unsqueeze(-1) >> shifts) & 0xF  # [..., W, 8]
-    return nib.flatten(-2)[..., :n]
-
-
 def unpack_int4(packed: torch.Tensor, k: int) -> torch.Tensor:
-    """``weight_packed`` int32 [N, ceil(K/8)] -> unsigned nibbles int64 [N, K] in [0, 15]."""
-    return _unpack_nibbles(packed, k)
+    """``weight_packed`` int32 [N, ceil(K/8)] -> unsigned nibbles int64 [N, K] in [0, 15]
+    (the format's own unpacker, :func:`kvserve.quant.int4.unpack_nibbles`)."""
+    return int4.unpack_nibbles(packed, k).long()
 
 
 def unpack_zero_points(zeros: torch.Tensor, n: int) -> torch.Tensor:
     """Zero points as float32 [N, G] from the unpacked or dim-0-packed form."""
     if zeros.dtype == torch.int32 and zeros.shape[0] != n and zeros.shape[0] == (n + 7) // 8:
-        return _unpack_nibbles(zeros.T.contiguous(), n).T.float()  # [G, N] -> [N, G]
+        return int4.unpack_nibbles(zeros, n, dim=0).float()  # 8 output rows per word
     return zeros.float()
 
 
@@ -502,9 +486,6 @@ def quantize_int4(
         zp_f = (-lo / scale.float()).round().clamp(0, 15)
         zeros = zp_f.to(torch.int32)
     u = (wg / scale.float().unsqueeze(-1) + zp_f.unsqueeze(-1)).round().clamp(0, 15)
-    u = u.view(n, -1)[:, :k].to(torch.int64)
-    u = torch.nn.functional.pad(u, (0, (-k) % 8)).view(n, -1, 8)  # [N, W, 8]
-    shifts = torch.arange(8, device=w.device, dtype=torch.int64) * 4
-    words = (u << shifts).sum(-1)  # [N, W] in [0, 2^32)
-    words = torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)
-    return words, scale, zeros
+    u = u.view(n, -1)[:, :k]
+    # the format's packer (pack-quantized: signed values + 8 in nibbles, low nibble first)
+    return int4.pack_int4((u - int4.OFFSET).to(torch.int8)), scale, zeros

@@ -160,7 +160,7 @@ def pack_int4(values: torch.Tensor, dim: int = 1) -> torch.Tensor:
     rows, cols = u.shape
     words = math.ceil(cols / VALUES_PER_WORD)
     u = torch.nn.functional.pad(u, (0, words * VALUES_PER_WORD - cols))  # zero nibbles
-    shifts = torch.tensor(_SHIFTS, dtype=torch.int64)
+    shifts = torch.tensor(_SHIFTS, dtype=torch.int64, device=u.device)
     packed = (u.view(rows, words, VALUES_PER_WORD) << shifts).sum(-1)  # [rows, words] < 2**32
     packed = torch.where(packed >= 2**31, packed - 2**32, packed).to(torch.int32)
     return (packed.t() if dim == 0 else packed).contiguous()
@@ -181,7 +181,7 @@ def unpack_nibbles(packed: torch.Tensor, size: int, dim: int = 1) -> torch.Tenso
     rows, words = p.shape
     if size > words * VALUES_PER_WORD or size <= (words - 1) * VALUES_PER_WORD:
         raise ValueError(f"size={size} does not fit {words} packed words along dim {dim}")
-    shifts = torch.tensor(_SHIFTS, dtype=torch.int32)
+    shifts = torch.tensor(_SHIFTS, dtype=torch.int32, device=p.device)
     # arithmetic >> on negative words still leaves the right nibble in the low 4 bits
     nib = (p.unsqueeze(-1) >> shifts) & 0xF  # [rows, words, 8]
     out = nib.reshape(rows, words * VALUES_PER_WORD)[:, :size].to(torch.int16)

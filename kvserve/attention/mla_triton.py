@@ -4,7 +4,7 @@ Chosen automatically for an MLA model (latent cache, components == 1) when the K
 on CUDA (``attention_backend="auto"`` or ``"triton"``, see ``resolve_backend_name``); on CPU it
 runs under ``TRITON_INTERPRET=1`` (tests only). Per layer and step:
 
-    write   triton_cache.write_kv(latent [T, 1, R + dr], v=None)   fused copy / FP8 quantise
+    write   PagedKVCache.write(latent [T, 1, R + dr]) -> the fused Triton write (copy / FP8)
             (+ the per-block checksum state sealing uses, when integrity is on)
     decode  every q_len = 1 sequence in ONE split-K kernel launch (triton_attention.mla_decode):
               q_lat = W_UK^T q_nope                 [n, H, R]   (torch bmm, as mla_torch)
@@ -42,11 +42,10 @@ class MlaTritonAttentionBackend(MlaTorchAttentionBackend):
     ) -> None:
         super().__init__(kv_cache, num_heads, num_kv_heads, head_dim, scale, max_model_len)
         from kvserve.kernels.triton import attention as triton_attention
-        from kvserve.kernels.triton import cache as triton_cache
 
-        self._attn, self._cache = triton_attention, triton_cache
-        # Kept by the write kernel for the integrity checker (None when integrity is off).
-        self.csum_state = kv_cache.enable_checksum_state()
+        self._attn = triton_attention
+        # the cache's writes run the fused Triton kernel (+ the integrity checksum state)
+        kv_cache.use_fused_writer()
 
     # ---- per-step planning (shared by all layers) -------------------------------------------
     def _plan(self, meta: AttentionMetadata) -> MlaPlan:
@@ -66,10 +65,7 @@ class MlaTritonAttentionBackend(MlaTorchAttentionBackend):
 
     # ---- hooks --------------------------------------------------------------------------
     def _write(self, layer: int, rows: torch.Tensor, meta: AttentionMetadata) -> None:
-        kv = self.kv
-        static = None if kv.static_scales is None else kv.static_scales[layer, 0]  # [1]
-        self._cache.write_kv(kv.data, kv.scales, layer, self._plan(meta).slots, rows, None,
-                             self.csum_state, static)
+        self.kv.write(layer, meta.write_rows, rows, slots=self._plan(meta).slots)
 
     def _decode_all(
         self, layer: int, q_nope: torch.Tensor, q_pe: torch.Tensor, w: torch.Tensor,

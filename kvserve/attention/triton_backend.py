@@ -36,17 +36,16 @@ class TritonAttentionBackend(BackendBase):
     def __init__(self, kv_cache: PagedKVCache, num_heads: int, num_kv_heads: int,
                  head_dim: int, scale: float, max_model_len: int) -> None:
         from kvserve.kernels.triton import attention as triton_attention
-        from kvserve.kernels.triton import cache as triton_cache
 
         if kv_cache.components != 2:
             raise ValueError("the triton backend serves K/V caches; MLA models use mla_triton")
-        self._attn, self._cache = triton_attention, triton_cache
+        self._attn = triton_attention
         self.kv = kv_cache
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
         self.scale = scale
-        # The write kernel keeps the per-block checksum state the integrity checker seals from
-        # (None when integrity is off: no atomics).
-        self.csum_state = kv_cache.enable_checksum_state()
+        # the cache's writes run the fused Triton kernel, which also keeps the per-block
+        # checksum state the integrity checker seals from (when integrity is on)
+        kv_cache.use_fused_writer()
 
     def _plan(self, meta: AttentionMetadata) -> TritonPlan:
         plan = meta.cache.get(self.name)
@@ -88,10 +87,7 @@ class TritonAttentionBackend(BackendBase):
                 meta: AttentionMetadata) -> torch.Tensor:
         p = self._plan(meta)
         kv = self.kv
-        ks = vs = None
-        if kv.static_scales is not None:
-            ks, vs = kv.static_scales[layer, 0], kv.static_scales[layer, 1]
-        self._cache.write_kv(kv.data, kv.scales, layer, p.slots, k, v, self.csum_state, ks, vs)
+        kv.write(layer, meta.write_rows, k, v, slots=p.slots)
         q = q.contiguous()
         if p.decode:
             return self._attn.paged_decode_attention(

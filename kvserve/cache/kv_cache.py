@@ -18,7 +18,7 @@ the row of token ``slot``, component c, in ``data[layer].view(-1, H, D)`` is
 Everything is allocated (and zero-touched, to take the page faults) once at start-up.
 
 Optional checksum state (``kvserve.cache.integrity``), present only when integrity checking is
-on AND the attention backend's writes accumulate it (the Triton backends' fused write kernel)::
+on AND the writes accumulate it (the fused Triton write kernel, ``use_fused_writer``)::
 
     csum_state [num_layers, num_blocks + 1, 4]  int64  (S1, S2 payload, S1, S2 scales)
 
@@ -30,6 +30,7 @@ the bytes and sealing needs no read of the KV (``IntegrityChecker.seal``).
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 
 import torch
 
@@ -107,6 +108,8 @@ class PagedKVCache:
         # cache), kept by a fused writer (``enable_checksum_state``).
         self.checksums_wanted = checksums
         self.csum_state: torch.Tensor | None = None
+        # The fused writer (kernels/triton/cache.write_kv) once a Triton backend asks for it.
+        self._fused_write: Callable[..., None] | None = None
         # Optional checkpoint scales [num_layers, C, H] (per-tensor scales broadcast over H).
         self.static_scales = None
         if static_scales is not None:
@@ -118,13 +121,18 @@ class PagedKVCache:
                     num_layers, components, num_kv_heads
                 )
 
-    def enable_checksum_state(self) -> torch.Tensor | None:
-        """Called by a backend whose writes accumulate the checksum state: allocates
-        ``csum_state`` (once) if the cache was built with ``checksums``, else returns None.
+    def use_fused_writer(self) -> torch.Tensor | None:
+        """Called once by a Triton backend: ``write`` runs the fused Triton write kernel from
+        now on (kvserve/kernels/triton/cache.py, the twin of reference.write_kv), which also
+        keeps the per-block checksum state. Allocates ``csum_state`` (once) if the cache was
+        built with ``checksums`` and returns it (None otherwise).
 
         Must run before any block is allocated: the checker zeroes a block's row on allocation,
         so a row that existed before allocation began would not be trustworthy.
         """
+        from kvserve.kernels.triton import cache as triton_cache
+
+        self._fused_write = triton_cache.write_kv
         if self.checksums_wanted and self.csum_state is None:
             self.csum_state = torch.zeros(
                 (self.num_layers, self.num_blocks + 1, 4), dtype=torch.int64,
@@ -147,8 +155,22 @@ class PagedKVCache:
         """data[layer] as rows [(NB+1)*C*bs, H, D] (a view)."""
         return self.data[layer].view(-1, self.num_kv_heads, self.head_dim)
 
-    def write(self, layer: int, rows: torch.Tensor, *parts: torch.Tensor) -> None:
-        """Write component c of T tokens: parts[c] [T, H, D]; rows [T] = component-0 rows."""
+    def write(self, layer: int, rows: torch.Tensor, *parts: torch.Tensor,
+              slots: torch.Tensor | None = None) -> None:
+        """The one write path: component c of T tokens, parts[c] [T, H, D]; rows [T] int64 =
+        component-0 rows (see the module docstring); ``slots`` [T] int64 the same tokens as
+        slot ids (computed from rows when None). Below it: the fused Triton kernel (after
+        ``use_fused_writer``; takes slots), else the C writers / torch (takes rows)."""
+        if self._fused_write is not None:
+            if slots is None:
+                cbs = self.components * self.block_size
+                slots = rows // cbs * self.block_size + rows % cbs
+            static = [None] * len(parts) if self.static_scales is None else \
+                list(self.static_scales[layer, : len(parts)])  # per component: [H] bf16
+            v = parts[1] if len(parts) > 1 else None
+            self._fused_write(self.data, self.scales, layer, slots, parts[0], v,
+                              self.csum_state, *static)
+            return
         flat = self.layer_rows(layer)
         bs = self.block_size
         for c, x in enumerate(parts):

@@ -24,3 +24,29 @@ def test_engine_on_triton_backend_matches_torch(model_factory, make_llm, kv):
     got = tri.generate(prompts, sp)
     for a, b in zip(ref, got, strict=True):
         assert a.outputs[0].token_ids == b.outputs[0].token_ids
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float8_e4m3fn", "int8"])
+def test_cache_write_runs_the_fused_kernel_bit_exact(dtype):
+    """``PagedKVCache.write`` is the one write path: after ``use_fused_writer`` it runs the
+    Triton kernel (slots from rows when none are given), bit-exact with the reference write."""
+    import torch
+
+    from kvserve.cache.kv_cache import PagedKVCache
+    from kvserve.kernels import reference as ref
+
+    dt = getattr(torch, dtype)
+    kv = PagedKVCache(2, 4, 4, 2, 8, 2, dt, checksums=True)
+    state = kv.use_fused_writer()
+    g = torch.Generator().manual_seed(0)
+    k, v = torch.randn(5, 2, 8, generator=g), torch.randn(5, 2, 8, generator=g)
+    slots = torch.tensor([0, 3, 5, 9, 14])
+    rows = slots // 4 * 8 + slots % 4  # component-0 rows: (block * C) * bs + offset
+    kv.write(1, rows, k, v)
+    data, scales = torch.zeros_like(kv.data), None if kv.scales is None else \
+        torch.zeros_like(kv.scales)
+    twin_state = torch.zeros_like(state)
+    ref.write_kv(data, scales, 1, slots, k, v, twin_state)
+    assert torch.equal(kv.data.view(torch.uint8), data.view(torch.uint8))
+    assert scales is None or torch.equal(kv.scales.view(torch.uint8), scales.view(torch.uint8))
+    assert torch.equal(state, twin_state)

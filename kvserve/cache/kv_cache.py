@@ -105,7 +105,7 @@ class PagedKVCache:
         if self.has_scales and not self.data.is_cuda:
             self.use_kernel = cpu_attention.load() is not None
         # Per-block checksum state: wanted when integrity is on (decided by whoever builds the
-        # cache), kept by a fused writer (``enable_checksum_state``).
+        # cache), kept by the fused writer (``use_fused_writer``).
         self.checksums_wanted = checksums
         self.csum_state: torch.Tensor | None = None
         # The fused writer (kernels/triton/cache.write_kv) once a Triton backend asks for it.

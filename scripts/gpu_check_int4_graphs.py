@@ -82,7 +82,7 @@ def int4_gemm() -> None:
                 lin = Int4Linear(q)
                 if w is None:
                     w = lin.dequantize().to(DEV)  # fp32 [N, K]: the CPU layout's weight
-                layers[kern] = lin.to_device_layout(kern).to(DEV)
+                layers[kern] = lin.to_device_layout(kern, DEV)
                 assert lin.device_kernel == kern, lin.device_kernel
             except Exception as e:  # noqa: BLE001 - recorded, the other kernel still runs
                 res["int4_gemm"].append({"N": n, "K": k, "kernel": kern,
@@ -147,11 +147,11 @@ def make_model(path: str) -> str:
     return path
 
 
-def _engine(path: str, eager: bool, integrity: str = "on"):
+def _engine(path: str, eager: bool, integrity: str = "on", int4_kernel: str = "triton"):
     from kvserve import LLM
 
     return LLM(path, device=DEV, dtype="bf16" if CUDA else "float32", enforce_eager=eager,
-               kv_integrity=integrity,
+               kv_integrity=integrity, int4_cuda_kernel=int4_kernel,
                max_num_seqs=32, kv_cache_memory="2GiB" if CUDA else "16MiB",
                max_model_len=1024 if CUDA else 64, progress=False,
                attention_backend="auto" if CUDA else "triton")
@@ -256,9 +256,8 @@ def int4_e2e(path: str, qpath: str) -> None:
     r = res["int4_e2e"]
     toks = {}
     for kern in ("triton", "tinygemm"):
-        os.environ["KVSERVE_INT4_CUDA_KERNEL"] = kern
         try:
-            llm = _engine(qpath, eager=False)
+            llm = _engine(qpath, eager=False, int4_kernel=kern)
             mods = [m for m in llm.engine.model.modules() if isinstance(m, Int4Linear)]
             kinds = sorted({m.device_kernel for m in mods})
             rate, toks[kern] = decode_rate(llm, 8, 32)
@@ -271,7 +270,6 @@ def int4_e2e(path: str, qpath: str) -> None:
             r[kern] = {"error": repr(e)[:300], "trace": traceback.format_exc()[-1500:]}
         print(f"[int4-e2e] {kern}: {r[kern]}")
         save()
-    os.environ.pop("KVSERVE_INT4_CUDA_KERNEL", None)
     if len(toks) == 2:
         r["greedy_identical_fraction"] = sum(
             a == b for a, b in zip(toks["triton"], toks["tinygemm"], strict=True)) / 8

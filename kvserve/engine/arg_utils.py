@@ -86,6 +86,11 @@ class EngineArgs:
         "products -- int8x2: two int8 passes (~15 bits, near-exact), int8: one (llama.cpp's "
         "arithmetic, fastest); fp32: the dequantized weights' exact product (slowest)",
         choices=["int8x2", "int8", "fp32"])
+    # INT4 checkpoints on CUDA (kvserve/layers/int4_methods.py): the kernel each INT4 layer is
+    # repacked for at load; tinygemm wants bf16 activations and sm80+.
+    int4_cuda_kernel: str = arg(
+        "triton", "INT4 weights on cuda: the Triton W4A16 GEMM or torch's tinygemm op",
+        choices=["triton", "tinygemm"])
     seed: int = arg(0, "global torch seed (random draws of requests without their own seed; "
                     "see --sampling-seed)", type=int)
     progress: bool = arg(True, "progress bars while loading", cli=False)
@@ -117,6 +122,9 @@ class EngineArgs:
         from kvserve.quant.wq import activation_terms  # torch: not at import (--help)
 
         activation_terms(self.gguf_activations)  # ValueError naming gguf_activations
+        if self.int4_cuda_kernel not in ("triton", "tinygemm"):
+            raise ValueError(f"int4_cuda_kernel must be triton or tinygemm, got "
+                             f"{self.int4_cuda_kernel!r}")
         if self.distributed_init_method is None and self.master_port is not None:
             # frozen: the one derived field, settled here so every reader sees the same value
             object.__setattr__(self, "distributed_init_method",

@@ -59,7 +59,8 @@ class Worker:
         self.path = resolve_model(args.model)
         self.loaded: LoadedModel = load_model(self.path, args.dtype, args.device,
                                               progress=args.progress and rank == 0,
-                                              act_terms=activation_terms(args.gguf_activations))
+                                              act_terms=activation_terms(args.gguf_activations),
+                                              int4_kernel=args.int4_cuda_kernel)
         self.model = self.loaded.model
         self.spec = self.model.kv_spec()  # this rank's heads
         self.layout = self._layout()

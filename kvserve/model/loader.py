@@ -19,6 +19,7 @@ from safetensors import safe_open
 from tqdm.auto import tqdm
 
 from kvserve.distributed.parallel_state import get_tp_size
+from kvserve.layers.int4_linear import Int4Linear
 from kvserve.layers.linear import Int4MergedLinear, Linear, MergedLinear
 from kvserve.layers.moe import FusedMoE, Int4FusedMoE
 from kvserve.layers.vocab_parallel import ParallelLMHead, VocabParallelEmbedding
@@ -107,10 +108,12 @@ def model_source(path: str) -> tuple[str, GGUFCheckpoint | None]:
 
 
 def load_model(path: str, dtype: str | torch.dtype = "auto", device: str = "cpu",
-               progress: bool = True, act_terms: int = 2) -> LoadedModel:
+               progress: bool = True, act_terms: int = 2,
+               int4_kernel: str = "triton") -> LoadedModel:
     """``act_terms``: GGUF Q4_0 / Q4_1 / Q8_0 weights multiply activations quantized to this
     many int8 terms per 32 columns on CPU (integer dot products, kvserve.quant.wq); 0 keeps
-    fp32 activations (the dequantized weights' exact product, slower)."""
+    fp32 activations (the dequantized weights' exact product, slower). ``int4_kernel``: the
+    GPU kernel INT4 layers are repacked for off the CPU ("triton" or "tinygemm")."""
     from kvserve.config import dtype_name, resolve_model_dtype
 
     folder, ggml = model_source(path)
@@ -198,8 +201,11 @@ def load_model(path: str, dtype: str | torch.dtype = "auto", device: str = "cpu"
         if isinstance(module, Int4MergedLinear):
             module.finish_loading()
             if torch.device(device).type != "cpu":
-                # packed on the CPU from the checkpoint; the move repacks once for the GPU
-                # kernel (Int4Linear.to_device_layout) and drops the CPU layout
+                # packed on the CPU from the checkpoint; repacked once for the GPU kernel
+                # (dropping the CPU layout) and moved
+                for lin in module.modules():
+                    if isinstance(lin, Int4Linear):
+                        lin.to_device_layout(int4_kernel, device)
                 module.to(device)
     if storage != dtype:
         n = narrow_dense_weights(model, storage)

@@ -1,7 +1,7 @@
 """INT4 weight-only formats: pure-torch pack/unpack, round-to-nearest quantization, AWQ search.
 
 Everything here is the reference ("twin") side: plain torch ops, fp32 math, no layout tricks.
-``kvserve.layers.int4_linear.Int4Linear`` repacks an :class:`Int4Weight` for the fast CPU op.
+``kvserve.quant.int4_layouts`` repacks an :class:`Int4Weight` for the kernels.
 
 Canonical in-memory form (:class:`Int4Weight`), the compressed-tensors convention::
 

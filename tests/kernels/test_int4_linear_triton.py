@@ -10,7 +10,8 @@ import torch
 
 pytest.importorskip("triton")
 
-from kvserve.layers.int4_linear import Int4Linear, _target_device  # noqa: E402
+from kvserve.layers.int4_linear import Int4Linear  # noqa: E402
+from kvserve.layers.int4_methods import CanonicalMethod, TritonMethod  # noqa: E402
 from kvserve.quant import int4  # noqa: E402
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
@@ -37,9 +38,10 @@ def _act_order_weight(n: int, k: int, gs: int, sym: bool, g: torch.Generator) ->
 def _check(lin: Int4Linear, ms=(1, 3)) -> None:
     g = torch.Generator().manual_seed(7)
     w = lin.dequantize()  # fp32 [N, K]: the CPU layout's weight
-    lin.to_device_layout("triton").to(DEV)
-    assert lin.device_kernel == "triton" and lin.dev_packed.dtype == torch.int32
-    assert lin.packed is None and lin.ct_packed is None  # the CPU layouts are dropped
+    lin.to_device_layout("triton", DEV)
+    assert lin.device_kernel == "triton" and lin.method.dev_packed.dtype == torch.int32
+    held = {name for name, _ in lin.named_buffers()}  # the CPU layouts are dropped
+    assert held <= {"bias", "perm", "method.dev_packed", "method.dev_scales", "method.dev_zeros"}
     w, w_dev = w.to(DEV), lin.dequantize()
     # the same nibbles; the CPU op's zero (bf16 -zp*s) comes back as the integer zp
     tol = float(w.abs().max()) * 2e-2
@@ -86,10 +88,11 @@ def test_triton_layout_exact_from_canonical_pack():
     g = torch.Generator().manual_seed(11)
     q = int4.quantize_rtn(torch.randn(16, 48, generator=g), 16, False)
     lin = Int4Linear(q)
-    assert not lin.fast
+    assert isinstance(lin.method, CanonicalMethod)
     lin.to_device_layout("triton")
+    assert isinstance(lin.method, TritonMethod)
     assert torch.equal(lin.dequantize(), int4.dequantize(q))
-    assert torch.equal(lin.dev_zeros.long(), q.zeros.long() + 8)
+    assert torch.equal(lin.method.dev_zeros.long(), q.zeros.long() + 8)
 
 
 def test_irregular_act_order_goes_dense():
@@ -112,9 +115,6 @@ def test_device_layout_errors_and_probe():
     assert lin.to_device_layout("triton") is lin  # idempotent
     with pytest.raises(ValueError, match="tinygemm"):
         lin.to_device_layout("tinygemm")
-    assert _target_device(lambda t: t.to("cpu")) == "cpu"
-    assert _target_device(lambda t: t.half()) == "cpu"
-    assert _target_device(lambda t: None) is None
     # a CPU move or dtype cast keeps the CPU layout (no repack)
     cpu = Int4Linear.from_dense(torch.randn(16, 64), 32).to("cpu").float()
     assert cpu.device_kernel is None
@@ -129,7 +129,8 @@ def test_tinygemm_layout_prepared_on_cpu():
     w = lin.dequantize()
     lin.to_device_layout("tinygemm")
     assert lin.device_kernel == "tinygemm"
-    u8, sz = lin.dev_u8, lin.dev_sz.float()  # [n_pad, k_pad / 2], [k_pad / 32, n_pad, 2]
+    # [n_pad, k_pad / 2], [k_pad / 32, n_pad, 2]
+    u8, sz = lin.method.dev_u8, lin.method.dev_sz.float()
     assert u8.shape == (24, 48) and sz.shape == (3, 24, 2)
     u = torch.stack(((u8 >> 4), (u8 & 15)), -1).view(24, 96).float()  # even column: high
     gi = torch.arange(96) // 32
@@ -138,21 +139,15 @@ def test_tinygemm_layout_prepared_on_cpu():
     torch.testing.assert_close(rebuilt[:20], w, rtol=0, atol=float(w.abs().max()) * 2e-2)
 
 
-def test_module_move_to_cuda_repacks(monkeypatch):
-    """``.to(cuda)`` (here: a CPU move the probe reports as CUDA) repacks before moving,
-    for the kernel $KVSERVE_INT4_CUDA_KERNEL names; a bad name is a ValueError naming it."""
-    import kvserve.layers.int4_linear as il
+def test_cuda_kernel_is_an_engine_knob():
+    """The loader repacks for ``EngineArgs.int4_cuda_kernel`` (no environment switch): the
+    tinygemm layout keeps its bytes until it sits on CUDA; a bad name is a ValueError naming
+    the knob, before anything loads."""
+    from kvserve.engine.arg_utils import EngineArgs
 
-    monkeypatch.setattr(il, "_target_device", lambda fn: "cuda")
     g = torch.Generator().manual_seed(4)
-    lin = Int4Linear.from_dense(torch.randn(16, 64, generator=g), 32, symmetric=False)
-    w = lin.dequantize()
-    torch.nn.Sequential(lin).to("cpu")  # recurses into Int4Linear._apply
-    assert lin.device_kernel == "triton" and lin.packed is None
-    torch.testing.assert_close(lin.dequantize(), w, rtol=0, atol=float(w.abs().max()) * 2e-2)
-    monkeypatch.setenv("KVSERVE_INT4_CUDA_KERNEL", "tinygemm")
-    tg = Int4Linear.from_dense(torch.randn(16, 64, generator=g), 32).to("cpu")
-    assert tg.device_kernel == "tinygemm" and tg.dev_u8 is not None  # tiles are made on CUDA
-    monkeypatch.setenv("KVSERVE_INT4_CUDA_KERNEL", "marlin")
-    with pytest.raises(ValueError, match="KVSERVE_INT4_CUDA_KERNEL"):
-        Int4Linear.from_dense(torch.randn(16, 64, generator=g), 32).to("cpu")
+    tg = Int4Linear.from_dense(torch.randn(16, 64, generator=g), 32)
+    tg.to_device_layout("tinygemm", "cpu")
+    assert tg.device_kernel == "tinygemm" and tg.method.dev_u8 is not None  # tiles: on CUDA
+    with pytest.raises(ValueError, match="int4_cuda_kernel"):
+        EngineArgs(model="demo", int4_cuda_kernel="marlin")

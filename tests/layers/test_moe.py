@@ -249,6 +249,7 @@ def test_int4_fused_moe_layer_matches_its_dequantized_twin():
     """``Int4FusedMoE``: per expert one Int4Linear for gate+up and one for down; only experts
     that received tokens run (each once, on its rows); a dense (ignored) expert mixes in."""
     from kvserve.layers.int4_linear import Int4Linear
+    from kvserve.layers.int4_methods import CpuPackMethod
 
     torch.manual_seed(8)
     e_n, hidden, inter = 5, 64, 32
@@ -279,10 +280,8 @@ def test_int4_fused_moe_layer_matches_its_dequantized_twin():
     ref = twin(x, w, ids)
     assert ((got - ref).norm() / ref.norm()).item() < 1e-2  # int4 op: bf16 activations
     for m in moe.modules():
-        if isinstance(m, Int4Linear):
-            m.dequant_min_m = 1  # dequant -> fp32 GEMM: the twin's arithmetic
-            if hasattr(m, "gemv_max_m"):  # the C skinny-GEMM path, where present, goes first
-                m.gemv_max_m = 0
+        if isinstance(m, CpuPackMethod):  # dequant -> fp32 GEMM: the twin's arithmetic
+            m.dequant_min_m, m.gemv_max_m = 1, 0  # (the C skinny GEMM goes first otherwise)
     torch.testing.assert_close(moe(x, w, ids), ref, atol=1e-5, rtol=1e-5)
     assert moe(x[:0], w[:0], ids[:0]).shape == (0, hidden)
     # bytes held: 4 INT4 experts (4-bit + a scale per 32) and one fp32 expert

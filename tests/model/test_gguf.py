@@ -18,6 +18,7 @@ import torch
 
 from kvserve import SamplingParams
 from kvserve.layers.int4_linear import Int4Linear
+from kvserve.layers.int4_methods import CpuPackMethod, WqMethod
 from kvserve.quant import int4, wq
 from kvserve.quant.gguf_q4 import BLOCK_BYTES, unpack_q4
 from tests.model.gguf_writer import dequantized_hf, write_gguf
@@ -75,14 +76,15 @@ def test_packed_int4_layer_equals_dequantized_matmul(kind, shape, a8):
     ref_w = torch.from_numpy(dequantize(q, QT[kind]))
     layer = Int4Linear(unpack_q4(q, kind, (n, k)), act_terms=a8)
     # int8 activations: integer-dot tiles and nothing else; fp32: torch's int4 pack, fp16 pairs
-    assert layer.min_form and (layer.wq_codes is not None) == bool(a8)
-    assert a8 or layer.scales_zeros is None or layer.scales_zeros.dtype == torch.float16
+    assert isinstance(layer.method, WqMethod) == bool(a8)
+    assert a8 or not isinstance(layer.method, CpuPackMethod) or (
+        layer.method.min_form and layer.method.scales_zeros.dtype == torch.float16)
     assert torch.equal(layer.dequantize(), ref_w)  # the layer holds exactly these weights
     g = torch.Generator().manual_seed(0)
     for m in (1, 2, 7, 64, 80, 130):  # fp32: C GEMV (<= 24 rows), dequantize + GEMM above
         x = torch.randn(m, k, generator=g)
         if a8:  # the exact weights times x quantized to int8 terms per 32 columns (twin)
-            want = wq.wq_matmul_ref(x, *layer._wq_parts(), 32, a8)
+            want = wq.wq_matmul_ref(x, *layer.method.parts(), 32, a8)
             torch.testing.assert_close(layer(x), want, rtol=1e-5,
                                        atol=1e-5 * float(want.abs().max()))
         else:
@@ -150,9 +152,9 @@ def test_int8_activations_close_to_fp32(acts, gguf_factory, make_llm):
     exact = make_llm(path, dtype="float32", kv_cache_dtype="fp32", gguf_activations="fp32")
     a8 = make_llm(path, dtype="float32", kv_cache_dtype="fp32", gguf_activations=acts)
     int4s = [m for m in a8.engine.model.modules() if type(m).__name__ == "Int4Linear"]
-    assert int4s and all(m.wq_codes is not None for m in int4s)
+    assert int4s and all(isinstance(m.method, WqMethod) for m in int4s)
     assert a8.engine.model.model.embed_tokens.act_terms == wq.activation_terms(acts)
-    assert all(m.wq_codes is None for m in exact.engine.model.modules()
+    assert all(not isinstance(m.method, WqMethod) for m in exact.engine.model.modules()
                if type(m).__name__ == "Int4Linear")
     toks = [o.outputs[0].token_ids for o in exact.generate(
         [{"prompt_token_ids": p} for p in PROMPTS],

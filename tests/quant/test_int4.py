@@ -11,8 +11,10 @@ import math
 import pytest
 import torch
 
-from kvserve.layers.int4_linear import Int4Linear, int4_experts_from_dense, int4pack_layout
+from kvserve.layers.int4_linear import Int4Linear, int4_experts_from_dense
+from kvserve.layers.int4_methods import CpuPackMethod
 from kvserve.quant import int4
+from kvserve.quant.int4_layouts import int4pack_layout
 
 
 def _to_int32(word: int) -> int:
@@ -199,7 +201,7 @@ def test_gptq_unpack(fmt: str, sym: bool, act_order: bool) -> None:
         ref[:, i] = (q[i].float() - zeros_u[gi].float()) * scales[gi]
     assert torch.allclose(int4.dequantize(w), ref, atol=1e-6)
     assert (w.g_idx is not None) == act_order
-    lin = Int4Linear.from_gptq(**tensors, group_size=gs, sym=sym, checkpoint_format=fmt)
+    lin = Int4Linear(w)
     assert torch.allclose(lin.dequantize(), ref, atol=float(scales.max()) * 8 / 256)
     x = torch.randn(3, k, generator=g)
     assert torch.allclose(lin(x), x @ lin.dequantize().t(), atol=2e-2, rtol=2e-2)
@@ -247,7 +249,8 @@ def test_int4_linear_matches_twin(n: int, k: int, gs: int, sym: bool, m: int,
                           scale_dtype=torch.bfloat16)
     bias = torch.randn(n, generator=g) if sym else None
     lin = Int4Linear(q, bias)
-    if sym and lin.fast:  # bf16 scales, zero 0: the packed layer is exact
+    # bf16 scales, zero 0: the packed layer is exact
+    if sym and isinstance(lin.method, CpuPackMethod):
         assert torch.equal(lin.dequantize(), int4.dequantize(q))
     _check_linear(lin, q, bias, m, dtype)
 
@@ -271,8 +274,9 @@ def test_int4_linear_fast_path_present() -> None:
         pytest.skip("torch int4 CPU op unavailable: twin path only")
     assert layout[0] in (16, 32, 64)
     lin = Int4Linear.from_dense(torch.randn(64, 128), 32)
-    assert lin.fast and lin.packed is not None
-    assert not Int4Linear.from_dense(torch.randn(64, 128), 16).fast  # 16 | G' impossible
+    assert isinstance(lin.method, CpuPackMethod) and lin.method.packed is not None
+    coarse = Int4Linear.from_dense(torch.randn(64, 128), 16)  # 16 | G' impossible
+    assert not isinstance(coarse.method, CpuPackMethod)
     # 4 bits + bf16 (scale, zero) per 32 weights = 6 bits/weight vs 16
     assert lin.weight_bytes() == 64 * 128 // 2 + (128 // 32) * 64 * 2 * 2
 
@@ -285,7 +289,7 @@ def test_int4_linear_irregular_act_order() -> None:
     q = int4.Int4Weight(torch.randint(-8, 8, (n, k), dtype=torch.int8, generator=g),
                         torch.rand(n, 4, generator=g), None, 8, g_idx)
     lin = Int4Linear(q)
-    assert not lin.fast
+    assert not isinstance(lin.method, CpuPackMethod)
     assert torch.allclose(lin.dequantize(), int4.dequantize(q))
     x = torch.randn(2, k, generator=g)
     assert torch.allclose(lin(x), x @ int4.dequantize(q).t(), atol=1e-5)
@@ -295,8 +299,8 @@ def test_from_compressed_tensors_and_concat() -> None:
     g = torch.Generator().manual_seed(2)
     parts = [int4.quantize_rtn(torch.randn(n, 64, generator=g), 32, False) for n in (32, 16)]
     fused = Int4Linear(int4.concat_out(parts))
-    single = [Int4Linear.from_compressed_tensors(**int4.to_compressed_tensors(p), group_size=32)
-              for p in parts]
+    single = [Int4Linear(int4.from_compressed_tensors(**int4.to_compressed_tensors(p),
+                                                      group_size=32)) for p in parts]
     x = torch.randn(5, 64, generator=g)
     assert torch.allclose(fused(x), torch.cat([s(x) for s in single], -1))
     with pytest.raises(ValueError, match="in_features"):

@@ -12,11 +12,11 @@ import pytest
 import torch
 
 from kvserve.kernels.cpu import int4_gemv
-from kvserve.layers import int4_linear
+from kvserve.layers import int4_methods
 from kvserve.layers.int4_linear import Int4Linear
 from kvserve.quant import int4
 
-pytestmark = pytest.mark.skipif(int4_linear._gemv_lib() is None,
+pytestmark = pytest.mark.skipif(int4_methods.gemv_lib() is None,
                                 reason="no C compiler or no int4pack layout the kernel reads")
 
 SHAPES = [  # (N, K, group, symmetric)
@@ -32,12 +32,12 @@ def test_gemv_matches_twin(n: int, k: int, gs: int, sym: bool, m: int, threads: 
     g = torch.Generator().manual_seed(n * k + m)
     q = int4.quantize_rtn(torch.randn(n, k, generator=g) * 0.05, gs, sym)
     lin = Int4Linear(q, gemv_max_m=8)
-    assert lin.fast
+    assert isinstance(lin.method, int4_methods.CpuPackMethod)
     x = torch.randn(m, k, generator=g)
     prev = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        y = lin._forward_gemv(x)
+        y = lin.method.gemv(x)
         assert torch.equal(lin(x), y)  # M <= gemv_max_m dispatches to the kernel
     finally:
         torch.set_num_threads(prev)
@@ -62,7 +62,7 @@ def test_gemv_dtypes_bias_and_act_order() -> None:
     qa = int4.Int4Weight(values, q.scales, None, gs, g_idx)
     bias = torch.randn(n, generator=g)
     lin = Int4Linear(qa, bias)
-    assert lin.perm is not None and lin.fast
+    assert lin.perm is not None and isinstance(lin.method, int4_methods.CpuPackMethod)
     x = torch.randn(1, k, generator=g)
     twin = lin.dequantize()  # original column order; bf16 (scale, zero) as the kernel reads
     assert torch.equal(twin, int4.dequantize(qa))
@@ -79,8 +79,8 @@ def test_gemv_max_m_dispatch(monkeypatch: pytest.MonkeyPatch) -> None:
     q = int4.quantize_rtn(torch.randn(32, 64), 32, True)
     lin = Int4Linear(q, gemv_max_m=1)
     calls = []
-    real = lin._forward_gemv
-    monkeypatch.setattr(lin, "_forward_gemv", lambda x: calls.append(x.shape[0]) or real(x))
+    real = lin.method.gemv
+    monkeypatch.setattr(lin.method, "gemv", lambda x: calls.append(x.shape[0]) or real(x))
     lin(torch.randn(1, 64))
     lin(torch.randn(2, 64))
     assert calls == [1]
@@ -126,10 +126,10 @@ def test_portable_build_matches_twin(form, tmp_path, monkeypatch):
         q = int4.quantize_rtn(torch.randn(n, k, generator=g) * 0.05, 32, False)
     lin = Int4Linear(q, gemv_max_m=8)
     dll = _portable_gemv(tmp_path)
-    monkeypatch.setattr(int4_linear, "_gemv_lib", lambda: dll)
+    monkeypatch.setattr(int4_methods, "gemv_lib", lambda: dll)
     for mm in (1, 3, 100):  # 100: the C dequantize + GEMM path
         x = torch.randn(mm, k, generator=g)
-        y = lin._forward_gemv(x)
+        y = lin.method.gemv(x)
         ref = x.double() @ lin.dequantize().double().t()
         assert (y.double() - ref).abs().max().item() <= 1e-5 * ref.abs().max().item()
 
@@ -148,7 +148,7 @@ def test_c_dequantize_bit_exact_with_torch_twin(n, k, gs, sym, monkeypatch):
     for lin in layers:
         fast = lin.dequantize()
         with monkeypatch.context() as mp:
-            mp.setattr(int4_linear, "_gemv_lib", lambda: None)
+            mp.setattr(int4_methods, "gemv_lib", lambda: None)
             twin = lin.dequantize()
         assert torch.equal(fast.view(torch.int32), twin.view(torch.int32))
         x = torch.randn(100, k, generator=g)  # M >= dequant_min_m: the C-dequant GEMM

@@ -26,6 +26,7 @@ from safetensors.torch import load_file, save_file
 
 from kvserve import SamplingParams
 from kvserve.layers.int4_linear import Int4Linear
+from kvserve.layers.int4_methods import CpuPackMethod
 from kvserve.layers.linear import Int4MergedLinear, Linear, MergedLinear
 from kvserve.layers.moe import FusedMoE, Int4FusedMoE, TopKRouter
 from kvserve.model.loader import load_model
@@ -83,9 +84,8 @@ def _exact(llm):
     n = 0
     for m in llm.engine.model.modules():
         if isinstance(m, Int4Linear):
-            m.dequant_min_m = 1
-            if hasattr(m, "gemv_max_m"):  # the C skinny-GEMM path, where present, goes first
-                m.gemv_max_m = 0
+            if isinstance(m.method, CpuPackMethod):  # the other CPU methods dequantize anyway
+                m.method.dequant_min_m, m.method.gemv_max_m = 1, 0  # (the C GEMM goes first)
             n += 1
     assert n > 0
     return llm

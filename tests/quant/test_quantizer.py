@@ -134,9 +134,9 @@ def test_int4_linear_from_quantized_folder(tiny: str, tmp_path) -> None:
     summary = quantize_checkpoint(tiny, out, group_size=32, symmetric=False, progress=False)
     sd = load_file(os.path.join(out, "model.safetensors"))
     m = summary.quantized[0]
-    lin = Int4Linear.from_compressed_tensors(
+    lin = Int4Linear(int4.from_compressed_tensors(
         sd[f"{m}.weight_packed"], sd[f"{m}.weight_scale"], sd[f"{m}.weight_shape"],
-        sd[f"{m}.weight_zero_point"], group_size=32)
+        sd[f"{m}.weight_zero_point"], group_size=32))
     x = torch.randn(4, lin.in_features)
     ref = x @ int4.dequantize(_ct(sd, m, 32)).t()
     assert torch.allclose(lin(x), ref, atol=2e-2 * float(ref.abs().max()))

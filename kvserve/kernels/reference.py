@@ -141,21 +141,22 @@ def _as_words(x: torch.Tensor) -> torch.Tensor:
     return flat.view(torch.int16).to(torch.int64)
 
 
-def _s1_s2(words: torch.Tensor, base: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """S1/S2 of ``words[n, W]`` whose first word sits at block word index ``base[n]``."""
-    idx1 = base.unsqueeze(1) + torch.arange(1, words.shape[1] + 1, device=words.device)  # i + 1
-    return words.sum(dim=1), (idx1 * words).sum(dim=1)
+def _s1_s2(words: torch.Tensor, base: torch.Tensor) -> torch.Tensor:
+    """(S1, S2) [n, 2] of ``words[n, W]`` whose first word sits at block word index
+    ``base[n]``."""
+    idx1 = base.unsqueeze(1) + torch.arange(1, words.shape[1] + 1, device=words.device)  # i+1
+    return torch.stack((words.sum(dim=1), (idx1 * words).sum(dim=1)), 1)
 
 
-def _byte_s1_s2(b: torch.Tensor, base: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """S1/S2 of 1-byte data ``b[n, B]`` whose first byte sits at block byte index ``base[n]``:
-    byte e is half of word e // 2 (even: its unsigned value, odd: 256 * its signed value),
-    so a run of bytes that does not start or end on a word boundary still adds exactly its
-    share of the block's sums."""
+def _byte_s1_s2(b: torch.Tensor, base: torch.Tensor) -> torch.Tensor:
+    """(S1, S2) [n, 2] of 1-byte data ``b[n, B]`` whose first byte sits at block byte index
+    ``base[n]``: byte e is half of word e // 2 (even: its unsigned value, odd: 256 * its
+    signed value), so a run of bytes that does not start or end on a word boundary still adds
+    exactly its share of the block's sums."""
     u = b.contiguous().view(torch.uint8).to(torch.int64)
     e = base.unsqueeze(1) + torch.arange(u.shape[1], device=u.device)
     contrib = torch.where(e % 2 == 0, u, 256 * (u - 256 * (u >= 128).to(torch.int64)))
-    return contrib.sum(dim=1), ((e // 2 + 1) * contrib).sum(dim=1)
+    return torch.stack((contrib.sum(dim=1), ((e // 2 + 1) * contrib).sum(dim=1)), 1)
 
 
 def block_checksum_state(
@@ -175,20 +176,14 @@ def block_checksum_state(
     if n == 0:
         return out
     zero = torch.zeros(n, dtype=torch.int64, device=kv_data.device)
-    s1, s2 = _s1_s2(_as_words(kv_data[layer, ids]), zero)
-    out[:, 0], out[:, 1] = s1, s2
+    out[:, 0:2] = _s1_s2(_as_words(kv_data[layer, ids]), zero)
     if kv_scales is not None:
-        s1, s2 = _s1_s2(_as_words(kv_scales[layer, ids]), zero)
-        out[:, 2], out[:, 3] = s1, s2
+        out[:, 2:4] = _s1_s2(_as_words(kv_scales[layer, ids]), zero)
     return out
 
 
-def token_checksum_contrib(
-    kv_data: torch.Tensor,
-    kv_scales: torch.Tensor | None,
-    layer: int,
-    slots: torch.Tensor,
-) -> torch.Tensor:
+def token_checksum_contrib(kv_data: torch.Tensor, kv_scales: torch.Tensor | None, layer: int,
+                           slots: torch.Tensor) -> torch.Tensor:
     """Contribution of the rows stored at ``slots[n]`` (all components) to their block's state.
 
     Returns int64 [n, 4]. A token at offset o, component c of a block owns the words::
@@ -206,18 +201,12 @@ def token_checksum_contrib(
     out = torch.zeros(slots.numel(), 4, dtype=torch.int64, device=kv_data.device)
     for c in range(n_comp):
         words = _as_words(kv_data[layer, blocks, c, offs])  # [n, Wp]
-        s1, s2 = _s1_s2(words, (c * bs + offs) * words.shape[1])
-        out[:, 0] += s1
-        out[:, 1] += s2
+        out[:, 0:2] += _s1_s2(words, (c * bs + offs) * words.shape[1])
         if kv_scales is not None:
             sc = kv_scales[layer, blocks, c, offs]  # [n, H]
             base = (c * bs + offs) * sc.shape[1]
-            if sc.element_size() == 1:
-                s1, s2 = _byte_s1_s2(sc, base)
-            else:
-                s1, s2 = _s1_s2(_as_words(sc), base)
-            out[:, 2] += s1
-            out[:, 3] += s2
+            one_byte = sc.element_size() == 1
+            out[:, 2:4] += _byte_s1_s2(sc, base) if one_byte else _s1_s2(_as_words(sc), base)
     return out
 
 
@@ -353,15 +342,10 @@ def paged_attention(
     return out.to(q.dtype)
 
 
-def paged_decode_attention(
-    q: torch.Tensor,
-    kv_data: torch.Tensor,
-    kv_scales: torch.Tensor | None,
-    layer: int,
-    block_tables: torch.Tensor,
-    seq_lens: torch.Tensor,
-    sm_scale: float,
-) -> torch.Tensor:
+def paged_decode_attention(q: torch.Tensor, kv_data: torch.Tensor,
+                           kv_scales: torch.Tensor | None, layer: int,
+                           block_tables: torch.Tensor, seq_lens: torch.Tensor,
+                           sm_scale: float) -> torch.Tensor:
     """Decode (one query per sequence, ``q[B, Hq, D]``): :func:`paged_attention` with q_len=1."""
     qsl = torch.arange(q.shape[0] + 1, dtype=torch.int32, device=q.device)
     return paged_attention(q, kv_data, kv_scales, layer, block_tables, seq_lens, qsl, sm_scale)

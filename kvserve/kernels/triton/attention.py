@@ -91,6 +91,16 @@ def _num_sms(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
+def _strides(t: torch.Tensor, *dims: int) -> tuple[int, ...]:
+    return tuple(t.stride(d) for d in dims)
+
+
+def _kv_flags(kv_data: torch.Tensor, dot_dtype: tl.dtype) -> dict[str, object]:
+    """The constexprs every attention kernel takes about the cache's storage and its dots."""
+    return {"IS_FP8": ref.is_scaled(kv_data.dtype), "LOG8_SCALES": kv_data.dtype == torch.int8,
+            "DOT_DTYPE": dot_dtype, "PRECISION": "ieee" if dot_dtype == tl.float32 else "tf32"}
+
+
 def _scales_arg(kv_data: torch.Tensor, kv_scales: torch.Tensor | None, layer: int) -> torch.Tensor:
     """``kv_scales[layer]`` for FP8 / INT8, else a dummy 4-d tensor (never dereferenced)."""
     if ref.is_scaled(kv_data.dtype):
@@ -103,6 +113,31 @@ def _scales_arg(kv_data: torch.Tensor, kv_scales: torch.Tensor | None, layer: in
 # ---------------------------------------------------------------------------------------------
 # Shared device helpers
 # ---------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _softmax_state(ROWS: tl.constexpr, COLS: tl.constexpr):
+    """Online-softmax state of ROWS query rows: (running max, running sum, fp32 acc)."""
+    return (tl.full([ROWS], float("-inf"), dtype=tl.float32), tl.zeros([ROWS], dtype=tl.float32),
+            tl.zeros([ROWS, COLS], dtype=tl.float32))
+
+
+@triton.jit
+def _kv_bases(BT, KV, SC, b, kvh, stride_btb, stride_kvh, stride_sch):
+    """Sequence b's block-table row and kv head kvh's cache / scale bases (int64 offsets)."""
+    return (BT + b.to(tl.int64) * stride_btb, KV + kvh.to(tl.int64) * stride_kvh,
+            SC + kvh.to(tl.int64) * stride_sch)
+
+
+@triton.jit
+def _split_bounds(SEQ_LENS, tokens_per_split):
+    """Split-K programs (grid axis 0: sequence, 2: split): (b, split, seq_len, start, end),
+    this split's tokens being [start, end) of sequence b."""
+    b = tl.program_id(0)
+    split = tl.program_id(2)
+    seq_len = tl.load(SEQ_LENS + b)
+    start = split * tokens_per_split
+    return b, split, seq_len, start, tl.minimum(start + tokens_per_split, seq_len)
 
 
 @triton.jit
@@ -192,41 +227,17 @@ def _decode_split_kernel(
     MID_O,  # fp32 [B, Hq, S, D]
     MID_LSE,  # fp32 [B, Hq, S]
     qk_scale,  # sm_scale * log2(e)
-    stride_qb,
-    stride_qh,
-    stride_kvb,
-    stride_kvc,
-    stride_kvt,
-    stride_kvh,
-    stride_scb,
-    stride_scc,
-    stride_sct,
-    stride_sch,
-    stride_btb,
-    stride_mob,
-    stride_moh,
-    stride_mos,
-    stride_mlb,
-    stride_mlh,
-    tokens_per_split,
-    GROUP: tl.constexpr,
-    HEAD_DIM: tl.constexpr,
-    BLOCK_SIZE: tl.constexpr,
-    BLOCK_H: tl.constexpr,
-    BLOCK_D: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    IS_FP8: tl.constexpr,
+    stride_qb, stride_qh, stride_kvb, stride_kvc, stride_kvt, stride_kvh, stride_scb,
+    stride_scc, stride_sct, stride_sch, stride_btb, stride_mob, stride_moh, stride_mos,
+    stride_mlb, stride_mlh, tokens_per_split, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_N: tl.constexpr, IS_FP8: tl.constexpr,
     LOG8_SCALES: tl.constexpr,  # INT8 cache: scales are 1-byte codes e, 2^(e/8)
     DEQUANT_V: tl.constexpr,  # FP8 cache, fp16 model: scale the V rows, not p
-    DOT_DTYPE: tl.constexpr,
-    PRECISION: tl.constexpr,
+    DOT_DTYPE: tl.constexpr, PRECISION: tl.constexpr,
 ):
-    b = tl.program_id(0)
+    b, split, seq_len, start, end = _split_bounds(SEQ_LENS, tokens_per_split)
     kvh = tl.program_id(1)
-    split = tl.program_id(2)
-    seq_len = tl.load(SEQ_LENS + b)
-    start = split * tokens_per_split
-    end = tl.minimum(start + tokens_per_split, seq_len)
 
     offs_h = tl.arange(0, BLOCK_H)
     offs_d = tl.arange(0, BLOCK_D)
@@ -236,12 +247,8 @@ def _decode_split_kernel(
     q_ptrs = Q + b.to(tl.int64) * stride_qb + qh[:, None] * stride_qh + offs_d[None, :]
     q = tl.load(q_ptrs, mask=mask_h[:, None] & mask_d[None, :], other=0.0).to(DOT_DTYPE)
 
-    m_i = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
-    l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
-    acc = tl.zeros([BLOCK_H, BLOCK_D], dtype=tl.float32)
-    BT_row = BT + b.to(tl.int64) * stride_btb
-    kv_head = KV + kvh.to(tl.int64) * stride_kvh
-    sc_head = SC + kvh.to(tl.int64) * stride_sch
+    m_i, l_i, acc = _softmax_state(BLOCK_H, BLOCK_D)
+    BT_row, kv_head, sc_head = _kv_bases(BT, KV, SC, b, kvh, stride_btb, stride_kvh, stride_sch)
     for n0 in range(start, end, BLOCK_N):
         offs_n = n0 + tl.arange(0, BLOCK_N)
         mask_n = offs_n < end  # the tile has >= 1 valid position: the max stays finite
@@ -267,17 +274,8 @@ def _merge_splits_kernel(
     MID_O,  # fp32 [B, H, S, D]
     MID_LSE,  # fp32 [B, H, S]
     OUT,  # [B, H, D]
-    num_splits,
-    stride_mob,
-    stride_moh,
-    stride_mos,
-    stride_mlb,
-    stride_mlh,
-    stride_ob,
-    stride_oh,
-    HEAD_DIM: tl.constexpr,
-    BLOCK_S: tl.constexpr,
-    BLOCK_D: tl.constexpr,
+    num_splits, stride_mob, stride_moh, stride_mos, stride_mlb, stride_mlh, stride_ob,
+    stride_oh, HEAD_DIM: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
     b = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
@@ -324,11 +322,7 @@ def _merge(mid_o: torch.Tensor, mid_lse: torch.Tensor, out: torch.Tensor) -> tor
 
 
 def _split_plan(
-    device: torch.device,
-    batch: int,
-    heads: int,
-    max_ctx: int,
-    block_n: int,
+    device: torch.device, batch: int, heads: int, max_ctx: int, block_n: int,
     num_splits: int | None,
 ) -> tuple[int, int]:
     """(num_splits, tokens_per_split): about 4 programs per SM, >= 1 tile per split."""
@@ -397,15 +391,9 @@ def _check_common(
 
 
 def paged_decode_attention(
-    q: torch.Tensor,
-    kv_data: torch.Tensor,
-    kv_scales: torch.Tensor | None,
-    layer: int,
-    block_tables: torch.Tensor,
-    seq_lens: torch.Tensor,
-    sm_scale: float,
-    num_splits: int | None = None,
-    max_seq_len: int | None = None,
+    q: torch.Tensor, kv_data: torch.Tensor, kv_scales: torch.Tensor | None, layer: int,
+    block_tables: torch.Tensor, seq_lens: torch.Tensor, sm_scale: float,
+    num_splits: int | None = None, max_seq_len: int | None = None,
 ) -> torch.Tensor:
     """Split-K paged decode: ``q[B, Hq, D] -> out[B, Hq, D]`` (twin: paged_decode_attention).
 
@@ -429,38 +417,12 @@ def paged_decode_attention(
     sp = _splits(q, D, n_kvh, block_tables, seq_lens, bs, max_seq_len, block_n, num_splits)
     dot_dtype = _dot_dtype(q.dtype)
     _decode_split_kernel[(B, n_kvh, sp.num)](
-        q,
-        kv_l,
-        sc,
-        block_tables,
-        seq_lens,
-        sp.mid_o,
-        sp.mid_lse,
-        sm_scale * _LOG2E,
-        q.stride(0),
-        q.stride(1),
-        kv_l.stride(0),
-        kv_l.stride(1),
-        kv_l.stride(2),
-        kv_l.stride(3),
-        sc.stride(0),
-        sc.stride(1),
-        sc.stride(2),
-        sc.stride(3),
+        q, kv_l, sc, block_tables, seq_lens, sp.mid_o, sp.mid_lse, sm_scale * _LOG2E,
+        *_strides(q, 0, 1), *_strides(kv_l, 0, 1, 2, 3), *_strides(sc, 0, 1, 2, 3),
         *sp.kernel_args(block_tables),
-        GROUP=group,
-        HEAD_DIM=D,
-        BLOCK_SIZE=bs,
-        BLOCK_H=_pow2(group),
-        BLOCK_D=_pow2(D),
-        BLOCK_N=block_n,
-        IS_FP8=ref.is_scaled(kv_data.dtype),
-        LOG8_SCALES=kv_data.dtype == torch.int8,
-        DEQUANT_V=q.dtype == torch.float16,
-        DOT_DTYPE=dot_dtype,
-        PRECISION="ieee" if dot_dtype == tl.float32 else "tf32",
-        num_warps=DECODE_CONFIG["num_warps"],
-        num_stages=DECODE_CONFIG["num_stages"],
+        GROUP=group, HEAD_DIM=D, BLOCK_SIZE=bs, BLOCK_H=_pow2(group), BLOCK_D=_pow2(D),
+        BLOCK_N=block_n, DEQUANT_V=q.dtype == torch.float16, **_kv_flags(kv_data, dot_dtype),
+        num_warps=DECODE_CONFIG["num_warps"], num_stages=DECODE_CONFIG["num_stages"],
     )
     return _merge(sp.mid_o, sp.mid_lse, torch.empty_like(q))
 
@@ -473,37 +435,17 @@ def paged_decode_attention(
 @triton.jit
 def _prefill_kernel(
     Q,  # [T, Hq, D]
-    KV,
-    SC,
-    BT,
+    KV, SC, BT,
     SEQ_LENS,  # int32 [B]
     QSL,  # int32 [B + 1]
     OUT,  # [T, Hq, D]
-    qk_scale,
-    stride_qt,
-    stride_qh,
-    stride_kvb,
-    stride_kvc,
-    stride_kvt,
-    stride_kvh,
-    stride_scb,
-    stride_scc,
-    stride_sct,
-    stride_sch,
-    stride_btb,
-    stride_ot,
-    stride_oh,
-    GROUP: tl.constexpr,
-    HEAD_DIM: tl.constexpr,
-    BLOCK_SIZE: tl.constexpr,
-    BLOCK_M: tl.constexpr,
-    BLOCK_D: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    IS_FP8: tl.constexpr,
+    qk_scale, stride_qt, stride_qh, stride_kvb, stride_kvc, stride_kvt, stride_kvh, stride_scb,
+    stride_scc, stride_sct, stride_sch, stride_btb, stride_ot, stride_oh, GROUP: tl.constexpr,
+    HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr,
+    BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, IS_FP8: tl.constexpr,
     LOG8_SCALES: tl.constexpr,  # INT8 cache: scales are 1-byte codes e, 2^(e/8)
     DEQUANT_V: tl.constexpr,  # FP8 cache, fp16 model: scale the V rows, not p
-    DOT_DTYPE: tl.constexpr,
-    PRECISION: tl.constexpr,
+    DOT_DTYPE: tl.constexpr, PRECISION: tl.constexpr,
 ):
     # Query row m of sequence b sits at position ctx + m and sees keys 0 .. ctx + m:
     #
@@ -533,12 +475,8 @@ def _prefill_kernel(
     hi = tl.minimum(seq_len, ctx + (mt + 1) * BLOCK_M)
     hi = tl.where(mt * BLOCK_M < q_len, hi, 0)
 
-    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
-    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
-    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
-    BT_row = BT + b.to(tl.int64) * stride_btb
-    kv_head = KV + kvh.to(tl.int64) * stride_kvh
-    sc_head = SC + kvh.to(tl.int64) * stride_sch
+    m_i, l_i, acc = _softmax_state(BLOCK_M, BLOCK_D)
+    BT_row, kv_head, sc_head = _kv_bases(BT, KV, SC, b, kvh, stride_btb, stride_kvh, stride_sch)
     for n0 in range(0, hi, BLOCK_N):
         offs_n = n0 + tl.arange(0, BLOCK_N)
         mask_n = offs_n < hi
@@ -556,15 +494,9 @@ def _prefill_kernel(
 
 
 def paged_attention(
-    q: torch.Tensor,
-    kv_data: torch.Tensor,
-    kv_scales: torch.Tensor | None,
-    layer: int,
-    block_tables: torch.Tensor,
-    seq_lens: torch.Tensor,
-    query_start_loc: torch.Tensor,
-    sm_scale: float,
-    max_query_len: int | None = None,
+    q: torch.Tensor, kv_data: torch.Tensor, kv_scales: torch.Tensor | None, layer: int,
+    block_tables: torch.Tensor, seq_lens: torch.Tensor, query_start_loc: torch.Tensor,
+    sm_scale: float, max_query_len: int | None = None,
 ) -> torch.Tensor:
     """Ragged causal paged attention ``q[T, Hq, D] -> out[T, Hq, D]`` (twin: paged_attention).
 
@@ -593,40 +525,12 @@ def paged_attention(
     dot_dtype = _dot_dtype(q.dtype)
     grid = (triton.cdiv(max(max_query_len, 1), block_m), B, n_qh)
     _prefill_kernel[grid](
-        q,
-        kv_l,
-        sc,
-        block_tables,
-        seq_lens,
-        query_start_loc,
-        out,
-        sm_scale * _LOG2E,
-        q.stride(0),
-        q.stride(1),
-        kv_l.stride(0),
-        kv_l.stride(1),
-        kv_l.stride(2),
-        kv_l.stride(3),
-        sc.stride(0),
-        sc.stride(1),
-        sc.stride(2),
-        sc.stride(3),
-        block_tables.stride(0),
-        out.stride(0),
-        out.stride(1),
-        GROUP=n_qh // n_kvh,
-        HEAD_DIM=D,
-        BLOCK_SIZE=bs,
-        BLOCK_M=block_m,
-        BLOCK_D=_pow2(D),
-        BLOCK_N=block_n,
-        IS_FP8=ref.is_scaled(kv_data.dtype),
-        LOG8_SCALES=kv_data.dtype == torch.int8,
-        DEQUANT_V=q.dtype == torch.float16,
-        DOT_DTYPE=dot_dtype,
-        PRECISION="ieee" if dot_dtype == tl.float32 else "tf32",
-        num_warps=cfg["num_warps"],
-        num_stages=cfg["num_stages"],
+        q, kv_l, sc, block_tables, seq_lens, query_start_loc, out, sm_scale * _LOG2E,
+        *_strides(q, 0, 1), *_strides(kv_l, 0, 1, 2, 3), *_strides(sc, 0, 1, 2, 3),
+        block_tables.stride(0), *_strides(out, 0, 1),
+        GROUP=n_qh // n_kvh, HEAD_DIM=D, BLOCK_SIZE=bs, BLOCK_M=block_m, BLOCK_D=_pow2(D),
+        BLOCK_N=block_n, DEQUANT_V=q.dtype == torch.float16, **_kv_flags(kv_data, dot_dtype),
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
     return out
 
@@ -642,47 +546,21 @@ def _mla_split_kernel(
     QR,  # [B, Hq, R] q_rope
     KV,  # kv_data[layer]: [NB, 1, bs, 1, L + R]
     SC,  # kv_scales[layer]: [NB, 1, bs, 1] (FP8) or dummy
-    BT,
-    SEQ_LENS,
+    BT, SEQ_LENS,
     MID_O,  # fp32 [B, Hq, S, L]
     MID_LSE,  # fp32 [B, Hq, S]
-    qk_scale,
-    stride_qnb,
-    stride_qnh,
-    stride_qrb,
-    stride_qrh,
-    stride_kvb,
-    stride_kvt,
-    stride_scb,
-    stride_sct,
-    stride_btb,
-    stride_mob,
-    stride_moh,
-    stride_mos,
-    stride_mlb,
-    stride_mlh,
-    tokens_per_split,
-    NUM_HEADS: tl.constexpr,
-    LORA: tl.constexpr,
-    ROPE: tl.constexpr,
-    BLOCK_SIZE: tl.constexpr,
-    BLOCK_H: tl.constexpr,
-    BLOCK_L: tl.constexpr,
-    BLOCK_R: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    IS_FP8: tl.constexpr,
+    qk_scale, stride_qnb, stride_qnh, stride_qrb, stride_qrh, stride_kvb, stride_kvt,
+    stride_scb, stride_sct, stride_btb, stride_mob, stride_moh, stride_mos, stride_mlb,
+    stride_mlh, tokens_per_split, NUM_HEADS: tl.constexpr, LORA: tl.constexpr,
+    ROPE: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_L: tl.constexpr,
+    BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr, IS_FP8: tl.constexpr,
     LOG8_SCALES: tl.constexpr,  # INT8 cache: scales are 1-byte codes e, 2^(e/8)
-    DOT_DTYPE: tl.constexpr,
-    PRECISION: tl.constexpr,
+    DOT_DTYPE: tl.constexpr, PRECISION: tl.constexpr,
 ):
     # cached row of one token (head_dim = LORA + ROPE):
     #   | c_kv: cols [0, LORA)  (scores AND values) | k_rope: cols [LORA, LORA+ROPE) (scores) |
-    b = tl.program_id(0)
+    b, split, seq_len, start, end = _split_bounds(SEQ_LENS, tokens_per_split)
     hb = tl.program_id(1)
-    split = tl.program_id(2)
-    seq_len = tl.load(SEQ_LENS + b)
-    start = split * tokens_per_split
-    end = tl.minimum(start + tokens_per_split, seq_len)
 
     offs_h = hb * BLOCK_H + tl.arange(0, BLOCK_H)
     offs_l = tl.arange(0, BLOCK_L)
@@ -738,19 +616,10 @@ def _mla_split_kernel(
     tl.store(MID_LSE + b64 * stride_mlb + offs_h * stride_mlh + split, lse, mask=mask_h)
 
 
-def mla_decode(
-    q_nope_absorbed: torch.Tensor,
-    q_rope: torch.Tensor,
-    kv_data: torch.Tensor,
-    kv_scales: torch.Tensor | None,
-    layer: int,
-    block_tables: torch.Tensor,
-    seq_lens: torch.Tensor,
-    sm_scale: float,
-    kv_lora_rank: int,
-    num_splits: int | None = None,
-    max_seq_len: int | None = None,
-) -> torch.Tensor:
+def mla_decode(q_nope_absorbed: torch.Tensor, q_rope: torch.Tensor, kv_data: torch.Tensor,
+               kv_scales: torch.Tensor | None, layer: int, block_tables: torch.Tensor,
+               seq_lens: torch.Tensor, sm_scale: float, kv_lora_rank: int,
+               num_splits: int | None = None, max_seq_len: int | None = None) -> torch.Tensor:
     """Split-K MLA decode ``-> out_latent[B, Hq, kv_lora_rank]`` (twin: mla_decode).
 
     ``num_splits`` / ``max_seq_len`` as in :func:`paged_decode_attention`.
@@ -775,37 +644,11 @@ def mla_decode(
                  num_splits)
     dot_dtype = _dot_dtype(qn.dtype)
     _mla_split_kernel[(B, n_hblocks, sp.num)](
-        qn,
-        qr,
-        kv_l,
-        sc,
-        block_tables,
-        seq_lens,
-        sp.mid_o,
-        sp.mid_lse,
-        sm_scale * _LOG2E,
-        qn.stride(0),
-        qn.stride(1),
-        qr.stride(0),
-        qr.stride(1),
-        kv_l.stride(0),
-        kv_l.stride(2),
-        sc.stride(0),
-        sc.stride(2),
+        qn, qr, kv_l, sc, block_tables, seq_lens, sp.mid_o, sp.mid_lse, sm_scale * _LOG2E,
+        *_strides(qn, 0, 1), *_strides(qr, 0, 1), *_strides(kv_l, 0, 2), *_strides(sc, 0, 2),
         *sp.kernel_args(block_tables),
-        NUM_HEADS=n_qh,
-        LORA=lora,
-        ROPE=R,
-        BLOCK_SIZE=bs,
-        BLOCK_H=block_h,
-        BLOCK_L=_pow2(lora),
-        BLOCK_R=_pow2(R),
-        BLOCK_N=block_n,
-        IS_FP8=ref.is_scaled(kv_data.dtype),
-        LOG8_SCALES=kv_data.dtype == torch.int8,
-        DOT_DTYPE=dot_dtype,
-        PRECISION="ieee" if dot_dtype == tl.float32 else "tf32",
-        num_warps=8 if lora >= 256 else 4,
-        num_stages=2,
+        NUM_HEADS=n_qh, LORA=lora, ROPE=R, BLOCK_SIZE=bs, BLOCK_H=block_h,
+        BLOCK_L=_pow2(lora), BLOCK_R=_pow2(R), BLOCK_N=block_n, **_kv_flags(kv_data, dot_dtype),
+        num_warps=8 if lora >= 256 else 4, num_stages=2,
     )
     return _merge(sp.mid_o, sp.mid_lse, torch.empty_like(qn))

@@ -63,10 +63,7 @@ def _bf16_bits_to_fp32(bits):
 
 @triton.jit
 def _fp32_to_fp8_bits(
-    y,
-    MANT: tl.constexpr,
-    BIAS: tl.constexpr,
-    SUB_SCALE: tl.constexpr,
+    y, MANT: tl.constexpr, BIAS: tl.constexpr, SUB_SCALE: tl.constexpr,
     MIN_NORMAL: tl.constexpr,
 ):
     """RNE FP8 bit pattern (int32 in [0, 255]) of fp32 ``y`` with |y| <= FP8_MAX.
@@ -106,31 +103,12 @@ def _write_kv_kernel(
     CSUM,  # csum_state[layer] int64 [num_blocks, 4] or a dummy
     STATIC,  # int16 bf16 bits [C, H] of static scales, or a dummy
     TABLE,  # fp32 [256] INT8 scales 2^(e/8) (index e + 128), or a dummy
-    stride_kt,
-    stride_kh,
-    stride_vt,
-    stride_vh,
-    stride_kvb,
-    stride_kvc,
-    stride_kvt,
-    stride_kvh,
-    stride_scb,
-    stride_scc,
-    stride_sct,
-    NUM_HEADS: tl.constexpr,
-    HEAD_DIM: tl.constexpr,
-    BLOCK_SIZE: tl.constexpr,
-    NUM_COMP: tl.constexpr,
-    BLOCK_H: tl.constexpr,
-    BLOCK_D: tl.constexpr,
-    MODE: tl.constexpr,
-    FP8_MAX: tl.constexpr,
-    MANT: tl.constexpr,
-    BIAS: tl.constexpr,
-    SUB_SCALE: tl.constexpr,
-    MIN_NORMAL: tl.constexpr,
-    STATIC_SCALE: tl.constexpr,
-    WITH_CSUM: tl.constexpr,
+    stride_kt, stride_kh, stride_vt, stride_vh, stride_kvb, stride_kvc, stride_kvt, stride_kvh,
+    stride_scb, stride_scc, stride_sct, NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr, NUM_COMP: tl.constexpr, BLOCK_H: tl.constexpr,
+    BLOCK_D: tl.constexpr, MODE: tl.constexpr, FP8_MAX: tl.constexpr, MANT: tl.constexpr,
+    BIAS: tl.constexpr, SUB_SCALE: tl.constexpr, MIN_NORMAL: tl.constexpr,
+    STATIC_SCALE: tl.constexpr, WITH_CSUM: tl.constexpr,
     INT8: tl.constexpr = False,  # MODE 2 with a symmetric INT8 grid (FP8_MAX = 127)
 ):
     t = tl.program_id(0).to(tl.int64)
@@ -250,14 +228,9 @@ def _int_view(x: torch.Tensor) -> torch.Tensor:
 
 
 def write_kv(
-    kv_data: torch.Tensor,
-    kv_scales: torch.Tensor | None,
-    layer: int,
-    slot_mapping: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor | None,
-    csum_state: torch.Tensor | None = None,
-    k_scale: float | torch.Tensor | None = None,
+    kv_data: torch.Tensor, kv_scales: torch.Tensor | None, layer: int,
+    slot_mapping: torch.Tensor, k: torch.Tensor, v: torch.Tensor | None,
+    csum_state: torch.Tensor | None = None, k_scale: float | torch.Tensor | None = None,
     v_scale: float | torch.Tensor | None = None,
 ) -> None:
     """Triton twin of :func:`kvserve.kernels.reference.write_kv` (same arguments, in place)."""
@@ -348,10 +321,7 @@ def write_kv(
         BLOCK_D=_pow2(head_dim, 2),
         MODE=mode,
         FP8_MAX=fmax,
-        MANT=mant,
-        BIAS=bias,
-        SUB_SCALE=float(2.0 ** (bias - 1 + mant)),
-        MIN_NORMAL=float(2.0 ** (1 - bias)),
+        **_fp8_format(mant, bias),
         STATIC_SCALE=use_static,
         WITH_CSUM=with_csum,
         INT8=i8,
@@ -366,15 +336,8 @@ def write_kv(
 
 @triton.jit
 def _round_kernel(
-    X,
-    OUT,
-    n,
-    TO_FP8: tl.constexpr,
-    MANT: tl.constexpr,
-    BIAS: tl.constexpr,
-    SUB_SCALE: tl.constexpr,
-    MIN_NORMAL: tl.constexpr,
-    BLOCK: tl.constexpr,
+    X, OUT, n, TO_FP8: tl.constexpr, MANT: tl.constexpr, BIAS: tl.constexpr,
+    SUB_SCALE: tl.constexpr, MIN_NORMAL: tl.constexpr, BLOCK: tl.constexpr,
 ):
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     m = offs < n
@@ -386,40 +349,26 @@ def _round_kernel(
     tl.store(OUT + offs, r, mask=m)
 
 
-def fp32_to_fp8_bits(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """In-kernel RNE fp32 -> FP8 bits of ``x`` (|x| <= FP8_MAX), as int32; for tests."""
+def _fp8_format(mant: int, bias: int) -> dict[str, object]:
+    """The constexprs of ``_fp32_to_fp8_bits`` for an FP8 format (mantissa bits, bias)."""
+    return {"MANT": mant, "BIAS": bias, "SUB_SCALE": float(2.0 ** (bias - 1 + mant)),
+            "MIN_NORMAL": float(2.0 ** (1 - bias))}
+
+
+def _round(x: torch.Tensor, to_fp8: bool, fmt: dict[str, object]) -> torch.Tensor:
     x = x.float().contiguous()
     out = torch.empty(x.shape, dtype=torch.int32, device=x.device)
-    mant, bias = _FP8_FORMAT[dtype]
     block = 1024
-    _round_kernel[(triton.cdiv(x.numel(), block),)](
-        x,
-        out,
-        x.numel(),
-        TO_FP8=True,
-        MANT=mant,
-        BIAS=bias,
-        SUB_SCALE=float(2.0 ** (bias - 1 + mant)),
-        MIN_NORMAL=float(2.0 ** (1 - bias)),
-        BLOCK=block,
-    )
+    _round_kernel[(triton.cdiv(x.numel(), block),)](x, out, x.numel(), TO_FP8=to_fp8, **fmt,
+                                                    BLOCK=block)
     return out
+
+
+def fp32_to_fp8_bits(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """In-kernel RNE fp32 -> FP8 bits of ``x`` (|x| <= FP8_MAX), as int32; for tests."""
+    return _round(x, True, _fp8_format(*_FP8_FORMAT[dtype]))
 
 
 def fp32_to_bf16_bits(x: torch.Tensor) -> torch.Tensor:
     """In-kernel RNE fp32 -> bf16 bits of finite non-negative ``x``, as int32; for tests."""
-    x = x.float().contiguous()
-    out = torch.empty(x.shape, dtype=torch.int32, device=x.device)
-    block = 1024
-    _round_kernel[(triton.cdiv(x.numel(), block),)](
-        x,
-        out,
-        x.numel(),
-        TO_FP8=False,
-        MANT=0,
-        BIAS=0,
-        SUB_SCALE=1.0,
-        MIN_NORMAL=1.0,
-        BLOCK=block,
-    )
-    return out
+    return _round(x, False, {"MANT": 0, "BIAS": 0, "SUB_SCALE": 1.0, "MIN_NORMAL": 1.0})

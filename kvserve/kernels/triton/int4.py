@@ -37,26 +37,10 @@ def _w4a16_kernel(
     S,  # [N, G]
     Z,  # [N, G] zero points (any int/float dtype) or dummy
     OUT,  # [M, N]
-    M,
-    N,
-    K,
-    stride_xm,
-    stride_xk,
-    stride_wn,
-    stride_wk,
-    stride_sn,
-    stride_sg,
-    stride_zn,
-    stride_zg,
-    stride_om,
-    stride_on,
-    GROUP: tl.constexpr,
-    HAS_ZP: tl.constexpr,
-    BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr,
-    DOT_DTYPE: tl.constexpr,
-    PRECISION: tl.constexpr,
+    M, N, K, stride_xm, stride_xk, stride_wn, stride_wk, stride_sn, stride_sg, stride_zn,
+    stride_zg, stride_om, stride_on, GROUP: tl.constexpr, HAS_ZP: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    DOT_DTYPE: tl.constexpr, PRECISION: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
@@ -95,10 +79,7 @@ def _w4a16_kernel(
 
 
 def int4_matmul(
-    x: torch.Tensor,
-    packed: torch.Tensor,
-    scales: torch.Tensor,
-    zeros: torch.Tensor | None,
+    x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None,
     group_size: int,
 ) -> torch.Tensor:
     """``x[M, K] @ W.T -> [M, N]`` in x's dtype (twin: reference.int4_matmul)."""

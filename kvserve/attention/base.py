@@ -8,7 +8,7 @@ Per-step planning: a backend turns the step's ``AttentionMetadata`` into a typed
 
 from __future__ import annotations
 
-from typing import ClassVar, Protocol
+from typing import ClassVar, Generic, Protocol, TypeVar
 
 import torch
 
@@ -39,12 +39,25 @@ class AttentionBackend(Protocol):
         ...
 
 
-class BackendBase:
+P = TypeVar("P")  # a backend's typed plan
+
+
+class BackendBase(Generic[P]):
     """Defaults: a K/V backend (no ``forward_mla``) that cannot be graph-captured."""
 
     name: ClassVar[str] = "base"
     latent: ClassVar[bool] = False
     cuda_graphs: ClassVar[bool] = False
+
+    def _plan(self, meta: AttentionMetadata) -> P:
+        """This step's plan: built by the first layer that asks, kept in ``meta.cache``."""
+        plan = meta.cache.get(self.name)
+        if plan is None:
+            plan = meta.cache[self.name] = self._build_plan(meta)
+        return plan
+
+    def _build_plan(self, meta: AttentionMetadata) -> P:
+        raise NotImplementedError
 
     def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 meta: AttentionMetadata) -> torch.Tensor:

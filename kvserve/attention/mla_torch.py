@@ -94,7 +94,7 @@ class MlaPlan:
     slots: torch.Tensor | None = None  # mla_triton: int64 [T] slots of the fused write
 
 
-class MlaTorchAttentionBackend(BackendBase):
+class MlaTorchAttentionBackend(BackendBase[MlaPlan]):
     name = "mla_torch"
     latent = True
 
@@ -122,10 +122,7 @@ class MlaTorchAttentionBackend(BackendBase):
         self.factor = fp8.HALF_BITS_FACTOR.get(kv_cache.dtype, 1.0)
 
     # ---- per-step planning (shared by all layers) -------------------------------------------
-    def _plan(self, meta: AttentionMetadata) -> MlaPlan:
-        plan = meta.cache.get(self.name)
-        if plan is not None:
-            return plan
+    def _build_plan(self, meta: AttentionMetadata) -> MlaPlan:
         bs, dev = self.kv.block_size, self.kv.data.device
         decode = [b for b, q in enumerate(meta.query_lens) if q == 1]
         chunks = [(c.tok.to(dev), c.block_ids.to(dev), c.max_blocks,
@@ -134,7 +131,6 @@ class MlaTorchAttentionBackend(BackendBase):
                                               self.ws_tokens)]
         pre = self._plan_prefills(meta)
         plan = MlaPlan(chunks, pre)
-        meta.cache[self.name] = plan
         return plan
 
     def _plan_prefills(

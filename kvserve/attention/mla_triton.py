@@ -48,10 +48,7 @@ class MlaTritonAttentionBackend(MlaTorchAttentionBackend):
         kv_cache.use_fused_writer()
 
     # ---- per-step planning (shared by all layers) -------------------------------------------
-    def _plan(self, meta: AttentionMetadata) -> MlaPlan:
-        plan = meta.cache.get(self.name)
-        if plan is not None:
-            return plan
+    def _build_plan(self, meta: AttentionMetadata) -> MlaPlan:
         kv, dev = self.kv, self.kv.data.device
         decode = [b for b, q in enumerate(meta.query_lens) if q == 1]
         tri = None
@@ -60,7 +57,6 @@ class MlaTritonAttentionBackend(MlaTorchAttentionBackend):
             tri = MlaDecodeTables(tok.to(dev), tables.to(dev, torch.int32),
                                   lens.to(dev, torch.int32), int(lens.max()))
         plan = MlaPlan([], self._plan_prefills(meta), tri, meta.slot_mapping.to(dev))
-        meta.cache[self.name] = plan
         return plan
 
     # ---- hooks --------------------------------------------------------------------------

@@ -51,7 +51,7 @@ class TorchPlan:
     prefill: list[tuple[int, int, int, torch.Tensor]]
 
 
-class TorchAttentionBackend(BackendBase):
+class TorchAttentionBackend(BackendBase[TorchPlan]):
     name = "torch"
 
     def __init__(
@@ -87,10 +87,7 @@ class TorchAttentionBackend(BackendBase):
         )
 
     # ---- per-step planning (shared by all layers) -------------------------------------------
-    def _plan(self, meta: AttentionMetadata) -> TorchPlan:
-        plan = meta.cache.get(self.name)
-        if plan is not None:
-            return plan
+    def _build_plan(self, meta: AttentionMetadata) -> TorchPlan:
         bs, null = self.kv.block_size, self.kv.null_block
         if self.use_kernel:  # every row, in step order: no workspace, padding or gather
             plan = TorchPlan(plan_rows(meta, bs, null), [], [])
@@ -99,7 +96,6 @@ class TorchAttentionBackend(BackendBase):
             chunks = [(c.tok, c.block_ids, c.max_blocks, c.pad[:, None, None, :])
                       for c in plan_decode_chunks(meta, decode, bs, null, self.ws_tokens)]
             plan = TorchPlan(None, chunks, plan_prefills(meta, bs))
-        meta.cache[self.name] = plan
         return plan
 
     # ---- forward --------------------------------------------------------------------------

@@ -29,7 +29,7 @@ class TritonPlan:
     max_query_len: int
 
 
-class TritonAttentionBackend(BackendBase):
+class TritonAttentionBackend(BackendBase[TritonPlan]):
     name = "triton"
     cuda_graphs = True
 
@@ -47,10 +47,7 @@ class TritonAttentionBackend(BackendBase):
         # checksum state the integrity checker seals from (when integrity is on)
         kv_cache.use_fused_writer()
 
-    def _plan(self, meta: AttentionMetadata) -> TritonPlan:
-        plan = meta.cache.get(self.name)
-        if plan is not None:
-            return plan
+    def _build_plan(self, meta: AttentionMetadata) -> TritonPlan:
         dev = self.kv.data.device
         _, tables, lens = plan_decode_tables(meta, range(meta.num_seqs), self.kv.block_size,
                                              self.kv.null_block)
@@ -62,7 +59,6 @@ class TritonAttentionBackend(BackendBase):
             decode=all(q == 1 for q in meta.query_lens),
             max_seq_len=max(meta.seq_lens), max_query_len=max(meta.query_lens),
         )
-        meta.cache[self.name] = plan
         return plan
 
     def graph_plan(self, meta: AttentionMetadata, tables: torch.Tensor, seq_lens: torch.Tensor,

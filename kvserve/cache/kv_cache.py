@@ -69,13 +69,9 @@ class PagedKVCache:
         rotation_split: tuple[int, ...] | None = None,
         checksums: bool = False,
     ) -> None:
-        self.num_layers = num_layers
-        self.num_blocks = num_blocks
-        self.null_block = num_blocks
-        self.block_size = block_size
-        self.num_kv_heads = num_kv_heads
-        self.head_dim = head_dim
-        self.components = components
+        self.num_layers, self.num_blocks, self.block_size = num_layers, num_blocks, block_size
+        self.null_block = num_blocks  # never allocated, stays zero (padded tables point here)
+        self.num_kv_heads, self.head_dim, self.components = num_kv_heads, head_dim, components
         self.dtype = dtype
         # The storage kind is decided here once; backends read these flags, never the dtype.
         self.mode = KVMode(dtype, rotate=rotation_seed is not None)

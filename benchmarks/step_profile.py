@@ -162,8 +162,7 @@ def build(args, kv: str, batch: int, timers: Timers, prompt_len: int) -> Config:
         eng.add_request(f"r{i}", p, params)
     # prefill: steps until every request has its first token
     t0 = timers.clock()
-    while any(r.num_computed_tokens < r.num_prompt_tokens for r in eng.scheduler.running) \
-            or eng.scheduler.waiting:
+    while eng.stats().num_prefilling:
         eng.step()
     cfg.prefill_s_per_token = (timers.clock() - t0) / (batch * prompt_len)
     for _ in range(3):  # warm decode steps

@@ -196,9 +196,11 @@ class LLMEngine:
 
     # ---- introspection --------------------------------------------------------------------
     def stats(self) -> EngineStats:
-        pool = self.pool
+        pool, sched = self.pool, self.scheduler
+        prefilling = sum(r.num_computed_tokens < r.num_prompt_tokens for r in sched.running)
         return EngineStats(
-            num_running=len(self.scheduler.running), num_waiting=len(self.scheduler.waiting),
+            num_running=len(sched.running), num_waiting=len(sched.waiting),
+            num_prefilling=prefilling + len(sched.waiting),
             num_blocks_total=pool.num_blocks, num_blocks_used=pool.num_used_blocks,
             num_blocks_free=pool.num_free_blocks, prefix_cache_hit_rate=float(self.kv.hit_rate),
             num_preemptions=self.scheduler.num_preemptions,

@@ -11,6 +11,8 @@ from typing import Any
 class EngineStats:
     num_running: int = 0
     num_waiting: int = 0
+    # requests whose prompt is not fully computed yet (waiting, or running a prefill chunk)
+    num_prefilling: int = 0
     num_blocks_total: int = 0
     num_blocks_used: int = 0
     num_blocks_free: int = 0

@@ -21,7 +21,9 @@ LAYERS: list[tuple[str, ...]] = [
     ("kvserve.model",),  # architectures, checkpoint loading
     ("kvserve.layers", "kvserve.attention"),  # nn building blocks, attention backends
     ("kvserve.cache",),  # block pool, paged KV tensors, integrity
-    ("kvserve.kernels", "kvserve.quant", "kvserve.distributed"),  # math, formats, collectives
+    # math (kernels/cpu: the ctypes bindings, kernels/triton: the Triton kernels, reference.py:
+    # their twins), number formats, collectives
+    ("kvserve.kernels", "kvserve.quant", "kvserve.distributed"),
     # plain data and build helpers
     ("kvserve.config", "kvserve.request", "kvserve.sampling_params", "kvserve.outputs",
      "kvserve.cbuild", "kvserve.cli_help"),
@@ -135,3 +137,19 @@ def test_readme_layout_lists_every_file():
                    if p.name != "__init__.py" or p.parent.name == "attention")
     missing = [f for f in files if f.rsplit("/", 1)[-1] not in listed]
     assert not missing, f"README layout misses: {missing}"
+
+
+def test_one_place_for_c_libraries_and_triton_interpret():
+    """ctypes libraries are loaded only by kvserve/kernels/cpu (and built by cbuild.py);
+    TRITON_INTERPRET is read only by kvserve/kernels/triton/__init__.py (issue 17, item 4)."""
+    loads, interp = [], []
+    for path in ROOT.rglob("*.py"):
+        rel = path.relative_to(ROOT).as_posix()
+        text = path.read_text()
+        if ("build_library(" in text or "CDLL(" in text) and not (
+                rel == "cbuild.py" or rel.startswith("kernels/cpu/")):
+            loads.append(rel)
+        if 'environ.get("TRITON_INTERPRET"' in text and rel != "kernels/triton/__init__.py":
+            interp.append(rel)
+    assert not loads, f"C libraries loaded outside kernels/cpu: {loads}"
+    assert not interp, f"TRITON_INTERPRET read outside kernels/triton: {interp}"

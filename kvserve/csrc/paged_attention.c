@@ -44,6 +44,7 @@
  *               A row's arithmetic does not depend on its tile, job shape or batch.
  *   job_scalar  portable C, two passes (scores, then P.V); any D.
  */
+#include <float.h>
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
@@ -554,7 +555,8 @@ void kvs_paged_attention(const void *kv, const void *scales, int dtype, const fl
 /* ---- FP8 quantize-on-write ------------------------------------------------------------
  * Twin: kvserve/quant/fp8.py (compute_scales + quantize + torch's RNE cast); bit-exact.
  * x [T, H, D] fp32; rows [T] (row ids into dst [R, H, D] / scales [R, H]).
- * scale = bf16_rne(max(amax, 1e-12) / FP8_MAX); q = rne_fp8(clamp(x / scale, +-FP8_MAX)).
+ * scale = bf16_rne(clamp(amax, 1e-12, FLT_MAX) / FP8_MAX); q = rne_fp8(clamp(x / scale,
+ * +-FP8_MAX)). NaN elements: ignored by amax (the compare is false), stored as 0.
  */
 static inline uint16_t f32_to_bf16_rne(float f) {
     uint32_t u;
@@ -605,13 +607,14 @@ void kvs_write_fp8(const float *x, const int64_t *rows, int T, int H, int D, int
                     amax = a > amax ? a : amax;
                 }
                 if (!(amax >= 1e-12f)) amax = 1e-12f;
+                if (amax > FLT_MAX) amax = FLT_MAX; /* inf: the scale stays finite */
                 sb = f32_to_bf16_rne(amax / fmax);
             }
             float s = bf16_to_f32(sb);
             uint8_t *out = dst + ((size_t)rows[t] * H + h) * D;
             for (int d = 0; d < D; d++) {
                 float v = xr[d] / s;
-                v = v > fmax ? fmax : (v < -fmax ? -fmax : v);
+                v = v > fmax ? fmax : (v < -fmax ? -fmax : (v == v ? v : 0.f)); /* NaN -> 0 */
                 out[d] = f32_to_fp8(v, mant, bias, min_normal, sub_scale);
             }
             scales[(size_t)rows[t] * H + h] = sb;
@@ -624,6 +627,7 @@ void kvs_write_fp8(const float *x, const int64_t *rows, int T, int H, int D, int
  * x [T, H, D] fp32; rows [T] (row ids into dst [R, H, D] int8 / codes [R, H] int8).
  * e = the smallest code in [-128, 127] with 127 * scale(e) >= amax (fp32 products; 127 if
  * none); q = clamp(rint(x / scale(e)), -127, 127) (rintf rounds half to even, as torch.round).
+ * NaN elements: ignored by amax, stored as 0 (a NaN -> int8 cast is undefined behaviour).
  */
 void kvs_write_int8(const float *x, const int64_t *rows, int T, int H, int D, int8_t *dst,
                     int8_t *codes) {
@@ -645,7 +649,7 @@ void kvs_write_int8(const float *x, const int64_t *rows, int T, int H, int D, in
             int8_t *out = dst + ((size_t)rows[t] * H + h) * D;
             for (int d = 0; d < D; d++) {
                 float v = rintf(xr[d] / s);
-                v = v > 127.f ? 127.f : (v < -127.f ? -127.f : v);
+                v = v > 127.f ? 127.f : (v < -127.f ? -127.f : (v == v ? v : 0.f)); /* NaN: 0 */
                 out[d] = (int8_t)v;
             }
             codes[(size_t)rows[t] * H + h] = (int8_t)e;

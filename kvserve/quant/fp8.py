@@ -5,6 +5,11 @@ bfloat16 beside the payload (2 bytes per head_dim-wide row: 3.1% at head_dim 64,
 The stored (bf16-rounded) scale is the one used to quantize, so dequantization is exact up to
 FP8 rounding; saturation is impossible because values are clamped to +-FP8_MAX after scaling.
 
+Non-finite input (C writer and this twin agree bit for bit): NaN elements are stored as 0 and
+do not enter the row's amax; amax is clamped to [1e-12, FLT_MAX], so the stored scale is always
+finite (an inf element saturates to +-FP8_MAX and reads back as a huge finite value instead of
+making the whole row 0 * inf = NaN); an all-zero row gets the smallest scale and exact zeros.
+
 Reading FP8 on CPU: torch's float8 -> float cast runs at ~0.4 GB/s here. ``fp8_to_half_bits``
 instead rebuilds an fp16 bit pattern with integer ops into preallocated buffers (~3.5x faster):
 
@@ -24,21 +29,25 @@ FP8_MAX = {torch.float8_e4m3fn: 448.0, torch.float8_e5m2: 57344.0}
 # value = half_bits_value * HALF_BITS_FACTOR[dtype] * scale
 HALF_BITS_FACTOR = {torch.float8_e4m3fn: 256.0, torch.float8_e5m2: 1.0}
 _MIN_AMAX = 1e-12
+_FLT_MAX = torch.finfo(torch.float32).max
 
 
 def compute_scales(x: torch.Tensor, fp8_dtype: torch.dtype) -> torch.Tensor:
-    """x [..., D] -> bf16 scales [...]: amax/FP8_MAX per row, rounded to bf16."""
-    amax = x.detach().abs().amax(dim=-1).float().clamp_min_(_MIN_AMAX)
+    """x [..., D] -> bf16 scales [...]: amax/FP8_MAX per row, rounded to bf16 (NaN elements
+    ignored, amax clamped to [1e-12, FLT_MAX]: the scale is always finite and positive)."""
+    a = x.detach().abs().float()
+    amax = a.masked_fill_(a.isnan(), 0.0).amax(dim=-1).clamp_(_MIN_AMAX, _FLT_MAX)
     return (amax / FP8_MAX[fp8_dtype]).to(torch.bfloat16)
 
 
 def quantize(
     x: torch.Tensor, scales: torch.Tensor, fp8_dtype: torch.dtype
 ) -> torch.Tensor:
-    """x [..., D] float, scales [...] -> fp8 [..., D]. Clamped, so outliers never give NaN/inf."""
+    """x [..., D] float, scales [...] -> fp8 [..., D]. Clamped, so outliers never give NaN/inf
+    (+-inf -> +-FP8_MAX; a NaN element is stored as 0, as the C writer does)."""
     fmax = FP8_MAX[fp8_dtype]
     y = x.float() / scales.float().unsqueeze(-1)
-    return y.clamp_(-fmax, fmax).to(fp8_dtype)
+    return y.nan_to_num_(nan=0.0).clamp_(-fmax, fmax).to(fp8_dtype)
 
 
 def quantize_dynamic(x: torch.Tensor, fp8_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:

@@ -19,6 +19,12 @@ A uniform 8-bit grid keeps ~7 bits of every element where E4M3 keeps 3 mantissa 
 the per-head rotation (``kvserve.quant.rotation``) a row's values are spread evenly, which is
 the case a uniform grid fits best. -128 is never produced (the grid is symmetric).
 
+Non-finite input never reaches the cache as an undefined code (the C writer and this twin
+agree bit for bit; the Triton writer is not yet aligned for NaN): a NaN element is stored as
+0 and does not enter the row's amax; +-inf saturates (amax = inf -> code 127, the element ->
++-127); an all-zero (or all-NaN) row gets code -128 and exact zeros. Scales are per row, so
+such a row never changes another row's codes (tests/quant/test_kv_nonfinite.py).
+
 Byte cost: 1 scale byte per head_dim-wide row (1.6% at head_dim 64, 0.8% at 128; FP8 keeps
 a bf16 scale: 3.1% / 1.6%), so INT8 KV holds 1.97x the tokens of BF16 at head_dim 64.
 Rounding the scale up to a 2^(1/8) grid instead of storing bf16(amax / 127) costs nothing
@@ -65,9 +71,18 @@ def code_to_scale(codes: torch.Tensor) -> torch.Tensor:
     return table[codes.long() + 128]
 
 
+def _amax(x: torch.Tensor) -> torch.Tensor:
+    """max |x| per row, NaN elements ignored (as the C writer's ``a > amax`` compare does)."""
+    a = x.detach().abs().float()
+    return a.masked_fill_(a.isnan(), 0.0).amax(dim=-1)
+
+
 def compute_codes(x: torch.Tensor) -> torch.Tensor:
-    """x [..., D] -> int8 codes [...]: the smallest e with 127 * 2^(e/8) >= amax (fp32)."""
-    amax = x.detach().abs().amax(dim=-1).float()
+    """x [..., D] -> int8 codes [...]: the smallest e with 127 * 2^(e/8) >= amax (fp32).
+
+    Non-finite input (see the module docstring): NaN elements do not enter amax; an inf
+    amax gets code 127; an all-zero (or all-NaN) row gets code -128."""
+    amax = _amax(x)
     thresh = _THRESH.to(amax.device)
     idx = torch.searchsorted(thresh, amax.contiguous(), right=False).clamp_(max=255)
     return (idx - 128).to(torch.int8)
@@ -85,9 +100,10 @@ def compute_scales_bf16(x: torch.Tensor) -> torch.Tensor:
 
 
 def quantize(x: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
-    """x [..., D] float, scales [...] (fp32 or bf16 values) -> int8 [..., D] (RNE, +-127)."""
+    """x [..., D] float, scales [...] (fp32 or bf16 values) -> int8 [..., D] (RNE, +-127;
+    NaN -> 0, +-inf -> +-127)."""
     y = x.float() / scales.float().unsqueeze(-1)
-    return torch.round(y).clamp_(-QMAX, QMAX).to(torch.int8)
+    return torch.round(y).nan_to_num_(nan=0.0).clamp_(-QMAX, QMAX).to(torch.int8)
 
 
 def quantize_dynamic(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -14,6 +14,8 @@ from kvserve.kernels import reference as ref
 GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
 PREFIX = [1] + list(range(30, 63))  # 34 tokens: 2 full blocks of 16
 TAILS = [[5, 6], [7, 8, 9]]
+# every KV mode: 16-bit, FP8 and INT8, plain and rotated (stored rotated K/V, per-row scales)
+KV_MODES = ["bf16", "fp8", "int8", "int8_plain", "fp8_rot", "fp8_e5m2_rot"]
 
 
 def _p(ids):
@@ -57,7 +59,7 @@ def clean(tiny_llama):
     from kvserve import LLM
 
     out = {}
-    for kv in ("bf16", "fp8", "int8"):
+    for kv in KV_MODES:
         llm = LLM(tiny_llama, dtype="float32", kv_cache_dtype=kv, kv_cache_memory="8MiB",
                   progress=False, enable_prefix_caching=False)
         out[kv] = _run(llm, [PREFIX + t for t in TAILS])
@@ -76,7 +78,7 @@ def _cached_prefix_blocks(engine):
     return ids
 
 
-@pytest.mark.parametrize("kv", ["bf16", "fp8", "int8"])
+@pytest.mark.parametrize("kv", KV_MODES)
 @given(data=st.data())
 @settings(max_examples=6, deadline=None,
           suppress_health_check=[HealthCheck.function_scoped_fixture])
@@ -85,14 +87,15 @@ def test_fault_in_cached_prefix_detected_and_repaired(tiny_llama, make_llm, clea
     eng = llm.engine
     assert _run(llm, [PREFIX + TAILS[0]]) == clean[kv][:1]
     blocks = _cached_prefix_blocks(eng)
-    kinds = ["bitflip", "swap", "stale"] + (["scale"] if kv in ("fp8", "int8") else [])
+    kinds = ["bitflip", "swap", "stale"] + (["scale"] if kv != "bf16" else [])
     kind = data.draw(st.sampled_from(kinds))
     block = data.draw(st.sampled_from(blocks))
     layer = data.draw(st.integers(0, eng.kv_cache.num_layers - 1))
     nbytes = eng.kv_cache.data[layer, block].numel() * eng.kv_cache.data.element_size()
     index = data.draw(st.integers(0, nbytes - 1))
-    if kv == "fp8" and kind == "bitflip" and data.draw(st.booleans()):
-        bit = data.draw(st.sampled_from([3, 4, 5, 6]))  # e4m3 exponent bits
+    if kv.startswith("fp8") and kind == "bitflip" and data.draw(st.booleans()):
+        # exponent bits: e4m3 s eeee mmm, e5m2 s eeeee mm
+        bit = data.draw(st.sampled_from([2, 3, 4, 5, 6] if "e5m2" in kv else [3, 4, 5, 6]))
     else:
         bit = data.draw(st.integers(0, 7))
     other = data.draw(st.integers(0, nbytes // 4 - 1))
@@ -109,7 +112,7 @@ def test_fault_in_cached_prefix_detected_and_repaired(tiny_llama, make_llm, clea
     assert eng.pool.blocks[block].quarantined
 
 
-@pytest.mark.parametrize("kv", ["bf16", "fp8", "int8"])
+@pytest.mark.parametrize("kv", KV_MODES)
 def test_fault_in_running_request_repaired_in_paranoid_mode(tiny_llama, make_llm, clean, kv):
     llm = make_llm(tiny_llama, dtype="float32", kv_cache_dtype=kv, kv_integrity="paranoid")
     eng = llm.engine

@@ -37,7 +37,8 @@ def test_batched_equals_single(tiny_llama, make_llm, ref_outputs):
     assert _toks(llm.generate([_p(p) for p in _prompts()], GREEDY)) == ref_outputs
 
 
-@pytest.mark.parametrize("kv", ["auto", "bf16", "fp8", "int8", "int8_plain", "fp8_rot"])
+@pytest.mark.parametrize("kv", ["auto", "bf16", "fp8", "int8", "int8_plain", "fp8_rot",
+                                "fp8_e5m2", "fp8_e5m2_rot"])
 @pytest.mark.parametrize("extra", [-1, 0, 1, 16])  # prefix of b-1, b, b+1, 2b tokens (b=16)
 def test_prefix_hit_equals_cold(tiny_llama, make_llm, kv, extra):
     b = 16
@@ -72,8 +73,14 @@ def prompt_kv_rows(engine, ids):
         b = [data.contiguous().view(torch.uint8).flatten()]
         v = data.float()
         if kv.scales is not None:
-            b.append(kv.scales[:, blk, :, off].contiguous().view(torch.uint8).flatten())
-            v = v * kv.scales[:, blk, :, off].float().unsqueeze(-1)
+            sc = kv.scales[:, blk, :, off]
+            b.append(sc.contiguous().view(torch.uint8).flatten())
+            if kv.is_int8:  # 1-byte log-domain scale codes
+                from kvserve.quant import int8
+
+                v = int8.dequantize(data, sc)
+            else:
+                v = v * sc.float().unsqueeze(-1)
         raw.append(torch.cat(b))
         vals.append(v)
     cached = req.metrics.num_cached_tokens
@@ -81,7 +88,7 @@ def prompt_kv_rows(engine, ids):
     return torch.stack(raw), torch.stack(vals), cached
 
 
-@pytest.mark.parametrize("kv", ["bf16", "fp8", "int8", "fp8_rot"])
+@pytest.mark.parametrize("kv", ["bf16", "fp8", "int8", "fp8_rot", "int8_plain", "fp8_e5m2_rot"])
 @pytest.mark.parametrize("plen", [15, 16, 17, 32])
 def test_prefix_hit_kv_bytes_equal_cold(tiny_llama, make_llm, kv, plen):
     """With integrity on, the KV a prefix-hit request ends up with equals the no-cache path's:
@@ -99,11 +106,12 @@ def test_prefix_hit_kv_bytes_equal_cold(tiny_llama, make_llm, kv, plen):
     assert hit == 16 * (plen // 16)
     want, want_vals, _ = prompt_kv_rows(cold.engine, ids)
     assert got[:hit].equal(want[:hit])
-    if kv == "int8":  # one step of the row's uniform grid (amax / 127, absolute)
-        grid = want_vals[hit:].abs().amax(-1, keepdim=True) / 127 * (1 + 2**-7)
+    if kv.startswith("int8"):  # one step of the row's uniform grid (amax / 127, absolute)
+        grid = want_vals[hit:].abs().amax(-1, keepdim=True) / 127 * 2 ** (1 / 8) * (1 + 2**-7)
         assert ((got_vals[hit:] - want_vals[hit:]).abs() <= grid + 1e-6).all()
         return
-    step = 2.0**-7 if kv == "bf16" else 2.0**-3  # one relative rounding step of the storage
+    # one relative rounding step of the storage (bf16: 7 mantissa bits, E4M3 3, E5M2 2)
+    step = {"bf16": 2.0**-7, "fp8_e5m2_rot": 2.0**-2}.get(kv, 2.0**-3)
     torch.testing.assert_close(got_vals[hit:], want_vals[hit:], rtol=step, atol=1e-6)
 
 

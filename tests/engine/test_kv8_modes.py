@@ -82,7 +82,7 @@ def test_rotated_output_independent_of_seed_up_to_quantization(tiny_llama, make_
 
 
 
-@pytest.mark.parametrize("mode", ["int8", "fp8_rot"])
+@pytest.mark.parametrize("mode", MODES)
 def test_chunked_prefill_and_preemption_equal_plain_run(tiny_llama, make_llm, mode):
     """A rotated 8-bit cache written in prefill chunks of 7 / 33 tokens, or rebuilt after
     preemption (12 blocks of 16 cannot hold all six sequences), gives the tokens of a run

@@ -22,6 +22,8 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
+import platform
 import time
 
 import llama_cpp as L
@@ -130,9 +132,33 @@ def main() -> None:
         print(kv, json.dumps(results["candidates"][kv]), flush=True)
         del llm
     results["seconds"] = time.time() - t0
+    results["env"] = env_info(a.threads)
     if a.json:
         with open(a.json, "w") as f:
             json.dump(results, f, indent=1)
+
+
+_ISA_FLAGS = ("avx2", "fma", "f16c", "avx512f", "avx512_bf16", "avx512_vnni", "amx_bf16")
+
+
+def env_info(threads: int) -> dict:
+    """The machine, in the shape of kvserve.bench.common.env_info (no torch here)."""
+    name, flags = platform.processor() or None, set()
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                key, _, val = line.partition(":")
+                if key.strip() == "model name" and not name:
+                    name = val.strip()
+                elif key.strip() == "flags":
+                    flags = set(val.split())
+                    break
+    except OSError:
+        pass
+    return {"python": platform.python_version(), "numpy": np.__version__,
+            "threads": threads, "cpu_count": os.cpu_count(), "machine": platform.machine(),
+            "cpu": {"model": name, "isa": [f for f in _ISA_FLAGS if f in flags]},
+            "platform": platform.platform(), "time": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
 
 
 if __name__ == "__main__":

@@ -550,10 +550,26 @@ def write_heldout(out: Path, heldout_texts: list[str]) -> None:
 
 def write_card(out: Path, info: dict):
     cfg = info["config"]
+    default_corpus = info["corpus"] == DEFAULT_CORPUS
+    spdx, _, note = (info.get("corpus_license") or "").partition("=")
+    if default_corpus:
+        front = ["license: other", "license_name: psf-2.0"]
+        licence = [
+            "- Licence: the Python documentation is Copyright Python Software Foundation and is",
+            "  licensed under the PSF License Agreement (version 2);",
+            "  since Python 3.8.6 its examples and code are dual-licensed PSF-2.0 / Zero-Clause "
+            "BSD.",
+            "  This model is a derivative of that text and is released under the same PSF-2.0 "
+            "terms.",
+        ]
+    else:  # another corpus: its licence as given by --corpus-license, never the PSF text
+        front = [f"license: {spdx or 'unknown'}"]
+        licence = [f"- Licence: {note or spdx or 'not stated (see --corpus-license)'}. "
+                   "This model is a derivative of that text, under the same terms."]
+    kind = "reST, cleaned of most markup" if default_corpus else "text"
     lines = [
         "---",
-        "license: other",
-        "license_name: psf-2.0",
+        *front,
         "library_name: transformers",
         "pipeline_tag: text-generation",
         "---",
@@ -569,11 +585,8 @@ def write_card(out: Path, info: dict):
         "## Data and licence",
         "",
         f"- Corpus: {info['corpus_desc']} (`{info['corpus']}`), {info['n_files']} files, "
-        f"{info['corpus_mb']:.1f} MB of reST, cleaned of most markup.",
-        "- Licence: the Python documentation is Copyright Python Software Foundation and is",
-        "  licensed under the PSF License Agreement (version 2);",
-        "  since Python 3.8.6 its examples and code are dual-licensed PSF-2.0 / Zero-Clause BSD.",
-        "  This model is a derivative of that text and is released under the same PSF-2.0 terms.",
+        f"{info['corpus_mb']:.1f} MB of {kind}.",
+        *licence,
         f"- Held-out split: {info['heldout_pct']}% of files, chosen by a hash of the file path "
         f"({info['n_held_docs']} files, {info['held_tokens']:,} tokens); training split "
         f"{info['n_train_docs']} files, {info['train_tokens']:,} tokens.",
@@ -653,6 +666,10 @@ def main(argv=None) -> int:
                     help="wall-clock cap for training; schedule follows time if --steps is unset")
     ap.add_argument("--corpus", default=DEFAULT_CORPUS,
                     help="directory of .rst.txt/.rst/.txt/.md files, or one text file")
+    ap.add_argument("--corpus-license", default=None, metavar="SPDX=NOTE",
+                    help="licence of a --corpus other than the default, for the model card: an "
+                         "SPDX id and a sentence, e.g. 'mit=Node.js docs, Copyright Node.js "
+                         "contributors, MIT license'")
     ap.add_argument("--heldout-pct", type=float, default=3.0)
     ap.add_argument("--max-chats", type=int, default=5000,
                     help="cap on synthetic chat pairs mixed into the training stream")
@@ -879,6 +896,7 @@ def main(argv=None) -> int:
         "config": cfg,
         "corpus": args.corpus,
         "corpus_desc": corpus_desc,
+        "corpus_license": args.corpus_license,
         "n_files": n_files,
         "corpus_mb": nbytes / 1e6,
         "heldout_pct": args.heldout_pct,

@@ -3,16 +3,11 @@ machine makes and on a portable (no AVX2) build."""
 
 from __future__ import annotations
 
-import ctypes
-import os
-import shutil
-import subprocess
-
 import pytest
 import torch
 import torch.nn.functional as F
 
-from kvserve.cbuild import CSRC, FLAGS
+from kvserve.cbuild import build_variant
 from kvserve.kernels.cpu import cpu_ops
 from kvserve.layers.rotary import RotaryEmbedding
 
@@ -30,16 +25,9 @@ def lib(request, tmp_path_factory, monkeypatch):
             pytest.skip("C kernels unavailable")
         yield cpu_ops.ops_library()
         return
-    cc = shutil.which("cc") or shutil.which("gcc")
-    if cc is None:
-        pytest.skip("no C compiler")
-    out = tmp_path_factory.mktemp("ops") / f"cpu_ops_{request.param}.so"
-    flags = [f for f in FLAGS if f != "-march=native"]
-    isa = (["-march=haswell"] if request.param == "avx2"
-           else ["-mno-avx2", "-mno-fma", "-mno-avx512f"])
-    subprocess.run([cc, os.path.join(CSRC, "cpu_ops.c"), "-o", str(out), *flags, *isa],
-                   check=True)
-    dll = ctypes.CDLL(str(out))
+    dll = build_variant("cpu_ops", request.param, str(tmp_path_factory.mktemp("ops")))
+    if dll is None:
+        pytest.skip("no C compiler, or not x86-64")
     cpu_ops.ops_library.cache_clear()
     real = cpu_ops.build_library
     monkeypatch.setattr(cpu_ops, "build_library", lambda name: dll if name == "cpu_ops"

@@ -4,32 +4,20 @@ the build this machine makes, an AVX2-only build and a portable (no AVX2) build.
 from __future__ import annotations
 
 import ctypes
-import os
 import platform
-import shutil
-import subprocess
 
 import pytest
 import torch
 
-from kvserve.cbuild import CSRC, FLAGS
+from kvserve.cbuild import build_variant
 from kvserve.kernels.cpu import wq_gemm as wq_cpu
 from kvserve.quant import wq
 
-# "avx2": the AVX2 + FMA + F16C path without AVX-512 (what an AVX2-only CPU builds natively);
-# "portable": no AVX2 at all (plain C)
-ISA_FLAGS = {"avx2": ["-march=haswell"], "portable": ["-mno-avx2", "-mno-f16c", "-mno-avx512f"]}
-
 
 def _built_lib(tmp_path_factory, isa: str) -> ctypes.CDLL:
-    cc = shutil.which("cc") or shutil.which("gcc")
-    if cc is None:
-        pytest.skip("no C compiler")
-    out = tmp_path_factory.mktemp("wq") / f"wq_{isa}.so"
-    flags = [f for f in FLAGS if f != "-march=native"]
-    subprocess.run([cc, os.path.join(CSRC, "wq_gemm.c"), "-o", str(out), *flags,
-                    *ISA_FLAGS[isa]], check=True)
-    dll = ctypes.CDLL(str(out))
+    dll = build_variant("wq_gemm", isa, str(tmp_path_factory.mktemp("wq")))
+    if dll is None:
+        pytest.skip("no C compiler, or not x86-64")
     p, i64, c_int = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
     dll.kvs_wq_quant_act.argtypes = [p, i64, i64, c_int, c_int, p, p, p]
     dll.kvs_wq_gemm.argtypes = [p, p, p, p, p, i64, i64, i64, i64, c_int, c_int, p]

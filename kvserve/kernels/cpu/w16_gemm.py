@@ -9,7 +9,7 @@ import functools
 import torch
 
 from kvserve.cbuild import build_library
-from kvserve.quant.w16 import KINDS
+from kvserve.quant.w16 import KINDS, w16_linear_ref
 
 
 @functools.cache
@@ -54,8 +54,6 @@ def w16_gemm(lib: ctypes.CDLL, x: torch.Tensor, weight: torch.Tensor) -> torch.T
 def linear_w16(x: torch.Tensor, weight: torch.Tensor,
                bias: torch.Tensor | None = None) -> torch.Tensor:
     """``F.linear`` for fp32 x and a 16-bit weight: the C kernel, else the twin."""
-    from kvserve.quant.w16 import w16_linear_ref
-
     lib = w16_library()
     if lib is None or weight.stride(1) != 1:
         return w16_linear_ref(x, weight, bias)

@@ -22,6 +22,9 @@ wall-clock timers around the parts of a step:
     engine         the rest of ``step()``: scheduling, batch building, bookkeeping, detokenize,
                    integrity sealing / scrubbing
 
+Decode steps run eagerly (``enforce_eager``): a recorded CPU graph replays the whole forward in
+one C call, which the part timers cannot split (``--graphs`` times that instead).
+
 The prompts are ``context - steps * repeats // 2`` tokens long, so the mean context of the
 timed steps is ``context``. Prefill cost per prompt token is timed on the same engines (the
 steps that prefill the B prompts). Medians over windows are reported, per step and per running
@@ -150,7 +153,7 @@ def build(args, kv: str, batch: int, timers: Timers, prompt_len: int) -> Config:
     need = batch * (prompt_len + args.steps * args.repeats + 2 * 16 + 16) * bpt
     eng = LLMEngine(EngineArgs(model=model, kv_cache_dtype=kv, progress=False,
                                kv_cache_memory=max(MIN_BUDGET, need), max_num_seqs=batch,
-                               seed=args.seed))
+                               seed=args.seed, enforce_eager=not args.graphs))
     eng.kv_cache.write = timers.wrap("kv_write", eng.kv_cache.write)
     eng.runner.run = timers.wrap("forward", eng.runner.run)  # model forward + LM head
     eng.sampler = timers.wrap("sampling", eng.sampler)
@@ -289,6 +292,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--output-len", type=int, default=128)
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--graphs", action="store_true",
+                    help="replay decode steps from the recorded CPU graph (default: eager, so "
+                         "that the parts of a step can be timed; a replay is one C call)")
     ap.add_argument("--clock", choices=("wall", "cpu"), default="wall",
                     help="wall: elapsed time; cpu: CPU seconds of this process (all threads), "
                          "robust to other jobs on a shared machine; with --threads 1 it is "

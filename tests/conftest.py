@@ -13,8 +13,10 @@ torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
 _ENGINES: list = []
 
 
-def make_tiny_model(path: str, arch: str = "llama", **overrides) -> str:
-    """Random-init tiny HF model + a tokenizer, saved to ``path``."""
+def make_tiny_model(path: str, arch: str = "llama", save_dtype: torch.dtype = torch.float32,
+                    **overrides) -> str:
+    """Random-init tiny HF model + a tokenizer, saved to ``path`` (tensors and config dtype in
+    ``save_dtype``)."""
     import transformers as tf
 
     common = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
@@ -35,7 +37,7 @@ def make_tiny_model(path: str, arch: str = "llama", **overrides) -> str:
         for p in model.parameters():
             if p.dim() == 2:
                 p.normal_(0, 0.08)
-    model.save_pretrained(path)
+    model.to(save_dtype).save_pretrained(path)
     save_tiny_tokenizer(path, common["vocab_size"])
     return path
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import ast
 import pathlib
+import re
 
 import kvserve
 
@@ -153,3 +154,16 @@ def test_one_place_for_c_libraries_and_triton_interpret():
             interp.append(rel)
     assert not loads, f"C libraries loaded outside kernels/cpu: {loads}"
     assert not interp, f"TRITON_INTERPRET read outside kernels/triton: {interp}"
+
+
+def test_every_kernel_call_goes_through_launch():
+    """Bindings call their C entry points only through kernels.cpu.graph.launch, so a CPU-graph
+    recording sees every call (a call it did not see would be silently missing from the
+    replay). The replay's own call in graph.py is the one exception."""
+    direct = []
+    for path in (ROOT / "kernels" / "cpu").glob("*.py"):
+        for n, line in enumerate(path.read_text().splitlines(), 1):
+            if re.search(r"\b(lib|dll)\.kvs_\w+\(", line) and not (
+                    path.name == "graph.py" and "kvs_graph_run" in line):
+                direct.append(f"{path.name}:{n}")
+    assert not direct, f"kernel calls bypassing launch(): {direct}"

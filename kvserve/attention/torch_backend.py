@@ -98,6 +98,15 @@ class TorchAttentionBackend(BackendBase[TorchPlan]):
             plan = TorchPlan(None, chunks, plan_prefills(meta, bs))
         return plan
 
+    def graph_plan(self, meta: AttentionMetadata, tables: torch.Tensor, seq_lens: torch.Tensor,
+                   slots: torch.Tensor, max_seq_len: int) -> None:
+        """Recorded CPU graphs (kvserve/engine/cpu_graphs.py): decode row r attends
+        seq_lens[r] tokens of table row r (int64 static buffers, filled per step)."""
+        if not self.use_kernel:
+            raise NotImplementedError("the torch backend records graphs only with its C kernel")
+        assert tables.dtype == seq_lens.dtype == torch.int64
+        meta.cache[self.name] = TorchPlan((None, tables, seq_lens), [], [])
+
     # ---- forward --------------------------------------------------------------------------
     def forward(
         self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -120,9 +129,10 @@ class TorchAttentionBackend(BackendBase[TorchPlan]):
         if plan.kernel is not None:
             row_seq, tables, lens = plan.kernel
             scales = self.kv.scales[layer] if self.kv.has_scales else None
-            return cpu_attention.paged_attention(self.kv.data[layer], scales,
-                                                 q.float().contiguous(), tables, row_seq,
-                                                 lens, self.scale, out)
+            if q.dtype != torch.float32 or q.stride(2) != 1 or q.stride(1) != q.shape[2]:
+                q = q.float().contiguous()
+            return cpu_attention.paged_attention(self.kv.data[layer], scales, q, tables,
+                                                 row_seq, lens, self.scale, out)
         for tok, ids, mb, mask in plan.decode:
             out[tok] = self._decode(layer, q[tok], ids, mb, mask)
         for start, qlen, slen, ids in plan.prefill:

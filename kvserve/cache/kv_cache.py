@@ -95,11 +95,9 @@ class PagedKVCache:
             torch.zeros(shape[:-1], dtype=kv_scale_dtype(dtype), device=device)
             if self.has_scales else None
         )
-        # FP8 / INT8 writes go through the C kernel when it builds; fp8.quantize /
-        # int8.quantize are its twins.
-        self.use_kernel = False
-        if self.has_scales and not self.data.is_cuda:
-            self.use_kernel = cpu_attention.load() is not None
+        # fp32 writes on CPU go through the C writer when it builds (kvs_write_kv); the torch
+        # code below it (x.to, fp8.quantize, int8.quantize + index_copy_) is its twin.
+        self.use_kernel = not self.data.is_cuda and cpu_attention.load() is not None
         # Per-block checksum state: wanted when integrity is on (decided by whoever builds the
         # cache), kept by the fused writer (``use_fused_writer``).
         self.checksums_wanted = checksums
@@ -169,31 +167,28 @@ class PagedKVCache:
             return
         flat = self.layer_rows(layer)
         bs = self.block_size
+        scale_rows = self.scales[layer].view(-1, self.num_kv_heads) if self.has_scales else None
         for c, x in enumerate(parts):
+            if (self.use_kernel and x.dtype == torch.float32 and x.device.type == "cpu"
+                    and self.dtype in cpu_attention.WRITE_DTYPES):
+                static = None if self.static_scales is None else self.static_scales[layer, c]
+                cpu_attention.write_kv(x, rows, flat, scale_rows, static, row_offset=c * bs)
+                continue
             r = rows if c == 0 else rows + c * bs
             if not self.has_scales:
                 flat.index_copy_(0, r, x.to(self.dtype))
-                continue
-            scale_rows = self.scales[layer].view(-1, self.num_kv_heads)
-            if self.is_int8:
-                if self.use_kernel and not x.is_cuda:
-                    cpu_attention.write_int8(x, r, flat, scale_rows)
-                    continue
+            elif self.is_int8:
                 q, s = int8.quantize_dynamic(x)
                 flat.index_copy_(0, r, q)
                 scale_rows.index_copy_(0, r, s)
-                continue
-            if self.use_kernel and not x.is_cuda:
-                static = None if self.static_scales is None else self.static_scales[layer, c]
-                cpu_attention.write_fp8(x, r, flat, scale_rows, static)
-                continue
-            if self.static_scales is not None:
-                s = self.static_scales[layer, c].expand(x.shape[0], -1)
             else:
-                s = fp8.compute_scales(x, self.dtype)
-            q = fp8.quantize(x, s, self.dtype)
-            flat.view(torch.uint8).index_copy_(0, r, q.view(torch.uint8))
-            scale_rows.index_copy_(0, r, s)
+                if self.static_scales is not None:
+                    s = self.static_scales[layer, c].expand(x.shape[0], -1)
+                else:
+                    s = fp8.compute_scales(x, self.dtype)
+                q = fp8.quantize(x, s, self.dtype)
+                flat.view(torch.uint8).index_copy_(0, r, q.view(torch.uint8))
+                scale_rows.index_copy_(0, r, s)
 
     def describe(self) -> str:
         cap_tokens = self.num_blocks * self.block_size

@@ -6,6 +6,10 @@
  *   kvs_silu_mul      silu(gate) * up from the fused gate_up output (twin: F.silu(g) * u)
  *   kvs_add_rms_norm  residual += x; out = residual / rms(residual) * w
  *                     (twin: kvserve.layers.norm.RMSNorm on x + residual)
+ *   kvs_gather_rows   embedding lookup: table rows (fp32 / bf16 / fp16) widened to fp32
+ *                     (twin: F.embedding(ids, table).float())
+ *   kvs_gather_q8     embedding lookup in a GGUF Q8_0 table, dequantized to fp32
+ *                     (twin: kvserve.layers.q8_embedding.Q8Embedding's torch path)
  *
  * Rows are independent (batch invariant): each row runs the same instructions whatever the
  * number of rows. Tests: tests/layers/test_cpu_ops.py (against the twins, native and portable
@@ -16,6 +20,8 @@
 #include <string.h>
 #include <omp.h>
 #include "vmath.h"
+#include "half.h"
+#include "kvs_op.h"
 
 /*
  * x fp32 rows of `stride` floats; in each row heads 0 .. nheads-1 (each D floats, contiguous
@@ -91,4 +97,82 @@ void kvs_add_rms_norm(const float *x, float *residual, const float *w, int64_t T
         float *o = out + t * D;
         for (int64_t j = 0; j < D; j++) o[j] = r[j] * inv * w[j];
     }
+}
+
+/* out fp32 [n, dim] = table[ids[i], :dim] widened; table [V, ld] rows, kind 0 fp32, 1 bf16,
+ * 2 fp16 (exact widening). Returns 0, or 1 (nothing written) if an id is not in [0, V). */
+int kvs_gather_rows(const void *table, int kind, int64_t V, int64_t ld, const int64_t *ids,
+                    int64_t n, int64_t dim, float *out) {
+    for (int64_t i = 0; i < n; i++)
+        if (ids[i] < 0 || ids[i] >= V) return 1;
+    for (int64_t i = 0; i < n; i++) {
+        float *o = out + i * dim;
+        if (kind == 0) {
+            memcpy(o, (const float *)table + ids[i] * ld, sizeof(float) * (size_t)dim);
+            continue;
+        }
+        const uint16_t *r = (const uint16_t *)table + ids[i] * ld;
+        if (kind == 1) {
+            uint32_t *u = (uint32_t *)o;
+            for (int64_t j = 0; j < dim; j++) u[j] = (uint32_t)r[j] << 16;
+        } else {
+            for (int64_t j = 0; j < dim; j++) o[j] = kvs_f16f(r[j]);
+        }
+    }
+    return 0;
+}
+
+/* Q8_0 rows (value = q * d per 32 columns) dequantized: out fp32 [n, K] for ids [n] of a
+ * [V, K] table stored either row-major (tiled = 0: q int8 [V, K], d fp16 [V, K/32]) or in the
+ * integer-dot tiles of kvserve/quant/wq.py (tiled = 1: codes u = q + 128 as uint8
+ * [V/16, K/4, 16, 4], scales fp16 [V/16, K/32, 2, 16] with s = d at index 0). Returns 0, or 1
+ * (nothing written) if an id is not in [0, V). */
+int kvs_gather_q8(const void *qv, const uint16_t *dv, int tiled, int64_t V, int64_t K,
+                  const int64_t *ids, int64_t n, float *out) {
+    for (int64_t i = 0; i < n; i++)
+        if (ids[i] < 0 || ids[i] >= V) return 1;
+    const int64_t ng = K / 32;
+    for (int64_t i = 0; i < n; i++) {
+        const int64_t row = ids[i], tile = row / 16, r = row % 16;
+        float *o = out + i * K;
+        for (int64_t j = 0; j < K; j++) {
+            float q, d;
+            if (tiled) {
+                const uint8_t u = ((const uint8_t *)qv)[((tile * (K / 4) + j / 4) * 16 + r) * 4 +
+                                                        j % 4];
+                q = (float)((int)u - 128);
+                d = kvs_f16f(dv[((tile * ng + j / 32) * 2) * 16 + r]);
+            } else {
+                q = (float)((const int8_t *)qv)[row * K + j];
+                d = kvs_f16f(dv[row * ng + j / 32]);
+            }
+            o[j] = q * d;
+        }
+    }
+    return 0;
+}
+
+/* ---- recorded-graph adapters (kvs_op.h) ------------------------------------------------ */
+int kvs_gather_q8_op(const int64_t *a) {
+    return kvs_gather_q8(OP_P(0), OP_P(1), (int)a[2], a[3], a[4], OP_P(5), a[6], OP_P(7));
+}
+
+int kvs_rope_qk_op(const int64_t *a) {
+    kvs_rope_qk(OP_P(0), a[1], a[2], a[3], a[4], a[5], OP_P(6), OP_P(7), OP_P(8), (int)a[9],
+                (int)a[10]);
+    return 0;
+}
+
+int kvs_silu_mul_op(const int64_t *a) {
+    kvs_silu_mul(OP_P(0), a[1], a[2], OP_P(3), (int)a[4]);
+    return 0;
+}
+
+int kvs_add_rms_norm_op(const int64_t *a) {
+    kvs_add_rms_norm(OP_P(0), OP_P(1), OP_P(2), a[3], a[4], OP_F(5), OP_P(6), (int)a[7]);
+    return 0;
+}
+
+int kvs_gather_rows_op(const int64_t *a) {
+    return kvs_gather_rows(OP_P(0), (int)a[1], a[2], a[3], OP_P(4), a[5], a[6], OP_P(7));
 }

@@ -13,7 +13,7 @@
  *   kv      [num_blocks+1, 2, bs, H, D]   (one layer; component 0 = K, 1 = V)
  *   scales  [num_blocks+1, 2, bs, H]      bf16 (FP8) / int8 log-scale codes e (INT8:
  *                                          scale = 2^(e/8), see kvserve/quant/int8.py)
- *   q       [n, H*G, D] fp32,  out [n, H*G, D] fp32
+ *   q       [n, H*G, D] fp32 (rows ldq floats apart),  out [n, H*G, D] fp32 (contiguous)
  *   block_tables [S, max_blocks] int64;  row_seq [n] int64 (row -> table row; NULL: row i
  *   uses table i);  lens [n] int64 tokens each row attends
  *
@@ -51,6 +51,7 @@
 #include <string.h>
 #include <omp.h>
 #include "vmath.h"
+#include "kvs_op.h"
 #if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 #include <immintrin.h>
 #define KVS_AVX2 1
@@ -137,6 +138,7 @@ typedef struct {
     int dtype, bs, H, G, D;
     float sm_scale, factor;
     size_t row_bytes, comp_bytes, block_bytes, comp_scales;
+    size_t ldq; /* floats between consecutive query rows */
 } Geo;
 
 /* Per-thread scratch, sized for the call (bs8 = bs rounded up to 8). */
@@ -350,7 +352,7 @@ static inline __attribute__((always_inline)) void job_avx2(
             /* tokens of this block the row may see (causal): [0, ntr) */
             const int ntr = (int)lens[r] - b * bs < nt ? (int)lens[r] - b * bs : nt;
             if (ntr <= 0) continue;
-            const float *qg = q0 + (size_t)r * qstride + ((size_t)hh * G + j) * D;
+            const float *qg = q0 + (size_t)r * g->ldq + ((size_t)hh * G + j) * D;
             const float *kh = w->kw + (size_t)hh * D, *vh = w->vw + (size_t)hh * D;
             const float *ksh = w->ks + hh, *vsh = w->vs + hh; /* stride nh */
             float *sj = w->s + (size_t)x * bs8;
@@ -457,8 +459,9 @@ static void job_rows_scalar(const Geo *g, const float *q0, size_t qs, int R, con
                             const int64_t *t, int h0, int nh, float *o0, Scratch *w) {
     for (int r = 0; r < R; r++)
         for (int hh = 0; hh < nh; hh++) {
-            size_t off = (size_t)r * qs + (size_t)hh * g->G * g->D;
-            job_scalar(g, q0 + off, t, (int)lens[r], h0 + hh, o0 + off, w);
+            size_t off = (size_t)hh * g->G * g->D;
+            job_scalar(g, q0 + (size_t)r * g->ldq + off, t, (int)lens[r], h0 + hh,
+                       o0 + (size_t)r * qs + off, w);
         }
 }
 
@@ -475,7 +478,7 @@ int kvs_attention_simd(void) {
 #define ROW_TILE 16
 
 void kvs_paged_attention(const void *kv, const void *scales, int dtype, const float *q,
-                         const int64_t *block_tables, const int64_t *row_seq,
+                         int64_t ldq, const int64_t *block_tables, const int64_t *row_seq,
                          const int64_t *lens, int n, int max_blocks, int bs, int H, int G,
                          int D, float sm_scale, int num_threads, int force_scalar, float *out) {
     Geo g;
@@ -489,6 +492,7 @@ void kvs_paged_attention(const void *kv, const void *scales, int dtype, const fl
     g.G = G;
     g.D = D;
     g.sm_scale = sm_scale;
+    g.ldq = (size_t)ldq;
     g.factor = dtype_factor(dtype);
     g.row_bytes = (size_t)D * elem_size(dtype);
     g.comp_bytes = (size_t)bs * H * g.row_bytes;
@@ -536,9 +540,9 @@ void kvs_paged_attention(const void *kv, const void *scales, int dtype, const fl
             int t = (int)(job / (H / nh)), h0 = (int)(job % (H / nh)) * nh;
             int r0 = tile_start[t], R = tile_start[t + 1] - r0;
             int64_t seq = row_seq ? row_seq[r0] : r0;
-            size_t off = (size_t)r0 * qstride + (size_t)h0 * G * D;
-            fn(&g, q + off, qstride, R, lens + r0, block_tables + seq * max_blocks, h0, nh,
-               out + off, &w);
+            size_t hoff = (size_t)h0 * G * D;
+            fn(&g, q + (size_t)r0 * ldq + hoff, qstride, R, lens + r0,
+               block_tables + seq * max_blocks, h0, nh, out + (size_t)r0 * qstride + hoff, &w);
         }
         free(w.kw);
         free(w.vw);
@@ -554,7 +558,7 @@ void kvs_paged_attention(const void *kv, const void *scales, int dtype, const fl
 
 /* ---- FP8 quantize-on-write ------------------------------------------------------------
  * Twin: kvserve/quant/fp8.py (compute_scales + quantize + torch's RNE cast); bit-exact.
- * x [T, H, D] fp32; rows [T] (row ids into dst [R, H, D] / scales [R, H]).
+ * x [T, H, D] fp32; rows [T] (+ row_off: row ids into dst [R, H, D] / scales [R, H]).
  * scale = bf16_rne(clamp(amax, 1e-12, FLT_MAX) / FP8_MAX); q = rne_fp8(clamp(x / scale,
  * +-FP8_MAX)). NaN elements: ignored by amax (the compare is false), stored as 0.
  */
@@ -588,15 +592,17 @@ static inline uint8_t f32_to_fp8(float v, int mant_bits, int bias, float min_nor
     return sign | (uint8_t)code;
 }
 
-void kvs_write_fp8(const float *x, const int64_t *rows, int T, int H, int D, int dtype,
-                   uint8_t *dst, uint16_t *scales, const uint16_t *static_scales) {
+static void write_fp8(const float *x, int64_t ldx, const int64_t *rows, int64_t row_off, int T,
+                      int H, int D, int dtype, uint8_t *dst, uint16_t *scales,
+                      const uint16_t *static_scales) {
     const int mant = dtype == DT_E4M3 ? 3 : 2;
     const int bias = dtype == DT_E4M3 ? 7 : 15;
     const float fmax = dtype == DT_E4M3 ? 448.0f : 57344.0f;
     const float min_normal = ldexpf(1.0f, 1 - bias), sub_scale = ldexpf(1.0f, bias - 1 + mant);
     for (int t = 0; t < T; t++) {
         for (int h = 0; h < H; h++) {
-            const float *xr = x + ((size_t)t * H + h) * D;
+            const float *xr = x + (size_t)t * ldx + (size_t)h * D;
+            const int64_t row = rows[t] + row_off;
             uint16_t sb;
             if (static_scales) {
                 sb = static_scales[h];
@@ -611,30 +617,31 @@ void kvs_write_fp8(const float *x, const int64_t *rows, int T, int H, int D, int
                 sb = f32_to_bf16_rne(amax / fmax);
             }
             float s = bf16_to_f32(sb);
-            uint8_t *out = dst + ((size_t)rows[t] * H + h) * D;
+            uint8_t *out = dst + ((size_t)row * H + h) * D;
             for (int d = 0; d < D; d++) {
                 float v = xr[d] / s;
                 v = v > fmax ? fmax : (v < -fmax ? -fmax : (v == v ? v : 0.f)); /* NaN -> 0 */
                 out[d] = f32_to_fp8(v, mant, bias, min_normal, sub_scale);
             }
-            scales[(size_t)rows[t] * H + h] = sb;
+            scales[(size_t)row * H + h] = sb;
         }
     }
 }
 
 /* ---- INT8 quantize-on-write (symmetric, per row, log-domain 1-byte scale) --------------
  * Twin: kvserve/quant/int8.py (compute_codes + quantize); bit-exact.
- * x [T, H, D] fp32; rows [T] (row ids into dst [R, H, D] int8 / codes [R, H] int8).
+ * x [T, H, D] fp32; rows [T] (+ row_off: row ids into dst [R, H, D] / codes [R, H] int8).
  * e = the smallest code in [-128, 127] with 127 * scale(e) >= amax (fp32 products; 127 if
  * none); q = clamp(rint(x / scale(e)), -127, 127) (rintf rounds half to even, as torch.round).
  * NaN elements: ignored by amax, stored as 0 (a NaN -> int8 cast is undefined behaviour).
  */
-void kvs_write_int8(const float *x, const int64_t *rows, int T, int H, int D, int8_t *dst,
-                    int8_t *codes) {
+static void write_int8(const float *x, int64_t ldx, const int64_t *rows, int64_t row_off, int T,
+                       int H, int D, int8_t *dst, int8_t *codes) {
     log8_init();
     for (int t = 0; t < T; t++) {
         for (int h = 0; h < H; h++) {
-            const float *xr = x + ((size_t)t * H + h) * D;
+            const float *xr = x + (size_t)t * ldx + (size_t)h * D;
+            const int64_t row = rows[t] + row_off;
             float amax = 0.f;
             for (int d = 0; d < D; d++) {
                 float a = fabsf(xr[d]);
@@ -646,13 +653,69 @@ void kvs_write_int8(const float *x, const int64_t *rows, int T, int H, int D, in
             while (e > -128 && 127.0f * LOG8_TABLE[e - 1 + 128] >= amax) e--;
             while (e < 127 && 127.0f * LOG8_TABLE[e + 128] < amax) e++;
             const float s = LOG8_TABLE[e + 128];
-            int8_t *out = dst + ((size_t)rows[t] * H + h) * D;
+            int8_t *out = dst + ((size_t)row * H + h) * D;
             for (int d = 0; d < D; d++) {
                 float v = rintf(xr[d] / s);
                 v = v > 127.f ? 127.f : (v < -127.f ? -127.f : (v == v ? v : 0.f)); /* NaN: 0 */
                 out[d] = (int8_t)v;
             }
-            codes[(size_t)rows[t] * H + h] = (int8_t)e;
+            codes[(size_t)row * H + h] = (int8_t)e;
         }
     }
+}
+
+/* ---- 16-bit / fp32 write (no scales) ---------------------------------------------------
+ * Twin: torch's x.to(dtype) (round to nearest even; NaN -> 0x7FC0) + index_copy_. */
+static void write_plain(const float *x, int64_t ldx, const int64_t *rows, int64_t row_off,
+                        int T, int H, int D, int dtype, void *dst) {
+    for (int t = 0; t < T; t++) {
+        const float *xr = x + (size_t)t * ldx;
+        const size_t off = (size_t)(rows[t] + row_off) * H * D;
+        if (dtype == DT_F32) {
+            memcpy((float *)dst + off, xr, sizeof(float) * (size_t)H * D);
+            continue;
+        }
+        uint16_t *out = (uint16_t *)dst + off;
+        for (int i = 0; i < H * D; i++)
+            out[i] = xr[i] == xr[i] ? f32_to_bf16_rne(xr[i]) : (uint16_t)0x7FC0;
+    }
+}
+
+/* The one KV write entry: T tokens x [T, H, D] fp32 (token rows ldx floats apart, heads
+ * contiguous) into rows rows[t] + row_off of dst [R, H, D] of ``dtype`` (FP32, BF16, FP8,
+ * INT8; not FP16), with their scales (FP8: bf16 [R, H], dynamic or ``static_scales`` [H];
+ * INT8: log-scale codes [R, H]). Returns 0, or 1 for a dtype it does not write. */
+int kvs_write_kv(const float *x, int64_t ldx, const int64_t *rows, int64_t row_off, int64_t T,
+                 int64_t H, int64_t D, int dtype, void *dst, void *scales,
+                 const uint16_t *static_scales) {
+    switch (dtype) {
+    case DT_F32:
+    case DT_BF16:
+        write_plain(x, ldx, rows, row_off, (int)T, (int)H, (int)D, dtype, dst);
+        return 0;
+    case DT_E4M3:
+    case DT_E5M2:
+        write_fp8(x, ldx, rows, row_off, (int)T, (int)H, (int)D, dtype, (uint8_t *)dst,
+                  (uint16_t *)scales, static_scales);
+        return 0;
+    case DT_I8:
+        write_int8(x, ldx, rows, row_off, (int)T, (int)H, (int)D, (int8_t *)dst,
+                   (int8_t *)scales);
+        return 0;
+    default:
+        return 1;
+    }
+}
+
+/* ---- recorded-graph adapters (kvs_op.h) ------------------------------------------------ */
+int kvs_write_kv_op(const int64_t *a) {
+    return kvs_write_kv(OP_P(0), a[1], OP_P(2), a[3], a[4], a[5], a[6], (int)a[7], OP_P(8),
+                        OP_P(9), OP_P(10));
+}
+
+int kvs_paged_attention_op(const int64_t *a) {
+    kvs_paged_attention(OP_P(0), OP_P(1), (int)a[2], OP_P(3), a[4], OP_P(5), OP_P(6), OP_P(7),
+                        (int)a[8], (int)a[9], (int)a[10], (int)a[11], (int)a[12], (int)a[13],
+                        OP_F(14), (int)a[15], (int)a[16], OP_P(17));
+    return 0;
 }

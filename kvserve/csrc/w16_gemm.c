@@ -26,6 +26,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <omp.h>
+#include "kvs_op.h"
 #include "half.h"
 #if defined(__AVX2__)
 #include <immintrin.h>
@@ -214,4 +215,9 @@ int kvs_w16_gemm(const float *x, int64_t M, int64_t K, int64_t ldx, const uint16
         free(scratch);
     }
     return failed;
+}
+
+int kvs_w16_gemm_op(const int64_t *a) {
+    return kvs_w16_gemm(OP_P(0), a[1], a[2], a[3], OP_P(4), a[5], a[6], (int)a[7], (int)a[8],
+                        OP_P(9), a[10]);
 }

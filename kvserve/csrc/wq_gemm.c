@@ -27,6 +27,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <omp.h>
+#include "kvs_op.h"
 #include "half.h"
 #if defined(__AVX2__)
 #include <immintrin.h>
@@ -377,4 +378,9 @@ int kvs_wq_linear(const float *x, int64_t M, int64_t K, const uint8_t *codes,
     if (terms > 1)
         for (int64_t i = 0; i < M * N; i++) y[i] = out[i] + out[M * N + i];
     return 0;
+}
+
+int kvs_wq_linear_op(const int64_t *a) {
+    return kvs_wq_linear(OP_P(0), a[1], a[2], OP_P(3), OP_P(4), a[5], a[6], (int)a[7],
+                         (int)a[8], (int)a[9], OP_P(10));
 }

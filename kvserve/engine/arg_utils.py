@@ -75,10 +75,11 @@ class EngineArgs:
         "auto", "attention kernels; auto: triton on cuda, torch on cpu",
         choices=["auto", "torch", "triton", "mla_torch", "mla_triton"])
     device: str = arg("cpu", "cpu | cuda (Triton attention backend)")
-    # CUDA only: False captures decode steps as CUDA graphs per batch bucket
-    # (kvserve/engine/cuda_graphs.py); True runs every step eagerly (as vLLM's flag).
-    enforce_eager: bool = arg(False, "cuda: no CUDA graphs for decode steps (always eager)",
-                              action="store_true")
+    # False: decode steps are replayed from a capture -- CUDA graphs per batch bucket on a GPU
+    # (kvserve/engine/cuda_graphs.py), a recorded tape of C kernel calls on CPU
+    # (kvserve/engine/cpu_graphs.py); True runs every step eagerly (as vLLM's flag).
+    enforce_eager: bool = arg(False, "no decode graphs (CUDA graphs on GPU, recorded kernel "
+                              "calls on CPU): every step eager", action="store_true")
     # GGUF Q4_0 / Q4_1 / Q8_0 weights on CPU (kvserve.quant.wq): activations quantized to int8
     # per 32 columns for integer dot products.
     gguf_activations: str = arg(

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Protocol
 
 import numpy as np
 import torch
@@ -10,10 +11,17 @@ import torch
 from kvserve.attention import AttentionBackend
 from kvserve.attention.metadata import AttentionMetadata
 from kvserve.cache.kv_cache_manager import KVCacheManager
-from kvserve.engine.cuda_graphs import CudaGraphRunner
 from kvserve.engine.scheduler import SchedulerOutput
 from kvserve.model.forward_batch import ForwardBatch
 from kvserve.request import Request
+
+
+class DecodeGraphs(Protocol):
+    """Decode-only steps replayed from a capture (CUDA graphs, recorded CPU graphs)."""
+
+    def can_run(self, batch: ForwardBatch) -> bool: ...
+
+    def run(self, batch: ForwardBatch) -> torch.Tensor: ...
 
 
 @dataclass(slots=True)
@@ -154,18 +162,18 @@ def finish_step(plan: StepPlan, logits: list[torch.Tensor | None]) -> StepResult
 class ModelRunner:
     def __init__(self, model: torch.nn.Module, backend: AttentionBackend, block_size: int,
                  components: int, device: str = "cpu", *,
-                 graphs: CudaGraphRunner | None = None) -> None:
+                 graphs: DecodeGraphs | None = None) -> None:
         self.model = model
         self.backend = backend
         self.block_size = block_size
         self.components = components
         self.device = device
-        # CUDA graphs for decode-only steps (None: every step eager; always None on CPU).
+        # decode-only steps replayed from a capture (None: every step eager)
         self.graphs = graphs
 
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
-        """Hidden states [T, hidden]: a graph replay for a decode-only step that fits a
-        captured bucket, else the eager forward."""
+        """Hidden states [T, hidden]: a graph replay for a decode-only step the capture
+        covers, else the eager forward."""
         if self.graphs is not None and self.graphs.can_run(batch):
             return self.graphs.run(batch)
         return self.model(batch)

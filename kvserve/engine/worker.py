@@ -26,8 +26,9 @@ from kvserve.cache.kv_cache import PagedKVCache, bytes_per_block
 from kvserve.config import dtype_name, resolve_kv_mode
 from kvserve.distributed import parallel_state as ps
 from kvserve.engine.arg_utils import EngineArgs
+from kvserve.engine.cpu_graphs import CpuGraphRunner
 from kvserve.engine.cuda_graphs import CudaGraphRunner, clear_scratch_block
-from kvserve.engine.model_runner import ModelRunner, StepInput
+from kvserve.engine.model_runner import DecodeGraphs, ModelRunner, StepInput
 from kvserve.layers.linear import kv_head_layout
 from kvserve.model.default_model import resolve_model
 from kvserve.model.loader import LoadedModel, checkpoint_dtype, load_model
@@ -91,7 +92,7 @@ class Worker:
                               self.layout.max_model_len)
         self.runner = ModelRunner(self.model, backend, self.layout.block_size,
                                   spec.components, args.device,
-                                  graphs=self._cuda_graphs(backend))
+                                  graphs=self._decode_graphs(backend))
         return self.runner
 
     def execute(self, step: StepInput) -> list[torch.Tensor | None]:
@@ -187,12 +188,23 @@ class Worker:
                     break
         return tuple(dict.fromkeys(ids))
 
+    def _decode_graphs(self, backend) -> DecodeGraphs | None:
+        """CUDA graphs on a GPU, recorded kernel graphs on CPU (kvserve/engine/cpu_graphs.py):
+        none under ``enforce_eager`` or tensor parallelism."""
+        if self.args.enforce_eager or self.world_size > 1:
+            return None
+        if self.kv_cache.data.is_cuda:
+            return self._cuda_graphs(backend)
+        sched_cfg = self.args.scheduler_config()
+        graphs = CpuGraphRunner(self.model, backend, self.kv_cache, self.kv_cache.block_size,
+                                self.spec.components, sched_cfg.max_num_seqs,
+                                self.layout.max_model_len)
+        return graphs if graphs.capture() else None
+
     def _cuda_graphs(self, backend) -> CudaGraphRunner | None:
         """Decode CUDA graphs (kvserve/engine/cuda_graphs.py) unless ``enforce_eager``, off
         CUDA, under tensor parallelism (collectives are not captured), or the backend cannot
         be captured; a failed capture logs and runs eagerly."""
-        if self.args.enforce_eager or not self.kv_cache.data.is_cuda or self.world_size > 1:
-            return None
         if not backend.cuda_graphs:
             logger.info("CUDA graphs off: attention backend %r is not capturable", backend.name)
             return None

@@ -21,8 +21,9 @@ class RMSNorm(nn.Module):
                  ) -> tuple[torch.Tensor, torch.Tensor]:
         """(norm(x + residual), x + residual); residual None: (norm(x), x). The sum is written
         into ``residual`` in place where the fused C op runs (fp32 on CPU, one call)."""
-        if residual is None:
-            return self(x), x
+        if residual is None:  # the first norm: nothing to add
+            out = cpu_ops.add_rms_norm(None, x, self.weight, self.eps)
+            return (self(x) if out is None else out), x
         out = cpu_ops.add_rms_norm(x, residual, self.weight, self.eps)
         if out is not None:
             return out, residual

@@ -14,6 +14,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from kvserve.kernels.cpu import cpu_ops
 from kvserve.kernels.cpu import q8_gemv as q8_cpu
 from kvserve.kernels.cpu import wq_gemm as wq_cpu
 from kvserve.quant import wq
@@ -73,6 +74,12 @@ class Q8Embedding(nn.Module):
         return (u.to(torch.int16) - 128).to(torch.int8), d
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        if self.dtype == torch.float32 and ids.dim() == 1 and ids.device.type == "cpu":
+            tiled = self.q is None
+            out = cpu_ops.gather_q8(self.codes if tiled else self.q, self.sm if tiled else self.d,
+                                    tiled, self.num_embeddings, self.embedding_dim, ids)
+            if out is not None:  # one C call (the torch below is its twin)
+                return out
         q, d = self.rows(ids)
         return dequantize_q8(q, d).view(*ids.shape, self.embedding_dim).to(self.dtype)
 

@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kvserve.distributed.parallel_state import get_tp_rank, get_tp_size, tp_all_reduce, tp_gather
+from kvserve.kernels.cpu import cpu_ops
 from kvserve.layers.linear import ColumnParallelLinear, ShardSlice
 
 VOCAB_PADDING = 64
@@ -56,6 +57,10 @@ class VocabParallelEmbedding(nn.Module):
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         if get_tp_size() == 1:
+            if (self.out_dtype or self.weight.dtype) == torch.float32:
+                x = cpu_ops.gather_rows(self.weight, ids)  # fp32 rows: one C call on CPU
+                if x is not None:
+                    return x
             x = F.embedding(ids, self.weight)
             return x if self.out_dtype is None else x.to(self.out_dtype)
         local = ids - self.start

@@ -314,3 +314,26 @@ def test_serve_a_gguf_file_with_its_chat_template(gguf_factory):
         assert "llama.gguf" in log and "weights resident" in log
     finally:
         server.stop()
+
+
+@pytest.mark.parametrize("overrides", [{}, dict(tie_word_embeddings=True, num_key_value_heads=1)])
+def test_gguf_decode_graph_replays_eager(overrides, gguf_factory, make_llm, monkeypatch):
+    """A GGUF model's decode steps (Q4 / Q8 integer-dot linears, an F16 linear held 16-bit,
+    the Q8_0 embedding; tied, the Q8 head) replayed from a recorded CPU graph: the same tokens
+    and logprobs as the eager engine, exactly."""
+    from kvserve import config
+    from kvserve.kernels.cpu import graph
+
+    if not graph.available():
+        pytest.skip("no C compiler")
+    monkeypatch.setattr(config, "cpu_has_fast_half", lambda: False)
+    path = gguf_factory("llama", **overrides)
+    fast, eager = make_llm(path), make_llm(path, enforce_eager=True)
+    sp = [SamplingParams(max_tokens=m, temperature=0.0, ignore_eos=True, logprobs=2)
+          for m in (4, 9, 13)]
+    prompts = [[5, 9, 17, 33], [100, 7, 250, 3, 8, 41], [60, 61]]
+    got = [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in fast.generate(prompts, sp)]
+    want = [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in eager.generate(prompts, sp)]
+    assert got == want
+    g = fast.engine.runner.graphs
+    assert g is not None and g.runs > 0 and eager.engine.runner.graphs is None

@@ -82,24 +82,9 @@ def test_leading_dims_and_bias():
 
 def _bf16_checkpoint(path: str, **overrides) -> str:
     """A tiny Llama saved as bf16 (config dtype and tensors)."""
-    import json
-    import os
-
-    from safetensors.torch import load_file, save_file
-
     from tests.conftest import make_tiny_model
 
-    make_tiny_model(path, "llama", **overrides)
-    f = os.path.join(path, "model.safetensors")
-    save_file({k: v.to(torch.bfloat16) for k, v in load_file(f).items()}, f,
-              metadata={"format": "pt"})
-    cfg_path = os.path.join(path, "config.json")
-    with open(cfg_path) as fh:
-        cfg = json.load(fh)
-    cfg["torch_dtype"] = cfg["dtype"] = "bfloat16"
-    with open(cfg_path, "w") as fh:
-        json.dump(cfg, fh)
-    return path
+    return make_tiny_model(path, "llama", save_dtype=torch.bfloat16, **overrides)
 
 
 @pytest.mark.parametrize("tied", [False, True])

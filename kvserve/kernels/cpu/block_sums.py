@@ -11,6 +11,7 @@ import numpy as np
 import torch
 
 from kvserve.kernels.cpu import INT, INT64, PTR, load_library
+from kvserve.kernels.cpu.graph import launch
 
 
 @functools.cache
@@ -29,5 +30,5 @@ def region_sums(t: torch.Tensor, ids: np.ndarray, out: np.ndarray) -> None:
     words = t.numel() // (L * nb1) * t.element_size() // 2
     # a thread team costs ~20 us to wake: worth it only for many blocks (~1 us each)
     threads = torch.get_num_threads() if len(ids) >= 32 else 1
-    lib.kvs_block_sums(t.data_ptr(), nb1 * words, words, words, ids.ctypes.data, len(ids), L,
-                       threads, out.ctypes.data)
+    launch(lib, "kvs_block_sums", t, nb1 * words, words, words, ids.ctypes.data, len(ids), L,
+           threads, out.ctypes.data)

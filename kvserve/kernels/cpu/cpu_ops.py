@@ -11,6 +11,7 @@ import functools
 import torch
 
 from kvserve.cbuild import build_library
+from kvserve.kernels.cpu.graph import Rows, launch
 
 
 @functools.cache
@@ -25,7 +26,14 @@ def ops_library() -> ctypes.CDLL | None:
     dll.kvs_silu_mul.restype = None
     dll.kvs_add_rms_norm.argtypes = [p, p, p, i64, i64, ctypes.c_float, p, c_int]
     dll.kvs_add_rms_norm.restype = None
+    dll.kvs_gather_rows.argtypes = [p, c_int, i64, i64, p, i64, i64, p]
+    dll.kvs_gather_rows.restype = c_int
+    dll.kvs_gather_q8.argtypes = [p, p, c_int, i64, i64, p, i64, p]
+    dll.kvs_gather_q8.restype = c_int
     return dll
+
+# kvs_gather_rows' table kinds
+GATHER_KINDS = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 
 
 def _fp32_cpu(*ts: torch.Tensor) -> bool:
@@ -41,9 +49,8 @@ def rope_qk_(x: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: t
             or not cos.is_contiguous() or not sin.is_contiguous():
         return False
     assert nheads * head_dim <= x.shape[1] and positions.numel() == x.shape[0]
-    lib.kvs_rope_qk(x.data_ptr(), x.shape[0], x.stride(0), nheads, head_dim, 2 * cos.shape[1],
-                    positions.data_ptr(), cos.data_ptr(), sin.data_ptr(), int(interleaved),
-                    torch.get_num_threads())
+    launch(lib, "kvs_rope_qk", x, Rows(x.shape[0]), x.stride(0), nheads, head_dim,
+           2 * cos.shape[1], positions, cos, sin, int(interleaved), torch.get_num_threads())
     return True
 
 
@@ -55,7 +62,7 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor | None:
         return None
     t, i2 = gate_up.shape
     out = torch.empty(t, i2 // 2, dtype=torch.float32)
-    lib.kvs_silu_mul(gate_up.data_ptr(), t, i2 // 2, out.data_ptr(), torch.get_num_threads())
+    launch(lib, "kvs_silu_mul", gate_up, Rows(t), i2 // 2, out, torch.get_num_threads())
     return out
 
 
@@ -70,6 +77,39 @@ def add_rms_norm(x: torch.Tensor | None, residual: torch.Tensor, weight: torch.T
         return None
     t, d = residual.shape
     out = torch.empty_like(residual)
-    lib.kvs_add_rms_norm(0 if x is None else x.data_ptr(), residual.data_ptr(),
-                         weight.data_ptr(), t, d, eps, out.data_ptr(), torch.get_num_threads())
+    launch(lib, "kvs_add_rms_norm", x, residual, weight, Rows(t), d, float(eps), out,
+           torch.get_num_threads())
+    return out
+
+
+def gather_rows(table: torch.Tensor, ids: torch.Tensor) -> torch.Tensor | None:
+    """Embedding lookup widened to fp32: table [V, D] (fp32 / bf16 / fp16, rows contiguous)
+    at ids int64 [T] -> fp32 [T, D]; None if the C op does not apply. An id outside [0, V)
+    raises IndexError (as F.embedding does)."""
+    lib = ops_library()
+    if lib is None or table.dtype not in GATHER_KINDS or table.device.type != "cpu" \
+            or table.dim() != 2 or table.stride(1) != 1 or ids.dtype != torch.int64 \
+            or ids.dim() != 1 or not ids.is_contiguous():
+        return None
+    out = torch.empty(ids.shape[0], table.shape[1], dtype=torch.float32)
+    if launch(lib, "kvs_gather_rows", table, GATHER_KINDS[table.dtype], table.shape[0],
+              table.stride(0), ids, Rows(ids.shape[0]), table.shape[1], out):
+        raise IndexError(f"token id out of range for an embedding of {table.shape[0]} rows")
+    return out
+
+
+def gather_q8(q: torch.Tensor, d: torch.Tensor, tiled: bool, num_rows: int, k: int,
+              ids: torch.Tensor) -> torch.Tensor | None:
+    """Rows ``ids`` (int64 [T]) of a GGUF Q8_0 table [num_rows, k], dequantized to fp32
+    [T, k]: row-major (q int8 [V, K], d fp16 [V, K/32]) or, ``tiled``, the integer-dot tiles
+    of kvserve/quant/wq.py (q = codes, d = scales). None if the C op does not apply; an id
+    outside [0, V) raises IndexError."""
+    lib = ops_library()
+    if lib is None or ids.dtype != torch.int64 or ids.dim() != 1 or not ids.is_contiguous() \
+            or not q.is_contiguous() or not d.is_contiguous() or d.dtype != torch.float16:
+        return None
+    out = torch.empty(ids.shape[0], k, dtype=torch.float32)
+    if launch(lib, "kvs_gather_q8", q, d, int(tiled), num_rows, k, ids, Rows(ids.shape[0]),
+              out):
+        raise IndexError(f"token id out of range for an embedding of {num_rows} rows")
     return out

@@ -11,6 +11,7 @@ import functools
 import torch
 
 from kvserve.kernels.cpu import INT, INT64, PTR, declare, load_library
+from kvserve.kernels.cpu.graph import launch
 
 SIGNATURES = {
     # packed, pairs, x, sum(x) per group, m, n_pad, k_pad, group, block_n, threads, min, y
@@ -40,9 +41,8 @@ def gemv(lib: ctypes.CDLL, packed: torch.Tensor, pairs: torch.Tensor, x: torch.T
     n_pad = pairs.shape[1]
     xs = x.view(m, k_pad // group, group).sum(-1)  # [m, groups]: the zero-point term
     y = torch.empty(m, n_pad, dtype=torch.float32)
-    lib.kvs_int4_gemv(packed.data_ptr(), pairs.contiguous().data_ptr(), x.data_ptr(),
-                      xs.data_ptr(), m, n_pad, k_pad, group, block_n, torch.get_num_threads(),
-                      int(min_form), y.data_ptr())
+    launch(lib, "kvs_int4_gemv", packed, pairs.contiguous(), x, xs, m, n_pad, k_pad, group,
+           block_n, torch.get_num_threads(), int(min_form), y)
     return y
 
 
@@ -50,7 +50,6 @@ def dequant_t(lib: ctypes.CDLL, packed: torch.Tensor, pairs: torch.Tensor, k_pad
               group: int, block_n: int, min_form: bool, r0: int, r1: int,
               out: torch.Tensor) -> torch.Tensor:
     """W^T of stored rows [r0, r1) into out fp32 [k_pad, r1 - r0] (returned)."""
-    lib.kvs_int4_dequant_t(packed.data_ptr(), pairs.data_ptr(), pairs.shape[1], k_pad, group,
-                           block_n, int(min_form), r0, r1, torch.get_num_threads(),
-                           out.data_ptr())
+    launch(lib, "kvs_int4_dequant_t", packed, pairs, pairs.shape[1], k_pad, group, block_n,
+           int(min_form), r0, r1, torch.get_num_threads(), out)
     return out

@@ -13,7 +13,8 @@ from functools import lru_cache
 
 import torch
 
-from kvserve.kernels.cpu import FLOAT, INT, PTR, load_library
+from kvserve.kernels.cpu import FLOAT, INT, INT64, PTR, load_library
+from kvserve.kernels.cpu.graph import Rows, launch
 
 DTYPE_CODES = {
     torch.float32: 0, torch.bfloat16: 1, torch.float16: 2,
@@ -24,11 +25,10 @@ DTYPE_CODES = {
 @lru_cache(maxsize=1)
 def load() -> ctypes.CDLL | None:
     return load_library("paged_attention", {
-        "kvs_paged_attention": ([PTR, PTR, INT, PTR, PTR, PTR, PTR, INT, INT, INT, INT, INT, INT,
-                                 FLOAT, INT, INT, PTR], None),
+        "kvs_paged_attention": ([PTR, PTR, INT, PTR, INT64, PTR, PTR, PTR, INT, INT, INT, INT,
+                                 INT, INT, FLOAT, INT, INT, PTR], None),
         "kvs_attention_simd": ([], INT),
-        "kvs_write_fp8": ([PTR, PTR, INT, INT, INT, INT, PTR, PTR, PTR], None),
-        "kvs_write_int8": ([PTR, PTR, INT, INT, INT, PTR, PTR], None),
+        "kvs_write_kv": ([PTR, INT64, PTR, INT64, INT64, INT64, INT64, INT, PTR, PTR, PTR], INT),
         "kvs_int8_scale_table": ([PTR], None),
     })
 
@@ -36,7 +36,7 @@ def load() -> ctypes.CDLL | None:
 def simd() -> bool:
     """True if the kernel was built with its AVX2 job (else every call runs the portable one)."""
     dll = load()
-    return dll is not None and bool(dll.kvs_attention_simd())
+    return dll is not None and bool(launch(dll, "kvs_attention_simd"))
 
 
 def paged_attention(kv_layer: torch.Tensor, scales_layer: torch.Tensor | None, q: torch.Tensor,
@@ -48,14 +48,16 @@ def paged_attention(kv_layer: torch.Tensor, scales_layer: torch.Tensor | None, q
 
     kv_layer [NB+1, 2, bs, H, D]; scales_layer [NB+1, 2, bs, H]: bf16 (FP8), int8 log-scale
     codes (INT8, kvserve/quant/int8.py), else None;
-    q [n, H*G, D] fp32 contiguous; block_tables [S, mb] int64;
-    row_seq [n] int64 or None; lens [n] int64; out [n, H*G, D] fp32 (written).
+    q [n, H*G, D] fp32, heads contiguous (rows may be strided, e.g. a view of a fused qkv
+    projection); block_tables [S, mb] int64;
+    row_seq [n] int64 or None; lens [n] int64; out [n, H*G, D] fp32 contiguous (written).
     ``force_scalar`` runs the portable job even where the AVX2 one exists (tests)."""
     dll = load()
     assert dll is not None
     _, _, bs, h, d = kv_layer.shape
     n, hq, _ = q.shape
-    assert q.is_contiguous() and q.dtype == torch.float32 and out.is_contiguous()
+    assert q.dtype == torch.float32 and q.stride(2) == 1 and (hq == 1 or q.stride(1) == d)
+    assert out.is_contiguous()
     assert block_tables.dtype == torch.int64 and block_tables.is_contiguous()
     assert lens.dtype == torch.int64 and lens.is_contiguous() and lens.numel() == n
     assert row_seq is None or (row_seq.dtype == torch.int64 and row_seq.is_contiguous())
@@ -63,47 +65,40 @@ def paged_attention(kv_layer: torch.Tensor, scales_layer: torch.Tensor | None, q
     if scales_layer is not None:
         want = torch.int8 if kv_layer.dtype == torch.int8 else torch.bfloat16
         assert scales_layer.dtype == want and scales_layer.is_contiguous()
-    dll.kvs_paged_attention(
-        kv_layer.data_ptr(), scales_layer.data_ptr() if scales_layer is not None else None,
-        DTYPE_CODES[kv_layer.dtype], q.data_ptr(), block_tables.data_ptr(),
-        row_seq.data_ptr() if row_seq is not None else None, lens.data_ptr(), n,
-        block_tables.shape[1], bs, h, hq // h, d, sm_scale, torch.get_num_threads(),
-        int(force_scalar), out.data_ptr(),
-    )
+    launch(dll, "kvs_paged_attention", kv_layer, scales_layer, DTYPE_CODES[kv_layer.dtype], q,
+           q.stride(0), block_tables, row_seq, lens, Rows(n), block_tables.shape[1], bs, h,
+           hq // h, d, float(sm_scale), torch.get_num_threads(), int(force_scalar), out)
     return out
 
 
-def write_fp8(x: torch.Tensor, rows: torch.Tensor, dst_rows: torch.Tensor,
-              scale_rows: torch.Tensor, static_scales: torch.Tensor | None = None) -> None:
-    """Quantize x [T, H, D] (fp32) into dst_rows [R, H, D] (fp8) at ``rows``, with dynamic
-    per-row bf16 scales into scale_rows [R, H] (or the given static bf16 scales [H])."""
+# the storage dtypes kvs_write_kv writes (FP16 goes through torch)
+WRITE_DTYPES = frozenset({torch.float32, torch.bfloat16, torch.float8_e4m3fn,
+                          torch.float8_e5m2, torch.int8})
+
+
+def write_kv(x: torch.Tensor, rows: torch.Tensor, dst_rows: torch.Tensor,
+             scale_rows: torch.Tensor | None = None, static_scales: torch.Tensor | None = None,
+             row_offset: int = 0) -> None:
+    """Write x [T, H, D] fp32 (heads contiguous; token rows may be strided) into dst_rows
+    [R, H, D] at rows ``rows + row_offset`` (int64 [T]), in dst's dtype (``WRITE_DTYPES``):
+
+      fp32 / bf16  converted (round to nearest even), no scales;
+      FP8          per-row bf16 scales into scale_rows [R, H] (dynamic, or the given static
+                   bf16 scales [H]; twin: kvserve/quant/fp8.py);
+      INT8         symmetric, per-row 1-byte log-scale codes into scale_rows [R, H] int8
+                   (twin: kvserve/quant/int8.py ``quantize_dynamic``)."""
     dll = load()
-    assert dll is not None
-    x = x.float().contiguous()
+    assert dll is not None and dst_rows.dtype in WRITE_DTYPES
     t, h, d = x.shape
-    assert rows.dtype == torch.int64 and rows.is_contiguous()
-    assert dst_rows.is_contiguous() and scale_rows.is_contiguous()
+    assert x.dtype == torch.float32 and x.stride(2) == 1 and (h == 1 or x.stride(1) == d)
+    assert rows.dtype == torch.int64 and rows.is_contiguous() and rows.numel() == t
+    assert dst_rows.is_contiguous() and dst_rows.shape[1:] == (h, d)
+    assert scale_rows is None or scale_rows.is_contiguous()
     if static_scales is not None:
-        static_scales = static_scales.to(torch.bfloat16).contiguous()
-    dll.kvs_write_fp8(x.data_ptr(), rows.data_ptr(), t, h, d, DTYPE_CODES[dst_rows.dtype],
-                      dst_rows.data_ptr(), scale_rows.data_ptr(),
-                      static_scales.data_ptr() if static_scales is not None else None)
-
-
-def write_int8(x: torch.Tensor, rows: torch.Tensor, dst_rows: torch.Tensor,
-               scale_rows: torch.Tensor) -> None:
-    """Quantize x [T, H, D] (fp32) into dst_rows [R, H, D] (int8) at ``rows``, symmetric, with
-    dynamic per-row 1-byte log-scale codes into scale_rows [R, H] int8 (twin:
-    kvserve/quant/int8.py ``quantize_dynamic``)."""
-    dll = load()
-    assert dll is not None
-    x = x.float().contiguous()
-    t, h, d = x.shape
-    assert rows.dtype == torch.int64 and rows.is_contiguous()
-    assert dst_rows.dtype == torch.int8 and dst_rows.is_contiguous()
-    assert scale_rows.dtype == torch.int8 and scale_rows.is_contiguous()
-    dll.kvs_write_int8(x.data_ptr(), rows.data_ptr(), t, h, d, dst_rows.data_ptr(),
-                       scale_rows.data_ptr())
+        assert static_scales.dtype == torch.bfloat16 and static_scales.is_contiguous()
+    rc = launch(dll, "kvs_write_kv", x, x.stride(0), rows, row_offset, Rows(t), h, d,
+                DTYPE_CODES[dst_rows.dtype], dst_rows, scale_rows, static_scales)
+    assert rc == 0
 
 
 def int8_scale_table() -> torch.Tensor:
@@ -112,5 +107,5 @@ def int8_scale_table() -> torch.Tensor:
     dll = load()
     assert dll is not None
     out = torch.empty(256, dtype=torch.float32)
-    dll.kvs_int8_scale_table(out.data_ptr())
+    launch(dll, "kvs_int8_scale_table", out)
     return out

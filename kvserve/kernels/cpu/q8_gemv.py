@@ -9,6 +9,7 @@ import functools
 import torch
 
 from kvserve.kernels.cpu import INT, INT64, PTR, declare, load_library
+from kvserve.kernels.cpu.graph import launch
 
 # q, d, x, m, n, k, threads, y
 SIGNATURES = {"kvs_q8_gemv": ([PTR, PTR, PTR, INT64, INT64, INT64, INT, PTR], None)}
@@ -28,6 +29,5 @@ def gemv(lib: ctypes.CDLL, q: torch.Tensor, d: torch.Tensor, x: torch.Tensor) ->
     """x fp32 [m, K] (contiguous) -> fp32 [m, N] = x dequantize(q, d)^T."""
     m, (n, k) = x.shape[0], q.shape
     y = torch.empty(m, n, dtype=torch.float32)
-    lib.kvs_q8_gemv(q.data_ptr(), d.data_ptr(), x.data_ptr(), m, n, k, torch.get_num_threads(),
-                    y.data_ptr())
+    launch(lib, "kvs_q8_gemv", q, d, x, m, n, k, torch.get_num_threads(), y)
     return y

@@ -9,6 +9,7 @@ import functools
 import torch
 
 from kvserve.cbuild import build_library
+from kvserve.kernels.cpu.graph import Rows, launch
 from kvserve.quant.w16 import KINDS, w16_linear_ref
 
 
@@ -44,9 +45,8 @@ def w16_gemm(lib: ctypes.CDLL, x: torch.Tensor, weight: torch.Tensor) -> torch.T
         x2 = x2.contiguous()
     m = x2.shape[0]
     y = torch.empty(m, n, dtype=torch.float32)
-    if m and lib.kvs_w16_gemm(x2.data_ptr(), m, k, x2.stride(0), weight.data_ptr(), n,
-                              weight.stride(0), KINDS[weight.dtype], torch.get_num_threads(),
-                              y.data_ptr(), n):
+    if m and launch(lib, "kvs_w16_gemm", x2, Rows(m), k, x2.stride(0), weight, n,
+                    weight.stride(0), KINDS[weight.dtype], torch.get_num_threads(), y, n):
         raise MemoryError("kvs_w16_gemm: no scratch memory")
     return y.reshape(*x.shape[:-1], n)
 

@@ -9,6 +9,7 @@ import functools
 import torch
 
 from kvserve.cbuild import build_library
+from kvserve.kernels.cpu.graph import Rows, launch
 from kvserve.quant.wq import BLOCK
 
 
@@ -37,7 +38,7 @@ def wq_linear(lib: ctypes.CDLL, x: torch.Tensor, codes: torch.Tensor, sm: torch.
     assert x.dtype == torch.float32 and x.is_contiguous() and x.shape[1] % BLOCK == 0
     m, k = x.shape
     y = torch.empty(m, n_pad, dtype=torch.float32)
-    if lib.kvs_wq_linear(x.data_ptr(), m, k, codes.data_ptr(), sm.data_ptr(), n_pad, group,
-                         bits, terms, torch.get_num_threads(), y.data_ptr()):
+    if launch(lib, "kvs_wq_linear", x, Rows(m), k, codes, sm, n_pad, group, bits, terms,
+              torch.get_num_threads(), y):
         raise MemoryError("kvs_wq_linear: no scratch memory")
     return y

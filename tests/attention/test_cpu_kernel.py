@@ -204,3 +204,41 @@ def test_decode_row_alone_equals_row_in_batch():
         alone = _meta([lens[i]], [1], meta.block_tables[i], 16)  # the same blocks
         out = be.forward(0, q[i:i + 1].contiguous(), empty, empty, alone)
         assert torch.equal(out, batch[i:i + 1])
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, torch.float8_e4m3fn,
+                                   torch.int8])
+def test_kv_writer_strided_rows_and_offset_match_the_twin(dtype):
+    """kvs_write_kv reads token rows ldx apart (k / v are views of the fused qkv output) and
+    writes rows + row_offset; bf16 rounds to nearest even (a NaN stays a NaN), as torch's cast.
+    The C writer and the torch code below it in PagedKVCache.write agree bit for bit (NaN
+    payloads aside)."""
+    torch.manual_seed(3)
+    T, H, D, W = 5, 2, 16, 80
+    fused = torch.randn(T, W) * 3
+    fused[1, 40] = float("nan")
+    fused[2, 41] = float("inf")
+    fused[3, 42] = -float("inf")
+    fused[4, 32:64] = 1.00390625 + torch.arange(32) * 2.0**-9  # bf16 ties
+    x = fused[:, 32:64].view(T, H, D)  # rows W floats apart
+    assert not x.is_contiguous()
+    rows = torch.tensor([3, 0, 9, 17, 26])  # component-0 rows: block * 2 * 4 + slot
+
+    def cache(use_kernel: bool) -> PagedKVCache:
+        kv = PagedKVCache(num_layers=1, num_blocks=4, block_size=4, num_kv_heads=H, head_dim=D,
+                          components=2, dtype=dtype)
+        kv.use_kernel = use_kernel
+        kv.write(0, rows, x, x * 0.5)  # component 1 = rows + block_size
+        return kv
+
+    fast, twin = cache(True), cache(False)
+    if dtype in (torch.bfloat16, torch.float32):
+        torch.testing.assert_close(fast.data, twin.data, rtol=0, atol=0, equal_nan=True)
+        assert fast.data.isnan().sum() == 2 and fast.data.isinf().sum() == 4
+    else:  # 8-bit: non-finite policies are tests/quant/test_kv_nonfinite.py's; finite rows here
+        fin = [0, 4]
+        rows_fin = rows[fin]
+        for c in (0, 1):
+            got = fast.layer_rows(0)[rows_fin + 4 * c].view(torch.uint8)
+            want = twin.layer_rows(0)[rows_fin + 4 * c].view(torch.uint8)
+            assert torch.equal(got, want)

@@ -71,6 +71,17 @@ def test_batch_invariant(lib, dtype):
     assert torch.equal(w16_cpu.w16_gemm(lib, x[40:41], w), full[40:41])
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_prefill_sized_batch_is_chunked_without_changing_rows(lib, dtype):
+    """K = 4,100 makes the kernel walk x in chunks of 12 rows (~256 KB each): 50 rows are 5
+    chunks, the last one short; every row equals its single-row result and the twin's."""
+    x, w = _case(50, 9, 4100, dtype, 11)
+    full = w16_cpu.w16_gemm(lib, x, w)
+    for i in (0, 11, 12, 13, 47, 49):
+        assert torch.equal(w16_cpu.w16_gemm(lib, x[i:i + 1], w), full[i:i + 1]), i
+    torch.testing.assert_close(full, w16_linear_ref(x, w), rtol=1e-4, atol=1e-4)
+
+
 def test_leading_dims_and_bias():
     x, w = _case(6, 12, 32, torch.bfloat16, 1)
     b = torch.randn(12)

@@ -17,6 +17,7 @@ ms per step (all layers), KV bytes read per step and the effective GB/s.
 from __future__ import annotations
 
 import argparse
+import glob
 import statistics
 import time
 
@@ -30,6 +31,22 @@ from kvserve.kernels.cpu import paged_attention as cpu_kernel
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp8_e4m3": torch.float8_e4m3fn,
           "fp8_e5m2": torch.float8_e5m2, "int8": torch.int8}
+
+
+def last_level_cache_bytes() -> int:
+    """The largest CPU cache's size from sysfs (0 where it cannot be read)."""
+    best = 0
+    for index in glob.glob("/sys/devices/system/cpu/cpu0/cache/index*/size"):
+        try:
+            with open(index) as f:
+                text = f.read().strip()
+        except OSError:
+            continue
+        mult = {"K": 2**10, "M": 2**20, "G": 2**30}.get(text[-1:], 1)
+        digits = text.rstrip("KMG")
+        if digits.isdigit():
+            best = max(best, int(digits) * mult)
+    return best
 
 
 def setup(dtype: torch.dtype, a) -> tuple[PagedKVCache, AttentionMetadata, torch.Tensor]:
@@ -71,7 +88,9 @@ def main(argv: list[str] | None = None) -> int:
         torch.set_num_threads(a.threads)
     if cpu_kernel.load() is None:
         raise SystemExit("the C kernel did not build here (no compiler?)")
-    evict = torch.empty(16 * 2**20)
+    # written before every timed call: twice the last-level cache (>= 64 MiB), so no KV block
+    # is left in any cache level (a 64 MiB buffer did not evict a 260 MiB L3)
+    evict = torch.empty(max(16 * 2**20, 2 * last_level_cache_bytes() // 4))
     empty = torch.empty(0, a.kv_heads, a.head_dim)
     rows = []
     for name in a.dtypes.split(","):
@@ -107,7 +126,8 @@ def main(argv: list[str] | None = None) -> int:
                 times[k].append(time.perf_counter() - t0)
         kv_bytes = a.batch * a.context * kv.bytes_per_token
         row = {"kv_cache_dtype": name, "kv_bytes_per_token": kv.bytes_per_token,
-               "kv_bytes_per_step": kv_bytes, "simd": cpu_kernel.simd()}
+               "kv_bytes_per_step": kv_bytes, "simd": cpu_kernel.simd_level(),
+               "evicted_bytes_before_each_call": evict.numel() * 4}
         for k, ts in times.items():
             t = statistics.median(ts)
             row[k] = {"ms_per_step": t * 1e3, "gb_per_s": kv_bytes / t / 1e9}

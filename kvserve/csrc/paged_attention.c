@@ -42,6 +42,8 @@
  *                   m' = max(m, scores); acc *= exp(m - m'); p = exp(scores - m') (vector exp)
  *                   acc[D] += (p * V factors) . V   (64 floats of acc in registers at a time)
  *               A row's arithmetic does not depend on its tile, job shape or batch.
+ *   job_avx512  (AVX-512F/BW builds, D % 16 == 0; used instead of job_avx2 there): the same
+ *               pass on 16 lanes, head-major factors, masked tail lanes, spread prefetches.
  *   job_scalar  portable C, two passes (scores, then P.V); any D.
  */
 #include <float.h>
@@ -449,6 +451,209 @@ KVS_JOB(job_f16, DT_F16)
 KVS_JOB(job_e4m3, DT_E4M3)
 KVS_JOB(job_e5m2, DT_E5M2)
 KVS_JOB(job_i8, DT_I8)
+
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+#define KVS_AVX512 1
+/* ---- AVX-512 job: job_avx2's pass on 16 lanes ---------------------------------------------
+ * The same one pass and online softmax; what changes besides the width:
+ *   - scores 16 tokens at a time, one transposing reduction (hsum16x16) per 16 tokens;
+ *   - per-token factors head-major (one vector load per 16 tokens, no strided scalar loop);
+ *     masked lanes (tokens a row may not see) become -inf before the max, 0 after the exp;
+ *   - the next block's prefetches are spread over the widening of this one (a burst of
+ *     ~200 prefetches per block stalled the AVX2 job at long context). */
+
+/* 16 payload elements -> 16 fp32 raw values (widen8's bit placement; true = raw * factor) */
+static inline __attribute__((always_inline)) __m512 widen16(const uint8_t *src, const int dtype) {
+    if (dtype == DT_F32) return _mm512_loadu_ps((const float *)src);
+    if (dtype == DT_I8)
+        return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)src)));
+    if (dtype == DT_BF16 || dtype == DT_F16) {
+        __m512i x = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)src));
+        if (dtype == DT_BF16) return _mm512_castsi512_ps(_mm512_slli_epi32(x, 16));
+        __m512i sign = _mm512_slli_epi32(_mm512_and_si512(x, _mm512_set1_epi32(0x8000)), 16);
+        __m512i mag = _mm512_slli_epi32(_mm512_and_si512(x, _mm512_set1_epi32(0x7FFF)), 13);
+        return _mm512_castsi512_ps(_mm512_or_si512(sign, mag));
+    }
+    __m128i b = _mm_loadu_si128((const __m128i *)src);
+    __m256i h = dtype == DT_E4M3
+        ? _mm256_and_si256(_mm256_slli_epi16(_mm256_cvtepi8_epi16(b), 7),
+                           _mm256_set1_epi16((short)0xBF80))
+        : _mm256_slli_epi16(_mm256_cvtepu8_epi16(b), 8);
+    return _mm512_cvtph_ps(h);
+}
+
+/* [sum(a0), ..., sum(a15)]: pairs of unpacks, then 128-bit lane shuffles */
+static inline __m512 hsum16x16(const __m512 *a) {
+    __m512 s[8], g[4];
+    for (int i = 0; i < 8; i++)
+        s[i] = _mm512_add_ps(_mm512_unpacklo_ps(a[2 * i], a[2 * i + 1]),
+                             _mm512_unpackhi_ps(a[2 * i], a[2 * i + 1]));
+    for (int i = 0; i < 4; i++)
+        g[i] = _mm512_add_ps(_mm512_shuffle_ps(s[2 * i], s[2 * i + 1], _MM_SHUFFLE(1, 0, 1, 0)),
+                             _mm512_shuffle_ps(s[2 * i], s[2 * i + 1], _MM_SHUFFLE(3, 2, 3, 2)));
+    const __m512 h01 = _mm512_add_ps(_mm512_shuffle_f32x4(g[0], g[1], _MM_SHUFFLE(2, 0, 2, 0)),
+                                     _mm512_shuffle_f32x4(g[0], g[1], _MM_SHUFFLE(3, 1, 3, 1)));
+    const __m512 h23 = _mm512_add_ps(_mm512_shuffle_f32x4(g[2], g[3], _MM_SHUFFLE(2, 0, 2, 0)),
+                                     _mm512_shuffle_f32x4(g[2], g[3], _MM_SHUFFLE(3, 1, 3, 1)));
+    return _mm512_add_ps(_mm512_shuffle_f32x4(h01, h23, _MM_SHUFFLE(2, 0, 2, 0)),
+                         _mm512_shuffle_f32x4(h01, h23, _MM_SHUFFLE(3, 1, 3, 1)));
+}
+
+/* acc[0, NV*16) += sum_{t < n} p[t] * v[t * ld + 0 .. NV*16) with acc in registers */
+#define KVS_PV(NV)                                                                             \
+    do {                                                                                       \
+        __m512 a_[NV];                                                                         \
+        for (int u = 0; u < NV; u++) a_[u] = _mm512_loadu_ps(ax + c0 + 16 * u);                \
+        for (int t = 0; t < ntr; t++) {                                                        \
+            const __m512 pb = _mm512_set1_ps(sj[t]);                                           \
+            const float *vr = vh + (size_t)t * ld + c0;                                        \
+            for (int u = 0; u < NV; u++)                                                       \
+                a_[u] = _mm512_fmadd_ps(pb, _mm512_loadu_ps(vr + 16 * u), a_[u]);              \
+        }                                                                                      \
+        for (int u = 0; u < NV; u++) _mm512_storeu_ps(ax + c0 + 16 * u, a_[u]);                \
+    } while (0)
+
+static inline __attribute__((always_inline)) void job_avx512(
+    const Geo *g, const int dtype, const float *q0, size_t qstride, int R, const int64_t *lens,
+    const int64_t *table, int h0, int nh, float *o0, Scratch *w) {
+    const int G = g->G, D = g->D, bs = g->bs, H = g->H, es = elem_size(dtype);
+    const int bs16 = (bs + 15) & ~15, RG = R * G, X = nh * RG;
+    const size_t ld = (size_t)nh * D; /* floats between a head's rows of consecutive tokens */
+    const size_t rb = g->row_bytes;
+    const float factor = simd_factor(dtype), kf = g->sm_scale * factor;
+    float *mx = w->mx, *sum = w->sum;
+    for (int x = 0; x < X; x++) { mx[x] = -INFINITY; sum[x] = 0.f; }
+    memset(w->acc, 0, sizeof(float) * (size_t)X * D);
+    int len = 0;
+    for (int r = 0; r < R; r++) len = lens[r] > len ? (int)lens[r] : len;
+    const int nblk = (len + bs - 1) / bs;
+    for (int b = 0; b < nblk; b++) {
+        const int64_t blk = table[b];
+        const int nt = len - b * bs < bs ? len - b * bs : bs;
+        const uint8_t *kbase = g->kv + blk * g->block_bytes;
+        const uint8_t *nx = b + 1 < nblk ? g->kv + table[b + 1] * g->block_bytes : NULL;
+        /* K / V rows -> fp32 tiles [bs16 * nh, D]; the next block's rows are prefetched as
+         * this block's are read (blocks are scattered: no hardware prefetch across them) */
+        for (int i = 0; i < nt; i++)
+            for (int hh = 0; hh < nh; hh++) {
+                const size_t off = ((size_t)i * H + h0 + hh) * rb;
+                const uint8_t *rk = kbase + off, *rv = rk + g->comp_bytes;
+                if (nx)
+                    for (size_t o = 0; o < rb; o += 64) {
+                        _mm_prefetch((const char *)(nx + off + o), _MM_HINT_T0);
+                        _mm_prefetch((const char *)(nx + g->comp_bytes + off + o), _MM_HINT_T0);
+                    }
+                float *ok = w->kw + ((size_t)i * nh + hh) * D;
+                float *ov = w->vw + ((size_t)i * nh + hh) * D;
+                for (int c = 0; c < D; c += 16) {
+                    _mm512_storeu_ps(ok + c, widen16(rk + (size_t)c * es, dtype));
+                    _mm512_storeu_ps(ov + c, widen16(rv + (size_t)c * es, dtype));
+                }
+            }
+        if (nt < bs16) { /* rows past the block: finite, and masked below */
+            memset(w->kw + (size_t)nt * ld, 0, sizeof(float) * (size_t)(bs16 - nt) * ld);
+            memset(w->vw + (size_t)nt * ld, 0, sizeof(float) * (size_t)(bs16 - nt) * ld);
+        }
+        /* per-token factors, head-major [hh * bs16 + i]: K folds in sm_scale */
+        for (int hh = 0; hh < nh; hh++) {
+            float *ks = w->ks + (size_t)hh * bs16, *vs = w->vs + (size_t)hh * bs16;
+            if (dtype == DT_I8 && g->codes) {
+                const int8_t *sc = g->codes + blk * 2 * g->comp_scales + h0 + hh;
+                for (int i = 0; i < nt; i++) {
+                    ks[i] = kf * LOG8_TABLE[sc[(size_t)i * H] + 128];
+                    vs[i] = factor * LOG8_TABLE[sc[g->comp_scales + (size_t)i * H] + 128];
+                }
+            } else if (dtype != DT_I8 && g->scales) {
+                const uint16_t *sc = g->scales + blk * 2 * g->comp_scales + h0 + hh;
+                for (int i = 0; i < nt; i++) {
+                    ks[i] = kf * bf16_to_f32(sc[(size_t)i * H]);
+                    vs[i] = factor * bf16_to_f32(sc[g->comp_scales + (size_t)i * H]);
+                }
+            } else {
+                for (int i = 0; i < nt; i++) { ks[i] = kf; vs[i] = factor; }
+            }
+            for (int i = nt; i < bs16; i++) { ks[i] = 0.f; vs[i] = 0.f; }
+        }
+        for (int x = 0; x < X; x++) {
+            const int hh = x / RG, r = (x / G) % R, j = x % G;
+            /* tokens of this block the row may see (causal): [0, ntr) */
+            const int ntr = (int)lens[r] - b * bs < nt ? (int)lens[r] - b * bs : nt;
+            if (ntr <= 0) continue;
+            const float *qg = q0 + (size_t)r * g->ldq + ((size_t)hh * G + j) * D;
+            const float *kh = w->kw + (size_t)hh * D, *vh = w->vw + (size_t)hh * D;
+            const float *ksh = w->ks + (size_t)hh * bs16, *vsh = w->vs + (size_t)hh * bs16;
+            float *sj = w->s + (size_t)x * bs16;
+            /* scores, 16 tokens at a time; lanes past ntr -> -inf */
+            __m512 mv = _mm512_set1_ps(mx[x]);
+            for (int i0 = 0; i0 < ntr; i0 += 16) {
+                __m512 a[16];
+                for (int u = 0; u < 16; u++) a[u] = _mm512_setzero_ps();
+                const float *kt = kh + (size_t)i0 * ld;
+                for (int c = 0; c < D; c += 16) {
+                    const __m512 qv = _mm512_loadu_ps(qg + c);
+                    for (int u = 0; u < 16; u++)
+                        a[u] = _mm512_fmadd_ps(qv, _mm512_loadu_ps(kt + (size_t)u * ld + c), a[u]);
+                }
+                const int left = ntr - i0;
+                const __mmask16 live = left >= 16 ? (__mmask16)0xFFFF
+                                                  : (__mmask16)((1u << left) - 1u);
+                const __m512 sc = _mm512_mask_mul_ps(_mm512_set1_ps(-INFINITY), live,
+                                                     hsum16x16(a), _mm512_loadu_ps(ksh + i0));
+                _mm512_storeu_ps(sj + i0, sc);
+                mv = _mm512_max_ps(mv, sc);
+            }
+            const float m = _mm512_reduce_max_ps(mv);
+            /* online softmax: rescale what was accumulated under the old max */
+            float *ax = w->acc + (size_t)x * D;
+            if (m > mx[x]) {
+                if (mx[x] != -INFINITY) {
+                    const float corr = expf(mx[x] - m);
+                    sum[x] *= corr;
+                    const __m512 cv = _mm512_set1_ps(corr);
+                    for (int c = 0; c < D; c += 16)
+                        _mm512_storeu_ps(ax + c, _mm512_mul_ps(_mm512_loadu_ps(ax + c), cv));
+                }
+                mx[x] = m;
+            }
+            /* p = exp(s - m) (masked lanes: 0); sum += p; sj = p * V factor */
+            const __m512 mb = _mm512_set1_ps(m);
+            __m512 sacc = _mm512_setzero_ps();
+            for (int i0 = 0; i0 < ntr; i0 += 16) {
+                const __m512 p = exp16(_mm512_sub_ps(_mm512_loadu_ps(sj + i0), mb));
+                sacc = _mm512_add_ps(sacc, p);
+                _mm512_storeu_ps(sj + i0, _mm512_mul_ps(p, _mm512_loadu_ps(vsh + i0)));
+            }
+            sum[x] += _mm512_reduce_add_ps(sacc);
+            /* acc[x] += sum_t p_t * V_t, up to 128 floats of acc in registers at a time */
+            int c0 = 0;
+            for (; c0 + 128 <= D; c0 += 128) KVS_PV(8);
+            for (; c0 + 64 <= D; c0 += 64) KVS_PV(4);
+            for (; c0 < D; c0 += 16) KVS_PV(1);
+        }
+    }
+    for (int x = 0; x < X; x++) {
+        const int hh = x / RG, r = (x / G) % R, j = x % G;
+        const __m512 inv = _mm512_set1_ps(1.0f / sum[x]);
+        float *os = o0 + (size_t)r * qstride + ((size_t)hh * G + j) * D;
+        for (int c = 0; c < D; c += 16)
+            _mm512_storeu_ps(os + c,
+                             _mm512_mul_ps(_mm512_loadu_ps(w->acc + (size_t)x * D + c), inv));
+    }
+}
+#undef KVS_PV
+
+#define KVS_JOB512(NAME, DT)                                                                   \
+    static void NAME(const Geo *g, const float *q0, size_t qs, int R, const int64_t *lens,     \
+                     const int64_t *t, int h0, int nh, float *o0, Scratch *w) {                 \
+        job_avx512(g, DT, q0, qs, R, lens, t, h0, nh, o0, w);                                  \
+    }
+KVS_JOB512(job512_f32, DT_F32)
+KVS_JOB512(job512_bf16, DT_BF16)
+KVS_JOB512(job512_f16, DT_F16)
+KVS_JOB512(job512_e4m3, DT_E4M3)
+KVS_JOB512(job512_e5m2, DT_E5M2)
+KVS_JOB512(job512_i8, DT_I8)
+#endif
 #endif
 
 typedef void (*JobFn)(const Geo *, const float *, size_t, int, const int64_t *,
@@ -465,9 +670,11 @@ static void job_rows_scalar(const Geo *g, const float *q0, size_t qs, int R, con
         }
 }
 
-/* 1 if this build has the vectorized job (for tests and benchmarks). */
+/* 2: AVX-512 job, 1: AVX2 job, 0: portable only (for tests and benchmarks). */
 int kvs_attention_simd(void) {
-#ifdef KVS_AVX2
+#if defined(KVS_AVX512)
+    return 2;
+#elif defined(KVS_AVX2)
     return 1;
 #else
     return 0;
@@ -505,6 +712,13 @@ void kvs_paged_attention(const void *kv, const void *scales, int dtype, const fl
         fn = fns[dtype];
     }
 #endif
+#ifdef KVS_AVX512
+    if (!force_scalar && D % 16 == 0) {
+        static const JobFn fns512[] = {job512_f32, job512_bf16, job512_f16,
+                                       job512_e4m3, job512_e5m2, job512_i8};
+        fn = fns512[dtype];
+    }
+#endif
     /* tiles: runs of consecutive rows of one sequence whose lens step by one, <= ROW_TILE */
     int *tile_start = (int *)malloc(sizeof(int) * (size_t)(n + 1));
     int ntiles = 0, max_len = 0, max_rows = 1;
@@ -520,7 +734,7 @@ void kvs_paged_attention(const void *kv, const void *scales, int dtype, const fl
     /* Jobs: a tile with all kv heads (each block's K/V component read as one contiguous run)
      * when there are enough tiles to keep every thread busy, else a tile and one head. */
     const int nh = ntiles >= 2 * num_threads ? H : 1, njobs = ntiles * (H / nh);
-    const int bs8 = (bs + 7) & ~7, X = nh * max_rows * G;
+    const int bs8 = (bs + 15) & ~15, X = nh * max_rows * G; /* rounded for both jobs */
     const size_t s_len = fn == job_rows_scalar ? (size_t)max_len * G : (size_t)X * bs8;
     const size_t qstride = (size_t)H * G * D;
     if (num_threads > njobs) num_threads = njobs > 0 ? njobs : 1;

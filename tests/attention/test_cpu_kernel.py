@@ -1,6 +1,7 @@
-"""The C paged-attention kernel (AVX2 and portable jobs) vs its pure-torch twin
+"""The C paged-attention kernel (AVX-512, AVX2 and portable jobs) vs its pure-torch twin
 (TorchAttentionBackend with use_kernel=False), over dtypes, shapes and decode / prefill /
-extend rows."""
+extend rows. The native build runs the best job this CPU has; an AVX2-only build of the same
+source covers the AVX2 job on AVX-512 machines too."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import torch
 from kvserve.attention.metadata import AttentionMetadata
 from kvserve.attention.torch_backend import TorchAttentionBackend
 from kvserve.cache.kv_cache import PagedKVCache
+from kvserve.cbuild import build_variant
 from kvserve.kernels.cpu import paged_attention as cpu_kernel
 from kvserve.quant import int8
 
@@ -86,9 +88,47 @@ def test_kernel_matches_twin_mixed_step(dtype, hq, hk, d, bs):
     _kernel_vs_twin(dtype, hq, hk, d, bs, [37, 5, 61, 1, bs + 1], [37, 1, 20, 1, 1])
 
 
-def test_row_results_do_not_depend_on_tiling():
+@pytest.fixture(scope="module")
+def _avx2_dll(tmp_path_factory):
+    try:
+        dll = build_variant("paged_attention", "avx2", str(tmp_path_factory.mktemp("pa")))
+    except Exception as e:  # noqa: BLE001 - a compiler without haswell support
+        pytest.skip(f"no AVX2 build here: {e}")
+    if dll is None:
+        pytest.skip("no C compiler, or not x86-64")
+    return cpu_kernel.bind(dll)
+
+
+@pytest.fixture
+def avx2_build(monkeypatch, _avx2_dll):
+    """Every kernel call in the test goes to an AVX2-only build (-march=haswell)."""
+    bound = _avx2_dll
+    monkeypatch.setattr(cpu_kernel, "load", lambda: bound)
+    assert cpu_kernel.simd_level() == 1
+    return bound
+
+
+def test_native_build_runs_the_best_job_of_this_cpu():
+    with open("/proc/cpuinfo") as f:
+        flags = f.read()
+    want = 2 if " avx512f" in flags and " avx512bw" in flags else 1 if " avx2" in flags else 0
+    assert cpu_kernel.simd_level() == want
+
+
+@pytest.mark.parametrize("dtype", ALL_DTYPES)
+@pytest.mark.parametrize(("hq", "hk", "d", "bs"), [(8, 2, 64, 16), (6, 1, 128, 8),
+                                                   (16, 2, 72, 16)])
+def test_avx2_job_matches_twin(avx2_build, dtype, hq, hk, d, bs):
+    _kernel_vs_twin(dtype, hq, hk, d, bs, [37, 5, 61, 1, bs + 1], [37, 1, 20, 1, 1])
+    _kernel_vs_twin(dtype, hq, hk, d, bs, [1, bs + 3, 97], [1, 1, 1])
+
+
+@pytest.mark.parametrize("isa", ["native", "avx2"])
+def test_row_results_do_not_depend_on_tiling(request, isa):
     """A prefill row's output is the same whether it is computed in a 16-row tile, as part of
     a different chunk, or alone as a decode row (chunked == unchunked, exactly)."""
+    if isa == "avx2":
+        request.getfixturevalue("avx2_build")
     if not cpu_kernel.simd():
         pytest.skip("portable build: rows are never tiled")
     torch.manual_seed(3)

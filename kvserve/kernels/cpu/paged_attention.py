@@ -13,7 +13,7 @@ from functools import lru_cache
 
 import torch
 
-from kvserve.kernels.cpu import FLOAT, INT, INT64, PTR, load_library
+from kvserve.kernels.cpu import FLOAT, INT, INT64, PTR, declare, load_library
 from kvserve.kernels.cpu.graph import Rows, launch
 
 DTYPE_CODES = {
@@ -22,21 +22,35 @@ DTYPE_CODES = {
 }
 
 
+SIGNATURES = {
+    "kvs_paged_attention": ([PTR, PTR, INT, PTR, INT64, PTR, PTR, PTR, INT, INT, INT, INT,
+                             INT, INT, FLOAT, INT, INT, PTR], None),
+    "kvs_attention_simd": ([], INT),
+    "kvs_write_kv": ([PTR, INT64, PTR, INT64, INT64, INT64, INT64, INT, PTR, PTR, PTR], INT),
+    "kvs_int8_scale_table": ([PTR], None),
+}
+
+
 @lru_cache(maxsize=1)
 def load() -> ctypes.CDLL | None:
-    return load_library("paged_attention", {
-        "kvs_paged_attention": ([PTR, PTR, INT, PTR, INT64, PTR, PTR, PTR, INT, INT, INT, INT,
-                                 INT, INT, FLOAT, INT, INT, PTR], None),
-        "kvs_attention_simd": ([], INT),
-        "kvs_write_kv": ([PTR, INT64, PTR, INT64, INT64, INT64, INT64, INT, PTR, PTR, PTR], INT),
-        "kvs_int8_scale_table": ([PTR], None),
-    })
+    return load_library("paged_attention", SIGNATURES)
+
+
+def bind(dll: ctypes.CDLL) -> ctypes.CDLL:
+    """Declare the entry points on another build of the same source (tests: ISA variants)."""
+    return declare(dll, SIGNATURES)
+
+
+def simd_level() -> int:
+    """2: the build has the AVX-512 job, 1: the AVX2 job, 0: only the portable one."""
+    dll = load()
+    return 0 if dll is None else int(launch(dll, "kvs_attention_simd"))
 
 
 def simd() -> bool:
-    """True if the kernel was built with its AVX2 job (else every call runs the portable one)."""
-    dll = load()
-    return dll is not None and bool(launch(dll, "kvs_attention_simd"))
+    """True if the kernel was built with a vectorized job (else every call runs the portable
+    one)."""
+    return simd_level() > 0
 
 
 def paged_attention(kv_layer: torch.Tensor, scales_layer: torch.Tensor | None, q: torch.Tensor,
@@ -51,7 +65,7 @@ def paged_attention(kv_layer: torch.Tensor, scales_layer: torch.Tensor | None, q
     q [n, H*G, D] fp32, heads contiguous (rows may be strided, e.g. a view of a fused qkv
     projection); block_tables [S, mb] int64;
     row_seq [n] int64 or None; lens [n] int64; out [n, H*G, D] fp32 contiguous (written).
-    ``force_scalar`` runs the portable job even where the AVX2 one exists (tests)."""
+    ``force_scalar`` runs the portable job even where a vectorized one exists (tests)."""
     dll = load()
     assert dll is not None
     _, _, bs, h, d = kv_layer.shape

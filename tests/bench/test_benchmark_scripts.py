@@ -69,3 +69,22 @@ def test_attention_kernel_tiny(tmp_path):
         for path in ("kernel", "kernel_portable", "torch_twin"):
             assert x[path]["ms_per_step"] > 0
         assert x["kv_bytes_per_step"] == 3 * 40 * x["kv_bytes_per_token"]
+
+
+def test_w16_gemm_tiny(tmp_path):
+    from kvserve.kernels.cpu import w16_gemm as w16
+
+    if w16.w16_library() is None:
+        pytest.skip("no C compiler")
+    wg = _script("w16_gemm")
+    # the baseline is the current source built a second time: the script must build it
+    out = tmp_path / "g.json"
+    assert wg.main(["--threads", "1", "--rounds", "1", "--rows", "1,5", "--layers", "1",
+                    "--baseline-source", os.path.join(ROOT, "kvserve", "csrc", "w16_gemm.c"),
+                    "--json", str(out)]) == 0
+    r = json.loads(out.read_text())
+    assert [x["rows"] for x in r["results"]] == [1, 5]
+    for x in r["results"]:
+        for impl in ("kvserve", "torch_fp32", "baseline"):
+            assert x[impl]["layers_gflops"] > 0 and x[impl]["head_gflops"] > 0
+    assert r["ceiling_gflops_torch_fp32_hot"] > 0 and r["env"]["cpu"]

@@ -2,23 +2,28 @@
 
     .venv/bin/python benchmarks/attention_kernel.py [--batch 32] [--context 192] [--layers 4]
         [--kv-heads 2] [--group 2] [--head-dim 64] [--budget-mib 16] [--repeats 30]
-        [--threads 2] [--json OUT]
+        [--threads 2] [--baseline-source OLD.c] [--json OUT]
 
 Shapes default to the demo model's decode step at the throughput benchmark's KV limit: B
 sequences of ``context`` tokens in blocks of 16, scattered at random over a cache of
 ``budget-mib`` (BF16 16 MiB = 8,192 tokens), 4 layers, 2 KV heads x 2 query heads of 64. Before
-every timed call a 64 MiB buffer is rewritten, so the KV comes from memory as it does between
-the GEMMs of a real step (not from a warm cache). Per dtype: the C kernel's job (AVX2 where
-built, else the portable one) and the portable job forced, and the twin (gather into a
-workspace, widen FP8 with the integer trick, fp32 matmuls), interleaved, medians. Reported:
-ms per step (all layers), KV bytes read per step and the effective GB/s.
+every timed call a buffer of twice the last-level cache is rewritten, so the KV comes from
+memory as it does between the GEMMs of a real step (not from a warm cache). Per dtype: the C
+kernel's best job on this CPU (AVX-512 / AVX2, else the portable one), the portable job forced,
+the twin (gather into a workspace, widen FP8 with the integer trick, fp32 matmuls) and, with
+``--baseline-source``, the kernel built from another source file; interleaved, medians.
+Reported: ms per step (all layers), KV bytes read per step and the effective GB/s.
 """
 
 from __future__ import annotations
 
 import argparse
+import ctypes
 import glob
+import os
 import statistics
+import subprocess
+import tempfile
 import time
 
 import torch
@@ -27,6 +32,7 @@ from kvserve.attention.metadata import AttentionMetadata
 from kvserve.attention.torch_backend import TorchAttentionBackend
 from kvserve.bench.common import env_info, log, write_json
 from kvserve.cache.kv_cache import PagedKVCache
+from kvserve.cbuild import CSRC, FLAGS
 from kvserve.kernels.cpu import paged_attention as cpu_kernel
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp8_e4m3": torch.float8_e4m3fn,
@@ -47,6 +53,15 @@ def last_level_cache_bytes() -> int:
         if digits.isdigit():
             best = max(best, int(digits) * mult)
     return best
+
+
+def build_baseline(source: str):
+    """Compile another paged_attention.c with kvserve's flags (its #includes resolve against
+    kvserve/csrc) into a temporary file and bind it."""
+    out = os.path.join(tempfile.mkdtemp(prefix="kvs-pa-"), "paged_attention_baseline.so")
+    subprocess.run(["cc", source, "-o", out, *FLAGS], check=True, env=dict(os.environ,
+                                                                             CPATH=CSRC))
+    return cpu_kernel.bind(ctypes.CDLL(out))
 
 
 def setup(dtype: torch.dtype, a) -> tuple[PagedKVCache, AttentionMetadata, torch.Tensor]:
@@ -83,6 +98,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--dtypes", default="bf16,fp8_e4m3,fp8_e5m2,int8,fp32")
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--json", default=None)
+    ap.add_argument("--baseline-source", default=None,
+                    help="also time the kernel built from this paged_attention.c (e.g. the "
+                         "version before a change: git show REV:kvserve/csrc/paged_attention.c)")
     a = ap.parse_args(argv)
     if a.threads:
         torch.set_num_threads(a.threads)
@@ -90,6 +108,7 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit("the C kernel did not build here (no compiler?)")
     # written before every timed call: twice the last-level cache (>= 64 MiB), so no KV block
     # is left in any cache level (a 64 MiB buffer did not evict a 260 MiB L3)
+    base = build_baseline(a.baseline_source) if a.baseline_source else None
     evict = torch.empty(max(16 * 2**20, 2 * last_level_cache_bytes() // 4))
     empty = torch.empty(0, a.kv_heads, a.head_dim)
     rows = []
@@ -101,12 +120,12 @@ def main(argv: list[str] | None = None) -> int:
         plan = be._plan(meta).kernel
         out = torch.empty_like(q)
 
-        def kernel(force_scalar: bool, kv=kv, plan=plan, q=q, out=out) -> None:
+        def kernel(force_scalar: bool, kv=kv, plan=plan, q=q, out=out, dll=None) -> None:
             for layer in range(a.layers):
                 cpu_kernel.paged_attention(kv.data[layer],
                                            kv.scales[layer] if kv.has_scales else None, q,
                                            plan[1], plan[0], plan[2], a.head_dim**-0.5, out,
-                                           force_scalar=force_scalar)
+                                           force_scalar=force_scalar, dll=dll)
 
         def twin(be=be, meta=meta, q=q) -> None:
             be.use_kernel = False
@@ -117,9 +136,11 @@ def main(argv: list[str] | None = None) -> int:
 
         paths = {"kernel": lambda: kernel(False), "kernel_portable": lambda: kernel(True),
                  "torch_twin": twin}
+        if base is not None:
+            paths["baseline"] = lambda kernel=kernel: kernel(False, dll=base)
         times: dict[str, list[float]] = {k: [] for k in paths}
         for r in range(a.repeats):
-            for k in list(paths)[r % 3:] + list(paths)[:r % 3]:
+            for k in list(paths)[r % len(paths):] + list(paths)[:r % len(paths)]:
                 evict.add_(1.0)
                 t0 = time.perf_counter()
                 paths[k]()
@@ -127,7 +148,8 @@ def main(argv: list[str] | None = None) -> int:
         kv_bytes = a.batch * a.context * kv.bytes_per_token
         row = {"kv_cache_dtype": name, "kv_bytes_per_token": kv.bytes_per_token,
                "kv_bytes_per_step": kv_bytes, "simd": cpu_kernel.simd_level(),
-               "evicted_bytes_before_each_call": evict.numel() * 4}
+               "evicted_bytes_before_each_call": evict.numel() * 4,
+               "baseline_source": a.baseline_source}
         for k, ts in times.items():
             t = statistics.median(ts)
             row[k] = {"ms_per_step": t * 1e3, "gb_per_s": kv_bytes / t / 1e9}

@@ -56,7 +56,7 @@ def simd() -> bool:
 def paged_attention(kv_layer: torch.Tensor, scales_layer: torch.Tensor | None, q: torch.Tensor,
                     block_tables: torch.Tensor, row_seq: torch.Tensor | None,
                     lens: torch.Tensor, sm_scale: float, out: torch.Tensor, *,
-                    force_scalar: bool = False) -> torch.Tensor:
+                    force_scalar: bool = False, dll: ctypes.CDLL | None = None) -> torch.Tensor:
     """Each query row r attends tokens [0, lens[r]) of sequence ``row_seq[r]`` (row r itself
     when ``row_seq`` is None).
 
@@ -65,8 +65,9 @@ def paged_attention(kv_layer: torch.Tensor, scales_layer: torch.Tensor | None, q
     q [n, H*G, D] fp32, heads contiguous (rows may be strided, e.g. a view of a fused qkv
     projection); block_tables [S, mb] int64;
     row_seq [n] int64 or None; lens [n] int64; out [n, H*G, D] fp32 contiguous (written).
-    ``force_scalar`` runs the portable job even where a vectorized one exists (tests)."""
-    dll = load()
+    ``force_scalar`` runs the portable job even where a vectorized one exists (tests);
+    ``dll``: another build of the kernel (``bind``; benchmarks compare builds)."""
+    dll = dll or load()
     assert dll is not None
     _, _, bs, h, d = kv_layer.shape
     n, hq, _ = q.shape

@@ -513,6 +513,111 @@ static inline __m512 hsum16x16(const __m512 *a) {
         for (int u = 0; u < NV; u++) _mm512_storeu_ps(ax + c0 + 16 * u, a_[u]);                \
     } while (0)
 
+/* Query x's scores sj[0, ntr) (scaled; lanes past ntr hold -inf; mv: their running max with
+ * the old max) -> online softmax: acc and sum rescaled to the new max, sum += sum(p), and sj
+ * becomes p * V factor. */
+static inline __attribute__((always_inline)) void softmax_step(
+    float *sj, int ntr, __m512 mv, const float *vsh, float *mxp, float *sump, float *ax,
+    int D) {
+    const float m = _mm512_reduce_max_ps(mv);
+    if (m > *mxp) { /* rescale what was accumulated under the old max */
+        if (*mxp != -INFINITY) {
+            const float corr = expf(*mxp - m);
+            *sump *= corr;
+            const __m512 cv = _mm512_set1_ps(corr);
+            for (int c = 0; c < D; c += 16)
+                _mm512_storeu_ps(ax + c, _mm512_mul_ps(_mm512_loadu_ps(ax + c), cv));
+        }
+        *mxp = m;
+    }
+    const __m512 mb = _mm512_set1_ps(m);
+    __m512 sacc = _mm512_setzero_ps();
+    for (int i0 = 0; i0 < ntr; i0 += 16) {
+        const __m512 p = exp16(_mm512_sub_ps(_mm512_loadu_ps(sj + i0), mb));
+        sacc = _mm512_add_ps(sacc, p);
+        _mm512_storeu_ps(sj + i0, _mm512_mul_ps(p, _mm512_loadu_ps(vsh + i0)));
+    }
+    *sump += _mm512_reduce_add_ps(sacc);
+}
+
+/* One block for decode rows (R == 1) with D == 64 and GG <= 4 query heads per KV head: each K
+ * and V row is widened in registers and used by all GG queries of its head at once, with no
+ * fp32 staging tile. Per query the arithmetic is the staging path's operation for operation
+ * (the same FMA chain over D per token, the same hsum16x16 tree, the same P.V chains over the
+ * tokens), so a row's result does not depend on which path ran (tested exactly). */
+static inline __attribute__((always_inline)) void direct_block(
+    const Geo *g, const int dtype, const int GG, const float *q0, const uint8_t *kbase,
+    const uint8_t *nx, int h0, int nh, int ntr, int bs16, Scratch *w) {
+    const int H = g->H, es = elem_size(dtype);
+    const size_t rb = g->row_bytes;
+    for (int hh = 0; hh < nh; hh++) {
+        const float *ksh = w->ks + (size_t)hh * bs16, *vsh = w->vs + (size_t)hh * bs16;
+        __m512 qr[4][4], mv[4];
+        for (int j = 0; j < GG; j++) {
+            for (int c = 0; c < 4; c++)
+                qr[j][c] = _mm512_loadu_ps(q0 + ((size_t)hh * GG + j) * 64 + 16 * c);
+            mv[j] = _mm512_set1_ps(w->mx[hh * GG + j]);
+        }
+        /* scores, 16 tokens at a time */
+        for (int i0 = 0; i0 < ntr; i0 += 16) {
+            __m512 part[4][16];
+            const int n16 = ntr - i0 < 16 ? ntr - i0 : 16;
+            for (int u = 0; u < 16; u++) {
+                if (u >= n16) {
+                    for (int j = 0; j < GG; j++) part[j][u] = _mm512_setzero_ps();
+                    continue;
+                }
+                const size_t off = ((size_t)(i0 + u) * H + h0 + hh) * rb;
+                if (nx)
+                    for (size_t o = 0; o < rb; o += 64) {
+                        _mm_prefetch((const char *)(nx + off + o), _MM_HINT_T0);
+                        _mm_prefetch((const char *)(nx + g->comp_bytes + off + o), _MM_HINT_T0);
+                    }
+                __m512 kc[4];
+                for (int c = 0; c < 4; c++)
+                    kc[c] = widen16(kbase + off + (size_t)16 * c * es, dtype);
+                for (int j = 0; j < GG; j++) {
+                    __m512 acc = _mm512_setzero_ps();
+                    for (int c = 0; c < 4; c++) acc = _mm512_fmadd_ps(qr[j][c], kc[c], acc);
+                    part[j][u] = acc;
+                }
+            }
+            const __mmask16 live = n16 >= 16 ? (__mmask16)0xFFFF
+                                             : (__mmask16)((1u << n16) - 1u);
+            for (int j = 0; j < GG; j++) {
+                const __m512 sc = _mm512_mask_mul_ps(_mm512_set1_ps(-INFINITY), live,
+                                                     hsum16x16(part[j]),
+                                                     _mm512_loadu_ps(ksh + i0));
+                _mm512_storeu_ps(w->s + (size_t)(hh * GG + j) * bs16 + i0, sc);
+                mv[j] = _mm512_max_ps(mv[j], sc);
+            }
+        }
+        for (int j = 0; j < GG; j++) {
+            const int x = hh * GG + j;
+            softmax_step(w->s + (size_t)x * bs16, ntr, mv[j], vsh, w->mx + x, w->sum + x,
+                         w->acc + (size_t)x * 64, 64);
+        }
+        /* acc[j] += sum_t p_jt * V_t, V rows widened once for the GG queries */
+        __m512 acc[4][4];
+        for (int j = 0; j < GG; j++)
+            for (int c = 0; c < 4; c++)
+                acc[j][c] = _mm512_loadu_ps(w->acc + (size_t)(hh * GG + j) * 64 + 16 * c);
+        const uint8_t *vbase = kbase + g->comp_bytes;
+        for (int t = 0; t < ntr; t++) {
+            const uint8_t *rv = vbase + ((size_t)t * H + h0 + hh) * rb;
+            __m512 vc[4];
+            for (int c = 0; c < 4; c++) vc[c] = widen16(rv + (size_t)16 * c * es, dtype);
+            for (int j = 0; j < GG; j++) {
+                const __m512 pb = _mm512_set1_ps(w->s[(size_t)(hh * GG + j) * bs16 + t]);
+                for (int c = 0; c < 4; c++) acc[j][c] = _mm512_fmadd_ps(pb, vc[c], acc[j][c]);
+            }
+        }
+        for (int j = 0; j < GG; j++)
+            for (int c = 0; c < 4; c++)
+                _mm512_storeu_ps(w->acc + (size_t)(hh * GG + j) * 64 + 16 * c, acc[j][c]);
+    }
+}
+
 static inline __attribute__((always_inline)) void job_avx512(
     const Geo *g, const int dtype, const float *q0, size_t qstride, int R, const int64_t *lens,
     const int64_t *table, int h0, int nh, float *o0, Scratch *w) {
@@ -527,11 +632,42 @@ static inline __attribute__((always_inline)) void job_avx512(
     int len = 0;
     for (int r = 0; r < R; r++) len = lens[r] > len ? (int)lens[r] : len;
     const int nblk = (len + bs - 1) / bs;
+    /* decode rows of 64-wide heads: K / V widened in registers, no staging tile */
+    const int direct = R == 1 && D == 64 && G <= 4;
     for (int b = 0; b < nblk; b++) {
         const int64_t blk = table[b];
         const int nt = len - b * bs < bs ? len - b * bs : bs;
         const uint8_t *kbase = g->kv + blk * g->block_bytes;
         const uint8_t *nx = b + 1 < nblk ? g->kv + table[b + 1] * g->block_bytes : NULL;
+        /* per-token factors, head-major [hh * bs16 + i]: K folds in sm_scale */
+        for (int hh = 0; hh < nh; hh++) {
+            float *ks = w->ks + (size_t)hh * bs16, *vs = w->vs + (size_t)hh * bs16;
+            if (dtype == DT_I8 && g->codes) {
+                const int8_t *sc = g->codes + blk * 2 * g->comp_scales + h0 + hh;
+                for (int i = 0; i < nt; i++) {
+                    ks[i] = kf * LOG8_TABLE[sc[(size_t)i * H] + 128];
+                    vs[i] = factor * LOG8_TABLE[sc[g->comp_scales + (size_t)i * H] + 128];
+                }
+            } else if (dtype != DT_I8 && g->scales) {
+                const uint16_t *sc = g->scales + blk * 2 * g->comp_scales + h0 + hh;
+                for (int i = 0; i < nt; i++) {
+                    ks[i] = kf * bf16_to_f32(sc[(size_t)i * H]);
+                    vs[i] = factor * bf16_to_f32(sc[g->comp_scales + (size_t)i * H]);
+                }
+            } else {
+                for (int i = 0; i < nt; i++) { ks[i] = kf; vs[i] = factor; }
+            }
+            for (int i = nt; i < bs16; i++) { ks[i] = 0.f; vs[i] = 0.f; }
+        }
+        if (direct) {
+            switch (G) { /* literal GG: one specialized copy each */
+            case 1: direct_block(g, dtype, 1, q0, kbase, nx, h0, nh, nt, bs16, w); break;
+            case 2: direct_block(g, dtype, 2, q0, kbase, nx, h0, nh, nt, bs16, w); break;
+            case 3: direct_block(g, dtype, 3, q0, kbase, nx, h0, nh, nt, bs16, w); break;
+            default: direct_block(g, dtype, 4, q0, kbase, nx, h0, nh, nt, bs16, w); break;
+            }
+            continue;
+        }
         /* K / V rows -> fp32 tiles [bs16 * nh, D]; the next block's rows are prefetched as
          * this block's are read (blocks are scattered: no hardware prefetch across them) */
         for (int i = 0; i < nt; i++)
@@ -553,26 +689,6 @@ static inline __attribute__((always_inline)) void job_avx512(
         if (nt < bs16) { /* rows past the block: finite, and masked below */
             memset(w->kw + (size_t)nt * ld, 0, sizeof(float) * (size_t)(bs16 - nt) * ld);
             memset(w->vw + (size_t)nt * ld, 0, sizeof(float) * (size_t)(bs16 - nt) * ld);
-        }
-        /* per-token factors, head-major [hh * bs16 + i]: K folds in sm_scale */
-        for (int hh = 0; hh < nh; hh++) {
-            float *ks = w->ks + (size_t)hh * bs16, *vs = w->vs + (size_t)hh * bs16;
-            if (dtype == DT_I8 && g->codes) {
-                const int8_t *sc = g->codes + blk * 2 * g->comp_scales + h0 + hh;
-                for (int i = 0; i < nt; i++) {
-                    ks[i] = kf * LOG8_TABLE[sc[(size_t)i * H] + 128];
-                    vs[i] = factor * LOG8_TABLE[sc[g->comp_scales + (size_t)i * H] + 128];
-                }
-            } else if (dtype != DT_I8 && g->scales) {
-                const uint16_t *sc = g->scales + blk * 2 * g->comp_scales + h0 + hh;
-                for (int i = 0; i < nt; i++) {
-                    ks[i] = kf * bf16_to_f32(sc[(size_t)i * H]);
-                    vs[i] = factor * bf16_to_f32(sc[g->comp_scales + (size_t)i * H]);
-                }
-            } else {
-                for (int i = 0; i < nt; i++) { ks[i] = kf; vs[i] = factor; }
-            }
-            for (int i = nt; i < bs16; i++) { ks[i] = 0.f; vs[i] = 0.f; }
         }
         for (int x = 0; x < X; x++) {
             const int hh = x / RG, r = (x / G) % R, j = x % G;
@@ -602,28 +718,8 @@ static inline __attribute__((always_inline)) void job_avx512(
                 _mm512_storeu_ps(sj + i0, sc);
                 mv = _mm512_max_ps(mv, sc);
             }
-            const float m = _mm512_reduce_max_ps(mv);
-            /* online softmax: rescale what was accumulated under the old max */
             float *ax = w->acc + (size_t)x * D;
-            if (m > mx[x]) {
-                if (mx[x] != -INFINITY) {
-                    const float corr = expf(mx[x] - m);
-                    sum[x] *= corr;
-                    const __m512 cv = _mm512_set1_ps(corr);
-                    for (int c = 0; c < D; c += 16)
-                        _mm512_storeu_ps(ax + c, _mm512_mul_ps(_mm512_loadu_ps(ax + c), cv));
-                }
-                mx[x] = m;
-            }
-            /* p = exp(s - m) (masked lanes: 0); sum += p; sj = p * V factor */
-            const __m512 mb = _mm512_set1_ps(m);
-            __m512 sacc = _mm512_setzero_ps();
-            for (int i0 = 0; i0 < ntr; i0 += 16) {
-                const __m512 p = exp16(_mm512_sub_ps(_mm512_loadu_ps(sj + i0), mb));
-                sacc = _mm512_add_ps(sacc, p);
-                _mm512_storeu_ps(sj + i0, _mm512_mul_ps(p, _mm512_loadu_ps(vsh + i0)));
-            }
-            sum[x] += _mm512_reduce_add_ps(sacc);
+            softmax_step(sj, ntr, mv, vsh, mx + x, sum + x, ax, D);
             /* acc[x] += sum_t p_t * V_t, up to 128 floats of acc in registers at a time */
             int c0 = 0;
             for (; c0 + 128 <= D; c0 += 128) KVS_PV(8);

@@ -124,24 +124,34 @@ def test_avx2_job_matches_twin(avx2_build, dtype, hq, hk, d, bs):
 
 
 @pytest.mark.parametrize("isa", ["native", "avx2"])
-def test_row_results_do_not_depend_on_tiling(request, isa):
+@pytest.mark.parametrize(("dtype", "hk", "g", "d"), [
+    (torch.float8_e4m3fn, 2, 2, 64), (torch.bfloat16, 3, 3, 64), (torch.int8, 1, 4, 64),
+    (torch.float32, 2, 1, 64), (torch.bfloat16, 2, 2, 128), (torch.float8_e5m2, 1, 5, 64)])
+def test_row_results_do_not_depend_on_tiling(request, isa, dtype, hk, g, d):
     """A prefill row's output is the same whether it is computed in a 16-row tile, as part of
-    a different chunk, or alone as a decode row (chunked == unchunked, exactly)."""
+    a different chunk, or alone as a decode row (chunked == unchunked, exactly) — also where
+    the AVX-512 job runs decode rows on its register path (head_dim 64, <= 4 query heads per KV
+    head) and prefill tiles on its staging path."""
     if isa == "avx2":
         request.getfixturevalue("avx2_build")
     if not cpu_kernel.simd():
         pytest.skip("portable build: rows are never tiled")
     torch.manual_seed(3)
-    kv, perm = _filled_cache(torch.float8_e4m3fn, 2, 64, 16)
+    kv, perm = _filled_cache(dtype, hk, d, 16)
     meta = _meta([50], [50], perm, 16)
-    q = torch.randn(50, 4, 64)
-    be = TorchAttentionBackend(kv, 4, 2, 64, 0.125, 1024)
-    empty = torch.empty(0, 2, 64)
+    q = torch.randn(50, hk * g, d)
+    be = TorchAttentionBackend(kv, hk * g, hk, d, d**-0.5, 1024)
+    empty = torch.empty(0, hk, d)
     whole = be.forward(0, q, empty, empty, meta)
     for start, stop in [(0, 7), (7, 30), (30, 49), (49, 50)]:
         m = _meta([stop], [stop - start], perm, 16)
         part = be.forward(0, q[start:stop].contiguous(), empty, empty, m)
-        assert torch.equal(part, whole[start:stop])
+        assert torch.equal(part, whole[start:stop]), (start, stop)
+    # every row alone, as a decode row of its own sequence
+    for row in (0, 15, 16, 33, 48):
+        m = _meta([row + 1], [1], perm, 16)
+        assert torch.equal(be.forward(0, q[row:row + 1].contiguous(), empty, empty, m),
+                           whole[row:row + 1]), row
 
 
 @pytest.mark.parametrize("dtype", [torch.float8_e4m3fn, torch.float8_e5m2])

@@ -18,11 +18,8 @@ Reported: ms per step (all layers), KV bytes read per step and the effective GB/
 from __future__ import annotations
 
 import argparse
-import ctypes
 import glob
-import os
 import statistics
-import subprocess
 import tempfile
 import time
 
@@ -32,7 +29,7 @@ from kvserve.attention.metadata import AttentionMetadata
 from kvserve.attention.torch_backend import TorchAttentionBackend
 from kvserve.bench.common import env_info, log, write_json
 from kvserve.cache.kv_cache import PagedKVCache
-from kvserve.cbuild import CSRC, FLAGS
+from kvserve.cbuild import build_source
 from kvserve.kernels.cpu import paged_attention as cpu_kernel
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp8_e4m3": torch.float8_e4m3fn,
@@ -53,15 +50,6 @@ def last_level_cache_bytes() -> int:
         if digits.isdigit():
             best = max(best, int(digits) * mult)
     return best
-
-
-def build_baseline(source: str):
-    """Compile another paged_attention.c with kvserve's flags (its #includes resolve against
-    kvserve/csrc) into a temporary file and bind it."""
-    out = os.path.join(tempfile.mkdtemp(prefix="kvs-pa-"), "paged_attention_baseline.so")
-    subprocess.run(["cc", source, "-o", out, *FLAGS], check=True, env=dict(os.environ,
-                                                                             CPATH=CSRC))
-    return cpu_kernel.bind(ctypes.CDLL(out))
 
 
 def setup(dtype: torch.dtype, a) -> tuple[PagedKVCache, AttentionMetadata, torch.Tensor]:
@@ -108,7 +96,8 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit("the C kernel did not build here (no compiler?)")
     # written before every timed call: twice the last-level cache (>= 64 MiB), so no KV block
     # is left in any cache level (a 64 MiB buffer did not evict a 260 MiB L3)
-    base = build_baseline(a.baseline_source) if a.baseline_source else None
+    base = (cpu_kernel.bind(build_source(a.baseline_source, tempfile.mkdtemp(prefix="kvs-pa-")))
+            if a.baseline_source else None)
     evict = torch.empty(max(16 * 2**20, 2 * last_level_cache_bytes() // 4))
     empty = torch.empty(0, a.kv_heads, a.head_dim)
     rows = []

@@ -23,10 +23,7 @@ measured too: torch's fp32 GEMM on a hot 1024 x 1024 x 1024 problem.
 from __future__ import annotations
 
 import argparse
-import ctypes
-import os
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -34,7 +31,7 @@ import time
 import torch
 
 from kvserve.bench.common import env_info, log, write_json
-from kvserve.cbuild import CSRC, FLAGS
+from kvserve.cbuild import build_source
 from kvserve.kernels.cpu import w16_gemm as w16
 
 SHAPES = {  # (name, N, K) per layer, and the LM head
@@ -44,13 +41,6 @@ SHAPES = {  # (name, N, K) per layer, and the LM head
     "random-llama": ([("qkv", 768, 512), ("o", 512, 512), ("gate_up", 3072, 512),
                       ("down", 512, 1536)], ("lm_head", 32000, 512)),
 }
-
-
-def build(source: str, out_dir: str) -> ctypes.CDLL:
-    out = os.path.join(out_dir, "w16_baseline.so")
-    env = dict(os.environ, CPATH=CSRC)  # the baseline includes kvserve's csrc headers
-    subprocess.run(["cc", source, "-o", out, *FLAGS], check=True, env=env)
-    return w16.bind(ctypes.CDLL(out))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -84,7 +74,7 @@ def main(argv: list[str] | None = None) -> int:
              "torch_fp32": lambda x, w, w32: x @ w32.t()}
     with tempfile.TemporaryDirectory() as tmp:
         if a.baseline_source:
-            base = build(a.baseline_source, tmp)
+            base = w16.bind(build_source(a.baseline_source, tmp))
             impls["baseline"] = lambda x, w, w32: w16.w16_gemm(base, x, w)
         results = []
         for m in [int(v) for v in a.rows.split(",")]:

@@ -82,3 +82,18 @@ def build_variant(name: str, isa: str, out_dir: str) -> ctypes.CDLL | None:
     subprocess.run([cc, os.path.join(CSRC, f"{name}.c"), "-o", out, *flags, *ISA_FLAGS[isa]],
                    check=True, capture_output=True)
     return ctypes.CDLL(out)
+
+
+def build_source(source: str, out_dir: str) -> ctypes.CDLL:
+    """Compile any C file with the native flags (its ``#include "..."`` resolved against
+    kvserve/csrc) into ``out_dir`` and load it: benchmarks time another version of a kernel, e.g.
+    ``git show REV:kvserve/csrc/w16_gemm.c``, beside this one. Raises if it does not build."""
+    cc = shutil.which(os.environ.get("CC", "cc")) or shutil.which("gcc")
+    if cc is None:
+        raise RuntimeError("no C compiler (cc / gcc) on PATH")
+    name = os.path.splitext(os.path.basename(source))[0]
+    digest = hashlib.sha256(pathlib.Path(source).read_bytes()).hexdigest()[:12]
+    out = os.path.join(out_dir, f"{name}_{digest}.so")
+    subprocess.run([cc, source, "-I", CSRC, "-o", out, *FLAGS], check=True, capture_output=True)
+    return ctypes.CDLL(out)
+

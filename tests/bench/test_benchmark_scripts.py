@@ -61,12 +61,15 @@ def test_attention_kernel_tiny(tmp_path):
     ak = _script("attention_kernel")
     out = tmp_path / "a.json"
     assert ak.main(["--batch", "3", "--context", "40", "--layers", "1", "--repeats", "3",
-                    "--budget-mib", "1", "--threads", "1", "--json", str(out)]) == 0
+                    "--budget-mib", "1", "--threads", "1", "--json", str(out),
+                    "--baseline-source",
+                    os.path.join(ROOT, "kvserve", "csrc", "paged_attention.c")]) == 0
     r = json.loads(out.read_text())
     assert [x["kv_cache_dtype"] for x in r["results"]] == ["bf16", "fp8_e4m3", "fp8_e5m2",
                                                           "int8", "fp32"]
     for x in r["results"]:
-        for path in ("kernel", "kernel_portable", "torch_twin"):
+        assert x["evicted_bytes_before_each_call"] >= 64 * 2**20
+        for path in ("kernel", "kernel_portable", "torch_twin", "baseline"):
             assert x[path]["ms_per_step"] > 0
         assert x["kv_bytes_per_step"] == 3 * 40 * x["kv_bytes_per_token"]
 

@@ -26,12 +26,17 @@ FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c11",
          "-fno-trapping-math", "-lm")
 
 
+def _compiler() -> str | None:
+    """The C compiler: $CC (default cc), else gcc; None when neither is on PATH."""
+    return shutil.which(os.environ.get("CC", "cc")) or shutil.which("gcc")
+
+
 @cache
 def build_library(name: str) -> ctypes.CDLL | None:
     """Compile (once per source version) and load ``kvserve/csrc/<name>.c``."""
     if os.environ.get("KVSERVE_CPU_KERNEL", "1") == "0":
         return None
-    cc = shutil.which(os.environ.get("CC", "cc")) or shutil.which("gcc")
+    cc = _compiler()
     if cc is None:
         logger.info("no C compiler: %s falls back to pure torch", name)
         return None
@@ -74,7 +79,7 @@ def build_variant(name: str, isa: str, out_dir: str) -> ctypes.CDLL | None:
     load it; None without a C compiler or off x86-64 (the flags are x86 flags)."""
     import platform
 
-    cc = shutil.which(os.environ.get("CC", "cc")) or shutil.which("gcc")
+    cc = _compiler()
     if cc is None or platform.machine() not in ("x86_64", "AMD64"):
         return None
     out = os.path.join(out_dir, f"{name}_{isa}.so")
@@ -88,7 +93,7 @@ def build_source(source: str, out_dir: str) -> ctypes.CDLL:
     """Compile any C file with the native flags (its ``#include "..."`` resolved against
     kvserve/csrc) into ``out_dir`` and load it: benchmarks time another version of a kernel, e.g.
     ``git show REV:kvserve/csrc/w16_gemm.c``, beside this one. Raises if it does not build."""
-    cc = shutil.which(os.environ.get("CC", "cc")) or shutil.which("gcc")
+    cc = _compiler()
     if cc is None:
         raise RuntimeError("no C compiler (cc / gcc) on PATH")
     name = os.path.splitext(os.path.basename(source))[0]
@@ -96,4 +101,3 @@ def build_source(source: str, out_dir: str) -> ctypes.CDLL:
     out = os.path.join(out_dir, f"{name}_{digest}.so")
     subprocess.run([cc, source, "-I", CSRC, "-o", out, *FLAGS], check=True, capture_output=True)
     return ctypes.CDLL(out)
-

@@ -28,7 +28,6 @@ static inline __m256 exp8(__m256 x) {
     return _mm256_andnot_ps(under, p);
 }
 
-
 #if defined(__AVX512F__)
 /* exp16: exp8's polynomial and range handling on 16 lanes (same constants, same order). */
 static inline __m512 exp16(__m512 x) {
@@ -53,6 +52,5 @@ static inline __m512 exp16(__m512 x) {
     return _mm512_maskz_mov_ps((__mmask16)~under, p);
 }
 #endif
-
 #endif
 #endif

@@ -67,7 +67,7 @@ def paged_attention(kv_layer: torch.Tensor, scales_layer: torch.Tensor | None, q
     row_seq [n] int64 or None; lens [n] int64; out [n, H*G, D] fp32 contiguous (written).
     ``force_scalar`` runs the portable job even where a vectorized one exists (tests);
     ``dll``: another build of the kernel (``bind``; benchmarks compare builds)."""
-    dll = dll or load()
+    dll = dll if dll is not None else load()
     assert dll is not None
     _, _, bs, h, d = kv_layer.shape
     n, hq, _ = q.shape

@@ -12,7 +12,8 @@ the randomized Hadamard rotation of q/k/v (``kvserve.quant.rotation``), and with
 smoothing (SageAttention, Zhang et al. 2024, arXiv:2410.02367: the per-head channel mean of the
 sequence's first 16 keys subtracted from every key; softmax-invariant). Reported per recipe:
 KL(base || cand) mean and p99, teacher-forced top-1 agreement and the perplexity ratio.
-This is what chose symmetric INT8 and decided about K smoothing (README, "8-bit KV").
+This is what chose symmetric INT8 and decided about K smoothing
+(docs/benchmarks.md, "8-bit KV on a real model").
 """
 
 from __future__ import annotations

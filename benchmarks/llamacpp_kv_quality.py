@@ -1,5 +1,5 @@
 """llama.cpp's quantized KV cache (q8_0, q4_0) against its own F16 KV, measured the way
-``kvserve bench quality`` measures kvserve's modes, for the README's peer rows.
+``kvserve bench quality`` measures kvserve's modes, for the peer rows of docs/benchmarks.md.
 
 Run with a python that has llama-cpp-python (no kvserve import: numpy only)::
 

@@ -127,19 +127,6 @@ def test_the_checker_sees_violations():
     assert _layer("kvserve.engine.llm_engine") < _layer("kvserve.cache.integrity")
 
 
-def test_readme_layout_lists_every_file():
-    """The README's design section is the map: one line per source file of kvserve."""
-    readme = (ROOT.parent / "README.md").read_text()
-    start = readme.index("### Layout")
-    block = readme[readme.index("```", start) + 3:]
-    block = block[: block.index("```")]
-    listed = {line.split()[0] for line in block.splitlines() if line.strip()}
-    files = sorted(p.relative_to(ROOT).as_posix() for p in ROOT.rglob("*.py")
-                   if p.name != "__init__.py" or p.parent.name == "attention")
-    missing = [f for f in files if f.rsplit("/", 1)[-1] not in listed]
-    assert not missing, f"README layout misses: {missing}"
-
-
 def test_one_place_for_c_libraries_and_triton_interpret():
     """ctypes libraries are loaded only by kvserve/kernels/cpu (and built by cbuild.py);
     TRITON_INTERPRET is read only by kvserve/kernels/triton/__init__.py (issue 17, item 4)."""

@@ -28,7 +28,7 @@ such a row never changes another row's codes (tests/quant/test_kv_nonfinite.py).
 Byte cost: 1 scale byte per head_dim-wide row (1.6% at head_dim 64, 0.8% at 128; FP8 keeps
 a bf16 scale: 3.1% / 1.6%), so INT8 KV holds 1.97x the tokens of BF16 at head_dim 64.
 Rounding the scale up to a 2^(1/8) grid instead of storing bf16(amax / 127) costs nothing
-measurable on SmolLM2 (README, "8-bit KV on a real model").
+measurable on SmolLM2 (docs/benchmarks.md, "8-bit KV on a real model").
 
 ``quantize_asymmetric`` (min/max grid, a bf16 scale AND a bf16 zero point per row: four
 times the scale bytes) is kept for the measurement that chose symmetric

@@ -6,7 +6,12 @@ import pytest
 
 pytest.importorskip("triton")
 
+import torch  # noqa: E402
+
 from kvserve import SamplingParams  # noqa: E402
+
+# On a GPU the Triton kernels need CUDA tensors; without one they run in the interpreter on CPU.
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
 @pytest.mark.parametrize("kv", ["fp32", "fp8", "int8", "fp8_rot"])
@@ -19,7 +24,7 @@ def test_engine_on_triton_backend_matches_torch(model_factory, make_llm, kv):
     ref = make_llm(path, dtype="float32", kv_cache_dtype=kv, num_blocks=16,
                    max_model_len=64).generate(prompts, sp)
     tri = make_llm(path, dtype="float32", kv_cache_dtype=kv, num_blocks=16, max_model_len=64,
-                   attention_backend="triton")
+                   attention_backend="triton", device=DEVICE)
     assert type(tri.engine.runner.backend).__name__ == "TritonAttentionBackend"
     got = tri.generate(prompts, sp)
     for a, b in zip(ref, got, strict=True):
@@ -36,11 +41,12 @@ def test_cache_write_runs_the_fused_kernel_bit_exact(dtype):
     from kvserve.kernels import reference as ref
 
     dt = getattr(torch, dtype)
-    kv = PagedKVCache(2, 4, 4, 2, 8, 2, dt, checksums=True)
+    kv = PagedKVCache(2, 4, 4, 2, 8, 2, dt, device=DEVICE, checksums=True)
     state = kv.use_fused_writer()
     g = torch.Generator().manual_seed(0)
     k, v = torch.randn(5, 2, 8, generator=g), torch.randn(5, 2, 8, generator=g)
-    slots = torch.tensor([0, 3, 5, 9, 14])
+    k, v = k.to(DEVICE), v.to(DEVICE)
+    slots = torch.tensor([0, 3, 5, 9, 14], device=DEVICE)
     rows = slots // 4 * 8 + slots % 4  # component-0 rows: (block * C) * bs + offset
     kv.write(1, rows, k, v)
     data, scales = torch.zeros_like(kv.data), None if kv.scales is None else \

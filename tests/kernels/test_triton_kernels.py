@@ -243,7 +243,7 @@ def test_write_kv_static_scales_and_strided_input():
     b = _write_case(dtype, 2, 8, 4, 32, 2, DEVICE)
     qkv = torch.randn(16, 3, 4, 32, device=DEVICE, dtype=torch.bfloat16) * 3  # k, v are views
     k, v = qkv[:, 1], qkv[:, 2]
-    k_scale = torch.tensor([0.01, 0.02, 0.005, 0.03])
+    k_scale = torch.tensor([0.01, 0.02, 0.005, 0.03], device=DEVICE)
     slots = torch.arange(16, device=DEVICE)
     ref.write_kv(a[0], a[1], 0, slots, k, v, a[2], k_scale=k_scale, v_scale=0.02)
     tc.write_kv(b[0], b[1], 0, slots, k, v, b[2], k_scale=k_scale, v_scale=0.02)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from kvserve.outputs import Logprobs, RequestMetrics
 from kvserve.sampling_params import SamplingParams
@@ -20,6 +21,8 @@ class RequestStatus(enum.Enum):
     FINISHED_STOPPED = "stop"
     FINISHED_LENGTH = "length"
     FINISHED_ABORTED = "abort"
+    # Structured outputs: the grammar allowed no next token (or refused the sampled one).
+    FINISHED_GRAMMAR = "grammar_dead_end"
 
     @property
     def finished(self) -> bool:
@@ -27,7 +30,14 @@ class RequestStatus(enum.Enum):
             RequestStatus.FINISHED_STOPPED,
             RequestStatus.FINISHED_LENGTH,
             RequestStatus.FINISHED_ABORTED,
+            RequestStatus.FINISHED_GRAMMAR,
         )
+
+
+class Grammar(Protocol):
+    """A sequence's grammar state (kvserve.layers.grammar.GrammarMatcher)."""
+
+    def accept(self, token: int) -> bool: ...
 
 
 @dataclass(eq=False, slots=True)
@@ -52,6 +62,9 @@ class Request:
     prompt_logprobs: list[Logprobs | None] | None = None
     # n > 1: siblings wait until this one has prefilled the shared prompt, then hit its blocks.
     prefill_leader: Request | None = None
+    # Structured outputs: the grammar state, advanced by each accepted output token. Output
+    # tokens survive preemption and integrity rollback, so it never moves back.
+    grammar: Grammar | None = None
     metrics: RequestMetrics = field(init=False)
     # Detokenizer state lives in the engine's output processor, keyed by request_id.
 

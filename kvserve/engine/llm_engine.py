@@ -25,6 +25,7 @@ from kvserve.engine.output_processor import OutputProcessor
 from kvserve.engine.scheduler import SchedulerOutput
 from kvserve.engine.stats import EngineStats
 from kvserve.engine.worker import DEFAULT_MAX_KV_BYTES  # noqa: F401 - re-exported
+from kvserve.layers.grammar import GrammarCompiler
 from kvserve.layers.sampler import Sampler, SampleRow
 from kvserve.outputs import RequestOutput
 from kvserve.request import Request, RequestStatus
@@ -52,6 +53,9 @@ class LLMEngine:
         self.kv_cache = self.executor.driver.kv_cache  # rank 0's slice under TP
         self.sampler = Sampler(self.model_config.vocab_size)
         self.output_processor = OutputProcessor(self.tokenizer, self.model_config.eos_token_ids)
+        # Structured outputs: compiled grammars (thread-safe; the server compiles off its loop)
+        self.grammars = GrammarCompiler(self.tokenizer, self.model_config.vocab_size,
+                                        self.model_config.eos_token_ids)
         self.counters = {"prompt_tokens": 0, "generation_tokens": 0, "steps": 0,
                          "finished": 0, "aborted": 0}
         # Benchmarks: called with each non-empty schedule and the running count, before the
@@ -89,6 +93,8 @@ class LLMEngine:
                              f"{self.capacity_tokens}; raise kv_cache_memory")
         # Like vLLM/OpenAI: generation stops at the context limit with finish_reason=length.
         max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
+        so = params.structured_outputs
+        grammar = self.grammars.compile(so) if so is not None else None  # ValueError: refused
         arrival = time.monotonic() if arrival_time is None else arrival_time
         children = []
         for i in range(params.n):  # n > 1: sibling sequences "<id>#i", seeds seed + i
@@ -99,6 +105,8 @@ class LLMEngine:
             children.append(Request(cid, request_id, i, ids, child_params, max_tokens,
                                     prompt=text, priority=priority, cache_salt=cache_salt,
                                     arrival_time=arrival))
+            if grammar is not None:
+                children[-1].grammar = self.grammars.matcher(so)
         if self.cache_config.enable_prefix_caching:
             for child in children[1:]:
                 child.prefill_leader = children[0]
@@ -146,7 +154,8 @@ class LLMEngine:
         sampled = None
         if result.sample_reqs:
             rows = [SampleRow(r.sampling_params, r.prompt_token_ids, r.output_token_ids,
-                              self.model_config.eos_token_ids) for r in result.sample_reqs]
+                              self.model_config.eos_token_ids, r.grammar)
+                    for r in result.sample_reqs]
             sampled = self.sampler(result.logits, rows)
         for req, start, lps in result.prompt_logprobs:
             self.output_processor.record_prompt_logprobs(req, start, lps)

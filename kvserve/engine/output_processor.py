@@ -62,11 +62,16 @@ class OutputProcessor:
 
     def append_token(self, req: Request, token: int, lps, lp: float,
                      now: float) -> RequestStatus | None:
-        """Add one sampled token; the status the request finishes with, or None."""
-        req.output_token_ids.append(token)
+        """Add one sampled token; the status the request finishes with, or None. A token the
+        request's grammar refuses (a dead end: the mask allowed none) is not added: the request
+        finishes with FINISHED_GRAMMAR."""
         if req.metrics.first_token_time is None:
             req.metrics.first_token_time = now
         req.metrics.last_token_time = now
+        if req.grammar is not None and not req.grammar.accept(token):
+            req.metrics.finished_time = now
+            return RequestStatus.FINISHED_GRAMMAR
+        req.output_token_ids.append(token)
         if req.logprobs is not None:
             req.logprobs.append(lps)
             req.cumulative_logprob += lp

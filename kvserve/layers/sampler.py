@@ -3,6 +3,12 @@
 Seeded requests draw their randomness from a generator seeded by (seed, output position), so a
 request's tokens do not depend on what else is in the batch, nor on preemption and recompute.
 Sampling uses the exponential race (argmax p_i / E_i, E_i ~ Exp(1)), one draw per row.
+
+Rows with a grammar (``SampleRow.grammar``, structured outputs) get every token the grammar does
+not allow next set to -inf after the penalties, before any draw; rows without one pay nothing.
+A row whose grammar allows no token (a dead end) is left all -inf: its drawn token is then
+refused by ``GrammarMatcher.accept`` and the request ends (finish reason "grammar_dead_end").
+Logprobs are those of the model, before the mask (as vLLM reports them).
 """
 
 from __future__ import annotations
@@ -12,6 +18,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from kvserve.layers.grammar import GrammarMatcher
 from kvserve.sampling_params import SamplingParams
 
 _SEED_MIX = 0x9E3779B97F4A7C15
@@ -23,6 +30,7 @@ class SampleRow:
     prompt_token_ids: list[int]
     output_token_ids: list[int]
     eos_token_ids: tuple[int, ...]
+    grammar: GrammarMatcher | None = None  # structured outputs: the request's grammar state
 
 
 @dataclass(slots=True)
@@ -45,6 +53,9 @@ class Sampler:
         if any(r.params.logprobs is not None for r in rows):
             raw_logprobs = torch.log_softmax(logits, dim=-1)
         self._apply_penalties(logits, rows)
+        grammar_rows = [i for i, r in enumerate(rows) if r.grammar is not None]
+        if grammar_rows:
+            apply_grammar_masks(logits, [(i, rows[i].grammar) for i in grammar_rows])
         tokens = argmax_rows(logits)
         random_rows = [i for i, r in enumerate(rows) if not r.params.greedy]
         if random_rows:
@@ -104,6 +115,25 @@ class Sampler:
                 gen = torch.Generator().manual_seed((p.seed * _SEED_MIX + pos) % (2**63))
             noise = torch.empty_like(probs).exponential_(generator=gen)
             tokens[i] = (probs / noise).argmax()
+
+
+def apply_grammar_masks(logits: torch.Tensor,
+                        rows: list[tuple[int, GrammarMatcher | None]]) -> None:
+    """Set to -inf, in row i of logits [N, V], every token that row i's grammar does not allow
+    next. One int32 bitmask [k, ceil(V / 32)] for the k rows, unpacked to bits in one call."""
+    vocab = logits.shape[1]
+    words = np.zeros((len(rows), (vocab + 31) // 32), np.int32)
+    for j, (_, g) in enumerate(rows):
+        assert g is not None
+        g.fill_bitmask(words[j])  # a dead end leaves the row all zero
+    # [k, 32 * W] uint8 0/1: bit b of word w is token 32 w + b (little-endian bytes and bits)
+    bits = np.unpackbits(words.view(np.uint8), axis=1, bitorder="little")[:, :vocab]
+    banned = torch.from_numpy(bits == 0)
+    idx = torch.tensor([i for i, _ in rows], dtype=torch.long)
+    if logits.device.type != "cpu":
+        banned, idx = banned.to(logits.device), idx.to(logits.device)
+    sub = logits.index_select(0, idx).masked_fill_(banned, float("-inf"))
+    logits.index_copy_(0, idx, sub)
 
 
 def argmax_rows(logits: torch.Tensor) -> torch.Tensor:

@@ -92,7 +92,7 @@ def main(argv: list[str] | None = None) -> int:
             mod = __import__(module, fromlist=["register"])
         except ImportError:
             continue
-        mod.register(sub, add_engine_args, engine_args_from)
+        mod.register(sub)
 
     ns = parser.parse_args(args)
     logging.basicConfig(level=logging.DEBUG if ns.verbose else logging.INFO,

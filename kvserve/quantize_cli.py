@@ -23,15 +23,14 @@ import argparse
 import json
 import os
 import time
-from collections.abc import Callable
 
 _DENSE = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}  # torch dtype names
 _ST_ELEMENT_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2,
                      "I8": 1, "U8": 1, "BOOL": 1, "F8_E4M3": 1, "F8_E5M2": 1}
 
 
-def register(subparsers, add_engine_args: Callable, engine_args_from: Callable) -> None:
-    """Add ``quantize`` to the ``kvserve`` command line (engine args are not used)."""
+def register(subparsers) -> None:
+    """Add ``quantize`` to the ``kvserve`` command line."""
     p = subparsers.add_parser("quantize", help="quantize an HF checkpoint's weights to INT4",
                               description=__doc__)
     p.add_argument("--model", required=True, metavar="IN",

@@ -27,7 +27,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("kvserve.kernels", "kvserve.quant", "kvserve.distributed"),
     # plain data and build helpers
     ("kvserve.config", "kvserve.request", "kvserve.sampling_params", "kvserve.outputs",
-     "kvserve.cbuild", "kvserve.cli_help"),
+     "kvserve.cbuild", "kvserve.cli_help", "kvserve.config_cli"),
 ]
 
 ROOT = pathlib.Path(kvserve.__file__).parent

@@ -13,11 +13,13 @@ import platform
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
+
+from kvserve.config_cli import parse_list, parse_positive_ints  # noqa: F401 - re-exported
 
 if TYPE_CHECKING:
     from kvserve.engine.llm_engine import LLMEngine
@@ -27,27 +29,6 @@ T = TypeVar("T")
 # --------------------------------------------------------------------------------------------
 # parsing
 # --------------------------------------------------------------------------------------------
-
-
-def parse_list(value: str | Sequence[T], conv: Callable[[str], T], name: str) -> list[T]:
-    """``"1,2,4"`` -> ``[1, 2, 4]`` (order kept, duplicates dropped); errors name the option."""
-    if not isinstance(value, str):
-        return list(dict.fromkeys(value))
-    items = [v.strip() for v in value.split(",") if v.strip()]
-    if not items:
-        raise ValueError(f"{name} must be a comma-separated list, got {value!r}")
-    try:
-        out = [conv(v) for v in items]
-    except (TypeError, ValueError) as e:
-        raise ValueError(f"{name}: cannot parse {value!r} ({e})") from None
-    return list(dict.fromkeys(out))
-
-
-def parse_positive_ints(value: str | Sequence[int], name: str) -> list[int]:
-    out = parse_list(value, int, name)
-    if any(v < 1 for v in out):
-        raise ValueError(f"{name} must be positive integers, got {value!r}")
-    return out
 
 
 def parse_kv_pairs(spec: str, name: str) -> dict[str, int]:

@@ -39,7 +39,6 @@ import os
 import subprocess
 import tempfile
 import time
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -61,50 +60,10 @@ from kvserve.bench.common import (
     run_peer_script,
 )
 from kvserve.bench.peers import script_path
+from kvserve.bench.settings import PEERS, LatencyConfig  # noqa: F401
 from kvserve.config import dtype_name
-from kvserve.engine.arg_utils import EngineArgs
 from kvserve.engine.llm_engine import LLMEngine
 from kvserve.sampling_params import SamplingParams
-
-PEERS = ("hf", "llamacpp", "vllm")
-
-
-@dataclass
-class LatencyConfig:
-    base: EngineArgs = field(default_factory=EngineArgs)
-    batch_sizes: list[int] = field(default_factory=lambda: [1, 16, 64])
-    input_len: int = 128
-    output_len: int = 64
-    rounds: int = 5
-    warmup: bool = True
-    make_random_llama: str | None = None  # spec; used when base.model is None
-    peers: list[str] = field(default_factory=list)
-    peer_python: str | None = None
-    peer_model: str | None = None  # llama.cpp: a GGUF file of the same weights
-    compare_model: str | None = None  # a second kvserve engine, rotated with the first
-    peer_timeout: float = 3600.0
-    # llama.cpp without peer_model: convert the HF folder with this convert_hf_to_gguf.py
-    # (None: env KVSERVE_LLAMACPP_CONVERT), to this GGUF type
-    llamacpp_convert: str | None = None
-    llamacpp_outtype: str = "bf16"
-    # vLLM dtype (bfloat16, float32, ...); None: env KVSERVE_VLLM_DTYPE, else the dtype
-    # kvserve computes in (fp32 for a bf16 checkpoint on a CPU without native bf16 GEMM)
-    peer_dtype: str | None = None
-    vllm_kv_cache_gb: int = 1  # VLLM_CPU_KVCACHE_SPACE unless set in the environment
-    seed: int = 0
-    progress: bool = True
-
-    def __post_init__(self) -> None:
-        if self.output_len < 2:
-            raise ValueError("output_len must be >= 2 (decode steps follow the first token)")
-        if self.input_len < 1 or self.rounds < 1:
-            raise ValueError("input_len and rounds must be >= 1")
-        if not self.batch_sizes or min(self.batch_sizes) < 1:
-            raise ValueError("batch_sizes must be positive integers")
-        bad = [p for p in self.peers if p not in PEERS]
-        if bad:
-            raise ValueError(f"peer must be one of {', '.join(PEERS)}; got {bad[0]!r}")
-
 
 # --------------------------------------------------------------------------------------------
 # kvserve

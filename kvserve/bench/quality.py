@@ -32,52 +32,17 @@ import dataclasses
 import gc
 import math
 import os
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from tqdm.auto import tqdm
 
 from kvserve.bench.common import env_info, log, model_label, percentile, resolve_model_path
+from kvserve.bench.settings import QualityConfig  # noqa: F401
 from kvserve.config import dtype_name
 from kvserve.engine.arg_utils import EngineArgs
 from kvserve.engine.llm_engine import LLMEngine
 from kvserve.sampling_params import SamplingParams
-
-
-@dataclass
-class QualityConfig:
-    base: EngineArgs = field(default_factory=EngineArgs)
-    kv_cache_dtype: str | None = None  # candidate KV dtype; None: fp8 (bf16 with a new model)
-    baseline_kv_cache_dtype: str = "bf16"
-    candidate_model: str | None = None
-    quantization: str | None = None
-    # the candidate's GGUF activations (EngineArgs.gguf_activations); None: as the baseline's
-    candidate_gguf_activations: str | None = None
-    text: str | None = None
-    num_prompts: int = 16
-    prompt_len: int = 32
-    gen_len: int = 256
-    ppl_window: int = 256
-    ppl_max_tokens: int = 16384
-    seed: int = 0
-    progress: bool = True
-
-    def __post_init__(self) -> None:
-        if self.num_prompts < 1 or self.prompt_len < 1 or self.gen_len < 1:
-            raise ValueError("num_prompts, prompt_len and gen_len must be >= 1")
-        if self.ppl_window < 2 or self.ppl_max_tokens < 2:
-            raise ValueError("ppl_window and ppl_max_tokens must be >= 2")
-        if self.quantization and not self.candidate_model:
-            raise ValueError(f"quantization {self.quantization!r} needs the quantized "
-                             "checkpoint: --candidate-model PATH")
-
-    @property
-    def candidate_kv_dtype(self) -> str:
-        if self.kv_cache_dtype is not None:
-            return self.kv_cache_dtype
-        return "bf16" if (self.candidate_model or self.quantization) else "fp8"
-
 
 # --------------------------------------------------------------------------------------------
 # engine helpers

@@ -13,6 +13,7 @@ Reports throughput, TTFT / ITL / E2E mean and p50/p90/p99 in ms, and errors by k
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import random
 import sys
@@ -218,39 +219,22 @@ def format_report(r: dict[str, Any]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from kvserve.bench.settings import ServeBenchConfig
     from kvserve.cli_help import HelpParser
+    from kvserve.config_cli import add_cli_args, from_cli_args
 
     p = HelpParser(prog="kvserve bench serve", description=__doc__.split("\n\n")[0])
-    p.add_argument("--url", default="http://127.0.0.1:8000", help="the server's base URL")
-    p.add_argument("--concurrency", type=int, default=8, help="clients streaming at once")
-    p.add_argument("--requests", type=int, default=64, help="requests in all")
-    p.add_argument("--max-tokens", type=int, default=64,
-                   help="tokens per request (sent with ignore_eos, so exact)")
-    p.add_argument("--prompt", default=None, help="one prompt for all requests "
-                                                  "(default: synthetic ones)")
-    p.add_argument("--input-words", type=int, default=32,
-                   help="words per synthetic prompt")
-    p.add_argument("--chat", action="store_true", help="use /v1/chat/completions")
-    p.add_argument("--model", default=None, help="default: the first of /v1/models")
-    p.add_argument("--api-key", default=None, help="sent as 'Authorization: Bearer KEY'")
-    p.add_argument("--temperature", type=float, default=1.0, help="sampling temperature")
-    p.add_argument("--seed", type=int, default=0, help="seed of request i is seed + i")
-    p.add_argument("--timeout", type=float, default=600.0, help="seconds per request")
-    p.add_argument("--json", dest="json_out", default=None, help="write the report here")
-    ns = p.parse_args(argv)
+    add_cli_args(p, ServeBenchConfig)
+    cfg = from_cli_args(ServeBenchConfig, p.parse_args(argv))
     import httpx
 
     try:
-        report = run_serve_bench(
-            ns.url, ns.concurrency, ns.requests, max_tokens=ns.max_tokens, prompt=ns.prompt,
-            input_words=ns.input_words, chat=ns.chat, model=ns.model, api_key=ns.api_key,
-            temperature=ns.temperature, seed=ns.seed, timeout=ns.timeout,
-            json_out=ns.json_out)
+        report = run_serve_bench(**dataclasses.asdict(cfg))
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     except httpx.HTTPError as e:
-        print(f"error: cannot reach {ns.url}: {e}", file=sys.stderr)
+        print(f"error: cannot reach {cfg.url}: {e}", file=sys.stderr)
         return 1
     print(format_report(report))
     return 0 if report["failed"] == 0 else 1

@@ -49,51 +49,11 @@ from kvserve.bench.common import (
     summarize_by_batch,
 )
 from kvserve.bench.peers import script_path
+from kvserve.bench.settings import DEFAULT_CONCURRENCY, ThroughputConfig  # noqa: F401
 from kvserve.config import dtype_name, parse_size
 from kvserve.engine.arg_utils import EngineArgs
 from kvserve.engine.llm_engine import LLMEngine
 from kvserve.sampling_params import SamplingParams
-
-DEFAULT_CONCURRENCY = (1, 2, 4, 8, 16, 32, 64, 128)
-
-
-@dataclass
-class ThroughputConfig:
-    base: EngineArgs = field(default_factory=EngineArgs)
-    kv_cache_dtypes: list[str] = field(default_factory=lambda: ["bf16", "fp8"])
-    integrity_modes: list[str] = field(default_factory=lambda: ["on"])
-    concurrency: list[int] = field(default_factory=lambda: list(DEFAULT_CONCURRENCY))
-    input_len: int = 128
-    output_len: int = 128
-    kv_cache_memory: str | int = "auto32"  # "autoN" or a size ("256MiB")
-    num_prompts_per_level: int | None = None  # None: max(2 * C, 8)
-    repeats: int = 1
-    warmup_requests: int = 4
-    max_num_seqs: int | None = None  # None: max(concurrency)
-    detokenize: bool = True
-    min_equal_batch_samples: int = 5
-    seed: int = 0
-    peer: str | None = None  # "vllm"
-    peer_python: str | None = None
-    peer_timeout: float = 3600.0
-    progress: bool = True
-
-    def __post_init__(self) -> None:
-        if self.input_len < 1 or self.output_len < 1:
-            raise ValueError("input_len and output_len must be >= 1")
-        if not self.concurrency or min(self.concurrency) < 1:
-            raise ValueError("concurrency must be positive integers")
-        if self.repeats < 1:
-            raise ValueError("repeats must be >= 1")
-        for m in self.integrity_modes:
-            if m not in ("off", "on", "paranoid"):
-                raise ValueError(f"kv_integrity must be off, on or paranoid; got {m!r}")
-        if self.peer not in (None, "vllm"):
-            raise ValueError(f"peer must be vllm, got {self.peer!r}")
-
-    def requests_for(self, c: int) -> int:
-        return self.num_prompts_per_level or max(2 * c, 8)
-
 
 # --------------------------------------------------------------------------------------------
 # budget

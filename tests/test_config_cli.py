@@ -10,7 +10,8 @@ import dataclasses
 import pytest
 
 from kvserve.bench import cli as bench_cli
-from kvserve.bench.settings import LatencyConfig, ServeBenchConfig, ThroughputConfig
+from kvserve.bench.serve_bench import ServeBenchConfig
+from kvserve.bench.settings import LatencyConfig, ThroughputConfig
 from kvserve.cli_help import HelpParser
 from kvserve.config_cli import add_cli_args, arg, cli_values, from_cli_args, parse_list
 from kvserve.engine.arg_utils import EngineArgs

@@ -21,6 +21,8 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from kvserve.config_cli import arg
+
 if TYPE_CHECKING:  # imported where used: `kvserve bench serve --help` stays fast
     import httpx
 
@@ -29,6 +31,25 @@ _WORDS = (
     "class", "method", "value", "string", "file", "data", "is", "called", "with", "each",
     "argument", "and", "raises", "an", "error", "when", "key", "missing", "in", "dictionary",
 )
+
+
+@dataclass(frozen=True, slots=True)
+class ServeBenchConfig:
+    """``kvserve bench serve``: the HTTP load generator's knobs."""
+
+    url: str = arg("http://127.0.0.1:8000", "the server's base URL")
+    concurrency: int = arg(8, "clients streaming at once", type=int)
+    requests: int = arg(64, "requests in all", type=int)
+    max_tokens: int = arg(64, "tokens per request (sent with ignore_eos, so exact)", type=int)
+    prompt: str | None = arg(None, "one prompt for all requests (default: synthetic ones)")
+    input_words: int = arg(32, "words per synthetic prompt", type=int)
+    chat: bool = arg(False, "use /v1/chat/completions", action="store_true")
+    model: str | None = arg(None, "default: the first of /v1/models")
+    api_key: str | None = arg(None, "sent as 'Authorization: Bearer KEY'")
+    temperature: float = arg(1.0, "sampling temperature", type=float)
+    seed: int = arg(0, "seed of request i is seed + i", type=int)
+    timeout: float = arg(600.0, "seconds per request", type=float)
+    json_out: str | None = arg(None, "write the report here", flags=("--json",))
 
 
 @dataclass(slots=True)
@@ -219,7 +240,6 @@ def format_report(r: dict[str, Any]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from kvserve.bench.settings import ServeBenchConfig
     from kvserve.cli_help import HelpParser
     from kvserve.config_cli import add_cli_args, from_cli_args
 

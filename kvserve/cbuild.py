@@ -69,24 +69,88 @@ def build_library(name: str) -> ctypes.CDLL | None:
 
 # Builds the kernel tests make besides the native one, to cover every ISA path on any machine
 # that has a compiler: "avx2" is what an AVX2 + FMA + F16C CPU without AVX-512 builds natively,
-# "portable" has no AVX at all (the plain C paths).
+# "portable" has no AVX at all (the plain C paths), "avx512" an AVX-512 CPU without BF16 (Skylake
+# / Cascade Lake, Ice Lake), "bf16" one with AVX512-BF16 (Cooper Lake, Zen 4 / 5, Sapphire
+# Rapids and later): the 16-bit GEMM's vdpbf16ps path. Every variant compiles on any x86-64
+# host with a recent gcc / clang; running one needs the CPU flags in ISA_CPU_FLAGS.
 ISA_FLAGS = {"avx2": ("-march=haswell",),
-             "portable": ("-mno-avx2", "-mno-fma", "-mno-f16c", "-mno-avx512f")}
+             "portable": ("-mno-avx2", "-mno-fma", "-mno-f16c", "-mno-avx512f"),
+             "avx512": ("-march=skylake-avx512",),
+             "bf16": ("-march=skylake-avx512", "-mavx512f", "-mavx512bf16")}
+# /proc/cpuinfo flags a CPU needs to run each variant
+ISA_CPU_FLAGS: dict[str, frozenset[str]] = {
+    "avx2": frozenset({"avx2", "fma", "f16c", "bmi2"}),
+    "portable": frozenset(),
+    "avx512": frozenset({"avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512dq",
+                         "avx512vl", "avx512cd"}),
+    "bf16": frozenset({"avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512dq", "avx512vl",
+                       "avx512cd", "avx512_bf16"}),
+}
 
 
-def build_variant(name: str, isa: str, out_dir: str) -> ctypes.CDLL | None:
-    """Compile ``kvserve/csrc/<name>.c`` for ``isa`` (a key of ISA_FLAGS) into ``out_dir`` and
-    load it; None without a C compiler or off x86-64 (the flags are x86 flags)."""
+# The CPU kinds kvserve tells apart (docs/cpu.md), highest first, by the flags they need:
+#   amx          AMX-BF16 + AVX512-BF16      Sapphire Rapids and later
+#   avx512_bf16  AVX-512 + AVX512-BF16       Zen 4 / 5, Cooper Lake
+#   avx512       AVX-512 without BF16        Skylake-SP, Cascade Lake, Ice Lake
+#   avx2         AVX2 + FMA + F16C           Haswell .. Zen 3
+#   portable     anything else               plain C loops
+# On every kind dtype=auto computes fp32 activations with compressed weights and the native
+# build's C kernels (kvserve.config.resolve_model_dtypes); the kinds differ in the vector width
+# the kernels are built for and, with AVX512-BF16, the 16-bit GEMM's bf16 dot products for
+# GEMMs of many rows (kvserve.kernels.cpu.w16_gemm.bf16_dot_rows).
+CPU_KINDS: tuple[tuple[str, frozenset[str]], ...] = (
+    ("amx", frozenset({"amx_bf16", "avx512_bf16", "avx512f"})),
+    ("avx512_bf16", frozenset({"avx512_bf16", "avx512f"})),
+    ("avx512", frozenset({"avx512f"})),
+    ("avx2", frozenset({"avx2", "fma", "f16c"})),
+)
+
+
+def cpu_kind(flags: frozenset[str] | None = None) -> str:
+    """amx, avx512_bf16, avx512, avx2 or portable: this CPU's kind (or that of one with
+    ``flags``)."""
+    from kvserve.config import cpu_flags
+
+    flags = cpu_flags() if flags is None else flags
+    return next((name for name, need in CPU_KINDS if need <= flags), "portable")
+
+
+def can_run_variant(isa: str, flags: frozenset[str] | None = None) -> bool:
+    """This CPU (or one with ``flags``) runs the ``isa`` variant (x86-64 only)."""
+    import platform
+
+    from kvserve.config import cpu_flags
+
+    if platform.machine() not in ("x86_64", "AMD64"):
+        return False
+    return ISA_CPU_FLAGS[isa] <= (cpu_flags() if flags is None else flags)
+
+
+def compile_variant(name: str, isa: str, out_dir: str, asm: bool = False) -> str | None:
+    """Compile ``kvserve/csrc/<name>.c`` for ``isa`` (a key of ISA_FLAGS) into ``out_dir``
+    without loading it: the shared library's path, or with ``asm`` the assembly's (``-S``).
+    None without a C compiler or off x86-64 (the flags are x86 flags); raises
+    CalledProcessError when it does not compile."""
     import platform
 
     cc = _compiler()
     if cc is None or platform.machine() not in ("x86_64", "AMD64"):
         return None
-    out = os.path.join(out_dir, f"{name}_{isa}.so")
+    out = os.path.join(out_dir, f"{name}_{isa}." + ("s" if asm else "so"))
     flags = [f for f in FLAGS if f != "-march=native"]
+    if asm:
+        flags = [f for f in flags if f not in ("-shared", "-lm")] + ["-S"]
     subprocess.run([cc, os.path.join(CSRC, f"{name}.c"), "-o", out, *flags, *ISA_FLAGS[isa]],
                    check=True, capture_output=True)
-    return ctypes.CDLL(out)
+    return out
+
+
+def build_variant(name: str, isa: str, out_dir: str) -> ctypes.CDLL | None:
+    """Compile ``kvserve/csrc/<name>.c`` for ``isa`` (a key of ISA_FLAGS) into ``out_dir`` and
+    load it; None without a C compiler or off x86-64. Load only a variant this CPU runs
+    (``can_run_variant``): a library's code may use its ISA anywhere."""
+    lib = compile_variant(name, isa, out_dir)
+    return None if lib is None else ctypes.CDLL(lib)
 
 
 def build_source(source: str, out_dir: str) -> ctypes.CDLL:

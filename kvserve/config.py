@@ -97,19 +97,11 @@ def parse_size(value: str | int, name: str = "kv_cache_memory") -> int:
     return size
 
 
-def cpu_has_fast_half() -> bool:
-    """True when this CPU multiplies bf16 natively (AVX512-BF16 / AMX-BF16); on AVX2, and on
-    AVX-512 without the BF16 extension, a bf16 GEMM runs ~5x slower than fp32 (64x4096x4096:
-    21 vs 102 GFLOP/s measured on AVX2). torch's capability string says AVX512 for both kinds
-    of AVX-512 CPU, so the CPU's own flags decide."""
-    if torch.backends.cpu.get_cpu_capability() in ("DEFAULT", "AVX2", "NO AVX"):
-        return False
-    return bool({"avx512_bf16", "amx_bf16"} & cpu_flags())
-
-
 @functools.cache
 def cpu_flags() -> frozenset[str]:
-    """The CPU's feature flags (Linux /proc/cpuinfo; empty elsewhere)."""
+    """The CPU's feature flags (Linux /proc/cpuinfo; empty elsewhere). The one probe of the CPU
+    kind: the start-up log's path (kvserve.kernels.cpu.isa) and the kernels' run-time dispatch
+    (the 16-bit GEMM's bf16 dot products) read it; ``dtype=auto`` does not depend on it."""
     try:
         with open("/proc/cpuinfo") as f:
             for line in f:
@@ -120,28 +112,61 @@ def cpu_flags() -> frozenset[str]:
     return frozenset()
 
 
-def resolve_model_dtype(dtype: str | torch.dtype, checkpoint_dtype: torch.dtype,
-                        device: str = "cpu", num_params: int | None = None) -> torch.dtype:
-    """``auto`` = the checkpoint's dtype, except on a CPU without native half-precision
-    matmul, where 16-bit weights are computed in fp32 (same values, exactly upcast) as long
-    as the fp32 copy stays small (<= 8 GiB)."""
+# Without the 16-bit C kernel a bf16 / fp16 checkpoint computed in fp32 needs an fp32 copy of
+# its weights; above this size it computes in its own dtype instead.
+FP32_COPY_LIMIT = 8 * 2**30
+
+
+@dataclass(frozen=True, slots=True)
+class ModelDtypes:
+    """What ``dtype`` resolves to: the dtype activations are computed in (the model's default
+    dtype) and the dtype dense weight tables are held in."""
+
+    compute: torch.dtype
+    storage: torch.dtype
+
+
+def resolve_model_dtypes(dtype: str | torch.dtype, checkpoint_dtype: torch.dtype,
+                         device: str = "cpu", num_params: int | None = None,
+                         w16_kernel: bool = False) -> ModelDtypes:
+    """The one resolution of ``dtype``.
+
+    ``auto`` on CPU, for a bf16 / fp16 checkpoint: fp32 activations on every CPU kind (AVX2,
+    AVX-512, AVX512-BF16, AMX alike; the CPU's flags are not consulted), with the dense weights
+    kept 16-bit when the C kernel that multiplies fp32 activations by 16-bit weights is built
+    (``w16_kernel``: kvserve.kernels.cpu.w16_gemm). That is the fast path everywhere -- the C
+    GEMMs, fused small ops and attention run and the decode graph records -- and the exact one:
+    16-bit -> fp32 is exact, so only fp32 summation order differs from an fp32 model. torch's
+    bf16 compute (what ``auto`` picked on AVX512-BF16 CPUs before) rounds every op's output to
+    bf16 and runs eagerly: 0.46x llama.cpp at batch 1 on SmolLM2's Q4_1 GGUF where fp32 ran at
+    1.09x, and INT8-vs-BF16 KV KL 2.1e-3 instead of 5.2e-4 (issue 31). Without the kernel the
+    weights get fp32 copies while those stay <= 8 GiB; a bigger model computes in its own dtype.
+    ``auto`` elsewhere (CUDA, an fp32 checkpoint) is the checkpoint's dtype. An explicit dtype
+    is both the compute and the storage dtype."""
     if isinstance(dtype, torch.dtype):
-        return dtype
+        return ModelDtypes(dtype, dtype)
     if dtype == "auto":
-        if (
-            device == "cpu"
-            and checkpoint_dtype in (torch.bfloat16, torch.float16)
-            and not cpu_has_fast_half()
-            and (num_params is None or num_params * 4 <= 8 * 2**30)
-        ):
-            return torch.float32
-        return checkpoint_dtype
+        on_cpu = torch.device(device).type == "cpu"
+        if on_cpu and checkpoint_dtype in (torch.bfloat16, torch.float16):
+            if w16_kernel:
+                return ModelDtypes(torch.float32, checkpoint_dtype)
+            if num_params is None or num_params * 4 <= FP32_COPY_LIMIT:
+                return ModelDtypes(torch.float32, torch.float32)
+        return ModelDtypes(checkpoint_dtype, checkpoint_dtype)
     try:
-        return _MODEL_DTYPES[dtype.lower()]
+        d = _MODEL_DTYPES[dtype.lower()]
     except KeyError:
         raise ValueError(
             f"dtype must be one of auto, {', '.join(sorted(_MODEL_DTYPES))}; got {dtype!r}"
         ) from None
+    return ModelDtypes(d, d)
+
+
+def resolve_model_dtype(dtype: str | torch.dtype, checkpoint_dtype: torch.dtype,
+                        device: str = "cpu", num_params: int | None = None,
+                        w16_kernel: bool = False) -> torch.dtype:
+    """The compute dtype of ``resolve_model_dtypes``."""
+    return resolve_model_dtypes(dtype, checkpoint_dtype, device, num_params, w16_kernel).compute
 
 
 @dataclass(frozen=True, slots=True)

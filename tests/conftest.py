@@ -62,6 +62,65 @@ def save_tiny_tokenizer(path: str, vocab_size: int) -> None:
     fast.save_pretrained(path)
 
 
+# The builds of each C kernel its tests check against the twin: the native one (-march=native)
+# and every variant of kvserve.cbuild.ISA_FLAGS.
+ISA_VARIANTS = ("native", "avx2", "portable", "avx512", "bf16")
+
+
+def variant_library(name: str, isa: str, out_dir: str):
+    """``kvserve/csrc/<name>.c`` built for ``isa`` (a non-native ISA_VARIANTS entry) and loaded
+    (undeclared). Skips, naming the reason, where this CPU cannot run the variant (the flags it
+    lacks), off x86-64 / without a compiler, or when the compiler cannot target the ISA (its
+    message in the reason)."""
+    import subprocess
+
+    from kvserve.cbuild import ISA_CPU_FLAGS, build_variant, can_run_variant
+    from kvserve.config import cpu_flags
+
+    if not can_run_variant(isa):
+        lacks = sorted(ISA_CPU_FLAGS[isa] - cpu_flags()) or ["x86-64"]
+        pytest.skip(f"this CPU cannot run the {isa} build (lacks {', '.join(lacks)})")
+    try:
+        dll = build_variant(name, isa, out_dir)
+    except subprocess.CalledProcessError as e:
+        pytest.skip(f"the compiler cannot build the {isa} variant: {e.stderr.decode()[-300:]}")
+    if dll is None:
+        pytest.skip("no C compiler, or not x86-64")
+    return dll
+
+
+# /proc/cpuinfo flags of the CPU kinds kvserve tells apart (kvserve.kernels.cpu.isa), for tests
+# that simulate one: a Zen 3 (AVX2 only), a Cascade Lake (AVX-512 without BF16), a Zen 4
+# (AVX512-BF16 + VNNI) and a Sapphire Rapids (AMX).
+_AVX2 = frozenset({"sse4_2", "avx", "avx2", "fma", "f16c", "bmi2"})
+_AVX512 = _AVX2 | {"avx512f", "avx512bw", "avx512dq", "avx512vl", "avx512cd", "avx512_vnni"}
+SIMULATED_CPUS: dict[str, tuple[frozenset[str], str]] = {  # kind -> (flags, torch capability)
+    "avx2": (_AVX2, "AVX2"),
+    "avx512": (_AVX512, "AVX512"),
+    "avx512_bf16": (_AVX512 | {"avx512_bf16"}, "AVX512"),
+    "amx": (_AVX512 | {"avx512_bf16", "amx_bf16", "amx_int8", "amx_tile"}, "AVX512"),
+}
+
+
+@pytest.fixture
+def simulate_cpu(monkeypatch):
+    """``simulate_cpu(kind)``: kvserve's CPU probe (kvserve.config.cpu_flags) and torch's
+    capability string report that kind of CPU (a key of SIMULATED_CPUS) for the test. The C
+    kernels still run this CPU's native build: code that would need the simulated ISA checks
+    the CPU itself (cpuid) before running it."""
+    from kvserve import config
+    from kvserve.kernels.cpu import w16_gemm
+
+    def simulate(kind: str) -> None:
+        flags, capability = SIMULATED_CPUS[kind]
+        monkeypatch.setattr(config, "cpu_flags", lambda: flags)
+        monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: capability)
+        w16_gemm.bf16_dot_rows.cache_clear()
+
+    yield simulate
+    w16_gemm.bf16_dot_rows.cache_clear()
+
+
 @pytest.fixture(scope="session")
 def tiny_llama(tmp_path_factory) -> str:
     return make_tiny_model(str(tmp_path_factory.mktemp("llama")), "llama")

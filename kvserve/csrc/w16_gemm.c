@@ -1,10 +1,10 @@
 /*
  * 16-bit weights read as 16-bit: y[M, N] = x[M, K] . W[N, K]^T with x and y fp32 and W bf16
  * (kind 0) or fp16 (kind 1), row-major as the checkpoint stores it (so a tied LM head shares its
- * table with the embedding). On a CPU without native bf16 matmul the engine computes in fp32;
- * without this kernel it would hold an fp32 copy of every weight and read twice the bytes per
+ * table with the embedding). On every CPU kind dtype=auto computes in fp32; without this
+ * kernel the engine would hold an fp32 copy of every weight and read twice the bytes per
  * decode step. Twin: kvserve.quant.w16.w16_linear_ref (x @ W.float().T); tests/quant/test_w16.py
- * sweeps shapes, both kinds and the AVX-512 / AVX2 / portable builds against it.
+ * sweeps shapes, both kinds and every ISA variant build (cbuild.ISA_FLAGS) against it.
  *
  * Every y[m, n] is one dot product over k in a fixed order: lane-wise FMA chains over VL-wide
  * column chunks, a fixed horizontal sum, then the K % VL tail in scalar order. Rows of x are
@@ -17,6 +17,18 @@
  * converted to fp32 in registers as it is read. M > MR: it is converted once per chunk into a
  * per-thread fp32 scratch (NR * K floats, L1/L2-resident) and every MR-row block of x runs
  * against that; the converted values are exact, so both paths compute the same sums.
+ *
+ * BF16 dot products (builds with AVX512-BF16, i.e. -march=native on Zen 4+ / Cooper Lake /
+ * Sapphire Rapids+, or cbuild's "bf16" variant): bf16 weights (kind 0) times a GEMM of
+ * M >= bf16_rows rows (the caller's threshold; 0 = never) take vdpbf16ps instead -- x is
+ * rounded to bf16 (round to nearest even, subnormals to zero) once per call, and every 32
+ * columns add pairs of exact bf16 x bf16 products into fp32 lanes. Chosen at run time: the
+ * caller passes bf16_rows from the CPU's flags and the kernel also checks the CPU itself
+ * (__builtin_cpu_supports), so a library built elsewhere never runs it where it cannot. Twin:
+ * kvserve.kernels.reference.w16_linear_bf16_dot (x rounded to bf16, then the fp32 product).
+ * Batch invariance then holds within each regime: a row's result does not depend on the other
+ * rows, but it does depend on whether its GEMM has >= bf16_rows rows (bf16-rounded x) or
+ * fewer (fp32 x).
  */
 /* the build's -fassociative-math would let the compiler reorder a row's sum differently in
  * each specialization of tile(), and contract a*b+c into an FMA in some; keep the order and
@@ -159,6 +171,120 @@ static void tile_dispatch(const float *const *x, int mr, const uint16_t *const *
 }
 #endif
 
+#if defined(__AVX512BF16__) && defined(VL) && VL == 16
+#define KVS_BF16_DOT 1
+/* fp32 -> bf16, round to nearest even, subnormals to zero, NaN kept NaN: what vcvtne2ps2bf16
+ * does, for the K % 32 tail */
+static inline uint16_t bf16_rne(float f) {
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    if ((u & 0x7f800000u) == 0) return (uint16_t)((u >> 16) & 0x8000);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40);
+    return (uint16_t)((u + 0x7fffu + ((u >> 16) & 1)) >> 16);
+}
+
+/* one row of x -> bf16, zero-padded to Kp (a multiple of 32) */
+static void bf16_row(const float *x, int64_t K, int64_t Kp, uint16_t *out) {
+    int64_t k = 0;
+    for (; k + 32 <= K; k += 32) {
+        const __m512bh b = _mm512_cvtne2ps_pbh(_mm512_loadu_ps(x + k + 16),
+                                               _mm512_loadu_ps(x + k));
+        _mm512_storeu_si512(out + k, (__m512i)b);
+    }
+    for (; k < K; k++) out[k] = bf16_rne(x[k]);
+    for (; k < Kp; k++) out[k] = 0;
+}
+
+/* One register tile of bf16 dot products: x rows (bf16, zero-padded to a multiple of 32)
+ * against NR bf16 weight rows. */
+static inline __attribute__((always_inline)) void btile(
+    const uint16_t *const *x, int mr, const uint16_t *const *w, int64_t K, int64_t pf,
+    float out[MR][NR]) {
+    vec acc[MR][NR];
+    for (int i = 0; i < mr; i++)
+        for (int j = 0; j < NR; j++) acc[i][j] = vzero();
+    const int64_t kv = K - K % 32;
+    for (int64_t k = 0; k < K; k += 32) {
+        /* the last K % 32 columns: weights loaded masked (x is zero-padded already) */
+        const __mmask32 mk = k < kv ? ~(__mmask32)0 : (__mmask32)((1u << (K - k)) - 1);
+        __m512i wv[NR];
+        for (int j = 0; j < NR; j++) {
+            _mm_prefetch((const char *)(w[j] + k + pf), _MM_HINT_T0);
+            wv[j] = k < kv ? _mm512_loadu_si512(w[j] + k) : _mm512_maskz_loadu_epi16(mk, w[j] + k);
+        }
+        for (int i = 0; i < mr; i++) {
+            const __m512bh xv = (__m512bh)_mm512_loadu_si512(x[i] + k);
+            for (int j = 0; j < NR; j++)
+                acc[i][j] = _mm512_dpbf16_ps(acc[i][j], xv, (__m512bh)wv[j]);
+        }
+    }
+    for (int i = 0; i < mr; i++)
+        _mm_storeu_ps(out[i], vsum4(acc[i][0], acc[i][1], acc[i][2], acc[i][3]));
+}
+
+static void btile_dispatch(const uint16_t *const *x, int mr, const uint16_t *const *w,
+                           int64_t K, int64_t pf, float out[MR][NR]) {
+    switch (mr) {
+    case 4: btile(x, 4, w, K, pf, out); break;
+    case 3: btile(x, 3, w, K, pf, out); break;
+    case 2: btile(x, 2, w, K, pf, out); break;
+    default: btile(x, 1, w, K, pf, out); break;
+    }
+}
+
+/* the bf16-dot GEMM (same tiling and chunking as kvs_w16_gemm); 1 when x's bf16 copy could
+ * not be allocated */
+static int w16_gemm_bf16_dot(const float *x, int64_t M, int64_t K, int64_t ldx,
+                             const uint16_t *w, int64_t N, int64_t ldw, int num_threads,
+                             float *y, int64_t ldy) {
+    const int64_t Kp = (K + 31) / 32 * 32;
+    uint16_t *xb = malloc(sizeof(uint16_t) * (size_t)(M * Kp));
+    if (xb == NULL) return 1;
+    const int64_t ntiles = (N + NR - 1) / NR;
+    const int64_t pf = PF_TILES * NR * ldw;
+    int64_t mb = (int64_t)(262144 / (2 * (Kp > 0 ? Kp : 1))) / MR * MR;
+    if (mb < MR) mb = MR;
+#pragma omp parallel num_threads(num_threads) if (N * K * 4 > 65536)
+    {
+#pragma omp for schedule(static)
+        for (int64_t m = 0; m < M; m++) bf16_row(x + m * ldx, K, Kp, xb + m * Kp);
+        for (int64_t c0 = 0; c0 < M; c0 += mb) {
+            const int64_t c1 = c0 + mb < M ? c0 + mb : M;
+#pragma omp for schedule(static) nowait
+            for (int64_t t = 0; t < ntiles; t++) {
+                const uint16_t *wr[NR];
+                for (int j = 0; j < NR; j++) {
+                    int64_t n = t * NR + j;
+                    if (n >= N) n = N - 1; /* alias the last row; its result is dropped */
+                    wr[j] = w + n * ldw;
+                }
+                const int nr = N - t * NR < NR ? (int)(N - t * NR) : NR;
+                for (int64_t m0 = c0; m0 < c1; m0 += MR) {
+                    const int mr = c1 - m0 < MR ? (int)(c1 - m0) : MR;
+                    const uint16_t *xr[MR];
+                    for (int i = 0; i < MR; i++) xr[i] = xb + (m0 + (i < mr ? i : 0)) * Kp;
+                    float out[MR][NR];
+                    btile_dispatch(xr, mr, wr, K, pf, out);
+                    for (int i = 0; i < mr; i++)
+                        memcpy(y + (m0 + i) * ldy + t * NR, out[i], sizeof(float) * nr);
+                }
+            }
+        }
+    }
+    free(xb);
+    return 0;
+}
+#endif
+
+/* 1 when this build has the bf16-dot path and the CPU running it has AVX512-BF16 */
+int kvs_w16_bf16_dot(void) {
+#ifdef KVS_BF16_DOT
+    return __builtin_cpu_supports("avx512bf16") ? 1 : 0;
+#else
+    return 0;
+#endif
+}
+
 /* 16-bit row -> fp32 (exact) */
 static void widen_row(const uint16_t *w, int64_t K, int kind, int64_t pf, float *out) {
     int64_t k = 0;
@@ -173,9 +299,18 @@ static void widen_row(const uint16_t *w, int64_t K, int kind, int64_t pf, float 
 }
 
 /* x fp32 [M, K] (row stride ldx), w 16-bit [N, K] (row stride ldw), y fp32 [M, N] (row stride
- * ldy). Returns 0, or 1 when the fp32 scratch could not be allocated (y is then incomplete). */
+ * ldy); bf16 weights and M >= bf16_rows > 0 take the bf16 dot products where the build and the
+ * CPU have them. Returns 0, or 1 when scratch memory could not be allocated (y is then
+ * incomplete). */
 int kvs_w16_gemm(const float *x, int64_t M, int64_t K, int64_t ldx, const uint16_t *w,
-                 int64_t N, int64_t ldw, int kind, int num_threads, float *y, int64_t ldy) {
+                 int64_t N, int64_t ldw, int kind, int num_threads, float *y, int64_t ldy,
+                 int64_t bf16_rows) {
+#ifdef KVS_BF16_DOT
+    if (kind == 0 && bf16_rows > 0 && M >= bf16_rows && kvs_w16_bf16_dot())
+        return w16_gemm_bf16_dot(x, M, K, ldx, w, N, ldw, num_threads, y, ldy);
+#else
+    (void)bf16_rows;
+#endif
     const int64_t ntiles = (N + NR - 1) / NR;
     const int convert = M > MR;
     /* software prefetch PF_TILES weight tiles ahead: rows of a few KB are too short for the
@@ -229,5 +364,5 @@ int kvs_w16_gemm(const float *x, int64_t M, int64_t K, int64_t ldx, const uint16
 
 int kvs_w16_gemm_op(const int64_t *a) {
     return kvs_w16_gemm(OP_P(0), a[1], a[2], a[3], OP_P(4), a[5], a[6], (int)a[7], (int)a[8],
-                        OP_P(9), a[10]);
+                        OP_P(9), a[10], a[11]);
 }

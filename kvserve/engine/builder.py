@@ -13,14 +13,17 @@ from typing import Any
 
 import torch
 
+from kvserve import config as cfg
 from kvserve.cache.block_pool import BlockPool
 from kvserve.cache.integrity import IntegrityChecker
 from kvserve.cache.kv_cache_manager import KVCacheManager
+from kvserve.cbuild import cpu_kind
 from kvserve.config import EngineConfig, ModelConfig, dtype_name
 from kvserve.engine.arg_utils import EngineArgs
 from kvserve.engine.executor import Executor, MultiprocExecutor, make_executor
 from kvserve.engine.model_runner import ModelRunner
 from kvserve.engine.scheduler import Scheduler
+from kvserve.kernels.cpu import w16_gemm
 from kvserve.model.loader import describe_weight_bytes, load_tokenizer
 
 logger = logging.getLogger("kvserve")
@@ -40,6 +43,33 @@ class EngineParts:
     kv: KVCacheManager
     scheduler: Scheduler
     runner: ModelRunner
+
+
+_EXTRA_FLAGS = ("avx512_vnni", "avx_vnni", "amx_int8")  # named in the CPU path's log line
+
+
+def describe_cpu_path(compute: torch.dtype, storage: torch.dtype) -> str:
+    """The start-up log's 'CPU path: <kind> (+flags); activations <dtype>, dense weights
+    <dtype>; <what computes them>' (kinds: kvserve.cbuild.CPU_KINDS)."""
+    flags = cfg.cpu_flags()
+    extras = [f for f in _EXTRA_FLAGS if f in flags]
+    head = f"CPU path: {cpu_kind(flags)}" + (f" (+{', '.join(extras)})" if extras else "")
+    dtypes = f"activations {dtype_name(compute)}, dense weights {dtype_name(storage)}"
+    lib = w16_gemm.w16_library()
+    if lib is None:
+        return f"{head}; {dtypes}; C kernels off (no C compiler, or KVSERVE_CPU_KERNEL=0)"
+    if compute != torch.float32:
+        return (f"{head}; {dtypes}; torch computes the dense layers in {dtype_name(compute)} "
+                "(asked for: no C GEMM, no decode graph)")
+    if storage in w16_gemm.KINDS:
+        rows = w16_gemm.bf16_dot_rows(lib) if storage == torch.bfloat16 else 0
+        dot = (f"bf16 dot products (vdpbf16ps) for GEMMs of >= {rows} rows, fp32 below"
+               if rows else "fp32 dot products")
+        dense = f"16-bit GEMM with {dot}"
+    else:
+        dense = "torch's fp32 GEMM for the fp32 weights"
+    return (f"{head}; {dtypes}; C kernels (-march=native): {dense}, integer-dot GGUF GEMM, "
+            "fused small ops, paged attention")
 
 
 def build_engine(args: EngineArgs) -> EngineParts:
@@ -77,6 +107,8 @@ def build_engine(args: EngineArgs) -> EngineParts:
     logger.info("model %s (%s, %s): %s%s", worker.path, loaded.architecture,
                 dtype_name(loaded.dtype), describe_weight_bytes(worker.model),
                 f" on rank 0 of {tp} (tensor parallel)" if tp > 1 else "")
+    if torch.device(args.device).type == "cpu":
+        logger.info("%s", describe_cpu_path(loaded.dtype, loaded.storage or loaded.dtype))
     logger.info("%s; max_model_len %d; %d B/token of KV; %s", kv_cache.describe(),
                 layout.max_model_len, kv_cache.bytes_per_token, layout.budget_note)
     logger.info("ready in %.1f s", time.perf_counter() - t0)

@@ -66,6 +66,8 @@ __all__ = [
     "unpack_zero_points",
     "dequantize_int4",
     "int4_matmul",
+    "bf16_round",
+    "w16_linear_bf16_dot",
 ]
 
 def fp8_max(dtype: torch.dtype) -> float:
@@ -473,3 +475,20 @@ def quantize_int4(
     u = u.view(n, -1)[:, :k]
     # the format's packer (pack-quantized: signed values + 8 in nibbles, low nibble first)
     return int4.pack_int4((u - int4.OFFSET).to(torch.int8)), scale, zeros
+
+
+def bf16_round(x: torch.Tensor) -> torch.Tensor:
+    """fp32 -> the nearest bf16 value (ties to even), subnormals flushed to zero, back in fp32:
+    what vcvtne2ps2bf16 (AVX512-BF16) makes of each activation."""
+    x = x.float()
+    tiny = x.abs() < torch.finfo(torch.float32).tiny
+    return torch.where(tiny, torch.zeros_like(x), x).to(torch.bfloat16).float().copysign(x)
+
+
+def w16_linear_bf16_dot(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """Twin of kvserve/csrc/w16_gemm.c's bf16 dot-product path (AVX512-BF16 vdpbf16ps, taken
+    for GEMMs of >= ``bf16_dot_rows`` rows): x [..., K] fp32 rounded to bf16 (``bf16_round``),
+    times the bf16 weight [N, K], every product exact and summed in fp32 -> fp32 [..., N]. The
+    kernel differs only in the order of the fp32 additions (and flushes subnormal sums)."""
+    assert weight.dtype == torch.bfloat16
+    return bf16_round(x) @ weight.float().t()

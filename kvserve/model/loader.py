@@ -18,6 +18,7 @@ import torch
 from safetensors import safe_open
 from tqdm.auto import tqdm
 
+from kvserve.config import ModelDtypes, resolve_model_dtypes
 from kvserve.distributed.parallel_state import get_tp_size
 from kvserve.layers.int4_linear import Int4Linear
 from kvserve.layers.linear import Int4MergedLinear, Linear, MergedLinear
@@ -44,6 +45,7 @@ class LoadedModel:
     kv_scales: torch.Tensor | None
     folder: str = ""  # config.json + tokenizer files (a GGUF's converted metadata)
     weight_files: tuple[str, ...] = ()  # the files the weights came from
+    storage: torch.dtype | None = None  # dense weight tables (None: ``dtype``)
 
 
 def load_hf_config(path: str):
@@ -114,14 +116,14 @@ def load_model(path: str, dtype: str | torch.dtype = "auto", device: str = "cpu"
     many int8 terms per 32 columns on CPU (integer dot products, kvserve.quant.wq); 0 keeps
     fp32 activations (the dequantized weights' exact product, slower). ``int4_kernel``: the
     GPU kernel INT4 layers are repacked for off the CPU ("triton" or "tinygemm")."""
-    from kvserve.config import dtype_name, resolve_model_dtype
+    from kvserve.config import dtype_name
 
     folder, ggml = model_source(path)
     hf_config, arch = load_hf_config(folder)
     quant = None if ggml else parse_quant_config(_raw_quantization_config(folder))
     n_params = None if ggml else _checkpoint_params(folder)
-    storage = dense_storage_dtype(dtype, checkpoint_dtype(hf_config), device, n_params)
-    dtype = resolve_model_dtype(dtype, checkpoint_dtype(hf_config), device, n_params)
+    dtypes = model_dtypes(dtype, checkpoint_dtype(hf_config), device, n_params)
+    dtype, storage = dtypes.compute, dtypes.storage
     cls = registry.resolve(arch)
     prev = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
@@ -214,24 +216,20 @@ def load_model(path: str, dtype: str | torch.dtype = "auto", device: str = "cpu"
     model.eval()
     files = (ggml.path,) if ggml is not None else tuple(safetensors_files(folder))
     return LoadedModel(model, hf_config, arch, dtype, _scales_tensor(kv_scales, hf_config),
-                       folder, files)
+                       folder, files, storage)
 
 
-def dense_storage_dtype(dtype: str | torch.dtype, ckpt: torch.dtype, device: str,
-                        n_params: int | None) -> torch.dtype:
-    """The dtype dense weights are held in. ``auto`` on a CPU without native bf16 matmul
-    computes a bf16 / fp16 checkpoint in fp32 (``resolve_model_dtype``); its weights then stay
-    16-bit in memory -- half the bytes a decode step reads -- when the C kernel that multiplies
-    fp32 activations by 16-bit weights is built (kvserve.kernels.cpu.w16_gemm). An explicit
-    ``dtype`` holds the weights in that dtype."""
-    from kvserve.config import resolve_model_dtype
+def model_dtypes(dtype: str | torch.dtype, ckpt: torch.dtype, device: str,
+                 n_params: int | None) -> ModelDtypes:
+    """``dtype`` resolved (kvserve.config.resolve_model_dtypes) for this process: whether the C
+    kernel that multiplies fp32 activations by 16-bit weights (kvserve.kernels.cpu.w16_gemm) is
+    built decides if a bf16 / fp16 checkpoint computed in fp32 keeps its weights 16-bit -- half
+    the bytes a decode step reads."""
     from kvserve.kernels.cpu.w16_gemm import w16_library
 
-    compute = resolve_model_dtype(dtype, ckpt, device, n_params)
-    if (dtype == "auto" and compute == torch.float32 and ckpt in (torch.bfloat16, torch.float16)
-            and torch.device(device).type == "cpu" and w16_library() is not None):
-        return ckpt
-    return compute
+    on_cpu = torch.device(device).type == "cpu"
+    return resolve_model_dtypes(dtype, ckpt, device, n_params,
+                                w16_kernel=on_cpu and w16_library() is not None)
 
 
 def narrow_dense_weights(model: CausalLM, storage: torch.dtype) -> int:

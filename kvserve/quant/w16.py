@@ -1,6 +1,6 @@
 """16-bit weights with fp32 activations: the pure-torch twin of kvserve/csrc/w16_gemm.c.
 
-On a CPU without native bf16 matmul kvserve computes a bf16 / fp16 checkpoint in fp32. The
+On every CPU kind kvserve computes a bf16 / fp16 checkpoint in fp32 (``dtype=auto``). The
 weights stay 16-bit in memory (half the bytes a decode step reads); the kernel widens them in
 registers (bf16 -> fp32 and fp16 -> fp32 are exact), so the product is the fp32 product of the
 same values and differs from this twin only in the order of fp32 additions.

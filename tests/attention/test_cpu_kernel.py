@@ -1,11 +1,10 @@
 """The C paged-attention kernel (AVX-512, AVX2 and portable jobs) vs its pure-torch twin
 (TorchAttentionBackend with use_kernel=False), over dtypes, shapes and decode / prefill /
-extend rows. The native build runs the best job this CPU has; an AVX2-only build of the same
-source covers the AVX2 job on AVX-512 machines too."""
+extend rows. The native build runs the best job this CPU has; the ISA variants of the same
+source (kvserve.cbuild.ISA_FLAGS: AVX2, portable, AVX-512, AVX512-BF16) cover the other jobs
+wherever this CPU runs them."""
 
 from __future__ import annotations
-
-import subprocess
 
 import pytest
 import torch
@@ -13,9 +12,9 @@ import torch
 from kvserve.attention.metadata import AttentionMetadata
 from kvserve.attention.torch_backend import TorchAttentionBackend
 from kvserve.cache.kv_cache import PagedKVCache
-from kvserve.cbuild import build_variant
 from kvserve.kernels.cpu import paged_attention as cpu_kernel
 from kvserve.quant import int8
+from tests.conftest import variant_library
 
 pytestmark = pytest.mark.skipif(cpu_kernel.load() is None, reason="no C compiler")
 
@@ -90,24 +89,34 @@ def test_kernel_matches_twin_mixed_step(dtype, hq, hk, d, bs):
     _kernel_vs_twin(dtype, hq, hk, d, bs, [37, 5, 61, 1, bs + 1], [37, 1, 20, 1, 1])
 
 
+# the job each variant build runs (kvs_attention_simd)
+VARIANT_SIMD = {"avx2": 1, "portable": 0, "avx512": 2, "bf16": 2}
+
+
 @pytest.fixture(scope="module")
-def _avx2_dll(tmp_path_factory):
-    try:
-        dll = build_variant("paged_attention", "avx2", str(tmp_path_factory.mktemp("pa")))
-    except (OSError, subprocess.CalledProcessError) as e:  # a compiler without haswell support
-        pytest.skip(f"no AVX2 build here: {e}")
-    if dll is None:
-        pytest.skip("no C compiler, or not x86-64")
-    return cpu_kernel.bind(dll)
+def _variant_dlls(tmp_path_factory):
+    built = {}
+
+    def get(isa):
+        if isa not in built:
+            built[isa] = cpu_kernel.bind(variant_library(
+                "paged_attention", isa, str(tmp_path_factory.mktemp("pa"))))
+        return built[isa]
+
+    return get
 
 
 @pytest.fixture
-def avx2_build(monkeypatch, _avx2_dll):
-    """Every kernel call in the test goes to an AVX2-only build (-march=haswell)."""
-    bound = _avx2_dll
-    monkeypatch.setattr(cpu_kernel, "load", lambda: bound)
-    assert cpu_kernel.simd_level() == 1
-    return bound
+def use_build(monkeypatch, _variant_dlls):
+    """``use_build(isa)``: every kernel call in the test goes to that variant build."""
+
+    def use(isa):
+        bound = _variant_dlls(isa)
+        monkeypatch.setattr(cpu_kernel, "load", lambda: bound)
+        assert cpu_kernel.simd_level() == VARIANT_SIMD[isa]
+        return bound
+
+    return use
 
 
 def test_native_build_runs_the_best_job_of_this_cpu():
@@ -120,22 +129,24 @@ def test_native_build_runs_the_best_job_of_this_cpu():
 @pytest.mark.parametrize("dtype", ALL_DTYPES)
 @pytest.mark.parametrize(("hq", "hk", "d", "bs"), [(8, 2, 64, 16), (6, 1, 128, 8),
                                                    (16, 2, 72, 16)])
-def test_avx2_job_matches_twin(avx2_build, dtype, hq, hk, d, bs):
+@pytest.mark.parametrize("isa", list(VARIANT_SIMD))
+def test_variant_job_matches_twin(use_build, isa, dtype, hq, hk, d, bs):
+    use_build(isa)
     _kernel_vs_twin(dtype, hq, hk, d, bs, [37, 5, 61, 1, bs + 1], [37, 1, 20, 1, 1])
     _kernel_vs_twin(dtype, hq, hk, d, bs, [1, bs + 3, 97], [1, 1, 1])
 
 
-@pytest.mark.parametrize("isa", ["native", "avx2"])
+@pytest.mark.parametrize("isa", ["native", "avx2", "avx512"])
 @pytest.mark.parametrize(("dtype", "hk", "g", "d"), [
     (torch.float8_e4m3fn, 2, 2, 64), (torch.bfloat16, 3, 3, 64), (torch.int8, 1, 4, 64),
     (torch.float32, 2, 1, 64), (torch.bfloat16, 2, 2, 128), (torch.float8_e5m2, 1, 5, 64)])
-def test_row_results_do_not_depend_on_tiling(request, isa, dtype, hk, g, d):
+def test_row_results_do_not_depend_on_tiling(use_build, isa, dtype, hk, g, d):
     """A prefill row's output is the same whether it is computed in a 16-row tile, as part of
     a different chunk, or alone as a decode row (chunked == unchunked, exactly) — also where
     the AVX-512 job runs decode rows on its register path (head_dim 64, <= 4 query heads per KV
     head) and prefill tiles on its staging path."""
-    if isa == "avx2":
-        request.getfixturevalue("avx2_build")
+    if isa != "native":
+        use_build(isa)
     if not cpu_kernel.simd():
         pytest.skip("portable build: rows are never tiled")
     torch.manual_seed(3)

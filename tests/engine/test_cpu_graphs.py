@@ -29,12 +29,40 @@ def bf16_llama(tmp_path_factory) -> str:
                            save_dtype=torch.bfloat16, tie_word_embeddings=True)
 
 
-@pytest.fixture(autouse=True)
-def _fp32_compute(monkeypatch):
-    """dtype=auto computes the bf16 checkpoint in fp32 with 16-bit weights on every CPU."""
-    from kvserve import config
+@pytest.mark.parametrize("kind", ["avx512_bf16", "amx", "avx512", "avx2"])
+def test_bf16_folder_records_on_every_cpu_kind(bf16_llama, make_llm, simulate_cpu, kind):
+    """Issue 31: on AVX512-BF16 / AMX CPUs ``dtype=auto`` used to compute a bf16 folder in
+    torch bf16 and the recording was refused (aten.embedding computes outside the kernels).
+    With the CPU's flags simulated, the decode graph must record and replay."""
+    simulate_cpu(kind)
+    llm = make_llm(bf16_llama)
+    g = _graphs(llm)
+    assert g is not None, "decode graph refused (see the log)"
+    assert g.refused is None and len(g.tape) > 0
+    _generate(llm)
+    assert g.runs > 0
 
-    monkeypatch.setattr(config, "cpu_has_fast_half", lambda: False)
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", ["avx512_bf16", "amx"])
+def test_default_model_records_on_bf16_cpus(make_llm, simulate_cpu, kind):
+    """The default model (SmolLM2-135M Q4_1 GGUF, ``LLM()`` with no model) on an AVX512-BF16 /
+    AMX CPU (simulated): the decode graph records (it was refused: aten.floor_divide computed
+    outside the kernels when ``auto`` chose bf16)."""
+    from kvserve.model.default_model import default_model_path
+
+    try:
+        default_model_path()
+    except ValueError as e:
+        pytest.skip(str(e))
+    simulate_cpu(kind)
+    llm = make_llm(None, kv_cache_memory="32MiB", max_num_seqs=4)
+    assert llm.engine.model_config.dtype == torch.float32
+    g = _graphs(llm)
+    assert g is not None and g.refused is None and len(g.tape) > 0
+    out = llm.generate([[1, 2, 3, 4]], SamplingParams(max_tokens=4, temperature=0.0,
+                                                      ignore_eos=True))
+    assert len(out[0].outputs[0].token_ids) == 4 and g.runs > 0
 
 
 def _generate(llm):

@@ -1,5 +1,5 @@
 """kvserve/csrc/cpu_ops.c against the torch code it replaces (the twins), on the build this
-machine makes and on a portable (no AVX2) build."""
+machine makes and every ISA variant this CPU runs (AVX2, portable, AVX-512, AVX512-BF16)."""
 
 from __future__ import annotations
 
@@ -7,9 +7,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kvserve.cbuild import build_variant
 from kvserve.kernels.cpu import cpu_ops
 from kvserve.layers.rotary import RotaryEmbedding
+from tests.conftest import ISA_VARIANTS, variant_library
 
 
 class _Cfg:
@@ -18,16 +18,14 @@ class _Cfg:
     rope_parameters = None
 
 
-@pytest.fixture(params=["native", "avx2", "portable"])
+@pytest.fixture(params=ISA_VARIANTS)
 def lib(request, tmp_path_factory, monkeypatch):
     if request.param == "native":
         if cpu_ops.ops_library() is None:
             pytest.skip("C kernels unavailable")
         yield cpu_ops.ops_library()
         return
-    dll = build_variant("cpu_ops", request.param, str(tmp_path_factory.mktemp("ops")))
-    if dll is None:
-        pytest.skip("no C compiler, or not x86-64")
+    dll = variant_library("cpu_ops", request.param, str(tmp_path_factory.mktemp("ops")))
     cpu_ops.ops_library.cache_clear()
     real = cpu_ops.build_library
     monkeypatch.setattr(cpu_ops, "build_library", lambda name: dll if name == "cpu_ops"

@@ -317,16 +317,14 @@ def test_serve_a_gguf_file_with_its_chat_template(gguf_factory):
 
 
 @pytest.mark.parametrize("overrides", [{}, dict(tie_word_embeddings=True, num_key_value_heads=1)])
-def test_gguf_decode_graph_replays_eager(overrides, gguf_factory, make_llm, monkeypatch):
+def test_gguf_decode_graph_replays_eager(overrides, gguf_factory, make_llm):
     """A GGUF model's decode steps (Q4 / Q8 integer-dot linears, an F16 linear held 16-bit,
     the Q8_0 embedding; tied, the Q8 head) replayed from a recorded CPU graph: the same tokens
     and logprobs as the eager engine, exactly."""
-    from kvserve import config
     from kvserve.kernels.cpu import graph
 
     if not graph.available():
         pytest.skip("no C compiler")
-    monkeypatch.setattr(config, "cpu_has_fast_half", lambda: False)
     path = gguf_factory("llama", **overrides)
     fast, eager = make_llm(path), make_llm(path, enforce_eager=True)
     sp = [SamplingParams(max_tokens=m, temperature=0.0, ignore_eos=True, logprobs=2)

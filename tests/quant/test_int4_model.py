@@ -166,8 +166,8 @@ def test_fp8_kv_cache(bf16_tiny, tmp_path, make_llm):
 
 @pytest.mark.parametrize("dtype", ["auto", "bfloat16"])
 def test_default_dtype_and_kv_just_work(bf16_tiny, tmp_path, make_llm, dtype):
-    """``LLM(model=INT4_FOLDER)`` with the default dtype (fp32 on CPUs without fast bf16 GEMM,
-    else bf16) or bf16 activations, integrity on, and an FP8 KV cache: close to the fp32 run of
+    """``LLM(model=INT4_FOLDER)`` with the default dtype (fp32 activations on every CPU
+    kind) or bf16 activations, integrity on, and an FP8 KV cache: close to the fp32 run of
     the same INT4 weights, and generates."""
     from kvserve.config import resolve_model_dtype
 

@@ -1,27 +1,27 @@
 """The 16-bit-weight kernel (kvserve/csrc/w16_gemm.c) against its twin (kvserve.quant.w16), on
-the build this machine makes, an AVX2-only build and a portable build; and the loader keeping a
-bf16 checkpoint's weights 16-bit when it computes in fp32."""
+the build this machine makes and every ISA variant this CPU runs (AVX2, portable, AVX-512,
+AVX512-BF16; here with fp32 dot products -- the bf16 ones are tests/kernels/test_w16_bf16.py);
+and the loader keeping a bf16 checkpoint's weights 16-bit when it computes in fp32."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from kvserve.cbuild import build_variant
 from kvserve.kernels.cpu import w16_gemm as w16_cpu
 from kvserve.quant.w16 import w16_linear_ref
+from tests.conftest import ISA_VARIANTS, variant_library
 
 
-@pytest.fixture(scope="module", params=["native", "avx2", "portable"])
+@pytest.fixture(scope="module", params=ISA_VARIANTS)
 def lib(request, tmp_path_factory):
     if request.param == "native":
         dll = w16_cpu.w16_library()
-    else:
-        dll = build_variant("w16_gemm", request.param, str(tmp_path_factory.mktemp("w16")))
-        dll = None if dll is None else w16_cpu.bind(dll)
-    if dll is None:
-        pytest.skip("C kernel unavailable (no compiler, or not x86-64)")
-    return dll
+        if dll is None:
+            pytest.skip("C kernel unavailable (no compiler, or KVSERVE_CPU_KERNEL=0)")
+        return dll
+    return w16_cpu.bind(variant_library("w16_gemm", request.param,
+                                        str(tmp_path_factory.mktemp("w16"))))
 
 
 def _case(m, n, k, dtype, seed):
@@ -100,10 +100,9 @@ def _bf16_checkpoint(path: str, **overrides) -> str:
 
 @pytest.mark.parametrize("tied", [False, True])
 def test_loader_keeps_bf16_weights_for_fp32_compute(tmp_path, monkeypatch, make_llm, tied):
-    """``dtype=auto`` on a CPU without native bf16 matmul: fp32 compute with the dense weights
+    """``dtype=auto`` on CPU (any kind): fp32 compute with the dense weights
     (and a tied head's shared table) held in bf16, read by the kernel; the same tokens and
     logprobs as holding fp32 copies (``dtype=float32``)."""
-    from kvserve import config
     from kvserve.layers.linear import Linear, MergedLinear
     from kvserve.layers.vocab_parallel import VocabParallelEmbedding
     from kvserve.model.loader import load_model
@@ -111,7 +110,6 @@ def test_loader_keeps_bf16_weights_for_fp32_compute(tmp_path, monkeypatch, make_
 
     if w16_cpu.w16_library() is None:
         pytest.skip("C kernel unavailable: the loader keeps fp32 weights")
-    monkeypatch.setattr(config, "cpu_has_fast_half", lambda: False)
     path = _bf16_checkpoint(str(tmp_path / "m"), tie_word_embeddings=tied)
 
     loaded = load_model(path, "auto", progress=False)
@@ -138,15 +136,17 @@ def test_loader_keeps_bf16_weights_for_fp32_compute(tmp_path, monkeypatch, make_
         torch.testing.assert_close(torch.tensor(la), torch.tensor(lb), rtol=1e-4, atol=1e-4)
 
 
-def test_storage_dtype_decision(monkeypatch):
-    from kvserve import config
-    from kvserve.model.loader import dense_storage_dtype
+def test_storage_dtype_decision():
+    from kvserve.config import ModelDtypes
+    from kvserve.model.loader import model_dtypes
 
     bf16, fp16, fp32 = torch.bfloat16, torch.float16, torch.float32
-    monkeypatch.setattr(config, "cpu_has_fast_half", lambda: False)
-    assert dense_storage_dtype("auto", bf16, "cpu", 10) == (
-        bf16 if w16_cpu.w16_library() is not None else fp32)
-    assert dense_storage_dtype("float32", bf16, "cpu", 10) == fp32  # asked for: fp32 copies
-    assert dense_storage_dtype("auto", fp32, "cpu", 10) == fp32
-    monkeypatch.setattr(config, "cpu_has_fast_half", lambda: True)
-    assert dense_storage_dtype("auto", fp16, "cpu", 10) == fp16  # computed in fp16 itself
+    kernel = w16_cpu.w16_library() is not None
+    assert model_dtypes("auto", bf16, "cpu", 10) == ModelDtypes(fp32, bf16 if kernel else fp32)
+    assert model_dtypes("auto", fp16, "cpu", 10) == ModelDtypes(fp32, fp16 if kernel else fp32)
+    assert model_dtypes("float32", bf16, "cpu", 10) == ModelDtypes(fp32, fp32)  # fp32 copies
+    assert model_dtypes("bfloat16", bf16, "cpu", 10) == ModelDtypes(bf16, bf16)  # asked for
+    assert model_dtypes("auto", fp32, "cpu", 10) == ModelDtypes(fp32, fp32)
+    big = 3 * 2**30  # params: an fp32 copy would be 12 GiB
+    assert model_dtypes("auto", bf16, "cpu", big) == (
+        ModelDtypes(fp32, bf16) if kernel else ModelDtypes(bf16, bf16))

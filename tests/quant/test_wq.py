@@ -1,38 +1,34 @@
 """The integer-dot kernel (kvserve/csrc/wq_gemm.c) against its twin (kvserve.quant.wq), on
-the build this machine makes, an AVX2-only build and a portable (no AVX2) build."""
+the build this machine makes and every ISA variant this CPU runs (AVX2, portable, AVX-512,
+AVX512-BF16)."""
 
 from __future__ import annotations
 
 import ctypes
-import platform
 
 import pytest
 import torch
 
-from kvserve.cbuild import build_variant
 from kvserve.kernels.cpu import wq_gemm as wq_cpu
 from kvserve.quant import wq
+from tests.conftest import ISA_VARIANTS, variant_library
 
 
 def _built_lib(tmp_path_factory, isa: str) -> ctypes.CDLL:
-    dll = build_variant("wq_gemm", isa, str(tmp_path_factory.mktemp("wq")))
-    if dll is None:
-        pytest.skip("no C compiler, or not x86-64")
+    dll = variant_library("wq_gemm", isa, str(tmp_path_factory.mktemp("wq")))
     p, i64, c_int = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
     dll.kvs_wq_quant_act.argtypes = [p, i64, i64, c_int, c_int, p, p, p]
     dll.kvs_wq_gemm.argtypes = [p, p, p, p, p, i64, i64, i64, i64, c_int, c_int, p]
     return dll
 
 
-@pytest.fixture(scope="module", params=["native", "avx2", "portable"])
+@pytest.fixture(scope="module", params=ISA_VARIANTS)
 def lib(request, tmp_path_factory):
     if request.param == "native":
         dll = wq_cpu.wq_library()
         if dll is None:
             pytest.skip("C kernel unavailable")
         return dll
-    if request.param == "avx2" and platform.machine() not in ("x86_64", "AMD64"):
-        pytest.skip("x86-64 only")
     return _built_lib(tmp_path_factory, request.param)
 
 

@@ -1,13 +1,22 @@
 """ctypes binding of kvserve/csrc/w16_gemm.c: fp32 x times 16-bit (bf16 / fp16) weights read
-as 16-bit (twin: kvserve.quant.w16)."""
+as 16-bit (twin: kvserve.quant.w16).
+
+On a CPU with AVX512-BF16 whose build has the path, bf16-weight GEMMs of at least
+``bf16_dot_rows`` rows (default 128, above the default ``max_num_seqs`` of 64: prompt chunks,
+not decode batches) round x to bf16 and use vdpbf16ps (twin:
+kvserve.kernels.reference.w16_linear_bf16_dot). ``KVSERVE_CPU_BF16_ROWS`` sets the threshold
+(0 turns the path off), as ``KVSERVE_CPU_KERNEL=0`` turns the C kernels off; docs/cpu.md
+gives its accuracy cost and what it means for batch invariance."""
 
 from __future__ import annotations
 
 import ctypes
 import functools
+import os
 
 import torch
 
+from kvserve import config
 from kvserve.cbuild import build_library
 from kvserve.kernels.cpu.graph import Rows, launch
 from kvserve.quant.w16 import KINDS, w16_linear_ref
@@ -22,11 +31,40 @@ def w16_library() -> ctypes.CDLL | None:
 
 
 def bind(dll: ctypes.CDLL) -> ctypes.CDLL:
-    """Declare the library's signatures (also for the tests' other-ISA builds)."""
+    """Declare the library's signatures (also for the tests' other-ISA builds) and ask once
+    whether it has the bf16-dot path on this CPU (``dll.bf16_dot_built``; never asked while a
+    graph records, where the query would be refused as a kernel without an adapter)."""
     p, i64, c_int = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
-    dll.kvs_w16_gemm.argtypes = [p, i64, i64, i64, p, i64, i64, c_int, c_int, p, i64]
+    dll.kvs_w16_gemm.argtypes = [p, i64, i64, i64, p, i64, i64, c_int, c_int, p, i64, i64]
     dll.kvs_w16_gemm.restype = c_int
+    dll.bf16_dot_built = False
+    if hasattr(dll, "kvs_w16_bf16_dot"):  # (an older source built by a benchmark lacks it)
+        dll.kvs_w16_bf16_dot.argtypes, dll.kvs_w16_bf16_dot.restype = [], c_int
+        dll.bf16_dot_built = bool(launch(dll, "kvs_w16_bf16_dot"))
     return dll
+
+
+BF16_DOT_MIN_ROWS = 128  # default threshold of the bf16 dot products (KVSERVE_CPU_BF16_ROWS)
+
+
+def has_bf16_dot(lib: ctypes.CDLL) -> bool:
+    """``lib`` was built with the bf16-dot path, and this CPU can run it: its flags list
+    avx512_bf16 and cpuid agrees (the kernel asks it too)."""
+    return "avx512_bf16" in config.cpu_flags() and getattr(lib, "bf16_dot_built", False)
+
+
+@functools.cache
+def bf16_dot_rows(lib: ctypes.CDLL) -> int:
+    """From how many rows a bf16-weight GEMM on ``lib`` uses bf16 dot products; 0 = never
+    (the CPU or the build lacks AVX512-BF16, or ``KVSERVE_CPU_BF16_ROWS=0``)."""
+    raw = os.environ.get("KVSERVE_CPU_BF16_ROWS", str(BF16_DOT_MIN_ROWS))
+    try:
+        rows = int(raw)
+    except ValueError:
+        rows = -1
+    if rows < 0:
+        raise ValueError(f"KVSERVE_CPU_BF16_ROWS must be a row count >= 0 (0 = off), got {raw!r}")
+    return rows if rows and has_bf16_dot(lib) else 0
 
 
 def applies(x: torch.Tensor, weight: torch.Tensor) -> bool:
@@ -35,8 +73,11 @@ def applies(x: torch.Tensor, weight: torch.Tensor) -> bool:
             and weight.device.type == "cpu")
 
 
-def w16_gemm(lib: ctypes.CDLL, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """fp32 x [..., K] @ 16-bit weight [N, K]^T -> fp32 [..., N] in one C call."""
+def w16_gemm(lib: ctypes.CDLL, x: torch.Tensor, weight: torch.Tensor,
+             bf16_rows: int = 0) -> torch.Tensor:
+    """fp32 x [..., K] @ 16-bit weight [N, K]^T -> fp32 [..., N] in one C call; with
+    ``bf16_rows`` > 0, bf16 weights and at least that many rows use bf16 dot products where
+    ``lib`` and the CPU have them (``bf16_dot_rows``)."""
     k = x.shape[-1]
     n = weight.shape[0]
     assert weight.shape[1] == k and weight.stride(1) == 1
@@ -46,7 +87,8 @@ def w16_gemm(lib: ctypes.CDLL, x: torch.Tensor, weight: torch.Tensor) -> torch.T
     m = x2.shape[0]
     y = torch.empty(m, n, dtype=torch.float32)
     if m and launch(lib, "kvs_w16_gemm", x2, Rows(m), k, x2.stride(0), weight, n,
-                    weight.stride(0), KINDS[weight.dtype], torch.get_num_threads(), y, n):
+                    weight.stride(0), KINDS[weight.dtype], torch.get_num_threads(), y, n,
+                    bf16_rows):
         raise MemoryError("kvs_w16_gemm: no scratch memory")
     return y.reshape(*x.shape[:-1], n)
 
@@ -57,5 +99,5 @@ def linear_w16(x: torch.Tensor, weight: torch.Tensor,
     lib = w16_library()
     if lib is None or weight.stride(1) != 1:
         return w16_linear_ref(x, weight, bias)
-    y = w16_gemm(lib, x, weight)
+    y = w16_gemm(lib, x, weight, bf16_dot_rows(lib))
     return y if bias is None else y + bias.float()

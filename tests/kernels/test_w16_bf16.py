@@ -1,0 +1,126 @@
+"""The 16-bit GEMM's bf16 dot-product path (kvserve/csrc/w16_gemm.c, AVX512-BF16 vdpbf16ps)
+against its twin (kvserve.kernels.reference.w16_linear_bf16_dot), and its run-time dispatch.
+
+Needs only torch and a C compiler. The "bf16" build (cbuild ISA variant, -mavx512bf16) compiles
+on any x86-64 host (checked everywhere); running it needs a CPU with AVX512-BF16 (Zen 4 / 5,
+Cooper Lake, Sapphire Rapids and later) and skips elsewhere, saying so. On such a machine:
+
+    python -m pytest -q tests/kernels/test_w16_bf16.py::test_bf16_dot_matches_twin
+"""
+
+from __future__ import annotations
+
+import pathlib
+
+import pytest
+import torch
+
+from kvserve.cbuild import compile_variant
+from kvserve.kernels import reference as ref
+from kvserve.kernels.cpu import w16_gemm as w16
+from kvserve.quant.w16 import w16_linear_ref
+from tests.conftest import variant_library
+
+
+@pytest.fixture(scope="module")
+def bf16_lib(tmp_path_factory):
+    """The bf16 variant, loaded only where the CPU runs it."""
+    return w16.bind(variant_library("w16_gemm", "bf16", str(tmp_path_factory.mktemp("bf16"))))
+
+
+def _case(m, n, k, seed, dtype=torch.bfloat16):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(m, k, generator=g), (torch.randn(n, k, generator=g) * 0.05).to(dtype)
+
+
+def test_bf16_variant_compiles_with_vdpbf16ps(tmp_path):
+    """Everywhere: the bf16 variant builds, and its assembly has the dot-product instruction
+    (the AVX2 / AVX-512 builds' does not)."""
+    try:
+        asm = compile_variant("w16_gemm", "bf16", str(tmp_path), asm=True)
+    except Exception as e:  # noqa: BLE001 - the reason is the compiler's message
+        pytest.skip(f"the compiler cannot target AVX512-BF16: {e}")
+    if asm is None:
+        pytest.skip("no C compiler, or not x86-64")
+    assert "vdpbf16ps" in pathlib.Path(asm).read_text()
+    assert compile_variant("w16_gemm", "bf16", str(tmp_path)) is not None  # links too
+    for other in ("avx2", "avx512"):
+        text = pathlib.Path(compile_variant("w16_gemm", other, str(tmp_path), asm=True))\
+            .read_text()
+        assert "vdpbf16ps" not in text, other
+
+
+def test_dispatch_follows_the_cpu_flags(simulate_cpu, monkeypatch):
+    """bf16_dot_rows: the default threshold only where the CPU's flags list avx512_bf16 AND the
+    build has the path (it asks cpuid too); KVSERVE_CPU_BF16_ROWS sets it, 0 turns it off."""
+
+    class Built:  # a library built with the path, on a CPU that has it (w16_gemm.bind)
+        bf16_dot_built = True
+
+    lib = Built()
+    for kind, want in [("avx2", 0), ("avx512", 0), ("avx512_bf16", w16.BF16_DOT_MIN_ROWS),
+                       ("amx", w16.BF16_DOT_MIN_ROWS)]:
+        simulate_cpu(kind)
+        assert w16.bf16_dot_rows(lib) == want, kind
+    monkeypatch.setenv("KVSERVE_CPU_BF16_ROWS", "16")
+    w16.bf16_dot_rows.cache_clear()
+    assert w16.bf16_dot_rows(lib) == 16
+    monkeypatch.setenv("KVSERVE_CPU_BF16_ROWS", "0")
+    w16.bf16_dot_rows.cache_clear()
+    assert w16.bf16_dot_rows(lib) == 0
+    monkeypatch.setenv("KVSERVE_CPU_BF16_ROWS", "many")
+    w16.bf16_dot_rows.cache_clear()
+    with pytest.raises(ValueError, match="KVSERVE_CPU_BF16_ROWS"):
+        w16.bf16_dot_rows(lib)
+    monkeypatch.delenv("KVSERVE_CPU_BF16_ROWS")
+    native = w16.w16_library()
+    if native is not None:  # this CPU's own build: the path exactly where the CPU has BF16
+        w16.bf16_dot_rows.cache_clear()
+        from kvserve.config import cpu_flags
+
+        has = "avx512_bf16" in cpu_flags()
+        assert (w16.bf16_dot_rows(native) > 0) == (has and w16.has_bf16_dot(native))
+
+
+@pytest.mark.parametrize("m", [1, 3, 4, 5, 17, 64, 130])
+@pytest.mark.parametrize("n,k", [(4, 32), (7, 40), (33, 576), (130, 1000), (64, 8), (9, 4100)])
+def test_bf16_dot_matches_twin(bf16_lib, m, n, k):
+    """bf16_rows=1: every GEMM takes the dot products. Against the twin (x rounded to bf16,
+    exact products, fp32 sums): within fp32 summation error; rows batch-invariant; and the
+    path really ran (the result is the bf16-rounded product, not the fp32 one)."""
+    x, w = _case(m, n, k, m * 1000 + n + k)
+    y = w16.w16_gemm(bf16_lib, x, w, bf16_rows=1)
+    xr = ref.bf16_round(x)
+    exact = (xr.double() @ w.double().t()).float()
+    assert y.shape == (m, n) and y.dtype == torch.float32
+    bound = 4 * k * 2**-24 * (xr.abs() @ w.float().abs().t()) + 1e-30
+    assert ((y - exact).abs() <= bound).all()
+    torch.testing.assert_close(y, ref.w16_linear_bf16_dot(x, w), rtol=1e-5, atol=1e-5)
+    for i in {0, m // 2, m - 1}:  # a row alone equals the row in its batch, bit for bit
+        assert torch.equal(w16.w16_gemm(bf16_lib, x[i:i + 1], w, bf16_rows=1), y[i:i + 1])
+    fp32 = (x.double() @ w.double().t()).float()
+    assert ((y - fp32).abs() > bound).any()  # bf16-rounded x: not the fp32 product
+
+
+def test_threshold_fp16_and_threads(bf16_lib):
+    """Below bf16_rows, and for fp16 weights, the fp32 path runs (equal to bf16_rows=0); the
+    row order of sums does not depend on the thread count; strided x rows work."""
+    x, w = _case(40, 50, 300, 5)
+    fp32 = w16.w16_gemm(bf16_lib, x, w)
+    assert torch.equal(w16.w16_gemm(bf16_lib, x, w, bf16_rows=41), fp32)
+    dot = w16.w16_gemm(bf16_lib, x, w, bf16_rows=40)
+    assert not torch.equal(dot, fp32)
+    torch.testing.assert_close(fp32, w16_linear_ref(x, w), rtol=1e-5, atol=1e-5)
+    x16, w16h = _case(40, 50, 300, 6, torch.float16)
+    assert torch.equal(w16.w16_gemm(bf16_lib, x16, w16h, bf16_rows=1),
+                       w16.w16_gemm(bf16_lib, x16, w16h))
+    wide = torch.zeros(40, 400)
+    wide[:, 7:307] = x
+    assert torch.equal(w16.w16_gemm(bf16_lib, wide[:, 7:307], w, bf16_rows=1), dot)
+    prev = torch.get_num_threads()
+    try:
+        for t in (1, 2):
+            torch.set_num_threads(t)
+            assert torch.equal(w16.w16_gemm(bf16_lib, x, w, bf16_rows=1), dot)
+    finally:
+        torch.set_num_threads(prev)

@@ -242,8 +242,29 @@ class CacheConfig:
     scrub_blocks_per_step: int = 0
     # Seed of the random signs of the q/k/v rotation (rotated KV modes: int8, fp8_rot, ...).
     kv_rotation_seed: int = 0
+    # KV tiers below the pool (kvserve/cache/kv_tiers.py, docs/kv-tiers.md); 0 / None: off.
+    kv_offload_memory_bytes: int = 0
+    kv_offload_dir: str | None = None
+    kv_offload_disk_bytes: int = 0
+    kv_offload_queue_blocks: int = 256
+
+    @property
+    def kv_offload_enabled(self) -> bool:
+        return self.kv_offload_memory_bytes > 0 or self.kv_offload_dir is not None
 
     def __post_init__(self) -> None:
+        if self.kv_offload_memory_bytes < 0:
+            raise ValueError(f"kv_offload_memory must be >= 0, got {self.kv_offload_memory_bytes}")
+        if self.kv_offload_dir is not None and self.kv_offload_disk_bytes <= 0:
+            raise ValueError(f"kv_offload_disk must be > 0 with kv_offload_dir, got "
+                             f"{self.kv_offload_disk_bytes}")
+        if self.kv_offload_dir is None and self.kv_offload_disk_bytes:
+            raise ValueError("kv_offload_disk needs kv_offload_dir (the directory)")
+        if self.kv_offload_queue_blocks < 1:
+            raise ValueError(f"kv_offload_queue must be >= 1, got {self.kv_offload_queue_blocks}")
+        if self.kv_offload_enabled and not self.enable_prefix_caching:
+            raise ValueError("kv_offload_memory / kv_offload_dir need prefix caching (drop "
+                             "--no-prefix-caching)")
         if not isinstance(self.block_size, int) or not 1 <= self.block_size <= 1024:
             raise ValueError(f"block_size must be an int in [1, 1024], got {self.block_size!r}")
         parse_kv_mode(self.kv_cache_dtype)

@@ -13,6 +13,7 @@ Invariants (checked by tests/cache/test_block_pool.py, including a Hypothesis st
 from __future__ import annotations
 
 from collections import Counter, OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass
 
 
@@ -45,6 +46,9 @@ class BlockPool:
         self._cached: dict[bytes, int] = {}
         self.num_quarantined = 0
         self.num_evictions = 0
+        # Called with the cached blocks an ``allocate`` takes for reuse, as (block id, hash,
+        # token ids), while their bytes are still intact (the KV tiers copy them out).
+        self.on_evict: Callable[[list[tuple[int, bytes, tuple[int, ...]]]], None] | None = None
 
     # ---- queries -------------------------------------------------------------------------
     @property
@@ -70,17 +74,32 @@ class BlockPool:
         if n > len(self._free):
             raise NoFreeBlocksError(f"need {n} blocks, {len(self._free)} free")
         ids = []
+        evicted = []
         for _ in range(n):
             block_id, _ = self._free.popitem(last=False)
             block = self.blocks[block_id]
             assert block.ref_cnt == 0 and not block.quarantined
             if block.block_hash is not None:
+                if self.on_evict is not None:
+                    assert block.token_ids is not None
+                    evicted.append((block_id, block.block_hash, block.token_ids))
                 self._uncache(block)
                 self.num_evictions += 1
             block.generation += 1
             block.ref_cnt = 1
             ids.append(block_id)
+        if evicted:
+            self.on_evict(evicted)  # type: ignore[misc]
         return ids
+
+    def cached_free_blocks(self) -> list[tuple[int, bytes, tuple[int, ...]]]:
+        """Cached blocks in the free list, as ``on_evict`` reports them (shutdown write-down)."""
+        out = []
+        for block_id in self._free:
+            block = self.blocks[block_id]
+            if block.block_hash is not None and block.token_ids is not None:
+                out.append((block_id, block.block_hash, block.token_ids))
+        return out
 
     def touch(self, block_ids: list[int]) -> None:
         """Take a reference on cached blocks (prefix hits); revives them from the free list."""

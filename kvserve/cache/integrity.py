@@ -289,6 +289,11 @@ class IntegrityChecker:
     def is_sealed(self, block_id: int) -> bool:
         return block_id in self.seals
 
+    def sealed_sums(self, block_id: int) -> np.ndarray | None:
+        """The sums [L, 4] a block was sealed with (None: unsealed); the KV tiers store them."""
+        seal = self.seals.get(block_id)
+        return None if seal is None else seal.sums
+
     # ---- verification ---------------------------------------------------------------------
     @_timed("verify")
     def verify(self, block_ids: list[int], reason: str) -> list[int]:

@@ -9,6 +9,12 @@ before it (and hence its positions):
 ``salt`` binds the model/dtype fingerprint and the request's ``cache_salt``, so different
 models, KV dtypes or tenants never share blocks. A hit additionally compares the stored token
 ids, so even a forced hash collision cannot return another prompt's KV.
+
+With KV tiers (``kvserve.cache.kv_tiers``) the manager also writes blocks the pool evicts down
+to host memory / disk, and continues a prefix lookup past the pool's hits into the tiers: the
+request waits (``KVCacheBlocks.restoring``) while a background thread reads and verifies the
+blocks, then they are installed into fresh pool blocks (sealed and registered like computed
+ones) and counted as hits.
 """
 
 from __future__ import annotations
@@ -20,6 +26,7 @@ from typing import Protocol
 import numpy as np
 
 from kvserve.cache.block_pool import BlockPool
+from kvserve.cache.kv_tiers import Evicted, KVTiers
 from kvserve.request import Request
 
 
@@ -41,15 +48,21 @@ class BlockIntegrity(Protocol):
     def on_allocate(self, block_ids: list[int]) -> None: ...
     def seal(self, block_ids: list[int], token_hashes: list[bytes]) -> None: ...
     def verify(self, block_ids: list[int], reason: str) -> list[int]: ...
+    def sealed_sums(self, block_id: int) -> np.ndarray | None: ...
 
 
 @dataclass(frozen=True, slots=True)
 class KVCacheBlocks:
     block_ids: tuple[int, ...]
     num_tokens: int  # tokens covered (a multiple of block_size for hits)
+    # The request's next blocks are being restored from a KV tier: schedule it later.
+    restoring: bool = False
 
 
 EMPTY = KVCacheBlocks((), 0)
+RESTORING = KVCacheBlocks((), 0, restoring=True)
+# Restore jobs one request may start (a pool that changed under a job can waste one).
+MAX_RESTORES_PER_REQUEST = 4
 
 
 class KVCacheManager:
@@ -60,6 +73,7 @@ class KVCacheManager:
         enable_prefix_caching: bool,
         salt: bytes,
         integrity: BlockIntegrity | None = None,
+        tiers: KVTiers | None = None,
     ) -> None:
         self.pool = pool
         self.block_size = block_size
@@ -73,6 +87,11 @@ class KVCacheManager:
         # Prefix-cache statistics (queried tokens / hit tokens).
         self.num_queried_tokens = 0
         self.num_hit_tokens = 0
+        self.tiers = tiers
+        self.num_restored_tokens = 0  # hit tokens that came from a tier
+        self._restore_from: dict[str, list[int]] = {}  # request -> chain index of each job
+        if tiers is not None:
+            pool.on_evict = self._write_down
 
     # ---- hashing -------------------------------------------------------------------------
     def _salt_for(self, req: Request) -> bytes:
@@ -100,22 +119,107 @@ class KVCacheManager:
             return EMPTY
         b = self.block_size
         max_blocks = (req.num_tokens - 1) // b
-        hashes = self.block_hashes(req)
-        tokens = req.all_token_ids
-        hits: list[int] = []
-        for i in range(max_blocks):
-            block_id = self.pool.lookup(hashes[i], tuple(tokens[i * b : (i + 1) * b]))
-            if block_id is None:
-                break
-            hits.append(block_id)
+        hits = self._pool_hits(req, 0, max_blocks)
         if hits and self.integrity is not None:
             bad = self.integrity.verify(hits, reason="prefix_hit")
             if bad:
                 first_bad = min(hits.index(x) for x in bad)
                 hits = hits[:first_bad]
+        if self.tiers is not None and len(hits) < max_blocks:
+            more = self._restore(req, hits, max_blocks)
+            if more is None:
+                return RESTORING  # not counted as a query yet: it is asked again
+            hits += more
         self.num_queried_tokens += req.num_tokens
         self.num_hit_tokens += len(hits) * b
         return KVCacheBlocks(tuple(hits), len(hits) * b)
+
+    def _pool_hits(self, req: Request, start: int, stop: int) -> list[int]:
+        """Pool blocks holding the request's chain blocks start, start+1, ... (< stop)."""
+        b = self.block_size
+        hashes, tokens = self.block_hashes(req), req.all_token_ids
+        hits: list[int] = []
+        for i in range(start, stop):
+            block_id = self.pool.lookup(hashes[i], tuple(tokens[i * b: (i + 1) * b]))
+            if block_id is None:
+                break
+            hits.append(block_id)
+        return hits
+
+    # ---- KV tiers ------------------------------------------------------------------------
+    def _write_down(self, evicted: list[tuple[int, bytes, tuple[int, ...]]]) -> None:
+        """BlockPool.on_evict: hand the evicted blocks (bytes still intact) to the tiers."""
+        assert self.tiers is not None
+        sums = [None if self.integrity is None else self.integrity.sealed_sums(e[0])
+                for e in evicted]
+        self.tiers.write_down([Evicted(*e) for e in evicted], sums)
+
+    def _restore(self, req: Request, hits: list[int], max_blocks: int) -> list[int] | None:
+        """Pool blocks for the chain blocks after ``hits`` restored from a tier: [] when the
+        tiers have none, None while a restore job runs (the request waits)."""
+        assert self.tiers is not None
+        rid, start, b = req.request_id, len(hits), self.block_size
+        blocks = self.tiers.take_restore(rid)
+        if blocks is None:
+            if self.tiers.restoring(rid):
+                return None
+            starts = self._restore_from.setdefault(rid, [])
+            if start in starts or len(starts) >= MAX_RESTORES_PER_REQUEST:
+                return []
+            hashes, tokens = self.block_hashes(req), req.all_token_ids
+            items = [(hashes[i], tuple(tokens[i * b: (i + 1) * b]))
+                     for i in range(start, max_blocks)]
+            n = self.tiers.available(items)
+            if n == 0:
+                return []
+            starts.append(start)
+            self.tiers.start_restore(rid, items[:n])
+            return None
+        first = self._restore_from[rid][-1]
+        if start < first:
+            return []  # the pool lost blocks before the restored ones meanwhile
+        todo = blocks[start - first:]
+        if not todo:
+            return []
+        # Install into fresh blocks, sealed and registered, then freed as cached blocks: the
+        # hits are pinned meanwhile so the allocation cannot evict them.
+        self.pool.touch(hits)
+        try:
+            n = min(len(todo), self.pool.num_free_blocks)
+            ids = self.pool.allocate(n)
+            if self.integrity is not None:
+                self.integrity.on_allocate(ids)
+            todo = todo[:n]
+            if ids:
+                self.tiers.install(ids, todo)
+                if self.integrity is not None:
+                    self.integrity.seal(ids, [t.chain_hash for t in todo])
+                for block_id, t in zip(ids, todo, strict=True):
+                    if not self.pool.blocks[block_id].quarantined:
+                        self.pool.register(block_id, t.chain_hash, t.token_ids)
+                self.pool.free(ids[::-1])
+        finally:
+            self.pool.free(hits[::-1])
+        more = self._pool_hits(req, start, max_blocks)
+        self.num_restored_tokens += min(len(more), n) * b
+        return more
+
+    def wait_for_restores(self, timeout: float = 0.005) -> None:
+        """An empty step while requests wait for restores sleeps here instead of spinning."""
+        if self.tiers is not None:
+            self.tiers.wait_any(timeout)
+
+    def close(self) -> None:
+        """Shutdown: write the pool's cached blocks down (so a restart finds them on disk) and
+        stop the tiers' threads."""
+        if self.tiers is None:
+            return
+        cached = self.pool.cached_free_blocks()
+        if cached and self.tiers.disk is not None:
+            sums = [None if self.integrity is None else self.integrity.sealed_sums(e[0])
+                    for e in cached]
+            self.tiers.write_down([Evicted(*e) for e in cached], sums, block=True)
+        self.tiers.close()
 
     def allocate_slots(
         self, req: Request, num_new_tokens: int, hit: KVCacheBlocks = EMPTY
@@ -186,6 +290,9 @@ class KVCacheManager:
     def forget(self, req: Request) -> None:
         """Drop per-request hash state (request finished for good)."""
         self._req_hashes.pop(req.request_id, None)
+        self._restore_from.pop(req.request_id, None)
+        if self.tiers is not None:
+            self.tiers.cancel(req.request_id)
 
     def truncate(self, req: Request, num_blocks: int) -> None:
         """Keep only the first ``num_blocks`` blocks (integrity rollback)."""

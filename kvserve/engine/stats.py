@@ -22,4 +22,5 @@ class EngineStats:
     # prompt_tokens, generation_tokens, steps, finished, aborted (totals since start)
     counters: dict[str, int] = field(default_factory=dict)
     integrity: dict[str, Any] | None = None  # IntegrityChecker.stats(); None when off
+    kv_tiers: dict[str, Any] | None = None  # KVTiers.stats(); None when no tier is on
     timestamp: float = 0.0  # time.monotonic() when taken

@@ -152,16 +152,20 @@ class Worker:
             return None
         return kv_head_layout(kv, self.world_size, self.rank)[1]
 
-    def _fingerprint(self) -> bytes:
-        """Binds seals and prefix-cache hashes to the model files, dtypes, block size and
-        (tensor parallel) the layout: tp size, this rank and its KV head range."""
-        folder = self.loaded.folder
+    def model_id(self) -> bytes:
+        """The model files' identity: config.json and each weight file's name, size, mtime."""
         h = hashlib.blake2b(digest_size=16)
-        with open(os.path.join(folder, "config.json"), "rb") as f:
+        with open(os.path.join(self.loaded.folder, "config.json"), "rb") as f:
             h.update(f.read())
         for file in self.loaded.weight_files:
             st = os.stat(file)
             h.update(f"{os.path.basename(file)}:{st.st_size}:{st.st_mtime_ns}".encode())
+        return h.digest()
+
+    def _fingerprint(self) -> bytes:
+        """Binds seals and prefix-cache hashes to the model files, dtypes, block size and
+        (tensor parallel) the layout: tp size, this rank and its KV head range."""
+        h = hashlib.blake2b(self.model_id(), digest_size=16)
         rotation = self.kv_cache.rotation
         rot = "" if rotation is None else f"|rot={rotation.describe()}"
         if self.layout.dtype == torch.int8:

@@ -1,0 +1,497 @@
+"""KV tiers below the pool: a bounded host-memory tier and a bounded disk tier that keep sealed
+blocks after the pool reuses them, and give them back, verified, on a later prefix hit.
+
+Flow (docs/kv-tiers.md)::
+
+    pool evicts a cached block ──copy bytes (step loop, one index_select)──> write queue
+        (bounded; full -> the write is dropped and counted, the step never waits)
+    writer thread: serialize (block_store) -> memory tier (LRU, byte cap)
+                                           -> disk tier (write-through; tmp file + os.replace)
+    prefix lookup past the pool's hits: which of the next chain blocks a tier holds (dict
+        lookup / one stat per block) -> a restore job for the request (it waits, others run)
+    restore thread: read memory, else disk -> block_store.verify -> StoredBlocks
+    next schedule: the manager installs them in fresh pool blocks (seal + register) and they
+        count as a prefix hit.
+
+A block that fails ``verify`` is a miss: its entry is dropped and counted by reason; the
+request recomputes those tokens. Nothing here changes what is computed, only what is reused.
+
+Entries are content addressed: file / key = blake2b(fingerprint || token-chain hash), so one
+directory can hold several models, KV modes and ranks and a name never leaks tokens. Disk LRU
+is by mtime (a read bumps it); every writer scans the directory after each ``cap / 16`` bytes
+it wrote and deletes the oldest files down to ``LOW_WATER * cap``, tolerating files that other
+processes delete concurrently. With k writers the directory can exceed its cap by at most
+k * cap / 16 between scans; each writer's ``trim`` brings it back under the cap.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import logging
+import os
+import queue
+import threading
+import time
+from collections import Counter, OrderedDict
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from kvserve.cache import block_store
+from kvserve.cache.block_store import Reason, Rejected, StoredBlock, StoreSpec
+from kvserve.cache.kv_cache import PagedKVCache
+
+logger = logging.getLogger("kvserve.kv_tiers")
+
+LOW_WATER = 0.9  # a disk trim deletes the oldest files down to this share of the cap
+SUFFIX = ".kvb"
+TMP_PREFIX = ".tmp-"
+STALE_TMP_S = 600.0  # temporary files older than this were left by a dead writer
+# Restore latency histogram bucket bounds (seconds), exported as kvserve_kv_restore_seconds.
+RESTORE_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
+
+
+@dataclass(frozen=True, slots=True)
+class TierConfig:
+    memory_bytes: int = 0  # 0: no host-memory tier
+    disk_dir: str | None = None  # None: no disk tier
+    disk_bytes: int = 0
+    queue_blocks: int = 256  # write-down queue bound (blocks)
+
+    @property
+    def enabled(self) -> bool:
+        return self.memory_bytes > 0 or self.disk_dir is not None
+
+
+@dataclass(frozen=True, slots=True)
+class Evicted:
+    """A cached block leaving the pool: its identity (the bytes are copied by the manager)."""
+
+    block_id: int
+    chain_hash: bytes
+    token_ids: tuple[int, ...]
+
+
+def entry_key(spec: StoreSpec, chain_hash: bytes) -> str:
+    h = hashlib.blake2b(spec.fingerprint.encode(), digest_size=16)
+    h.update(chain_hash)
+    return h.hexdigest()
+
+
+class MemoryTier:
+    """Serialized blocks in host memory, LRU under a byte cap. Thread safe."""
+
+    name = "memory"
+
+    def __init__(self, cap_bytes: int) -> None:
+        self.cap = cap_bytes
+        self._d: OrderedDict[str, bytes] = OrderedDict()
+        self._lock = threading.Lock()
+        self.bytes = 0
+        self.evictions = 0
+
+    def put(self, key: str, blob: bytes) -> None:
+        with self._lock:
+            if key in self._d:
+                self._d.move_to_end(key)
+                return
+            if len(blob) > self.cap:
+                return
+            self._d[key] = blob
+            self.bytes += len(blob)
+            while self.bytes > self.cap:
+                _, old = self._d.popitem(last=False)
+                self.bytes -= len(old)
+                self.evictions += 1
+
+    def get(self, key: str) -> bytes | None:
+        with self._lock:
+            blob = self._d.get(key)
+            if blob is not None:
+                self._d.move_to_end(key)
+            return blob
+
+    def contains(self, key: str) -> bool:
+        with self._lock:
+            return key in self._d
+
+    def drop(self, key: str) -> None:
+        with self._lock:
+            blob = self._d.pop(key, None)
+            if blob is not None:
+                self.bytes -= len(blob)
+
+    def __len__(self) -> int:
+        return len(self._d)
+
+
+class DiskTier:
+    """One file per block in ``directory``; atomic writes, LRU by mtime under a byte cap, safe
+    with several processes sharing the directory (see the module docstring)."""
+
+    name = "disk"
+
+    def __init__(self, directory: str, cap_bytes: int) -> None:
+        self.dir = os.path.abspath(directory)
+        os.makedirs(self.dir, exist_ok=True)
+        self.cap = cap_bytes
+        self.evictions = 0
+        self.bytes = 0  # as of the last scan, plus this process's writes since
+        self._since_scan = 0
+        self._lock = threading.Lock()
+        self.trim()
+
+    def path(self, key: str) -> str:
+        return os.path.join(self.dir, key + SUFFIX)
+
+    def put(self, key: str, blob: bytes) -> None:
+        path = self.path(key)
+        if os.path.exists(path):
+            self._bump(path)
+            return
+        tmp = os.path.join(self.dir, f"{TMP_PREFIX}{os.getpid()}-{threading.get_ident()}-{key}")
+        try:
+            with open(tmp, "wb") as f:
+                f.write(blob)
+            os.replace(tmp, path)  # readers see the whole file or none
+        except OSError as e:
+            logger.warning("kv disk tier: cannot write %s: %s", path, e)
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
+            return
+        with self._lock:
+            self.bytes += len(blob)
+            self._since_scan += len(blob)
+            scan = self._since_scan >= max(1, self.cap // 16) or self.bytes > self.cap
+        if scan:
+            self.trim()
+
+    def get(self, key: str) -> bytes | None:
+        """The file's bytes, None when absent (also: deleted concurrently). OSError: unreadable."""
+        path = self.path(key)
+        try:
+            with open(path, "rb") as f:
+                blob = f.read()
+        except FileNotFoundError:
+            return None
+        self._bump(path)
+        return blob
+
+    def contains(self, key: str) -> bool:
+        return os.path.exists(self.path(key))
+
+    def drop(self, key: str) -> None:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(self.path(key))
+
+    @staticmethod
+    def _bump(path: str) -> None:
+        # LRU: mtime = last use (atime is unreliable under relatime)
+        with contextlib.suppress(OSError):
+            os.utime(path)
+
+    def scan(self) -> list[tuple[float, int, str]]:
+        """(mtime, size, path) of every entry; files vanishing meanwhile are skipped."""
+        out = []
+        now = time.time()
+        try:
+            entries = list(os.scandir(self.dir))
+        except FileNotFoundError:
+            return out
+        for e in entries:
+            try:
+                st = e.stat()
+            except FileNotFoundError:
+                continue
+            if e.name.startswith(TMP_PREFIX):
+                if now - st.st_mtime > STALE_TMP_S:
+                    with contextlib.suppress(OSError):
+                        os.unlink(e.path)
+                continue
+            if e.name.endswith(SUFFIX):
+                out.append((st.st_mtime, st.st_size, e.path))
+        return out
+
+    def trim(self) -> None:
+        """Delete the least recently used files until the directory is under its cap."""
+        files = self.scan()
+        total = sum(f[1] for f in files)
+        if total > self.cap:
+            files.sort()
+            target = int(self.cap * LOW_WATER)
+            for _, size, path in files:
+                if total <= target:
+                    break
+                try:
+                    os.unlink(path)
+                    self.evictions += 1
+                except FileNotFoundError:
+                    pass  # another writer took it
+                total -= size
+        with self._lock:
+            self.bytes = total
+            self._since_scan = 0
+
+    def __len__(self) -> int:
+        return len(self.scan())
+
+
+@dataclass(slots=True)
+class _Write:
+    chain_hash: bytes
+    token_ids: tuple[int, ...]
+    payload: torch.Tensor  # [L, C, bs, H, D] CPU copy
+    scales: torch.Tensor | None
+    sealed_sums: np.ndarray | None  # [L, 4] the pool's seal, when integrity is on
+
+
+@dataclass(slots=True)
+class _Restore:
+    items: list[tuple[bytes, tuple[int, ...]]]  # (chain hash, token ids) in chain order
+    started: float
+    done: threading.Event
+    blocks: list[StoredBlock]
+
+
+class KVTiers:
+    """The tiers of one engine rank, their writer and restore threads, and their counters.
+    Owned by ``KVCacheManager``; the step loop calls ``write_down`` (on eviction),
+    ``available`` / ``start_restore`` / ``take_restore`` (on prefix lookups) and ``install``."""
+
+    def __init__(self, cfg: TierConfig, spec: StoreSpec, kv: PagedKVCache) -> None:
+        assert cfg.enabled
+        self.cfg, self.spec, self.kv = cfg, spec, kv
+        self.memory = MemoryTier(cfg.memory_bytes) if cfg.memory_bytes > 0 else None
+        self.disk = DiskTier(cfg.disk_dir, cfg.disk_bytes) if cfg.disk_dir is not None else None
+        self.tiers: list[MemoryTier | DiskTier] = [
+            t for t in (self.memory, self.disk) if t is not None]
+        self.hits: Counter[str] = Counter()  # blocks restored, by tier
+        self.misses: Counter[str] = Counter()  # chain blocks looked for and absent, by tier
+        self.writes: Counter[str] = Counter()  # blocks written, by tier
+        self.rejected: Counter[tuple[str, str]] = Counter()  # (tier, reason)
+        self.dropped_writes = 0  # write-downs refused by a full queue
+        self.corrupt_in_pool = 0  # evicted blocks whose bytes no longer matched their seal
+        self.restore_hist = np.zeros(len(RESTORE_BUCKETS) + 1, dtype=np.int64)
+        self.restore_seconds = 0.0
+        self._writes: queue.Queue[_Write | None] = queue.Queue(maxsize=cfg.queue_blocks)
+        self._restores: queue.Queue[_Restore | None] = queue.Queue()
+        self._jobs: dict[str, _Restore] = {}
+        self._writer = threading.Thread(target=self._write_loop, name="kv-tier-writer",
+                                        daemon=True)
+        self._reader = threading.Thread(target=self._restore_loop, name="kv-tier-restore",
+                                        daemon=True)
+        self._writer.start()
+        self._reader.start()
+        self._closed = False
+
+    def describe(self) -> str:
+        parts = []
+        if self.memory is not None:
+            parts.append(f"host memory {self.memory.cap / 2**30:.2f} GiB")
+        if self.disk is not None:
+            parts.append(f"disk {self.disk.dir} {self.disk.cap / 2**30:.2f} GiB "
+                         f"({len(self.disk)} blocks found there)")
+        return (f"KV tiers: {', '.join(parts)}; {self.spec.block_bytes / 1024:.1f} KiB per "
+                f"block; write queue {self.cfg.queue_blocks} blocks")
+
+    # ---- write-down (step loop: copy and enqueue; writer thread: the rest) ------------------
+    def write_down(self, evicted: list[Evicted], sealed_sums: list[np.ndarray | None],
+                   block: bool = False) -> None:
+        """Copy the evicted blocks' bytes now (before the pool reuses them) and queue them.
+        A full queue drops the write (``dropped_writes``) unless ``block`` (shutdown)."""
+        if not evicted or self._closed:
+            return
+        if self.memory is not None and self.disk is None:
+            todo = [(e, s) for e, s in zip(evicted, sealed_sums, strict=True)
+                    if not self.memory.contains(entry_key(self.spec, e.chain_hash))]
+        else:
+            todo = list(zip(evicted, sealed_sums, strict=True))
+        if not block:
+            room = self._writes.maxsize - self._writes.qsize()
+            if room < len(todo):
+                self.dropped_writes += len(todo) - max(room, 0)
+                todo = todo[: max(room, 0)]
+        if not todo:
+            return
+        idx = torch.tensor([e.block_id for e, _ in todo], dtype=torch.int64,
+                           device=self.kv.data.device)
+        payload = self.kv.data.index_select(1, idx).cpu()  # [L, n, C, bs, H, D]
+        scales = None if self.kv.scales is None else self.kv.scales.index_select(1, idx).cpu()
+        for i, (e, s) in enumerate(todo):
+            w = _Write(e.chain_hash, e.token_ids, payload[:, i],
+                       None if scales is None else scales[:, i], s)
+            try:
+                self._writes.put(w, block=block)
+            except queue.Full:
+                self.dropped_writes += 1
+
+    def _write_loop(self) -> None:
+        while True:
+            w = self._writes.get()
+            try:
+                if w is None:
+                    return
+                self._write_one(w)
+            except Exception:  # noqa: BLE001 - a failed write-down only loses a cache entry
+                logger.exception("kv tiers: write-down failed")
+            finally:
+                self._writes.task_done()
+
+    def _write_one(self, w: _Write) -> None:
+        sums = block_store.block_sums(w.payload.unsqueeze(1),
+                                      None if w.scales is None else w.scales.unsqueeze(1))[0]
+        if w.sealed_sums is not None and not np.array_equal(sums, w.sealed_sums):
+            self.corrupt_in_pool += 1  # the pool's scrubber / next verify will find it too
+            logger.error("kv tiers: an evicted block no longer matches its seal; not stored")
+            return
+        blob = block_store.serialize(
+            self.spec, StoredBlock(w.chain_hash, w.token_ids, w.payload, w.scales, sums))
+        key = entry_key(self.spec, w.chain_hash)
+        for tier in self.tiers:
+            tier.put(key, blob)
+            self.writes[tier.name] += 1
+
+    def flush(self, timeout: float = 30.0) -> None:
+        """Wait until every queued write-down is stored (tests, shutdown)."""
+        deadline = time.monotonic() + timeout
+        while self._writes.unfinished_tasks and time.monotonic() < deadline:
+            time.sleep(0.001)
+
+    # ---- restore ------------------------------------------------------------------------
+    def available(self, items: list[tuple[bytes, tuple[int, ...]]]) -> int:
+        """How many of ``items`` (the chain's next blocks, in order) some tier holds."""
+        n = 0
+        for chain_hash, _ in items:
+            key = entry_key(self.spec, chain_hash)
+            found = False
+            for tier in self.tiers:
+                if tier.contains(key):
+                    found = True
+                    break
+                self.misses[tier.name] += 1
+            if not found:
+                break
+            n += 1
+        return n
+
+    def start_restore(self, req_id: str, items: list[tuple[bytes, tuple[int, ...]]]) -> None:
+        assert req_id not in self._jobs
+        job = _Restore(items, time.perf_counter(), threading.Event(), [])
+        self._jobs[req_id] = job
+        self._restores.put(job)
+
+    def restoring(self, req_id: str) -> bool:
+        job = self._jobs.get(req_id)
+        return job is not None and not job.done.is_set()
+
+    def take_restore(self, req_id: str) -> list[StoredBlock] | None:
+        """The verified blocks of a finished restore job (consumed), None if none finished."""
+        job = self._jobs.get(req_id)
+        if job is None or not job.done.is_set():
+            return None
+        del self._jobs[req_id]
+        return job.blocks
+
+    def cancel(self, req_id: str) -> None:
+        """Forget a request's restore (its result, if it comes, is dropped)."""
+        self._jobs.pop(req_id, None)
+
+    def wait_any(self, timeout: float) -> None:
+        """Sleep until some restore job finished (or ``timeout``): an idle step loop whose only
+        work waits for restores does not spin."""
+        for job in list(self._jobs.values()):
+            if not job.done.is_set():
+                job.done.wait(timeout)
+                return
+
+    def _restore_loop(self) -> None:
+        while True:
+            job = self._restores.get()
+            if job is None:
+                return
+            try:
+                for chain_hash, tokens in job.items:
+                    blk = self._read_one(chain_hash, tokens)
+                    if blk is None:
+                        break
+                    job.blocks.append(blk)
+            except Exception:  # noqa: BLE001 - a failed restore is a miss
+                logger.exception("kv tiers: restore failed")
+            dt = time.perf_counter() - job.started
+            self.restore_seconds += dt
+            self.restore_hist[int(np.searchsorted(RESTORE_BUCKETS, dt))] += 1
+            job.done.set()
+
+    def _read_one(self, chain_hash: bytes, tokens: tuple[int, ...]) -> StoredBlock | None:
+        key = entry_key(self.spec, chain_hash)
+        for tier in self.tiers:
+            try:
+                blob = tier.get(key)
+            except OSError as e:
+                blob = None
+                self._reject(tier, key, Rejected(Reason.UNREADABLE, str(e)))
+            if blob is None:
+                continue
+            res = block_store.verify(self.spec, blob, chain_hash, tokens)
+            if isinstance(res, Rejected):
+                self._reject(tier, key, res)
+                continue
+            self.hits[tier.name] += 1
+            if tier is self.disk and self.memory is not None:
+                self.memory.put(key, blob)  # promote
+            return res
+        return None
+
+    def _reject(self, tier: MemoryTier | DiskTier, key: str, why: Rejected) -> None:
+        self.rejected[(tier.name, why.reason.value)] += 1
+        logger.warning("kv tiers: %s entry %s refused: %s %s", tier.name, key, why.reason.value,
+                       why.detail)
+        tier.drop(key)
+
+    def install(self, block_ids: list[int], blocks: list[StoredBlock]) -> None:
+        """Copy verified blocks into freshly allocated pool blocks (and, where the write kernel
+        keeps checksum state, set it to the verified sums so sealing reads them)."""
+        idx = torch.tensor(block_ids, dtype=torch.int64, device=self.kv.data.device)
+        dev = self.kv.data.device
+        payload = torch.stack([b.payload for b in blocks], 1).to(dev)
+        self.kv.data.index_copy_(1, idx, payload)
+        if self.kv.scales is not None:
+            scales = torch.stack([b.scales for b in blocks], 1).to(dev)  # type: ignore[misc]
+            self.kv.scales.index_copy_(1, idx, scales)
+        state = self.kv.csum_state
+        if state is not None:
+            sums = torch.from_numpy(np.stack([b.sums for b in blocks], 1)).to(state.device)
+            state.index_copy_(1, idx, sums)
+
+    # ---- lifecycle / stats --------------------------------------------------------------
+    def close(self) -> None:
+        if self._closed:
+            return
+        self.flush()
+        self._closed = True
+        self._writes.put(None)
+        self._restores.put(None)
+        self._writer.join(timeout=10)
+        self._reader.join(timeout=10)
+        if self.disk is not None:
+            self.disk.trim()
+
+    def stats(self) -> dict:
+        tiers = {}
+        for t in self.tiers:
+            tiers[t.name] = {
+                "hits": self.hits[t.name], "misses": self.misses[t.name],
+                "writes": self.writes[t.name], "bytes": t.bytes, "cap_bytes": t.cap,
+                "evictions": t.evictions,
+                "rejected": {r: n for (name, r), n in self.rejected.items() if name == t.name},
+            }
+        return {
+            "tiers": tiers, "queue_depth": self._writes.qsize(),
+            "queue_capacity": self._writes.maxsize, "dropped_writes": self.dropped_writes,
+            "corrupt_in_pool": self.corrupt_in_pool,
+            "restore_buckets": list(RESTORE_BUCKETS),
+            "restore_counts": [int(x) for x in self.restore_hist],
+            "restore_seconds": self.restore_seconds,
+        }

@@ -209,16 +209,25 @@ class KVCacheManager:
         if self.tiers is not None:
             self.tiers.wait_any(timeout)
 
+    def write_down_cached(self) -> int:
+        """Queue every cached block the pool holds free for write-down (waiting for room, not
+        dropping) and wait until it is stored; returns the number of blocks."""
+        if self.tiers is None:
+            return 0
+        cached = self.pool.cached_free_blocks()
+        sums = [None if self.integrity is None else self.integrity.sealed_sums(e[0])
+                for e in cached]
+        self.tiers.write_down([Evicted(*e) for e in cached], sums, block=True)
+        self.tiers.flush()
+        return len(cached)
+
     def close(self) -> None:
-        """Shutdown: write the pool's cached blocks down (so a restart finds them on disk) and
+        """Shutdown: write the pool's cached blocks to disk (a restart finds them there) and
         stop the tiers' threads."""
         if self.tiers is None:
             return
-        cached = self.pool.cached_free_blocks()
-        if cached and self.tiers.disk is not None:
-            sums = [None if self.integrity is None else self.integrity.sealed_sums(e[0])
-                    for e in cached]
-            self.tiers.write_down([Evicted(*e) for e in cached], sums, block=True)
+        if self.tiers.disk is not None:
+            self.write_down_cached()
         self.tiers.close()
 
     def allocate_slots(

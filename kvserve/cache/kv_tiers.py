@@ -317,8 +317,13 @@ class KVTiers:
             return
         idx = torch.tensor([e.block_id for e, _ in todo], dtype=torch.int64,
                            device=self.kv.data.device)
-        payload = self.kv.data.index_select(1, idx).cpu()  # [L, n, C, bs, H, D]
-        scales = None if self.kv.scales is None else self.kv.scales.index_select(1, idx).cpu()
+        # [L, n, C, bs, H, D] (copied as bytes: FP8 has few CPU kernels)
+        payload = self.kv.data.view(torch.uint8).index_select(1, idx).cpu().view(
+            self.kv.data.dtype)
+        scales = None
+        if self.kv.scales is not None:
+            scales = self.kv.scales.view(torch.uint8).index_select(1, idx).cpu().view(
+                self.kv.scales.dtype)
         for i, (e, s) in enumerate(todo):
             w = _Write(e.chain_hash, e.token_ids, payload[:, i],
                        None if scales is None else scales[:, i], s)
@@ -455,11 +460,12 @@ class KVTiers:
         keeps checksum state, set it to the verified sums so sealing reads them)."""
         idx = torch.tensor(block_ids, dtype=torch.int64, device=self.kv.data.device)
         dev = self.kv.data.device
+        # as bytes: index_copy_ has no FP8 kernel on CPU
         payload = torch.stack([b.payload for b in blocks], 1).to(dev)
-        self.kv.data.index_copy_(1, idx, payload)
+        self.kv.data.view(torch.uint8).index_copy_(1, idx, payload.view(torch.uint8))
         if self.kv.scales is not None:
             scales = torch.stack([b.scales for b in blocks], 1).to(dev)  # type: ignore[misc]
-            self.kv.scales.index_copy_(1, idx, scales)
+            self.kv.scales.view(torch.uint8).index_copy_(1, idx, scales.view(torch.uint8))
         state = self.kv.csum_state
         if state is not None:
             sums = torch.from_numpy(np.stack([b.sums for b in blocks], 1)).to(state.device)

@@ -11,7 +11,12 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+    Metric,
+)
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 from kvserve.engine.async_engine import EngineSnapshot
@@ -68,6 +73,49 @@ class _SnapshotCollector:
             for reason, n in sorted((integrity.get(key) or {}).items()):
                 fam.add_metric([str(reason)], n)
             yield fam
+        if s.kv_tiers is not None:
+            yield from _tier_metrics(s.kv_tiers)
+
+
+def _tier_metrics(st: dict) -> Iterator[Metric]:
+    """The KV tiers (kvserve/cache/kv_tiers.py ``KVTiers.stats``), labelled by tier."""
+    tiers = st.get("tiers", {})
+    for key, doc in (("hits", "KV blocks restored from a tier (verified)"),
+                     ("misses", "Chain blocks looked for in a tier and not there"),
+                     ("writes", "KV blocks written down to a tier"),
+                     ("evictions", "KV tier entries evicted by its byte cap")):
+        fam = CounterMetricFamily(f"kvserve_kv_tier_{key}", f"{doc}.", labels=["tier"])
+        for name, t in sorted(tiers.items()):
+            fam.add_metric([name], t.get(key, 0))
+        yield fam
+    fam = GaugeMetricFamily("kvserve_kv_tier_bytes", "Bytes a KV tier holds.", labels=["tier"])
+    cap = GaugeMetricFamily("kvserve_kv_tier_capacity_bytes", "A KV tier's byte cap.",
+                            labels=["tier"])
+    for name, t in sorted(tiers.items()):
+        fam.add_metric([name], t.get("bytes", 0))
+        cap.add_metric([name], t.get("cap_bytes", 0))
+    yield fam
+    yield cap
+    rej = CounterMetricFamily("kvserve_kv_tier_rejected", "KV tier entries refused by "
+                              "verification (dropped, recomputed), by tier and reason.",
+                              labels=["tier", "reason"])
+    for name, t in sorted(tiers.items()):
+        for reason, n in sorted((t.get("rejected") or {}).items()):
+            rej.add_metric([name, reason], n)
+    yield rej
+    yield GaugeMetricFamily("kvserve_kv_offload_queue_depth", "Evicted KV blocks waiting to "
+                            "be written down.", value=st.get("queue_depth", 0))
+    yield CounterMetricFamily("kvserve_kv_offload_dropped_writes", "Write-downs dropped by a "
+                              "full queue.", value=st.get("dropped_writes", 0))
+    bounds, counts = st.get("restore_buckets", []), st.get("restore_counts", [])
+    if counts:
+        cum, buckets = 0, []
+        for le, n in zip([*map(str, bounds), "+Inf"], counts, strict=True):
+            cum += n
+            buckets.append((le, cum))
+        yield HistogramMetricFamily("kvserve_kv_restore_seconds", "Time to read and verify a "
+                                    "request's blocks from the KV tiers.", buckets=buckets,
+                                    sum_value=st.get("restore_seconds", 0.0))
 
 
 class ServerMetrics:

@@ -285,8 +285,26 @@ def test_fault_drills(tiny_bf16, cold, tmp_path):
         hits = _tier_stats(llm)["disk"]["hits"]
         assert _outs(llm, [p1[0]]) == [ref1[0]]
         assert _tier_stats(llm)["disk"]["hits"] > hits
+        _check_metrics(eng)
     finally:
         eng.shutdown()
+
+
+def _check_metrics(eng) -> None:
+    """/metrics shows each tier's counters, the rejections by reason, the queue and the
+    restore-latency histogram."""
+    from kvserve.server.metrics import ServerMetrics
+
+    text = ServerMetrics(eng.stats).render()[0].decode()
+    st = eng.stats().kv_tiers
+    disk = st["tiers"]["disk"]
+    assert f'kvserve_kv_tier_hits_total{{tier="disk"}} {float(disk["hits"])}' in text
+    assert ('kvserve_kv_tier_rejected_total{reason="bad_checksum",tier="disk"} 3.0' in text
+            or 'kvserve_kv_tier_rejected_total{tier="disk",reason="bad_checksum"} 3.0' in text)
+    assert "kvserve_kv_offload_queue_depth 0.0" in text
+    n = sum(st["restore_counts"])
+    assert n > 0 and f'kvserve_kv_restore_seconds_bucket{{le="+Inf"}} {float(n)}' in text
+    assert 'kvserve_kv_tier_bytes{tier="disk"}' in text
 
 
 def _read(path: str) -> bytes:

@@ -162,10 +162,10 @@ def test_mla_latent_cache(tmp_path):
     from tests.model.test_moe_mla import make_tiny_moe
 
     path = make_tiny_moe(str(tmp_path / "ds"), "deepseek_v3")
-    prompts = _prompts(3, doc=44)
+    prompts = _prompts(3, doc=44)[:2]
     ref_llm = _llm(path, "int8")
     ref = _outs(ref_llm, prompts)
-    llm = _llm(path, "int8", num_blocks=9, kv_offload_dir=str(tmp_path / "kv"),
+    llm = _llm(path, "int8", num_blocks=5, kv_offload_dir=str(tmp_path / "kv"),
                kv_offload_disk=0.01)
     written: dict = {}
     tiers = llm.engine.kv.tiers

@@ -197,7 +197,8 @@ def set_threads(threads: int | None) -> None:
         torch.set_num_threads(threads)
 
 
-_ISA_FLAGS = ("avx2", "fma", "f16c", "avx512f", "avx512_bf16", "avx512_vnni", "amx_bf16")
+_ISA_FLAGS = ("avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512_bf16", "avx512_vnni",
+              "amx_bf16", "amx_int8")
 
 
 def cpu_info() -> dict[str, Any]:
@@ -215,8 +216,46 @@ def cpu_info() -> dict[str, Any]:
                     break
     except OSError:
         pass
+    from kvserve.cbuild import cpu_kind
+
     return {"model": name, "isa": [f for f in _ISA_FLAGS if f in flags],
+            "kind": cpu_kind(frozenset(flags)),
             "torch_cpu_capability": torch.backends.cpu.get_cpu_capability()}
+
+
+def _last_level_cache_bytes() -> int:
+    """The largest cache sysfs reports for cpu0 (L3 per CCX on AMD, per socket on Intel; a VM
+    may report anything); 0 when unknown."""
+    base, best = "/sys/devices/system/cpu/cpu0/cache", 0
+    try:
+        for entry in os.listdir(base):
+            with open(os.path.join(base, entry, "size")) as f:
+                text = f.read().strip()
+            mult = {"K": 2**10, "M": 2**20, "G": 2**30}.get(text[-1:].upper(), 1)
+            best = max(best, int(text.rstrip("KMGkmg")) * mult)
+    except (OSError, ValueError):
+        pass
+    return best
+
+
+def read_bandwidth(mib: int = 0, rounds: int = 5) -> dict[str, Any]:
+    """This machine's streaming read bandwidth at torch's thread count (the one the engine
+    decodes with): ``torch.sum`` over an fp32 buffer of ``mib`` MiB (0: max(512 MiB, 8x the
+    last-level cache), far beyond any cache so every byte comes from DRAM), written once
+    before timing; GB/s = bytes / the best of ``rounds`` sums (the median beside it). A
+    decode step cannot read its weights faster than this (the memory floor)."""
+    size = (mib or max(512, 8 * _last_level_cache_bytes() // 2**20)) * 2**20
+    buf = torch.ones(size // 4)
+    buf.sum()  # page in, warm
+    times = []
+    for _ in range(rounds):
+        t0 = time.perf_counter()
+        buf.sum()
+        times.append(time.perf_counter() - t0)
+    del buf
+    return {"read_gbs": size / min(times) / 1e9, "read_gbs_median": size / median(times) / 1e9,
+            "buffer_mib": size // 2**20, "threads": torch.get_num_threads(), "rounds": rounds,
+            "method": "torch.sum over an fp32 buffer (best of rounds)"}
 
 
 def env_info() -> dict[str, Any]:

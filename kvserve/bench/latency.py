@@ -6,6 +6,13 @@ For each batch size B and round, B random-token prompts of ``input_len`` are sub
 are timed: decode tokens/s = B x (timed steps) / (their seconds). Reported: the median over
 ``rounds``. Implementations (kvserve and peers) alternate first place between rounds.
 
+Memory floor: before the engine is built a probe streams a buffer far beyond the caches
+(``read_bandwidth``; ``env.read_bandwidth.read_gbs`` in the JSON, beside ``env.cpu``). Each
+kvserve row then carries ``floor_ms`` = (weight bytes a decode step reads + B x KV bytes of a
+sequence at the timed steps' mean context) / that bandwidth, and ``step_over_floor`` = its
+median step / ``floor_ms`` (1.0 would be reading every byte at full bandwidth; batch 1 is where
+a decode step should come close). Numbers from a loaded, shared host do not count.
+
 Peers: ``hf`` runs ``transformers`` ``generate`` in this process on the same folder and dtype
 (batched, left padding, per-token timestamps from a stopping-criteria hook; its decode time is
 first token -> last token). ``llamacpp`` and ``vllm`` run a script in ``--peer-python`` (one
@@ -16,8 +23,9 @@ of round 0 with kvserve.
 
 - ``vllm``: ``LLM`` with the engine core in process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``),
   ``enforce_eager``, no prefix caching, ``VLLM_CPU_KVCACHE_SPACE`` 1 GB unless set, one prefill
-  step for all B prompts; dtype = kvserve's compute dtype unless ``peer_dtype`` or the
-  environment variable ``KVSERVE_VLLM_DTYPE`` names one; ``LLMEngine.step`` is timed per step
+  step for all B prompts; dtype = ``peer_dtype`` or the environment variable
+  ``KVSERVE_VLLM_DTYPE``, else bf16 for a bf16 checkpoint on an AVX512-BF16 / AMX CPU (vLLM's
+  fast path there), else kvserve's compute dtype; ``LLMEngine.step`` is timed per step
   and a step counts when every sequence gained exactly one token.
 - ``llamacpp``: the low-level API, one context per B (``n_seq_max`` = B, ``n_ctx`` =
   B x (input + output)), one sequence id per sequence, all prompts prefilled in one
@@ -55,6 +63,7 @@ from kvserve.bench.common import (
     peer_importable,
     pyplot,
     random_prompts,
+    read_bandwidth,
     resolve_model_path,
     rotated,
     run_peer_script,
@@ -309,6 +318,50 @@ def engine_memory(engine: LLMEngine, rss_before: float) -> dict[str, float]:
             "kv_pool_mib": kv / 2**20, "rss_growth_mib": rss_mib() - rss_before}
 
 
+def decode_weight_bytes(model: torch.nn.Module) -> int:
+    """Weight bytes one decode step reads: everything the model holds
+    (kvserve.model.loader.weight_bytes) except an input-embedding table the LM head does not
+    share -- the embedding reads only the batch's rows."""
+    from kvserve.model.loader import weight_bytes
+
+    held, _ = weight_bytes(model)
+    emb = getattr(getattr(model, "model", None), "embed_tokens", None)
+    head = getattr(model, "lm_head", None)
+    if emb is None or head is None:
+        return held
+    emb_ids = {id(t) for t in emb.parameters()}
+    if emb_ids & {id(t) for t in head.parameters()}:
+        return held  # tied: the head reads the whole table every step
+    return held - sum(t.numel() * t.element_size() for t in emb.parameters())
+
+
+def memory_floor(engine: LLMEngine, lc: LatencyConfig, bandwidth: dict[str, Any]
+                 ) -> dict[str, Any]:
+    """The memory floor of a decode step: (weight bytes + the batch's KV bytes) / the
+    measured read bandwidth. KV bytes per sequence: the cache's bytes per token (all layers,
+    K and V, scales) times the mean context of the timed steps, input_len + output_len / 2."""
+    weights = decode_weight_bytes(engine.model)
+    per_token = engine.kv_cache.bytes_per_token
+    context = lc.input_len + lc.output_len / 2
+    gbs = bandwidth["read_gbs"]
+    return {"weight_bytes_per_step": weights, "kv_bytes_per_token": per_token,
+            "mean_context_tokens": context, "read_gbs": gbs,
+            "floor_ms": {str(b): ms((weights + b * per_token * context) / (gbs * 1e9))
+                         for b in lc.batch_sizes}}
+
+
+def vllm_default_dtype(engine: LLMEngine) -> str:
+    """The vLLM peer's dtype unless one is named: bfloat16 for a bf16 checkpoint on a CPU with
+    AVX512-BF16 / AMX (vLLM's own fast path there), else the dtype kvserve computes in (fp32
+    for a 16-bit checkpoint: vLLM computes bf16 with slow torch ops without AVX512-BF16)."""
+    from kvserve.cbuild import cpu_kind
+
+    storage = engine.executor.driver.loaded.storage
+    if storage == torch.bfloat16 and cpu_kind() in ("avx512_bf16", "amx"):
+        return "bfloat16"
+    return _TORCH_DTYPE_NAMES.get(dtype_name(engine.model_config.dtype), "bfloat16")
+
+
 def _agreement(a: list[list[int]], b: list[list[int]]) -> float:
     pairs = [(x, y) for ra, rb in zip(a, b, strict=True) for x, y in zip(ra, rb, strict=False)]
     return sum(x == y for x, y in pairs) / len(pairs) if pairs else 0.0
@@ -336,6 +389,8 @@ def _run(lc: LatencyConfig, model: str) -> dict[str, Any]:
     if base.kv_cache_memory is None and base.num_blocks is None:
         per_seq = math.ceil((lc.input_len + lc.output_len) / base.block_size)
         base = dataclasses.replace(base, num_blocks=max_b * per_seq + 1)
+    log("read-bandwidth probe")
+    bandwidth = read_bandwidth(lc.bandwidth_probe_mib)
     rss0 = rss_mib()
     engine = LLMEngine(base)
     engines = {"kvserve": (engine, StepRecorder(engine), engine_memory(engine, rss0))}
@@ -401,6 +456,12 @@ def _run(lc: LatencyConfig, model: str) -> dict[str, Any]:
         return out
 
     ours = table("kvserve")
+    floor = memory_floor(engine, lc, bandwidth)
+    for row in ours:  # how close each step comes to reading its bytes at full bandwidth
+        f = floor["floor_ms"][str(row["batch_size"])]
+        row["floor_ms"] = f
+        step = row["decode_step_ms_median"]
+        row["step_over_floor"] = step / f if step and f else None
     summary: dict[str, Any] = {}
     if hf is not None:
         hf_rows = table("hf")
@@ -422,7 +483,8 @@ def _run(lc: LatencyConfig, model: str) -> dict[str, Any]:
         "output_len": lc.output_len,
         "rounds": lc.rounds,
         "batch_sizes": lc.batch_sizes,
-        "env": env_info(),
+        "env": {**env_info(), "read_bandwidth": bandwidth},
+        "memory_floor": floor,
         "kvserve": ours,
         "memory": engines["kvserve"][2],
         "peers": peers,
@@ -444,7 +506,7 @@ def _run(lc: LatencyConfig, model: str) -> dict[str, Any]:
             str(a["batch_size"]): (a["decode_tokens_per_s"] / c["decode_tokens_per_s"])
             if a["decode_tokens_per_s"] and c["decode_tokens_per_s"] else None
             for a, c in zip(ours, cmp_rows, strict=True)}
-    peer_dtype = _TORCH_DTYPE_NAMES.get(dtype_name(engine.model_config.dtype), "bfloat16")
+    peer_dtype = vllm_default_dtype(engine)
     del engine, rec, hf, engines
     gc.collect()
     external = [n for n in ("llamacpp", "vllm") if n in lc.peers]
@@ -493,7 +555,8 @@ def plot_latency(result: dict[str, Any], path: str) -> None:
 
 
 def format_table(result: dict[str, Any]) -> str:
-    lines = [f"{'impl':<10}{'batch':>6}{'decode tok/s':>14}{'step ms':>10}{'prefill s':>11}"]
+    lines = [f"{'impl':<10}{'batch':>6}{'decode tok/s':>14}{'step ms':>10}{'prefill s':>11}"
+             f"{'floor ms':>10}{'step/floor':>11}"]
     series = {"kvserve": result["kvserve"]}
     for name, peer in result["peers"].items():
         if isinstance(peer, dict) and isinstance(peer.get("results"), list):
@@ -505,5 +568,10 @@ def format_table(result: dict[str, Any]) -> str:
         for r in rows:
             lines.append(f"{name:<10}{r['batch_size']:>6}{f(r.get('decode_tokens_per_s')):>14}"
                          f"{f(r.get('decode_step_ms_median'), 2):>10}"
-                         f"{f(r.get('prefill_s_median'), 3):>11}")
+                         f"{f(r.get('prefill_s_median'), 3):>11}"
+                         f"{f(r.get('floor_ms'), 2):>10}{f(r.get('step_over_floor'), 2):>11}")
+    bw = result.get("env", {}).get("read_bandwidth")
+    if bw:
+        lines.append(f"memory floor: (weight + KV bytes) / {bw['read_gbs']:.1f} GB/s read "
+                     f"bandwidth ({bw['buffer_mib']} MiB streamed, {bw['threads']} thread(s))")
     return "\n".join(lines)

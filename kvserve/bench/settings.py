@@ -119,12 +119,15 @@ class LatencyConfig:
         None, "a second kvserve engine in the same run, rounds rotated with the first (e.g. "
         "the model's dequantized bf16 folder vs its packed GGUF)", metavar="PATH")
     peer_timeout: float = arg(3600.0, "seconds before a peer run is stopped", type=float)
+    bandwidth_probe_mib: int = arg(
+        0, "MiB the read-bandwidth probe streams for the memory floor (0: max(512, 8x the "
+        "last-level cache))", type=int)
     # llama.cpp without peer_model: convert the HF folder with this convert_hf_to_gguf.py
     # (None: env KVSERVE_LLAMACPP_CONVERT), to this GGUF type
     llamacpp_convert: str | None = arg(None, "", cli=False)
     llamacpp_outtype: str = arg("bf16", "", cli=False)
-    # vLLM dtype (bfloat16, float32, ...); None: env KVSERVE_VLLM_DTYPE, else the dtype
-    # kvserve computes in (fp32 for a bf16 checkpoint on a CPU without native bf16 GEMM)
+    # vLLM dtype (bfloat16, float32, ...); None: env KVSERVE_VLLM_DTYPE, else bf16 for a bf16
+    # checkpoint on an AVX512-BF16 / AMX CPU, else the dtype kvserve computes in
     peer_dtype: str | None = arg(None, "", cli=False)
     # VLLM_CPU_KVCACHE_SPACE unless set in the environment
     vllm_kv_cache_gb: int = arg(1, "", cli=False)
@@ -142,6 +145,9 @@ class LatencyConfig:
         bad = [p for p in self.peers if p not in PEERS]
         if bad:
             raise ValueError(f"peer must be one of {', '.join(PEERS)}; got {bad[0]!r}")
+        if self.bandwidth_probe_mib < 0:
+            raise ValueError(f"bandwidth_probe_mib must be >= 0 (0: automatic), got "
+                             f"{self.bandwidth_probe_mib}")
 
 
 @dataclass

@@ -179,9 +179,21 @@ def test_latency_compare_model_and_memory(tiny_llama, model_factory, tmp_path):
     out = tmp_path / "c.json"
     rc = main(["bench", "latency", "--model", tiny_llama, "--compare-model", other,
                "--batch-sizes", "1,2", "--input-len", "8", "--output-len", "4", "--rounds", "1",
-               "--json", str(out), "--no-progress"])
+               "--bandwidth-probe-mib", "64", "--json", str(out), "--no-progress"])
     assert rc == 0
     r = json.loads(out.read_text())
+    bw = r["env"]["read_bandwidth"]
+    assert bw["read_gbs"] > 0 and bw["buffer_mib"] == 64 and "cpu" in r["env"]
+    assert r["env"]["cpu"]["kind"] in ("amx", "avx512_bf16", "avx512", "avx2", "portable")
+    fl = r["memory_floor"]
+    # untied tiny Llama: the embedding table (512 x 64 fp32) is not read by a decode step
+    assert fl["weight_bytes_per_step"] == r["memory"]["weights_mib"] * 2**20 - 512 * 64 * 4
+    assert fl["mean_context_tokens"] == 8 + 4 / 2 and fl["kv_bytes_per_token"] > 0
+    for x in r["kvserve"]:
+        want = ((fl["weight_bytes_per_step"] + x["batch_size"] * fl["kv_bytes_per_token"] * 10)
+                / (bw["read_gbs"] * 1e9) * 1e3)
+        assert x["floor_ms"] == pytest.approx(want)
+        assert x["step_over_floor"] == pytest.approx(x["decode_step_ms_median"] / x["floor_ms"])
     cmp_ = r["peers"]["kvserve_compare"]
     assert [x["batch_size"] for x in cmp_["results"]] == [1, 2]
     assert all(x["decode_tokens_per_s"] > 0 for x in cmp_["results"])
@@ -221,3 +233,15 @@ def test_placeholder_spm_runner_writes_the_expected_model(tmp_path):
                    input=json.dumps({"vocab": 10, "out": str(out)}), capture_output=True)
     assert hashlib.sha256(out.read_bytes()).hexdigest() == (
         "239df34aebf4a37bb2245876b1dd70dad9b1482845485d2408e8b476b3b153d2")
+
+
+def test_decode_weight_bytes_counts_a_tied_table_once_and_an_untied_one_not(model_factory,
+                                                                              make_llm):
+    from kvserve.bench.latency import decode_weight_bytes
+    from kvserve.model.loader import weight_bytes
+
+    tied = make_llm(model_factory("llama", tie_word_embeddings=True)).engine.model
+    untied = make_llm(model_factory("llama")).engine.model
+    assert decode_weight_bytes(tied) == weight_bytes(tied)[0]  # the head reads the table
+    emb = untied.model.embed_tokens.weight
+    assert decode_weight_bytes(untied) == weight_bytes(untied)[0] - emb.numel() * 4

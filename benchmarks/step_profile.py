@@ -155,8 +155,9 @@ def build(args, kv: str, batch: int, timers: Timers, prompt_len: int) -> Config:
                                kv_cache_memory=max(MIN_BUDGET, need), max_num_seqs=batch,
                                seed=args.seed, enforce_eager=not args.graphs))
     eng.kv_cache.write = timers.wrap("kv_write", eng.kv_cache.write)
-    eng.runner.run = timers.wrap("forward", eng.runner.run)  # model forward + LM head
-    eng.sampler = timers.wrap("sampling", eng.sampler)
+    drv = eng.executor.driver.runner  # rank 0's forward runner
+    drv.run = timers.wrap("forward", drv.run)  # model forward + LM head
+    eng.runner.sampler = timers.wrap("sampling", eng.runner.sampler)
     cfg = Config(kv, batch, eng)
     params = SamplingParams(temperature=0.0, max_tokens=args.steps * args.repeats + 64,
                             ignore_eos=True)

@@ -153,9 +153,9 @@ class StepRecorder:
     def __post_init__(self) -> None:
         def on_schedule(out, num_running: int) -> None:
             decode = all(
-                n == 1 and req.num_computed_tokens == req.num_tokens - 1
-                and req.num_computed_tokens >= req.num_prompt_tokens
-                for req, n in out.scheduled
+                s.num_new_tokens == 1 and s.num_computed_tokens == s.req.num_tokens - 1
+                and s.num_computed_tokens >= s.req.num_prompt_tokens
+                for s in out.scheduled
             )
             self._last = (len(out.scheduled), num_running, out.num_batched_tokens,
                           decode and bool(out.scheduled))

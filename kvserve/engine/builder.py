@@ -106,7 +106,9 @@ def build_engine(args: EngineArgs) -> EngineParts:
     kv = KVCacheManager(pool, layout.block_size, cache_cfg.enable_prefix_caching,
                         config.fingerprint, integrity, tiers)
     scheduler = Scheduler(sched_cfg, kv)
-    runner = worker.init_runner()
+    worker.init_runner()
+    runner = ModelRunner(executor, layout.block_size, spec.components,
+                         model_config.vocab_size, model_config.eos_token_ids)
     tp = args.tensor_parallel_size
     logger.info("model %s (%s, %s): %s%s", worker.path, loaded.architecture,
                 dtype_name(loaded.dtype), describe_weight_bytes(worker.model),

@@ -49,7 +49,7 @@ import torch
 from kvserve.cache.integrity import content_hashes
 from kvserve.distributed import parallel_state as ps
 from kvserve.engine.arg_utils import EngineArgs
-from kvserve.engine.model_runner import StepInput
+from kvserve.engine.step_input import StepInput
 from kvserve.engine.worker import Worker
 
 logger = logging.getLogger("kvserve")

@@ -1,16 +1,17 @@
 """The synchronous engine: ``add_request`` / ``step`` / ``abort_request`` / ``stats``.
 
-One ``step()`` = integrity check-up (rollback of requests on bad blocks) -> schedule -> one
-model forward over the mixed batch (the executor) -> sample -> update requests (stop checks,
-detokenization: the output processor) -> commit newly full blocks (seal + prefix-cache) ->
-free finished requests. Everything the user can get wrong is checked in ``add_request`` and
-raises ``ValueError`` naming the parameter, leaving the engine untouched. Start-up (loading,
+One ``step()`` = integrity check-up (rollback of requests on bad blocks) -> the scheduler's
+``SchedulerOutput`` -> the runner (one model forward over the mixed batch through the
+executor, then sampling) -> its ``ModelRunnerOutput`` applied by the scheduler alone (tokens
+computed, blocks committed, tokens appended, stop checks by the output processor, finished
+requests freed) -> the output processor's ``RequestOutput``s. Everything the user can get
+wrong is checked in ``add_request`` and raises ``ValueError`` naming the parameter, leaving the
+engine untouched. Start-up (loading,
 sizing, wiring) is ``kvserve.engine.builder``.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import time
 from collections.abc import Callable
 
@@ -20,13 +21,11 @@ from kvserve.engine.arg_utils import EngineArgs
 from kvserve.engine.builder import build_engine
 from kvserve.engine.executor import MultiprocExecutor
 from kvserve.engine.input_processor import PromptType, tokenize_prompt
-from kvserve.engine.model_runner import finish_step, prepare_step
 from kvserve.engine.output_processor import OutputProcessor
-from kvserve.engine.scheduler import SchedulerOutput
+from kvserve.engine.scheduler import ScheduledRequest, SchedulerOutput
 from kvserve.engine.stats import EngineStats
 from kvserve.engine.worker import DEFAULT_MAX_KV_BYTES  # noqa: F401 - re-exported
 from kvserve.layers.grammar import GrammarCompiler
-from kvserve.layers.sampler import Sampler, SampleRow
 from kvserve.outputs import RequestOutput
 from kvserve.request import Request, RequestStatus
 from kvserve.sampling_params import SamplingParams
@@ -51,7 +50,6 @@ class LLMEngine:
         self.kv_dtype = self.config.kv_mode.dtype
         self.model = self.executor.driver.model  # rank 0's shard under tensor parallelism
         self.kv_cache = self.executor.driver.kv_cache  # rank 0's slice under TP
-        self.sampler = Sampler(self.model_config.vocab_size)
         self.output_processor = OutputProcessor(self.tokenizer, self.model_config.eos_token_ids)
         # Structured outputs: compiled grammars (thread-safe; the server compiles off its loop)
         self.grammars = GrammarCompiler(self.tokenizer, self.model_config.vocab_size,
@@ -145,40 +143,13 @@ class LLMEngine:
             return []
         if self.on_schedule is not None:
             self.on_schedule(sched, len(self.scheduler.running))
-        now = time.monotonic()
-        for req, _ in sched.scheduled:
-            if req.metrics.first_scheduled_time is None:
-                req.metrics.first_scheduled_time = now
-        step, plan = prepare_step(sched, self.kv, self.runner.block_size,
-                                  self.runner.components)
-        result = finish_step(plan, self.executor.execute(step))
+        out = self.runner.execute_model(sched)
         self.counters["steps"] += 1
-        sampled = None
-        if result.sample_reqs:
-            rows = [SampleRow(r.sampling_params, r.prompt_token_ids, r.output_token_ids,
-                              self.model_config.eos_token_ids, r.grammar)
-                    for r in result.sample_reqs]
-            sampled = self.sampler(result.logits, rows)
-        for req, start, lps in result.prompt_logprobs:
-            self.output_processor.record_prompt_logprobs(req, start, lps)
-        for req, n in sched.scheduled:
-            req.num_computed_tokens += n
-            self.kv.commit(req)
-        self.kv.flush_commits()  # seal + cache newly full blocks before anything is freed
+        sampled = self.scheduler.update_from_output(sched, out, self.output_processor)
         if self.integrity is not None:
             self.integrity.end_step()
-        touched: set[str] = set()
-        if sampled is not None:
-            now = time.monotonic()
-            for i, req in enumerate(result.sample_reqs):
-                status = self.output_processor.append_token(
-                    req, sampled.token_ids[i], sampled.logprobs[i], sampled.sampled_logprob[i],
-                    now)
-                self.counters["generation_tokens"] += 1
-                if status is not None:
-                    self.scheduler.finish(req, status)
-                touched.add(req.parent_id)
-        outs = self.output_processor.make_outputs(touched)
+        self.counters["generation_tokens"] += len(sampled)
+        outs = self.output_processor.make_outputs(dict.fromkeys(r.parent_id for r in sampled))
         self.counters["finished"] += sum(o.finished for o in outs)
         return outs
 
@@ -194,13 +165,8 @@ class LLMEngine:
         if not self.kv.allocate_slots(req, len(ids)):
             raise ValueError("not enough free KV blocks to score token_ids")
         try:
-            step, _ = prepare_step(SchedulerOutput([(req, len(ids))]), self.kv,
-                                   self.runner.block_size, self.runner.components)
-            # group 0 (rows to sample) empty; group 1 every position, like a prompt-logprobs run
-            step = dataclasses.replace(step, logits_groups=((), tuple(range(len(ids)))))
-            logits = self.executor.execute(step)[1]
-            assert logits is not None
-            return logits.float().cpu()
+            blocks = tuple(self.kv.get_block_ids(req))
+            return self.runner.prompt_logits(ScheduledRequest(req, len(ids), 0, blocks))
         finally:
             self.kv.free(req)
             self.kv.forget(req)

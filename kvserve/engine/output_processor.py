@@ -2,19 +2,20 @@
 fan-in of a request's ``n`` sequences (its children) into one output.
 
 The processor owns the per-request state the user sees (text so far, stop reasons, logprobs);
-it never frees KV blocks: ``append_token`` returns the finish status and the engine tells the
-scheduler.
+it never frees KV blocks: the scheduler appends each sampled token, asks ``check_token`` for the
+finish status, and finishes the request itself (``Scheduler.update_from_output``).
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 import torch
 
 from kvserve.engine.detokenizer import IncrementalDetokenizer
 from kvserve.layers.sampler import top_logprobs
-from kvserve.outputs import CompletionOutput, RequestOutput
+from kvserve.outputs import CompletionOutput, Logprobs, RequestOutput
 from kvserve.request import Request, RequestStatus
 
 
@@ -60,18 +61,17 @@ class OutputProcessor:
             tok = req.prompt_token_ids[start + j]
             req.prompt_logprobs.append(top_logprobs(lps[j], tok, k))
 
-    def append_token(self, req: Request, token: int, lps, lp: float,
-                     now: float) -> RequestStatus | None:
-        """Add one sampled token; the status the request finishes with, or None. A token the
-        request's grammar refuses (a dead end: the mask allowed none) is not added: the request
-        finishes with FINISHED_GRAMMAR."""
+    def check_token(self, req: Request, token: int, accepted: bool, lps: Logprobs | None,
+                    lp: float, now: float) -> RequestStatus | None:
+        """After the scheduler appended ``token`` (``accepted``; or not: the request's grammar
+        refused it, a dead end): record its logprobs, detokenize, and return the status the
+        request finishes with (FINISHED_GRAMMAR for a refused token), or None."""
         if req.metrics.first_token_time is None:
             req.metrics.first_token_time = now
         req.metrics.last_token_time = now
-        if req.grammar is not None and not req.grammar.accept(token):
+        if not accepted:
             req.metrics.finished_time = now
             return RequestStatus.FINISHED_GRAMMAR
-        req.output_token_ids.append(token)
         if req.logprobs is not None:
             req.logprobs.append(lps)
             req.cumulative_logprob += lp
@@ -95,7 +95,7 @@ class OutputProcessor:
         return status
 
     # ---- outputs ------------------------------------------------------------------------------
-    def make_outputs(self, touched: set[str]) -> list[RequestOutput]:
+    def make_outputs(self, touched: Iterable[str]) -> list[RequestOutput]:
         """One output per touched parent; finished parents are dropped."""
         outs = []
         for pid in touched:

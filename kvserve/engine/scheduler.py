@@ -6,6 +6,11 @@ blocks allow. When a running request cannot get a block, the lowest-priority req
 scheduled this step (the latest arrival under FCFS) is preempted: its blocks are freed and it
 goes back to the waiting queue to be recomputed from its token ids (prefix cache hits make
 that cheap); no new request is admitted in a step that preempted.
+
+The scheduler owns the requests' progress: ``schedule`` emits a ``SchedulerOutput`` (what to
+compute this step), the runner returns a ``ModelRunnerOutput`` (what was sampled), and
+``update_from_output`` alone applies it: advances ``num_computed_tokens``, commits the newly
+full blocks, appends the sampled tokens, and finishes (frees) the requests that stopped.
 """
 
 from __future__ import annotations
@@ -13,24 +18,59 @@ from __future__ import annotations
 import bisect
 import itertools
 import logging
+import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Protocol
 
 from kvserve.cache.kv_cache_manager import KVCacheManager
 from kvserve.config import SchedulerConfig
+from kvserve.outputs import Logprobs
 from kvserve.request import Request, RequestStatus
 
-logger = logging.getLogger("kvserve.integrity")
+if TYPE_CHECKING:
+    import torch
+
+    from kvserve.engine.runner_output import ModelRunnerOutput
+
+logger = logging.getLogger("kvserve.scheduler")
+
+
+@dataclass(frozen=True, slots=True)
+class ScheduledRequest:
+    """One request's share of a step: tokens [num_computed_tokens, + num_new_tokens)."""
+
+    req: Request
+    num_new_tokens: int
+    num_computed_tokens: int  # already in the cache when the step starts
+    block_ids: tuple[int, ...]  # its block table with this step's blocks allocated
 
 
 @dataclass(slots=True)
 class SchedulerOutput:
-    scheduled: list[tuple[Request, int]] = field(default_factory=list)  # (request, new tokens)
+    # Batch order: the continuing (running) requests, then the ones admitted this step (new,
+    # or re-admitted after a preemption: they recompute from their prefix-cache hit).
+    continuing: list[ScheduledRequest] = field(default_factory=list)
+    new: list[ScheduledRequest] = field(default_factory=list)
     preempted: list[Request] = field(default_factory=list)
     num_batched_tokens: int = 0
 
     @property
+    def scheduled(self) -> list[ScheduledRequest]:
+        return self.continuing + self.new
+
+    @property
     def is_empty(self) -> bool:
-        return not self.scheduled
+        return not self.continuing and not self.new
+
+
+class TokenChecker(Protocol):
+    """What the output processor does for ``update_from_output``: record what the user sees
+    (logprobs, text) and say whether a request stops; it never frees anything."""
+
+    def record_prompt_logprobs(self, req: Request, start: int, lps: torch.Tensor) -> None: ...
+
+    def check_token(self, req: Request, token: int, accepted: bool, lps: Logprobs | None,
+                    lp: float, now: float) -> RequestStatus | None: ...
 
 
 class Scheduler:
@@ -70,7 +110,7 @@ class Scheduler:
                 if victim is req:
                     break
             else:
-                out.scheduled.append((req, n))
+                out.continuing.append(self._scheduled(req, n))
                 budget -= n
                 i += 1
         out.num_batched_tokens = self.config.max_num_batched_tokens - budget
@@ -97,10 +137,16 @@ class Scheduler:
             req.num_computed_tokens = hit.num_tokens
             req.metrics.num_cached_tokens = max(req.metrics.num_cached_tokens, hit.num_tokens)
             req.status = RequestStatus.RUNNING
+            if req.metrics.first_scheduled_time is None:
+                req.metrics.first_scheduled_time = time.monotonic()
             self.running.append(req)
-            out.scheduled.append((req, n))
+            out.new.append(self._scheduled(req, n))
             budget -= n
         out.num_batched_tokens = self.config.max_num_batched_tokens - budget
+
+    def _scheduled(self, req: Request, n: int) -> ScheduledRequest:
+        return ScheduledRequest(req, n, req.num_computed_tokens,
+                                tuple(self.kv.get_block_ids(req)))
 
     def _preempt(self, req: Request, out: SchedulerOutput) -> None:
         self.running.remove(req)
@@ -111,6 +157,35 @@ class Scheduler:
         self.num_preemptions += 1
         bisect.insort(self.waiting, req, key=self._key)
         out.preempted.append(req)
+
+    # ---- applying a step's result --------------------------------------------------------
+    def update_from_output(self, sched: SchedulerOutput, out: ModelRunnerOutput,
+                           checker: TokenChecker) -> list[Request]:
+        """The one place a step advances requests: the scheduled tokens are now in the cache
+        (their newly full blocks sealed and cached before anything is freed), each sampled
+        token is appended, and a request that stops is finished here. Returns the requests
+        that got a token, in batch order."""
+        reqs = {s.req.request_id: s.req for s in sched.scheduled}
+        for rid, start, lps in out.prompt_logprobs:
+            checker.record_prompt_logprobs(reqs[rid], start, lps)
+        for s in sched.scheduled:
+            s.req.num_computed_tokens += s.num_new_tokens
+            self.kv.commit(s.req)
+        self.kv.flush_commits()
+        now = time.monotonic()
+        sampled = []
+        for i, rid in enumerate(out.req_ids):
+            req, token = reqs[rid], out.sampled_token_ids[i]
+            # structured outputs: a token the grammar refuses (a dead end) is not added
+            accepted = req.grammar is None or req.grammar.accept(token)
+            if accepted:
+                req.output_token_ids.append(token)
+            status = checker.check_token(req, token, accepted, out.logprobs[i],
+                                         out.sampled_logprobs[i], now)
+            if status is not None:
+                self.finish(req, status)
+            sampled.append(req)
+        return sampled
 
     # ---- bookkeeping --------------------------------------------------------------------
     def finish(self, req: Request, status: RequestStatus) -> None:

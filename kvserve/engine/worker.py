@@ -28,7 +28,8 @@ from kvserve.distributed import parallel_state as ps
 from kvserve.engine.arg_utils import EngineArgs
 from kvserve.engine.cpu_graphs import CpuGraphRunner
 from kvserve.engine.cuda_graphs import CudaGraphRunner, clear_scratch_block
-from kvserve.engine.model_runner import DecodeGraphs, ModelRunner, StepInput
+from kvserve.engine.forward_runner import DecodeGraphs, ForwardRunner
+from kvserve.engine.step_input import StepInput
 from kvserve.layers.linear import kv_head_layout
 from kvserve.model.default_model import resolve_model
 from kvserve.model.loader import LoadedModel, checkpoint_dtype, load_model
@@ -84,13 +85,13 @@ class Worker:
         self.fingerprint = self._fingerprint()
         self.replica_key = self._replica_key()
 
-    def init_runner(self) -> ModelRunner:
-        """The attention backend and runner."""
+    def init_runner(self) -> ForwardRunner:
+        """The attention backend and this rank's forward runner."""
         spec, args = self.spec, self.args
         backend = get_backend(args.attention_backend, self.kv_cache, spec.num_heads,
                               spec.num_kv_heads, spec.head_dim, spec.scale,
                               self.layout.max_model_len)
-        self.runner = ModelRunner(self.model, backend, self.layout.block_size,
+        self.runner = ForwardRunner(self.model, backend, self.layout.block_size,
                                   spec.components, args.device,
                                   graphs=self._decode_graphs(backend))
         return self.runner

@@ -1,0 +1,63 @@
+"""The cross-rank wire format of one step: what the driver (rank 0) broadcasts to every
+tensor-parallel rank so that each runs the same forward. Plain int64 tensors and int tuples,
+serialized explicitly (no pickle crosses ranks)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True, slots=True)
+class StepInput:
+    """Everything a rank needs to run one forward: what the driver (rank 0) sends the workers.
+
+    T tokens of B sequences. ``logits_groups`` lists the hidden rows to compute logits for,
+    one ``compute_logits`` call per group: group 0 the rows to sample (may be empty), then one
+    group per prompt-logprobs chunk. Plain int64 tensors and int tuples only, serialized
+    explicitly by ``to_tensor`` / ``from_tensor`` (no pickle crosses ranks).
+    """
+
+    input_ids: torch.Tensor  # int64 [T]
+    positions: torch.Tensor  # int64 [T]
+    write_rows: torch.Tensor  # int64 [T]: component-0 cache rows (same block ids every rank)
+    query_lens: tuple[int, ...]  # [B]
+    seq_lens: tuple[int, ...]  # [B]
+    block_tables: tuple[tuple[int, ...], ...]  # [B][blocks]
+    logits_groups: tuple[tuple[int, ...], ...]  # [G][rows]
+
+    HEADER = 5  # T, B, total table entries, G, total logits rows
+
+    def to_tensor(self) -> torch.Tensor:
+        """One flat int64 tensor: header, ids, positions, rows, query_lens, seq_lens,
+        table lengths, tables, group lengths, groups."""
+        tables = [b for t in self.block_tables for b in t]
+        groups = [r for g in self.logits_groups for r in g]
+        head = torch.tensor([self.input_ids.numel(), len(self.query_lens), len(tables),
+                             len(self.logits_groups), len(groups)], dtype=torch.int64)
+        ints = torch.tensor([*self.query_lens, *self.seq_lens,
+                             *(len(t) for t in self.block_tables), *tables,
+                             *(len(g) for g in self.logits_groups), *groups], dtype=torch.int64)
+        return torch.cat([head, self.input_ids.cpu(), self.positions.cpu(),
+                          self.write_rows.cpu(), ints])
+
+    @classmethod
+    def from_tensor(cls, x: torch.Tensor) -> StepInput:
+        t, b, nt, g, ng = (int(v) for v in x[: cls.HEADER])
+        o = cls.HEADER
+        ids, pos, rows = x[o : o + t], x[o + t : o + 2 * t], x[o + 2 * t : o + 3 * t]
+        rest = x[o + 3 * t :].tolist()
+        assert len(rest) == 3 * b + nt + g + ng, "malformed step input"
+        qlens, slens, tlens = rest[:b], rest[b : 2 * b], rest[2 * b : 3 * b]
+        flat, rest = rest[3 * b : 3 * b + nt], rest[3 * b + nt :]
+        tables, i = [], 0
+        for n in tlens:
+            tables.append(tuple(flat[i : i + n]))
+            i += n
+        glens, gflat = rest[:g], rest[g:]
+        groups, i = [], 0
+        for n in glens:
+            groups.append(tuple(gflat[i : i + n]))
+            i += n
+        return cls(ids, pos, rows, tuple(qlens), tuple(slens), tuple(tables), tuple(groups))

@@ -1,0 +1,86 @@
+"""Who owns what (issue 30), checked on the source so that a change that moves a concept back
+into the wrong module fails here:
+
+- the step: only the scheduler's apply step (``Scheduler.update_from_output``) advances a
+  request (``num_computed_tokens``, appended tokens); only the runner samples.
+"""
+
+from __future__ import annotations
+
+import ast
+import pathlib
+
+import kvserve
+
+ROOT = pathlib.Path(kvserve.__file__).parent
+
+
+def _sources() -> dict[str, ast.Module]:
+    return {str(p.relative_to(ROOT)): ast.parse(p.read_text(), str(p))
+            for p in sorted(ROOT.rglob("*.py"))}
+
+
+def _enclosing_functions(tree: ast.Module) -> dict[ast.AST, str]:
+    """node -> the name of the innermost function containing it ("" at module level)."""
+    owner: dict[ast.AST, str] = {}
+
+    def visit(node: ast.AST, fn: str) -> None:
+        for child in ast.iter_child_nodes(node):
+            name = child.name if isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef)) \
+                else fn
+            owner[child] = name
+            visit(child, name)
+
+    visit(tree, "")
+    return owner
+
+
+def _assigns_attr(node: ast.AST, attr: str) -> bool:
+    targets = node.targets if isinstance(node, ast.Assign) else \
+        [node.target] if isinstance(node, (ast.AugAssign, ast.AnnAssign)) else []
+    return any(isinstance(t, ast.Attribute) and t.attr == attr for t in targets)
+
+
+def _appends_to(node: ast.AST, attr: str) -> bool:
+    return (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
+            and node.func.attr in ("append", "extend")
+            and isinstance(node.func.value, ast.Attribute) and node.func.value.attr == attr)
+
+
+def test_only_the_scheduler_advances_requests():
+    """``num_computed_tokens`` is assigned and sampled tokens appended only in
+    engine/scheduler.py, and there the tokens only in ``update_from_output``."""
+    bad = []
+    for path, tree in _sources().items():
+        owner = _enclosing_functions(tree)
+        for node in ast.walk(tree):
+            if _assigns_attr(node, "num_computed_tokens") and path != "engine/scheduler.py":
+                bad.append(f"{path}:{node.lineno} assigns num_computed_tokens")
+            if _appends_to(node, "output_token_ids") and (
+                    path != "engine/scheduler.py" or owner[node] != "update_from_output"):
+                bad.append(f"{path}:{node.lineno} appends a sampled token")
+    assert not bad, bad
+
+
+def test_the_engine_neither_samples_nor_advances():
+    """llm_engine.py drives the step: no sampler, no request-state writes, and it hands the
+    runner's output to the scheduler's apply step."""
+    tree = _sources()["engine/llm_engine.py"]
+    names = {n.id for n in ast.walk(tree) if isinstance(n, ast.Name)}
+    attrs = {n.attr for n in ast.walk(tree) if isinstance(n, ast.Attribute)}
+    imported = {a.name for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)
+                for a in n.names}
+    assert not {"Sampler", "SampleRow", "sampler"} & (names | attrs | imported)
+    writes = [n.lineno for n in ast.walk(tree)
+              if _assigns_attr(n, "num_computed_tokens") or _assigns_attr(n, "status")
+              or _appends_to(n, "output_token_ids")]
+    assert not writes, f"llm_engine.py writes request state at lines {writes}"
+    assert "update_from_output" in attrs and "execute_model" in attrs
+
+
+def test_only_the_runner_samples():
+    """The sampler is used by engine/model_runner.py only (and defined in layers/)."""
+    users = sorted(path for path, tree in _sources().items()
+                   if any(isinstance(n, ast.Name) and n.id in ("Sampler", "SampleRow")
+                          for n in ast.walk(tree)))
+    assert users == ["engine/model_runner.py", "layers/sampler.py"], users

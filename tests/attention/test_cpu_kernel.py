@@ -126,6 +126,7 @@ def test_native_build_runs_the_best_job_of_this_cpu():
     assert cpu_kernel.simd_level() == want
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("dtype", ALL_DTYPES)
 @pytest.mark.parametrize(("hq", "hk", "d", "bs"), [(8, 2, 64, 16), (6, 1, 128, 8),
                                                    (16, 2, 72, 16)])

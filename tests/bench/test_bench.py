@@ -17,6 +17,9 @@ from kvserve.bench.common import (
 )
 from kvserve.cli import main
 
+# slow: runs whole benchmarks, an HF peer included
+pytestmark = pytest.mark.slow
+
 # head_dim 64 (hidden 128, 2 heads): FP8 rows are 64 B + 2 B of scale vs 128 B in BF16.
 HD64 = dict(hidden_size=128, num_attention_heads=2, num_key_value_heads=2)
 

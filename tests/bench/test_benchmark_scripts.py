@@ -13,6 +13,9 @@ import pytest
 from kvserve.kernels.cpu import paged_attention as cpu_kernel
 from kvserve.layers import linear
 
+# slow: runs the benchmark scripts
+pytestmark = pytest.mark.slow
+
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 

@@ -78,6 +78,7 @@ def _cached_prefix_blocks(engine):
     return ids
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kv", KV_MODES)
 @given(data=st.data())
 @settings(max_examples=6, deadline=None,
@@ -129,6 +130,7 @@ def test_fault_in_running_request_repaired_in_paranoid_mode(tiny_llama, make_llm
     assert eng.integrity.repairs["rollback"] == 1
 
 
+@pytest.mark.slow
 def test_scrubber_finds_fault_in_idle_cached_block(tiny_llama, make_llm, clean):
     llm = make_llm(tiny_llama, dtype="float32", kv_cache_dtype="bf16",
                    scrub_blocks_per_step=4)
@@ -142,6 +144,7 @@ def test_scrubber_finds_fault_in_idle_cached_block(tiny_llama, make_llm, clean):
     assert _run(llm, [PREFIX + TAILS[1]]) == clean["bf16"][1:]
 
 
+@pytest.mark.slow
 def test_forced_hash_collision_gets_no_hit(tiny_llama, make_llm, monkeypatch):
     import kvserve.cache.kv_cache_manager as m
 
@@ -155,6 +158,7 @@ def test_forced_hash_collision_gets_no_hit(tiny_llama, make_llm, monkeypatch):
     assert llm.engine.kv.num_hit_tokens == 0
 
 
+@pytest.mark.slow
 def test_paranoid_and_on_outputs_equal_off(tiny_llama, make_llm):
     prompts = [PREFIX + t for t in TAILS] + [PREFIX]
     outs = [_run(make_llm(tiny_llama, dtype="float32", kv_integrity=m), prompts)

@@ -12,6 +12,9 @@ import sys
 
 import pytest
 
+# slow: spawns tensor-parallel rank processes
+pytestmark = pytest.mark.slow
+
 TIMEOUT_S = 240
 
 

@@ -9,6 +9,9 @@ import torch
 
 from tests.distributed.harness import run_world
 
+# slow: spawns tensor-parallel rank processes
+pytestmark = pytest.mark.slow
+
 
 def _collectives(rank: int, world: int) -> dict:
     from kvserve.distributed import parallel_state as ps

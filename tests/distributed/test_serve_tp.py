@@ -16,6 +16,9 @@ import pytest
 
 from tests.server.conftest import ServerProcess
 
+# slow: spawns tensor-parallel servers
+pytestmark = pytest.mark.slow
+
 
 def _children(pid: int) -> list[int]:
     out = []

@@ -12,6 +12,9 @@ import torch
 
 from tests.distributed.harness import run_driver
 
+# slow: spawns tensor-parallel rank processes
+pytestmark = pytest.mark.slow
+
 PROMPTS = [list(range(3, 40)), [5, 9, 11, 300, 301, 7, 7, 42], list(range(100, 170))]
 SHARED = list(range(10, 58))  # 48 tokens = 3 full blocks of 16: a prefix-cache hit
 

@@ -10,6 +10,9 @@ from tests.distributed.harness import run_driver
 from tests.distributed.test_tp_engine import _assert_same, _engine_outputs, _replica_drill
 from tests.model.test_moe_mla import make_tiny_moe
 
+# slow: spawns tensor-parallel rank processes
+pytestmark = pytest.mark.slow
+
 
 @pytest.fixture(scope="module")
 def moe_models(tmp_path_factory):

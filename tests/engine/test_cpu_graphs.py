@@ -15,6 +15,8 @@ from kvserve.kernels.cpu.w16_gemm import w16_library
 
 pytestmark = pytest.mark.skipif(not graph.available() or w16_library() is None,
                                 reason="no C compiler")
+# slow: engines recorded and replayed against eager ones
+pytestmark = [pytestmark, pytest.mark.slow]
 
 PROMPTS = [[5, 9, 17, 33], [100, 7, 250, 3, 8, 41, 77, 90, 11, 4, 300, 12, 13, 14, 15, 16, 17,
                             18, 19, 20], [5, 9, 17, 33, 60], [400, 401]]

@@ -20,6 +20,9 @@ from kvserve.engine.cuda_graphs import (
     select_bucket,
 )
 
+# slow: padded decode graphs checked through whole engines
+pytestmark = pytest.mark.slow
+
 
 @pytest.mark.parametrize(("max_num_seqs", "want"), [
     (1, (1,)),

@@ -7,6 +7,9 @@ import torch
 
 from kvserve import SamplingParams
 
+# slow: 65 engine runs compared pairwise
+pytestmark = pytest.mark.slow
+
 GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
 
 

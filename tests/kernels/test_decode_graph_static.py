@@ -13,6 +13,9 @@ pytest.importorskip("triton")
 from kvserve import SamplingParams  # noqa: E402
 from kvserve.engine.cuda_graphs import CudaGraphRunner  # noqa: E402
 
+# slow: Triton static decode forward in the interpreter
+pytestmark = pytest.mark.slow
+
 CUDA = torch.cuda.is_available()
 
 

@@ -14,6 +14,9 @@ from kvserve.layers.int4_linear import Int4Linear  # noqa: E402
 from kvserve.layers.int4_methods import CanonicalMethod, TritonMethod  # noqa: E402
 from kvserve.quant import int4  # noqa: E402
 
+# slow: Triton INT4 GEMM in the interpreter
+pytestmark = pytest.mark.slow
+
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 
 SHAPES = [  # (N, K, group, symmetric): odd K, K not a multiple of the group, group 32/128

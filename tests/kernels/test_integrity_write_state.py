@@ -18,6 +18,9 @@ from kvserve.cache.integrity import IntegrityChecker, block_sums  # noqa: E402
 from kvserve.cache.kv_cache import PagedKVCache  # noqa: E402
 from kvserve.kernels.triton import cache as tc  # noqa: E402
 
+# slow: Triton write kernel in the interpreter, whole engines
+pytestmark = pytest.mark.slow
+
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 KV_DTYPES = {"bf16": torch.bfloat16, "fp8_e4m3": torch.float8_e4m3fn, "fp32": torch.float32}
 BS = 8

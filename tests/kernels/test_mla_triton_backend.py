@@ -15,6 +15,9 @@ from kvserve.attention import get_backend, resolve_backend_name  # noqa: E402
 from kvserve.attention.metadata import AttentionMetadata  # noqa: E402
 from kvserve.cache.kv_cache import PagedKVCache  # noqa: E402
 
+# slow: Triton MLA backend in the interpreter
+pytestmark = pytest.mark.slow
+
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 KV_DTYPES = {"bf16": torch.bfloat16, "fp8_e4m3": torch.float8_e4m3fn}
 

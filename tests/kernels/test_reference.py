@@ -364,6 +364,7 @@ def test_int4_twin_agrees_with_canonical_packer(symmetric):
 # ---------------------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_reference_does_not_import_triton():
     code = "import sys, kvserve.kernels.reference; assert 'triton' not in sys.modules"
     subprocess.run([sys.executable, "-c", code], check=True)

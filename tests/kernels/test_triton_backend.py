@@ -10,6 +10,9 @@ import torch  # noqa: E402
 
 from kvserve import SamplingParams  # noqa: E402
 
+# slow: Triton backend in the interpreter
+pytestmark = pytest.mark.slow
+
 # On a GPU the Triton kernels need CUDA tensors; without one they run in the interpreter on CPU.
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 

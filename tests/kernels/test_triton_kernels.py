@@ -23,6 +23,9 @@ from kvserve.kernels.triton import attention as ta  # noqa: E402
 from kvserve.kernels.triton import cache as tc  # noqa: E402
 from kvserve.kernels.triton import int4 as t4  # noqa: E402
 
+# slow: Triton kernels in the interpreter
+pytestmark = pytest.mark.slow
+
 ON_GPU = torch.cuda.is_available()
 DEVICE = "cuda" if ON_GPU else "cpu"
 if not ON_GPU and os.environ.get("TRITON_INTERPRET") != "1":

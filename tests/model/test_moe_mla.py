@@ -22,6 +22,9 @@ from kvserve import SamplingParams
 from tests.conftest import save_tiny_tokenizer
 from tests.model.parity import teacher_forced_stats
 
+# slow: MoE / MLA families against transformers
+pytestmark = pytest.mark.slow
+
 COMMON = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_attention_heads=4,
               max_position_embeddings=512, rms_norm_eps=1e-6, tie_word_embeddings=False,
               bos_token_id=1, eos_token_id=2, pad_token_id=0)

@@ -72,6 +72,7 @@ def test_pack_roundtrip_and_reference(shape: tuple[int, int], dim: int) -> None:
     assert torch.equal(packed, ref)
 
 
+@pytest.mark.slow
 def test_pack_matches_compressed_tensors() -> None:
     helpers = pytest.importorskip("compressed_tensors.compressors.pack_quantized.helpers")
     g = torch.Generator().manual_seed(1)

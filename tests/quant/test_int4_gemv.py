@@ -106,6 +106,7 @@ def _portable_gemv(tmp_path):
     return int4_gemv.bind(ctypes.CDLL(lib))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("form", ["bf16-zero-point", "gguf-min-form"])
 def test_portable_build_matches_twin(form, tmp_path, monkeypatch):
     """The scalar fallbacks (bf16 (s, z) pairs; fp16 (d, m) pairs of the GGUF min form, incl.

@@ -30,6 +30,9 @@ from kvserve.quant import int4
 from kvserve.quant.quantizer import quantize_checkpoint
 from tests.conftest import make_tiny_model
 
+# slow: INT4 and dense twin engines per model and group size
+pytestmark = pytest.mark.slow
+
 LONG = [1] + [(i * 37) % 500 + 3 for i in range(119)]  # 120 tokens: dequant path
 SHORT = [1, 17, 33, 101, 5, 77, 250]  # 7 tokens: int4 op path
 QUANTIZED = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")

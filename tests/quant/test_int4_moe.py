@@ -35,6 +35,9 @@ from kvserve.quant.quantizer import quantize_checkpoint
 from tests.model.test_moe_mla import make_tiny_moe
 from tests.quant.test_int4_model import _close_op_path, _edit_config, _gptq_module
 
+# slow: INT4 MoE models and their dense twins through engines
+pytestmark = pytest.mark.slow
+
 LONG = [1] + [(i * 37) % 500 + 3 for i in range(99)]  # 100 tokens
 SHORT = [1, 17, 33, 101, 5, 77, 250]
 PROMPTS = [[1, 17, 33, 101, 5], [1, 9], list(range(1, 30))]

@@ -58,6 +58,7 @@ def test_lm_head_matches_twin(a8, monkeypatch):
         _check_head(Q8LMHead(Q8Embedding(q, d, torch.float32, a8)), ref, ms=(1, 7))
 
 
+@pytest.mark.slow
 def test_lm_head_scalar_build(tmp_path, monkeypatch):
     import ctypes
     import platform

@@ -14,6 +14,9 @@ import pytest
 
 from tests.server.conftest import API_KEY, MODEL_NAME
 
+# slow: a server drained with SIGTERM
+pytestmark = pytest.mark.slow
+
 TOKENS = 300  # ~1 s or more at the shared server's step delay
 AUTH = {"Authorization": f"Bearer {API_KEY}"}
 

@@ -18,6 +18,9 @@ import pytest
 
 from tests.server.conftest import MODEL_NAME, ServerProcess, demo_model, metric, wait_idle
 
+# slow: 1,024 queued sequences through a server
+pytestmark = pytest.mark.slow
+
 BIG = {"model": MODEL_NAME, "prompt": [f"Item {i} of the list" for i in range(64)], "n": 16,
        "max_tokens": 32, "ignore_eos": True, "temperature": 1.0, "seed": 1, "stream": True}
 SMALL = {"model": MODEL_NAME, "prompt": "The dict", "max_tokens": 4, "temperature": 0}

@@ -19,6 +19,9 @@ import pytest
 
 from tests.server.conftest import MODEL_NAME, ServerProcess, demo_model
 
+# slow: servers started and drained with signals
+pytestmark = pytest.mark.slow
+
 STREAMS = [
     ("/v1/completions", {"prompt": "The dict", "n": 2}),
     ("/v1/completions", {"prompt": ["The list", "A tuple"],

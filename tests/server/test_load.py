@@ -13,6 +13,9 @@ from kvserve.bench.serve_bench import main as bench_main
 from kvserve.bench.serve_bench import run_serve_bench
 from tests.server.conftest import API_KEY, MODEL_NAME, assert_ok, metric, wait_idle
 
+# slow: 64 concurrent streams through a server
+pytestmark = pytest.mark.slow
+
 CLIENTS = 64
 SURVIVOR_TOKENS = 24
 

@@ -14,8 +14,12 @@ import json
 import time
 
 import httpx
+import pytest
 
 from tests.server.conftest import MODEL_NAME, wait_idle
+
+# slow: 4 MB prompts through a server
+pytestmark = pytest.mark.slow
 
 HUGE = json.dumps({"model": MODEL_NAME, "prompt": "hello world " * 340000,
                    "max_tokens": 1}).encode()

@@ -16,6 +16,9 @@ from schemathesis.generation import GenerationMode
 
 from tests.server.conftest import InProcess
 
+# slow: property-based fuzzing of every endpoint
+pytestmark = pytest.mark.slow
+
 OPERATIONS = [("POST", "/v1/completions"), ("POST", "/v1/chat/completions"),
               ("GET", "/v1/models"), ("GET", "/health"), ("GET", "/ready"),
               ("GET", "/version"), ("GET", "/metrics")]

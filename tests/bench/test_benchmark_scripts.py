@@ -94,3 +94,28 @@ def test_w16_gemm_tiny(tmp_path):
         for impl in ("kvserve", "torch_fp32", "baseline"):
             assert x[impl]["layers_gflops"] > 0 and x[impl]["head_gflops"] > 0
     assert r["ceiling_gflops_torch_fp32_hot"] > 0 and r["env"]["cpu"]
+
+
+def test_kv_tiers_tiny(tmp_path):
+    kt = _script("kv_tiers")
+    out, png = tmp_path / "t.json", tmp_path / "t.png"
+    assert kt.main(["--model", "demo", "--conversations", "3", "--turns", "2", "--doc", "40",
+                    "--question", "4", "--answer", "3", "--concurrency", "2",
+                    "--noreuse-requests", "2", "--threads", "1", "--json", str(out),
+                    "--plot", str(png)]) == 0
+    r = json.loads(out.read_text())
+    assert png.read_bytes()[:4] == b"\x89PNG"
+    assert r["env"]["cpu"]["model"] is not None or "cpu" in r["env"]
+    assert list(r["chat"]) == ["off", "memory", "disk", "disk_restart"]
+    assert r["outputs_identical"]
+    for name, c in r["chat"].items():
+        assert c["requests"] == 6 and c["ttft_p90_ms"] >= c["ttft_p50_ms"] > 0
+        assert (c["kv_tiers"] is None) == (name == "off")
+    # the pool holds a quarter of the working set: later turns come back from the tiers
+    assert r["chat"]["memory"]["restored_tokens"] > 0
+    assert r["chat"]["disk"]["kv_tiers"]["tiers"]["disk"]["hits"] > 0
+    # after the restart even the first turns' documents come from disk
+    assert r["chat"]["disk_restart"]["restored_tokens"] > r["chat"]["disk"]["restored_tokens"]
+    assert r["noreuse"]["throughput_ratio"] > 0
+    with pytest.raises(ValueError, match="disk_restart"):
+        kt.main(["--model", "demo", "--configs", "off,disk_restart"])

@@ -422,3 +422,63 @@ def test_flags_and_user_errors(tiny_bf16, tmp_path):
     c = cfg.cache_config()
     assert (c.kv_offload_memory_bytes, c.kv_offload_disk_bytes) == (2**29, 2**31)
     assert not EngineArgs().cache_config().kv_offload_enabled
+
+
+# ---- the tiers without an engine ---------------------------------------------------------
+def _cache_and_tiers(tmp_path, mode: str = "int8"):
+    from kvserve.cache.kv_cache import PagedKVCache
+    from kvserve.cache.kv_tiers import KVTiers, TierConfig
+    from kvserve.config import parse_kv_mode
+
+    m = parse_kv_mode(mode)
+    kv = PagedKVCache(2, 8, BS, 2, 16, 2, m.dtype, rotation_seed=0 if m.rotate else None)
+    g = torch.Generator().manual_seed(0)
+    kv.data.view(torch.uint8).copy_(torch.randint(0, 256, kv.data.view(torch.uint8).shape,
+                                                  generator=g, dtype=torch.uint8))
+    if kv.scales is not None:
+        kv.scales.copy_(torch.randint(-40, 40, kv.scales.shape, generator=g).to(kv.scales.dtype))
+    spec = bs.StoreSpec(model="m", kv_mode=kv.mode.name, rotation="r", fingerprint="f",
+                        block_size=BS, num_layers=2, components=2, num_kv_heads=2, head_dim=16,
+                        dtype=bs.dtype_str(kv.dtype),
+                        scale_dtype="" if kv.scales is None else bs.dtype_str(kv.scales.dtype))
+    cfg = TierConfig(memory_bytes=2**20, disk_dir=str(tmp_path / "kv"), disk_bytes=2**20)
+    return kv, KVTiers(cfg, spec, kv)
+
+
+def test_round_trip_sets_write_state(tmp_path):
+    """Write-down, restore and install without an engine; where the fused (Triton) writer keeps
+    per-block checksum state, install sets it to the verified sums (what sealing reads)."""
+    from kvserve.cache.integrity import block_sums
+    from kvserve.cache.kv_tiers import Evicted
+
+    kv, tiers = _cache_and_tiers(tmp_path)
+    kv.csum_state = torch.zeros((kv.num_layers, kv.num_blocks + 1, 4), dtype=torch.int64)
+    try:
+        ev = [Evicted(b, bytes([b]) * 16, tuple(range(b, b + BS))) for b in (1, 2, 3)]
+        tiers.write_down(ev, [None] * 3)
+        tiers.flush()
+        items = [(e.chain_hash, e.token_ids) for e in ev]
+        assert tiers.available(items) == 3
+        tiers.start_restore("r", items)
+        tiers._jobs["r"].done.wait(10)
+        got = tiers.take_restore("r")
+        assert [b.chain_hash for b in got] == [e.chain_hash for e in ev]
+        want = block_sums(kv, [1, 2, 3])
+        tiers.install([5, 6, 7], got)
+        assert torch.equal(kv.data[:, 5:8].view(torch.uint8), kv.data[:, 1:4].view(torch.uint8))
+        assert torch.equal(kv.scales[:, 5:8], kv.scales[:, 1:4])
+        assert (block_sums(kv, [5, 6, 7]) == want).all()
+        assert torch.equal(kv.csum_state[:, 5:8].permute(1, 0, 2), torch.from_numpy(want))
+        assert tiers.stats()["tiers"]["memory"]["hits"] == 3
+    finally:
+        tiers.close()
+
+
+def test_tensor_parallel_refused(tmp_path):
+    from kvserve.config import CacheConfig
+    from kvserve.engine.builder import _build_tiers
+
+    cfg = CacheConfig(kv_offload_dir=str(tmp_path), kv_offload_disk_bytes=2**20)
+    with pytest.raises(ValueError, match="tensor_parallel_size"):
+        _build_tiers(cfg, None, None, 2)
+    assert _build_tiers(CacheConfig(), None, None, 2) is None

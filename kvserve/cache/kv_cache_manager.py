@@ -90,6 +90,7 @@ class KVCacheManager:
         self.tiers = tiers
         self.num_restored_tokens = 0  # hit tokens that came from a tier
         self._restore_from: dict[str, list[int]] = {}  # request -> chain index of each job
+        self._probed: dict[str, int] = {}  # request -> chain index the tiers lacked last time
         if tiers is not None:
             pool.on_evict = self._write_down
 
@@ -164,13 +165,17 @@ class KVCacheManager:
             if self.tiers.restoring(rid):
                 return None
             starts = self._restore_from.setdefault(rid, [])
-            if start in starts or len(starts) >= MAX_RESTORES_PER_REQUEST:
+            if (start in starts or len(starts) >= MAX_RESTORES_PER_REQUEST
+                    or self._probed.get(rid) == start):
                 return []
             hashes, tokens = self.block_hashes(req), req.all_token_ids
             items = [(hashes[i], tuple(tokens[i * b: (i + 1) * b]))
                      for i in range(start, max_blocks)]
             n = self.tiers.available(items)
             if n == 0:
+                # a request waiting for room asks every step: look again only once its
+                # pool hits change
+                self._probed[rid] = start
                 return []
             starts.append(start)
             self.tiers.start_restore(rid, items[:n])
@@ -300,6 +305,7 @@ class KVCacheManager:
         """Drop per-request hash state (request finished for good)."""
         self._req_hashes.pop(req.request_id, None)
         self._restore_from.pop(req.request_id, None)
+        self._probed.pop(req.request_id, None)
         if self.tiers is not None:
             self.tiers.cancel(req.request_id)
 

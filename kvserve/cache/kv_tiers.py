@@ -477,7 +477,8 @@ class KVTiers:
             return
         self.flush()
         self._closed = True
-        self._writes.put(None)
+        with contextlib.suppress(queue.Full):
+            self._writes.put(None, timeout=5)  # (full only if flush timed out)
         self._restores.put(None)
         self._writer.join(timeout=10)
         self._reader.join(timeout=10)

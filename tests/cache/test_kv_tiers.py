@@ -143,8 +143,10 @@ def test_restart_finds_disk_tier(tiny_bf16, cold, tmp_path):
 
 
 def test_memory_tier_alone(tiny_bf16, cold):
+    """The memory tier by itself, integrity checking off (no seals: the tiers compute the
+    sums they store from the bytes)."""
     _, ref1, ref2, p1, p2 = cold("fp8_rot")
-    llm = _llm(tiny_bf16, "fp8_rot", num_blocks=20, kv_offload_memory=0.001)
+    llm = _llm(tiny_bf16, "fp8_rot", num_blocks=20, kv_offload_memory=0.001, kv_integrity="off")
     try:
         assert _outs(llm, p1) == ref1
         assert _outs(llm, p2) == ref2
@@ -155,6 +157,42 @@ def test_memory_tier_alone(tiny_bf16, cold):
         llm.engine.shutdown()
 
 
+def test_cache_salt_separates_tier_entries(tiny_bf16, cold):
+    """Tenants separated by cache_salt never restore each other's blocks (the salt is in the
+    chain hash, hence in the entry's name and its stored identity)."""
+    _, ref1, _, p1, _ = cold("int8")
+    llm = _llm(tiny_bf16, "int8", num_blocks=10, kv_offload_memory=0.01)
+    eng = llm.engine
+
+    def run(rid: str, prompt: list[int], salt: str | None) -> list[int]:
+        eng.add_request(rid, {"prompt_token_ids": prompt}, SP, cache_salt=salt)
+        out = None
+        while eng.has_unfinished_requests():
+            for o in eng.step():
+                if o.finished:
+                    out = o.outputs[0].token_ids
+        return out
+
+    def hits() -> int:
+        return _tier_stats(llm)["memory"]["hits"]
+
+    try:
+        assert run("a1", p1[0], "tenant-a") == ref1[0][0]
+        for i, p in enumerate(p1[1:4]):  # push tenant a's blocks out of the pool
+            run(f"x{i}", p, None)
+        h = hits()
+        assert run("b1", p1[0], "tenant-b") == ref1[0][0]
+        assert hits() == h, "tenant b restored tenant a's blocks"
+        for i, p in enumerate(p1[1:4]):
+            run(f"y{i}", p, None)
+        h = hits()
+        assert run("a2", p1[0], "tenant-a") == ref1[0][0]
+        assert hits() > h
+    finally:
+        eng.shutdown()
+
+
+@pytest.mark.slow  # ~30 s: the tiny MoE on CPU
 def test_mla_latent_cache(tmp_path):
     """The MLA latent cache (one component). The tiny MoE's expert GEMMs are not batch
     invariant, so the restored blocks are compared with the blocks this engine wrote down and

@@ -15,6 +15,10 @@ pass over the layers with
   torch     ``x @ W.T`` on fp32 copies of the weights (twice the bytes, made beforehand);
   baseline  (optional) the same C kernel built from another source file, e.g. the version
             before a change (``git show REV:kvserve/csrc/w16_gemm.c > old.c``);
+  kvserve_bf16_dot, torch_bf16  (CPUs with AVX512-BF16 only) the C kernel's bf16 dot products
+            (vdpbf16ps, activations rounded to bf16: what ``KVSERVE_CPU_BF16_ROWS`` turns on)
+            and torch's own bf16 GEMM (oneDNN, AMX where present) on bf16 activations -- the
+            figures that decide whether the bf16 path is worth its accuracy cost (docs/cpu.md);
 
 rotated per round (who goes first changes), median of ``rounds``. A compute ceiling is
 measured too: torch's fp32 GEMM on a hot 1024 x 1024 x 1024 problem.
@@ -72,6 +76,9 @@ def main(argv: list[str] | None = None) -> int:
     evict = torch.zeros(a.evict_mib * 2**18) if a.evict_mib else None
     impls = {"kvserve": lambda x, w, w32: w16.w16_gemm(lib, x, w),
              "torch_fp32": lambda x, w, w32: x @ w32.t()}
+    if w16.has_bf16_dot(lib):
+        impls["kvserve_bf16_dot"] = lambda x, w, w32: w16.w16_gemm(lib, x, w, bf16_rows=1)
+        impls["torch_bf16"] = lambda x, w, w32: (x.bfloat16() @ w.t()).float()
     with tempfile.TemporaryDirectory() as tmp:
         if a.baseline_source:
             base = w16.bind(build_source(a.baseline_source, tmp))

@@ -69,14 +69,15 @@ def build_library(name: str) -> ctypes.CDLL | None:
 
 # Builds the kernel tests make besides the native one, to cover every ISA path on any machine
 # that has a compiler: "avx2" is what an AVX2 + FMA + F16C CPU without AVX-512 builds natively,
-# "portable" has no AVX at all (the plain C paths), "avx512" an AVX-512 CPU without BF16 (Skylake
-# / Cascade Lake, Ice Lake), "bf16" one with AVX512-BF16 (Cooper Lake, Zen 4 / 5, Sapphire
-# Rapids and later): the 16-bit GEMM's vdpbf16ps path. Every variant compiles on any x86-64
-# host with a recent gcc / clang; running one needs the CPU flags in ISA_CPU_FLAGS.
+# "portable" has no AVX at all (the plain C paths), "avx512" an AVX-512 CPU without VNNI or BF16
+# (Skylake-SP), "bf16" one with AVX512-VNNI and AVX512-BF16 (Cooper Lake, Zen 4 / 5, Sapphire
+# Rapids and later): the 16-bit GEMM's vdpbf16ps path and the integer GEMM's vpdpbusd path.
+# Every variant compiles on any x86-64 host with a recent gcc / clang; running one needs the CPU
+# flags in ISA_CPU_FLAGS.
 ISA_FLAGS = {"avx2": ("-march=haswell",),
              "portable": ("-mno-avx2", "-mno-fma", "-mno-f16c", "-mno-avx512f"),
              "avx512": ("-march=skylake-avx512",),
-             "bf16": ("-march=skylake-avx512", "-mavx512f", "-mavx512bf16")}
+             "bf16": ("-march=skylake-avx512", "-mavx512f", "-mavx512vnni", "-mavx512bf16")}
 # /proc/cpuinfo flags a CPU needs to run each variant
 ISA_CPU_FLAGS: dict[str, frozenset[str]] = {
     "avx2": frozenset({"avx2", "fma", "f16c", "bmi2"}),
@@ -84,7 +85,7 @@ ISA_CPU_FLAGS: dict[str, frozenset[str]] = {
     "avx512": frozenset({"avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512dq",
                          "avx512vl", "avx512cd"}),
     "bf16": frozenset({"avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512dq", "avx512vl",
-                       "avx512cd", "avx512_bf16"}),
+                       "avx512cd", "avx512_vnni", "avx512_bf16"}),
 }
 
 

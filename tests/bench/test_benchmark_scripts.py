@@ -119,3 +119,27 @@ def test_kv_tiers_tiny(tmp_path):
     assert r["noreuse"]["throughput_ratio"] > 0
     with pytest.raises(ValueError, match="disk_restart"):
         kt.main(["--model", "demo", "--configs", "off,disk_restart"])
+
+
+def test_bf16_dot_kl_tiny(tmp_path):
+    """The accuracy-cost script on a tiny bf16 folder: the bf16-dot run differs from the fp32
+    one (KL > 0: the kernel, or its twin where the CPU lacks AVX512-BF16) and the module's
+    functions are restored afterwards."""
+    from kvserve.kernels.cpu import w16_gemm as w16
+    from tests.conftest import make_tiny_model
+
+    if w16.w16_library() is None:
+        pytest.skip("no C compiler")
+    import torch
+
+    before = (w16.linear_w16, w16.bf16_dot_rows)
+    model = make_tiny_model(str(tmp_path / "m"), "llama", save_dtype=torch.bfloat16)
+    bk = _script("bf16_dot_kl")
+    out = tmp_path / "k.json"
+    assert bk.main(["--model", model, "--prompts", "2", "--len", "24", "--rows", "8",
+                    "--threads", "1", "--json", str(out)]) == 0
+    assert (w16.linear_w16, w16.bf16_dot_rows) == before
+    r = json.loads(out.read_text())
+    assert r["positions"] == 2 * 24 and r["kl_mean"] > 0 and 0 < r["top1_agreement"] <= 1
+    assert r["ran"] == ("kernel" if w16.has_bf16_dot(w16.w16_library()) else
+                        "twin (this CPU lacks AVX512-BF16)")

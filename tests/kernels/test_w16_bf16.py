@@ -48,23 +48,29 @@ def test_bf16_variant_compiles_with_vdpbf16ps(tmp_path):
         text = pathlib.Path(compile_variant("w16_gemm", other, str(tmp_path), asm=True))\
             .read_text()
         assert "vdpbf16ps" not in text, other
+    # the same variant carries the integer GEMM's AVX512-VNNI path
+    wq = pathlib.Path(compile_variant("wq_gemm", "bf16", str(tmp_path), asm=True)).read_text()
+    assert "vpdpbusd" in wq
 
 
 def test_dispatch_follows_the_cpu_flags(simulate_cpu, monkeypatch):
-    """bf16_dot_rows: the default threshold only where the CPU's flags list avx512_bf16 AND the
-    build has the path (it asks cpuid too); KVSERVE_CPU_BF16_ROWS sets it, 0 turns it off."""
+    """bf16_dot_rows: off by default (the exact fp32 path); with KVSERVE_CPU_BF16_ROWS set,
+    that threshold only where the CPU's flags list avx512_bf16 AND the build has the path (it
+    asks cpuid too); 0 turns it off, anything else but a row count is refused."""
 
     class Built:  # a library built with the path, on a CPU that has it (w16_gemm.bind)
         bf16_dot_built = True
 
     lib = Built()
-    for kind, want in [("avx2", 0), ("avx512", 0), ("avx512_bf16", w16.BF16_DOT_MIN_ROWS),
-                       ("amx", w16.BF16_DOT_MIN_ROWS)]:
+    monkeypatch.delenv("KVSERVE_CPU_BF16_ROWS", raising=False)
+    for kind in ("avx2", "avx512", "avx512_bf16", "amx"):
+        simulate_cpu(kind)
+        assert w16.bf16_dot_rows(lib) == 0, kind
+    monkeypatch.setenv("KVSERVE_CPU_BF16_ROWS", "128")
+    for kind, want in [("avx2", 0), ("avx512", 0), ("avx512_bf16", 128), ("amx", 128)]:
         simulate_cpu(kind)
         assert w16.bf16_dot_rows(lib) == want, kind
-    monkeypatch.setenv("KVSERVE_CPU_BF16_ROWS", "16")
-    w16.bf16_dot_rows.cache_clear()
-    assert w16.bf16_dot_rows(lib) == 16
+    assert w16.bf16_dot_rows(object()) == 0  # a build without the path (or an old source)
     monkeypatch.setenv("KVSERVE_CPU_BF16_ROWS", "0")
     w16.bf16_dot_rows.cache_clear()
     assert w16.bf16_dot_rows(lib) == 0
@@ -72,7 +78,7 @@ def test_dispatch_follows_the_cpu_flags(simulate_cpu, monkeypatch):
     w16.bf16_dot_rows.cache_clear()
     with pytest.raises(ValueError, match="KVSERVE_CPU_BF16_ROWS"):
         w16.bf16_dot_rows(lib)
-    monkeypatch.delenv("KVSERVE_CPU_BF16_ROWS")
+    monkeypatch.setenv("KVSERVE_CPU_BF16_ROWS", "128")
     native = w16.w16_library()
     if native is not None:  # this CPU's own build: the path exactly where the CPU has BF16
         w16.bf16_dot_rows.cache_clear()
@@ -80,6 +86,7 @@ def test_dispatch_follows_the_cpu_flags(simulate_cpu, monkeypatch):
 
         has = "avx512_bf16" in cpu_flags()
         assert (w16.bf16_dot_rows(native) > 0) == (has and w16.has_bf16_dot(native))
+        w16.bf16_dot_rows.cache_clear()
 
 
 @pytest.mark.parametrize("m", [1, 3, 4, 5, 17, 64, 130])

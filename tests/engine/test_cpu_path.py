@@ -55,7 +55,7 @@ def test_engine_takes_the_c_path_and_logs_it(simulate_cpu, kind, make_llm, tmp_p
     with caplog.at_level("INFO", logger="kvserve"):
         llm = make_llm(path)
     assert llm.engine.model_config.dtype == fp32
-    assert llm.engine.runner.model.model.layers[0].mlp.down_proj.weight.dtype == bf16
+    assert llm.engine.model.model.layers[0].mlp.down_proj.weight.dtype == bf16
     line = next(r.getMessage() for r in caplog.records if "CPU path:" in r.getMessage())
     assert line.startswith(f"CPU path: {kind}")
     assert "activations fp32, dense weights bf16" in line and "16-bit GEMM" in line

@@ -86,8 +86,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="one JSON object per completion (text, token_ids, finish_reason)")
     g.set_defaults(func=_generate)
 
-    for _name, module in (("serve", "kvserve.server.cli"), ("bench", "kvserve.bench.cli"),
-                         ("quantize", "kvserve.quantize_cli")):
+    for _name, module in (("serve", "kvserve.server.cli"), ("router", "kvserve.router.cli"),
+                         ("bench", "kvserve.bench.cli"), ("quantize", "kvserve.quantize_cli")):
         try:
             mod = __import__(module, fromlist=["register"])
         except ImportError:
@@ -95,6 +95,7 @@ def main(argv: list[str] | None = None) -> int:
         mod.register(sub)
 
     ns = parser.parse_args(args)
+    ns.argv = list(args)  # serve --data-parallel-size passes it on to its replicas
     logging.basicConfig(level=logging.DEBUG if ns.verbose else logging.INFO,
                         format="%(levelname)s %(name)s: %(message)s")
     try:

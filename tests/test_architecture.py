@@ -17,7 +17,7 @@ import kvserve
 LAYERS: list[tuple[str, ...]] = [
     # entry points: the command line, the offline API, the HTTP server, benchmarks
     ("kvserve", "kvserve.cli", "kvserve.quantize_cli", "kvserve.llm", "kvserve.server",
-     "kvserve.bench"),
+     "kvserve.bench", "kvserve.router"),
     ("kvserve.engine",),  # scheduler, executor / workers, step loop
     ("kvserve.model",),  # architectures, checkpoint loading
     ("kvserve.layers", "kvserve.attention"),  # nn building blocks, attention backends

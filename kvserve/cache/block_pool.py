@@ -15,6 +15,7 @@ from __future__ import annotations
 from collections import Counter, OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Protocol
 
 
 class NoFreeBlocksError(RuntimeError):
@@ -36,8 +37,17 @@ class Block:
     quarantined: bool = False
 
 
+class EventSink(Protocol):
+    """Told what the prefix-cache index gains and loses (``kvserve.cache.kv_events``)."""
+
+    def stored(self, block_hash: bytes, parent_hash: bytes | None,
+               token_ids: tuple[int, ...]) -> None: ...
+    def removed(self, block_hash: bytes) -> None: ...
+    def cleared(self) -> None: ...
+
+
 class BlockPool:
-    def __init__(self, num_blocks: int) -> None:
+    def __init__(self, num_blocks: int, event_sink: EventSink | None = None) -> None:
         if num_blocks < 1:
             raise ValueError(f"num_blocks must be >= 1, got {num_blocks}")
         self.num_blocks = num_blocks
@@ -49,6 +59,7 @@ class BlockPool:
         # Called with the cached blocks an ``allocate`` takes for reuse, as (block id, hash,
         # token ids), while their bytes are still intact (the KV tiers copy them out).
         self.on_evict: Callable[[list[tuple[int, bytes, tuple[int, ...]]]], None] | None = None
+        self.event_sink = event_sink
 
     # ---- queries -------------------------------------------------------------------------
     @property
@@ -134,8 +145,10 @@ class BlockPool:
             return None  # hash collision: the content check refuses it
         return block_id
 
-    def register(self, block_id: int, block_hash: bytes, token_ids: tuple[int, ...]) -> bool:
-        """Make a fully written block hittable. Returns False if another block holds the hash."""
+    def register(self, block_id: int, block_hash: bytes, token_ids: tuple[int, ...],
+                 parent_hash: bytes | None = None) -> bool:
+        """Make a fully written block hittable. Returns False if another block holds the hash.
+        ``parent_hash``: the chain hash of the block before it (None: the first block)."""
         block = self.blocks[block_id]
         assert block.ref_cnt > 0, "only a block in use can be registered"
         if block.block_hash is not None or block.quarantined:
@@ -145,19 +158,25 @@ class BlockPool:
         block.block_hash = block_hash
         block.token_ids = token_ids
         self._cached[block_hash] = block_id
+        if self.event_sink is not None:
+            self.event_sink.stored(block_hash, parent_hash, token_ids)
         return True
 
-    def _uncache(self, block: Block) -> None:
+    def _uncache(self, block: Block, report: bool = True) -> None:
         assert block.block_hash is not None
         if self._cached.get(block.block_hash) == block.block_id:
             del self._cached[block.block_hash]
+            if report and self.event_sink is not None:
+                self.event_sink.removed(block.block_hash)
         block.block_hash = None
         block.token_ids = None
 
     def reset_prefix_cache(self) -> None:
         for block in self.blocks:
             if block.block_hash is not None:
-                self._uncache(block)
+                self._uncache(block, report=False)
+        if self.event_sink is not None:
+            self.event_sink.cleared()
 
     # ---- integrity -----------------------------------------------------------------------
     def quarantine(self, block_id: int) -> None:

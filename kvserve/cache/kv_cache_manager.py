@@ -83,7 +83,8 @@ class KVCacheManager:
         self.req_blocks: dict[str, list[int]] = {}
         self._req_hashes: dict[str, list[bytes]] = {}
         self._req_committed: dict[str, int] = {}  # full blocks already queued for commit
-        self._pending: list[tuple[int, bytes, tuple[int, ...]]] = []  # (block, hash, tokens)
+        # (block, hash, tokens, parent hash) queued for sealing / registration
+        self._pending: list[tuple[int, bytes, tuple[int, ...], bytes | None]] = []
         # Prefix-cache statistics (queried tokens / hit tokens).
         self.num_queried_tokens = 0
         self.num_hit_tokens = 0
@@ -199,9 +200,11 @@ class KVCacheManager:
                 self.tiers.install(ids, todo)
                 if self.integrity is not None:
                     self.integrity.seal(ids, [t.chain_hash for t in todo])
+                parent = self.block_hashes(req)[start - 1] if start else None
                 for block_id, t in zip(ids, todo, strict=True):
                     if not self.pool.blocks[block_id].quarantined:
-                        self.pool.register(block_id, t.chain_hash, t.token_ids)
+                        self.pool.register(block_id, t.chain_hash, t.token_ids, parent)
+                    parent = t.chain_hash
                 self.pool.free(ids[::-1])
         finally:
             self.pool.free(hits[::-1])
@@ -277,7 +280,8 @@ class KVCacheManager:
         tokens = req.all_token_ids
         b = self.block_size
         for i in range(done, n_full):
-            self._pending.append((blocks[i], hashes[i], tuple(tokens[i * b : (i + 1) * b])))
+            self._pending.append((blocks[i], hashes[i], tuple(tokens[i * b : (i + 1) * b]),
+                                  hashes[i - 1] if i else None))
         self._req_committed[req.request_id] = n_full
         return blocks[done:n_full]
 
@@ -290,10 +294,10 @@ class KVCacheManager:
         if self.integrity is not None:
             self.integrity.seal([p[0] for p in pending], [p[1] for p in pending])
         if self.enable_prefix_caching:
-            for block_id, block_hash, toks in pending:
+            for block_id, block_hash, toks, parent in pending:
                 block = self.pool.blocks[block_id]
                 if block.ref_cnt > 0 and not block.quarantined:  # failed its seal: not reusable
-                    self.pool.register(block_id, block_hash, toks)
+                    self.pool.register(block_id, block_hash, toks, parent)
 
     def free(self, req: Request) -> None:
         blocks = self.req_blocks.pop(req.request_id, None)

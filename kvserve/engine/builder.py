@@ -19,6 +19,7 @@ from kvserve.cache.block_store import StoreSpec, dtype_str
 from kvserve.cache.integrity import IntegrityChecker
 from kvserve.cache.kv_cache import PagedKVCache
 from kvserve.cache.kv_cache_manager import KVCacheManager
+from kvserve.cache.kv_events import KVEventPublisher
 from kvserve.cache.kv_tiers import KVTiers, TierConfig
 from kvserve.cbuild import cpu_kind
 from kvserve.config import EngineConfig, ModelConfig, dtype_name
@@ -46,6 +47,7 @@ class EngineParts:
     kv: KVCacheManager
     scheduler: Scheduler
     runner: ModelRunner
+    kv_events: KVEventPublisher | None = None  # the pool's event sink (--kv-events-endpoint)
 
 
 _EXTRA_FLAGS = ("avx512_vnni", "avx_vnni", "amx_int8")  # named in the CPU path's log line
@@ -98,7 +100,15 @@ def build_engine(args: EngineArgs) -> EngineParts:
                           kv_mode=kv_cache.mode, num_blocks=layout.num_blocks,
                           fingerprint=worker.fingerprint,
                           tensor_parallel_size=args.tensor_parallel_size)
-    pool = BlockPool(layout.num_blocks)
+    kv_events = None
+    if args.kv_events_endpoint:
+        kv_events = KVEventPublisher(
+            args.kv_events_endpoint, block_size=layout.block_size,
+            medium="GPU" if kv_cache.data.is_cuda else "CPU",
+            replay_endpoint=args.kv_events_replay_endpoint, topic=args.kv_events_topic,
+            fmt=args.kv_events_format)
+        logger.info("publishing KV events on %s", kv_events.endpoint)
+    pool = BlockPool(layout.num_blocks, event_sink=kv_events)
     integrity = None
     if cache_cfg.kv_integrity != "off":
         peers = executor if isinstance(executor, MultiprocExecutor) else None
@@ -123,7 +133,7 @@ def build_engine(args: EngineArgs) -> EngineParts:
         logger.info("%s", tiers.describe())
     logger.info("ready in %.1f s", time.perf_counter() - t0)
     return EngineParts(args, config, executor, tokenizer, pool, integrity, kv, scheduler,
-                       runner)
+                       runner, kv_events)
 
 
 def _build_tiers(cache_cfg, kv_cache: PagedKVCache, worker: Any, tp: int) -> KVTiers | None:

@@ -41,6 +41,7 @@ class LLMEngine:
         self.tokenizer = parts.tokenizer
         self.pool, self.kv, self.scheduler = parts.pool, parts.kv, parts.scheduler
         self.integrity = parts.integrity
+        self.kv_events = parts.kv_events  # KVEventPublisher or None
         # Read-only facts (tests and the front end read them).
         self.model_config = self.config.model
         self.cache_config = self.config.cache
@@ -65,9 +66,12 @@ class LLMEngine:
         self.executor.check_health()
 
     def shutdown(self) -> None:
-        """Write the KV tiers down and stop them; stop the tensor-parallel workers."""
+        """Write the KV tiers down and stop them; stop the tensor-parallel workers and the KV
+        event publisher."""
         self.kv.close()
         self.executor.shutdown()
+        if self.kv_events is not None:
+            self.kv_events.close()
 
     # ---- requests -------------------------------------------------------------------------
     def tokenize(self, prompt: PromptType, param: str = "prompt") -> tuple[str | None, list[int]]:

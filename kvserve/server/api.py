@@ -114,6 +114,16 @@ def _routes(app: FastAPI, state: ServerState) -> None:
         body, content_type = state.metrics.render()
         return Response(body, media_type=content_type)
 
+    @app.get("/kv_events")
+    async def kv_events() -> dict:
+        """Where this engine publishes its KV-cache events (null: it does not): routers
+        subscribe there (docs/replicas.md)."""
+        pub = getattr(state.engine, "kv_events", None)
+        if pub is None:
+            return {"endpoint": None, "replay_endpoint": None, "block_size": None}
+        return {"endpoint": pub.endpoint, "replay_endpoint": pub.replay_endpoint,
+                "block_size": pub.block_size, "format": pub.fmt}
+
     @app.get("/version")
     async def version() -> dict:
         return {"version": kvserve.__version__}

@@ -20,6 +20,7 @@ import os
 
 from kvserve.config_cli import add_cli_args, from_cli_args
 from kvserve.engine.arg_utils import EngineArgs
+from kvserve.router.settings import RouterSettings
 from kvserve.server.settings import LaunchSettings, ServerSettings
 
 logger = logging.getLogger("kvserve.server")
@@ -33,6 +34,7 @@ def register(subparsers) -> None:
     EngineArgs.add_cli_args(p, model_positional=True)
     add_cli_args(p, LaunchSettings)
     add_cli_args(p, ServerSettings)
+    add_cli_args(p, RouterSettings, skip=RouterSettings.REPLICA_FIELDS)  # with -dp N
     p.set_defaults(func=lambda ns: serve(ns, EngineArgs.from_cli_args(ns)))
 
 
@@ -59,6 +61,15 @@ def serve(ns: argparse.Namespace, engine_args: EngineArgs) -> int:
     settings = from_cli_args(ServerSettings, ns,
                              served_model_name=_served_name(ns, engine_args.model))
     launch = from_cli_args(LaunchSettings, ns)
+    if launch.data_parallel_size > 1:
+        import sys
+
+        from kvserve.router.cli import serve_replicas
+
+        argv = list(getattr(ns, "argv", None) or sys.argv[1:])
+        if "serve" in argv:
+            argv = argv[argv.index("serve") + 1:]
+        return serve_replicas(ns, engine_args, settings, launch, argv)
     engine = AsyncLLMEngine.from_engine_args(engine_args, step_delay_s=launch.step_delay)
     app = None
     try:

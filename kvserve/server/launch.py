@@ -26,19 +26,32 @@ import logging
 import signal
 import time
 from types import FrameType
+from typing import Protocol
 
 import uvicorn
 from fastapi import FastAPI
 
-from kvserve.server.state import ServerState
-
 logger = logging.getLogger("kvserve.server")
+
+
+class Drainable(Protocol):
+    """What the drain drives: ``ServerState`` (one engine) or the replica router's state."""
+
+    draining: bool
+
+    @property
+    def inflight(self) -> int: ...
+
+    @property
+    def dead_error(self) -> BaseException | None: ...
+
+    def end_all(self) -> None: ...
 FORCE_GRACE_S = 1.0
 UVICORN_GRACE_S = 1
 
 
 class DrainingServer(uvicorn.Server):
-    def __init__(self, config: uvicorn.Config, state: ServerState, drain_timeout: float) -> None:
+    def __init__(self, config: uvicorn.Config, state: Drainable, drain_timeout: float) -> None:
         super().__init__(config)
         self._state = state
         self._drain_timeout = drain_timeout
@@ -50,9 +63,9 @@ class DrainingServer(uvicorn.Server):
 
     @classmethod
     def create(cls, app: FastAPI, host: str, port: int, drain_timeout: float,
-               log_level: str = "warning") -> DrainingServer:
+               log_level: str = "warning", lifespan: str = "off") -> DrainingServer:
         config = uvicorn.Config(app, host=host, port=port, log_level=log_level,
-                                lifespan="off", timeout_graceful_shutdown=UVICORN_GRACE_S,
+                                lifespan=lifespan, timeout_graceful_shutdown=UVICORN_GRACE_S,
                                 access_log=False)
         return cls(config, app.state.server, drain_timeout)
 
@@ -72,7 +85,7 @@ class DrainingServer(uvicorn.Server):
         self._drain_started = time.monotonic()
 
     async def on_tick(self, counter: int) -> bool:
-        dead = self._state.engine.dead_error
+        dead = self._state.dead_error
         if dead is not None and self._engine_dead_at is None:
             self.engine_error = dead
             self._engine_dead_at = time.monotonic()

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from kvserve.config_cli import arg
 
 SERVER = "server"
+DATA_PARALLEL = "data parallel (docs/replicas.md)"
 
 
 def _no_limit_if_zero(seconds: float) -> float | None:
@@ -83,6 +84,14 @@ class LaunchSettings:
     uvicorn_log_level: str = arg(
         "warning", "uvicorn's own log level", group=SERVER,
         choices=["critical", "error", "warning", "info", "debug", "trace"])
+    # Replicas behind a router in one command (kvserve/router/launch.py, docs/replicas.md).
+    data_parallel_size: int = arg(
+        1, "engine replicas (separate processes, each its own threads / devices and "
+        "tensor-parallel group) behind this one endpoint and a router",
+        flags=("-dp", "--data-parallel-size"), type=int, group=DATA_PARALLEL)
+    replica_threads: int | None = arg(
+        None, "CPU threads per replica (default: the cores split evenly)", type=int,
+        group=DATA_PARALLEL)
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
@@ -91,3 +100,7 @@ class LaunchSettings:
             raise ValueError(f"drain_timeout must be >= 0, got {self.drain_timeout}")
         if not self.step_delay >= 0:
             raise ValueError(f"step_delay must be >= 0, got {self.step_delay}")
+        if self.data_parallel_size < 1:
+            raise ValueError(f"data_parallel_size must be >= 1, got {self.data_parallel_size}")
+        if self.replica_threads is not None and self.replica_threads < 1:
+            raise ValueError(f"replica_threads must be >= 1, got {self.replica_threads}")

@@ -76,6 +76,11 @@ class ServerState:
                 self.metrics.rejected.labels("queue_full").inc()
             raise
 
+    @property
+    def dead_error(self) -> BaseException | None:
+        """Why the engine died (None while it serves): the drain stops the server on it."""
+        return self.engine.dead_error
+
     def end_all(self) -> None:
         """Forced shutdown: every live generation ends now (streams with ``finish_reason
         "abort"`` and ``[DONE]``); requests still being prepared get 503."""

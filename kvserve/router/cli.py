@@ -1,0 +1,80 @@
+"""``kvserve router --replica URL ...``: the OpenAI endpoint in front of replicas that run
+elsewhere; and ``run_router``, which ``kvserve serve --data-parallel-size N`` shares.
+
+Only the standard library (and the torch-free settings classes) at module level:
+``kvserve.cli`` imports this module on every run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+
+from kvserve.config_cli import add_cli_args, from_cli_args
+from kvserve.router.settings import RouterSettings
+from kvserve.server.settings import LaunchSettings, ServerSettings
+
+logger = logging.getLogger("kvserve.router")
+# serve's flags that mean nothing to a router
+_NOT_ROUTER_LAUNCH = ("step_delay", "data_parallel_size", "replica_threads")
+_NOT_ROUTER_SERVER = ("served_model_name", "max_queue", "request_timeout", "max_n")
+
+
+def register(subparsers) -> None:
+    p = subparsers.add_parser(
+        "router", help="route one OpenAI endpoint over kvserve replicas",
+        description="Serve one OpenAI endpoint in front of kvserve replicas (each `kvserve "
+                    "serve ... --kv-events-endpoint tcp://*:PORT`), with session-affinity "
+                    "and prefix-aware routing (docs/replicas.md).")
+    add_cli_args(p, RouterSettings)
+    add_cli_args(p, LaunchSettings, skip=_NOT_ROUTER_LAUNCH)
+    add_cli_args(p, ServerSettings, skip=_NOT_ROUTER_SERVER)
+    p.set_defaults(func=_router_main)
+
+
+def _router_main(ns: argparse.Namespace) -> int:
+    router = from_cli_args(RouterSettings, ns)
+    if not router.replicas:
+        raise ValueError("replicas: give at least one --replica URL")
+    return run_router(router, from_cli_args(LaunchSettings, ns, skip=_NOT_ROUTER_LAUNCH),
+                      from_cli_args(ServerSettings, ns, skip=_NOT_ROUTER_SERVER))
+
+
+def run_router(router: RouterSettings, launch: LaunchSettings,
+               server: ServerSettings) -> int:
+    from kvserve.model.default_model import resolve_model
+    from kvserve.model.loader import load_tokenizer
+    from kvserve.router.app import RouterState, build_router_app
+    from kvserve.server.launch import DrainingServer
+
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # not a line per proxied request
+    tokenizer = None
+    if router.uses_tokenizer:
+        tokenizer = load_tokenizer(resolve_model(router.prefix_tokenizer))
+    state = RouterState(router, server.api_key, tokenizer, server.tokenizer_workers)
+    app = build_router_app(state, api_key=server.api_key,
+                           max_body_bytes=server.max_body_bytes, access_log=server.access_log)
+    http = DrainingServer.create(app, launch.host, launch.port, launch.drain_timeout,
+                                 launch.uvicorn_log_level, lifespan="on")
+    logger.info("routing (%s) on http://%s:%d over %d replica(s)", router.routing, launch.host,
+                launch.port, len(router.replicas))
+    http.run()
+    return 0
+
+
+def serve_replicas(ns: argparse.Namespace, engine_args, server: ServerSettings,
+                   launch: LaunchSettings, argv: list[str]) -> int:
+    """``kvserve serve --data-parallel-size N``: the replica processes, then the router."""
+    from kvserve.router.launch import ReplicaProcesses
+
+    procs = ReplicaProcesses(argv, launch.data_parallel_size, threads=launch.replica_threads,
+                             device=engine_args.device,
+                             tensor_parallel_size=engine_args.tensor_parallel_size)
+    router = from_cli_args(RouterSettings, ns, skip=RouterSettings.REPLICA_FIELDS,
+                           replicas=tuple(procs.urls), replica_api_key=procs.key,
+                           tokenizer=engine_args.tokenizer or engine_args.model)
+    procs.start()
+    try:
+        return run_router(router, launch, server)
+    finally:
+        procs.stop()

@@ -1,0 +1,133 @@
+"""``kvserve serve --data-parallel-size N``: N replica processes behind the router.
+
+Each replica is ``kvserve serve`` with the same arguments, on a loopback port chosen here,
+with its own CPU threads (``OMP_NUM_THREADS``: ``--replica-threads``, default the cores split
+evenly), its own devices on CUDA (``CUDA_VISIBLE_DEVICES``: ``-tp`` consecutive ones each), its
+own tensor-parallel group, a KV-event publisher on a loopback port, and a random key only the
+router knows (in its environment, not its command line). The router serves the OpenAI endpoint
+on ``--host`` / ``--port`` with the client-facing ``--api-key``.
+
+A replica process that exits is started again on the same port (at most ``MAX_RESTARTS``
+times each); the router's health checks take it out of the pool meanwhile and let it rejoin.
+The replicas die with this process (``PR_SET_PDEATHSIG``); on shutdown (after the router's
+drain) each gets SIGTERM, then SIGKILL after ``STOP_GRACE_S``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import secrets
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+logger = logging.getLogger("kvserve.router")
+MAX_RESTARTS = 5
+STOP_GRACE_S = 10.0
+# Options of `serve` a replica must not inherit (the router owns them), with their arity.
+_STRIPPED = {"--data-parallel-size": 1, "-dp": 1, "--port": 1, "--host": 1, "--api-key": 1,
+             "--replica-threads": 1, "--kv-events-endpoint": 1,
+             "--kv-events-replay-endpoint": 1, "--replica": 1}
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def replica_argv(argv: list[str]) -> list[str]:
+    """``argv`` (the serve command line after ``serve``) without the router-owned options."""
+    out, skip = [], 0
+    for a in argv:
+        if skip:
+            skip -= 1
+            continue
+        name = a.split("=", 1)[0]
+        if name in _STRIPPED:
+            if "=" not in a:
+                skip = _STRIPPED[name]
+            continue
+        out.append(a)
+    return out
+
+
+def _die_with_parent() -> None:  # runs in the child between fork and exec
+    with contextlib.suppress(Exception):
+        import ctypes
+
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+
+
+class ReplicaProcesses:
+    def __init__(self, argv: list[str], n: int, *, threads: int | None, device: str,
+                 tensor_parallel_size: int) -> None:
+        if n < 1:
+            raise ValueError(f"data_parallel_size must be >= 1, got {n}")
+        if threads is not None and threads < 1:
+            raise ValueError(f"replica_threads must be >= 1, got {threads}")
+        self.key = secrets.token_urlsafe(24)
+        self.threads = threads or max(1, (os.cpu_count() or 1) // n)
+        self.ports = [free_port() for _ in range(n)]
+        self.urls = [f"http://127.0.0.1:{p}" for p in self.ports]
+        self._argv = replica_argv(argv)
+        self._device, self._tp = device, tensor_parallel_size
+        self.procs: list[subprocess.Popen | None] = [None] * n
+        self.restarts = [0] * n
+        self._stopping = threading.Event()
+        self._lock = threading.Lock()
+        self._watcher = threading.Thread(target=self._watch, name="kvserve-replicas",
+                                         daemon=True)
+
+    def _spawn(self, i: int) -> subprocess.Popen:
+        cmd = [sys.executable, "-m", "kvserve.cli", "serve", *self._argv,
+               "--host", "127.0.0.1", "--port", str(self.ports[i]),
+               "--kv-events-endpoint", "tcp://127.0.0.1:0",
+               "--kv-events-replay-endpoint", "tcp://127.0.0.1:0"]
+        env = dict(os.environ, KVSERVE_API_KEY=self.key, OMP_NUM_THREADS=str(self.threads),
+                   KVSERVE_REPLICA=str(i))
+        if self._device.startswith("cuda"):
+            first = i * self._tp
+            env["CUDA_VISIBLE_DEVICES"] = ",".join(str(d) for d in range(first,
+                                                                         first + self._tp))
+        logger.info("starting replica r%d on %s (%d thread(s))", i, self.urls[i], self.threads)
+        return subprocess.Popen(cmd, env=env, preexec_fn=_die_with_parent)  # noqa: PLW1509
+
+    def start(self) -> ReplicaProcesses:
+        for i in range(len(self.procs)):
+            self.procs[i] = self._spawn(i)
+        self._watcher.start()
+        return self
+
+    def _watch(self) -> None:
+        while not self._stopping.wait(1.0):
+            with self._lock:
+                for i, p in enumerate(self.procs):
+                    if p is None or p.poll() is None or self._stopping.is_set():
+                        continue
+                    if self.restarts[i] >= MAX_RESTARTS:
+                        continue
+                    self.restarts[i] += 1
+                    logger.warning("replica r%d exited with %s; restarting it (%d of %d)", i,
+                                   p.returncode, self.restarts[i], MAX_RESTARTS)
+                    self.procs[i] = self._spawn(i)
+
+    def stop(self) -> None:
+        self._stopping.set()
+        with self._lock:
+            procs = [p for p in self.procs if p is not None]
+        for p in procs:
+            if p.poll() is None:
+                p.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + STOP_GRACE_S
+        for p in procs:
+            try:
+                p.wait(max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait(5)

@@ -1,0 +1,74 @@
+"""The router's Prometheus metrics (``kvserve_router_``-prefixed, a per-app registry):
+requests and routing decisions per replica and reason, re-routes, streams ended by a failed
+replica, and per replica (read at scrape time) health, load, KV usage, prefix-cache hit rate,
+indexed blocks, KV-event lag and gaps."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, generate_latest
+from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.exposition import CONTENT_TYPE_LATEST
+
+
+class _ReplicaCollector:
+    def __init__(self, state: Any) -> None:
+        self._state = state
+
+    def describe(self) -> list[Metric]:
+        return []
+
+    def collect(self) -> Iterator[Metric]:
+        pool, index = self._state.pool, self._state.index
+        rows = [
+            ("healthy", "1 while the replica is in the pool.", lambda r: float(r.healthy)),
+            ("inflight", "Requests this router has in flight on the replica.",
+             lambda r: r.inflight),
+            ("running", "Sequences running on the replica (its last /metrics).",
+             lambda r: r.running),
+            ("waiting", "Sequences waiting on the replica (its last /metrics).",
+             lambda r: r.waiting),
+            ("load", "The load routing compares: max(in flight here, running + waiting).",
+             lambda r: r.load),
+            ("kv_cache_usage", "Fraction of the replica's KV blocks in use.",
+             lambda r: r.kv_usage),
+            ("prefix_cache_hit_rate", "The replica's prefix-cache hit rate (its /metrics).",
+             lambda r: r.hit_rate),
+            ("indexed_blocks", "Prefix-cached blocks the router's index holds for it.",
+             lambda r: index.num_blocks(r.name)),
+            ("kv_event_lag_seconds", "Receive time minus publish time of its last event batch.",
+             lambda r: r.event_lag_s),
+            ("kv_event_gaps", "Sequence gaps seen in its KV-event stream.", lambda r: r.gaps),
+        ]
+        for name, doc, value in rows:
+            fam = GaugeMetricFamily(f"kvserve_router_replica_{name}", doc,
+                                    labels=["replica", "url"])
+            for r in pool.replicas.values():
+                fam.add_metric([r.name, r.url], float(value(r)))
+            yield fam
+
+
+class RouterMetrics:
+    def __init__(self, state: Any) -> None:
+        self.registry = CollectorRegistry(auto_describe=False)
+        self.registry.register(_ReplicaCollector(state))  # type: ignore[arg-type]
+        r = self.registry
+        self.requests = Counter("kvserve_router_requests", "HTTP requests answered, by the "
+                                "replica that served them ('-': none) and status.",
+                                ["replica", "status"], registry=r)
+        self.decisions = Counter("kvserve_router_routing_decisions", "Routing decisions by "
+                                 "replica and reason (session, prefix, least_loaded, "
+                                 "round_robin, retry).", ["replica", "reason"], registry=r)
+        self.retries = Counter("kvserve_router_reroutes", "Requests taken off a replica before "
+                               "they started, by replica and cause (failed, 429, 503, ...).",
+                               ["replica", "cause"], registry=r)
+        self.stream_errors = Counter("kvserve_router_stream_errors", "Streams ended with an "
+                                     "error event because their replica failed.", ["replica"],
+                                     registry=r)
+        self.http_errors = Counter("kvserve_router_http_errors",
+                                   "HTTP responses with status >= 400.", ["status"], registry=r)
+
+    def render(self) -> tuple[bytes, str]:
+        return generate_latest(self.registry), CONTENT_TYPE_LATEST

@@ -9,13 +9,12 @@ on ``--host`` / ``--port`` with the client-facing ``--api-key``.
 
 A replica process that exits is started again on the same port (at most ``MAX_RESTARTS``
 times each); the router's health checks take it out of the pool meanwhile and let it rejoin.
-The replicas die with this process (``PR_SET_PDEATHSIG``); on shutdown (after the router's
+The replicas stop when this process is gone (``watch_parent``); on shutdown (after the router's
 drain) each gets SIGTERM, then SIGKILL after ``STOP_GRACE_S``.
 """
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import os
 import secrets
@@ -57,11 +56,22 @@ def replica_argv(argv: list[str]) -> list[str]:
     return out
 
 
-def _die_with_parent() -> None:  # runs in the child between fork and exec
-    with contextlib.suppress(Exception):
-        import ctypes
+PARENT_ENV = "KVSERVE_REPLICA_PARENT"
 
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+
+def watch_parent() -> None:
+    """In a replica: SIGTERM itself (a normal drain) once the process that started it is gone,
+    so replicas never outlive a router that was killed. No-op outside ``-dp`` replicas."""
+    parent = os.environ.get(PARENT_ENV)
+    if not parent:
+        return
+
+    def watch() -> None:
+        while os.getppid() == int(parent):
+            time.sleep(1.0)
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    threading.Thread(target=watch, name="kvserve-parent-watch", daemon=True).start()
 
 
 class ReplicaProcesses:
@@ -90,13 +100,13 @@ class ReplicaProcesses:
                "--kv-events-endpoint", "tcp://127.0.0.1:0",
                "--kv-events-replay-endpoint", "tcp://127.0.0.1:0"]
         env = dict(os.environ, KVSERVE_API_KEY=self.key, OMP_NUM_THREADS=str(self.threads),
-                   KVSERVE_REPLICA=str(i))
+                   **{PARENT_ENV: str(os.getpid())})
         if self._device.startswith("cuda"):
             first = i * self._tp
             env["CUDA_VISIBLE_DEVICES"] = ",".join(str(d) for d in range(first,
                                                                          first + self._tp))
         logger.info("starting replica r%d on %s (%d thread(s))", i, self.urls[i], self.threads)
-        return subprocess.Popen(cmd, env=env, preexec_fn=_die_with_parent)  # noqa: PLW1509
+        return subprocess.Popen(cmd, env=env)
 
     def start(self) -> ReplicaProcesses:
         for i in range(len(self.procs)):

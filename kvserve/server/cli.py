@@ -70,6 +70,9 @@ def serve(ns: argparse.Namespace, engine_args: EngineArgs) -> int:
         if "serve" in argv:
             argv = argv[argv.index("serve") + 1:]
         return serve_replicas(ns, engine_args, settings, launch, argv)
+    from kvserve.router.launch import watch_parent
+
+    watch_parent()  # a replica of `serve --data-parallel-size` ends with its router
     engine = AsyncLLMEngine.from_engine_args(engine_args, step_delay_s=launch.step_delay)
     app = None
     try:

@@ -18,9 +18,9 @@ from kvserve.engine.arg_utils import EngineArgs, demo_model_path
 from kvserve.router.prefix_index import PrefixIndex
 from tests.cache.test_kv_events import _vllm_schema
 
-pytestmark = pytest.mark.skipif(
+pytestmark = [pytest.mark.slow, pytest.mark.skipif(  # slow: loads the demo model (~20 s)
     not os.path.isfile(os.path.join(demo_model_path(), "model.safetensors")),
-    reason="demo model not present")
+    reason="demo model not present")]
 
 
 def _drain(sub: zmq.Socket, idx: PrefixIndex, schema, seqs: list[int],

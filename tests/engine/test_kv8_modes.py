@@ -15,6 +15,9 @@ import torch
 from kvserve import SamplingParams
 from tests.model.parity import teacher_forced_stats
 
+# slow: every 8-bit KV mode through engines on HF-reference models
+pytestmark = pytest.mark.slow
+
 MODES = ["int8", "int8_plain", "fp8_rot", "fp8_e5m2_rot"]
 ARCHS = {"llama": ("llama", {}), "qwen3_hd32": ("qwen3", dict(head_dim=32)),
          "llama_hd24": ("llama", dict(head_dim=24))}  # 24: non-power-of-two rotation

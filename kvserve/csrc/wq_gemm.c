@@ -9,7 +9,7 @@
  *                   + m[n,g] * sum_{b in g} dx[m,b] * qs[m,b] )
  *
  * which is exactly dequant(W) . dequant(quant(x)) up to fp32 rounding: x is taken as
- * x^[m,k] = dx[m,b] * q[m,k]. Twin: kvserve.quant.wq.wq_matmul_ref (fake-quantized x @ W^T);
+ * x^[m,k] = dx[m,b] * q[m,k]. Twin: kvserve.kernels.reference.wq_matmul (fake-quantized x @ W^T);
  * tests/quant/test_wq.py sweeps shapes against it. Integer sums are exact, so results differ
  * from the twin only in the order of fp32 additions. A row's result depends on that row alone
  * (batch invariant): rows of x are never mixed and every row runs the same instruction stream.
@@ -51,7 +51,7 @@ static inline void f16x16(const uint16_t *restrict p, float *restrict out) {
  * v = x * (127 / amax), q = rint(v) clamped to +-127, dx = amax / 127 (a zero block: dx = 0,
  * q = 0). terms == 2 adds rows M + m with the remainder: q' = rint((v - q) * 254), dx' = dx / 254,
  * so x ~ dx q + dx' q' to ~1.5e-5 of the block's amax (two int8 passes of the same GEMM).
- * Twin: kvserve.quant.wq.quantize_act_ref (same fp32 operations: bit-identical, so no
+ * Twin: kvserve.kernels.reference.wq_quantize_act (same fp32 operations: bit-identical, so no
  * contraction of x * inv - q into an FMA). */
 __attribute__((optimize("fp-contract=off")))
 void kvs_wq_quant_act(const float *restrict x, int64_t M, int64_t K, int terms,

@@ -138,12 +138,12 @@ class WqMethod(Int4Method):
                                  self.act_terms)
             return (y if self.n_pad == self.n else y[:, : self.n]).to(x2.dtype)
         u, s, m = self.parts()
-        y = wq.fake_quant_act(xf, self.act_terms) @ wq.dequantize_ref(u, s, m, self.group).t()
+        y = ref.wq_fake_quant_act(xf, self.act_terms) @ ref.wq_dequantize(u, s, m, self.group).t()
         return y.to(x2.dtype)
 
     def dequantize(self) -> torch.Tensor:
         u, s, m = self.parts()
-        return wq.dequantize_ref(u, s, m, self.group)
+        return ref.wq_dequantize(u, s, m, self.group)
 
     def canonical(self) -> Canonical:
         u, s, m = self.parts()

@@ -14,6 +14,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from kvserve.kernels import reference
 from kvserve.kernels.cpu import cpu_ops
 from kvserve.kernels.cpu import q8_gemv as q8_cpu
 from kvserve.kernels.cpu import wq_gemm as wq_cpu
@@ -106,7 +107,7 @@ class Q8LMHead(nn.Module):
             if lib is not None:
                 y = wq_cpu.wq_linear(lib, x2, t.codes, t.sm, t.n_pad, 32, 8, t.act_terms)
                 return y[:, :n].reshape(*x.shape[:-1], n)
-            x2 = wq.fake_quant_act(x2, t.act_terms)  # the kernel's arithmetic, in torch
+            x2 = reference.wq_fake_quant_act(x2, t.act_terms)  # the kernel's arithmetic, in torch
         lib = q8_cpu.load() if not t.act_terms else None
         if lib is not None and m <= GEMV_MAX_M:
             y = q8_cpu.gemv(lib, t.q, t.d, x2)

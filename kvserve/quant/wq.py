@@ -1,4 +1,4 @@
-"""Integer-dot weight layout for CPU decode (W4A8 / W8A8) and its pure-torch twin.
+"""Integer-dot weight layout for CPU decode (W4A8 / W8A8).
 
 GGUF-style weights -- unsigned codes u (4 or 8 bits) and a (scale, min) pair per group of G
 input columns, w = u * s + m (Q4_0: m = -8 s; Q4_1: its min; Q8_0: u = q + 128, m = -128 s) --
@@ -11,7 +11,9 @@ Activation quantization, per row and 32-column block b (identical in C and here)
     amax = max |x|,  q = clamp(rint(x * (127 / amax)), -127, 127),  dx = amax / 127
     (amax == 0: q = 0, dx = 0);  qs = sum q
 
-so the layer computes dequant(W) . x^ with x^ = dx * q, which is what ``wq_matmul_ref`` does.
+so the layer computes dequant(W) . x^ with x^ = dx * q. The pure-torch twins of the
+kernel (``wq_quantize_act``, ``wq_fake_quant_act``, ``wq_dequantize``, ``wq_matmul``) live
+with every other kernel twin in :mod:`kvserve.kernels.reference`.
 
 Tile layout (16 output rows per tile, N padded to 16; K % 32 == 0, G % 32 == 0)::
 
@@ -81,52 +83,3 @@ def unpack_scales(sm: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     nt, ng = sm.shape[:2]
     t = sm.permute(2, 0, 3, 1).reshape(2, nt * TILE, ng)
     return t[0], t[1]
-
-
-def quantize_act_ref(x: torch.Tensor, terms: int = 1
-                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """fp32 [M, K] -> (q int8 [T M, K], dx fp32 [T M, K/32], qs int32 [T M, K/32]), T = terms;
-    the twin of ``kvs_wq_quant_act`` (same fp32 operations: bit-identical). Rows M + m of a
-    second term hold the remainder: x ~ dx q + dx' q' (module docstring)."""
-    m, k = x.shape
-    xb = x.float().reshape(m, k // BLOCK, BLOCK)
-    amax = xb.abs().amax(-1)
-    inv = torch.where(amax > 0, 127.0 / amax, torch.zeros_like(amax))
-    v = xb * inv.unsqueeze(-1)
-    q = torch.round(v).clamp_(-127, 127)
-    dx = amax / 127.0
-    qs_, dxs, sums = [q], [dx], [q.sum(-1)]
-    if terms == 2:
-        q2 = torch.round((v - q) * 254.0).clamp_(-127, 127)
-        qs_.append(q2)
-        dxs.append(dx / 254.0)
-        sums.append(q2.sum(-1))
-    return (torch.cat(qs_).to(torch.int8).view(terms * m, k), torch.cat(dxs),
-            torch.cat(sums).to(torch.int32))
-
-
-def fake_quant_act(x: torch.Tensor, terms: int = 1) -> torch.Tensor:
-    """fp32 x^ = sum over terms of dx q: what the kernel multiplies the weights with."""
-    q, dx, _ = quantize_act_ref(x, terms)
-    tm, k = q.shape
-    xh = (q.float().view(tm, k // BLOCK, BLOCK) * dx.unsqueeze(-1)).view(terms, tm // terms, k)
-    return xh[0] if terms == 1 else xh[0] + xh[1]
-
-
-def dequantize_ref(u: torch.Tensor, s: torch.Tensor, m: torch.Tensor, group: int
-                   ) -> torch.Tensor:
-    """fp32 [N, K] = fl(fl(u * s) + m) per group (GGUF's own dequantization order)."""
-    w = u.float() * s.float().repeat_interleave(group, -1)
-    return w + m.float().repeat_interleave(group, -1)
-
-
-def wq_matmul_ref(x: torch.Tensor, u: torch.Tensor, s: torch.Tensor, m: torch.Tensor,
-                  group: int, terms: int = 1) -> torch.Tensor:
-    """The twin of ``kvs_wq_gemm``: fp32 [M, N] = x^ @ W^T in float64, x^ the int8
-    fake-quantized x (module docstring), W = u * s + m."""
-    q, dx, _ = quantize_act_ref(x, terms)
-    xh = (q.double().view(q.shape[0], -1, BLOCK) * dx.double().unsqueeze(-1)).view(q.shape)
-    xh = xh.view(terms, x.shape[0], -1).sum(0)
-    w = u.double() * s.double().repeat_interleave(group, -1) + \
-        m.double().repeat_interleave(group, -1)
-    return (xh @ w.t()).float()

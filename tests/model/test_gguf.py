@@ -17,6 +17,7 @@ import pytest
 import torch
 
 from kvserve import SamplingParams
+from kvserve.kernels import reference
 from kvserve.layers.int4_linear import Int4Linear
 from kvserve.layers.int4_methods import CpuPackMethod, WqMethod
 from kvserve.quant import int4, wq
@@ -84,7 +85,7 @@ def test_packed_int4_layer_equals_dequantized_matmul(kind, shape, a8):
     for m in (1, 2, 7, 64, 80, 130):  # fp32: C GEMV (<= 24 rows), dequantize + GEMM above
         x = torch.randn(m, k, generator=g)
         if a8:  # the exact weights times x quantized to int8 terms per 32 columns (twin)
-            want = wq.wq_matmul_ref(x, *layer.method.parts(), 32, a8)
+            want = reference.wq_matmul(x, *layer.method.parts(), 32, a8)
             torch.testing.assert_close(layer(x), want, rtol=1e-5,
                                        atol=1e-5 * float(want.abs().max()))
         else:

@@ -7,10 +7,10 @@ import numpy as np
 import pytest
 import torch
 
+from kvserve.kernels import reference
 from kvserve.kernels.cpu import q8_gemv
 from kvserve.layers import q8_embedding
 from kvserve.layers.q8_embedding import Q8Embedding, Q8LMHead
-from kvserve.quant import wq
 from kvserve.quant.gguf_q8 import dequantize_q8, unpack_q8_0
 
 gguf = pytest.importorskip("gguf")
@@ -42,7 +42,7 @@ def _check_head(head: Q8LMHead, ref: torch.Tensor, ms=(1, 2, 5, 16, 17, 40)) -> 
     for m in ms:  # <= GEMV_MAX_M: the C GEMV; above: chunked dequantize + GEMM
         x = torch.randn(m, ref.shape[1], generator=g)
         if head.table.act_terms:  # W8A8: the weights times x quantized per 32 to int8 terms
-            x = wq.fake_quant_act(x, head.table.act_terms)
+            x = reference.wq_fake_quant_act(x, head.table.act_terms)
         want = x.double() @ ref.double().t()
         got = head(x)
         assert got.dtype == torch.float32 and got.shape == (m, ref.shape[0])

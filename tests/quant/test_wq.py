@@ -9,6 +9,7 @@ import ctypes
 import pytest
 import torch
 
+from kvserve.kernels import reference
 from kvserve.kernels.cpu import wq_gemm as wq_cpu
 from kvserve.quant import wq
 from tests.conftest import ISA_VARIANTS, variant_library
@@ -60,7 +61,7 @@ def test_quantize_act_matches_twin_bit_for_bit(lib, terms):
                  torch.empty(t * 64, 3, dtype=torch.int32))
     lib.kvs_wq_quant_act(x.data_ptr(), 64, 96, terms, 1, q.data_ptr(), dx.data_ptr(),
                          qs.data_ptr())
-    q2, dx2, qs2 = wq.quantize_act_ref(x, terms)
+    q2, dx2, qs2 = reference.wq_quantize_act(x, terms)
     assert torch.equal(q, q2) and torch.equal(dx, dx2) and torch.equal(qs, qs2)
     assert int(q.abs().max()) == 127 and float(dx[1, 0]) == 0.0
 
@@ -73,11 +74,11 @@ def test_gemm_matches_twin(lib, bits, m, n, k, group):
     u, s, mn = _weights(n, k, group, bits, m * 1000 + n + k)
     x = torch.randn(m, k)
     codes, sm = wq.pack_codes(u, bits), wq.pack_scales(s, mn)
-    q, dx, qs = wq.quantize_act_ref(x)
+    q, dx, qs = reference.wq_quantize_act(x)
     y = torch.empty(m, n)
     lib.kvs_wq_gemm(codes.data_ptr(), sm.data_ptr(), q.data_ptr(), dx.data_ptr(), qs.data_ptr(),
                     m, n, k, group, bits, 2, y.data_ptr())
-    ref = wq.wq_matmul_ref(x, u, s, mn, group)
+    ref = reference.wq_matmul(x, u, s, mn, group)
     torch.testing.assert_close(y, ref, rtol=1e-5, atol=1e-5 * float(ref.abs().max()))
 
 
@@ -90,7 +91,7 @@ def test_rows_are_batch_invariant(terms):
     codes, sm = wq.pack_codes(u, 4), wq.pack_scales(s, mn)
     x = torch.randn(11, 256)
     full = wq_cpu.wq_linear(lib, x, codes, sm, 64, 32, 4, terms)
-    ref = wq.wq_matmul_ref(x, u, s, mn, 32, terms)
+    ref = reference.wq_matmul(x, u, s, mn, 32, terms)
     torch.testing.assert_close(full, ref, rtol=1e-5, atol=1e-5 * float(ref.abs().max()))
     for i in range(11):
         one = wq_cpu.wq_linear(lib, x[i:i + 1].contiguous(), codes, sm, 64, 32, 4, terms)
@@ -102,12 +103,12 @@ def test_fake_quant_error_is_small():
     computes): one int8 term (llama.cpp's Q8 blocks) a few 1e-3 relative, two terms ~1e-5."""
     u, s, mn = _weights(64, 576, 32, 4, 3)
     x = torch.randn(8, 576)
-    w = wq.dequantize_ref(u, s, mn, 32)
+    w = reference.wq_dequantize(u, s, mn, 32)
     exact = x.double() @ w.double().t()
-    err1 = (wq.wq_matmul_ref(x, u, s, mn, 32, 1).double() - exact).norm() / exact.norm()
-    err2 = (wq.wq_matmul_ref(x, u, s, mn, 32, 2).double() - exact).norm() / exact.norm()
+    err1 = (reference.wq_matmul(x, u, s, mn, 32, 1).double() - exact).norm() / exact.norm()
+    err2 = (reference.wq_matmul(x, u, s, mn, 32, 2).double() - exact).norm() / exact.norm()
     assert 1e-4 < float(err1) < 1e-2 and 0 < float(err2) < 1e-4, (err1, err2)
-    torch.testing.assert_close(wq.fake_quant_act(x, 2), x, rtol=0, atol=2e-5 * 4.5)
+    torch.testing.assert_close(reference.wq_fake_quant_act(x, 2), x, rtol=0, atol=2e-5 * 4.5)
 
 
 def test_check_shape_errors():

@@ -15,12 +15,15 @@ DOCS = sorted([ROOT / "README.md", *(ROOT / "docs").glob("*.md")])
 PATH_RE = re.compile(r"`((?:kvserve|docs|benchmarks|scripts|tests|\.ci)/[^`\s]*)`")
 BARE_BENCH_RE = re.compile(r"(?<![\w/`.])(docs/bench/[\w./-]+\.(?:json|png))")
 LINK_RE = re.compile(r"\]\(([^)\s]+)\)")
-FENCE_RE = re.compile(r"^```.*?^```", re.S | re.M)
+FENCE_RE = re.compile(r"^[ \t]*```.*?^[ \t]*```", re.S | re.M)  # fences, list-indented too
+INDENTED_CODE_RE = re.compile(r"^ {4,}\S")  # an indented code line (prose is indented < 4)
 
 
 def _prose(path: pathlib.Path) -> str:
-    """The file without its fenced code blocks (commands there name files they write)."""
-    return FENCE_RE.sub("", path.read_text())
+    """The file without its code blocks, fenced or indented (commands there name files they
+    will write)."""
+    text = FENCE_RE.sub("", path.read_text())
+    return "\n".join(line for line in text.splitlines() if not INDENTED_CODE_RE.match(line))
 
 
 def _slug(heading: str) -> str:

@@ -10,7 +10,7 @@ from tqdm.auto import tqdm
 from kvserve.engine.arg_utils import EngineArgs
 from kvserve.engine.llm_engine import LLMEngine, PromptType
 from kvserve.outputs import RequestOutput
-from kvserve.sampling_params import SamplingParams
+from kvserve.sampling_params import RequestOutputKind, SamplingParams
 
 
 class LLM:
@@ -49,6 +49,10 @@ class LLM:
         )
         if len(params) != len(prompts):
             raise ValueError("sampling_params must be one SamplingParams or one per prompt")
+        # one cumulative output per request, built when it finishes (no per-step copies)
+        final = {id(p): p.clone(output_kind=RequestOutputKind.FINAL_ONLY)
+                 for p in params if isinstance(p, SamplingParams)}
+        params = [final.get(id(p), p) for p in params]
         ids = []
         try:
             for i, (p, sp) in enumerate(zip(prompts, params, strict=True)):

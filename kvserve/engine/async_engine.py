@@ -8,7 +8,7 @@ next step runs. Outputs travel back to the caller's asyncio loop with
 (the *sink*); several requests may share one sink. Model steps run in the engine thread while the
 event loop keeps serving HTTP: torch releases the GIL inside its kernels.
 
-Every item a sink receives is either a ``RequestOutput`` (cumulative, like ``LLMEngine.step``)
+Every item a sink receives is either a ``RequestOutput`` (as ``SamplingParams.output_kind`` asks)
 or a ``RequestFailure`` naming the request and why it ended early (its deadline passed, the
 engine thread died, or the engine is shutting down). After a request's finished output or its
 failure nothing more arrives for it.

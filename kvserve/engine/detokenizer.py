@@ -74,9 +74,14 @@ class IncrementalDetokenizer:
         self.stop_reason = s
         return True
 
-    def output_text(self, finished: bool) -> str:
-        """Text safe to show now: holds back a possible stop-string prefix while running."""
+    def visible_len(self, finished: bool) -> int:
+        """How much of ``text`` is safe to show now: a possible stop-string prefix is held back
+        while running."""
         if finished or not self.stop:
-            return self.text
+            return len(self.text)
         hold = max(len(s) for s in self.stop) - 1
-        return self.text[: max(0, len(self.text) - hold)] if hold else self.text
+        return max(0, len(self.text) - hold)
+
+    def output_text(self, finished: bool) -> str:
+        """Text safe to show now (``visible_len``)."""
+        return self.text[: self.visible_len(finished)]

@@ -1,6 +1,12 @@
 """From sampled tokens to ``RequestOutput``: stop checks, incremental detokenization, and the
 fan-in of a request's ``n`` sequences (its children) into one output.
 
+What an output carries follows ``SamplingParams.output_kind``: ``DELTA`` (the server's
+streams) only what is new since the request's previous output (new token ids, new text, new
+logprobs: O(new) per step however long the request), ``FINAL_ONLY`` (``LLM.generate``) one
+cumulative output when the request finishes, ``CUMULATIVE`` (``LLMEngine.step``'s default)
+everything so far at every step.
+
 The processor owns the per-request state the user sees (text so far, stop reasons, logprobs);
 it never frees KV blocks: the scheduler appends each sampled token, asks ``check_token`` for the
 finish status, and finishes the request itself (``Scheduler.update_from_output``).
@@ -17,6 +23,7 @@ from kvserve.engine.detokenizer import IncrementalDetokenizer
 from kvserve.layers.sampler import top_logprobs
 from kvserve.outputs import CompletionOutput, Logprobs, RequestOutput
 from kvserve.request import Request, RequestStatus
+from kvserve.sampling_params import RequestOutputKind
 
 
 @dataclass(slots=True)
@@ -28,6 +35,11 @@ class ParentRequest:
     prompt_token_ids: list[int]
     children: list[Request]
     detoks: list[IncrementalDetokenizer | None]  # [n]; None when detokenize=False
+    kind: RequestOutputKind
+    # DELTA: per child, the tokens and characters of text already in an output
+    sent_tokens: list[int]  # [n]
+    sent_chars: list[int]  # [n]
+    sent_prompt_logprobs: bool = False
 
 
 class OutputProcessor:
@@ -45,7 +57,9 @@ class OutputProcessor:
             if params.detokenize else None
             for _ in children
         ]
-        self.parents[request_id] = ParentRequest(request_id, prompt, ids, children, detoks)
+        n = len(children)
+        self.parents[request_id] = ParentRequest(request_id, prompt, ids, children, detoks,
+                                                 params.output_kind, [0] * n, [0] * n)
 
     def pop(self, request_id: str) -> ParentRequest | None:
         return self.parents.pop(request_id, None)
@@ -96,37 +110,52 @@ class OutputProcessor:
 
     # ---- outputs ------------------------------------------------------------------------------
     def make_outputs(self, touched: Iterable[str]) -> list[RequestOutput]:
-        """One output per touched parent; finished parents are dropped."""
+        """At most one output per touched parent (see the module docstring for what it
+        carries); finished parents are dropped."""
         outs = []
         for pid in touched:
             parent = self.parents.get(pid)
             if parent is None:
                 continue
-            out = self._request_output(parent)
-            outs.append(out)
-            if out.finished:
+            finished = all(c.is_finished for c in parent.children)
+            if finished:
                 del self.parents[pid]
+            elif parent.kind is RequestOutputKind.FINAL_ONLY:
+                continue
+            outs.append(self._request_output(parent, finished))
         return outs
 
     @staticmethod
-    def _request_output(parent: ParentRequest) -> RequestOutput:
-        finished = all(c.is_finished for c in parent.children)
+    def _request_output(parent: ParentRequest, finished: bool) -> RequestOutput:
+        delta = parent.kind is RequestOutputKind.DELTA
         comps = []
-        for child, detok in zip(parent.children, parent.detoks, strict=True):
-            text = detok.output_text(child.is_finished) if detok is not None else ""
-            reason = child.status.value if child.is_finished else None
+        for j, (child, detok) in enumerate(zip(parent.children, parent.detoks, strict=True)):
+            t0, c0 = (parent.sent_tokens[j], parent.sent_chars[j]) if delta else (0, 0)
+            text = ""
+            if detok is not None:
+                # a stop string found later truncates only text never shown (held back)
+                end = max(c0, detok.visible_len(child.is_finished))
+                text = detok.text[c0:end]
+                parent.sent_chars[j] = end
+            parent.sent_tokens[j] = len(child.output_token_ids)
+            lps = child.logprobs
             comps.append(CompletionOutput(
-                index=child.index, text=text, token_ids=list(child.output_token_ids),
-                cumulative_logprob=child.cumulative_logprob if child.logprobs is not None
-                else None,
-                logprobs=list(child.logprobs) if child.logprobs is not None else None,
-                finish_reason=reason, stop_reason=child.stop_reason,
+                index=child.index, text=text, token_ids=child.output_token_ids[t0:],
+                cumulative_logprob=child.cumulative_logprob if lps is not None else None,
+                logprobs=lps[t0:] if lps is not None else None,
+                finish_reason=child.status.value if child.is_finished else None,
+                stop_reason=child.stop_reason,
             ))
         first = parent.children[0]
+        plp = first.prompt_logprobs
+        if plp is not None and not (delta and parent.sent_prompt_logprobs):
+            plp = list(plp)  # complete by a request's first output (sampled after the prompt)
+            parent.sent_prompt_logprobs = True
+        else:
+            plp = None
         return RequestOutput(
             request_id=parent.request_id, prompt=parent.prompt,
             prompt_token_ids=parent.prompt_token_ids, outputs=comps, finished=finished,
-            prompt_logprobs=list(first.prompt_logprobs) if first.prompt_logprobs is not None
-            else None,
-            num_cached_tokens=first.metrics.num_cached_tokens, metrics=first.metrics,
+            prompt_logprobs=plp, num_cached_tokens=first.metrics.num_cached_tokens,
+            metrics=first.metrics,
         )

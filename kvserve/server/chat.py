@@ -7,6 +7,7 @@ from collections.abc import AsyncIterator
 from fastapi import Request
 from fastapi.responses import Response
 
+from kvserve.outputs import CompletionOutput
 from kvserve.server.errors import bad_request
 from kvserve.server.generation import Generation
 from kvserve.server.logprobs import chat_logprobs
@@ -31,7 +32,7 @@ from kvserve.server.protocol import (
     dump,
 )
 from kvserve.server.state import ServerState
-from kvserve.server.streaming import Update, respond
+from kvserve.server.streaming import Update, respond, stream_choices, usage
 
 
 async def create_chat_completion(req: ChatCompletionRequest, request: Request,
@@ -75,10 +76,6 @@ class _ChatView:
         return ChoiceLogprobs(content=chat_logprobs(token_ids, logprobs, self.top,
                                                     self.state.text))
 
-    def _usage(self, gen: Generation) -> UsageInfo:
-        p, c = gen.num_prompt_tokens, gen.num_generated_tokens
-        return UsageInfo(prompt_tokens=p, completion_tokens=c, total_tokens=p + c)
-
     def full(self, gen: Generation) -> dict:
         choices = []
         for i in range(self.req.n):
@@ -91,7 +88,7 @@ class _ChatView:
             ))
         return dump(ChatCompletionResponse(id=gen.request_id, created=gen.created,
                                            model=self.model, choices=choices,
-                                           usage=self._usage(gen)))
+                                           usage=usage(gen)))
 
     async def chunks(self, gen: Generation, first: Update | None) -> AsyncIterator[dict]:
         include_usage = bool(self.req.stream_options and self.req.stream_options.include_usage)
@@ -106,34 +103,22 @@ class _ChatView:
                 d.pop("usage", None)
             return d
 
-        n = self.req.n
-        sent_text, sent_tokens, done = [0] * n, [0] * n, [False] * n
-        for i in range(n):
+        def choice_chunk(k: int, _: int, comp: CompletionOutput | None,
+                         reason: str | None) -> dict | None:
+            if comp is None:  # cut short
+                return chunk(ChatChunkChoice(index=k, delta=DeltaMessage(content=""),
+                                             finish_reason=reason))
+            if not comp.text and reason is None and not (self.req.logprobs and comp.token_ids):
+                return None
+            return chunk(ChatChunkChoice(
+                index=k, delta=DeltaMessage(content=comp.text), finish_reason=reason,
+                logprobs=self._logprobs(comp.token_ids, comp.logprobs),
+                stop_reason=comp.stop_reason if reason else None,
+            ))
+
+        for i in range(self.req.n):
             yield chunk(ChatChunkChoice(index=i, delta=DeltaMessage(role="assistant",
                                                                     content="")))
-        update = first
-        while update is not None:
-            for comp in update[1].outputs:
-                i = comp.index
-                if done[i]:
-                    continue
-                text = comp.text[sent_text[i]:]
-                new_ids = comp.token_ids[sent_tokens[i]:]
-                lps = comp.logprobs[sent_tokens[i]:] if comp.logprobs is not None else None
-                reason = gen.finish_reason(comp)
-                if not text and reason is None and not (self.req.logprobs and new_ids):
-                    continue
-                sent_text[i], sent_tokens[i] = len(comp.text), len(comp.token_ids)
-                done[i] = reason is not None
-                yield chunk(ChatChunkChoice(
-                    index=i, delta=DeltaMessage(content=text), finish_reason=reason,
-                    logprobs=self._logprobs(new_ids, lps),
-                    stop_reason=comp.stop_reason if reason else None,
-                ))
-            update = await gen.next()
-        for i in range(n):  # cut by the deadline or a forced shutdown before finishing
-            if not done[i]:
-                yield chunk(ChatChunkChoice(index=i, delta=DeltaMessage(content=""),
-                                            finish_reason=gen.finish_reason(None) or "length"))
-        if include_usage:
-            yield chunk(None, self._usage(gen))
+        async for d in stream_choices(gen, first, self.req.n, choice_chunk,
+                                      (lambda u: chunk(None, u)) if include_usage else None):
+            yield d

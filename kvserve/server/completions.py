@@ -31,7 +31,7 @@ from kvserve.server.protocol import (
     dump,
 )
 from kvserve.server.state import ServerState
-from kvserve.server.streaming import Update, respond
+from kvserve.server.streaming import Update, respond, stream_choices, usage
 
 
 async def create_completion(req: CompletionRequest, request: Request,
@@ -68,27 +68,21 @@ class _CompletionView:
 
     def _echo_logprobs(self, gen: Generation, i: int,
                        offsets: TextOffsets) -> CompletionLogprobs | None:
-        out = gen.latest[i]
-        if out is None or out.prompt_logprobs is None:
+        plp = gen.prompt_logprobs[i]
+        if plp is None:
             return None
-        return completion_logprobs(gen.prompts[i].token_ids, out.prompt_logprobs,
-                                   self.state.text, offsets)
+        return completion_logprobs(gen.prompts[i].token_ids, plp, self.state.text, offsets)
 
-    def _logprobs(self, comp: CompletionOutput, start: int, offsets: TextOffsets,
+    def _logprobs(self, comp: CompletionOutput, offsets: TextOffsets,
                   echo: CompletionLogprobs | None) -> CompletionLogprobs | None:
         if self.req.logprobs is None or comp.logprobs is None:
             return None
-        res = completion_logprobs(comp.token_ids[start:], comp.logprobs[start:],
-                                  self.state.text, offsets)
+        res = completion_logprobs(comp.token_ids, comp.logprobs, self.state.text, offsets)
         if echo is not None:
             for name in ("tokens", "token_logprobs", "top_logprobs", "text_offset"):
                 getattr(echo, name).extend(getattr(res, name))
             return echo
         return res
-
-    def _usage(self, gen: Generation) -> UsageInfo:
-        p, c = gen.num_prompt_tokens, gen.num_generated_tokens
-        return UsageInfo(prompt_tokens=p, completion_tokens=c, total_tokens=p + c)
 
     def full(self, gen: Generation) -> dict:
         choices = []
@@ -101,7 +95,7 @@ class _CompletionView:
                 echo_lp = self._echo_logprobs(gen, i, offsets) if self.req.echo else None
                 lp = None
                 if comp is not None:
-                    lp = self._logprobs(comp, 0, offsets, echo_lp)
+                    lp = self._logprobs(comp, offsets, echo_lp)
                 choices.append(CompletionChoice(
                     index=i * n + j, text=prefix + (comp.text if comp else ""), logprobs=lp,
                     finish_reason=gen.finish_reason(comp),
@@ -109,7 +103,7 @@ class _CompletionView:
                 ))
         return dump(CompletionResponse(id=gen.request_id, created=gen.created,
                                        model=self.model, choices=choices,
-                                       usage=self._usage(gen)))
+                                       usage=usage(gen)))
 
     async def chunks(self, gen: Generation, first: Update | None) -> AsyncIterator[dict]:
         include_usage = bool(self.req.stream_options and self.req.stream_options.include_usage)
@@ -121,39 +115,26 @@ class _CompletionView:
                 d.pop("usage", None)
             return d
 
-        n, total = self.req.n, len(gen.prompts) * self.req.n
-        sent_text, sent_tokens = [0] * total, [0] * total
+        total = len(gen.prompts) * self.req.n
         offsets = [TextOffsets() for _ in range(total)]
-        started, done = [False] * total, [False] * total
-        update = first
-        while update is not None:
-            i, out = update
-            for comp in out.outputs:
-                k = i * n + comp.index
-                if done[k]:
-                    continue
-                prefix, echo_lp = "", None
-                text = comp.text[sent_text[k]:]
-                if not started[k] and self.req.echo:
-                    prefix = self._prompt_text(gen, i)
-                offsets[k].extend(prefix + text)
-                if prefix:
-                    echo_lp = self._echo_logprobs(gen, i, offsets[k])
-                new = len(comp.token_ids) - sent_tokens[k]
-                reason = gen.finish_reason(comp)
-                if not prefix and not text and reason is None and \
-                        not (self.req.logprobs is not None and new):
-                    continue
-                lp = self._logprobs(comp, sent_tokens[k], offsets[k], echo_lp)
-                started[k], done[k] = True, reason is not None
-                sent_text[k], sent_tokens[k] = len(comp.text), len(comp.token_ids)
-                yield chunk([CompletionChoice(index=k, text=prefix + text, logprobs=lp,
-                                              finish_reason=reason,
-                                              stop_reason=comp.stop_reason if reason else None)])
-            update = await gen.next()
-        for k in range(total):  # cut by the deadline or a forced shutdown before finishing
-            if not done[k]:
-                yield chunk([CompletionChoice(index=k, text="",
-                                              finish_reason=gen.finish_reason(None) or "length")])
-        if include_usage:
-            yield chunk([], self._usage(gen))
+        started = [False] * total
+
+        def choice_chunk(k: int, i: int, comp: CompletionOutput | None,
+                         reason: str | None) -> dict | None:
+            if comp is None:  # cut short
+                return chunk([CompletionChoice(index=k, text="", finish_reason=reason)])
+            prefix = self._prompt_text(gen, i) if not started[k] and self.req.echo else ""
+            offsets[k].extend(prefix + comp.text)
+            echo_lp = self._echo_logprobs(gen, i, offsets[k]) if prefix else None
+            if not prefix and not comp.text and reason is None and \
+                    not (self.req.logprobs is not None and comp.token_ids):
+                return None
+            started[k] = True
+            return chunk([CompletionChoice(
+                index=k, text=prefix + comp.text,
+                logprobs=self._logprobs(comp, offsets[k], echo_lp), finish_reason=reason,
+                stop_reason=comp.stop_reason if reason else None)])
+
+        async for d in stream_choices(gen, first, self.req.n, choice_chunk,
+                                      (lambda u: chunk([], u)) if include_usage else None):
+            yield d

@@ -25,7 +25,7 @@ from kvserve.engine.async_engine import (
     EngineShutdown,
     RequestFailure,
 )
-from kvserve.outputs import CompletionOutput, RequestOutput
+from kvserve.outputs import CompletionOutput, Logprobs, RequestOutput
 from kvserve.sampling_params import SamplingParams
 from kvserve.server.admission import Ticket
 from kvserve.server.errors import APIError, bad_request
@@ -38,6 +38,38 @@ _FORCE_END = object()
 
 class ClientDisconnected(Exception):
     pass
+
+
+class _Choice:
+    """One choice's output so far, accumulated from the engine's deltas (O(new) per step)."""
+
+    __slots__ = ("index", "text", "token_ids", "logprobs", "cumulative_logprob",
+                 "finish_reason", "stop_reason")
+
+    def __init__(self, index: int) -> None:
+        self.index = index
+        self.text: list[str] = []
+        self.token_ids: list[int] = []
+        self.logprobs: list[Logprobs] | None = None
+        self.cumulative_logprob: float | None = None
+        self.finish_reason: str | None = None
+        self.stop_reason: int | str | None = None
+
+    def add(self, delta: CompletionOutput) -> None:
+        if delta.text:
+            self.text.append(delta.text)
+        self.token_ids.extend(delta.token_ids)
+        if delta.logprobs is not None:
+            if self.logprobs is None:
+                self.logprobs = []
+            self.logprobs.extend(delta.logprobs)
+        self.cumulative_logprob = delta.cumulative_logprob
+        self.finish_reason, self.stop_reason = delta.finish_reason, delta.stop_reason
+
+    def output(self) -> CompletionOutput:
+        return CompletionOutput(self.index, "".join(self.text), self.token_ids,
+                                self.cumulative_logprob, self.logprobs, self.finish_reason,
+                                self.stop_reason)
 
 
 def shutting_down() -> APIError:
@@ -81,7 +113,10 @@ class Generation:
         self.cache_salt = cache_salt
         self.engine_ids = [f"{request_id}-{i}" for i in range(len(prompts))]
         self._index = {rid: i for i, rid in enumerate(self.engine_ids)}
-        self.latest: list[RequestOutput | None] = [None] * len(prompts)
+        # per prompt: its choices so far, and its prompt logprobs (from its first output)
+        self.choices: list[dict[int, _Choice]] = [{} for _ in prompts]
+        self.prompt_logprobs: list[list[Logprobs | None] | None] = [None] * len(prompts)
+        self._num_generated = 0
         self.done = [False] * len(prompts)
         self.timed_out = False
         self.aborted = False  # ended by a forced shutdown
@@ -98,7 +133,7 @@ class Generation:
         self._started = False
         self._closed = False
         self._last_token_time: float | None = None
-        self._seen_tokens = 0
+        self._seen_tokens = 0  # choice 0 of prompt 0: tokens seen by the latency metrics
 
     # ---- start ----------------------------------------------------------------------------
     async def start(self, receive: Receive | None = None) -> None:
@@ -175,7 +210,8 @@ class Generation:
 
     # ---- consume --------------------------------------------------------------------------
     async def next(self) -> tuple[int, RequestOutput] | None:
-        """The next (prompt index, cumulative output); None once every prompt is done.
+        """The next (prompt index, output delta: what is new since that prompt's previous
+        output); None once every prompt is done. ``choices`` accumulates the deltas.
 
         Raises ``ClientDisconnected`` or ``APIError`` (engine failure)."""
         while not all(self.done):
@@ -202,7 +238,7 @@ class Generation:
             i = self._index.get(item.request_id)
             if i is None or self.done[i]:
                 continue
-            self.latest[i] = item
+            self._accumulate(i, item)
             self.done[i] = item.finished
             if i == 0:
                 self._observe_tokens(item)
@@ -213,9 +249,21 @@ class Generation:
         while await self.next() is not None:
             pass
 
+    def _accumulate(self, i: int, out: RequestOutput) -> None:
+        if out.prompt_logprobs is not None:
+            self.prompt_logprobs[i] = out.prompt_logprobs
+        choices = self.choices[i]
+        for delta in out.outputs:
+            choice = choices.get(delta.index)
+            if choice is None:
+                choice = choices[delta.index] = _Choice(delta.index)
+            choice.add(delta)
+            self._num_generated += len(delta.token_ids)
+
     def _observe_tokens(self, out: RequestOutput) -> None:
         m, metrics = out.metrics, self.state.metrics
-        n = len(out.outputs[0].token_ids) if out.outputs else 0
+        first = self.choices[0].get(0)
+        n = len(first.token_ids) if first is not None else 0
         if m is None or n <= self._seen_tokens or m.last_token_time is None:
             return
         if self._last_token_time is None and m.first_token_time is not None:
@@ -232,8 +280,9 @@ class Generation:
 
     # ---- results --------------------------------------------------------------------------
     def completion(self, prompt_index: int, choice: int) -> CompletionOutput | None:
-        out = self.latest[prompt_index]
-        return out.outputs[choice] if out is not None and choice < len(out.outputs) else None
+        """The choice's whole output so far (for a non-streamed response)."""
+        c = self.choices[prompt_index].get(choice)
+        return c.output() if c is not None else None
 
     def finish_reason(self, comp: CompletionOutput | None) -> str | None:
         """OpenAI's reason: a deadline cut is "length"; a forced shutdown's cut is "abort"."""
@@ -250,8 +299,7 @@ class Generation:
 
     @property
     def num_generated_tokens(self) -> int:
-        return sum(len(c.token_ids) for out in self.latest if out is not None
-                   for c in out.outputs)
+        return self._num_generated
 
     def check_timeout_before_output(self) -> None:
         if self.aborted and self.num_generated_tokens == 0:
@@ -294,12 +342,12 @@ class Generation:
         metrics = self.state.metrics
         for i in range(len(self.prompts)):
             for c in range(self.params.n):
-                comp = self.completion(i, c)
-                reason = comp.finish_reason if comp is not None else None
+                choice = self.choices[i].get(c)
+                reason = choice.finish_reason if choice is not None else None
                 if reason not in ("stop", "length"):
                     reason = "timeout" if self.timed_out else "abort"
                 metrics.finished.labels(reason).inc()
-        if any(out is not None for out in self.latest):
+        if any(self.choices):
             metrics.e2e.observe(time.monotonic() - self.arrival)
 
 

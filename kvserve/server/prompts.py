@@ -10,10 +10,9 @@ its own tokenizer copy (``tokenize_prompts``, ``tokenize_chat``). Text longer th
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass
 
-from kvserve.sampling_params import SamplingParams
+from kvserve.sampling_params import RequestOutputKind, SamplingParams
 from kvserve.server.errors import APIError, bad_request
 from kvserve.server.protocol import (
     MAX_STOP_SEQUENCES,
@@ -190,9 +189,6 @@ def check_lengths(prompts: list[Prompt], max_tokens: int | None, limits: Limits,
 
 
 # ---- sampling ---------------------------------------------------------------------------------
-_PARAM_RE = re.compile(r"^([a-z_]+)\b")
-
-
 def _stops(stop: str | list[str] | None) -> tuple[str, ...]:
     if stop is None:
         return ()
@@ -228,10 +224,8 @@ def sampling_params(req: SamplingRequest, *, max_tokens: int | None, max_tokens_
             ignore_eos=req.ignore_eos,
             logprobs=logprobs,
             prompt_logprobs=prompt_logprobs,
+            output_kind=RequestOutputKind.DELTA,  # the server consumes deltas
         )
-    except ValueError as e:
-        m = _PARAM_RE.match(str(e))
-        param = m.group(1) if m else None
-        if param == "max_tokens":
-            param = max_tokens_param
-        raise bad_request(str(e), param) from e
+    except ValueError as e:  # SamplingParams names the parameter (ParamError.param)
+        param = getattr(e, "param", None)
+        raise bad_request(str(e), max_tokens_param if param == "max_tokens" else param) from e

@@ -16,12 +16,16 @@ from fastapi import Request
 from fastapi.responses import Response, StreamingResponse
 from starlette.types import Receive, Scope, Send
 
-from kvserve.outputs import RequestOutput
+from kvserve.outputs import CompletionOutput, RequestOutput
 from kvserve.server.errors import APIError, SafeJSONResponse, error_body
 from kvserve.server.generation import ClientDisconnected, Generation, run_to_first
+from kvserve.server.protocol import UsageInfo
 
 Update = tuple[int, RequestOutput]
 ChunkSource = Callable[[Generation, Update | None], AsyncIterator[dict]]
+# (choice index, prompt index, the choice's delta or None when cut short, finish reason) ->
+# the chunk to send, or None for nothing
+ChoiceChunk = Callable[[int, int, CompletionOutput | None, str | None], dict | None]
 
 _SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 CLIENT_CLOSED = 499  # nginx's "client closed request"; nobody reads it
@@ -45,6 +49,41 @@ class GenerationStream(StreamingResponse):
             await super().__call__(scope, receive, send)
         finally:
             self._gen.close()
+
+
+def usage(gen: Generation) -> UsageInfo:
+    p, c = gen.num_prompt_tokens, gen.num_generated_tokens
+    return UsageInfo(prompt_tokens=p, completion_tokens=c, total_tokens=p + c)
+
+
+async def stream_choices(gen: Generation, first: Update | None, n: int,
+                         choice_chunk: ChoiceChunk,
+                         usage_chunk: Callable[[UsageInfo], dict] | None) -> AsyncIterator[dict]:
+    """The tail chat and completions share: each choice's delta (choice index ``prompt *
+    n + i``, as in OpenAI's API) as the engine produces it, until it finishes; then an end for
+    every choice cut short (the deadline: "length"; a forced shutdown: "abort"); then the
+    usage chunk when asked."""
+    done = [False] * (len(gen.prompts) * n)
+    update = first
+    while update is not None:
+        i, out = update
+        for comp in out.outputs:
+            k = i * n + comp.index
+            if done[k]:
+                continue
+            reason = gen.finish_reason(comp)
+            chunk = choice_chunk(k, i, comp, reason)
+            if chunk is not None:
+                done[k] = reason is not None
+                yield chunk
+        update = await gen.next()
+    for k, ended in enumerate(done):
+        if not ended:
+            chunk = choice_chunk(k, k // n, None, gen.finish_reason(None) or "length")
+            if chunk is not None:
+                yield chunk
+    if usage_chunk is not None:
+        yield usage_chunk(usage(gen))
 
 
 async def _events(gen: Generation, first: Update | None, chunks: ChunkSource

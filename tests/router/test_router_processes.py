@@ -221,3 +221,20 @@ def test_session_sticks_then_moves_only_when_its_replica_leaves_and_kill_loses_n
     for s in sessions:
         assert complete(router, f"back {s}", session=s).headers["x-kvserve-replica"] == home[s]
     assert survivor.proc.poll() is None
+
+
+def test_a_hung_replica_leaves_within_seconds_and_rejoins(cluster) -> None:
+    router, reps = cluster
+    wait_for(lambda: healthy_count(router) == 2, 60, "both replicas in the pool")
+    hung = reps[1]
+    hung.proc.send_signal(signal.SIGSTOP)  # alive but answering nothing
+    try:
+        t0 = time.monotonic()
+        wait_for(lambda: healthy_count(router) == 1, 15, "the hung replica to leave")
+        assert time.monotonic() - t0 < 10
+        for i in range(3):  # everything goes to the other one meanwhile
+            r = complete(router, f"while r1 hangs {i}", session=f"user-{i}")
+            assert r.status_code == 200 and r.headers["x-kvserve-replica"] == "r0"
+    finally:
+        hung.proc.send_signal(signal.SIGCONT)
+    wait_for(lambda: healthy_count(router) == 2, 30, "the replica to rejoin")

@@ -26,7 +26,7 @@ from typing import Protocol
 import numpy as np
 
 from kvserve.cache.block_pool import BlockPool
-from kvserve.cache.kv_tiers import Evicted, KVTiers
+from kvserve.cache.kv_tiers import Evicted, KVTiers, TierPeers
 from kvserve.request import Request
 
 
@@ -74,6 +74,7 @@ class KVCacheManager:
         salt: bytes,
         integrity: BlockIntegrity | None = None,
         tiers: KVTiers | None = None,
+        tier_peers: TierPeers | None = None,
     ) -> None:
         self.pool = pool
         self.block_size = block_size
@@ -89,6 +90,7 @@ class KVCacheManager:
         self.num_queried_tokens = 0
         self.num_hit_tokens = 0
         self.tiers = tiers
+        self.tier_peers = tier_peers  # tensor parallel: the other ranks' tiers
         self.num_restored_tokens = 0  # hit tokens that came from a tier
         self._restore_from: dict[str, list[int]] = {}  # request -> chain index of each job
         self._probed: dict[str, int] = {}  # request -> chain index the tiers lacked last time
@@ -151,10 +153,17 @@ class KVCacheManager:
     # ---- KV tiers ------------------------------------------------------------------------
     def _write_down(self, evicted: list[tuple[int, bytes, tuple[int, ...]]]) -> None:
         """BlockPool.on_evict: hand the evicted blocks (bytes still intact) to the tiers."""
+        self._write_down_blocks(evicted, block=False)
+
+    def _write_down_blocks(self, blocks: list[tuple[int, bytes, tuple[int, ...]]],
+                           block: bool) -> None:
         assert self.tiers is not None
         sums = [None if self.integrity is None else self.integrity.sealed_sums(e[0])
-                for e in evicted]
-        self.tiers.write_down([Evicted(*e) for e in evicted], sums)
+                for e in blocks]
+        evicted = [Evicted(*e) for e in blocks]
+        self.tiers.write_down(evicted, sums, block=block)
+        if self.tier_peers is not None:  # before any rank's next step overwrites them
+            self.tier_peers.tier_write_down(evicted, block)
 
     def _restore(self, req: Request, hits: list[int], max_blocks: int) -> list[int] | None:
         """Pool blocks for the chain blocks after ``hits`` restored from a tier: [] when the
@@ -198,6 +207,14 @@ class KVCacheManager:
             todo = todo[:n]
             if ids:
                 self.tiers.install(ids, todo)
+                if self.tier_peers is not None:
+                    # every rank installs its slice; a block missing or refused on any rank
+                    # ends the restored run there (the rest is freed unregistered)
+                    bad = self.tier_peers.tier_restore(
+                        ids, [(t.chain_hash, t.token_ids) for t in todo])
+                    n = bad.index(True) if True in bad else len(ids)
+                    self.pool.free(ids[n:][::-1])
+                    ids, todo = ids[:n], todo[:n]
                 if self.integrity is not None:
                     self.integrity.seal(ids, [t.chain_hash for t in todo])
                 parent = self.block_hashes(req)[start - 1] if start else None
@@ -223,9 +240,7 @@ class KVCacheManager:
         if self.tiers is None:
             return 0
         cached = self.pool.cached_free_blocks()
-        sums = [None if self.integrity is None else self.integrity.sealed_sums(e[0])
-                for e in cached]
-        self.tiers.write_down([Evicted(*e) for e in cached], sums, block=True)
+        self._write_down_blocks(cached, block=True)
         self.tiers.flush()
         return len(cached)
 

@@ -35,6 +35,7 @@ import threading
 import time
 from collections import Counter, OrderedDict
 from dataclasses import dataclass
+from typing import Protocol
 
 import numpy as np
 import torch
@@ -72,6 +73,21 @@ class Evicted:
     block_id: int
     chain_hash: bytes
     token_ids: tuple[int, ...]
+
+
+class TierPeers(Protocol):
+    """The other tensor-parallel ranks (kvserve.engine.executor.MultiprocExecutor): each keeps
+    its own slice of every block in its own tier entries."""
+
+    def tier_write_down(self, evicted: list[Evicted], block: bool) -> None:
+        """Every other rank copies its slice of the blocks now and queues them."""
+        ...
+
+    def tier_restore(self, block_ids: list[int], items: list[tuple[bytes, tuple[int, ...]]]
+                     ) -> list[bool]:
+        """Every other rank reads, verifies and installs its slice of each block into
+        ``block_ids``; per block, whether it failed on any rank."""
+        ...
 
 
 def entry_key(spec: StoreSpec, chain_hash: bytes) -> str:
@@ -428,6 +444,18 @@ class KVTiers:
             self.restore_seconds += dt
             self.restore_hist[int(np.searchsorted(RESTORE_BUCKETS, dt))] += 1
             job.done.set()
+
+    def restore_now(self, block_ids: list[int], items: list[tuple[bytes, tuple[int, ...]]]
+                    ) -> list[bool]:
+        """Read, verify and install each block synchronously (a tensor-parallel worker rank,
+        told by the driver); per block, whether it was missing or refused."""
+        bad = []
+        for block_id, (chain_hash, tokens) in zip(block_ids, items, strict=True):
+            blk = self._read_one(chain_hash, tokens)
+            if blk is not None:
+                self.install([block_id], [blk])
+            bad.append(blk is None)
+        return bad
 
     def _read_one(self, chain_hash: bytes, tokens: tuple[int, ...]) -> StoredBlock | None:
         key = entry_key(self.spec, chain_hash)

@@ -15,12 +15,9 @@ import torch
 
 from kvserve import config as cfg
 from kvserve.cache.block_pool import BlockPool
-from kvserve.cache.block_store import StoreSpec, dtype_str
 from kvserve.cache.integrity import IntegrityChecker
-from kvserve.cache.kv_cache import PagedKVCache
 from kvserve.cache.kv_cache_manager import KVCacheManager
 from kvserve.cache.kv_events import KVEventPublisher
-from kvserve.cache.kv_tiers import KVTiers, TierConfig
 from kvserve.cbuild import cpu_kind
 from kvserve.config import EngineConfig, ModelConfig, dtype_name
 from kvserve.engine.arg_utils import EngineArgs
@@ -114,9 +111,10 @@ def build_engine(args: EngineArgs) -> EngineParts:
         peers = executor if isinstance(executor, MultiprocExecutor) else None
         integrity = IntegrityChecker(kv_cache, pool, config.fingerprint, cache_cfg.kv_integrity,
                                      cache_cfg.scrub_blocks_per_step, peers=peers)
-    tiers = _build_tiers(cache_cfg, kv_cache, worker, args.tensor_parallel_size)
+    tiers = worker.build_tiers(cache_cfg)  # each rank builds its own (executor.worker_main)
     kv = KVCacheManager(pool, layout.block_size, cache_cfg.enable_prefix_caching,
-                        config.fingerprint, integrity, tiers)
+                        config.fingerprint, integrity, tiers,
+                        executor if isinstance(executor, MultiprocExecutor) else None)
     scheduler = Scheduler(sched_cfg, kv)
     worker.init_runner()
     runner = ModelRunner(executor, layout.block_size, spec.components,
@@ -135,23 +133,3 @@ def build_engine(args: EngineArgs) -> EngineParts:
     return EngineParts(args, config, executor, tokenizer, pool, integrity, kv, scheduler,
                        runner, kv_events)
 
-
-def _build_tiers(cache_cfg, kv_cache: PagedKVCache, worker: Any, tp: int) -> KVTiers | None:
-    """The KV tiers of rank 0 (docs/kv-tiers.md), or None when both are off."""
-    if not cache_cfg.kv_offload_enabled:
-        return None
-    if tp > 1:
-        raise ValueError("kv_offload_memory / kv_offload_dir are not supported with "
-                         "tensor_parallel_size > 1 yet (docs/kv-tiers.md)")
-    rot = kv_cache.rotation
-    spec = StoreSpec(
-        model=worker.model_id().hex(), kv_mode=kv_cache.mode.name,
-        rotation="" if rot is None else rot.describe(), fingerprint=worker.fingerprint.hex(),
-        block_size=kv_cache.block_size, num_layers=kv_cache.num_layers,
-        components=kv_cache.components, num_kv_heads=kv_cache.num_kv_heads,
-        head_dim=kv_cache.head_dim, dtype=dtype_str(kv_cache.dtype),
-        scale_dtype="" if kv_cache.scales is None else dtype_str(kv_cache.scales.dtype),
-        rank=worker.rank, world_size=worker.world_size)
-    cfg = TierConfig(cache_cfg.kv_offload_memory_bytes, cache_cfg.kv_offload_dir,
-                     cache_cfg.kv_offload_disk_bytes, cache_cfg.kv_offload_queue_blocks)
-    return KVTiers(cfg, spec, kv_cache)

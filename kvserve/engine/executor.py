@@ -29,7 +29,11 @@ Control messages (all rank 0 -> every rank, on the gloo CPU group):
     VERIFY   n, block ids[n], generations[n]   then all_reduce(MAX) of the bad mask [n]
     INJECT   target rank, block, layer, kind code, index, bit, other_index
     DUMP_KV  (tests) gather of every rank's KV bytes to rank 0
-    SHUTDOWN
+    TIER_WRITE   n, wait flag, block ids[n], chain hashes[n, 2], token ids[n, bs]: each rank
+             copies its slice of the evicted blocks now and queues them for its KV tiers
+    TIER_RESTORE n, block ids[n], chain hashes[n, 2], token ids[n, bs]: each rank reads,
+             verifies and installs its slice, then all_reduce(MAX) of the bad mask [n]
+    SHUTDOWN (each rank writes its tiers down and stops them first)
 """
 
 from __future__ import annotations
@@ -54,7 +58,7 @@ from kvserve.engine.worker import Worker
 
 logger = logging.getLogger("kvserve")
 
-STEP, SEAL, VERIFY, INJECT, DUMP_KV, SHUTDOWN = range(1, 7)
+STEP, SEAL, VERIFY, INJECT, DUMP_KV, SHUTDOWN, TIER_WRITE, TIER_RESTORE = range(1, 9)
 _EXIT_GRACE_S = 1.0  # after a failed collective: how long a dying worker's exit may take
 _FAULT_KINDS = ("bitflip", "scale", "swap")
 
@@ -112,6 +116,21 @@ def _hashes_to_tensor(hashes: list[bytes]) -> torch.Tensor:
 def _tensor_to_hashes(t: torch.Tensor) -> list[bytes]:
     raw = t.numpy().astype(np.int64).tobytes()
     return [raw[i : i + 16] for i in range(0, len(raw), 16)]
+
+
+def _tier_message(block_ids: list[int], items: list[tuple[bytes, tuple[int, ...]]]
+                  ) -> torch.Tensor:
+    """block ids[n], chain hashes[n, 2], token ids[n, bs] as one int64 tensor."""
+    return torch.cat([torch.tensor(block_ids, dtype=torch.int64),
+                      _hashes_to_tensor([h for h, _ in items]),
+                      torch.tensor([t for _, toks in items for t in toks], dtype=torch.int64)])
+
+
+def _tier_items(x: torch.Tensor, n: int) -> tuple[list[int], list[tuple[bytes, tuple[int, ...]]]]:
+    ids = x[:n].tolist()
+    hashes = _tensor_to_hashes(x[n: 3 * n])
+    toks = x[3 * n:].view(n, -1).tolist() if n else []
+    return ids, [(h, tuple(t)) for h, t in zip(hashes, toks, strict=True)]
 
 
 def _replica_message(key: int, sums: np.ndarray) -> torch.Tensor:
@@ -272,6 +291,29 @@ class MultiprocExecutor:
             raise self._failed(e) from e
         return [bool(x) for x in mask.tolist()]
 
+    # ---- KV tiers across ranks (kvserve.cache.kv_tiers.TierPeers) ---------------------------
+    def tier_write_down(self, evicted: list, block: bool) -> None:
+        """Every other rank copies its slice of the evicted blocks now (before the next STEP
+        overwrites them) and queues them for its own tiers."""
+        if not evicted:
+            return
+        items = [(e.chain_hash, e.token_ids) for e in evicted]
+        self._send(TIER_WRITE, torch.cat([torch.tensor([len(evicted), int(block)]),
+                                          _tier_message([e.block_id for e in evicted], items)]))
+
+    def tier_restore(self, block_ids: list[int], items: list[tuple[bytes, tuple[int, ...]]]
+                     ) -> list[bool]:
+        """Every other rank reads, verifies and installs its slice of the blocks (synchronous:
+        the driver's own slice was read in the background); a block is bad if it is missing or
+        refused on any rank."""
+        n = len(block_ids)
+        self._send(TIER_RESTORE, torch.cat([torch.tensor([n]), _tier_message(block_ids, items)]))
+        try:
+            mask = ps.cpu_all_reduce_max(torch.zeros(n, dtype=torch.int64))
+        except ps.DistributedError as e:
+            raise self._failed(e) from e
+        return [bool(x) for x in mask.tolist()]
+
     def inject(self, rank: int, block_id: int, layer: int, kind: str, index: int = 0,
                bit: int = 0, other_index: int = 1) -> None:
         """Corrupt a block on another rank only (drills, tests)."""
@@ -395,6 +437,7 @@ def worker_main(args: EngineArgs, rank: int, world_size: int, init_method: str,
     """A worker rank: load this rank's shards, then serve the driver's messages until
     SHUTDOWN. Any failure (a dead driver, a timed-out collective) exits non-zero."""
     from kvserve.cache.integrity import SliceSeals, inject_fault
+    from kvserve.cache.kv_tiers import Evicted
 
     torch.set_num_threads(threads)
     torch.manual_seed(args.seed)
@@ -406,6 +449,7 @@ def worker_main(args: EngineArgs, rank: int, world_size: int, init_method: str,
         worker = Worker(args, rank, world_size)
         worker.init_runner()
         seals = SliceSeals(worker.kv_cache, worker.fingerprint)
+        tiers = worker.build_tiers(args.cache_config())
         with torch.inference_mode():
             while True:
                 kind, x = _recv()
@@ -430,7 +474,20 @@ def worker_main(args: EngineArgs, rank: int, world_size: int, init_method: str,
                                      index=index, bit=bit, other_index=other)
                 elif kind == DUMP_KV:
                     ps.cpu_gather(_kv_bytes(worker))
+                elif kind == TIER_WRITE and tiers is not None:
+                    n, wait = int(x[0]), bool(x[1])
+                    ids, items = _tier_items(x[2:], n)
+                    tiers.write_down([Evicted(b, h, t) for b, (h, t) in zip(ids, items,
+                                                                             strict=True)],
+                                     [None] * n, block=wait)
+                elif kind == TIER_RESTORE and tiers is not None:
+                    n = int(x[0])
+                    ids, items = _tier_items(x[1:], n)
+                    bad = torch.tensor(tiers.restore_now(ids, items), dtype=torch.int64)
+                    ps.cpu_all_reduce_max(bad)
                 elif kind == SHUTDOWN:
+                    if tiers is not None:
+                        tiers.close()
                     break
                 else:
                     raise ps.DistributedError(f"rank {rank}: unknown message kind {kind}")

@@ -22,8 +22,10 @@ from dataclasses import dataclass
 import torch
 
 from kvserve.attention import get_backend
+from kvserve.cache.block_store import StoreSpec, dtype_str
 from kvserve.cache.kv_cache import PagedKVCache, bytes_per_block
-from kvserve.config import dtype_name, resolve_kv_mode
+from kvserve.cache.kv_tiers import KVTiers, TierConfig
+from kvserve.config import CacheConfig, dtype_name, resolve_kv_mode
 from kvserve.distributed import parallel_state as ps
 from kvserve.engine.arg_utils import EngineArgs
 from kvserve.engine.cpu_graphs import CpuGraphRunner
@@ -152,6 +154,25 @@ class Worker:
         if self.world_size <= kv:
             return None
         return kv_head_layout(kv, self.world_size, self.rank)[1]
+
+    def build_tiers(self, cache_cfg: CacheConfig) -> KVTiers | None:
+        """This rank's KV tiers (docs/kv-tiers.md), or None when both are off. Under tensor
+        parallelism every rank keeps its own entries (its slice, its fingerprint) in the same
+        directory; the driver tells the others what to write down and restore."""
+        if not cache_cfg.kv_offload_enabled:
+            return None
+        kv = self.kv_cache
+        rot = kv.rotation
+        spec = StoreSpec(
+            model=self.model_id().hex(), kv_mode=kv.mode.name,
+            rotation="" if rot is None else rot.describe(), fingerprint=self.fingerprint.hex(),
+            block_size=kv.block_size, num_layers=kv.num_layers, components=kv.components,
+            num_kv_heads=kv.num_kv_heads, head_dim=kv.head_dim, dtype=dtype_str(kv.dtype),
+            scale_dtype="" if kv.scales is None else dtype_str(kv.scales.dtype),
+            rank=self.rank, world_size=self.world_size)
+        cfg = TierConfig(cache_cfg.kv_offload_memory_bytes, cache_cfg.kv_offload_dir,
+                         cache_cfg.kv_offload_disk_bytes, cache_cfg.kv_offload_queue_blocks)
+        return KVTiers(cfg, spec, kv)
 
     def model_id(self) -> bytes:
         """The model files' identity: config.json and each weight file's name, size, mtime."""

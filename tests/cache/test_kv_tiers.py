@@ -510,13 +510,3 @@ def test_round_trip_sets_write_state(tmp_path):
         assert tiers.stats()["tiers"]["memory"]["hits"] == 3
     finally:
         tiers.close()
-
-
-def test_tensor_parallel_refused(tmp_path):
-    from kvserve.config import CacheConfig
-    from kvserve.engine.builder import _build_tiers
-
-    cfg = CacheConfig(kv_offload_dir=str(tmp_path), kv_offload_disk_bytes=2**20)
-    with pytest.raises(ValueError, match="tensor_parallel_size"):
-        _build_tiers(cfg, None, None, 2)
-    assert _build_tiers(CacheConfig(), None, None, 2) is None

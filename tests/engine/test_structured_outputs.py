@@ -55,6 +55,7 @@ def _tokens(outs) -> list[list[int]]:
     return [list(c.token_ids) for o in outs for c in o.outputs]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("temperature", [0.0, 0.7, 1.3])
 def test_json_schema_outputs_validate(llm, temperature):
     so = SO(json=SCHEMA)

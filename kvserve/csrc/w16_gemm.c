@@ -3,8 +3,9 @@
  * (kind 0) or fp16 (kind 1), row-major as the checkpoint stores it (so a tied LM head shares its
  * table with the embedding). On every CPU kind dtype=auto computes in fp32; without this
  * kernel the engine would hold an fp32 copy of every weight and read twice the bytes per
- * decode step. Twin: kvserve.quant.w16.w16_linear_ref (x @ W.float().T); tests/quant/test_w16.py
- * sweeps shapes, both kinds and every ISA variant build (cbuild.ISA_FLAGS) against it.
+ * decode step. Twin: kvserve.kernels.reference.w16_linear (x @ W.float().T);
+ * tests/quant/test_w16.py sweeps shapes, both kinds and every ISA variant build
+ * (cbuild.ISA_FLAGS) against it.
  *
  * Every y[m, n] is one dot product over k in a fixed order: lane-wise FMA chains over VL-wide
  * column chunks, a fixed horizontal sum, then the K % VL tail in scalar order. Rows of x are

@@ -2,9 +2,10 @@
 
 Every Triton kernel in ``kvserve/kernels/triton/*.py`` must agree with its twin here (bit-exact
 for the cache write and the checksum state, within floating-point tolerance for attention and
-the INT4 GEMM), and so must the C kernels whose twins live here (the integer-dot GEMM of
-``kvserve/csrc/wq_gemm.c``). Clarity beats speed: loops over sequences are fine. This module
-never imports triton and runs on CPU and CUDA alike.
+the INT4 GEMM), and so must the C kernels whose twins live here (the 16-bit GEMM of
+``kvserve/csrc/w16_gemm.c``, the integer-dot GEMM of ``kvserve/csrc/wq_gemm.c``). Clarity beats
+speed: loops over sequences are fine. This module never imports triton and runs on CPU and CUDA
+alike.
 
 Paged KV cache layout (fixed; the engine's CPU path uses exactly this)::
 
@@ -68,6 +69,7 @@ __all__ = [
     "dequantize_int4",
     "int4_matmul",
     "bf16_round",
+    "w16_linear",
     "w16_linear_bf16_dot",
 ]
 
@@ -476,6 +478,19 @@ def quantize_int4(
     u = u.view(n, -1)[:, :k]
     # the format's packer (pack-quantized: signed values + 8 in nibbles, low nibble first)
     return int4.pack_int4((u - int4.OFFSET).to(torch.int8)), scale, zeros
+
+
+# ---- 16-bit weights with fp32 activations on CPU (kvserve/csrc/w16_gemm.c) -------------------
+
+
+def w16_linear(x: torch.Tensor, weight: torch.Tensor,
+               bias: torch.Tensor | None = None) -> torch.Tensor:
+    """Twin of kvserve/csrc/w16_gemm.c: fp32 x [..., K], bf16 / fp16 weight [N, K] (bias [N] or
+    None) -> fp32 [..., N]. The kernel widens the weights in registers (exact), so it differs
+    from this only in the order of the fp32 additions."""
+    assert weight.dtype in (torch.bfloat16, torch.float16) and x.dtype == torch.float32
+    y = x @ weight.float().t()
+    return y if bias is None else y + bias.float()
 
 
 def bf16_round(x: torch.Tensor) -> torch.Tensor:

@@ -18,7 +18,7 @@ import torch
 from kvserve.cbuild import compile_variant
 from kvserve.kernels import reference as ref
 from kvserve.kernels.cpu import w16_gemm as w16
-from kvserve.quant.w16 import w16_linear_ref
+from kvserve.kernels.reference import w16_linear
 from tests.conftest import variant_library
 
 
@@ -120,7 +120,7 @@ def test_threshold_fp16_and_threads(bf16_lib):
     assert torch.equal(w16.w16_gemm(bf16_lib, x, w, bf16_rows=41), fp32)
     dot = w16.w16_gemm(bf16_lib, x, w, bf16_rows=40)
     assert not torch.equal(dot, fp32)
-    torch.testing.assert_close(fp32, w16_linear_ref(x, w), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(fp32, w16_linear(x, w), rtol=1e-5, atol=1e-5)
     x16, w16h = _case(40, 50, 300, 6, torch.float16)
     assert torch.equal(w16.w16_gemm(bf16_lib, x16, w16h, bf16_rows=1),
                        w16.w16_gemm(bf16_lib, x16, w16h))

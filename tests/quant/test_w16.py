@@ -1,6 +1,7 @@
-"""The 16-bit-weight kernel (kvserve/csrc/w16_gemm.c) against its twin (kvserve.quant.w16), on
-the build this machine makes and every ISA variant this CPU runs (AVX2, portable, AVX-512,
-AVX512-BF16; here with fp32 dot products -- the bf16 ones are tests/kernels/test_w16_bf16.py);
+"""The 16-bit-weight kernel (kvserve/csrc/w16_gemm.c) against its twin
+(kvserve.kernels.reference.w16_linear), on the build this machine makes and every ISA variant
+this CPU runs (AVX2, portable, AVX-512, AVX512-BF16; here with fp32 dot products -- the bf16
+ones are tests/kernels/test_w16_bf16.py);
 and the loader keeping a bf16 checkpoint's weights 16-bit when it computes in fp32."""
 
 from __future__ import annotations
@@ -9,7 +10,7 @@ import pytest
 import torch
 
 from kvserve.kernels.cpu import w16_gemm as w16_cpu
-from kvserve.quant.w16 import w16_linear_ref
+from kvserve.kernels.reference import w16_linear
 from tests.conftest import ISA_VARIANTS, variant_library
 
 
@@ -42,7 +43,7 @@ def test_matches_twin(lib, dtype, m, n, k):
     # fp32 accumulation over k terms: error <= ~k * eps * sum |x w|
     bound = 4 * k * 2**-24 * (x.abs() @ w.float().abs().t()) + 1e-30
     assert ((y - ref).abs() <= bound).all()
-    torch.testing.assert_close(y, w16_linear_ref(x, w), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(y, w16_linear(x, w), rtol=1e-5, atol=1e-5)
 
 
 def test_strided_rows_and_threads(lib):
@@ -79,7 +80,7 @@ def test_prefill_sized_batch_is_chunked_without_changing_rows(lib, dtype):
     full = w16_cpu.w16_gemm(lib, x, w)
     for i in (0, 11, 12, 13, 47, 49):
         assert torch.equal(w16_cpu.w16_gemm(lib, x[i:i + 1], w), full[i:i + 1]), i
-    torch.testing.assert_close(full, w16_linear_ref(x, w), rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(full, w16_linear(x, w), rtol=1e-4, atol=1e-4)
 
 
 def test_leading_dims_and_bias():

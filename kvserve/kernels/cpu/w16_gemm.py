@@ -1,5 +1,5 @@
 """ctypes binding of kvserve/csrc/w16_gemm.c: fp32 x times 16-bit (bf16 / fp16) weights read
-as 16-bit (twin: kvserve.quant.w16).
+as 16-bit (twin: kvserve.kernels.reference.w16_linear).
 
 On a CPU with AVX512-BF16 whose build has the path, bf16-weight GEMMs of at least
 ``bf16_dot_rows`` rows can round x to bf16 and use vdpbf16ps (twin:
@@ -21,7 +21,8 @@ import torch
 from kvserve import config
 from kvserve.cbuild import build_library
 from kvserve.kernels.cpu.graph import Rows, launch
-from kvserve.quant.w16 import KINDS, w16_linear_ref
+from kvserve.kernels.reference import w16_linear
+from kvserve.quant.w16 import KINDS
 
 
 @functools.cache
@@ -103,6 +104,6 @@ def linear_w16(x: torch.Tensor, weight: torch.Tensor,
     """``F.linear`` for fp32 x and a 16-bit weight: the C kernel, else the twin."""
     lib = w16_library()
     if lib is None or weight.stride(1) != 1:
-        return w16_linear_ref(x, weight, bias)
+        return w16_linear(x, weight, bias)
     y = w16_gemm(lib, x, weight, bf16_dot_rows(lib))
     return y if bias is None else y + bias.float()

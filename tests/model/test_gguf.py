@@ -131,6 +131,7 @@ def gguf_factory(tmp_path_factory):
     ("qwen2", {}),
     ("qwen3", {}),  # head_dim 128 (transformers reads no head_dim from a qwen3 GGUF)
 ])
+@pytest.mark.slow
 def test_gguf_model_matches_transformers(arch, overrides, gguf_factory, make_llm):
     path = gguf_factory(arch, **overrides)
     hf = dequantized_hf(path)
@@ -142,6 +143,7 @@ def test_gguf_model_matches_transformers(arch, overrides, gguf_factory, make_llm
     assert_greedy_equal(llm, hf, PROMPTS)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("acts", ["int8x2", "int8"])
 def test_int8_activations_close_to_fp32(acts, gguf_factory, make_llm):
     """The default (int8 activations, integer dot products, as llama.cpp) against fp32
@@ -165,6 +167,7 @@ def test_int8_activations_close_to_fp32(acts, gguf_factory, make_llm):
         kl, hits, n, dec_hits, dec_n)
 
 
+@pytest.mark.slow
 def test_gguf_tokenizer_and_chat_template_from_metadata(gguf_factory, make_llm):
     from transformers import AutoTokenizer
 
@@ -184,6 +187,7 @@ def test_gguf_tokenizer_and_chat_template_from_metadata(gguf_factory, make_llm):
     assert llm.engine.model_config.eos_token_ids == (2,)
 
 
+@pytest.mark.slow
 def test_gguf_weights_stay_packed(gguf_factory, make_llm):
     from kvserve.model.loader import weight_bytes
 
@@ -271,6 +275,7 @@ def test_default_model_packed_matches_transformers_dequantized():
     llm.engine.check_no_leaks()
 
 
+@pytest.mark.slow
 def test_quantize_cli_accepts_gguf(tmp_path, gguf_factory, make_llm):
     """``kvserve quantize`` on a GGUF: --weights bf16 writes the dequantized HF folder (it
     serves the same logits as the GGUF up to bf16 weight rounding), --weights int4 re-quantizes
@@ -294,6 +299,7 @@ def test_quantize_cli_accepts_gguf(tmp_path, gguf_factory, make_llm):
                  "bf16"]) == 2  # a clear error: "--weights bf16 dequantizes a GGUF file ..."
 
 
+@pytest.mark.slow
 def test_serve_a_gguf_file_with_its_chat_template(gguf_factory):
     """``kvserve serve model.gguf``: the model id is the file's name, chat completions use the
     template from the GGUF metadata, and the log names the file and its resident weights."""
@@ -318,6 +324,7 @@ def test_serve_a_gguf_file_with_its_chat_template(gguf_factory):
         server.stop()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("overrides", [{}, dict(tie_word_embeddings=True, num_key_value_heads=1)])
 def test_gguf_decode_graph_replays_eager(overrides, gguf_factory, make_llm):
     """A GGUF model's decode steps (Q4 / Q8 integer-dot linears, an F16 linear held 16-bit,

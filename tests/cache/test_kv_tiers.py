@@ -510,3 +510,71 @@ def test_round_trip_sets_write_state(tmp_path):
         assert tiers.stats()["tiers"]["memory"]["hits"] == 3
     finally:
         tiers.close()
+
+
+def test_restore_does_not_hold_up_others(tiny_bf16, cold):
+    """While one request waits for a (slow) restore, another runs to completion; then the
+    waiting one is served from the tier, with the cold run's output."""
+    import threading
+
+    _, ref1, _, p1, _ = cold("int8")
+    llm = _llm(tiny_bf16, "int8", num_blocks=12, kv_offload_memory=0.01)
+    eng = llm.engine
+    tiers = eng.kv.tiers
+    try:
+        assert _outs(llm, [p1[0]]) == [ref1[0]]
+        assert eng.kv.write_down_cached() > 0  # prompt 0's blocks in the memory tier ...
+        eng.pool.reset_prefix_cache()  # ... and no longer in the pool
+        gate = threading.Event()
+        orig = tiers._read_one
+
+        def slow(h, t):
+            gate.wait(60)
+            return orig(h, t)
+
+        tiers._read_one = slow
+        eng.add_request("waits", {"prompt_token_ids": p1[0]}, SP)
+        eng.add_request("runs", {"prompt_token_ids": p1[3]}, SP)
+        done = {}
+        for _ in range(200):
+            for o in eng.step():
+                if o.finished:
+                    done[o.request_id] = o.outputs[0].token_ids
+            if "runs" in done:
+                break
+        assert done == {"runs": ref1[3][0]}
+        assert tiers.restoring("waits")
+        gate.set()
+        while eng.has_unfinished_requests():
+            for o in eng.step():
+                if o.finished:
+                    done[o.request_id] = o.outputs[0].token_ids
+        assert done["waits"] == ref1[0][0]
+        assert eng.kv.num_restored_tokens > 0
+    finally:
+        gate.set()
+        eng.shutdown()
+
+
+def test_bad_memory_entry_falls_back_to_disk(tiny_bf16, cold, tmp_path):
+    """Memory first, then disk: a damaged memory entry is refused (tier=memory) and the disk
+    copy serves the block."""
+    _, ref1, _, p1, _ = cold("int8")
+    llm = _llm(tiny_bf16, "int8", kv_offload_memory=0.01, kv_offload_dir=str(tmp_path / "kv"),
+               kv_offload_disk=0.01)
+    eng = llm.engine
+    try:
+        assert _outs(llm, [p1[0]]) == [ref1[0]]
+        assert eng.kv.write_down_cached() > 0
+        mem = eng.kv.tiers.memory
+        key = entry_key(eng.kv.tiers.spec, _chain(eng, p1[0])[0])
+        blob = bytearray(mem._d[key])
+        blob[len(blob) // 2] ^= 0x01
+        mem._d[key] = bytes(blob)
+        eng.pool.reset_prefix_cache()
+        assert _outs(llm, [p1[0]]) == [ref1[0]]
+        st = _tier_stats(llm)
+        assert st["memory"]["rejected"] == {"bad_checksum": 1}
+        assert st["disk"]["hits"] >= 1 and not st["disk"]["rejected"]
+    finally:
+        eng.shutdown()

@@ -4,7 +4,7 @@
 consistent hashing with bounded load; (b) otherwise the replica with the best score
 ``matched_prompt_tokens - load_cost_tokens * load`` among those under the bounded-load capacity,
 when some replica holds a prefix of the prompt; (c) otherwise the least loaded (KV usage, then
-name, break ties). ``session`` / ``prefix`` use only their rule (then least loaded);
+a rotating turn, break ties). ``session`` / ``prefix`` use only their rule (then least loaded);
 ``least-loaded`` and ``round-robin`` ignore sessions and prefixes.
 
 A replica's load is the larger of the requests this router has in flight on it and the
@@ -35,8 +35,12 @@ class Decision:
     matched_tokens: int = 0
 
 
-def least_loaded(cands: Sequence[Candidate]) -> Candidate:
-    return min(cands, key=lambda c: (c.load, c.kv_usage, c.name))
+def least_loaded(cands: Sequence[Candidate], turn: int = 0) -> Candidate:
+    """Least load, then least KV usage; exact ties rotate with ``turn`` (idle replicas share
+    sequential requests instead of the first one taking them all)."""
+    names = sorted(c.name for c in cands)
+    pos = {n: (i - turn) % len(names) for i, n in enumerate(names)}
+    return min(cands, key=lambda c: (c.load, c.kv_usage, pos[c.name]))
 
 
 def decide(policy: str, cands: Sequence[Candidate], *, session: str | None,
@@ -63,8 +67,8 @@ def decide(policy: str, cands: Sequence[Candidate], *, session: str | None,
         if scored:
             best = max(scored, key=lambda sc: (sc[0], -sc[1].load, -sc[1].kv_usage))[1]
             # A held prefix only wins over an idle replica when it is worth its load.
-            idle = least_loaded(cands)
+            idle = least_loaded(cands, rr_turn)
             if matches.get(best.name, 0) - load_cost_tokens * best.load >= \
                     matches.get(idle.name, 0) - load_cost_tokens * idle.load:
                 return Decision(best.name, "prefix", matches[best.name])
-    return Decision(least_loaded(cands).name, "least_loaded")
+    return Decision(least_loaded(cands, rr_turn).name, "least_loaded")

@@ -105,3 +105,14 @@ def test_decide_order_session_prefix_least_loaded() -> None:
     rr = [decide("round-robin", c, session=None, matches={}, ring=ring, rr_turn=t,
                  load_factor=1.25, load_cost_tokens=64.0).replica for t in range(4)]
     assert rr == ["r0", "r1", "r0", "r1"]
+
+
+def test_least_loaded_ties_rotate() -> None:
+    ring = HashRing(["r0", "r1", "r2"])
+    idle = [Candidate("r0", 0), Candidate("r1", 0), Candidate("r2", 0)]
+    picks = [decide("least-loaded", idle, session=None, matches={}, ring=ring, rr_turn=t,
+                    load_factor=1.25, load_cost_tokens=64.0).replica for t in range(6)]
+    assert picks == ["r0", "r1", "r2", "r0", "r1", "r2"]
+    busy = [Candidate("r0", 1), Candidate("r1", 0, 0.5), Candidate("r2", 0, 0.1)]
+    assert {decide("least-loaded", busy, session=None, matches={}, ring=ring, rr_turn=t,
+                   load_factor=1.25, load_cost_tokens=64.0).replica for t in range(3)} == {"r2"}

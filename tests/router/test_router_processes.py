@@ -62,6 +62,9 @@ class Proc:
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait(10)
+        if not self.log.closed:
+            self.log.close()
+            os.unlink(self.log.name)
 
 
 def replica(port: int | None = None) -> Proc:

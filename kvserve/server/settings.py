@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from kvserve.config_cli import arg
 
 SERVER = "server"
+LAUNCH = "launch (listener, shutdown)"
 DATA_PARALLEL = "data parallel (docs/replicas.md)"
 
 
@@ -73,16 +74,16 @@ class ServerSettings:
 class LaunchSettings:
     """Where and how ``kvserve serve`` runs the app (uvicorn, shutdown, test pacing)."""
 
-    host: str = arg("127.0.0.1", "address to listen on", group=SERVER)
-    port: int = arg(8000, "port to listen on", type=int, group=SERVER)
+    host: str = arg("127.0.0.1", "address to listen on", group=LAUNCH)
+    port: int = arg(8000, "port to listen on", type=int, group=LAUNCH)
     drain_timeout: float = arg(
         60.0, "seconds to let in-flight requests finish on SIGTERM before ending them (streams "
         "get finish_reason 'abort' and [DONE]); exit follows within about 2 s", type=float,
-        group=SERVER)
+        group=LAUNCH)
     step_delay: float = arg(0.0, "seconds to sleep after each engine step (testing: a slower "
-                            "model)", type=float, group=SERVER)
+                            "model)", type=float, group=LAUNCH)
     uvicorn_log_level: str = arg(
-        "warning", "uvicorn's own log level", group=SERVER,
+        "warning", "uvicorn's own log level", group=LAUNCH,
         choices=["critical", "error", "warning", "info", "debug", "trace"])
     # Replicas behind a router in one command (kvserve/router/launch.py, docs/replicas.md).
     data_parallel_size: int = arg(

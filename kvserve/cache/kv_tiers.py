@@ -151,7 +151,15 @@ class DiskTier:
 
     def __init__(self, directory: str, cap_bytes: int) -> None:
         self.dir = os.path.abspath(directory)
-        os.makedirs(self.dir, exist_ok=True)
+        try:
+            os.makedirs(self.dir, exist_ok=True)
+            probe = os.path.join(self.dir, f"{TMP_PREFIX}{os.getpid()}-probe")
+            with open(probe, "wb"):
+                pass
+            os.unlink(probe)
+        except OSError as e:
+            raise ValueError(f"kv_offload_dir {directory!r} is not a writable directory: "
+                             f"{e}") from None
         self.cap = cap_bytes
         self.evictions = 0
         self.bytes = 0  # as of the last scan, plus this process's writes since

@@ -460,6 +460,9 @@ def test_flags_and_user_errors(tiny_bf16, tmp_path):
     c = cfg.cache_config()
     assert (c.kv_offload_memory_bytes, c.kv_offload_disk_bytes) == (2**29, 2**31)
     assert not EngineArgs().cache_config().kv_offload_enabled
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(ValueError, match="kv_offload_dir"):
+        DiskTier(str(tmp_path / "file"), 2**20)
 
 
 # ---- the tiers without an engine ---------------------------------------------------------

@@ -17,7 +17,8 @@ from kvserve import LLM, SamplingParams
 from kvserve.cache import block_store as bs
 from kvserve.cache.kv_tiers import DiskTier, entry_key
 
-MODES = ["bf16", "fp8", "fp8_rot", "fp8_e5m2", "int8", "int8_plain"]
+MODES = ["bf16", "fp8", "fp8_rot", "fp8_e5m2", "int8", "int8_plain",
+         *(pytest.param(m, marks=pytest.mark.slow) for m in ("fp8_e5m2_rot", "fp16", "fp32"))]
 SP = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, logprobs=2)
 BS = 16
 

@@ -44,3 +44,6 @@ class RequestOutput:
     prompt_logprobs: list[Logprobs | None] | None = None
     num_cached_tokens: int = 0
     metrics: RequestMetrics | None = field(default=None, repr=False)
+    # Prefill role (docs/disaggregation.md): where a decode engine fetches the prompt's KV
+    # (kvserve.cache.kv_transfer.TransferHandle.to_dict()); None otherwise.
+    kv_transfer: dict | None = None

@@ -40,6 +40,16 @@ class Grammar(Protocol):
     def accept(self, token: int) -> bool: ...
 
 
+@dataclass(frozen=True, slots=True)
+class FirstToken:
+    """Decode role: the token a prefill engine sampled after the prompt; the request goes on
+    from it (``logprobs``: that position's, when the request asked for logprobs)."""
+
+    token_id: int
+    logprob: float = 0.0
+    logprobs: Logprobs | None = None
+
+
 @dataclass(eq=False, slots=True)
 class Request:
     request_id: str  # unique per sequence: "<parent>" or "<parent>#<index>"
@@ -65,6 +75,13 @@ class Request:
     # Structured outputs: the grammar state, advanced by each accepted output token. Output
     # tokens survive preemption and integrity rollback, so it never moves back.
     grammar: Grammar | None = None
+    # Disaggregation (kvserve/cache/kv_transfer.py, docs/disaggregation.md). Prefill role:
+    # ``kv_export`` -- when the request finishes by length its prompt's KV is offered to a
+    # decode engine and ``kv_handle`` (TransferHandle.to_dict()) tells the caller where.
+    # Decode role: ``kv_import`` -- the handle to fetch; cleared once the blocks are in.
+    kv_export: bool = False
+    kv_handle: dict | None = None
+    kv_import: dict | None = None
     metrics: RequestMetrics = field(init=False)
     # Detokenizer state lives in the engine's output processor, keyed by request_id.
 

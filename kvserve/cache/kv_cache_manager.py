@@ -27,6 +27,7 @@ import numpy as np
 
 from kvserve.cache.block_pool import BlockPool
 from kvserve.cache.kv_tiers import Evicted, KVTiers, TierPeers
+from kvserve.cache.kv_transfer import Expected, KVTransfer, TransferHandle
 from kvserve.request import Request
 
 
@@ -75,6 +76,7 @@ class KVCacheManager:
         integrity: BlockIntegrity | None = None,
         tiers: KVTiers | None = None,
         tier_peers: TierPeers | None = None,
+        transfer: KVTransfer | None = None,
     ) -> None:
         self.pool = pool
         self.block_size = block_size
@@ -96,6 +98,7 @@ class KVCacheManager:
         self._probed: dict[str, int] = {}  # request -> chain index the tiers lacked last time
         if tiers is not None:
             pool.on_evict = self._write_down
+        self.transfer = transfer  # disaggregation: export / import of a prompt's KV
 
     # ---- hashing -------------------------------------------------------------------------
     def _salt_for(self, req: Request) -> bytes:
@@ -230,9 +233,78 @@ class KVCacheManager:
         return more
 
     def wait_for_restores(self, timeout: float = 0.005) -> None:
-        """An empty step while requests wait for restores sleeps here instead of spinning."""
+        """An empty step while requests wait for restores or imports sleeps here instead of
+        spinning."""
         if self.tiers is not None:
             self.tiers.wait_any(timeout)
+        if self.transfer is not None:
+            self.transfer.wait_any(timeout)
+
+    # ---- disaggregation (kvserve/cache/kv_transfer.py) ----------------------------------
+    def _prompt_blocks(self, req: Request) -> list[Expected]:
+        """The identity of the prompt's blocks: full ones by the chain hash, then the partly
+        filled last one (hashed the same way over its fewer tokens)."""
+        b, p = self.block_size, req.num_prompt_tokens
+        hashes, tokens = self.block_hashes(req), req.prompt_token_ids
+        n_full = p // b
+        out = [Expected(hashes[i], tuple(tokens[i * b: (i + 1) * b])) for i in range(n_full)]
+        if p % b:
+            parent = hashes[n_full - 1] if n_full else self._salt_for(req)
+            rest = tuple(tokens[n_full * b: p])
+            out.append(Expected(BLOCK_HASH_FN(parent, rest), rest))
+        return out
+
+    def export(self, req: Request) -> TransferHandle:
+        """Prefill role: offer the request's prompt KV (it was computed: the request sampled
+        a token after it). The pool blocks stay the request's until ``free``."""
+        assert self.transfer is not None
+        assert req.num_computed_tokens >= req.num_prompt_tokens
+        expected = self._prompt_blocks(req)
+        ids = self.req_blocks[req.request_id][: len(expected)]
+        sealed = [self.integrity.sealed_sums(x) if self.integrity is not None
+                  and len(e.token_ids) == self.block_size else None
+                  for x, e in zip(ids, expected, strict=True)]
+        return self.transfer.export(ids, expected, sealed)
+
+    def take_import(self, req: Request) -> int | None:
+        """Decode role, for a waiting request with ``kv_import``: start the fetch (None), wait
+        for it (None), then install the verified blocks into the request's own fresh blocks
+        and return the prompt tokens they hold (0 after a fallback). None also while the pool
+        has no room for them."""
+        assert self.transfer is not None and req.kv_import is not None
+        rid = req.request_id
+        if not self.transfer.importing(rid):
+            handle = TransferHandle.from_dict(req.kv_import)
+            self.transfer.start_import(rid, handle, self._prompt_blocks(req))
+            return None
+        job = self.transfer.finished(rid)
+        if job is None:
+            return None
+        blocks = job.blocks
+        if len(blocks) > self.pool.num_free_blocks:
+            return None  # kept; retried when blocks are free
+        self.transfer.cancel(rid)
+        if job.failed is not None:
+            self.transfer.fallbacks[job.failed] += 1
+        assert not self.req_blocks.get(rid), "an import is only installed into a new request"
+        ids = self.pool.allocate(len(blocks))
+        if self.integrity is not None:
+            self.integrity.on_allocate(ids)
+        if ids:
+            self.transfer.install(ids, blocks)
+        full = [(x, blk) for x, blk in zip(ids, blocks, strict=True)
+                if len(blk.token_ids) == self.block_size]
+        if full and self.integrity is not None:
+            self.integrity.seal([x for x, _ in full], [blk.chain_hash for _, blk in full])
+        if self.enable_prefix_caching:
+            parent = None  # the chain hash before each block (KV events)
+            for x, blk in full:
+                if not self.pool.blocks[x].quarantined:
+                    self.pool.register(x, blk.chain_hash, blk.token_ids, parent)
+                parent = blk.chain_hash
+        self.req_blocks[rid] = ids
+        self._req_committed[rid] = len(full)
+        return sum(len(blk.token_ids) for blk in blocks)
 
     def write_down_cached(self) -> int:
         """Queue every cached block the pool holds free for write-down (waiting for room, not
@@ -246,7 +318,9 @@ class KVCacheManager:
 
     def close(self) -> None:
         """Shutdown: write the pool's cached blocks to disk (a restart finds them there) and
-        stop the tiers' threads."""
+        stop the tiers' threads (and the transfer's)."""
+        if self.transfer is not None:
+            self.transfer.close()
         if self.tiers is None:
             return
         if self.tiers.disk is not None:
@@ -327,6 +401,8 @@ class KVCacheManager:
         self._probed.pop(req.request_id, None)
         if self.tiers is not None:
             self.tiers.cancel(req.request_id)
+        if self.transfer is not None:
+            self.transfer.cancel(req.request_id)
 
     def truncate(self, req: Request, num_blocks: int) -> None:
         """Keep only the first ``num_blocks`` blocks (integrity rollback)."""

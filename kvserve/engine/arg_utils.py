@@ -85,6 +85,21 @@ class EngineArgs:
     kv_offload_queue: int = arg(
         256, "KV tiers: most evicted blocks waiting to be written down (more are dropped)",
         type=int)
+    # Prefill/decode disaggregation (docs/disaggregation.md): how a prompt's KV moves from a
+    # prefill engine to a decode engine; None: this engine neither exports nor imports.
+    kv_transfer: str | None = arg(
+        None, "KV transfer between prefill and decode replicas: dir (a shared directory, one "
+        "host) or zmq (direct)", choices=["dir", "zmq"])
+    kv_transfer_dir: str | None = arg(
+        None, "kv_transfer dir: the shared directory (a tmpfs, e.g. /dev/shm/kvserve)",
+        metavar="PATH")
+    kv_transfer_endpoint: str = arg(
+        "tcp://127.0.0.1:*", "kv_transfer zmq: where a prefill engine serves its KV (* = a "
+        "free port)")
+    kv_transfer_timeout: float = arg(
+        30.0, "seconds a decode engine waits for a transfer before prefilling itself (and a "
+        "prefill engine keeps an unconfirmed one)", type=float)
+    kv_transfer_max_mib: float = arg(4096.0, "most MiB one transfer may carry", type=float)
     attention_backend: str = arg(
         "auto", "attention kernels; auto: triton on cuda, torch on cpu",
         choices=["auto", "torch", "triton", "mla_torch", "mla_triton"])
@@ -213,6 +228,16 @@ class EngineArgs:
                                    if self.kv_offload_dir is not None else 0),
             kv_offload_queue_blocks=self.kv_offload_queue,
         )
+
+    def transfer_config(self):  # -> kvserve.cache.kv_transfer.TransferConfig | None
+        from kvserve.cache.kv_transfer import TransferConfig
+
+        if self.kv_transfer is None:
+            if self.kv_transfer_dir is not None:
+                raise ValueError("kv_transfer_dir needs kv_transfer dir")
+            return None
+        return TransferConfig(self.kv_transfer, self.kv_transfer_dir, self.kv_transfer_endpoint,
+                              self.kv_transfer_timeout, int(self.kv_transfer_max_mib * 2**20))
 
     def scheduler_config(self):  # -> kvserve.config.SchedulerConfig
         from kvserve.config import SchedulerConfig

@@ -18,6 +18,7 @@ from kvserve.cache.block_pool import BlockPool
 from kvserve.cache.integrity import IntegrityChecker
 from kvserve.cache.kv_cache_manager import KVCacheManager
 from kvserve.cache.kv_events import KVEventPublisher
+from kvserve.cache.kv_transfer import KVTransfer
 from kvserve.cbuild import cpu_kind
 from kvserve.config import EngineConfig, ModelConfig, dtype_name
 from kvserve.engine.arg_utils import EngineArgs
@@ -114,7 +115,8 @@ def build_engine(args: EngineArgs) -> EngineParts:
     tiers = worker.build_tiers(cache_cfg)  # each rank builds its own (executor.worker_main)
     kv = KVCacheManager(pool, layout.block_size, cache_cfg.enable_prefix_caching,
                         config.fingerprint, integrity, tiers,
-                        executor if isinstance(executor, MultiprocExecutor) else None)
+                        executor if isinstance(executor, MultiprocExecutor) else None,
+                        _build_transfer(args, worker))
     scheduler = Scheduler(sched_cfg, kv)
     worker.init_runner()
     runner = ModelRunner(executor, layout.block_size, spec.components,
@@ -133,3 +135,13 @@ def build_engine(args: EngineArgs) -> EngineParts:
     return EngineParts(args, config, executor, tokenizer, pool, integrity, kv, scheduler,
                        runner, kv_events)
 
+
+def _build_transfer(args: EngineArgs, worker: Any) -> KVTransfer | None:
+    """Disaggregation's KV transfer (docs/disaggregation.md), or None when off."""
+    cfg = args.transfer_config()
+    if cfg is None:
+        return None
+    if args.tensor_parallel_size > 1:
+        raise ValueError("kv_transfer is not supported with tensor_parallel_size > 1 yet "
+                         "(docs/disaggregation.md)")
+    return KVTransfer(cfg, worker.store_spec(), worker.kv_cache)

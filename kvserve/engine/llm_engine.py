@@ -17,17 +17,19 @@ from collections.abc import Callable
 
 import torch
 
+from kvserve.cache.kv_transfer import TransferHandle
 from kvserve.engine.arg_utils import EngineArgs
 from kvserve.engine.builder import build_engine
 from kvserve.engine.executor import MultiprocExecutor
 from kvserve.engine.input_processor import PromptType, tokenize_prompt
 from kvserve.engine.output_processor import OutputProcessor
+from kvserve.engine.runner_output import ModelRunnerOutput
 from kvserve.engine.scheduler import ScheduledRequest, SchedulerOutput
 from kvserve.engine.stats import EngineStats
 from kvserve.engine.worker import DEFAULT_MAX_KV_BYTES  # noqa: F401 - re-exported
 from kvserve.layers.grammar import GrammarCompiler
 from kvserve.outputs import RequestOutput
-from kvserve.request import Request, RequestStatus
+from kvserve.request import FirstToken, Request, RequestStatus
 from kvserve.sampling_params import SamplingParams
 
 __all__ = ["LLMEngine", "PromptType"]
@@ -79,7 +81,14 @@ class LLMEngine:
 
     def add_request(self, request_id: str, prompt: PromptType,
                     params: SamplingParams | None = None, *, priority: int = 0,
-                    cache_salt: str | None = None, arrival_time: float | None = None) -> None:
+                    cache_salt: str | None = None, arrival_time: float | None = None,
+                    kv_export: bool = False, kv_transfer: dict | None = None,
+                    first_token: FirstToken | None = None) -> None:
+        """``kv_export`` (prefill role): when the request ends by length, its prompt's KV is
+        offered to a decode engine (RequestOutput.kv_transfer: the handle). ``kv_transfer`` +
+        ``first_token`` (decode role): the handle and the token the prefill engine sampled; the
+        prompt's KV is fetched, verified and counted as computed, and the request goes on
+        (docs/disaggregation.md)."""
         params = params or SamplingParams()
         if not isinstance(params, SamplingParams):
             raise ValueError("sampling_params must be a SamplingParams")
@@ -96,6 +105,18 @@ class LLMEngine:
                              f"{self.capacity_tokens}; raise kv_cache_memory")
         # Like vLLM/OpenAI: generation stops at the context limit with finish_reason=length.
         max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
+        if (kv_export or kv_transfer is not None) and self.kv.transfer is None:
+            raise ValueError("kv_transfer: this engine has no KV transfer (--kv-transfer)")
+        if (kv_export or kv_transfer is not None) and params.n != 1:
+            raise ValueError("n must be 1 with a KV transfer (send n requests)")
+        if kv_transfer is not None:
+            TransferHandle.from_dict(kv_transfer)  # ValueError naming the field
+            if not isinstance(first_token, FirstToken):
+                raise ValueError("first_token is required with kv_transfer")
+            if not 0 <= first_token.token_id < self.model_config.vocab_size:
+                raise ValueError(f"first_token.token_id {first_token.token_id} is not a token")
+            if max_tokens < 2:
+                raise ValueError("max_tokens: the prefill engine's token ended the request")
         so = params.structured_outputs
         grammar = self.grammars.compile(so) if so is not None else None  # ValueError: refused
         arrival = time.monotonic() if arrival_time is None else arrival_time
@@ -115,8 +136,24 @@ class LLMEngine:
                 child.prefill_leader = children[0]
         self.output_processor.add(request_id, text, ids, children)
         for child in children:
+            child.kv_export = kv_export
+            child.kv_import = kv_transfer
             self.scheduler.add(child)
+        if kv_transfer is not None:
+            self._continue_after(children[0], first_token)
         self.counters["prompt_tokens"] += len(ids)
+
+    def _continue_after(self, req: Request, first: FirstToken | None) -> None:
+        """Decode role: the prefill engine's token is applied like a token sampled here (the
+        scheduler's one apply step, with nothing computed): logprobs, text, stop checks."""
+        assert first is not None
+        sched = SchedulerOutput(new=[ScheduledRequest(req, 0, 0, ())])
+        out = ModelRunnerOutput([req.request_id], [first.token_id], [first.logprobs],
+                                [first.logprob], [])
+        self.scheduler.update_from_output(sched, out, self.output_processor)
+        if req.is_finished:
+            self.output_processor.pop(req.parent_id)
+            raise ValueError("first_token: it already ends the request (no decode needed)")
 
     def abort_request(self, request_id: str | list[str]) -> None:
         for rid in [request_id] if isinstance(request_id, str) else request_id:
@@ -189,6 +226,7 @@ class LLMEngine:
             counters=dict(self.counters),
             integrity=self.integrity.stats() if self.integrity is not None else None,
             kv_tiers=self.kv.tiers.stats() if self.kv.tiers is not None else None,
+            kv_transfer=self.kv.transfer.stats() if self.kv.transfer is not None else None,
             timestamp=time.monotonic(),
         )
 

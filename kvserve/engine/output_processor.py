@@ -158,4 +158,5 @@ class OutputProcessor:
             prompt_token_ids=parent.prompt_token_ids, outputs=comps, finished=finished,
             prompt_logprobs=plp, num_cached_tokens=first.metrics.num_cached_tokens,
             metrics=first.metrics,
+            kv_transfer=first.kv_handle,
         )

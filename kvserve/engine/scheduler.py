@@ -22,7 +22,7 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol
 
-from kvserve.cache.kv_cache_manager import KVCacheManager
+from kvserve.cache.kv_cache_manager import EMPTY, KVCacheManager
 from kvserve.config import SchedulerConfig
 from kvserve.outputs import Logprobs
 from kvserve.request import Request, RequestStatus
@@ -123,19 +123,30 @@ class Scheduler:
             if req.waits_for_leader:
                 i += 1
                 continue
-            hit = self.kv.get_computed_blocks(req)
-            if hit.restoring:  # its prefix is being read back from a KV tier
-                i += 1
-                continue
-            n = req.num_tokens - hit.num_tokens
+            # decode role: its prompt KV comes from a transfer (fetched and verified meanwhile)
+            if req.kv_import is not None:
+                imported = self.kv.take_import(req)
+                if imported is None:
+                    i += 1
+                    continue
+                req.num_computed_tokens, req.kv_import = imported, None
+            if self.kv.get_block_ids(req):  # the imported blocks, held already
+                hit, computed = EMPTY, req.num_computed_tokens
+            else:
+                hit = self.kv.get_computed_blocks(req)
+                if hit.restoring:  # its prefix is being read back from a KV tier
+                    i += 1
+                    continue
+                computed = hit.num_tokens
+            n = req.num_tokens - computed
             if n > budget and not self.config.enable_chunked_prefill:
                 break
             n = min(n, budget)
             if not self.kv.allocate_slots(req, n, hit):
                 break
             self.waiting.pop(i)
-            req.num_computed_tokens = hit.num_tokens
-            req.metrics.num_cached_tokens = max(req.metrics.num_cached_tokens, hit.num_tokens)
+            req.num_computed_tokens = computed
+            req.metrics.num_cached_tokens = max(req.metrics.num_cached_tokens, computed)
             req.status = RequestStatus.RUNNING
             if req.metrics.first_scheduled_time is None:
                 req.metrics.first_scheduled_time = time.monotonic()
@@ -192,6 +203,13 @@ class Scheduler:
         """Remove a request for good and free its blocks (idempotent)."""
         if req.is_finished:
             return
+        if (req.kv_export and status is RequestStatus.FINISHED_LENGTH
+                and req.num_computed_tokens >= req.num_prompt_tokens):
+            # prefill role: a decode engine continues it (a stop needs no continuation)
+            try:
+                req.kv_handle = self.kv.export(req).to_dict()
+            except OSError:  # no handle: the caller continues without one (a full prefill)
+                logger.exception("kv transfer: export of %s failed", req.request_id)
         req.status = status
         if req in self.running:
             self.running.remove(req)

@@ -23,4 +23,5 @@ class EngineStats:
     counters: dict[str, int] = field(default_factory=dict)
     integrity: dict[str, Any] | None = None  # IntegrityChecker.stats(); None when off
     kv_tiers: dict[str, Any] | None = None  # KVTiers.stats(); None when no tier is on
+    kv_transfer: dict[str, Any] | None = None  # KVTransfer.stats(); None when off
     timestamp: float = 0.0  # time.monotonic() when taken

@@ -161,18 +161,21 @@ class Worker:
         directory; the driver tells the others what to write down and restore."""
         if not cache_cfg.kv_offload_enabled:
             return None
+        cfg = TierConfig(cache_cfg.kv_offload_memory_bytes, cache_cfg.kv_offload_dir,
+                         cache_cfg.kv_offload_disk_bytes, cache_cfg.kv_offload_queue_blocks)
+        return KVTiers(cfg, self.store_spec(), self.kv_cache)
+
+    def store_spec(self) -> StoreSpec:
+        """The identity and layout of this rank's stored / transferred blocks (block_store)."""
         kv = self.kv_cache
         rot = kv.rotation
-        spec = StoreSpec(
+        return StoreSpec(
             model=self.model_id().hex(), kv_mode=kv.mode.name,
             rotation="" if rot is None else rot.describe(), fingerprint=self.fingerprint.hex(),
             block_size=kv.block_size, num_layers=kv.num_layers, components=kv.components,
             num_kv_heads=kv.num_kv_heads, head_dim=kv.head_dim, dtype=dtype_str(kv.dtype),
             scale_dtype="" if kv.scales is None else dtype_str(kv.scales.dtype),
             rank=self.rank, world_size=self.world_size)
-        cfg = TierConfig(cache_cfg.kv_offload_memory_bytes, cache_cfg.kv_offload_dir,
-                         cache_cfg.kv_offload_disk_bytes, cache_cfg.kv_offload_queue_blocks)
-        return KVTiers(cfg, spec, kv)
 
     def model_id(self) -> bytes:
         """The model files' identity: config.json and each weight file's name, size, mtime."""

@@ -155,4 +155,8 @@ def test_serialize_rejects_mismatched_block():
     with pytest.raises(ValueError, match="payload shape"):
         bs.serialize(dataclasses.replace(spec, num_layers=2), blk)
     with pytest.raises(ValueError, match="tokens"):
-        bs.serialize(spec, dataclasses.replace(blk, token_ids=(1, 2)))
+        bs.serialize(spec, dataclasses.replace(blk, token_ids=(1,) * (spec.block_size + 1)))
+    with pytest.raises(ValueError, match="tokens"):
+        bs.serialize(spec, dataclasses.replace(blk, token_ids=()))
+    # a partly filled block (a prompt's last, kv_transfer.py) is a block
+    assert bs.serialize(spec, dataclasses.replace(blk, token_ids=(1, 2)))

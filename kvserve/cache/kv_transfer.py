@@ -1,0 +1,557 @@
+"""Prefill/decode disaggregation: a prompt's KV blocks leave a prefill engine and enter a
+decode engine, every block verified on arrival (docs/disaggregation.md).
+
+Flow::
+
+    prefill engine, request finished after its first token (Scheduler.finish -> export):
+        copy the prompt's blocks out of the pool (the last, partly filled one too: its unfilled
+        rows zeroed) -> block_store.serialize each (sums: the pool's seal for full blocks,
+        taken now for the partial one) -> transport.offer(transfer id, blobs) -> a handle
+        (transfer id, transport, address, tokens, blocks, bytes) in the RequestOutput.
+        The pool blocks are freed at once (cached, as after any request); the serialized copy
+        waits in the sender's outbox until the decode side confirms, or ``timeout_s`` passes.
+    decode engine, request added with the handle and the first token (Scheduler, waiting):
+        importer thread: transport.fetch (bounded in bytes and time) -> confirm -> verify
+        every block (block_store.verify: digest over payload, scales, sums and identity;
+        model, KV mode, rotation, fingerprint, token-chain hash, token ids; sums recomputed)
+        -> the verified prefix (up to the first refused block).
+        step thread: install it into fresh pool blocks (full ones sealed and cached), count
+        those tokens as computed, and decode. Refused blocks and everything after them are
+        recomputed from the tokens (``rejected{reason}``); a failed / timed-out fetch is a
+        plain prefill on the decode engine (``fallbacks{reason}``).
+
+Transports (both: nothing pickled; the bytes are block_store's, the control messages msgpack):
+  * ``DirectoryTransport``: one shared directory (a tmpfs on one host). The sender writes
+    ``<id>.<i>.kvb`` (tmp file + os.replace) and then ``<id>.ready`` (msgpack: block count and
+    sizes); the receiver waits for ``.ready``, reads, and deletes the files (= confirm).
+  * ``ZmqTransport``: the sender serves its outbox from a ROUTER socket (a thread); the
+    receiver's DEALER asks ``{"op": "get", "id"}`` and gets ``[msgpack header, blob, ...]``,
+    then sends ``{"op": "done", "id"}``. ZMQ_MAXMSGSIZE bounds every frame.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import queue
+import threading
+import time
+import uuid
+from collections import Counter
+from dataclasses import asdict, dataclass, field
+from typing import Protocol
+
+import msgpack
+import numpy as np
+import torch
+import zmq
+
+from kvserve.cache import block_store
+from kvserve.cache.block_store import Rejected, StoredBlock, StoreSpec
+from kvserve.cache.kv_cache import PagedKVCache
+
+logger = logging.getLogger("kvserve.kv_transfer")
+
+PROTOCOL_VERSION = 1
+TRANSPORTS = ("dir", "zmq")
+# Transfer latency histogram bucket bounds (seconds): kvserve_kv_transfer_seconds.
+IMPORT_THREADS = 4
+LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
+
+
+class TransferFailed(Exception):
+    """A fetch that produced no blocks; ``reason`` is the fallbacks counter's label."""
+
+    def __init__(self, reason: str, detail: str = "") -> None:
+        super().__init__(f"{reason}: {detail}" if detail else reason)
+        self.reason = reason
+
+
+@dataclass(frozen=True, slots=True)
+class TransferConfig:
+    transport: str = "dir"  # dir | zmq
+    directory: str | None = None  # dir: the shared directory
+    endpoint: str = "tcp://127.0.0.1:*"  # zmq: where the sender binds (* = a free port)
+    timeout_s: float = 30.0  # receiver: fetch deadline; sender: unconfirmed offers kept
+    max_bytes: int = 4 << 30  # most bytes one transfer may carry
+
+    def __post_init__(self) -> None:
+        if self.transport not in TRANSPORTS:
+            raise ValueError(f"kv_transfer must be one of {TRANSPORTS}, got {self.transport!r}")
+        if self.transport == "dir" and not self.directory:
+            raise ValueError("kv_transfer dir needs kv_transfer_dir (a shared directory)")
+        if not self.timeout_s > 0:
+            raise ValueError(f"kv_transfer_timeout must be > 0, got {self.timeout_s}")
+        if self.max_bytes < 1:
+            raise ValueError(f"kv_transfer_max_mib must be > 0, got {self.max_bytes} bytes")
+
+
+@dataclass(frozen=True, slots=True)
+class TransferHandle:
+    """What a decode engine needs to fetch one request's prompt KV (crosses processes as a
+    plain dict: ``to_dict`` / ``from_dict``)."""
+
+    transfer_id: str
+    transport: str
+    address: str  # the directory, or the sender's tcp:// endpoint
+    num_tokens: int  # prompt tokens covered (full blocks + the partial one)
+    num_blocks: int
+    nbytes: int
+
+    def to_dict(self) -> dict:
+        return {"version": PROTOCOL_VERSION, **asdict(self)}
+
+    @classmethod
+    def from_dict(cls, d: object) -> TransferHandle:
+        """Parse and check a handle; ValueError naming the field (``kv_transfer.<field>``)."""
+        if not isinstance(d, dict):
+            raise ValueError("kv_transfer must be an object (a prefill replica's handle)")
+        if d.get("version") != PROTOCOL_VERSION:
+            raise ValueError(f"kv_transfer.version must be {PROTOCOL_VERSION}")
+        types = {"transfer_id": str, "transport": str, "address": str, "num_tokens": int,
+                 "num_blocks": int, "nbytes": int}
+        for k, t in types.items():
+            v = d.get(k)
+            if not isinstance(v, t) or isinstance(v, bool):
+                raise ValueError(f"kv_transfer.{k} must be a {t.__name__}")
+            if t is int and v < 0:
+                raise ValueError(f"kv_transfer.{k} must be >= 0")
+        if d["transport"] not in TRANSPORTS:
+            raise ValueError(f"kv_transfer.transport must be one of {TRANSPORTS}")
+        if not d["transfer_id"].replace("-", "").isalnum():
+            raise ValueError("kv_transfer.transfer_id must be alphanumeric")
+        return cls(**{k: d[k] for k in types})
+
+
+class Transport(Protocol):
+    expired: int  # offers dropped unconfirmed after their deadline
+
+    def offer(self, transfer_id: str, blobs: list[bytes]) -> str: ...
+    def fetch(self, handle: TransferHandle, timeout_s: float, max_bytes: int) -> list[bytes]: ...
+    def expire(self) -> int: ...
+    def outstanding(self) -> int: ...
+    def close(self) -> None: ...
+
+
+# ---- the shared-directory transport ---------------------------------------------------------
+def _dir_path(directory: str, tid: str, i: int | None) -> str:
+    return os.path.join(directory, f"{tid}.ready" if i is None else f"{tid}.{i:05d}.kvb")
+
+
+def _dir_delete(directory: str, tid: str, n: int) -> None:
+    for i in [None, *range(n)]:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(_dir_path(directory, tid, i))
+
+
+class DirectoryTransport:
+    """Blocks as files in a shared directory (see the module docstring)."""
+
+    def __init__(self, directory: str, ttl_s: float) -> None:
+        self.dir = os.path.abspath(directory)
+        os.makedirs(self.dir, exist_ok=True)
+        self.ttl_s = ttl_s
+        self._offers: dict[str, tuple[float, int]] = {}  # id -> (deadline, blocks)
+        self.expired = 0
+
+    def _path(self, tid: str, i: int | None) -> str:
+        return _dir_path(self.dir, tid, i)
+
+    def _write(self, path: str, data: bytes) -> None:
+        tmp = os.path.join(self.dir, f".tmp-{os.getpid()}-{os.path.basename(path)}")
+        with open(tmp, "wb") as f:
+            f.write(data)
+        os.replace(tmp, path)  # a reader sees the whole file or none
+
+    def offer(self, transfer_id: str, blobs: list[bytes]) -> str:
+        for i, b in enumerate(blobs):
+            self._write(self._path(transfer_id, i), b)
+        self._write(self._path(transfer_id, None), msgpack.packb(
+            {"version": PROTOCOL_VERSION, "n": len(blobs), "sizes": [len(b) for b in blobs]}))
+        self._offers[transfer_id] = (time.monotonic() + self.ttl_s, len(blobs))
+        return self.dir
+
+    def _delete(self, tid: str, n: int) -> None:
+        _dir_delete(self.dir, tid, n)
+
+    def fetch(self, handle: TransferHandle, timeout_s: float, max_bytes: int) -> list[bytes]:
+        if handle.nbytes > max_bytes:
+            raise TransferFailed("too_large", f"{handle.nbytes} > {max_bytes} bytes")
+        ready = os.path.join(handle.address, f"{handle.transfer_id}.ready")
+        deadline = time.monotonic() + timeout_s
+        while not os.path.exists(ready):
+            if time.monotonic() > deadline:  # a dead sender: drop what it left
+                _dir_delete(handle.address, handle.transfer_id, handle.num_blocks)
+                raise TransferFailed("timeout", f"no {ready} after {timeout_s} s")
+            time.sleep(0.002)
+        try:
+            with open(ready, "rb") as f:
+                meta = msgpack.unpackb(f.read(1 << 20))
+            n = int(meta["n"])
+        except (OSError, ValueError, KeyError, TypeError, msgpack.UnpackException) as e:
+            raise TransferFailed("bad_manifest", str(e)) from e
+        blobs: list[bytes] = []
+        total = 0
+        for i in range(min(n, handle.num_blocks)):
+            try:
+                with open(_dir_path(handle.address, handle.transfer_id, i), "rb") as f:
+                    b = f.read(max_bytes - total + 1)
+            except OSError:
+                break  # the rest is recomputed (counted missing by the caller)
+            total += len(b)
+            if total > max_bytes:
+                raise TransferFailed("too_large", f"over {max_bytes} bytes")
+            blobs.append(b)
+        _dir_delete(handle.address, handle.transfer_id, n)  # confirm: the sender's copy is gone
+        return blobs
+
+    def expire(self) -> int:
+        """Forget confirmed offers and delete the files of those past their deadline."""
+        now, n = time.monotonic(), 0
+        for tid, (deadline, nb) in list(self._offers.items()):
+            if not os.path.exists(self._path(tid, None)):
+                del self._offers[tid]  # confirmed (the receiver deleted it)
+            elif now > deadline:
+                self._delete(tid, nb)
+                del self._offers[tid]
+                n += 1
+        self.expired += n
+        return n
+
+    def outstanding(self) -> int:
+        self.expire()
+        return len(self._offers)
+
+    def close(self) -> None:
+        for tid, (_, nb) in list(self._offers.items()):
+            self._delete(tid, nb)
+        self._offers.clear()
+
+
+# ---- the ZMQ transport ----------------------------------------------------------------------
+class ZmqTransport:
+    """The sender's outbox served from a ROUTER socket by one thread; fetches connect a DEALER
+    (see the module docstring)."""
+
+    def __init__(self, endpoint: str, ttl_s: float, max_bytes: int) -> None:
+        self.endpoint, self.ttl_s, self.max_bytes = endpoint, ttl_s, max_bytes
+        self.ctx = zmq.Context()
+        self._outbox: dict[str, tuple[float, list[bytes]]] = {}
+        self._lock = threading.Lock()
+        self._thread: threading.Thread | None = None
+        self._stop = threading.Event()
+        self._bound = threading.Event()
+        self.address = ""
+        self.expired = 0
+
+    def _serve(self) -> None:
+        sock = self.ctx.socket(zmq.ROUTER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.MAXMSGSIZE, 1 << 16)  # requests are small
+        sock.bind(self.endpoint)
+        self.address = sock.getsockopt_string(zmq.LAST_ENDPOINT)
+        self._bound.set()
+        try:
+            while not self._stop.is_set():
+                if sock.poll(50) == 0:
+                    self.expire()
+                    continue
+                frames = sock.recv_multipart()
+                if len(frames) != 2:
+                    continue
+                ident, raw = frames
+                try:
+                    msg = msgpack.unpackb(raw)
+                    op, tid = msg["op"], str(msg["id"])
+                except (ValueError, KeyError, TypeError, msgpack.UnpackException):
+                    continue
+                if op == "get":
+                    with self._lock:
+                        entry = self._outbox.get(tid)
+                    if entry is None:
+                        sock.send_multipart([ident, msgpack.packb({"ok": False,
+                                                                   "error": "unknown"})])
+                    else:
+                        blobs = entry[1]
+                        sock.send_multipart([ident, msgpack.packb({"ok": True,
+                                                                   "n": len(blobs)}), *blobs],
+                                            copy=False)
+                elif op == "done":
+                    with self._lock:
+                        self._outbox.pop(tid, None)
+        finally:
+            sock.close(0)
+
+    def _start(self) -> None:
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._serve, name="kv-transfer-send",
+                                            daemon=True)
+            self._thread.start()
+            if not self._bound.wait(10):
+                raise RuntimeError(f"kv transfer: cannot bind {self.endpoint}")
+
+    def offer(self, transfer_id: str, blobs: list[bytes]) -> str:
+        self._start()
+        with self._lock:
+            self._outbox[transfer_id] = (time.monotonic() + self.ttl_s, blobs)
+        return self.address
+
+    def fetch(self, handle: TransferHandle, timeout_s: float, max_bytes: int) -> list[bytes]:
+        if handle.nbytes > max_bytes:
+            raise TransferFailed("too_large", f"{handle.nbytes} > {max_bytes} bytes")
+        sock = self.ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 200)
+        sock.setsockopt(zmq.MAXMSGSIZE, max_bytes)
+        try:
+            sock.connect(handle.address)
+            sock.send(msgpack.packb({"op": "get", "id": handle.transfer_id}))
+            if sock.poll(int(timeout_s * 1000)) == 0:
+                raise TransferFailed("timeout", f"no answer from {handle.address}")
+            frames = sock.recv_multipart()
+            try:
+                head = msgpack.unpackb(frames[0])
+                ok, n = bool(head["ok"]), int(head.get("n", 0))
+            except (ValueError, KeyError, TypeError, msgpack.UnpackException) as e:
+                raise TransferFailed("bad_manifest", str(e)) from e
+            if not ok:
+                raise TransferFailed("unknown_transfer", str(head.get("error")))
+            blobs = [bytes(f) for f in frames[1:1 + n]]
+            if sum(map(len, blobs)) > max_bytes:
+                raise TransferFailed("too_large", f"over {max_bytes} bytes")
+            sock.send(msgpack.packb({"op": "done", "id": handle.transfer_id}))
+            return blobs
+        finally:
+            sock.close()
+
+    def expire(self) -> int:
+        now = time.monotonic()
+        with self._lock:
+            old = [t for t, (deadline, _) in self._outbox.items() if now > deadline]
+            for t in old:
+                del self._outbox[t]
+        self.expired += len(old)
+        return len(old)
+
+    def outstanding(self) -> int:
+        with self._lock:
+            return len(self._outbox)
+
+    def close(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=5)
+        with self._lock:
+            self._outbox.clear()
+        self.ctx.term()
+
+
+def make_transport(cfg: TransferConfig) -> Transport:
+    if cfg.transport == "dir":
+        assert cfg.directory is not None
+        return DirectoryTransport(cfg.directory, cfg.timeout_s)
+    return ZmqTransport(cfg.endpoint, cfg.timeout_s, cfg.max_bytes)
+
+
+# ---- export / import ------------------------------------------------------------------------
+@dataclass(frozen=True, slots=True)
+class Expected:
+    """What the decode side expects block i to be: its chain hash and token ids (the last one
+    may hold fewer than block_size tokens)."""
+
+    chain_hash: bytes
+    token_ids: tuple[int, ...]
+
+
+@dataclass(slots=True)
+class _Import:
+    handle: TransferHandle
+    expected: list[Expected]
+    started: float
+    done: threading.Event = field(default_factory=threading.Event)
+    blocks: list[StoredBlock] = field(default_factory=list)  # the verified prefix
+    failed: str | None = None  # the fallback reason: nothing usable arrived
+
+
+class KVTransfer:
+    """One engine rank's side of disaggregation: exports (prefill role), imports with their
+    verification thread (decode role), and the counters /metrics shows. Owned by
+    ``KVCacheManager``."""
+
+    def __init__(self, cfg: TransferConfig, spec: StoreSpec, kv: PagedKVCache,
+                 transport: Transport | None = None) -> None:
+        self.cfg, self.spec, self.kv = cfg, spec, kv
+        self.transport = transport or make_transport(cfg)
+        self.exported = 0  # transfers offered
+        self.imported = 0  # transfers fetched (some blocks may have been refused)
+        self.bytes_sent = 0
+        self.bytes_received = 0
+        self.blocks_installed = 0
+        self.rejected: Counter[str] = Counter()  # refused blocks by reason
+        self.fallbacks: Counter[str] = Counter()  # imports that became a local prefill
+        self.latency_hist = np.zeros(len(LATENCY_BUCKETS) + 1, dtype=np.int64)
+        self.latency_seconds = 0.0
+        self._jobs: dict[str, _Import] = {}
+        self._queue: queue.Queue[_Import | None] = queue.Queue()
+        self._lock = threading.Lock()  # the counters, updated by the import threads
+        # a few fetches at once: one slow / dead prefill replica does not hold up the others
+        self._threads = [threading.Thread(target=self._import_loop, name=f"kv-transfer-recv{i}",
+                                          daemon=True) for i in range(IMPORT_THREADS)]
+        for t in self._threads:
+            t.start()
+        self._closed = False
+
+    # ---- prefill side ---------------------------------------------------------------------
+    def export(self, block_ids: list[int], expected: list[Expected],
+               sealed: list[np.ndarray | None]) -> TransferHandle:
+        """Serialize the prompt's blocks ``block_ids`` (the last may be partial: fewer tokens
+        in ``expected``) and offer them; ``sealed``: the pool's seal sums of full blocks."""
+        bs = self.spec.block_size
+        idx = torch.tensor(block_ids, dtype=torch.int64, device=self.kv.data.device)
+        # [L, n, C, bs, H, D], copied as bytes (FP8 has few CPU kernels)
+        payload = self.kv.data.view(torch.uint8).index_select(1, idx).cpu()
+        scales = None
+        if self.kv.scales is not None:
+            scales = self.kv.scales.view(torch.uint8).index_select(1, idx).cpu()
+        filled = len(expected[-1].token_ids)
+        if filled < bs:  # unfilled rows hold stale bytes of an earlier owner: zero them
+            payload[:, -1, :, filled:] = 0  # dim 3: the block's token rows
+            if scales is not None:
+                scales[:, -1, :, filled:] = 0
+        payload = payload.view(self.kv.data.dtype)
+        if scales is not None:
+            scales = scales.view(self.kv.scales.dtype)  # type: ignore[union-attr]
+        now_sums = block_store.block_sums(payload, scales)  # [n, L, 4]
+        blobs = []
+        for i, e in enumerate(expected):
+            sums = sealed[i] if sealed[i] is not None else now_sums[i]
+            blobs.append(block_store.serialize(self.spec, StoredBlock(
+                e.chain_hash, e.token_ids, payload[:, i],
+                None if scales is None else scales[:, i], sums)))
+        tid = uuid.uuid4().hex
+        address = self.transport.offer(tid, blobs)
+        nbytes = sum(map(len, blobs))
+        self.exported += 1
+        self.bytes_sent += nbytes
+        n_tokens = sum(len(e.token_ids) for e in expected)
+        return TransferHandle(tid, self.cfg.transport, address, n_tokens, len(blobs), nbytes)
+
+    def expire(self) -> None:
+        self.transport.expire()
+
+    # ---- decode side ----------------------------------------------------------------------
+    def start_import(self, req_id: str, handle: TransferHandle,
+                     expected: list[Expected]) -> None:
+        assert req_id not in self._jobs
+        job = _Import(handle, expected, time.perf_counter())
+        self._jobs[req_id] = job
+        self._queue.put(job)
+
+    def finished(self, req_id: str) -> _Import | None:
+        """The request's import once it finished (``cancel`` consumes it), else None."""
+        job = self._jobs.get(req_id)
+        if job is None or not job.done.is_set():
+            return None
+        return job
+
+    def importing(self, req_id: str) -> bool:
+        return req_id in self._jobs
+
+    def cancel(self, req_id: str) -> None:
+        self._jobs.pop(req_id, None)
+
+    def wait_any(self, timeout: float) -> None:
+        for job in list(self._jobs.values()):
+            if not job.done.is_set():
+                job.done.wait(timeout)
+                return
+
+    def _import_loop(self) -> None:
+        while True:
+            job = self._queue.get()
+            if job is None:
+                return
+            try:
+                self._import_one(job)
+            except Exception as e:  # noqa: BLE001 - a failed import is a local prefill
+                logger.exception("kv transfer: import failed")
+                job.failed, job.blocks = f"error:{type(e).__name__}", []
+            dt = time.perf_counter() - job.started
+            with self._lock:
+                self.latency_seconds += dt
+                self.latency_hist[int(np.searchsorted(LATENCY_BUCKETS, dt))] += 1
+            job.done.set()
+
+    def _import_one(self, job: _Import) -> None:
+        h = job.handle
+        if h.transport != self.cfg.transport:
+            job.failed = "wrong_transport"
+            return
+        if h.num_blocks != len(job.expected) or h.num_tokens != sum(
+                len(e.token_ids) for e in job.expected):
+            job.failed = "wrong_prompt"  # a handle for another prompt
+            return
+        try:
+            blobs = self.transport.fetch(h, self.cfg.timeout_s, self.cfg.max_bytes)
+        except TransferFailed as e:
+            job.failed = e.reason
+            logger.warning("kv transfer %s: fetch failed (%s); prefill locally", h.transfer_id, e)
+            return
+        with self._lock:
+            self.imported += 1
+            self.bytes_received += sum(map(len, blobs))
+        ok = True
+        for i, e in enumerate(job.expected):
+            if i >= len(blobs):
+                with self._lock:
+                    self.rejected["missing"] += len(job.expected) - i
+                break
+            res = block_store.verify(self.spec, blobs[i], e.chain_hash, e.token_ids)
+            if isinstance(res, Rejected):
+                with self._lock:
+                    self.rejected[res.reason.value] += 1
+                logger.warning("kv transfer %s: block %d refused: %s %s", h.transfer_id, i,
+                               res.reason.value, res.detail)
+                ok = False
+            elif ok:
+                job.blocks.append(res)
+
+    def install(self, block_ids: list[int], blocks: list[StoredBlock]) -> None:
+        """Copy verified blocks into freshly allocated pool blocks (and where the fused writer
+        keeps checksum state, set it to their sums: a partial block's unfilled rows are zero,
+        so its later rows add to the state exactly as in the prefill engine)."""
+        dev = self.kv.data.device
+        idx = torch.tensor(block_ids, dtype=torch.int64, device=dev)
+        payload = torch.stack([b.payload for b in blocks], 1).to(dev)
+        self.kv.data.view(torch.uint8).index_copy_(1, idx, payload.view(torch.uint8))
+        if self.kv.scales is not None:
+            scales = torch.stack([b.scales for b in blocks], 1).to(dev)  # type: ignore[misc]
+            self.kv.scales.view(torch.uint8).index_copy_(1, idx, scales.view(torch.uint8))
+        state = self.kv.csum_state
+        if state is not None:
+            sums = torch.from_numpy(np.stack([b.sums for b in blocks], 1)).to(state.device)
+            state.index_copy_(1, idx, sums)
+        self.blocks_installed += len(blocks)
+
+    # ---- lifecycle / stats ----------------------------------------------------------------
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        for _ in self._threads:
+            self._queue.put(None)
+        for t in self._threads:
+            t.join(timeout=10)
+        self.transport.close()
+
+    def stats(self) -> dict:
+        return {
+            "transport": self.cfg.transport, "exported": self.exported,
+            "imported": self.imported, "bytes_sent": self.bytes_sent,
+            "bytes_received": self.bytes_received, "blocks_installed": self.blocks_installed,
+            "outstanding": self.transport.outstanding(), "expired": self.transport.expired,
+            "rejected": dict(self.rejected), "fallbacks": dict(self.fallbacks),
+            "latency_buckets": list(LATENCY_BUCKETS),
+            "latency_counts": [int(x) for x in self.latency_hist],
+            "latency_seconds": self.latency_seconds,
+        }

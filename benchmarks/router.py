@@ -153,13 +153,13 @@ async def run_workload(url: str, conversations: int, turns: int, doc_tokens: int
         for text in conversation_turns(conv, turns, doc_tokens):
             messages.append({"role": "user", "content": text})
             t0 = time.perf_counter()
-            ttft, pieces = None, []
+            ttft, pieces, tokens = None, [], 0
             async with c.stream("POST", f"{url}/v1/chat/completions",
                                 headers={"Authorization": f"Bearer {KEY}",
                                          "x-session-affinity": f"conversation-{conv}"},
                                 json={"messages": messages, "max_tokens": answer_tokens,
-                                      "temperature": 0, "stream": True,
-                                      "ignore_eos": True}) as r:
+                                      "temperature": 0, "stream": True, "ignore_eos": True,
+                                      "stream_options": {"include_usage": True}}) as r:
                 r.raise_for_status()
                 replica = r.headers.get("x-kvserve-replica")
                 async for line in r.aiter_lines():
@@ -168,13 +168,17 @@ async def run_workload(url: str, conversations: int, turns: int, doc_tokens: int
                     chunk = json.loads(line[6:])
                     if "error" in chunk:
                         raise RuntimeError(chunk["error"])
+                    if chunk.get("usage"):
+                        tokens = chunk["usage"]["completion_tokens"]
+                    if not chunk.get("choices"):
+                        continue
                     delta = chunk["choices"][0].get("delta", {}).get("content")
                     if delta:
                         if ttft is None:
                             ttft = time.perf_counter() - t0
                         pieces.append(delta)
             messages.append({"role": "assistant", "content": "".join(pieces)})
-            out.append(Turn(ttft if ttft is not None else float("nan"), len(pieces), replica))
+            out.append(Turn(ttft if ttft is not None else float("nan"), tokens, replica))
         return out
 
     t0 = time.perf_counter()

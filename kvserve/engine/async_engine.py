@@ -182,6 +182,11 @@ class AsyncLLMEngine:
                                     deadline, sink, loop, ack))
         await ack
 
+    def compile_grammar(self, params) -> None:
+        """Compile a ``StructuredOutputsParams`` into the engine's grammar cache (any thread:
+        the cache is thread-safe); ``ValueError`` when it does not compile."""
+        self._engine.grammars.compile(params)
+
     def abort(self, request_id: str | list[str]) -> None:
         """Abort from any thread; takes effect before the engine's next step."""
         ids = [request_id] if isinstance(request_id, str) else list(request_id)

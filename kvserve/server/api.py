@@ -54,6 +54,9 @@ def build_app(engine_client: AsyncLLMEngine, settings: ServerSettings,
     if tokenizer is None:
         args = engine_client.engine_args
         tokenizer = load_tokenizer(args.tokenizer or engine_client.model_config.path)
+    template = settings.chat_template_text()
+    if template is not None:  # --chat-template replaces the model's (e.g. one with tools)
+        tokenizer.chat_template = template
     state = ServerState(engine_client, settings, tokenizer)
     app = FastAPI(title="kvserve", version=kvserve.__version__,
                   description="OpenAI-compatible LLM inference server")

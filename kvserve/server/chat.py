@@ -1,4 +1,5 @@
-"""``POST /v1/chat/completions``: messages -> chat template -> engine -> OpenAI response."""
+"""``POST /v1/chat/completions``: messages (+ tools) -> chat template -> engine (+ grammar) ->
+OpenAI response, with the tool calls the parser reads out of the answer."""
 
 from __future__ import annotations
 
@@ -27,12 +28,18 @@ from kvserve.server.protocol import (
     ChatCompletionRequest,
     ChatCompletionResponse,
     ChoiceLogprobs,
+    DeltaFunctionCall,
     DeltaMessage,
+    DeltaToolCall,
+    FunctionCallOut,
+    ToolCallOut,
     UsageInfo,
     dump,
 )
 from kvserve.server.state import ServerState
 from kvserve.server.streaming import Update, respond, stream_choices, usage
+from kvserve.server.structured import ToolPlan, compile_constraint, output_constraint, tool_plan
+from kvserve.server.tool_parsers import StreamingToolCalls, new_call_id
 
 
 async def create_chat_completion(req: ChatCompletionRequest, request: Request,
@@ -42,10 +49,18 @@ async def create_chat_completion(req: ChatCompletionRequest, request: Request,
     if req.top_logprobs is not None and not req.logprobs:
         raise bad_request("top_logprobs requires logprobs to be true", "top_logprobs")
     conversation = chat_conversation(req, state.tokenizer, state.limits)
+    plan = tool_plan(req, state.settings)
+    constraint = output_constraint(req)
+    if constraint is not None and plan.constraint is not None:
+        raise bad_request("tool_choice 'required' or a named function constrains the answer "
+                          "to tool calls: it cannot be combined with response_format or "
+                          "structured_outputs", "tool_choice")
+    constraint = constraint or plan.constraint
     ticket = state.admit(1, req.n)
     try:
+        await compile_constraint(state.engine, constraint)
         prompt = await state.pool.run(tokenize_chat, conversation, req.add_generation_prompt,
-                                      state.limits)
+                                      state.limits, plan.template_tools)
         if req.max_completion_tokens is not None:
             max_tokens, max_param = req.max_completion_tokens, "max_completion_tokens"
         else:
@@ -54,19 +69,22 @@ async def create_chat_completion(req: ChatCompletionRequest, request: Request,
         logprobs = (req.top_logprobs or 0) if req.logprobs else None
         params = sampling_params(req, max_tokens=max_tokens, max_tokens_param=max_param,
                                  logprobs=logprobs, prompt_logprobs=None, limits=state.limits)
+        if constraint is not None:
+            params = params.clone(structured_outputs=constraint.params)
         gen = Generation(state, state.new_id("chatcmpl"), [prompt], params, ticket,
                          priority=req.priority, cache_salt=req.cache_salt)
     except BaseException:
         ticket.release()
         raise
-    view = _ChatView(req, state)
+    view = _ChatView(req, state, plan)
     return await respond(gen, request, req.stream, view.full, view.chunks)
 
 
 class _ChatView:
-    def __init__(self, req: ChatCompletionRequest, state: ServerState) -> None:
+    def __init__(self, req: ChatCompletionRequest, state: ServerState, plan: ToolPlan) -> None:
         self.req = req
         self.state = state
+        self.parser = plan.parser
         self.model = state.settings.served_model_name
         self.top = req.top_logprobs or 0
 
@@ -80,11 +98,19 @@ class _ChatView:
         choices = []
         for i in range(self.req.n):
             comp = gen.completion(0, i)
+            reason = gen.finish_reason(comp)
+            message = AssistantMessage(content=comp.text if comp else "")
+            if self.parser is not None and comp is not None:
+                content, calls = self.parser.extract(comp.text)
+                if calls:
+                    message = AssistantMessage(content=content, tool_calls=[
+                        ToolCallOut(id=new_call_id(), function=FunctionCallOut(
+                            name=c.name, arguments=c.arguments)) for c in calls])
+                    reason = "tool_calls" if reason == "stop" else reason
             choices.append(ChatChoice(
-                index=i, message=AssistantMessage(content=comp.text if comp else ""),
+                index=i, message=message,
                 logprobs=self._logprobs(comp.token_ids, comp.logprobs) if comp else None,
-                finish_reason=gen.finish_reason(comp),
-                stop_reason=comp.stop_reason if comp else None,
+                finish_reason=reason, stop_reason=comp.stop_reason if comp else None,
             ))
         return dump(ChatCompletionResponse(id=gen.request_id, created=gen.created,
                                            model=self.model, choices=choices,
@@ -103,15 +129,33 @@ class _ChatView:
                 d.pop("usage", None)
             return d
 
+        calls = [StreamingToolCalls(self.parser) if self.parser else None
+                 for _ in range(self.req.n)]
+
         def choice_chunk(k: int, _: int, comp: CompletionOutput | None,
                          reason: str | None) -> dict | None:
-            if comp is None:  # cut short
-                return chunk(ChatChunkChoice(index=k, delta=DeltaMessage(content=""),
+            stream = calls[k]
+            if comp is None:  # cut short: what a tool parser held goes out as content
+                held = stream.finish()[0] if stream is not None else ""
+                return chunk(ChatChunkChoice(index=k, delta=DeltaMessage(content=held),
                                              finish_reason=reason))
-            if not comp.text and reason is None and not (self.req.logprobs and comp.token_ids):
+            delta = DeltaMessage(content=comp.text)
+            if stream is not None:  # content before a call goes out; a call is held
+                delta.content = stream.feed(comp.text)
+                if reason is not None:
+                    rest, found = stream.finish()
+                    delta.content += rest
+                    if found:
+                        delta.tool_calls = [DeltaToolCall(
+                            index=j, id=new_call_id(), type="function",
+                            function=DeltaFunctionCall(name=c.name, arguments=c.arguments))
+                            for j, c in enumerate(found)]
+                        reason = "tool_calls" if reason == "stop" else reason
+            if not delta.content and not delta.tool_calls and reason is None and \
+                    not (self.req.logprobs and comp.token_ids):
                 return None
             return chunk(ChatChunkChoice(
-                index=k, delta=DeltaMessage(content=comp.text), finish_reason=reason,
+                index=k, delta=delta, finish_reason=reason,
                 logprobs=self._logprobs(comp.token_ids, comp.logprobs),
                 stop_reason=comp.stop_reason if reason else None,
             ))

@@ -32,6 +32,7 @@ from kvserve.server.protocol import (
 )
 from kvserve.server.state import ServerState
 from kvserve.server.streaming import Update, respond, stream_choices, usage
+from kvserve.server.structured import compile_constraint, output_constraint
 
 
 async def create_completion(req: CompletionRequest, request: Request,
@@ -39,14 +40,18 @@ async def create_completion(req: CompletionRequest, request: Request,
     check_model(req.model, state.settings)
     check_n(req.n, state.settings)
     items = completion_items(req, state.limits, state.settings)
+    constraint = output_constraint(req)
     ticket = state.admit(len(items), req.n)
     try:
+        await compile_constraint(state.engine, constraint)
         prompts = await state.pool.run(tokenize_prompts, items, state.limits)
         check_lengths(prompts, req.max_tokens, state.limits, "prompt", "max_tokens")
         prompt_lp = req.logprobs if req.echo and req.logprobs is not None else None
         params = sampling_params(req, max_tokens=req.max_tokens, max_tokens_param="max_tokens",
                                  logprobs=req.logprobs, prompt_logprobs=prompt_lp,
                                  limits=state.limits)
+        if constraint is not None:
+            params = params.clone(structured_outputs=constraint.params)
         gen = Generation(state, state.new_id("cmpl"), prompts, params, ticket,
                          priority=req.priority, cache_salt=req.cache_salt)
     except BaseException:

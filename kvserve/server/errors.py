@@ -15,6 +15,8 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 INVALID = "invalid_request_error"
 # pydantic puts union-branch tags into error locations ("str", "list[int]", ...): not params.
 _TYPE_TAGS = frozenset({"str", "int", "float", "bool", "none", "dict", "list"})
+# ... and the chat messages' discriminator values (messages.0.tool.tool_call_id): not params.
+_ROLE_TAGS = frozenset({"system", "developer", "user", "assistant", "tool"})
 _SURROGATES = re.compile("[\ud800-\udfff]")
 
 
@@ -69,7 +71,8 @@ def loc_to_param(loc: Sequence[str | int]) -> str | None:
     for p in parts:
         if isinstance(p, int):
             out += f"[{p}]"
-        elif p in _TYPE_TAGS or not p.replace("_", "").isalnum():
+        elif p in _TYPE_TAGS or not p.replace("_", "").isalnum() or p[0].isupper() or (
+                p in _ROLE_TAGS and out.endswith("]")):  # union tags (class names, roles)
             continue
         else:
             out += f".{p}" if out else p

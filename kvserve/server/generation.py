@@ -285,9 +285,10 @@ class Generation:
         return c.output() if c is not None else None
 
     def finish_reason(self, comp: CompletionOutput | None) -> str | None:
-        """OpenAI's reason: a deadline cut is "length"; a forced shutdown's cut is "abort"."""
+        """OpenAI's reason: a deadline cut is "length"; a forced shutdown's cut is "abort"; a
+        structured output's grammar that allowed no next token is "grammar_dead_end"."""
         reason = comp.finish_reason if comp is not None else None
-        if reason in ("stop", "length"):
+        if reason in ("stop", "length", "grammar_dead_end"):
             return reason
         if self.aborted:
             return "abort"
@@ -344,7 +345,7 @@ class Generation:
             for c in range(self.params.n):
                 choice = self.choices[i].get(c)
                 reason = choice.finish_reason if choice is not None else None
-                if reason not in ("stop", "length"):
+                if reason not in ("stop", "length", "grammar_dead_end"):
                     reason = "timeout" if self.timed_out else "abort"
                 metrics.finished.labels(reason).inc()
         if any(self.choices):

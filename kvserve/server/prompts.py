@@ -10,15 +10,18 @@ its own tokenizer copy (``tokenize_prompts``, ``tokenize_chat``). Text longer th
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 
 from kvserve.sampling_params import RequestOutputKind, SamplingParams
 from kvserve.server.errors import APIError, bad_request
 from kvserve.server.protocol import (
     MAX_STOP_SEQUENCES,
+    AssistantMessageIn,
     ChatCompletionRequest,
     CompletionRequest,
     SamplingRequest,
+    ToolMessage,
 )
 from kvserve.server.settings import ServerSettings
 
@@ -143,10 +146,18 @@ def chat_conversation(req: ChatCompletionRequest, tokenizer, limits: Limits) -> 
     conversation, chars = [], 0
     for i, m in enumerate(req.messages):
         role = "system" if m.role == "developer" else m.role
-        msg = {"role": role, "content": _message_text(m.content, i)}
+        msg: dict = {"role": role, "content": _message_text(m.content, i)}
         chars += len(msg["content"])
         if m.name is not None:
             msg["name"] = m.name
+        if isinstance(m, ToolMessage):
+            msg["tool_call_id"] = m.tool_call_id
+        elif isinstance(m, AssistantMessageIn) and m.tool_calls:
+            # as transformers' templates take them: arguments as a mapping
+            msg["tool_calls"] = [{"id": c.id, "type": "function", "function": {
+                "name": c.function.name, "arguments": json.loads(c.function.arguments)}}
+                for c in m.tool_calls]
+            chars += sum(len(c.function.arguments) for c in m.tool_calls)
         conversation.append(msg)
     if chars > limits.max_prompt_chars:
         raise _too_long("messages", f"{chars} characters", limits)
@@ -154,10 +165,11 @@ def chat_conversation(req: ChatCompletionRequest, tokenizer, limits: Limits) -> 
 
 
 def tokenize_chat(tokenizer, conversation: list[dict], add_generation_prompt: bool,
-                  limits: Limits) -> Prompt:
-    """Worker-thread side of ``chat_conversation``: the chat template, then token ids."""
+                  limits: Limits, tools: list[dict] | None = None) -> Prompt:
+    """Worker-thread side of ``chat_conversation``: the chat template (given the tools, as
+    transformers passes them), then token ids."""
     try:
-        ids = tokenizer.apply_chat_template(conversation, tokenize=True,
+        ids = tokenizer.apply_chat_template(conversation, tools=tools, tokenize=True,
                                             add_generation_prompt=add_generation_prompt)
     except Exception as e:  # noqa: BLE001 - jinja templates raise anything on bad input
         raise bad_request(f"messages could not be rendered with the chat template: {e}",

@@ -68,6 +68,40 @@ class StreamOptions(_Request):
     include_usage: bool = False
 
 
+ToolName = Annotated[str, Field(pattern=r"^[a-zA-Z0-9_-]{1,64}$")]
+JsonSchema = dict[str, Any]
+
+
+class JSONSchemaFormat(_Request):
+    name: ToolName = Field(..., description="The schema's name (letters, digits, _ and -).")
+    description: Text | None = None
+    schema_: JsonSchema = Field(..., alias="schema", description="A JSON schema.")
+    strict: bool | None = Field(None, description="Accepted; the output always follows the "
+                                                  "schema.")
+    model_config = ConfigDict(extra="ignore", allow_inf_nan=False, strict=True,
+                              populate_by_name=True)
+
+
+class ResponseFormat(_Request):
+    """``{"type": "text"}``, ``{"type": "json_object"}`` or ``{"type": "json_schema",
+    "json_schema": {"name", "schema", "strict"}}`` (the latter requires ``json_schema``)."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JSONSchemaFormat | None = None
+
+
+class StructuredOutputsRequest(_Request):
+    """kvserve (vLLM's ``structured_outputs``): exactly one of these."""
+
+    json_: JsonSchema | Text | None = Field(None, alias="json", description="A JSON schema.")
+    json_object: bool | None = None
+    regex: Text | None = Field(None, min_length=1)
+    choice: list[Text] | None = Field(None, min_length=1)
+    grammar: Text | None = Field(None, min_length=1, description="Lark, or GBNF (::=).")
+    model_config = ConfigDict(extra="ignore", allow_inf_nan=False, strict=True,
+                              populate_by_name=True)
+
+
 class SamplingRequest(_Request):
     """Fields shared by ``/v1/completions`` and ``/v1/chat/completions``."""
 
@@ -101,11 +135,20 @@ class SamplingRequest(_Request):
                                          "priority).")
     cache_salt: Text | None = Field(None, max_length=256,
                                    description="kvserve: isolates prefix-cache sharing.")
+    response_format: ResponseFormat | None = Field(
+        None, description="Constrain the output to JSON (docs/structured-outputs.md).")
+    structured_outputs: StructuredOutputsRequest | None = Field(
+        None, description="kvserve (as vLLM): json / json_object / regex / choice / grammar.")
+
+
+NonEmptyStr = Annotated[str, Field(min_length=1)]
+TokenIds = Annotated[list[StrictInt], Field(min_length=1)]
 
 
 class CompletionRequest(SamplingRequest):
-    prompt: str | list[str] | list[StrictInt] | list[list[StrictInt]] = Field(
-        ..., description="Text, token ids, or a batch of either (not empty).")
+    prompt: NonEmptyStr | Annotated[list[NonEmptyStr], Field(min_length=1)] | TokenIds | \
+        Annotated[list[TokenIds], Field(min_length=1)] = Field(
+            ..., description="Text, token ids, or a batch of either (nothing empty).")
     max_tokens: int | None = Field(16, ge=1, description="None: up to the context length.")
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     echo: bool = False
@@ -118,7 +161,7 @@ class CompletionRequest(SamplingRequest):
             return handler(value)
         except ValidationError:
             raise ValueError("prompt must be a string, a list of strings, a list of token ids "
-                             "or a list of token-id lists") from None
+                             "or a list of token-id lists, none of them empty") from None
 
 
 def _check_strings(value: Any, param: str) -> None:
@@ -138,14 +181,89 @@ class ContentPart(_Request):
     text: Text | None = None
 
 
-class ChatMessage(_Request):
-    role: Literal["system", "user", "assistant", "tool", "developer"]
-    content: Text | list[ContentPart] | None = None
+Content = Text | list[ContentPart]
+
+
+class _Message(_Request):
+    content: Content | None = None
     name: Text | None = Field(None, max_length=256)
+
+
+class SystemMessage(_Message):
+    role: Literal["system", "developer"]
+
+
+class UserMessage(_Message):
+    role: Literal["user"]
+
+
+class FunctionCall(_Request):
+    name: ToolName
+    arguments: Text = Field(..., description="The arguments as a JSON object's text.")
+
+    @field_validator("arguments")
+    @classmethod
+    def _json_object(cls, value: str) -> str:
+        import json
+
+        try:
+            parsed = json.loads(value)
+        except ValueError:
+            raise ValueError("arguments must be a JSON object's text") from None
+        if not isinstance(parsed, dict):
+            raise ValueError("arguments must be a JSON object's text")
+        return value
+
+
+class ToolCall(_Request):
+    id: Text = Field(..., min_length=1, max_length=256)
+    type: Literal["function"]
+    function: FunctionCall
+
+
+class AssistantMessageIn(_Message):
+    role: Literal["assistant"]
+    tool_calls: list[ToolCall] | None = None
+
+
+class ToolMessage(_Request):
+    role: Literal["tool"]
+    content: Content = Field(..., description="The tool's result.")
+    tool_call_id: Text = Field(..., min_length=1, max_length=256)
+    name: Text | None = Field(None, max_length=256)
+
+
+ChatMessage = Annotated[SystemMessage | UserMessage | AssistantMessageIn | ToolMessage,
+                        Field(discriminator="role")]
+
+
+class FunctionDefinition(_Request):
+    name: ToolName
+    description: Text | None = None
+    parameters: JsonSchema | None = Field(None, description="A JSON schema (an object's).")
+    strict: bool | None = None
+
+
+class ChatTool(_Request):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class NamedFunction(_Request):
+    name: ToolName
+
+
+class NamedToolChoice(_Request):
+    type: Literal["function"]
+    function: NamedFunction
 
 
 class ChatCompletionRequest(SamplingRequest):
     messages: list[ChatMessage] = Field(..., min_length=1)
+    tools: list[ChatTool] | None = Field(None, max_length=128)
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = Field(
+        None, description="Default: auto with tools, none without.")
+    parallel_tool_calls: bool = True
     max_tokens: int | None = Field(None, ge=1, description="Deprecated by OpenAI; "
                                                            "max_completion_tokens wins.")
     max_completion_tokens: int | None = Field(None, ge=1)
@@ -168,7 +286,9 @@ class CompletionLogprobs(_Response):
     text_offset: list[int] = Field(default_factory=list)
 
 
-FinishReason = Literal["stop", "length", "abort"]  # abort: cut by a forced server shutdown
+# abort: cut by a forced server shutdown; grammar_dead_end: a structured output's grammar
+# allowed no next token
+FinishReason = Literal["stop", "length", "abort", "tool_calls", "grammar_dead_end"]
 
 
 class CompletionChoice(_Response):
@@ -203,9 +323,33 @@ class ChoiceLogprobs(_Response):
     refusal: list[TokenLogprob] | None = None
 
 
+class FunctionCallOut(_Response):
+    name: str
+    arguments: str  # JSON text
+
+
+class ToolCallOut(_Response):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCallOut
+
+
 class AssistantMessage(_Response):
     role: Literal["assistant"] = "assistant"
     content: str | None = None
+    tool_calls: list[ToolCallOut] | None = None
+
+
+class DeltaFunctionCall(_Response):
+    name: str | None = None
+    arguments: str | None = None
+
+
+class DeltaToolCall(_Response):
+    index: int
+    id: str | None = None
+    type: Literal["function"] | None = None
+    function: DeltaFunctionCall | None = None
 
 
 class ChatChoice(_Response):
@@ -228,6 +372,7 @@ class ChatCompletionResponse(_Response):
 class DeltaMessage(_Response):
     role: Literal["assistant"] | None = None
     content: str | None = None
+    tool_calls: list[DeltaToolCall] | None = None
 
 
 class ChatChunkChoice(_Response):

@@ -22,6 +22,22 @@ def _no_limit_if_zero(seconds: float) -> float | None:
     return seconds if seconds > 0 else None
 
 
+TOOL_CALL_PARSERS = ("hermes", "llama3_json", "pythonic")  # kvserve.server.tool_parsers
+TEMPLATES_DIR = os.path.join(os.path.dirname(__file__), "templates")
+
+
+def chat_template_path(name: str) -> str:
+    """A chat-template file, or the name of one shipped in kvserve/server/templates."""
+    if os.path.isfile(name):
+        return name
+    shipped = os.path.join(TEMPLATES_DIR, name if name.endswith(".jinja") else f"{name}.jinja")
+    if os.path.isfile(shipped):
+        return shipped
+    names = sorted(f.removesuffix(".jinja") for f in os.listdir(TEMPLATES_DIR))
+    raise ValueError(f"chat_template {name!r} is neither a file nor a shipped template "
+                     f"({', '.join(names)})")
+
+
 @dataclass(frozen=True, slots=True)
 class ServerSettings:
     # the model id in the API; on the command line None derives it from --model
@@ -47,6 +63,20 @@ class ServerSettings:
     access_log: bool = arg(  # one "kvserve.access" log line per HTTP request
         True, "do not log a line per HTTP request (logger kvserve.access; default: one line each)",
         flags=("--no-access-log",), action="store_false", group=SERVER)
+    chat_template: str | None = arg(
+        None, "a Jinja chat template file replacing the model's, or the name of a shipped one "
+        "(hermes_tools: SmolLM2's ChatML with tools; docs/structured-outputs.md)",
+        metavar="FILE", group=SERVER)
+    tool_call_parser: str | None = arg(
+        None, "read tool calls out of answers in this format (needed for tools with "
+        "tool_choice auto / required / named; docs/structured-outputs.md)",
+        choices=list(TOOL_CALL_PARSERS), group=SERVER)
+
+    def chat_template_text(self) -> str | None:
+        if self.chat_template is None:
+            return None
+        with open(chat_template_path(self.chat_template), encoding="utf-8") as f:
+            return f.read()
 
     def __post_init__(self) -> None:
         if not self.served_model_name:
@@ -68,6 +98,11 @@ class ServerSettings:
                              f"{self.tokenizer_workers}")
         if self.max_prompts < 1:
             raise ValueError(f"max_prompts must be >= 1, got {self.max_prompts}")
+        if self.chat_template is not None:
+            chat_template_path(self.chat_template)
+        if self.tool_call_parser is not None and self.tool_call_parser not in TOOL_CALL_PARSERS:
+            raise ValueError(f"tool_call_parser must be one of {', '.join(TOOL_CALL_PARSERS)}, "
+                             f"got {self.tool_call_parser!r}")
 
 
 @dataclass(frozen=True, slots=True)

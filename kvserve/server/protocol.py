@@ -157,6 +157,10 @@ class CompletionRequest(SamplingRequest):
     @classmethod
     def _prompt_shape(cls, value: Any, handler: Any) -> Any:
         _check_strings(value, "prompt")
+        if isinstance(value, list) and len(value) > 1:
+            for i, item in enumerate(value):
+                if isinstance(item, str | list) and not item:
+                    raise ValueError(f"prompt[{i}] must not be empty")
         try:
             return handler(value)
         except ValidationError:

@@ -143,3 +143,33 @@ def test_bf16_dot_kl_tiny(tmp_path):
     assert r["positions"] == 2 * 24 and r["kl_mean"] > 0 and 0 < r["top1_agreement"] <= 1
     assert r["ran"] == ("kernel" if w16.has_bf16_dot(w16.w16_library()) else
                         "twin (this CPU lacks AVX512-BF16)")
+
+
+def test_structured_outputs_tiny(tmp_path):
+    so = _script("structured_outputs")
+    out = tmp_path / "so.json"
+    assert so.main(["--model", "demo", "--batch", "1", "2", "--output-len", "6", "--repeats",
+                    "1", "--compile-repeats", "1", "--kv-cache-memory", "16MiB",
+                    "--json-out", str(out)]) == 0
+    r = json.loads(out.read_text())
+    assert r["schema_fields"] == 20
+    assert [row["batch"] for row in r["results"]] == [1, 2]
+    for row in r["results"]:
+        for mode in ("unconstrained", "json_schema"):
+            assert row[mode]["tokens_per_s"] > 0 and row[mode]["answers"] == row["batch"]
+        assert row["json_schema"]["example"].startswith("{")
+    c = r["compile"]
+    assert c["compile_cold_ms"] > 0 and c["compile_cached_ms"] > 0
+
+
+def test_grammar_backends_tiny(tmp_path):
+    from kvserve.engine.arg_utils import demo_model_path
+
+    gb = _script("grammar_backends")
+    out = tmp_path / "gb.json"
+    gb.main(["--tokenizer", demo_model_path(), "--backend", "llguidance", "--json-out",
+             str(out)])
+    r = json.loads(out.read_text())
+    (res,) = r["results"]
+    assert res["backend"].startswith("llguidance") and res["tokens"] > 50
+    assert res["text_head"].startswith('{"id": 1042, "name": "Ada Lovelace"')

@@ -63,8 +63,8 @@ CASES = [
     # Lone surrogates (JSON "\ud800" escapes) used to be a bare 500 (issue 15, item 2).
     ("surrogate-model", CMPL, b'{"model": "\\ud800", "prompt": "w1"}', "model"),
     ("surrogate-prompt", CMPL, b'{"prompt": "a\\ud800b", "max_tokens": 3}', "prompt"),
-    ("surrogate-prompt-batch", CMPL, b'{"prompt": ["w1", "x\\udfff"]}', "prompt"),
-    ("surrogate-stop", CMPL, b'{"prompt": "w1", "stop": ["\\udc00"]}', "stop"),
+    ("surrogate-prompt-batch", CMPL, b'{"prompt": ["w1", "x\\udfff"]}', "prompt[1]"),
+    ("surrogate-stop", CMPL, b'{"prompt": "w1", "stop": ["\\udc00"]}', "stop[0]"),
     ("surrogate-cache-salt", CMPL, b'{"prompt": "w1", "cache_salt": "\\ud800"}', "cache_salt"),
     ("surrogate-user", CHAT, b'{"messages": [{"role": "user", "content": "w1"}], '
                              b'"user": "\\ud800"}', "user"),

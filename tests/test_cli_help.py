@@ -28,10 +28,13 @@ def _run_help(args: list[str]) -> tuple[float, str]:
 
 
 @pytest.mark.parametrize("args", COMMANDS, ids=lambda a: " ".join(a) or "kvserve")
-def test_help_is_fast(args):
-    elapsed = min(_run_help(args)[0] for _ in range(2))  # the better of two: load noise
+def test_help_prints_usage(args):
+    """Every command's --help runs in a fresh interpreter and prints its usage. How fast is not
+    asserted here (timings live in benchmarks; on a loaded host it is noise): what keeps help
+    fast -- importing nothing heavy -- is the next test."""
+    elapsed, out = _run_help(args)
     print(f"\nkvserve {' '.join(args)} --help: {elapsed * 1000:.0f} ms")
-    assert elapsed < 0.5
+    assert out.startswith("usage: kvserve")
 
 
 def test_help_imports_nothing_heavy():

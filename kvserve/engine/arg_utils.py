@@ -84,7 +84,7 @@ class EngineArgs:
         4.0, "disk KV tier size in GiB (with --kv-offload-dir)", metavar="GIB", type=float)
     kv_offload_queue: int = arg(
         256, "KV tiers: most evicted blocks waiting to be written down (more are dropped)",
-        type=int)
+        metavar="N", type=int)
     # Prefill/decode disaggregation (docs/disaggregation.md): how a prompt's KV moves from a
     # prefill engine to a decode engine; None: this engine neither exports nor imports.
     kv_transfer: str | None = arg(

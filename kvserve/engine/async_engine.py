@@ -81,6 +81,7 @@ class _Add:
     sink: asyncio.Queue
     loop: asyncio.AbstractEventLoop
     ack: asyncio.Future
+    kv: dict  # disaggregation: kv_export / kv_transfer + first_token (LLMEngine.add_request)
 
 
 @dataclass(slots=True)
@@ -167,7 +168,7 @@ class AsyncLLMEngine:
     # ---- requests (event-loop side) -------------------------------------------------------
     async def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams, *,
                           sink: asyncio.Queue, priority: int = 0, cache_salt: str | None = None,
-                          deadline: float | None = None) -> None:
+                          deadline: float | None = None, kv: dict | None = None) -> None:
         """Queue a request; returns once the engine accepted it.
 
         Raises ``ValueError`` (from ``LLMEngine.add_request``) when the engine rejects it, and
@@ -179,7 +180,7 @@ class AsyncLLMEngine:
         with self._lock:  # the engine thread closes under this lock: no add gets lost
             self._check_serving()
             self._commands.put(_Add(request_id, prompt, params, priority, cache_salt,
-                                    deadline, sink, loop, ack))
+                                    deadline, sink, loop, ack, kv or {}))
         await ack
 
     def compile_grammar(self, params) -> None:
@@ -255,7 +256,8 @@ class AsyncLLMEngine:
         else:
             try:
                 self._engine.add_request(cmd.request_id, cmd.prompt, cmd.params,
-                                         priority=cmd.priority, cache_salt=cmd.cache_salt)
+                                         priority=cmd.priority, cache_salt=cmd.cache_salt,
+                                         **cmd.kv)
             except ValueError as e:
                 error = e
         if error is None:

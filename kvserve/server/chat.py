@@ -9,6 +9,7 @@ from fastapi import Request
 from fastapi.responses import Response
 
 from kvserve.outputs import CompletionOutput
+from kvserve.server.disagg import kv_leg
 from kvserve.server.errors import bad_request
 from kvserve.server.generation import Generation
 from kvserve.server.logprobs import chat_logprobs
@@ -71,8 +72,9 @@ async def create_chat_completion(req: ChatCompletionRequest, request: Request,
                                  logprobs=logprobs, prompt_logprobs=None, limits=state.limits)
         if constraint is not None:
             params = params.clone(structured_outputs=constraint.params)
+        params, kv = kv_leg(req.kv_transfer, 1, params, state.settings.role)
         gen = Generation(state, state.new_id("chatcmpl"), [prompt], params, ticket,
-                         priority=req.priority, cache_salt=req.cache_salt)
+                         priority=req.priority, cache_salt=req.cache_salt, kv=kv)
     except BaseException:
         ticket.release()
         raise
@@ -112,9 +114,11 @@ class _ChatView:
                 logprobs=self._logprobs(comp.token_ids, comp.logprobs) if comp else None,
                 finish_reason=reason, stop_reason=comp.stop_reason if comp else None,
             ))
-        return dump(ChatCompletionResponse(id=gen.request_id, created=gen.created,
-                                           model=self.model, choices=choices,
-                                           usage=usage(gen)))
+        d = dump(ChatCompletionResponse(id=gen.request_id, created=gen.created,
+                                        model=self.model, choices=choices, usage=usage(gen)))
+        if gen.kv_result is not None:
+            d["kv_transfer"] = gen.kv_result
+        return d
 
     async def chunks(self, gen: Generation, first: Update | None) -> AsyncIterator[dict]:
         include_usage = bool(self.req.stream_options and self.req.stream_options.include_usage)

@@ -12,6 +12,7 @@ from fastapi import Request
 from fastapi.responses import Response
 
 from kvserve.outputs import CompletionOutput
+from kvserve.server.disagg import kv_leg
 from kvserve.server.generation import Generation
 from kvserve.server.logprobs import TextOffsets, completion_logprobs
 from kvserve.server.prompts import (
@@ -52,8 +53,9 @@ async def create_completion(req: CompletionRequest, request: Request,
                                  limits=state.limits)
         if constraint is not None:
             params = params.clone(structured_outputs=constraint.params)
+        params, kv = kv_leg(req.kv_transfer, len(prompts), params, state.settings.role)
         gen = Generation(state, state.new_id("cmpl"), prompts, params, ticket,
-                         priority=req.priority, cache_salt=req.cache_salt)
+                         priority=req.priority, cache_salt=req.cache_salt, kv=kv)
     except BaseException:
         ticket.release()
         raise
@@ -106,9 +108,11 @@ class _CompletionView:
                     finish_reason=gen.finish_reason(comp),
                     stop_reason=comp.stop_reason if comp else None,
                 ))
-        return dump(CompletionResponse(id=gen.request_id, created=gen.created,
-                                       model=self.model, choices=choices,
-                                       usage=usage(gen)))
+        d = dump(CompletionResponse(id=gen.request_id, created=gen.created,
+                                    model=self.model, choices=choices, usage=usage(gen)))
+        if gen.kv_result is not None:
+            d["kv_transfer"] = gen.kv_result
+        return d
 
     async def chunks(self, gen: Generation, first: Update | None) -> AsyncIterator[dict]:
         include_usage = bool(self.req.stream_options and self.req.stream_options.include_usage)

@@ -28,6 +28,7 @@ from kvserve.engine.async_engine import (
 from kvserve.outputs import CompletionOutput, Logprobs, RequestOutput
 from kvserve.sampling_params import SamplingParams
 from kvserve.server.admission import Ticket
+from kvserve.server.disagg import prefill_result
 from kvserve.server.errors import APIError, bad_request
 from kvserve.server.prompts import Prompt
 from kvserve.server.state import ServerState
@@ -104,8 +105,10 @@ class _Sink(asyncio.Queue):
 class Generation:
     def __init__(self, state: ServerState, request_id: str, prompts: list[Prompt],
                  params: SamplingParams, ticket: Ticket, *, priority: int = 0,
-                 cache_salt: str | None = None) -> None:
+                 cache_salt: str | None = None, kv: dict | None = None) -> None:
         self.state = state
+        self.kv = kv or {}  # disaggregation leg: LLMEngine.add_request's kv_* arguments
+        self.kv_result: dict | None = None  # a prefill leg's handle + first token
         self.request_id = request_id
         self.prompts = prompts
         self.params = params
@@ -176,7 +179,7 @@ class Generation:
             await self.state.engine.add_request(
                 rid, {"prompt_token_ids": prompt.token_ids, "prompt": prompt.text},
                 self.params, sink=self._sink, priority=self.priority,
-                cache_salt=self.cache_salt, deadline=self._deadline)
+                cache_salt=self.cache_salt, deadline=self._deadline, kv=self.kv)
         except Exception as e:  # noqa: BLE001 - every failure is reported through the sink
             self._sink.put_nowait(RequestFailure(rid, e))
 
@@ -250,6 +253,8 @@ class Generation:
             pass
 
     def _accumulate(self, i: int, out: RequestOutput) -> None:
+        if out.kv_transfer is not None:
+            self.kv_result = prefill_result(out)
         if out.prompt_logprobs is not None:
             self.prompt_logprobs[i] = out.prompt_logprobs
         choices = self.choices[i]

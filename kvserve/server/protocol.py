@@ -102,6 +102,21 @@ class StructuredOutputsRequest(_Request):
                               populate_by_name=True)
 
 
+class FirstTokenIn(_Request):
+    id: int = Field(ge=0)
+    logprob: float = 0.0
+    # [[token id, logprob], ...]
+    top_logprobs: list[list[float]] | None = Field(None, max_length=MAX_LOGPROBS + 1)
+
+
+class KVTransferLeg(_Request):
+    """kvserve router -> replica: one leg of a disaggregated request (kvserve/server/disagg.py)."""
+
+    role: Literal["prefill", "decode"]
+    handle: dict[str, Any] | None = None  # kvserve.cache.kv_transfer.TransferHandle.to_dict()
+    first_token: FirstTokenIn | None = None
+
+
 class SamplingRequest(_Request):
     """Fields shared by ``/v1/completions`` and ``/v1/chat/completions``."""
 
@@ -139,6 +154,8 @@ class SamplingRequest(_Request):
         None, description="Constrain the output to JSON (docs/structured-outputs.md).")
     structured_outputs: StructuredOutputsRequest | None = Field(
         None, description="kvserve (as vLLM): json / json_object / regex / choice / grammar.")
+    kv_transfer: KVTransferLeg | None = Field(
+        None, description="kvserve router: a prefill / decode leg (docs/disaggregation.md).")
 
 
 NonEmptyStr = Annotated[str, Field(min_length=1)]

@@ -60,6 +60,10 @@ class ServerSettings:
     tokenizer_workers: int = arg(
         2, "threads that tokenize prompts and render chat templates off the event loop",
         type=int, group=SERVER)
+    # Prefill/decode disaggregation (docs/disaggregation.md): which legs this replica takes.
+    role: str = arg("both", "disaggregation: prefill (prompts, then hands the KV over), decode "
+                    "(continues from a handed-over KV), or both", choices=["both", "prefill",
+                                                                         "decode"], group=SERVER)
     access_log: bool = arg(  # one "kvserve.access" log line per HTTP request
         True, "do not log a line per HTTP request (logger kvserve.access; default: one line each)",
         flags=("--no-access-log",), action="store_false", group=SERVER)
@@ -96,6 +100,8 @@ class ServerSettings:
         if not 1 <= self.tokenizer_workers <= 64:
             raise ValueError(f"tokenizer_workers must be in [1, 64], got "
                              f"{self.tokenizer_workers}")
+        if self.role not in ("both", "prefill", "decode"):
+            raise ValueError(f"role must be both, prefill or decode, got {self.role!r}")
         if self.max_prompts < 1:
             raise ValueError(f"max_prompts must be >= 1, got {self.max_prompts}")
         if self.chat_template is not None:

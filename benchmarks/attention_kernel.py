@@ -25,8 +25,8 @@ import time
 
 import torch
 
+from kvserve.attention.cpu_backend import CpuAttentionBackend
 from kvserve.attention.metadata import AttentionMetadata
-from kvserve.attention.torch_backend import TorchAttentionBackend
 from kvserve.bench.common import env_info, log, write_json
 from kvserve.cache.kv_cache import PagedKVCache
 from kvserve.cbuild import build_source
@@ -104,7 +104,7 @@ def main(argv: list[str] | None = None) -> int:
     for name in a.dtypes.split(","):
         dtype = DTYPES[name]
         kv, meta, q = setup(dtype, a)
-        be = TorchAttentionBackend(kv, a.kv_heads * a.group, a.kv_heads, a.head_dim,
+        be = CpuAttentionBackend(kv, a.kv_heads * a.group, a.kv_heads, a.head_dim,
                                    a.head_dim**-0.5, 4096)
         plan = be._plan(meta).kernel
         out = torch.empty_like(q)

@@ -174,7 +174,7 @@ def run_configs(names: list[str], paths: dict[str, tuple[str, str]], args,
             print(f"  {n:9s} batch {b:3d}: {tok_s:8.2f} tok/s "
                   f"(windows {[round(w, 2) for w in windows[n]]})", flush=True)
     for llm in llms.values():
-        llm.engine.check_no_leaks()
+        llm.engine.debug.check_no_leaks()
     llms.clear()
     gc.collect()
     return out

@@ -174,7 +174,7 @@ def main(argv: list[str] | None = None) -> int:
     if a.json_out:
         with open(a.json_out, "w") as f:
             json.dump(report, f, indent=1)
-    engine.check_no_leaks()
+    engine.debug.check_no_leaks()
     return 0
 
 

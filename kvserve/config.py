@@ -20,9 +20,12 @@ _KV_DTYPES: dict[str, torch.dtype] = {
     "half": torch.float16,
     "fp32": torch.float32,
     "float32": torch.float32,
-    "fp8": torch.float8_e4m3fn,
+    "fp8": torch.float8_e4m3fn,  # = fp8_e4m3_plain
     "fp8_e4m3": torch.float8_e4m3fn,
     "fp8_e5m2": torch.float8_e5m2,
+    "fp8_plain": torch.float8_e4m3fn,
+    "fp8_e4m3_plain": torch.float8_e4m3fn,
+    "fp8_e5m2_plain": torch.float8_e5m2,
     "int8_plain": torch.int8,  # INT8 without the rotation (for comparison)
 }
 _MODEL_DTYPES: dict[str, torch.dtype] = {
@@ -65,9 +68,12 @@ def kv_scale_bytes(kv_dtype: torch.dtype) -> int:
 
 
 # 8-bit modes with the randomized Hadamard rotation of q/k/v (kvserve/quant/rotation.py):
-# name -> storage dtype. ``int8`` is rotated (the recommended 8-bit KV); ``int8_plain`` is not.
+# name -> storage dtype. Canonical 8-bit names say the rotation: ``_rot`` or ``_plain``. The
+# short names keep their old meaning: ``int8`` is rotated (the recommended 8-bit KV), ``fp8``
+# (``fp8_e4m3``, ``fp8_e5m2``) is not.
 _KV_ROTATED: dict[str, torch.dtype] = {
-    "int8": torch.int8,
+    "int8": torch.int8,  # = int8_rot
+    "int8_rot": torch.int8,
     "fp8_rot": torch.float8_e4m3fn,
     "fp8_e4m3_rot": torch.float8_e4m3fn,
     "fp8_e5m2_rot": torch.float8_e5m2,
@@ -191,10 +197,11 @@ class KVMode:
 
     @property
     def name(self) -> str:
-        """Canonical name: ``int8`` (rotated), ``int8_plain``, ``fp8_e4m3_rot``, ``bf16``..."""
-        if self.dtype == torch.int8:
-            return "int8" if self.rotate else "int8_plain"
-        return dtype_name(self.dtype) + ("_rot" if self.rotate else "")
+        """Canonical name; an 8-bit one says its rotation: ``int8_rot``, ``int8_plain``,
+        ``fp8_e4m3_rot``, ``fp8_e4m3_plain``, ...; else ``bf16``, ``fp16``, ``fp32``."""
+        if not self.scaled:
+            return dtype_name(self.dtype)
+        return dtype_name(self.dtype) + ("_rot" if self.rotate else "_plain")
 
 
 def parse_kv_mode(kv_cache_dtype: str) -> KVMode | None:

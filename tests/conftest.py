@@ -158,4 +158,4 @@ def make_llm():
 
     yield make
     for llm in made:
-        llm.engine.check_no_leaks()
+        llm.engine.debug.check_no_leaks()

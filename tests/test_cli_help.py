@@ -93,7 +93,7 @@ def test_every_flag_has_help_and_shows_its_default(monkeypatch):
 
 def test_choices_and_subcommands_are_listed():
     _, serve = _run_help(["serve"])
-    assert "--attention-backend {auto,torch,triton,mla_torch,mla_triton}" in serve
+    assert "--attention-backend {auto,cpu,torch,triton,mla_torch,mla_triton}" in serve
     assert "(default: 8000)" in serve and "(default: 64)" in serve
     assert "--no-access-log" in serve and "--tokenizer-workers" in serve
     _, bench = _run_help(["bench"])

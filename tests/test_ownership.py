@@ -1,6 +1,7 @@
 """Who owns what (issue 30), checked on the source so that a change that moves a concept back
 into the wrong module fails here:
 
+- names: KV modes say their rotation; test hooks live behind ``engine.debug``.
 - the step: only the scheduler's apply step (``Scheduler.update_from_output``) advances a
   request (``num_computed_tokens``, appended tokens); only the runner samples.
 """
@@ -84,3 +85,28 @@ def test_only_the_runner_samples():
                    if any(isinstance(n, ast.Name) and n.id in ("Sampler", "SampleRow")
                           for n in ast.walk(tree)))
     assert users == ["engine/model_runner.py", "layers/sampler.py"], users
+
+
+def test_kv_mode_names_say_their_rotation():
+    """8-bit KV modes name their rotation (``_rot`` / ``_plain``); the old short names keep
+    their meaning (``int8`` rotated, ``fp8`` not)."""
+    from kvserve.config import parse_kv_mode
+
+    for old, new in [("int8", "int8_rot"), ("fp8", "fp8_e4m3_plain"),
+                     ("fp8_e4m3", "fp8_e4m3_plain"), ("fp8_e5m2", "fp8_e5m2_plain"),
+                     ("fp8_rot", "fp8_e4m3_rot"), ("int8_plain", "int8_plain")]:
+        assert parse_kv_mode(old) == parse_kv_mode(new)
+        assert parse_kv_mode(old).name == new
+        assert parse_kv_mode(new).rotate == new.endswith("_rot")
+    assert parse_kv_mode("bf16").name == "bf16"
+
+
+def test_test_hooks_live_behind_engine_debug():
+    """Fault injection, leak checks and the schedule observer are not the engine's API."""
+    from kvserve.engine.llm_engine import LLMEngine
+
+    for hook in ("inject_kv_fault", "check_no_leaks", "on_schedule", "gather_kv"):
+        assert not hasattr(LLMEngine, hook), hook
+    tree = _sources()["engine/llm_engine.py"]
+    assert "on_schedule" not in {n.attr for n in ast.walk(tree) if isinstance(n, ast.Attribute)
+                                 and isinstance(n.value, ast.Name) and n.value.id == "self"}

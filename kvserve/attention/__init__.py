@@ -11,13 +11,15 @@ from kvserve.cache.kv_cache import PagedKVCache
 __all__ = ["AttentionBackend", "available_backends", "get_backend", "resolve_backend_name"]
 
 _REGISTRY: dict[str, str] = {
-    "torch": "kvserve.attention.torch_backend:TorchAttentionBackend",
+    "cpu": "kvserve.attention.cpu_backend:CpuAttentionBackend",
     "triton": "kvserve.attention.triton_backend:TritonAttentionBackend",
     "mla_torch": "kvserve.attention.mla_torch:MlaTorchAttentionBackend",
     "mla_triton": "kvserve.attention.mla_triton:MlaTritonAttentionBackend",
 }
+# Old names still accepted: "torch" was the CPU backend (it runs the C kernel).
+_ALIASES: dict[str, str] = {"torch": "cpu"}
 # An MLA (latent) cache, components == 1, is served by the MLA member of a backend family.
-_MLA_FAMILY: dict[str, str] = {"torch": "mla_torch", "triton": "mla_triton"}
+_MLA_FAMILY: dict[str, str] = {"cpu": "mla_torch", "triton": "mla_triton"}
 
 
 def available_backends() -> list[str]:
@@ -25,10 +27,11 @@ def available_backends() -> list[str]:
 
 
 def resolve_backend_name(name: str, kv_cache: PagedKVCache) -> str:
-    """``auto`` -> ``triton`` on CUDA, ``torch`` elsewhere; for an MLA cache (components == 1)
-    ``torch`` / ``triton`` -> ``mla_torch`` / ``mla_triton``. Explicit names pass through."""
+    """``auto`` -> ``triton`` on CUDA, ``cpu`` elsewhere; for an MLA cache (components == 1)
+    ``cpu`` / ``triton`` -> ``mla_torch`` / ``mla_triton``. Explicit names pass through."""
+    name = _ALIASES.get(name, name)
     if name == "auto":
-        name = "triton" if kv_cache.data.is_cuda else "torch"
+        name = "triton" if kv_cache.data.is_cuda else "cpu"
     if kv_cache.components == 1:
         name = _MLA_FAMILY.get(name, name)
     return name
@@ -40,7 +43,8 @@ def get_backend(
 ) -> AttentionBackend:
     name = resolve_backend_name(name, kv_cache)
     if name not in _REGISTRY:
-        raise ValueError(f"attention_backend must be one of {available_backends()}, got {name!r}")
+        raise ValueError(f"attention_backend must be one of {available_backends()} (or "
+                         f"{', '.join(_ALIASES)}), got {name!r}")
     module, cls = _REGISTRY[name].split(":")
     backend_cls = getattr(importlib.import_module(module), cls)
     return backend_cls(kv_cache, num_heads, num_kv_heads, head_dim, scale, max_model_len)

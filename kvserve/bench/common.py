@@ -160,7 +160,7 @@ class StepRecorder:
             self._last = (len(out.scheduled), num_running, out.num_batched_tokens,
                           decode and bool(out.scheduled))
 
-        self.engine.on_schedule = on_schedule
+        self.engine.debug.on_schedule = on_schedule
 
     def step(self):
         self._last = None

@@ -186,7 +186,7 @@ def run_quality_many(qc: QualityConfig, candidate_kv_dtypes: list[str]) -> list[
     base_logits = [base_eng.prompt_logits(p + b)[len(p) - 1:len(p + b) - 1]
                    for p, b in zip(prompts, base_out, strict=True)]
     base_desc = _describe(base_eng, model)
-    base_eng.check_no_leaks()
+    base_eng.debug.check_no_leaks()
     del base_eng
     gc.collect()
 
@@ -219,7 +219,7 @@ def run_quality_many(qc: QualityConfig, candidate_kv_dtypes: list[str]) -> list[
             **result,
             "env": env_info(),
         })
-        cand_eng.check_no_leaks()
+        cand_eng.debug.check_no_leaks()
         del cand_eng
         gc.collect()
     return results

@@ -251,7 +251,7 @@ def run_throughput(tc: ThroughputConfig) -> dict[str, Any]:
         peak = max(levels, key=lambda lv: lv["output_tokens_per_s"] or 0.0)
         by_batch = decode_step_times_by_batch(cfg.all_steps)
         try:
-            eng.check_no_leaks()
+            eng.debug.check_no_leaks()
             leak = "ok"
         except Exception as e:  # an engine bug: report it, do not lose the run
             leak = f"error: {e}"
@@ -389,7 +389,7 @@ def summarize(configs: list[_Config], out_configs: list[dict], min_samples: int)
     modes = list(dict.fromkeys(c["kv_integrity"] for c in out_configs))
     s: dict[str, Any] = {}
     bf16 = _find(out_configs, lambda c: c["kv_cache_dtype"] == "bf16")
-    # every 8-bit KV mode (fp8_e4m3, fp8_e4m3_rot, int8, int8_plain...) against BF16; the
+    # every 8-bit KV mode (fp8_e4m3_plain, fp8_e4m3_rot, int8_rot, int8_plain...) against BF16; the
     # top-level ratios are the first one's (the FP8-vs-BF16 figures of earlier runs)
     cands = list(dict.fromkeys(c["kv_cache_dtype"] for c in out_configs
                                if c["kv_cache_dtype"].startswith(("fp8", "int8"))))

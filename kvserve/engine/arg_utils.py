@@ -43,8 +43,9 @@ class EngineArgs:
     tokenizer: str | None = arg(None, "tokenizer folder or hub id (default: the model's)")
     dtype: str = arg("auto", "auto | bf16 | fp16 | fp32")
     kv_cache_dtype: str = arg(
-        "auto", "auto | bf16 | fp16 | fp32 | int8 (rotated; recommended 8-bit) | int8_plain | "
-        "fp8 (=fp8_e4m3) | fp8_rot | fp8_e5m2 | fp8_e5m2_rot")
+        "auto", "auto | bf16 | fp16 | fp32 | int8_rot (=int8, recommended 8-bit) | int8_plain | "
+        "fp8_e4m3_plain (=fp8) | fp8_e4m3_rot (=fp8_rot) | fp8_e5m2_plain | fp8_e5m2_rot "
+        "(_rot: q/k/v rotated)")
     kv_cache_memory: str | int | None = arg(
         None, 'KV byte budget, e.g. "256MiB" (default: a share of free memory)')
     kv_cache_memory_fraction: float = arg(
@@ -101,8 +102,8 @@ class EngineArgs:
         "prefill engine keeps an unconfirmed one)", type=float)
     kv_transfer_max_mib: float = arg(4096.0, "most MiB one transfer may carry", type=float)
     attention_backend: str = arg(
-        "auto", "attention kernels; auto: triton on cuda, torch on cpu",
-        choices=["auto", "torch", "triton", "mla_torch", "mla_triton"])
+        "auto", "attention kernels; auto: triton on cuda, cpu (the C kernel) on cpu; torch = cpu",
+        choices=["auto", "cpu", "torch", "triton", "mla_torch", "mla_triton"])
     device: str = arg("cpu", "cpu | cuda (Triton attention backend)")
     # False: decode steps are replayed from a capture -- CUDA graphs per batch bucket on a GPU
     # (kvserve/engine/cuda_graphs.py), a recorded tape of C kernel calls on CPU

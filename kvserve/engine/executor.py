@@ -28,7 +28,7 @@ Control messages (all rank 0 -> every rank, on the gloo CPU group):
              (replica key, content hash[n]) per rank, compared there (``replica_mismatch``)
     VERIFY   n, block ids[n], generations[n]   then all_reduce(MAX) of the bad mask [n]
     INJECT   target rank, block, layer, kind code, index, bit, other_index
-    DUMP_KV  (tests) gather of every rank's KV bytes to rank 0
+    DUMP_KV  (tests: engine.debug.gather_kv) gather of every rank's KV bytes to rank 0
     TIER_WRITE   n, wait flag, block ids[n], chain hashes[n, 2], token ids[n, bs]: each rank
              copies its slice of the evicted blocks now and queues them for its KV tiers
     TIER_RESTORE n, block ids[n], chain hashes[n, 2], token ids[n, bs]: each rank reads,
@@ -160,7 +160,7 @@ def replica_mismatch(parts: list[torch.Tensor], block_ids: list[int]) -> list[bo
     return bad.tolist()
 
 
-def _kv_bytes(worker: Worker) -> torch.Tensor:
+def kv_bytes(worker: Worker) -> torch.Tensor:
     kv = worker.kv_cache
     parts = [kv.data.reshape(-1).view(torch.uint8)]
     if kv.scales is not None:
@@ -328,7 +328,7 @@ class MultiprocExecutor:
         """Every rank's KV bytes (data, then FP8 scales) as flat uint8 on rank 0 (tests)."""
         self._send(DUMP_KV)
         try:
-            parts = ps.cpu_gather(_kv_bytes(self.driver))
+            parts = ps.cpu_gather(kv_bytes(self.driver))
         except ps.DistributedError as e:
             raise self._failed(e) from e
         assert parts is not None
@@ -473,7 +473,7 @@ def worker_main(args: EngineArgs, rank: int, world_size: int, init_method: str,
                         inject_fault(worker.kv_cache, block, layer, _FAULT_KINDS[k],
                                      index=index, bit=bit, other_index=other)
                 elif kind == DUMP_KV:
-                    ps.cpu_gather(_kv_bytes(worker))
+                    ps.cpu_gather(kv_bytes(worker))
                 elif kind == TIER_WRITE and tiers is not None:
                     n, wait = int(x[0]), bool(x[1])
                     ids, items = _tier_items(x[2:], n)

@@ -13,14 +13,13 @@ sizing, wiring) is ``kvserve.engine.builder``.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
 
 import torch
 
 from kvserve.cache.kv_transfer import TransferHandle
 from kvserve.engine.arg_utils import EngineArgs
 from kvserve.engine.builder import build_engine
-from kvserve.engine.executor import MultiprocExecutor
+from kvserve.engine.debug import EngineDebug
 from kvserve.engine.input_processor import PromptType, tokenize_prompt
 from kvserve.engine.output_processor import OutputProcessor
 from kvserve.engine.runner_output import ModelRunnerOutput
@@ -49,7 +48,7 @@ class LLMEngine:
         self.cache_config = self.config.cache
         self.capacity_tokens = self.config.capacity_tokens
         self.fingerprint = self.config.fingerprint
-        self.kv_mode = self.config.kv_mode.name  # int8, int8_plain, fp8_e4m3_rot, bf16, ...
+        self.kv_mode = self.config.kv_mode.name  # int8_rot, int8_plain, fp8_e4m3_plain, bf16, ...
         self.kv_dtype = self.config.kv_mode.dtype
         self.model = self.executor.driver.model  # rank 0's shard under tensor parallelism
         self.kv_cache = self.executor.driver.kv_cache  # rank 0's slice under TP
@@ -59,9 +58,9 @@ class LLMEngine:
                                         self.model_config.eos_token_ids)
         self.counters = {"prompt_tokens": 0, "generation_tokens": 0, "steps": 0,
                          "finished": 0, "aborted": 0}
-        # Benchmarks: called with each non-empty schedule and the running count, before the
-        # forward (kvserve.bench.common.StepRecorder).
-        self.on_schedule: Callable[[SchedulerOutput, int], None] | None = None
+        # Test / drill / benchmark hooks (fault injection, leak checks, schedule observer)
+        self.debug = EngineDebug(self.executor, self.pool, self.integrity, self.fingerprint,
+                                 self.output_processor)
 
     def check_health(self) -> None:
         """Raise ``DistributedError`` if a tensor-parallel worker died (no-op otherwise)."""
@@ -182,8 +181,8 @@ class LLMEngine:
         if sched.is_empty:
             self.kv.wait_for_restores()  # nothing to run but restores in flight: no spinning
             return []
-        if self.on_schedule is not None:
-            self.on_schedule(sched, len(self.scheduler.running))
+        if self.debug.on_schedule is not None:
+            self.debug.on_schedule(sched, len(self.scheduler.running))
         out = self.runner.execute_model(sched)
         self.counters["steps"] += 1
         sampled = self.scheduler.update_from_output(sched, out, self.output_processor)
@@ -235,27 +234,5 @@ class LLMEngine:
         if self.integrity is not None:
             self.integrity.seconds.clear()
 
-    def inject_kv_fault(self, block_id: int, layer: int = 0, kind: str = "bitflip",
-                        rank: int = 0, **kw) -> None:
-        """Corrupt one KV block on purpose (drills, tests); see IntegrityChecker.inject.
-        ``rank``: the tensor-parallel rank whose slice of the block is corrupted."""
-        from kvserve.cache.integrity import IntegrityChecker
-
-        if rank != 0:
-            if not isinstance(self.executor, MultiprocExecutor):
-                raise ValueError(f"rank {rank}: this engine is not tensor parallel")
-            self.executor.inject(rank, block_id, layer, kind, **kw)
-            return
-        checker = self.integrity or IntegrityChecker(self.kv_cache, self.pool, self.fingerprint,
-                                                     "on")
-        checker.inject(block_id, layer, kind, **kw)
-
     def num_free_blocks(self) -> int:
         return self.pool.num_free_blocks
-
-    def check_no_leaks(self) -> None:
-        """All blocks back in the pool (none in use) once no request is unfinished."""
-        self.pool.check_invariants()
-        assert not self.has_unfinished_requests(), \
-            f"unfinished requests: {list(self.output_processor.parents)}"
-        assert self.pool.num_used_blocks == 0, f"{self.pool.num_used_blocks} blocks in use"

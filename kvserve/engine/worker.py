@@ -53,7 +53,7 @@ class KVLayout:
     dtype: torch.dtype
     max_model_len: int
     budget_note: str
-    mode_name: str = ""  # canonical KV mode (int8, int8_plain, fp8_e4m3_rot, bf16, ...)
+    mode_name: str = ""  # canonical KV mode (int8_rot, int8_plain, fp8_e4m3_plain, bf16, ...)
     rotation_seed: int | None = None  # rotated modes: the Hadamard rotation's seed
 
 

@@ -1,5 +1,5 @@
 """The C paged-attention kernel (AVX-512, AVX2 and portable jobs) vs its pure-torch twin
-(TorchAttentionBackend with use_kernel=False), over dtypes, shapes and decode / prefill /
+(CpuAttentionBackend with use_kernel=False), over dtypes, shapes and decode / prefill /
 extend rows. The native build runs the best job this CPU has; the ISA variants of the same
 source (kvserve.cbuild.ISA_FLAGS: AVX2, portable, AVX-512, AVX512-BF16) cover the other jobs
 wherever this CPU runs them."""
@@ -9,8 +9,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from kvserve.attention.cpu_backend import CpuAttentionBackend
 from kvserve.attention.metadata import AttentionMetadata
-from kvserve.attention.torch_backend import TorchAttentionBackend
 from kvserve.cache.kv_cache import PagedKVCache
 from kvserve.kernels.cpu import paged_attention as cpu_kernel
 from kvserve.quant import int8
@@ -54,8 +54,8 @@ def _kernel_vs_twin(dtype, hq, hk, d, bs, seq_lens, query_lens):
     kv, perm = _filled_cache(dtype, hk, d, bs)
     meta = _meta(seq_lens, query_lens, perm, bs)
     q = torch.randn(meta.num_tokens, hq, d)
-    fast = TorchAttentionBackend(kv, hq, hk, d, d**-0.5, 1024)
-    twin = TorchAttentionBackend(kv, hq, hk, d, d**-0.5, 1024)
+    fast = CpuAttentionBackend(kv, hq, hk, d, d**-0.5, 1024)
+    twin = CpuAttentionBackend(kv, hq, hk, d, d**-0.5, 1024)
     twin.use_kernel = False
     assert fast.use_kernel
     empty = torch.empty(0, hk, d)
@@ -154,7 +154,7 @@ def test_row_results_do_not_depend_on_tiling(use_build, isa, dtype, hk, g, d):
     kv, perm = _filled_cache(dtype, hk, d, 16)
     meta = _meta([50], [50], perm, 16)
     q = torch.randn(50, hk * g, d)
-    be = TorchAttentionBackend(kv, hk * g, hk, d, d**-0.5, 1024)
+    be = CpuAttentionBackend(kv, hk * g, hk, d, d**-0.5, 1024)
     empty = torch.empty(0, hk, d)
     whole = be.forward(0, q, empty, empty, meta)
     for start, stop in [(0, 7), (7, 30), (30, 49), (49, 50)]:
@@ -237,7 +237,7 @@ def test_rotated_backend_kernel_matches_twin(dtype, seed):
     for use_kernel in (True, False):
         kv = PagedKVCache(1, 12, bs, hk, d, 2, dtype, rotation_seed=seed)
         kv.use_kernel = use_kernel
-        be = TorchAttentionBackend(kv, hq, hk, d, d**-0.5, 1024)
+        be = CpuAttentionBackend(kv, hq, hk, d, d**-0.5, 1024)
         be.use_kernel = use_kernel
         perm = list(range(12))
         meta = _meta([40, 7], [40, 7], perm, bs)
@@ -261,7 +261,7 @@ def test_decode_row_alone_equals_row_in_batch():
     lens = [33, 5, 70, 16, 1, 47, 90, 12]
     meta = _meta(lens, [1] * len(lens), perm, 16)
     q = torch.randn(len(lens), 8, 64)
-    be = TorchAttentionBackend(kv, 8, 2, 64, 0.125, 1024)
+    be = CpuAttentionBackend(kv, 8, 2, 64, 0.125, 1024)
     empty = torch.empty(0, 2, 64)
     batch = be.forward(0, q, empty, empty, meta)
     for i in range(len(lens)):

@@ -97,7 +97,7 @@ def test_quality_fp8_candidate_differs_a_little(tiny_llama, tmp_path):
                                   num_prompts=4, gen_len=32, ppl_max_tokens=512,
                                   progress=False))
     assert r["text_source"]["kind"] == "file"
-    assert r["candidate"]["kv_cache_dtype"] == "fp8_e4m3"
+    assert r["candidate"]["kv_cache_dtype"] == "fp8_e4m3_plain"
     assert 0.0 < r["kl_mean"] < 0.1
     assert 0.9 < r["perplexity_ratio"] < 1.1
     gaps = r["baseline_top2_gap"]
@@ -116,7 +116,7 @@ def test_throughput_two_levels_bf16_fp8(hd64, tmp_path):
     assert rc == 0
     r = json.loads(out.read_text())
     assert png.stat().st_size > 1000 and png.read_bytes()[:4] == b"\x89PNG"
-    assert [c["kv_cache_dtype"] for c in r["configs"]] == ["bf16", "fp8_e4m3"]
+    assert [c["kv_cache_dtype"] for c in r["configs"]] == ["bf16", "fp8_e4m3_plain"]
     for cfg in r["configs"]:
         assert cfg["kv_bytes_per_token"] > 0 and cfg["capacity_tokens"] > 0
         assert cfg["leak_check"] == "ok"
@@ -148,8 +148,8 @@ def test_integrity_alias_overheads(tiny_llama, tmp_path):
     assert rc == 0
     r = json.loads(out.read_text())
     assert r["command"] == "integrity"
-    assert [c["name"] for c in r["configs"]] == ["fp8_e4m3/off", "fp8_e4m3/on"]
-    ov = r["summary"]["integrity_overhead"]["fp8_e4m3"]["on"]
+    assert [c["name"] for c in r["configs"]] == ["fp8_e4m3_plain/off", "fp8_e4m3_plain/on"]
+    ov = r["summary"]["integrity_overhead"]["fp8_e4m3_plain"]["on"]
     assert set(ov["by_concurrency"]) == {"2"}
     # input 16 = one full block per request: sealed (and timed) in the measured runs
     assert ov["seconds_by_kind"]["seal"] > 0 and 0 < ov["time_fraction"] < 1

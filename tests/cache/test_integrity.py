@@ -106,7 +106,7 @@ def test_fault_in_cached_prefix_detected_and_repaired(tiny_llama, make_llm, clea
         if i == j or w[i] == w[j]:
             return
         index = i
-    eng.inject_kv_fault(block, layer, kind, index=index, bit=bit, other_index=other)
+    eng.debug.inject_kv_fault(block, layer, kind, index=index, bit=bit, other_index=other)
     fails_before = sum(eng.integrity.failures.values())
     assert _run(llm, [PREFIX + TAILS[1]]) == clean[kv][1:]
     assert sum(eng.integrity.failures.values()) == fails_before + 1
@@ -120,7 +120,7 @@ def test_fault_in_running_request_repaired_in_paranoid_mode(tiny_llama, make_llm
     eng.add_request("r", _p(PREFIX + TAILS[0]), GREEDY)
     req = eng.output_processor.parents["r"].children[0]
     eng.step()  # prefill: blocks 0 and 1 sealed
-    eng.inject_kv_fault(eng.kv.get_block_ids(req)[1], 1, "bitflip", index=100, bit=6)
+    eng.debug.inject_kv_fault(eng.kv.get_block_ids(req)[1], 1, "bitflip", index=100, bit=6)
     final = None
     while eng.has_unfinished_requests():
         for out in eng.step():
@@ -137,7 +137,7 @@ def test_scrubber_finds_fault_in_idle_cached_block(tiny_llama, make_llm, clean):
     eng = llm.engine
     _run(llm, [PREFIX + TAILS[0]])
     block = _cached_prefix_blocks(eng)[0]
-    eng.inject_kv_fault(block, 0, "bitflip", index=7, bit=1)
+    eng.debug.inject_kv_fault(block, 0, "bitflip", index=7, bit=1)
     _run(llm, [[1, 2, 3, 4]] * 4)  # unrelated traffic: the scrubber cycles through sealed blocks
     assert eng.integrity.failures["scrub"] == 1
     assert eng.pool.blocks[block].quarantined

@@ -122,7 +122,7 @@ def test_restored_equals_recomputed(mode, tiny_bf16, cold, tmp_path):
         assert all(not t["rejected"] for t in st.values())
         assert _same_block_bytes(cold_llm, installed) > 0
         assert llm.engine.kv.num_restored_tokens > 0
-        llm.engine.check_no_leaks()
+        llm.engine.debug.check_no_leaks()
     finally:
         llm.engine.shutdown()
 

@@ -72,7 +72,7 @@ def _tp_tiers(path: str, directory: str) -> dict:
         res["damaged"] = run(llm)
         res["damaged_restored"] = llm.engine.kv.num_restored_tokens
         res["damaged_rank0_hits"] = llm.engine.stats().kv_tiers["tiers"]["disk"]["hits"]
-        llm.engine.check_no_leaks()
+        llm.engine.debug.check_no_leaks()
     finally:
         llm.engine.shutdown()
     return res

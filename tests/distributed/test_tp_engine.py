@@ -47,7 +47,7 @@ def _engine_outputs(path: str, kw: dict) -> dict:
             r["logprobs"] = [sorted(d.items()) for d in outs[0].outputs[0].logprobs]
             r["prompt_logprobs"] = [None if d is None else sorted(d.items())
                                     for d in outs[0].prompt_logprobs]
-            llm.engine.check_no_leaks()
+            llm.engine.debug.check_no_leaks()
         finally:
             llm.engine.shutdown()
         res[tp] = r
@@ -129,7 +129,7 @@ def _fp8_caches(path: str) -> dict:
                 ranks = [torch.cat([kv.data.reshape(-1).view(torch.uint8),
                                     kv.scales.reshape(-1).view(torch.uint8)])]
             else:
-                ranks = llm.engine.executor.gather_kv()
+                ranks = llm.engine.debug.gather_kv()
             res[tp] = {"tokens": [o.outputs[0].token_ids for o in outs], "ranks": ranks,
                        "shape": shape}
         finally:
@@ -179,7 +179,7 @@ def _scheduling(path: str) -> dict:
             res[tp] = {"tokens": [o.outputs[0].token_ids for o in outs],
                        "cached": [o.num_cached_tokens for o in outs],
                        "preempted": llm.engine.scheduler.num_preemptions}
-            llm.engine.check_no_leaks()
+            llm.engine.debug.check_no_leaks()
         finally:
             llm.engine.shutdown()
     return res
@@ -205,10 +205,10 @@ def _drill(path: str) -> dict:
     try:
         clean = llm.generate(prompt, sp)[0].outputs[0].token_ids
         block = sorted(llm.engine.integrity.seals)[0]  # the shared prefix's first block
-        llm.engine.inject_kv_fault(block, layer=1, kind="bitflip", rank=1, index=5, bit=3)
+        llm.engine.debug.inject_kv_fault(block, layer=1, kind="bitflip", rank=1, index=5, bit=3)
         again = llm.generate(prompt, sp)[0]
         stats = llm.engine.integrity.stats()
-        llm.engine.check_no_leaks()
+        llm.engine.debug.check_no_leaks()
     finally:
         llm.engine.shutdown()
     return {"clean": clean, "again": again.outputs[0].token_ids, "stats": stats,
@@ -249,14 +249,14 @@ def _replica_drill(path: str) -> dict:
         assert req.num_computed_tokens == 20
         block = engine.kv.get_block_ids(req)[1]
         row = engine.kv_cache.data[1, block, 0, 0].numel() * engine.kv_cache.data.element_size()
-        engine.inject_kv_fault(block, layer=1, kind="bitflip", rank=1, index=row, bit=0)
+        engine.debug.inject_kv_fault(block, layer=1, kind="bitflip", rank=1, index=row, bit=0)
         out = None
         while engine.has_unfinished_requests():
             for o in engine.step():
                 if o.finished:
                     out = o.outputs[0].token_ids
         stats = engine.integrity.stats()
-        engine.check_no_leaks()
+        engine.debug.check_no_leaks()
     finally:
         llm.engine.shutdown()
     return {"clean": clean, "again": out, "stats": stats, "replica": engine.executor.driver

@@ -91,7 +91,7 @@ def _pd(pre, dec, prompts, sp=SP) -> list:
 
 def _no_leaks(*engines: LLMEngine) -> None:
     for e in engines:
-        e.check_no_leaks()
+        e.debug.check_no_leaks()
         assert e.kv.transfer.transport.outstanding() == 0
 
 
@@ -239,13 +239,13 @@ def test_prefill_gone_falls_back(tiny_bf16, colocated, tmp_path, transport):
     prompts = _prompts()
     try:
         pre_out = _prefill(pre, prompts)
-        pre.check_no_leaks()
+        pre.debug.check_no_leaks()
         pre.shutdown()  # dir: deletes its files; zmq: the socket is gone
         assert _decode(dec, prompts, pre_out) == colocated("bf16")
         st = dec.stats().kv_transfer
         assert sum(st["fallbacks"].values()) == 4 and st["blocks_installed"] == 0
         assert set(st["fallbacks"]) <= {"timeout", "unknown_transfer"}
-        dec.check_no_leaks()
+        dec.debug.check_no_leaks()
     finally:
         dec.shutdown()
 

@@ -68,8 +68,8 @@ def test_fingerprint_binds_mode_and_rotation_seed(tiny_llama, make_llm):
                        ("fp8_rot", 0), ("bf16", 0)]:
         llm = make_llm(tiny_llama, dtype="float32", kv_cache_dtype=mode, kv_rotation_seed=seed)
         fps[(mode, seed)] = llm.engine.fingerprint
-        assert llm.engine.kv_mode == {"fp8": "fp8_e4m3", "fp8_rot": "fp8_e4m3_rot"}.get(mode,
-                                                                                       mode)
+        assert llm.engine.kv_mode == {"fp8": "fp8_e4m3_plain", "fp8_rot": "fp8_e4m3_rot",
+                                      "int8": "int8_rot"}.get(mode, mode)
     assert len(set(fps.values())) == len(fps)
     again = make_llm(tiny_llama, dtype="float32", kv_cache_dtype="int8", kv_rotation_seed=1)
     assert again.engine.fingerprint == fps[("int8", 1)]

@@ -107,4 +107,4 @@ def test_engine_deltas_add_up_to_generate():
         assert "".join(c.text for c in parts) == comp.text
         assert parts[-1].finish_reason == comp.finish_reason
         assert parts[-1].stop_reason == comp.stop_reason
-    eng.check_no_leaks()
+    eng.debug.check_no_leaks()

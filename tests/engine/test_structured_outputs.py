@@ -44,7 +44,7 @@ def llm():
 
     engine = LLM(demo_model(), kv_cache_memory="16MiB", progress=False)
     yield engine
-    engine.engine.check_no_leaks()
+    engine.engine.debug.check_no_leaks()
 
 
 def _texts(outs) -> list[str]:

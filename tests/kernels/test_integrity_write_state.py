@@ -155,7 +155,7 @@ def test_engine_triton_seals_from_write_state(tiny_llama, make_llm, kv):
     req = eng.output_processor.parents["r1"].children[0]
     victim = eng.kv.get_block_ids(req)[1]
     assert eng.integrity.is_sealed(victim)
-    eng.inject_kv_fault(victim, 1, "bitflip", index=40, bit=6)
+    eng.debug.inject_kv_fault(victim, 1, "bitflip", index=40, bit=6)
     final, steps = {}, 0
     while eng.has_unfinished_requests():
         steps += 1

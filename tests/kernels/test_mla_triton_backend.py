@@ -90,7 +90,8 @@ def test_mla_backend_family_resolution():
     assert resolve_backend_name("torch", mla) == "mla_torch"
     assert resolve_backend_name("triton", mla) == "mla_triton"
     assert resolve_backend_name("mla_triton", mla) == "mla_triton"
-    assert resolve_backend_name("auto", gqa) == "torch"
+    assert resolve_backend_name("auto", gqa) == "cpu"
+    assert resolve_backend_name("torch", gqa) == "cpu"  # the old name, still accepted
     assert resolve_backend_name("triton", gqa) == "triton"
     if torch.cuda.is_available():
         cuda = PagedKVCache(1, 2, BS, 1, R + DR, 1, torch.bfloat16, "cuda")

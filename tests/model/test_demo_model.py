@@ -21,7 +21,7 @@ def _run() -> list[str]:
     llm = LLM("demo", kv_cache_memory="32MiB", progress=False)  # the built-in demo model
     assert llm.engine.model_config.path == demo_model_path()
     outs = llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=32, min_tokens=12))
-    llm.engine.check_no_leaks()
+    llm.engine.debug.check_no_leaks()
     return [o.outputs[0].text for o in outs]
 
 
@@ -39,4 +39,4 @@ def test_demo_model_chat_template_works():
     out = llm.chat([{"role": "user", "content": "What is a tuple?"}],
                    SamplingParams(temperature=0, max_tokens=24))
     assert out[0].outputs[0].token_ids
-    llm.engine.check_no_leaks()
+    llm.engine.debug.check_no_leaks()

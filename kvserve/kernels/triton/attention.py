@@ -21,7 +21,8 @@ their FP8 code values (exactly representable in bf16/fp16) inside the dots::
 
 (with an fp16 model, p * v_scale could fall into fp16's subnormals, so there the V tile is
 dequantised instead: acc[h] += sum_n p[h, n] * (v8[n, :] * v_scale[n])). INT8 takes the same
-path (``IS_FP8`` means "scaled"): its codes, integers in [-127, 127], are exact in bf16/fp16;
+path (``IS_SCALED``: FP8 or INT8, stored with per-row scales): its codes, integers in
+[-127, 127], are exact in bf16/fp16;
 its scales are 1-byte codes e read as ``2^(e/8)`` (``LOG8_SCALES``, kvserve/quant/int8.py).
 
 Softmax runs online in base 2 (``exp2``; scores pre-multiplied by log2(e)), with the usual
@@ -97,7 +98,7 @@ def _strides(t: torch.Tensor, *dims: int) -> tuple[int, ...]:
 
 def _kv_flags(kv_data: torch.Tensor, dot_dtype: tl.dtype) -> dict[str, object]:
     """The constexprs every attention kernel takes about the cache's storage and its dots."""
-    return {"IS_FP8": ref.is_scaled(kv_data.dtype), "LOG8_SCALES": kv_data.dtype == torch.int8,
+    return {"IS_SCALED": ref.is_scaled(kv_data.dtype), "LOG8_SCALES": kv_data.dtype == torch.int8,
             "DOT_DTYPE": dot_dtype, "PRECISION": "ieee" if dot_dtype == tl.float32 else "tf32"}
 
 
@@ -182,7 +183,7 @@ def _split_result(acc, m_i, l_i):
 def _attend_kv_tile(
     q, m_i, l_i, acc, kv_head, sc_head, BT_row, offs_n, mask_n, keep, offs_d, mask_d, qk_scale,
     stride_kvb, stride_kvc, stride_kvt, stride_scb, stride_scc, stride_sct,
-    BLOCK_SIZE: tl.constexpr, IS_FP8: tl.constexpr, LOG8_SCALES: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr, IS_SCALED: tl.constexpr, LOG8_SCALES: tl.constexpr,
     DEQUANT_V: tl.constexpr, DOT_DTYPE: tl.constexpr, PRECISION: tl.constexpr,
 ):
     """The K/V loop body of decode and prefill: q [M, D] against the BLOCK_N positions
@@ -194,13 +195,13 @@ def _attend_kv_tile(
     kv_mask = mask_n[:, None] & mask_d[None, :]
     k = tl.load(kv_head + row[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
     s = tl.dot(q, tl.trans(k.to(DOT_DTYPE)), input_precision=PRECISION)
-    if IS_FP8:
+    if IS_SCALED:
         k_sc = _scale(tl.load(sc_head + srow, mask=mask_n, other=0), LOG8_SCALES)
         s = s * k_sc[None, :]
     s = tl.where(keep, s * qk_scale, float("-inf"))  # [M, BLOCK_N]
     p, alpha, m_new, l_i = _online_softmax(s, m_i, l_i)
     v = tl.load(kv_head + stride_kvc + row[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
-    if IS_FP8:
+    if IS_SCALED:
         v_sc = _scale(tl.load(sc_head + stride_scc + srow, mask=mask_n, other=0), LOG8_SCALES)
         if DEQUANT_V:
             # fp16 would flush p * scale (scales reach 1e-8) into its subnormals:
@@ -231,7 +232,7 @@ def _decode_split_kernel(
     stride_scc, stride_sct, stride_sch, stride_btb, stride_mob, stride_moh, stride_mos,
     stride_mlb, stride_mlh, tokens_per_split, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
-    BLOCK_N: tl.constexpr, IS_FP8: tl.constexpr,
+    BLOCK_N: tl.constexpr, IS_SCALED: tl.constexpr,
     LOG8_SCALES: tl.constexpr,  # INT8 cache: scales are 1-byte codes e, 2^(e/8)
     DEQUANT_V: tl.constexpr,  # FP8 cache, fp16 model: scale the V rows, not p
     DOT_DTYPE: tl.constexpr, PRECISION: tl.constexpr,
@@ -255,7 +256,7 @@ def _decode_split_kernel(
         m_i, l_i, acc = _attend_kv_tile(
             q, m_i, l_i, acc, kv_head, sc_head, BT_row, offs_n, mask_n, mask_n[None, :], offs_d,
             mask_d, qk_scale, stride_kvb, stride_kvc, stride_kvt, stride_scb, stride_scc,
-            stride_sct, BLOCK_SIZE, IS_FP8, LOG8_SCALES, DEQUANT_V, DOT_DTYPE, PRECISION,
+            stride_sct, BLOCK_SIZE, IS_SCALED, LOG8_SCALES, DEQUANT_V, DOT_DTYPE, PRECISION,
         )
 
     out, lse = _split_result(acc, m_i, l_i)  # lse -inf for every row when the split is empty
@@ -442,7 +443,7 @@ def _prefill_kernel(
     qk_scale, stride_qt, stride_qh, stride_kvb, stride_kvc, stride_kvt, stride_kvh, stride_scb,
     stride_scc, stride_sct, stride_sch, stride_btb, stride_ot, stride_oh, GROUP: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr,
-    BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, IS_FP8: tl.constexpr,
+    BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, IS_SCALED: tl.constexpr,
     LOG8_SCALES: tl.constexpr,  # INT8 cache: scales are 1-byte codes e, 2^(e/8)
     DEQUANT_V: tl.constexpr,  # FP8 cache, fp16 model: scale the V rows, not p
     DOT_DTYPE: tl.constexpr, PRECISION: tl.constexpr,
@@ -485,7 +486,7 @@ def _prefill_kernel(
         m_i, l_i, acc = _attend_kv_tile(
             q, m_i, l_i, acc, kv_head, sc_head, BT_row, offs_n, mask_n, keep, offs_d, mask_d,
             qk_scale, stride_kvb, stride_kvc, stride_kvt, stride_scb, stride_scc, stride_sct,
-            BLOCK_SIZE, IS_FP8, LOG8_SCALES, DEQUANT_V, DOT_DTYPE, PRECISION,
+            BLOCK_SIZE, IS_SCALED, LOG8_SCALES, DEQUANT_V, DOT_DTYPE, PRECISION,
         )
 
     out = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
@@ -553,7 +554,7 @@ def _mla_split_kernel(
     stride_scb, stride_sct, stride_btb, stride_mob, stride_moh, stride_mos, stride_mlb,
     stride_mlh, tokens_per_split, NUM_HEADS: tl.constexpr, LORA: tl.constexpr,
     ROPE: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_L: tl.constexpr,
-    BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr, IS_FP8: tl.constexpr,
+    BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr, IS_SCALED: tl.constexpr,
     LOG8_SCALES: tl.constexpr,  # INT8 cache: scales are 1-byte codes e, 2^(e/8)
     DOT_DTYPE: tl.constexpr, PRECISION: tl.constexpr,
 ):
@@ -601,12 +602,12 @@ def _mla_split_kernel(
         c = c.to(DOT_DTYPE)  # [BLOCK_N, BLOCK_L]
         s = tl.dot(qn, tl.trans(c), input_precision=PRECISION)
         s += tl.dot(qr, tl.trans(r.to(DOT_DTYPE)), input_precision=PRECISION)
-        if IS_FP8:
+        if IS_SCALED:
             sc = _scale(tl.load(SC + srow, mask=mask_n, other=0), LOG8_SCALES)
             s = s * sc[None, :]
         s = tl.where(mask_n[None, :], s * qk_scale, float("-inf"))
         p, alpha, m_i, l_i = _online_softmax(s, m_i, l_i)
-        if IS_FP8:
+        if IS_SCALED:
             p = p * sc[None, :]  # one scale per row covers c_kv and k_rope alike
         acc = acc * alpha[:, None] + tl.dot(p.to(DOT_DTYPE), c, input_precision=PRECISION)
 

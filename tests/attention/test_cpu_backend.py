@@ -6,8 +6,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from kvserve.attention.cpu_backend import CpuAttentionBackend
 from kvserve.attention.metadata import AttentionMetadata
-from kvserve.attention.torch_backend import TorchAttentionBackend
 from kvserve.cache.kv_cache import PagedKVCache
 from kvserve.quant import fp8
 
@@ -35,7 +35,7 @@ def test_mixed_batch_matches_dense(dtype, hq, hk, d, bs):
         used += nb
     layer = 1
     # Pre-fill each sequence's context (all but this step's tokens) straight into the cache.
-    be = TorchAttentionBackend(kv, hq, hk, d, d**-0.5, 256)
+    be = CpuAttentionBackend(kv, hq, hk, d, d**-0.5, 256)
     ks, vs, rows_all = [], [], []
     for b, (n, ql) in enumerate(zip(seq_lens, q_lens, strict=True)):
         k = torch.randn(n, hk, d)

@@ -41,7 +41,7 @@ _WORKSPACE_MIN_TOKENS = 8192
 
 
 @dataclass(frozen=True, slots=True)
-class TorchPlan:
+class CpuPlan:
     """One step's plan: every row through the C kernel (``kernel`` = plan_rows' (row_seq,
     tables, lens)), or the pure-torch decode chunks (tok, block ids, max blocks, pad
     [n, 1, 1, L]) and prefills (start, q_len, seq_len, block ids)."""
@@ -51,8 +51,8 @@ class TorchPlan:
     prefill: list[tuple[int, int, int, torch.Tensor]]
 
 
-class TorchAttentionBackend(BackendBase[TorchPlan]):
-    name = "torch"
+class CpuAttentionBackend(BackendBase[CpuPlan]):
+    name = "cpu"  # "torch" is accepted too (its old name)
 
     def __init__(
         self, kv_cache: PagedKVCache, num_heads: int, num_kv_heads: int, head_dim: int,
@@ -87,15 +87,15 @@ class TorchAttentionBackend(BackendBase[TorchPlan]):
         )
 
     # ---- per-step planning (shared by all layers) -------------------------------------------
-    def _build_plan(self, meta: AttentionMetadata) -> TorchPlan:
+    def _build_plan(self, meta: AttentionMetadata) -> CpuPlan:
         bs, null = self.kv.block_size, self.kv.null_block
         if self.use_kernel:  # every row, in step order: no workspace, padding or gather
-            plan = TorchPlan(plan_rows(meta, bs, null), [], [])
+            plan = CpuPlan(plan_rows(meta, bs, null), [], [])
         else:
             decode = [b for b, q in enumerate(meta.query_lens) if q == 1]
             chunks = [(c.tok, c.block_ids, c.max_blocks, c.pad[:, None, None, :])
                       for c in plan_decode_chunks(meta, decode, bs, null, self.ws_tokens)]
-            plan = TorchPlan(None, chunks, plan_prefills(meta, bs))
+            plan = CpuPlan(None, chunks, plan_prefills(meta, bs))
         return plan
 
     def graph_plan(self, meta: AttentionMetadata, tables: torch.Tensor, seq_lens: torch.Tensor,
@@ -105,7 +105,7 @@ class TorchAttentionBackend(BackendBase[TorchPlan]):
         if not self.use_kernel:
             raise NotImplementedError("the torch backend records graphs only with its C kernel")
         assert tables.dtype == seq_lens.dtype == torch.int64
-        meta.cache[self.name] = TorchPlan((None, tables, seq_lens), [], [])
+        meta.cache[self.name] = CpuPlan((None, tables, seq_lens), [], [])
 
     # ---- forward --------------------------------------------------------------------------
     def forward(

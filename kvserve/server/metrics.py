@@ -75,6 +75,43 @@ class _SnapshotCollector:
             yield fam
         if s.kv_tiers is not None:
             yield from _tier_metrics(s.kv_tiers)
+        if s.kv_transfer is not None:
+            yield from _transfer_metrics(s.kv_transfer)
+
+
+def _transfer_metrics(st: dict) -> Iterator[Metric]:
+    """Disaggregation's KV transfer (kvserve/cache/kv_transfer.py ``KVTransfer.stats``)."""
+    for key, doc in (("exported", "Prompt KV transfers offered to a decode replica"),
+                     ("imported", "Prompt KV transfers fetched from a prefill replica"),
+                     ("blocks_installed", "Transferred KV blocks verified and used")):
+        yield CounterMetricFamily(f"kvserve_kv_transfer_{key}", f"{doc}.", value=st.get(key, 0))
+    fam = CounterMetricFamily("kvserve_kv_transfer_bytes", "KV transfer bytes, by direction.",
+                              labels=["direction"])
+    fam.add_metric(["sent"], st.get("bytes_sent", 0))
+    fam.add_metric(["received"], st.get("bytes_received", 0))
+    yield fam
+    for key, doc in (("rejected", "Transferred KV blocks refused by verification (recomputed), "
+                      "by reason"),
+                     ("fallbacks", "Transfers that failed (timeout, unknown, ...): the decode "
+                      "replica prefilled itself, by reason")):
+        fam = CounterMetricFamily(f"kvserve_kv_transfer_{key}", f"{doc}.", labels=["reason"])
+        for reason, n in sorted((st.get(key) or {}).items()):
+            fam.add_metric([reason], n)
+        yield fam
+    yield GaugeMetricFamily("kvserve_kv_transfer_outstanding", "Offered transfers not yet "
+                            "confirmed by a decode replica.", value=st.get("outstanding", 0))
+    yield CounterMetricFamily("kvserve_kv_transfer_expired", "Offered transfers dropped "
+                              "unconfirmed after --kv-transfer-timeout.",
+                              value=st.get("expired", 0))
+    bounds, counts = st.get("latency_buckets", []), st.get("latency_counts", [])
+    if counts:
+        cum, buckets = 0, []
+        for le, n in zip([*map(str, bounds), "+Inf"], counts, strict=True):
+            cum += n
+            buckets.append((le, cum))
+        yield HistogramMetricFamily("kvserve_kv_transfer_seconds", "Time to fetch and verify "
+                                    "a request's transferred KV.", buckets=buckets,
+                                    sum_value=st.get("latency_seconds", 0.0))
 
 
 def _tier_metrics(st: dict) -> Iterator[Metric]:

@@ -5,10 +5,11 @@ answers -- chat and completions, streamed and not, with logprobs and stop string
 from __future__ import annotations
 
 import json
+import time
 
 import pytest
 
-from tests.server.conftest import MODEL_NAME
+from tests.server.conftest import MODEL_NAME, metric
 
 BODIES = {
     "/v1/completions": {"model": MODEL_NAME, "prompt": "The quick brown fox jumps over the "
@@ -81,3 +82,19 @@ def test_legs_equal_colocated(inprocess, tmp_path, path):
         want["choices"][0].get("text") or want["choices"][0]["message"]["content"])
     st = dec.engine.snapshot().kv_transfer
     assert st["blocks_installed"] > 0 and not st["rejected"] and not st["fallbacks"]
+
+    async def scrape(srv):
+        async with srv.client() as c:
+            return (await c.get("/metrics")).text
+
+    text = colo.run(scrape(dec))
+    assert metric(text, "kvserve_kv_transfer_blocks_installed_total") == st["blocks_installed"]
+    assert 'kvserve_kv_transfer_bytes_total{direction="received"}' in text
+    assert "kvserve_kv_transfer_seconds_bucket" in text
+    text = colo.run(scrape(pre))
+    assert metric(text, "kvserve_kv_transfer_exported_total") == 2  # the two legs above
+    deadline = time.monotonic() + 10  # the snapshot is the engine thread's latest
+    while metric(text, "kvserve_kv_transfer_outstanding") and time.monotonic() < deadline:
+        time.sleep(0.1)
+        text = colo.run(scrape(pre))
+    assert metric(text, "kvserve_kv_transfer_outstanding") == 0  # both confirmed

@@ -98,10 +98,21 @@ class RouterState:
         self.ring = HashRing()
         self.metrics = RouterMetrics(self)
         self.pool = ReplicaPool(
-            list(settings.replicas), api_key=settings.replica_api_key or api_key,
+            list(settings.replicas) + list(settings.decode),
+            api_key=settings.replica_api_key or api_key,
             index=self.index, health_interval_s=settings.health_interval,
             health_timeout_s=settings.health_timeout, fail_after=settings.fail_after,
             on_change=self._membership)
+        # Disaggregation (docs/disaggregation.md): prompts run here first, then self.pool
+        # (the decode replicas) continues from their KV.
+        self.prefill_index = PrefixIndex()
+        self.prefill_pool: ReplicaPool | None = None
+        if settings.prefill:
+            self.prefill_pool = ReplicaPool(
+                list(settings.prefill), api_key=settings.replica_api_key or api_key,
+                index=self.prefill_index, health_interval_s=settings.health_interval,
+                health_timeout_s=settings.health_timeout, fail_after=settings.fail_after,
+                prefix="p")
         self.tokenizers = None
         if tokenizer is not None and settings.uses_tokenizer:
             from kvserve.server.workers import TokenizerPool
@@ -123,9 +134,13 @@ class RouterState:
             timeout=httpx.Timeout(None, connect=s.connect_timeout),
             limits=httpx.Limits(max_connections=None, max_keepalive_connections=64))
         await self.pool.start()
+        if self.prefill_pool is not None:
+            await self.prefill_pool.start()
 
     async def stop(self) -> None:
         await self.pool.stop()
+        if self.prefill_pool is not None:
+            await self.prefill_pool.stop()
         if self.client is not None:
             await self.client.aclose()
         if self.tokenizers is not None:
@@ -218,10 +233,12 @@ async def proxy(state: RouterState, request: Request, path: str) -> Response:
     stream = isinstance(payload, dict) and payload.get("stream") is True
     session = request.headers.get(s.session_header)
     matches: dict[str, int] = {}
-    if state.tokenizers is not None and isinstance(payload, dict) and state.index.block_size:
+    split = state.prefill_pool is not None and _splittable(payload)
+    index = state.prefill_index if split else state.index
+    if state.tokenizers is not None and isinstance(payload, dict) and index.block_size:
         ids = await state.tokenizers.run(prompt_token_ids, payload)
         if ids:
-            matches = state.index.match(ids)
+            matches = index.match(ids)
     headers = {k: request.headers[k] for k in _FORWARD_REQ if k in request.headers}
     if session:
         headers[s.session_header] = session
@@ -229,15 +246,24 @@ async def proxy(state: RouterState, request: Request, path: str) -> Response:
     auth = f"Bearer {key}" if key else request.headers.get("authorization")
     if auth:
         headers["authorization"] = auth
+    assert state.client is not None
+    routing = s.routing
+    if state.prefill_pool is not None:
+        leg = await _prefill_leg(state, path, payload, headers, matches) if split else None
+        state.metrics.disaggregated.labels("split" if leg is not None else "whole").inc()
+        if leg is not None:
+            body = json.dumps({**payload, "kv_transfer": {"role": "decode", **leg}}).encode()
+            headers["content-type"] = "application/json"
+        # the decode replica: by KV room and running batch (prefixes matter on prefill)
+        routing, matches, session = "least-loaded", {}, None
     tried: set[str] = set()
     last: tuple[int, bytes, dict[str, str]] | None = None  # a 429 / 503 answer to fall back on
-    assert state.client is not None
     for attempt in range(s.max_attempts):
         cands = [Candidate(r.name, r.load, r.kv_usage) for r in state.pool.healthy()
                  if r.name not in tried]
         if not cands:
             break
-        d = decide(s.routing, cands, session=session, matches=matches, ring=state.ring,
+        d = decide(routing, cands, session=session, matches=matches, ring=state.ring,
                    rr_turn=state.next_turn(), load_factor=s.load_factor,
                    load_cost_tokens=s.prefix_load_cost)
         r = state.pool.replicas[d.replica]
@@ -286,6 +312,64 @@ async def proxy(state: RouterState, request: Request, path: str) -> Response:
     return error_response(503, "no replica is available to serve this request; retry later",
                           type="server_error", code="no_replica_available",
                           headers={"Retry-After": "1"})
+
+
+def _splittable(payload: object) -> bool:
+    """Whether a request can run as a prefill leg + a decode leg: one sequence, more than one
+    token to generate (the replicas check the rest and refuse a leg they cannot take)."""
+    if not isinstance(payload, dict) or "kv_transfer" in payload:
+        return False
+    if payload.get("n", 1) != 1 or payload.get("echo"):
+        return False
+    max_tokens = payload.get("max_completion_tokens", payload.get("max_tokens"))
+    return max_tokens is None or (isinstance(max_tokens, int) and max_tokens > 1)
+
+
+async def _prefill_leg(state: RouterState, path: str, payload: dict, headers: dict[str, str],
+                       matches: dict[str, int]) -> dict | None:
+    """Run the prompt on a prefill replica (by prefix hits and load); its ``kv_transfer``
+    answer (handle + first token), or None: the decode replica then takes the request whole
+    (no prefill replica answered, the request was refused there, or its first token ended
+    it)."""
+    s, pool = state.settings, state.prefill_pool
+    assert pool is not None and state.client is not None
+    leg = {k: v for k, v in payload.items() if k not in ("stream", "stream_options")}
+    body = json.dumps({**leg, "kv_transfer": {"role": "prefill"}}).encode()
+    hdrs = {**headers, "content-type": "application/json"}
+    tried: set[str] = set()
+    for _ in range(s.max_attempts):
+        cands = [Candidate(r.name, r.load, r.kv_usage) for r in pool.healthy()
+                 if r.name not in tried]
+        if not cands:
+            return None
+        d = decide(s.routing if s.routing != "session" else "auto", cands, session=None,
+                   matches=matches, ring=state.ring, rr_turn=state.next_turn(),
+                   load_factor=s.load_factor, load_cost_tokens=s.prefix_load_cost)
+        r = pool.replicas[d.replica]
+        tried.add(r.name)
+        state.metrics.decisions.labels(r.name, d.reason).inc()
+        r.inflight += 1
+        try:
+            up = await _race(state.client.post(f"{r.url}{path}", content=body, headers=hdrs),
+                             r.down, state.ending)
+            if up.status_code in (429, 502, 503, 504):
+                state.metrics.retries.labels(r.name, str(up.status_code)).inc()
+                continue
+            if up.status_code != 200:
+                return None
+            out = up.json().get("kv_transfer")
+            return out if isinstance(out, dict) else None
+        except (_Gone, httpx.HTTPError, OSError, ValueError) as e:
+            if state.ending.is_set():
+                return None
+            logger.warning("prefill replica %s failed (%s); trying another", r.name,
+                           type(e).__name__)
+            state.metrics.retries.labels(r.name, "failed").inc()
+            if not isinstance(e, (_Gone, ValueError)):
+                pool.report_failure(r)
+        finally:
+            r.inflight -= 1
+    return None
 
 
 class RouterAccessLog:
@@ -386,16 +470,22 @@ def build_router_app(state: RouterState, *, api_key: str | None,
 
     @app.get("/router/replicas")
     async def replicas() -> dict:
-        """Each replica's state as the router sees it."""
-        return {"routing": state.settings.routing, "block_size": state.index.block_size,
-                "replicas": [{"name": r.name, "url": r.url, "healthy": r.healthy,
-                              "inflight": r.inflight, "running": r.running,
-                              "waiting": r.waiting, "kv_usage": r.kv_usage,
-                              "prefix_cache_hit_rate": r.hit_rate,
-                              "indexed_blocks": state.index.num_blocks(r.name),
-                              "events_endpoint": r.events_endpoint, "event_gaps": r.gaps,
-                              "next_event_seq": r.next_seq}
-                             for r in state.pool.replicas.values()]}
+        """Each replica's state as the router sees it (prefill replicas apart)."""
+        def rows(pool: ReplicaPool, index: PrefixIndex) -> list[dict]:
+            return [{"name": r.name, "url": r.url, "healthy": r.healthy,
+                     "inflight": r.inflight, "running": r.running,
+                     "waiting": r.waiting, "kv_usage": r.kv_usage,
+                     "prefix_cache_hit_rate": r.hit_rate,
+                     "indexed_blocks": index.num_blocks(r.name),
+                     "events_endpoint": r.events_endpoint, "event_gaps": r.gaps,
+                     "next_event_seq": r.next_seq}
+                    for r in pool.replicas.values()]
+
+        out = {"routing": state.settings.routing, "block_size": state.index.block_size,
+               "replicas": rows(state.pool, state.index)}
+        if state.prefill_pool is not None:
+            out["prefill_replicas"] = rows(state.prefill_pool, state.prefill_index)
+        return out
 
     @app.get("/metrics")
     async def metrics() -> Response:

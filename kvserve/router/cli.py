@@ -34,8 +34,8 @@ def register(subparsers) -> None:
 
 def _router_main(ns: argparse.Namespace) -> int:
     router = from_cli_args(RouterSettings, ns)
-    if not router.replicas:
-        raise ValueError("replicas: give at least one --replica URL")
+    if not router.replicas and not router.decode:
+        raise ValueError("replicas: give at least one --replica (or --decode) URL")
     return run_router(router, from_cli_args(LaunchSettings, ns, skip=_NOT_ROUTER_LAUNCH),
                       from_cli_args(ServerSettings, ns, skip=_NOT_ROUTER_SERVER))
 

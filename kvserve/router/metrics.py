@@ -42,11 +42,16 @@ class _ReplicaCollector:
              lambda r: r.event_lag_s),
             ("kv_event_gaps", "Sequence gaps seen in its KV-event stream.", lambda r: r.gaps),
         ]
+        # role: decode (or both) for the main pool, prefill for a disaggregated router's
+        pools = [("decode" if self._state.prefill_pool is not None else "both", pool)]
+        if self._state.prefill_pool is not None:
+            pools.append(("prefill", self._state.prefill_pool))
         for name, doc, value in rows:
             fam = GaugeMetricFamily(f"kvserve_router_replica_{name}", doc,
-                                    labels=["replica", "url"])
-            for r in pool.replicas.values():
-                fam.add_metric([r.name, r.url], float(value(r)))
+                                    labels=["replica", "url", "role"])
+            for role, p in pools:
+                for r in p.replicas.values():
+                    fam.add_metric([r.name, r.url, role], float(value(r)))
             yield fam
 
 
@@ -67,6 +72,11 @@ class RouterMetrics:
         self.stream_errors = Counter("kvserve_router_stream_errors", "Streams ended with an "
                                      "error event because their replica failed.", ["replica"],
                                      registry=r)
+        self.disaggregated = Counter(
+            "kvserve_router_disaggregated", "Generation requests with prefill replicas: split "
+            "(prefill leg, then decode leg) or whole (sent to a decode replica alone: n > 1, "
+            "max_tokens 1, a first token that ended it, no prefill replica answered).",
+            ["how"], registry=r)
         self.http_errors = Counter("kvserve_router_http_errors",
                                    "HTTP responses with status >= 400.", ["status"], registry=r)
 

@@ -77,10 +77,12 @@ def parse_metrics(text: str) -> dict[str, float]:
 class ReplicaPool:
     def __init__(self, urls: list[str], *, api_key: str | None, index: PrefixIndex,
                  health_interval_s: float = 0.5, health_timeout_s: float = 1.0,
-                 fail_after: int = 2, on_change=None) -> None:
+                 fail_after: int = 2, on_change=None, prefix: str = "r") -> None:
         if not urls:
             raise ValueError("replica: at least one replica URL is needed")
-        self.replicas = {f"r{i}": Replica(f"r{i}", u.rstrip("/")) for i, u in enumerate(urls)}
+        # names: r0, r1, ... (prefill replicas of a disaggregated router: p0, p1, ...)
+        self.replicas = {f"{prefix}{i}": Replica(f"{prefix}{i}", u.rstrip("/"))
+                         for i, u in enumerate(urls)}
         for r in self.replicas.values():
             r.down.set()
         self.index = index

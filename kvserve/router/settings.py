@@ -20,11 +20,22 @@ ROUTER = "router (docs/replicas.md)"
 
 @dataclass(frozen=True, slots=True)
 class RouterSettings:
-    REPLICA_FIELDS: ClassVar[tuple[str, ...]] = ("replicas", "replica_api_key", "tokenizer")
+    REPLICA_FIELDS: ClassVar[tuple[str, ...]] = ("replicas", "prefill", "decode",
+                                                 "replica_api_key", "tokenizer")
 
     replicas: tuple[str, ...] = arg(
         (), "a replica's base URL, e.g. http://10.0.0.2:8000 (repeatable)",
         flags=("--replica",), action="append", cli_default=None, metavar="URL",
+        parse=tuple, group=ROUTER)
+    # Prefill/decode disaggregation (docs/disaggregation.md): with prefill replicas, a request
+    # runs its prompt on one of them and continues on a decode replica (--decode / --replica).
+    prefill: tuple[str, ...] = arg(
+        (), "a prefill replica's base URL (kvserve serve --role prefill; repeatable)",
+        flags=("--prefill",), action="append", cli_default=None, metavar="URL",
+        parse=tuple, group=ROUTER)
+    decode: tuple[str, ...] = arg(
+        (), "a decode replica's base URL (kvserve serve --role decode; repeatable; joins "
+        "--replica)", flags=("--decode",), action="append", cli_default=None, metavar="URL",
         parse=tuple, group=ROUTER)
     replica_api_key: str | None = arg(
         None, "key the router sends to the replicas (default: $KVSERVE_REPLICA_API_KEY, else "
@@ -59,9 +70,14 @@ class RouterSettings:
     def __post_init__(self) -> None:
         if self.routing not in POLICIES:
             raise ValueError(f"routing must be one of {POLICIES}, got {self.routing!r}")
-        for url in self.replicas:
-            if not url.startswith(("http://", "https://")):
-                raise ValueError(f"replicas: {url!r} is not an http(s):// URL")
+        for name in ("replicas", "prefill", "decode"):
+            if getattr(self, name) is None:  # the flag not given
+                object.__setattr__(self, name, ())
+            for url in getattr(self, name):
+                if not url.startswith(("http://", "https://")):
+                    raise ValueError(f"{name}: {url!r} is not an http(s):// URL")
+        if self.prefill and not (self.decode or self.replicas):
+            raise ValueError("prefill replicas need decode replicas (--decode URL)")
         if not math.isfinite(self.load_factor) or self.load_factor < 1.0:
             raise ValueError(f"load_factor must be >= 1, got {self.load_factor}")
         if not self.prefix_load_cost >= 0:

@@ -27,9 +27,10 @@ def _run_headless_if_worker(ns: argparse.Namespace) -> int | None:
     worker ranks (no scheduler, no server) and return their exit status; else None."""
     if getattr(ns, "tensor_parallel_size", 1) == 1 and getattr(ns, "nnodes", 1) == 1:
         return None
+    from kvserve.engine.builder import settle_args
     from kvserve.engine.executor import local_ranks, run_headless
 
-    args = engine_args_from(ns)
+    args = settle_args(engine_args_from(ns))
     is_driver, ranks = local_ranks(args)
     if is_driver:
         return None

@@ -175,12 +175,21 @@ def resolve_model_dtype(dtype: str | torch.dtype, checkpoint_dtype: torch.dtype,
     return resolve_model_dtypes(dtype, checkpoint_dtype, device, num_params, w16_kernel).compute
 
 
+def resolve_attention_backend(name: str, device: str) -> str:
+    """``attention_backend``'s ``auto``: ``triton`` on CUDA, ``cpu`` (the C kernel) elsewhere.
+    Other names pass through (kvserve.attention checks them and picks the MLA member)."""
+    if name == "auto":
+        return "triton" if torch.device(device).type == "cuda" else "cpu"
+    return name
+
+
 @dataclass(frozen=True, slots=True)
-class KVMode:
-    """What a ``kv_cache_dtype`` name means: the storage dtype and whether q/k/v are rotated."""
+class KVStorage:
+    """What a KV storage dtype means for the layers that read and write it: the one place the
+    storage kind is derived from a torch dtype. Caches ask their ``KVMode``; kernels handed only
+    tensors ask ``KVStorage(kv_data.dtype)``."""
 
     dtype: torch.dtype
-    rotate: bool = False
 
     @property
     def scaled(self) -> bool:
@@ -194,6 +203,53 @@ class KVMode:
     @property
     def is_int8(self) -> bool:
         return self.dtype == torch.int8
+
+    @property
+    def log8_scales(self) -> bool:
+        """Scales are 1-byte codes e read as 2^(e/8) (INT8, kvserve/quant/int8.py)."""
+        return self.is_int8
+
+    @property
+    def scale_dtype(self) -> torch.dtype | None:
+        return kv_scale_dtype(self.dtype)
+
+    @property
+    def scale_bytes(self) -> int:
+        return kv_scale_bytes(self.dtype)
+
+
+@dataclass(frozen=True, slots=True)
+class KVMode:
+    """What a ``kv_cache_dtype`` name means: the storage dtype and whether q/k/v are rotated.
+    Every layer reads the resolved mode (``EngineConfig.kv_mode``, ``PagedKVCache.mode``)."""
+
+    dtype: torch.dtype
+    rotate: bool = False
+
+    @property
+    def storage(self) -> KVStorage:
+        return KVStorage(self.dtype)
+
+    @property
+    def scaled(self) -> bool:
+        """Stored with per-row scales (FP8: bf16, INT8: 1-byte log-domain codes)."""
+        return self.storage.scaled
+
+    @property
+    def is_fp8(self) -> bool:
+        return self.storage.is_fp8
+
+    @property
+    def is_int8(self) -> bool:
+        return self.storage.is_int8
+
+    @property
+    def scale_dtype(self) -> torch.dtype | None:
+        return self.storage.scale_dtype
+
+    @property
+    def scale_bytes(self) -> int:
+        return self.storage.scale_bytes
 
     @property
     def name(self) -> str:

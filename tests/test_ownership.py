@@ -1,6 +1,11 @@
 """Who owns what (issue 30), checked on the source so that a change that moves a concept back
 into the wrong module fails here:
 
+- ``auto``: settled once, in config.py and engine/builder.py; no other module of the engine
+  stack compares a setting with "auto" (server/ and router/ keep request-level choices such
+  as OpenAI's ``tool_choice: "auto"``, which are not settings).
+- the KV mode: no layer (attention/, cache/, kernels/, engine/) compares a torch dtype to
+  decide the KV storage kind; they ask the mode (``KVMode`` / ``KVStorage`` in config.py).
 - names: KV modes say their rotation; test hooks live behind ``engine.debug``.
 - the step: only the scheduler's apply step (``Scheduler.update_from_output``) advances a
   request (``num_computed_tokens``, appended tokens); only the runner samples.
@@ -110,3 +115,62 @@ def test_test_hooks_live_behind_engine_debug():
     tree = _sources()["engine/llm_engine.py"]
     assert "on_schedule" not in {n.attr for n in ast.walk(tree) if isinstance(n, ast.Attribute)
                                  and isinstance(n.value, ast.Name) and n.value.id == "self"}
+
+
+_KV_DTYPES = {"int8", "float8_e4m3fn", "float8_e5m2"}
+_KV_KIND_HELPERS = {"is_fp8", "is_scaled", "kv_scale_dtype", "kv_scale_bytes", "FP8_DTYPES",
+                    "SCALED_KV_DTYPES"}
+
+
+def _kv_kind_tests(node: ast.AST) -> list[str]:
+    """Where ``node`` decides a KV storage kind from a dtype: a comparison with torch.int8 /
+    torch.float8_*, membership in a tuple of them, or config's dtype -> kind helpers."""
+    found = []
+    for n in ast.walk(node):
+        if isinstance(n, ast.Compare):
+            for part in ast.walk(n):
+                if isinstance(part, ast.Attribute) and part.attr in _KV_DTYPES and \
+                        isinstance(part.value, ast.Name) and part.value.id == "torch":
+                    found.append(f"{n.lineno}: compares with torch.{part.attr}")
+        # the helpers by name or through a module (``ref.is_fp8``); ``mode.is_fp8`` is the mode
+        name = n.id if isinstance(n, ast.Name) else n.attr if (
+            isinstance(n, ast.Attribute) and isinstance(n.value, ast.Name)
+            and n.value.id in ("ref", "reference", "config")) else None
+        if name in _KV_KIND_HELPERS:
+            found.append(f"{n.lineno}: uses config.{name}")
+    return found
+
+
+def test_no_layer_derives_the_kv_kind_from_a_dtype():
+    bad = [f"{path}:{hit}" for path, tree in _sources().items()
+           if path.split("/")[0] in ("attention", "cache", "kernels", "engine")
+           for hit in _kv_kind_tests(tree)]
+    assert not bad, bad
+
+
+def test_the_kv_kind_check_finds_dtype_comparisons():
+    """The scan catches what it is meant to (so the test above can fail)."""
+    for src in ("x = kv.dtype == torch.int8", "y = d in (torch.float8_e4m3fn, torch.bfloat16)",
+                "z = is_scaled(kv.dtype)", "w = d in FP8_DTYPES", "v = ref.is_fp8(d)"):
+        assert _kv_kind_tests(ast.parse(src)), src
+    assert not _kv_kind_tests(ast.parse("x = kv.mode.is_int8 and q.dtype == torch.float32"))
+
+
+_AUTO_HOMES = {"config.py", "engine/builder.py"}
+_REQUEST_LEVEL = ("server", "router", "bench")  # "auto" there is a per-request choice
+
+
+def _auto_tests(tree: ast.AST) -> list[int]:
+    """Lines comparing something with the string "auto" (==, !=, in (...))."""
+    return [n.lineno for n in ast.walk(tree) if isinstance(n, ast.Compare)
+            and any(isinstance(c, ast.Constant) and c.value == "auto"
+                    for part in (n.left, *n.comparators) for c in ast.walk(part))]
+
+
+def test_auto_is_settled_only_in_config_and_builder():
+    bad = [f"{path}:{line}" for path, tree in _sources().items()
+           if path not in _AUTO_HOMES and path.split("/")[0] not in _REQUEST_LEVEL
+           for line in _auto_tests(tree)]
+    assert not bad, f"these modules resolve an 'auto' (move it to config / builder): {bad}"
+    assert _auto_tests(ast.parse("if name == 'auto': pass"))
+    assert _auto_tests(ast.parse("x = kind in ('auto', 'prefix')"))

@@ -27,11 +27,10 @@ def available_backends() -> list[str]:
 
 
 def resolve_backend_name(name: str, kv_cache: PagedKVCache) -> str:
-    """``auto`` -> ``triton`` on CUDA, ``cpu`` elsewhere; for an MLA cache (components == 1)
-    ``cpu`` / ``triton`` -> ``mla_torch`` / ``mla_triton``. Explicit names pass through."""
+    """For an MLA cache (components == 1) ``cpu`` / ``triton`` -> ``mla_torch`` /
+    ``mla_triton``; old names -> their new ones. ``auto`` is settled before this
+    (``config.resolve_attention_backend``, by the builder)."""
     name = _ALIASES.get(name, name)
-    if name == "auto":
-        name = "triton" if kv_cache.data.is_cuda else "cpu"
     if kv_cache.components == 1:
         name = _MLA_FAMILY.get(name, name)
     return name

@@ -34,7 +34,7 @@ from collections.abc import Callable
 
 import torch
 
-from kvserve.config import KVMode, kv_scale_bytes, kv_scale_dtype
+from kvserve.config import KVMode, KVStorage
 from kvserve.kernels.cpu import paged_attention as cpu_attention
 from kvserve.quant import fp8, int8
 from kvserve.quant.rotation import KVRotation
@@ -49,7 +49,7 @@ def bytes_per_block(
     dtype: torch.dtype,
 ) -> int:
     elem = torch.empty((), dtype=dtype).element_size()
-    per_row = head_dim * elem + kv_scale_bytes(dtype)
+    per_row = head_dim * elem + KVStorage(dtype).scale_bytes
     return num_layers * components * block_size * num_kv_heads * per_row
 
 
@@ -92,7 +92,7 @@ class PagedKVCache:
         shape = (num_layers, num_blocks + 1, components, block_size, num_kv_heads, head_dim)
         self.data = torch.zeros(shape, dtype=dtype, device=device)
         self.scales = (
-            torch.zeros(shape[:-1], dtype=kv_scale_dtype(dtype), device=device)
+            torch.zeros(shape[:-1], dtype=self.mode.scale_dtype, device=device)
             if self.has_scales else None
         )
         # fp32 writes on CPU go through the C writer when it builds (kvs_write_kv); the torch
@@ -194,7 +194,7 @@ class PagedKVCache:
         cap_tokens = self.num_blocks * self.block_size
         scale_note = ""
         if self.has_scales:
-            per = kv_scale_bytes(self.dtype)
+            per = self.mode.scale_bytes
             scale_bytes = self.num_layers * self.components * self.num_kv_heads * per
             kind = "1-byte log-domain" if self.is_int8 else "bf16"
             scale_note = f" (incl. {scale_bytes} B/token of {kind} scales)"

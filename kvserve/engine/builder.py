@@ -6,6 +6,7 @@ itself only drives the parts.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from dataclasses import dataclass
@@ -20,7 +21,7 @@ from kvserve.cache.kv_cache_manager import KVCacheManager
 from kvserve.cache.kv_events import KVEventPublisher
 from kvserve.cache.kv_transfer import KVTransfer
 from kvserve.cbuild import cpu_kind
-from kvserve.config import EngineConfig, ModelConfig, dtype_name
+from kvserve.config import EngineConfig, ModelConfig, dtype_name, resolve_attention_backend
 from kvserve.engine.arg_utils import EngineArgs
 from kvserve.engine.executor import Executor, MultiprocExecutor, make_executor
 from kvserve.engine.model_runner import ModelRunner
@@ -77,8 +78,16 @@ def describe_cpu_path(compute: torch.dtype, storage: torch.dtype) -> str:
             "fused small ops, paged attention")
 
 
+def settle_args(args: EngineArgs) -> EngineArgs:
+    """The ``auto`` values that need no checkpoint, settled before any worker starts (every
+    rank, a headless node's too, then builds from the same values)."""
+    return dataclasses.replace(args, attention_backend=resolve_attention_backend(
+        args.attention_backend, args.device))
+
+
 def build_engine(args: EngineArgs) -> EngineParts:
     cache_cfg, sched_cfg = args.cache_config(), args.scheduler_config()  # user errors first
+    args = settle_args(args)
     torch.manual_seed(args.seed)
     t0 = time.perf_counter()
     executor = make_executor(args)

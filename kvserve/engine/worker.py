@@ -193,7 +193,7 @@ class Worker:
         h = hashlib.blake2b(self.model_id(), digest_size=16)
         rotation = self.kv_cache.rotation
         rot = "" if rotation is None else f"|rot={rotation.describe()}"
-        if self.layout.dtype == torch.int8:
+        if self.kv_cache.mode.is_int8:
             rot += "|scale=log8"  # 1-byte 2^(e/8) scale codes (kvserve/quant/int8.py)
         h.update(f"{dtype_name(self.loaded.dtype)}|{dtype_name(self.layout.dtype)}|"
                  f"{self.layout.block_size}{rot}".encode())

@@ -46,7 +46,7 @@ from __future__ import annotations
 
 import torch
 
-from kvserve.config import FP8_DTYPES, is_fp8, is_scaled
+from kvserve.config import FP8_DTYPES, KVStorage, is_fp8, is_scaled
 from kvserve.quant import fp8, int4, int8, wq
 
 __all__ = [
@@ -75,7 +75,7 @@ __all__ = [
 
 def fp8_max(dtype: torch.dtype) -> float:
     """Largest finite value: 448 for e4m3fn, 57344 for e5m2."""
-    if not is_fp8(dtype):
+    if not KVStorage(dtype).is_fp8:
         raise ValueError(f"{dtype} is not an FP8 storage dtype")
     return fp8.FP8_MAX[dtype]
 
@@ -119,9 +119,10 @@ def quantize_fp8_rows(
 def dequantize_rows(data: torch.Tensor, scales: torch.Tensor | None) -> torch.Tensor:
     """fp32 values of stored rows ``data[..., D]`` (``scales[...]`` for FP8 / INT8, else
     None)."""
-    if is_scaled(data.dtype):
+    kind = KVStorage(data.dtype)
+    if kind.scaled:
         assert scales is not None, "FP8 / INT8 cache needs kv_scales"
-        if data.dtype == torch.int8:
+        if kind.is_int8:
             return int8.dequantize(data, scales)
         return fp8.dequantize(data, scales)
     return data.float()
@@ -248,8 +249,8 @@ def write_kv(
     n_comp = kv_data.shape[2]
     if (v is None) != (n_comp == 1):
         raise ValueError("pass v for a C=2 (K/V) cache and v=None for a C=1 (MLA) cache")
-    fp8 = is_fp8(kv_data.dtype)
-    i8 = kv_data.dtype == torch.int8
+    kind = KVStorage(kv_data.dtype)
+    fp8, i8 = kind.is_fp8, kind.is_int8
     if (fp8 or i8) and kv_scales is None:
         raise ValueError("an FP8 / INT8 cache needs kv_scales")
     if i8 and (k_scale is not None or v_scale is not None):
@@ -296,7 +297,8 @@ def gather_kv(
     offs = pos % bs
     data = kv_data[layer, blocks, :, offs]  # [S, C, H, D]
     scales = None if kv_scales is None else kv_scales[layer, blocks, :, offs]  # [S, C, H]
-    return dequantize_rows(data, scales if is_scaled(kv_data.dtype) else None).transpose(0, 1)
+    return dequantize_rows(data, scales if KVStorage(kv_data.dtype).scaled else None
+                           ).transpose(0, 1)
 
 
 def paged_attention(

@@ -14,6 +14,7 @@ from kvserve import SamplingParams  # noqa: E402
 from kvserve.attention import get_backend, resolve_backend_name  # noqa: E402
 from kvserve.attention.metadata import AttentionMetadata  # noqa: E402
 from kvserve.cache.kv_cache import PagedKVCache  # noqa: E402
+from kvserve.config import resolve_attention_backend
 
 # slow: Triton MLA backend in the interpreter
 pytestmark = pytest.mark.slow
@@ -86,16 +87,19 @@ def test_mla_triton_backend_equals_mla_torch(kv):
 def test_mla_backend_family_resolution():
     mla = PagedKVCache(1, 2, BS, 1, R + DR, 1, torch.bfloat16, "cpu")
     gqa = PagedKVCache(1, 2, BS, 2, 16, 2, torch.bfloat16, "cpu")
-    assert resolve_backend_name("auto", mla) == "mla_torch"  # CPU cache
+    auto_cpu = resolve_attention_backend("auto", "cpu")  # the builder settles auto
+    assert auto_cpu == "cpu" and resolve_attention_backend("auto", "cuda:0") == "triton"
+    assert resolve_backend_name(auto_cpu, mla) == "mla_torch"  # CPU cache
     assert resolve_backend_name("torch", mla) == "mla_torch"
     assert resolve_backend_name("triton", mla) == "mla_triton"
     assert resolve_backend_name("mla_triton", mla) == "mla_triton"
-    assert resolve_backend_name("auto", gqa) == "cpu"
+    assert resolve_backend_name(auto_cpu, gqa) == "cpu"
     assert resolve_backend_name("torch", gqa) == "cpu"  # the old name, still accepted
     assert resolve_backend_name("triton", gqa) == "triton"
     if torch.cuda.is_available():
         cuda = PagedKVCache(1, 2, BS, 1, R + DR, 1, torch.bfloat16, "cuda")
-        assert resolve_backend_name("auto", cuda) == "mla_triton"
+        assert resolve_backend_name(resolve_attention_backend("auto", "cuda"), cuda) \
+            == "mla_triton"
 
 
 @pytest.fixture(scope="module")

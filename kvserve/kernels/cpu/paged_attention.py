@@ -13,6 +13,7 @@ from functools import lru_cache
 
 import torch
 
+from kvserve.config import KVStorage
 from kvserve.kernels.cpu import FLOAT, INT, INT64, PTR, declare, load_library
 from kvserve.kernels.cpu.graph import Rows, launch
 
@@ -78,7 +79,7 @@ def paged_attention(kv_layer: torch.Tensor, scales_layer: torch.Tensor | None, q
     assert row_seq is None or (row_seq.dtype == torch.int64 and row_seq.is_contiguous())
     assert hq % h == 0 and hq // h <= 64
     if scales_layer is not None:
-        want = torch.int8 if kv_layer.dtype == torch.int8 else torch.bfloat16
+        want = KVStorage(kv_layer.dtype).scale_dtype
         assert scales_layer.dtype == want and scales_layer.is_contiguous()
     launch(dll, "kvs_paged_attention", kv_layer, scales_layer, DTYPE_CODES[kv_layer.dtype], q,
            q.stride(0), block_tables, row_seq, lens, Rows(n), block_tables.shape[1], bs, h,

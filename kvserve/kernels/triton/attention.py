@@ -54,7 +54,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kvserve.kernels import reference as ref
+from kvserve.config import KVStorage
 from kvserve.kernels.triton import interpreting
 
 __all__ = ["paged_decode_attention", "paged_attention", "mla_decode"]
@@ -98,13 +98,14 @@ def _strides(t: torch.Tensor, *dims: int) -> tuple[int, ...]:
 
 def _kv_flags(kv_data: torch.Tensor, dot_dtype: tl.dtype) -> dict[str, object]:
     """The constexprs every attention kernel takes about the cache's storage and its dots."""
-    return {"IS_SCALED": ref.is_scaled(kv_data.dtype), "LOG8_SCALES": kv_data.dtype == torch.int8,
+    kind = KVStorage(kv_data.dtype)
+    return {"IS_SCALED": kind.scaled, "LOG8_SCALES": kind.log8_scales,
             "DOT_DTYPE": dot_dtype, "PRECISION": "ieee" if dot_dtype == tl.float32 else "tf32"}
 
 
 def _scales_arg(kv_data: torch.Tensor, kv_scales: torch.Tensor | None, layer: int) -> torch.Tensor:
     """``kv_scales[layer]`` for FP8 / INT8, else a dummy 4-d tensor (never dereferenced)."""
-    if ref.is_scaled(kv_data.dtype):
+    if KVStorage(kv_data.dtype).scaled:
         if kv_scales is None:
             raise ValueError("an FP8 / INT8 cache needs kv_scales")
         return kv_scales[layer]

@@ -33,6 +33,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kvserve.config import KVStorage
 from kvserve.kernels import reference as ref
 
 __all__ = ["write_kv", "fp32_to_fp8_bits", "fp32_to_bf16_bits"]
@@ -241,8 +242,9 @@ def write_kv(
     if T == 0:
         return
     _, _, _, bs, n_heads, head_dim = kv_data.shape
-    i8 = kv_data.dtype == torch.int8
-    fp8 = ref.is_fp8(kv_data.dtype) or i8  # both quantised with per-row scales (MODE 2)
+    kind = KVStorage(kv_data.dtype)
+    i8 = kind.is_int8
+    fp8 = kind.scaled  # FP8 or INT8: both quantised with per-row scales (MODE 2)
     if fp8 and kv_scales is None:
         raise ValueError("an FP8 / INT8 cache needs kv_scales")
     if fp8 and head_dim % 2:
@@ -267,7 +269,7 @@ def write_kv(
         mant, bias = _FP8_FORMAT.get(kv_data.dtype, (3, 7))  # (unused for INT8)
         fmax = 127.0 if i8 else ref.fp8_max(kv_data.dtype)
         sc = kv_scales[layer]  # type: ignore[index]
-        if i8 and sc.dtype != torch.int8:
+        if i8 and sc.dtype != kind.scale_dtype:
             raise ValueError(f"kv_scales: an INT8 cache stores int8 scale codes, got {sc.dtype}")
         sc = sc if i8 else sc.view(torch.int16)
     else:

@@ -106,8 +106,10 @@ async def validation_error_handler(_: Request, exc: Exception) -> JSONResponse:
         return error_response(400, msg, code="invalid_json")
     param = loc_to_param(first.get("loc", ()))
     msg = str(first.get("msg", "invalid value")).removeprefix("Value error, ")
-    if first.get("type") in ("union_tag_invalid", "union_tag_not_found") and param:
-        param += ".role"  # the messages' discriminator
+    if first.get("type") in ("union_tag_invalid", "union_tag_not_found",
+                             "response_format_type") and param:
+        # the discriminators: a message's role, a response format's type
+        param += ".role" if param.startswith("messages") else ".type"
     elif param and (m := re.match(re.escape(param) + r"(\[\d+\])+ ", msg)):
         param = m.group(0)[:-1]  # a validator named the item ("prompt[1] must not be empty")
         return error_response(400, msg, param=param, code="invalid_value")

@@ -17,8 +17,10 @@ from pydantic import (
     AfterValidator,
     BaseModel,
     ConfigDict,
+    Discriminator,
     Field,
     StrictInt,
+    Tag,
     ValidationError,
     field_validator,
 )
@@ -82,12 +84,32 @@ class JSONSchemaFormat(_Request):
                               populate_by_name=True)
 
 
-class ResponseFormat(_Request):
-    """``{"type": "text"}``, ``{"type": "json_object"}`` or ``{"type": "json_schema",
-    "json_schema": {"name", "schema", "strict"}}`` (the latter requires ``json_schema``)."""
+class ResponseFormatText(_Request):
+    type: Literal["text"]
 
-    type: Literal["text", "json_object", "json_schema"]
-    json_schema: JSONSchemaFormat | None = None
+
+class ResponseFormatJSONObject(_Request):
+    type: Literal["json_object"]
+
+
+class ResponseFormatJSONSchema(_Request):
+    type: Literal["json_schema"]
+    json_schema: JSONSchemaFormat
+
+
+def _format_tag(value: Any) -> str | None:
+    kind = value.get("type") if isinstance(value, dict) else getattr(value, "type", None)
+    return {"text": "Text", "json_object": "JSONObject", "json_schema": "JSONSchema"}.get(kind)
+
+
+# {"type": "text"}, {"type": "json_object"} or {"type": "json_schema", "json_schema": {...}};
+# the tags are class-like so that error locations skip them (kvserve.server.errors)
+ResponseFormat = Annotated[
+    Annotated[ResponseFormatText, Tag("Text")]
+    | Annotated[ResponseFormatJSONObject, Tag("JSONObject")]
+    | Annotated[ResponseFormatJSONSchema, Tag("JSONSchema")],
+    Discriminator(_format_tag, custom_error_type="response_format_type",
+                  custom_error_message="type must be 'text', 'json_object' or 'json_schema'")]
 
 
 class StructuredOutputsRequest(_Request):

@@ -52,9 +52,6 @@ def output_constraint(req: SamplingRequest) -> Constraint | None:
     if rf is not None and rf.type == "json_object":
         return _so("response_format", json_object=True)
     if rf is not None and rf.type == "json_schema":
-        if rf.json_schema is None:
-            raise bad_request("response_format of type json_schema needs its json_schema "
-                              "field", "response_format.json_schema")
         return _so("response_format.json_schema.schema", json=rf.json_schema.schema_)
     if so is None:
         return None

@@ -69,9 +69,12 @@ def serve_replicas(ns: argparse.Namespace, engine_args, server: ServerSettings,
 
     procs = ReplicaProcesses(argv, launch.data_parallel_size, threads=launch.replica_threads,
                              device=engine_args.device,
-                             tensor_parallel_size=engine_args.tensor_parallel_size)
+                             tensor_parallel_size=engine_args.tensor_parallel_size,
+                             prefill=launch.prefill_replicas)
+    p = launch.prefill_replicas
     router = from_cli_args(RouterSettings, ns, skip=RouterSettings.REPLICA_FIELDS,
-                           replicas=tuple(procs.urls), replica_api_key=procs.key,
+                           replicas=tuple(procs.urls[p:]), prefill=tuple(procs.urls[:p]),
+                           replica_api_key=procs.key,
                            tokenizer=engine_args.tokenizer or engine_args.model)
     procs.start()
     try:

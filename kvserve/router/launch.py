@@ -31,7 +31,8 @@ STOP_GRACE_S = 10.0
 # Options of `serve` a replica must not inherit (the router owns them), with their arity.
 _STRIPPED = {"--data-parallel-size": 1, "-dp": 1, "--port": 1, "--host": 1, "--api-key": 1,
              "--replica-threads": 1, "--kv-events-endpoint": 1,
-             "--kv-events-replay-endpoint": 1, "--replica": 1}
+             "--kv-events-replay-endpoint": 1, "--replica": 1, "--prefill-replicas": 1,
+             "--role": 1}
 
 
 def free_port() -> int:
@@ -76,9 +77,22 @@ def watch_parent() -> None:
 
 class ReplicaProcesses:
     def __init__(self, argv: list[str], n: int, *, threads: int | None, device: str,
-                 tensor_parallel_size: int) -> None:
+                 tensor_parallel_size: int, prefill: int = 0) -> None:
         if n < 1:
             raise ValueError(f"data_parallel_size must be >= 1, got {n}")
+        if not 0 <= prefill < n:
+            raise ValueError(f"prefill_replicas must be in [0, data_parallel_size), got "
+                             f"{prefill}")
+        # Disaggregation (docs/disaggregation.md): replicas 0..prefill-1 run prompts, the rest
+        # decode; the KV moves through a shared directory (tmpfs where there is one) unless
+        # the command line chose a transfer.
+        self.prefill = prefill
+        self.transfer_dir: str | None = None
+        if prefill and "--kv-transfer" not in argv:
+            import tempfile
+
+            shm = "/dev/shm" if os.path.isdir("/dev/shm") else None
+            self.transfer_dir = tempfile.mkdtemp(prefix="kvserve-kv-transfer-", dir=shm)
         if threads is not None and threads < 1:
             raise ValueError(f"replica_threads must be >= 1, got {threads}")
         self.key = secrets.token_urlsafe(24)
@@ -99,6 +113,10 @@ class ReplicaProcesses:
                "--host", "127.0.0.1", "--port", str(self.ports[i]),
                "--kv-events-endpoint", "tcp://127.0.0.1:0",
                "--kv-events-replay-endpoint", "tcp://127.0.0.1:0"]
+        if self.prefill:
+            cmd += ["--role", "prefill" if i < self.prefill else "decode"]
+            if self.transfer_dir is not None:
+                cmd += ["--kv-transfer", "dir", "--kv-transfer-dir", self.transfer_dir]
         env = dict(os.environ, KVSERVE_API_KEY=self.key, OMP_NUM_THREADS=str(self.threads),
                    **{PARENT_ENV: str(os.getpid())})
         if self._device.startswith("cuda"):
@@ -141,3 +159,7 @@ class ReplicaProcesses:
             except subprocess.TimeoutExpired:
                 p.kill()
                 p.wait(5)
+        if self.transfer_dir is not None:
+            import shutil
+
+            shutil.rmtree(self.transfer_dir, ignore_errors=True)

@@ -131,6 +131,10 @@ class LaunchSettings:
         1, "engine replicas (separate processes, each its own threads / devices and "
         "tensor-parallel group) behind this one endpoint and a router",
         flags=("-dp", "--data-parallel-size"), type=int, group=DATA_PARALLEL)
+    prefill_replicas: int = arg(
+        0, "disaggregation (docs/disaggregation.md): of the replicas, this many run prompts "
+        "(--role prefill) and hand their KV to the others (--role decode)", type=int,
+        group=DATA_PARALLEL)
     replica_threads: int | None = arg(
         None, "CPU threads per replica (default: the cores split evenly)", type=int,
         group=DATA_PARALLEL)
@@ -144,5 +148,9 @@ class LaunchSettings:
             raise ValueError(f"step_delay must be >= 0, got {self.step_delay}")
         if self.data_parallel_size < 1:
             raise ValueError(f"data_parallel_size must be >= 1, got {self.data_parallel_size}")
+        if self.prefill_replicas < 0 or (
+                self.prefill_replicas and self.prefill_replicas >= self.data_parallel_size):
+            raise ValueError(f"prefill_replicas must be in [0, data_parallel_size), got "
+                             f"{self.prefill_replicas}")
         if self.replica_threads is not None and self.replica_threads < 1:
             raise ValueError(f"replica_threads must be >= 1, got {self.replica_threads}")

@@ -119,3 +119,31 @@ def test_prefill_replica_killed(pd) -> None:
     assert got.status_code == 200, got.text
     _same(got.json(), want)  # the decode replica took it whole
     wait_for(lambda: _metric(dec, "kvserve_kv_blocks_used") == 0, 30, "decode replica idle")
+
+
+def test_serve_data_parallel_with_prefill_replicas() -> None:
+    """``serve -dp 2 --prefill-replicas 1``: one prefill and one decode replica behind one
+    endpoint, the KV through a shared directory the command made (and removes)."""
+    import signal
+
+    server = Proc("serve", demo_model_path(), "--data-parallel-size", "2",
+                  "--prefill-replicas", "1", "--replica-threads", "1", "--api-key", "ck",
+                  "--kv-cache-memory", "16MiB", "--health-interval", "0.2")
+    auth = {"Authorization": "Bearer ck"}
+    try:
+        def ready() -> bool:
+            j = httpx.get(f"{server.url}/router/replicas", headers=auth, timeout=2).json()
+            return all(r["healthy"] for r in j["replicas"] + j["prefill_replicas"])
+
+        wait_for(ready, 240, "prefill and decode replicas ready")
+        r = httpx.post(f"{server.url}/v1/completions", headers=auth, timeout=120,
+                       json={"prompt": "Hello there, my friend", "max_tokens": 4,
+                             "temperature": 0})
+        assert r.status_code == 200, r.text
+        assert len(r.json()["choices"][0]["text"]) > 0
+        m = httpx.get(f"{server.url}/metrics", timeout=5).text
+        assert metric(m, 'kvserve_router_disaggregated_total{how="split"}') == 1
+        server.proc.send_signal(signal.SIGTERM)
+        assert server.proc.wait(60) == 0
+    finally:
+        server.stop()

@@ -27,14 +27,14 @@ def _run_headless_if_worker(ns: argparse.Namespace) -> int | None:
     worker ranks (no scheduler, no server) and return their exit status; else None."""
     if getattr(ns, "tensor_parallel_size", 1) == 1 and getattr(ns, "nnodes", 1) == 1:
         return None
-    from kvserve.engine.builder import settle_args
+    from kvserve.engine.builder import settle
     from kvserve.engine.executor import local_ranks, run_headless
 
-    args = settle_args(engine_args_from(ns))
+    args = engine_args_from(ns)
     is_driver, ranks = local_ranks(args)
     if is_driver:
         return None
-    return run_headless(args, ranks)
+    return run_headless(settle(args), ranks)
 
 
 def _generate(ns: argparse.Namespace) -> int:

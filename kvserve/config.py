@@ -280,6 +280,18 @@ def resolve_kv_mode(kv_cache_dtype: str, model_dtype: torch.dtype) -> KVMode:
     return parse_kv_mode(kv_cache_dtype) or KVMode(model_dtype)
 
 
+def resolve_checkpoint_kv_mode(kv_cache_dtype: str, dtype: str | torch.dtype,
+                               checkpoint_dtype: torch.dtype, device: str) -> KVMode:
+    """The one resolution of ``kv_cache_dtype`` for a checkpoint. ``auto`` = the checkpoint's
+    16-bit dtype (a bf16 checkpoint computed in fp32 on CPU still caches bf16: half the bytes,
+    and the C kernel reads it), else the model's compute dtype (``dtype`` resolved)."""
+    if checkpoint_dtype in (torch.bfloat16, torch.float16):
+        return resolve_kv_mode(kv_cache_dtype, checkpoint_dtype)
+    # not a 16-bit checkpoint: the compute dtype does not depend on the CPU's kernels
+    return resolve_kv_mode(kv_cache_dtype,
+                           resolve_model_dtypes(dtype, checkpoint_dtype, device).compute)
+
+
 def dtype_name(dtype: torch.dtype) -> str:
     return {
         torch.bfloat16: "bf16",

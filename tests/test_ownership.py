@@ -174,3 +174,18 @@ def test_auto_is_settled_only_in_config_and_builder():
     assert not bad, f"these modules resolve an 'auto' (move it to config / builder): {bad}"
     assert _auto_tests(ast.parse("if name == 'auto': pass"))
     assert _auto_tests(ast.parse("x = kind in ('auto', 'prefix')"))
+
+
+def test_kv_auto_is_resolved_against_the_checkpoint_by_config():
+    """``kv_cache_dtype=auto``: the checkpoint's 16-bit dtype even when computed in fp32, else
+    the model's compute dtype; explicit modes pass through."""
+    import torch
+
+    from kvserve.config import KVMode, resolve_checkpoint_kv_mode
+
+    bf16, f32 = torch.bfloat16, torch.float32
+    assert resolve_checkpoint_kv_mode("auto", "auto", bf16, "cpu") == KVMode(bf16)
+    assert resolve_checkpoint_kv_mode("auto", "fp32", bf16, "cpu") == KVMode(bf16)
+    assert resolve_checkpoint_kv_mode("auto", "auto", f32, "cpu") == KVMode(f32)
+    assert resolve_checkpoint_kv_mode("auto", "bf16", f32, "cpu") == KVMode(bf16)
+    assert resolve_checkpoint_kv_mode("int8", "auto", f32, "cpu") == KVMode(torch.int8, True)

@@ -21,13 +21,27 @@ from kvserve.cache.kv_cache_manager import KVCacheManager
 from kvserve.cache.kv_events import KVEventPublisher
 from kvserve.cache.kv_transfer import KVTransfer
 from kvserve.cbuild import cpu_kind
-from kvserve.config import EngineConfig, ModelConfig, dtype_name, resolve_attention_backend
+from kvserve.config import (
+    EngineConfig,
+    ModelConfig,
+    dtype_name,
+    resolve_attention_backend,
+    resolve_checkpoint_kv_mode,
+)
 from kvserve.engine.arg_utils import EngineArgs
 from kvserve.engine.executor import Executor, MultiprocExecutor, make_executor
 from kvserve.engine.model_runner import ModelRunner
 from kvserve.engine.scheduler import Scheduler
+from kvserve.engine.worker import WorkerConfig
 from kvserve.kernels.cpu import w16_gemm
-from kvserve.model.loader import describe_weight_bytes, load_tokenizer
+from kvserve.model.default_model import resolve_model
+from kvserve.model.loader import (
+    checkpoint_dtype,
+    describe_weight_bytes,
+    load_hf_config,
+    load_tokenizer,
+    model_source,
+)
 
 logger = logging.getLogger("kvserve")
 
@@ -78,19 +92,26 @@ def describe_cpu_path(compute: torch.dtype, storage: torch.dtype) -> str:
             "fused small ops, paged attention")
 
 
-def settle_args(args: EngineArgs) -> EngineArgs:
-    """The ``auto`` values that need no checkpoint, settled before any worker starts (every
-    rank, a headless node's too, then builds from the same values)."""
-    return dataclasses.replace(args, attention_backend=resolve_attention_backend(
+def settle(args: EngineArgs) -> WorkerConfig:
+    """Every ``auto`` settled once, before any worker starts (every rank, a headless node's
+    too, then builds from the same values): the attention backend, and the KV mode from the
+    checkpoint's config (no weights read)."""
+    args = dataclasses.replace(args, attention_backend=resolve_attention_backend(
         args.attention_backend, args.device))
+    path = resolve_model(args.model)
+    hf_config, _ = load_hf_config(model_source(path)[0])
+    kv_mode = resolve_checkpoint_kv_mode(args.kv_cache_dtype, args.dtype,
+                                         checkpoint_dtype(hf_config), args.device)
+    return WorkerConfig(args, path, kv_mode)
 
 
 def build_engine(args: EngineArgs) -> EngineParts:
     cache_cfg, sched_cfg = args.cache_config(), args.scheduler_config()  # user errors first
-    args = settle_args(args)
+    settled = settle(args)
+    args = settled.args
     torch.manual_seed(args.seed)
     t0 = time.perf_counter()
-    executor = make_executor(args)
+    executor = make_executor(settled)
     worker = executor.driver
     loaded, spec, layout = worker.loaded, worker.spec, worker.layout
     # config.json + tokenizer live in loaded.folder (a GGUF's converted metadata)

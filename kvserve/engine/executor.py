@@ -54,7 +54,7 @@ from kvserve.cache.integrity import content_hashes
 from kvserve.distributed import parallel_state as ps
 from kvserve.engine.arg_utils import EngineArgs
 from kvserve.engine.step_input import StepInput
-from kvserve.engine.worker import Worker
+from kvserve.engine.worker import Worker, WorkerConfig
 
 logger = logging.getLogger("kvserve")
 
@@ -74,8 +74,8 @@ class Executor(Protocol):
 class UniProcExecutor:
     """Today's single-process path: the driver worker is the model."""
 
-    def __init__(self, args: EngineArgs) -> None:
-        self.driver = Worker(args)
+    def __init__(self, config: WorkerConfig) -> None:
+        self.driver = Worker(config)
 
     def execute(self, step: StepInput) -> list[torch.Tensor | None]:
         return self.driver.execute(step)
@@ -87,10 +87,10 @@ class UniProcExecutor:
         pass
 
 
-def make_executor(args: EngineArgs) -> UniProcExecutor | MultiprocExecutor:
-    if args.tensor_parallel_size == 1:
-        return UniProcExecutor(args)
-    return MultiprocExecutor(args)
+def make_executor(config: WorkerConfig) -> UniProcExecutor | MultiprocExecutor:
+    if config.args.tensor_parallel_size == 1:
+        return UniProcExecutor(config)
+    return MultiprocExecutor(config)
 
 
 # ---- messages -----------------------------------------------------------------------------
@@ -171,9 +171,10 @@ def kv_bytes(worker: Worker) -> torch.Tensor:
 class MultiprocExecutor:
     """Rank 0 of a tensor-parallel world (see the module docstring)."""
 
-    def __init__(self, args: EngineArgs) -> None:
+    def __init__(self, config: WorkerConfig) -> None:
         from kvserve.model.parallel_check import validate_parallel
 
+        args = config.args
         tp = args.tensor_parallel_size
         # Clear errors before any process starts (heads, intermediate size, INT4 groups).
         validate_parallel(args.model, tp, args.enable_expert_parallel)
@@ -190,7 +191,7 @@ class MultiprocExecutor:
         ctx = mp.get_context("spawn")
         threads = torch.get_num_threads()
         for r in local:
-            p = ctx.Process(target=worker_main, args=(args, r, tp, init, threads),
+            p = ctx.Process(target=worker_main, args=(config, r, tp, init, threads),
                             name=f"kvserve-tp{r}", daemon=True)
             p.start()
             self._res.procs.append(p)
@@ -202,7 +203,7 @@ class MultiprocExecutor:
             ps.init_distributed(init, 0, tp, device=args.device,
                                 timeout_s=args.distributed_timeout_s,
                                 enable_expert_parallel=args.enable_expert_parallel)
-            self.driver = Worker(args, 0, tp)
+            self.driver = Worker(config, 0, tp)
         except BaseException:
             self.shutdown()
             raise
@@ -406,21 +407,22 @@ def local_ranks(args: EngineArgs) -> tuple[bool, list[int]]:
     return (True, ranks[1:]) if args.node_rank == 0 else (False, ranks)
 
 
-def run_headless(args: EngineArgs, ranks: list[int]) -> int:
+def run_headless(config: WorkerConfig, ranks: list[int]) -> int:
     """Run worker ranks on a node that is not the driver's; exit status 0 only if all of
     them ended cleanly (the driver's SHUTDOWN), non-zero if any died or timed out."""
+    args = config.args
     tp, init = args.tensor_parallel_size, args.distributed_init_method
     assert init is not None
     threads = torch.get_num_threads()
     if args.distributed_init_method == "env://":  # this process is the rank
         try:
-            worker_main(args, ranks[0], tp, init, threads)
+            worker_main(config, ranks[0], tp, init, threads)
         except Exception as e:  # noqa: BLE001 - reported, then a non-zero exit
             logger.error("worker rank %d failed: %s", ranks[0], e)
             return 1
         return 0
     ctx = mp.get_context("spawn")
-    procs = [ctx.Process(target=worker_main, args=(args, r, tp, init, threads),
+    procs = [ctx.Process(target=worker_main, args=(config, r, tp, init, threads),
                          name=f"kvserve-tp{r}") for r in ranks]
     for p in procs:
         p.start()
@@ -432,13 +434,14 @@ def run_headless(args: EngineArgs, ranks: list[int]) -> int:
     return 1 if bad else 0
 
 
-def worker_main(args: EngineArgs, rank: int, world_size: int, init_method: str,
+def worker_main(config: WorkerConfig, rank: int, world_size: int, init_method: str,
                 threads: int = 1) -> None:
     """A worker rank: load this rank's shards, then serve the driver's messages until
     SHUTDOWN. Any failure (a dead driver, a timed-out collective) exits non-zero."""
     from kvserve.cache.integrity import SliceSeals, inject_fault
     from kvserve.cache.kv_tiers import Evicted
 
+    args = config.args
     torch.set_num_threads(threads)
     torch.manual_seed(args.seed)
     logging.basicConfig(level=logging.WARNING)
@@ -446,7 +449,7 @@ def worker_main(args: EngineArgs, rank: int, world_size: int, init_method: str,
                         timeout_s=args.distributed_timeout_s,
                         enable_expert_parallel=args.enable_expert_parallel)
     try:
-        worker = Worker(args, rank, world_size)
+        worker = Worker(config, rank, world_size)
         worker.init_runner()
         seals = SliceSeals(worker.kv_cache, worker.fingerprint)
         tiers = worker.build_tiers(args.cache_config())

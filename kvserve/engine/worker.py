@@ -1,6 +1,7 @@
 """One rank of the engine: its model shard, its slice of the KV cache, its runner.
 
-Every rank derives the same cache geometry from the same ``EngineArgs`` (the KV block count is
+Every rank derives the same cache geometry from the same ``WorkerConfig`` (settled by the
+builder: no rank resolves an ``auto``) (the KV block count is
 then the minimum over ranks, agreed with an all-reduce), so block ids mean the same thing
 everywhere while each rank stores only its own KV heads:
 
@@ -25,7 +26,7 @@ from kvserve.attention import get_backend
 from kvserve.cache.block_store import StoreSpec, dtype_str
 from kvserve.cache.kv_cache import PagedKVCache, bytes_per_block
 from kvserve.cache.kv_tiers import KVTiers, TierConfig
-from kvserve.config import CacheConfig, dtype_name, resolve_kv_mode
+from kvserve.config import CacheConfig, KVMode, dtype_name
 from kvserve.distributed import parallel_state as ps
 from kvserve.engine.arg_utils import EngineArgs
 from kvserve.engine.cpu_graphs import CpuGraphRunner
@@ -33,8 +34,7 @@ from kvserve.engine.cuda_graphs import CudaGraphRunner, clear_scratch_block
 from kvserve.engine.forward_runner import DecodeGraphs, ForwardRunner
 from kvserve.engine.step_input import StepInput
 from kvserve.layers.linear import kv_head_layout
-from kvserve.model.default_model import resolve_model
-from kvserve.model.loader import LoadedModel, checkpoint_dtype, load_model
+from kvserve.model.loader import LoadedModel, load_model
 from kvserve.quant.wq import activation_terms
 
 logger = logging.getLogger("kvserve")
@@ -57,10 +57,21 @@ class KVLayout:
     rotation_seed: int | None = None  # rotated modes: the Hadamard rotation's seed
 
 
+@dataclass(frozen=True, slots=True)
+class WorkerConfig:
+    """What every rank builds from, settled once by the builder before any worker starts
+    (kvserve.engine.builder.settle): no rank resolves an ``auto``."""
+
+    args: EngineArgs  # with attention_backend settled
+    model_path: str  # the checkpoint (a file or folder; None / "demo" resolved)
+    kv_mode: KVMode  # kv_cache_dtype resolved against the checkpoint
+
+
 class Worker:
-    def __init__(self, args: EngineArgs, rank: int = 0, world_size: int = 1) -> None:
-        self.args, self.rank, self.world_size = args, rank, world_size
-        self.path = resolve_model(args.model)
+    def __init__(self, config: WorkerConfig, rank: int = 0, world_size: int = 1) -> None:
+        self.config, self.rank, self.world_size = config, rank, world_size
+        self.args = args = config.args
+        self.path = config.model_path
         self.loaded: LoadedModel = load_model(self.path, args.dtype, args.device,
                                               progress=args.progress and rank == 0,
                                               act_terms=activation_terms(args.gguf_activations),
@@ -105,11 +116,7 @@ class Worker:
     def _layout(self) -> KVLayout:
         args, spec = self.args, self.spec
         cache_cfg, sched_cfg = args.cache_config(), args.scheduler_config()
-        # "auto" KV = the checkpoint's dtype: a bf16 checkpoint computed in fp32 on an AVX2 CPU
-        # still caches bf16 (half the bytes; attention reads it with the C kernel).
-        ckpt = checkpoint_dtype(self.loaded.hf_config)
-        auto_kv = ckpt if ckpt in (torch.bfloat16, torch.float16) else self.loaded.dtype
-        kv_mode = resolve_kv_mode(cache_cfg.kv_cache_dtype, auto_kv)
+        kv_mode = self.config.kv_mode  # settled by the builder
         kv_dtype = kv_mode.dtype
         rot_seed = cache_cfg.kv_rotation_seed if kv_mode.rotate else None
         if kv_mode.rotate and spec.components != 2 and spec.kv_lora_rank is None:

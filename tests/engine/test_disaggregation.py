@@ -284,3 +284,65 @@ def test_partial_block_format_roundtrip():
     ok = bs.verify(spec, blob, b"h" * 16, (7, 8))
     assert isinstance(ok, bs.StoredBlock) and torch.equal(ok.payload, pay)
     assert bs.verify(spec, blob, b"h" * 16, (7, 9)).reason is bs.Reason.WRONG_TOKENS
+
+
+@pytest.mark.parametrize("fault", ["bitflip", "truncate", "drop_last"])
+def test_zmq_faults_recompute(tiny_bf16, colocated, fault):
+    """The same drills over ZMQ: the prefill engine's outbox is damaged before the decode
+    engine fetches (a flipped bit in block 1, block 1 cut short, the last block missing)."""
+    kw = {"kv_transfer": "zmq"}
+    pre, dec = _engine(tiny_bf16, "int8", **kw), _engine(tiny_bf16, "int8", **kw)
+    prompts = _prompts()
+    try:
+        pre_out = _prefill(pre, prompts)
+        tid = pre_out["r0"].kv_transfer["transfer_id"]  # 40 tokens: blocks 0, 1, partial 2
+        outbox = pre.kv.transfer.transport._outbox
+        deadline, blobs = outbox[tid]
+        if fault == "bitflip":
+            b = bytearray(blobs[1])
+            b[len(b) // 2] ^= 0x04
+            blobs = [blobs[0], bytes(b), blobs[2]]
+        elif fault == "truncate":
+            blobs = [blobs[0], blobs[1][: len(blobs[1]) - 100], blobs[2]]
+        else:
+            blobs = blobs[:2]
+        outbox[tid] = (deadline, blobs)
+        assert _decode(dec, prompts, pre_out) == colocated("int8")
+        st = dec.stats().kv_transfer
+        want = {"bitflip": "bad_checksum", "truncate": "short_file", "drop_last": "missing"}
+        assert st["rejected"] == {want[fault]: 1}
+        assert st["blocks_installed"] == 8 - (2 if fault != "drop_last" else 1)
+        _no_leaks(pre, dec)
+    finally:
+        pre.shutdown()
+        dec.shutdown()
+
+
+def test_handle_is_checked():
+    from kvserve.cache.kv_transfer import TransferHandle
+
+    h = TransferHandle("ab12", "zmq", "tcp://127.0.0.1:5", 40, 3, 1000)
+    assert TransferHandle.from_dict(h.to_dict()) == h
+    for bad, field in (({"version": 9}, "version"), ({"num_tokens": -1}, "num_tokens"),
+                       ({"transport": "ftp"}, "transport"),
+                       ({"transfer_id": "../x"}, "transfer_id"),
+                       ({"nbytes": True}, "nbytes")):
+        with pytest.raises(ValueError, match=f"kv_transfer.{field}"):
+            TransferHandle.from_dict({**h.to_dict(), **bad})
+
+
+def test_abort_while_importing_leaks_nothing(tiny_bf16, tmp_path):
+    kw = {"kv_transfer": "dir", "kv_transfer_dir": str(tmp_path), "kv_transfer_timeout": 30.0}
+    dec = _engine(tiny_bf16, "bf16", **kw)
+    try:
+        h = {"version": 1, "transfer_id": "feed", "transport": "dir", "address": str(tmp_path),
+             "num_tokens": 40, "num_blocks": 3, "nbytes": 100}
+        dec.add_request("a", {"prompt_token_ids": _prompts()[0]}, SP, kv_transfer=h,
+                        first_token=FirstToken(7))
+        for _ in range(5):
+            assert dec.step() == []  # waiting for a transfer that never comes
+        dec.abort_request("a")
+        dec.debug.check_no_leaks()
+        assert not dec.kv.transfer.importing("a")
+    finally:
+        dec.shutdown()

@@ -16,9 +16,10 @@ class ParamError(ValueError):
     """A bad request parameter, named in ``param`` (the server's 400 names it without reading
     the message)."""
 
-    def __init__(self, param: str, message: str) -> None:
+    def __init__(self, param: str, message: str, code: str | None = None) -> None:
         super().__init__(message)
         self.param = param
+        self.code = code  # an OpenAI-style error code, e.g. "context_length_exceeded"
 
 
 def _check_finite(name: str, value: float) -> None:

@@ -1,9 +1,37 @@
 """Prompts in: a string, token ids, or a dict with ``prompt`` / ``prompt_token_ids``, checked
-and turned into token ids (``ValueError`` naming the parameter when unusable)."""
+and turned into token ids (``ValueError`` naming the parameter when unusable).
+
+``check_prompt_ids`` and ``check_prompt_room`` are the one implementation of the prompt checks:
+the engine runs them on every request, the server calls the same functions to refuse a prompt
+before it is queued (``ParamError`` carries the parameter and an error code)."""
 
 from __future__ import annotations
 
+from kvserve.sampling_params import ParamError
+
 PromptType = str | list[int] | dict
+
+
+def check_prompt_ids(ids: list[int], vocab_size: int, param: str = "prompt") -> list[int]:
+    if not ids:
+        raise ParamError(param, f"{param} is empty")
+    for t in ids:
+        if not 0 <= t < vocab_size:
+            raise ParamError(param, f"{param} has token id {t} outside the vocabulary "
+                             f"[0, {vocab_size})", "invalid_token_id")
+    return ids
+
+
+def check_prompt_room(num_tokens: int, max_model_len: int, capacity_tokens: int,
+                      param: str = "prompt") -> None:
+    """A prompt must leave room to generate, in the context and in the KV cache."""
+    if num_tokens >= max_model_len:
+        raise ParamError(param, f"{param} has {num_tokens} tokens; the model's context "
+                         f"(max_model_len) is {max_model_len}, which must leave room to "
+                         "generate", "context_length_exceeded")
+    if num_tokens >= capacity_tokens:
+        raise ParamError(param, f"{param} has {num_tokens} tokens but the KV cache holds only "
+                         f"{capacity_tokens}; raise kv_cache_memory", "context_length_exceeded")
 
 
 def tokenize_prompt(tokenizer, vocab_size: int, prompt: PromptType,
@@ -26,10 +54,4 @@ def tokenize_prompt(tokenizer, vocab_size: int, prompt: PromptType,
     if not isinstance(ids, list) or any(not isinstance(t, int) or isinstance(t, bool)
                                         for t in ids):
         raise ValueError(f"{param} token ids must be a list of integers")
-    if not ids:
-        raise ValueError(f"{param} is empty")
-    bad = [t for t in ids if not 0 <= t < vocab_size]
-    if bad:
-        raise ValueError(f"{param} has token id {bad[0]} outside the vocabulary "
-                         f"[0, {vocab_size})")
-    return text, list(ids)
+    return text, check_prompt_ids(list(ids), vocab_size, param)

@@ -20,7 +20,7 @@ from kvserve.cache.kv_transfer import TransferHandle
 from kvserve.engine.arg_utils import EngineArgs
 from kvserve.engine.builder import build_engine
 from kvserve.engine.debug import EngineDebug
-from kvserve.engine.input_processor import PromptType, tokenize_prompt
+from kvserve.engine.input_processor import PromptType, check_prompt_room, tokenize_prompt
 from kvserve.engine.output_processor import OutputProcessor
 from kvserve.engine.runner_output import ModelRunnerOutput
 from kvserve.engine.scheduler import ScheduledRequest, SchedulerOutput
@@ -95,13 +95,8 @@ class LLMEngine:
             raise ValueError(f"request_id {request_id!r} is already in use")
         text, ids = self.tokenize(prompt)
         max_len = self.model_config.max_model_len
-        if len(ids) >= max_len:
-            raise ValueError(f"prompt has {len(ids)} tokens; the model's context "
-                             f"(max_model_len) is {max_len}, which must leave room to generate")
+        check_prompt_room(len(ids), max_len, self.capacity_tokens)
         room = min(max_len, self.capacity_tokens) - len(ids)
-        if room < 1:
-            raise ValueError(f"prompt has {len(ids)} tokens but the KV cache holds only "
-                             f"{self.capacity_tokens}; raise kv_cache_memory")
         # Like vLLM/OpenAI: generation stops at the context limit with finish_reason=length.
         max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
         if (kv_export or kv_transfer is not None) and self.kv.transfer is None:

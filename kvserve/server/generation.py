@@ -234,7 +234,8 @@ class Generation:
                     self.timed_out = True
                     continue
                 if isinstance(item.error, ValueError):  # the engine refused the prompt
-                    raise bad_request(str(item.error), "prompt")
+                    raise bad_request(str(item.error), "prompt",
+                                      getattr(item.error, "code", None))
                 raise engine_error(item.error)
             if not isinstance(item, RequestOutput):
                 continue

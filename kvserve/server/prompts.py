@@ -13,7 +13,8 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 
-from kvserve.sampling_params import RequestOutputKind, SamplingParams
+from kvserve.engine.input_processor import check_prompt_ids, check_prompt_room
+from kvserve.sampling_params import ParamError, RequestOutputKind, SamplingParams
 from kvserve.server.errors import APIError, bad_request
 from kvserve.server.protocol import (
     MAX_STOP_SEQUENCES,
@@ -63,13 +64,11 @@ def check_n(n: int, settings: ServerSettings) -> None:
 
 # ---- prompts ----------------------------------------------------------------------------------
 def _check_ids(ids: list[int], limits: Limits, param: str) -> list[int]:
-    if not ids:
-        raise bad_request(f"{param} is empty", param)
-    for t in ids:
-        if not 0 <= t < limits.vocab_size:
-            raise bad_request(f"{param} has token id {t} outside the vocabulary "
-                              f"[0, {limits.vocab_size})", param, "invalid_token_id")
-    return ids
+    """The engine's own check (kvserve.engine.input_processor), run before queueing."""
+    try:
+        return check_prompt_ids(ids, limits.vocab_size, param)
+    except ParamError as e:
+        raise bad_request(str(e), e.param, e.code) from e
 
 
 def _too_long(param: str, what: str, limits: Limits) -> APIError:
@@ -181,17 +180,15 @@ def tokenize_chat(tokenizer, conversation: list[dict], add_generation_prompt: bo
 
 def check_lengths(prompts: list[Prompt], max_tokens: int | None, limits: Limits,
                   prompt_param: str, max_tokens_param: str) -> None:
+    """The engine's prompt-room check (run before queueing), then OpenAI's rule that prompt +
+    max_tokens fit the context (the engine itself would cut generation at the context)."""
     ctx = limits.max_model_len
     for p in prompts:
         n = len(p.token_ids)
-        if n >= ctx:
-            raise bad_request(f"This model's maximum context length is {ctx} tokens, and the "
-                              f"{prompt_param} has {n} tokens, leaving no room to generate.",
-                              prompt_param, "context_length_exceeded")
-        if n >= limits.capacity_tokens:
-            raise bad_request(f"the {prompt_param} has {n} tokens but the KV cache holds only "
-                              f"{limits.capacity_tokens}", prompt_param,
-                              "context_length_exceeded")
+        try:
+            check_prompt_room(n, ctx, limits.capacity_tokens, prompt_param)
+        except ParamError as e:
+            raise bad_request(str(e), e.param, e.code) from e
         if max_tokens is not None and n + max_tokens > ctx:
             raise bad_request(f"This model's maximum context length is {ctx} tokens. However, "
                               f"you requested {n + max_tokens} tokens ({n} in the "

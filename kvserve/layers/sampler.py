@@ -4,10 +4,16 @@ Seeded requests draw their randomness from a generator seeded by (seed, output p
 request's tokens do not depend on what else is in the batch, nor on preemption and recompute.
 Sampling uses the exponential race (argmax p_i / E_i, E_i ~ Exp(1)), one draw per row.
 
-Rows with a grammar (``SampleRow.grammar``, structured outputs) get every token the grammar does
-not allow next set to -inf after the penalties, before any draw; rows without one pay nothing.
-A row whose grammar allows no token (a dead end) is left all -inf: its drawn token is then
-refused by ``GrammarMatcher.accept`` and the request ends (finish reason "grammar_dead_end").
+Rows with a grammar (``SampleRow.grammar``, structured outputs) draw only tokens the grammar
+allows next; rows without one pay nothing. Each such row's allowed set is computed (a bitmask);
+masking a row (-inf on every other token, O(vocab)) is done lazily: a greedy row, or one drawn
+from the whole distribution (no top-k / top-p / min-p), whose unmasked draw is allowed has drawn
+exactly what the masked row would (the argmax of logits, or of p_i / E_i in the race, over the
+allowed tokens is the overall one when that is allowed), so only rows whose draw was refused
+are masked and drawn again (with the same seeded noise). Rows with top-k / top-p / min-p are
+masked before the draw, since those depend on the masked distribution. A row whose grammar
+allows no token (a dead end) is all -inf: its drawn token is then refused by
+``GrammarMatcher.accept`` and the request ends (finish reason "grammar_dead_end").
 Logprobs are those of the model, before the mask (as vLLM reports them).
 """
 
@@ -54,12 +60,28 @@ class Sampler:
             raw_logprobs = torch.log_softmax(logits, dim=-1)
         self._apply_penalties(logits, rows)
         grammar_rows = [i for i, r in enumerate(rows) if r.grammar is not None]
+        words = None
         if grammar_rows:
-            apply_grammar_masks(logits, [(i, rows[i].grammar) for i in grammar_rows])
+            words = grammar_bitmasks([rows[i].grammar for i in grammar_rows], logits.shape[1])
+            eager = [j for j, i in enumerate(grammar_rows) if _needs_masked_draw(rows[i].params)]
+            if eager:
+                mask_rows(logits, [grammar_rows[j] for j in eager], words[eager])
         tokens = argmax_rows(logits)
         random_rows = [i for i, r in enumerate(rows) if not r.params.greedy]
         if random_rows:
             self._sample_random(logits, rows, random_rows, tokens)
+        if words is not None:  # lazily masked rows whose draw the grammar refuses: again
+            refused = [j for j, i in enumerate(grammar_rows)
+                       if not _needs_masked_draw(rows[i].params)
+                       and not _allowed(words[j], int(tokens[i]))]
+            if refused:
+                idx = [grammar_rows[j] for j in refused]
+                mask_rows(logits, idx, words[refused])
+                for i in idx:
+                    tokens[i] = argmax_rows(logits[i:i + 1])[0]
+                again = [i for i in idx if not rows[i].params.greedy]
+                if again:
+                    self._sample_random(logits, rows, again, tokens)
         token_list = tokens.tolist()
         lps: list[dict[int, float] | None] = [None] * len(rows)
         sampled_lp = [0.0] * len(rows)
@@ -117,23 +139,42 @@ class Sampler:
             tokens[i] = (probs / noise).argmax()
 
 
-def apply_grammar_masks(logits: torch.Tensor,
-                        rows: list[tuple[int, GrammarMatcher | None]]) -> None:
-    """Set to -inf, in row i of logits [N, V], every token that row i's grammar does not allow
-    next. One int32 bitmask [k, ceil(V / 32)] for the k rows, unpacked to bits in one call."""
+def _needs_masked_draw(p: SamplingParams) -> bool:
+    """Sampling whose candidates depend on the whole distribution: mask before drawing."""
+    return not p.greedy and (p.top_k > 0 or p.top_p < 1.0 or p.min_p > 0.0)
+
+
+def _allowed(words: np.ndarray, token: int) -> bool:
+    return bool((int(words[token >> 5]) >> (token & 31)) & 1)
+
+
+def grammar_bitmasks(grammars: list, vocab: int) -> np.ndarray:
+    """int32 [k, ceil(V / 32)]: bit t % 32 of word t // 32 set iff grammar j allows token t
+    next (a dead end leaves row j all zero)."""
+    words = np.zeros((len(grammars), (vocab + 31) // 32), np.int32)
+    for j, g in enumerate(grammars):
+        g.fill_bitmask(words[j])
+    return words
+
+
+def mask_rows(logits: torch.Tensor, idx: list[int], words: np.ndarray) -> None:
+    """Set to -inf, in row idx[j] of logits [N, V], every token that words[j] does not allow.
+    The bits are unpacked for all rows in one call."""
     vocab = logits.shape[1]
-    words = np.zeros((len(rows), (vocab + 31) // 32), np.int32)
-    for j, (_, g) in enumerate(rows):
-        assert g is not None
-        g.fill_bitmask(words[j])  # a dead end leaves the row all zero
-    # [k, 32 * W] uint8 0/1: bit b of word w is token 32 w + b (little-endian bytes and bits)
+    # [k, 32 W] uint8 0/1: bit b of word w is token 32 w + b (little-endian bytes and bits)
     bits = np.unpackbits(words.view(np.uint8), axis=1, bitorder="little")[:, :vocab]
     banned = torch.from_numpy(bits == 0)
-    idx = torch.tensor([i for i, _ in rows], dtype=torch.long)
     if logits.device.type != "cpu":
-        banned, idx = banned.to(logits.device), idx.to(logits.device)
-    sub = logits.index_select(0, idx).masked_fill_(banned, float("-inf"))
-    logits.index_copy_(0, idx, sub)
+        banned = banned.to(logits.device)
+    for j, i in enumerate(idx):
+        logits[i].masked_fill_(banned[j], float("-inf"))
+
+
+def apply_grammar_masks(logits: torch.Tensor,
+                        rows: list[tuple[int, GrammarMatcher | None]]) -> None:
+    """Mask rows now: row i of logits keeps only what its grammar allows next."""
+    words = grammar_bitmasks([g for _, g in rows], logits.shape[1])
+    mask_rows(logits, [i for i, _ in rows], words)
 
 
 def argmax_rows(logits: torch.Tensor) -> torch.Tensor:

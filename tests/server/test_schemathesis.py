@@ -21,7 +21,7 @@ pytestmark = pytest.mark.slow
 
 OPERATIONS = [("POST", "/v1/completions"), ("POST", "/v1/chat/completions"),
               ("GET", "/v1/models"), ("GET", "/health"), ("GET", "/ready"),
-              ("GET", "/version"), ("GET", "/metrics")]
+              ("GET", "/version"), ("GET", "/metrics"), ("GET", "/kv_events")]
 MAX_EXAMPLES = {"POST": 30, "GET": 5}
 
 

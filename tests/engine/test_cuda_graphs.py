@@ -57,7 +57,8 @@ def _run_with_spy(llm, n_live: int, check) -> list:
     """Generate from n_live prompts; on the first decode-only step with n_live sequences, call
     ``check(engine, batch)`` right after the live forward (cache state of that step)."""
     eng = llm.engine
-    orig = eng.runner.forward
+    fwd = eng.runner.executor.driver.runner  # rank 0's ForwardRunner: the forward of each step
+    orig = fwd.forward
     results: list = []
 
     def spy(batch):
@@ -66,7 +67,7 @@ def _run_with_spy(llm, n_live: int, check) -> list:
             results.append(check(eng, batch, hidden))
         return hidden
 
-    eng.runner.forward = spy
+    fwd.forward = spy
     prompts = [{"prompt_token_ids": [1] + [(5 * i + j) % 400 + 3 for j in range(ln)]}
                for i, ln in enumerate([4, 21, 9, 35, 16, 2, 50][:n_live])]
     llm.generate(prompts, SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))

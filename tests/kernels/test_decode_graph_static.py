@@ -41,7 +41,8 @@ def test_static_padded_decode_matches_eager(model_factory, make_llm, kv):
         assert eng.runner.graphs is None
         graphs = CudaGraphRunner(eng.model, eng.runner.backend, eng.kv_cache,
                                  eng.kv_cache.block_size, 2, max_num_seqs=4, max_model_len=64)
-        eng.runner.graphs = graphs  # not captured: run() executes the static forward eagerly
+        # not captured: run() executes the static forward eagerly
+        eng.runner.executor.driver.runner.graphs = graphs
     assert graphs.buckets == (1, 2, 4) and graphs.max_blocks == 4
     got = llm.generate(prompts, sp)
     assert graphs.runs >= 3  # 3 live rows padded to bucket 4 (prefill steps run eagerly)

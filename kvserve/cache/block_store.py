@@ -33,12 +33,16 @@ import hashlib
 import json
 import struct
 from dataclasses import asdict, dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
 from kvserve.kernels import reference as ref
 from kvserve.kernels.cpu import block_sums as c_block_sums
+
+if TYPE_CHECKING:
+    from kvserve.cache.kv_cache import PagedKVCache
 
 MAGIC = b"KVSBLK\x00\x01"
 FORMAT_VERSION = 1
@@ -278,3 +282,22 @@ def verify(spec: StoreSpec, data: bytes, chain_hash: bytes,
     if not np.array_equal(recomputed[0], sums):
         return Rejected(Reason.BAD_SUMS, "payload / scales differ from the sealed sums")
     return StoredBlock(chain_hash, tuple(token_ids), payload, scales, sums.astype(np.int64))
+
+
+def install(kv: PagedKVCache, block_ids: list[int], blocks: list[StoredBlock]) -> None:
+    """Copy verified blocks into freshly allocated pool blocks ``block_ids`` (and, where the
+    write kernel keeps checksum state, set it to the verified sums so sealing reads them: a
+    partial block's unfilled rows are zero, so its later rows add to the state exactly as in
+    the engine that sealed it)."""
+    dev = kv.data.device
+    idx = torch.tensor(block_ids, dtype=torch.int64, device=dev)
+    # as bytes: index_copy_ has no FP8 kernel on CPU
+    payload = torch.stack([b.payload for b in blocks], 1).to(dev)  # [L, C, n, bs, H, D]
+    kv.data.view(torch.uint8).index_copy_(1, idx, payload.view(torch.uint8))
+    if kv.scales is not None:
+        scales = torch.stack([b.scales for b in blocks], 1).to(dev)  # type: ignore[misc]
+        kv.scales.view(torch.uint8).index_copy_(1, idx, scales.view(torch.uint8))
+    state = kv.csum_state
+    if state is not None:
+        sums = torch.from_numpy(np.stack([b.sums for b in blocks], 1)).to(state.device)
+        state.index_copy_(1, idx, sums)

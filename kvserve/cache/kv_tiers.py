@@ -40,7 +40,7 @@ from typing import Protocol
 import numpy as np
 import torch
 
-from kvserve.cache import block_store
+from kvserve.cache import block_store, jobs
 from kvserve.cache.block_store import Reason, Rejected, StoredBlock, StoreSpec
 from kvserve.cache.kv_cache import PagedKVCache
 
@@ -300,12 +300,11 @@ class KVTiers:
         self.restore_hist = np.zeros(len(RESTORE_BUCKETS) + 1, dtype=np.int64)
         self.restore_seconds = 0.0
         self._writes: queue.Queue[_Write | None] = queue.Queue(maxsize=cfg.queue_blocks)
-        self._restores: queue.Queue[_Restore | None] = queue.Queue()
-        self._jobs: dict[str, _Restore] = {}
+        self._jobs: jobs.JobBoard[_Restore] = jobs.JobBoard()
         self._writer = threading.Thread(target=self._write_loop, name="kv-tier-writer",
                                         daemon=True)
-        self._reader = threading.Thread(target=self._restore_loop, name="kv-tier-restore",
-                                        daemon=True)
+        self._reader = threading.Thread(target=self._jobs.serve, args=(self._run_restore,),
+                                        name="kv-tier-restore", daemon=True)
         self._writer.start()
         self._reader.start()
         self._closed = False
@@ -406,10 +405,7 @@ class KVTiers:
         return n
 
     def start_restore(self, req_id: str, items: list[tuple[bytes, tuple[int, ...]]]) -> None:
-        assert req_id not in self._jobs
-        job = _Restore(items, time.perf_counter(), threading.Event(), [])
-        self._jobs[req_id] = job
-        self._restores.put(job)
+        self._jobs.submit(req_id, _Restore(items, time.perf_counter(), threading.Event(), []))
 
     def restoring(self, req_id: str) -> bool:
         job = self._jobs.get(req_id)
@@ -417,41 +413,19 @@ class KVTiers:
 
     def take_restore(self, req_id: str) -> list[StoredBlock] | None:
         """The verified blocks of a finished restore job (consumed), None if none finished."""
-        job = self._jobs.get(req_id)
-        if job is None or not job.done.is_set():
+        job = self._jobs.finished(req_id)
+        if job is None:
             return None
-        del self._jobs[req_id]
+        self._jobs.cancel(req_id)
         return job.blocks
 
     def cancel(self, req_id: str) -> None:
         """Forget a request's restore (its result, if it comes, is dropped)."""
-        self._jobs.pop(req_id, None)
+        self._jobs.cancel(req_id)
 
     def wait_any(self, timeout: float) -> None:
-        """Sleep until some restore job finished (or ``timeout``): an idle step loop whose only
-        work waits for restores does not spin."""
-        for job in list(self._jobs.values()):
-            if not job.done.is_set():
-                job.done.wait(timeout)
-                return
-
-    def _restore_loop(self) -> None:
-        while True:
-            job = self._restores.get()
-            if job is None:
-                return
-            try:
-                for chain_hash, tokens in job.items:
-                    blk = self._read_one(chain_hash, tokens)
-                    if blk is None:
-                        break
-                    job.blocks.append(blk)
-            except Exception:  # noqa: BLE001 - a failed restore is a miss
-                logger.exception("kv tiers: restore failed")
-            dt = time.perf_counter() - job.started
-            self.restore_seconds += dt
-            self.restore_hist[int(np.searchsorted(RESTORE_BUCKETS, dt))] += 1
-            job.done.set()
+        """Sleep until some restore job finished (or ``timeout``)."""
+        self._jobs.wait_any(timeout)
 
     def restore_now(self, block_ids: list[int], items: list[tuple[bytes, tuple[int, ...]]]
                     ) -> list[bool]:
@@ -464,6 +438,20 @@ class KVTiers:
                 self.install([block_id], [blk])
             bad.append(blk is None)
         return bad
+
+    def _run_restore(self, job: _Restore) -> None:
+        try:
+            for chain_hash, tokens in job.items:
+                blk = self._read_one(chain_hash, tokens)
+                if blk is None:
+                    break
+                job.blocks.append(blk)
+        except Exception:  # noqa: BLE001 - a failed restore is a miss
+            logger.exception("kv tiers: restore failed")
+        dt = time.perf_counter() - job.started
+        self.restore_seconds += dt
+        self.restore_hist[int(np.searchsorted(RESTORE_BUCKETS, dt))] += 1
+        job.done.set()
 
     def _read_one(self, chain_hash: bytes, tokens: tuple[int, ...]) -> StoredBlock | None:
         key = entry_key(self.spec, chain_hash)
@@ -492,20 +480,8 @@ class KVTiers:
         tier.drop(key)
 
     def install(self, block_ids: list[int], blocks: list[StoredBlock]) -> None:
-        """Copy verified blocks into freshly allocated pool blocks (and, where the write kernel
-        keeps checksum state, set it to the verified sums so sealing reads them)."""
-        idx = torch.tensor(block_ids, dtype=torch.int64, device=self.kv.data.device)
-        dev = self.kv.data.device
-        # as bytes: index_copy_ has no FP8 kernel on CPU
-        payload = torch.stack([b.payload for b in blocks], 1).to(dev)
-        self.kv.data.view(torch.uint8).index_copy_(1, idx, payload.view(torch.uint8))
-        if self.kv.scales is not None:
-            scales = torch.stack([b.scales for b in blocks], 1).to(dev)  # type: ignore[misc]
-            self.kv.scales.view(torch.uint8).index_copy_(1, idx, scales.view(torch.uint8))
-        state = self.kv.csum_state
-        if state is not None:
-            sums = torch.from_numpy(np.stack([b.sums for b in blocks], 1)).to(state.device)
-            state.index_copy_(1, idx, sums)
+        """Copy verified blocks into freshly allocated pool blocks (``block_store.install``)."""
+        block_store.install(self.kv, block_ids, blocks)
 
     # ---- lifecycle / stats --------------------------------------------------------------
     def close(self) -> None:
@@ -515,7 +491,7 @@ class KVTiers:
         self._closed = True
         with contextlib.suppress(queue.Full):
             self._writes.put(None, timeout=5)  # (full only if flush timed out)
-        self._restores.put(None)
+        self._jobs.stop()
         self._writer.join(timeout=10)
         self._reader.join(timeout=10)
         if self.disk is not None:

@@ -34,7 +34,6 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-import queue
 import threading
 import time
 import uuid
@@ -47,7 +46,7 @@ import numpy as np
 import torch
 import zmq
 
-from kvserve.cache import block_store
+from kvserve.cache import block_store, jobs
 from kvserve.cache.block_store import Rejected, StoredBlock, StoreSpec
 from kvserve.cache.kv_cache import PagedKVCache
 
@@ -391,12 +390,12 @@ class KVTransfer:
         self.fallbacks: Counter[str] = Counter()  # imports that became a local prefill
         self.latency_hist = np.zeros(len(LATENCY_BUCKETS) + 1, dtype=np.int64)
         self.latency_seconds = 0.0
-        self._jobs: dict[str, _Import] = {}
-        self._queue: queue.Queue[_Import | None] = queue.Queue()
+        self._jobs: jobs.JobBoard[_Import] = jobs.JobBoard()
         self._lock = threading.Lock()  # the counters, updated by the import threads
         # a few fetches at once: one slow / dead prefill replica does not hold up the others
-        self._threads = [threading.Thread(target=self._import_loop, name=f"kv-transfer-recv{i}",
-                                          daemon=True) for i in range(IMPORT_THREADS)]
+        self._threads = [threading.Thread(target=self._jobs.serve, args=(self._run_import,),
+                                          name=f"kv-transfer-recv{i}", daemon=True)
+                         for i in range(IMPORT_THREADS)]
         for t in self._threads:
             t.start()
         self._closed = False
@@ -442,45 +441,32 @@ class KVTransfer:
     # ---- decode side ----------------------------------------------------------------------
     def start_import(self, req_id: str, handle: TransferHandle,
                      expected: list[Expected]) -> None:
-        assert req_id not in self._jobs
-        job = _Import(handle, expected, time.perf_counter())
-        self._jobs[req_id] = job
-        self._queue.put(job)
+        self._jobs.submit(req_id, _Import(handle, expected, time.perf_counter()))
 
     def finished(self, req_id: str) -> _Import | None:
         """The request's import once it finished (``cancel`` consumes it), else None."""
-        job = self._jobs.get(req_id)
-        if job is None or not job.done.is_set():
-            return None
-        return job
+        return self._jobs.finished(req_id)
 
     def importing(self, req_id: str) -> bool:
         return req_id in self._jobs
 
     def cancel(self, req_id: str) -> None:
-        self._jobs.pop(req_id, None)
+        self._jobs.cancel(req_id)
 
     def wait_any(self, timeout: float) -> None:
-        for job in list(self._jobs.values()):
-            if not job.done.is_set():
-                job.done.wait(timeout)
-                return
+        self._jobs.wait_any(timeout)
 
-    def _import_loop(self) -> None:
-        while True:
-            job = self._queue.get()
-            if job is None:
-                return
-            try:
-                self._import_one(job)
-            except Exception as e:  # noqa: BLE001 - a failed import is a local prefill
-                logger.exception("kv transfer: import failed")
-                job.failed, job.blocks = f"error:{type(e).__name__}", []
-            dt = time.perf_counter() - job.started
-            with self._lock:
-                self.latency_seconds += dt
-                self.latency_hist[int(np.searchsorted(LATENCY_BUCKETS, dt))] += 1
-            job.done.set()
+    def _run_import(self, job: _Import) -> None:
+        try:
+            self._import_one(job)
+        except Exception as e:  # noqa: BLE001 - a failed import is a local prefill
+            logger.exception("kv transfer: import failed")
+            job.failed, job.blocks = f"error:{type(e).__name__}", []
+        dt = time.perf_counter() - job.started
+        with self._lock:
+            self.latency_seconds += dt
+            self.latency_hist[int(np.searchsorted(LATENCY_BUCKETS, dt))] += 1
+        job.done.set()
 
     def _import_one(self, job: _Import) -> None:
         h = job.handle
@@ -517,20 +503,8 @@ class KVTransfer:
                 job.blocks.append(res)
 
     def install(self, block_ids: list[int], blocks: list[StoredBlock]) -> None:
-        """Copy verified blocks into freshly allocated pool blocks (and where the fused writer
-        keeps checksum state, set it to their sums: a partial block's unfilled rows are zero,
-        so its later rows add to the state exactly as in the prefill engine)."""
-        dev = self.kv.data.device
-        idx = torch.tensor(block_ids, dtype=torch.int64, device=dev)
-        payload = torch.stack([b.payload for b in blocks], 1).to(dev)
-        self.kv.data.view(torch.uint8).index_copy_(1, idx, payload.view(torch.uint8))
-        if self.kv.scales is not None:
-            scales = torch.stack([b.scales for b in blocks], 1).to(dev)  # type: ignore[misc]
-            self.kv.scales.view(torch.uint8).index_copy_(1, idx, scales.view(torch.uint8))
-        state = self.kv.csum_state
-        if state is not None:
-            sums = torch.from_numpy(np.stack([b.sums for b in blocks], 1)).to(state.device)
-            state.index_copy_(1, idx, sums)
+        """Copy verified blocks into freshly allocated pool blocks (``block_store.install``)."""
+        block_store.install(self.kv, block_ids, blocks)
         self.blocks_installed += len(blocks)
 
     # ---- lifecycle / stats ----------------------------------------------------------------
@@ -538,8 +512,7 @@ class KVTransfer:
         if self._closed:
             return
         self._closed = True
-        for _ in self._threads:
-            self._queue.put(None)
+        self._jobs.stop(len(self._threads))
         for t in self._threads:
             t.join(timeout=10)
         self.transport.close()

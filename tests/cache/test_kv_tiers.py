@@ -502,7 +502,7 @@ def test_round_trip_sets_write_state(tmp_path):
         items = [(e.chain_hash, e.token_ids) for e in ev]
         assert tiers.available(items) == 3
         tiers.start_restore("r", items)
-        tiers._jobs["r"].done.wait(10)
+        tiers._jobs.get("r").done.wait(10)
         got = tiers.take_restore("r")
         assert [b.chain_hash for b in got] == [e.chain_hash for e in ev]
         want = block_sums(kv, [1, 2, 3])

@@ -21,7 +21,6 @@ import asyncio
 import contextlib
 import json
 import logging
-import time
 from collections.abc import AsyncIterator, Awaitable
 from typing import Any
 
@@ -29,7 +28,7 @@ import httpx
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
-from starlette.types import ASGIApp, Message, Receive, Scope, Send
+from starlette.types import ASGIApp, Receive, Scope, Send
 
 import kvserve
 from kvserve.router.hashing import HashRing
@@ -39,11 +38,9 @@ from kvserve.router.prefix_index import PrefixIndex
 from kvserve.router.replicas import Replica, ReplicaPool
 from kvserve.router.settings import RouterSettings
 from kvserve.server.errors import error_body, error_response, http_error_handler
-from kvserve.server.middleware import APIKeyAuth, BodyLimit, ErrorCounter
-from kvserve.server.streaming import CLIENT_CLOSED
+from kvserve.server.middleware import AccessLog, APIKeyAuth, BodyLimit, ErrorCounter
 
 logger = logging.getLogger("kvserve.router")
-access_logger = logging.getLogger("kvserve.access")
 ROUTE_KEY = "kvserve.route"  # in the ASGI scope: {"replica", "reason", "attempts"}
 _FORWARD_REQ = ("content-type", "accept", "x-request-id", "openai-organization")
 _FORWARD_RESP = ("content-type", "retry-after", "cache-control", "x-request-id",
@@ -372,46 +369,33 @@ async def _prefill_leg(state: RouterState, path: str, payload: dict, headers: di
     return None
 
 
-class RouterAccessLog:
+class RouterAccessLog(AccessLog):
     """One ``kvserve.access`` line per HTTP request, naming the replica that served it."""
 
     def __init__(self, app: ASGIApp, state: RouterState, log: bool = True) -> None:
-        self.app, self.state, self.log = app, state, log
+        super().__init__(app, log)
+        self.state = state
 
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http":
-            return await self.app(scope, receive, send)
-        start = time.perf_counter()
-        status = CLIENT_CLOSED
-
-        async def recording_send(message: Message) -> None:
-            nonlocal status
-            if message["type"] == "http.response.start":
-                status = message["status"]
-            await send(message)
-
+    async def serve(self, scope: Scope, receive: Receive, send: Send) -> None:
         generation = scope.get("path") in _GENERATION_PATHS and scope.get("method") == "POST"
         if generation:
             self.state.inflight += 1
         try:
-            await self.app(scope, receive, recording_send)
+            await self.app(scope, receive, send)
         finally:
             if generation:
                 self.state.inflight -= 1
-            route = scope.get(ROUTE_KEY)
-            client = scope.get("client")
-            extra = ""
-            if route is not None:
-                extra = (f" replica={route['replica']} reason={route['reason']} "
-                         f"attempts={route['attempts']}")
-                if route.get("stream_error"):
-                    extra += " stream_error=1"
-                self.state.metrics.requests.labels(route["replica"], str(status)).inc()
-            if self.log:
-                access_logger.info('%s "%s %s" %d %.3fs%s',
-                                   f"{client[0]}:{client[1]}" if client else "-",
-                                   scope.get("method", "-"), scope.get("path", "-"), status,
-                                   time.perf_counter() - start, extra)
+
+    def describe(self, scope: Scope, status: int) -> str:
+        route = scope.get(ROUTE_KEY)
+        extra = ""
+        if route is not None:
+            extra = (f" replica={route['replica']} reason={route['reason']} "
+                     f"attempts={route['attempts']}")
+            if route.get("stream_error"):
+                extra += " stream_error=1"
+            self.state.metrics.requests.labels(route["replica"], str(status)).inc()
+        return extra
 
 
 def build_router_app(state: RouterState, *, api_key: str | None,

@@ -52,10 +52,11 @@ def normalize_path(path: str) -> str:
 class AccessLog:
     """One ``kvserve.access`` INFO line per HTTP request once it is fully answered:
     client, method, path, status, latency and, for generation requests, tokens. A client that
-    left before any answer is logged with status 499."""
+    left before any answer is logged with status 499. Subclasses (the router's) change what
+    runs around the app (``serve``) and what the line adds (``describe``)."""
 
-    def __init__(self, app: ASGIApp) -> None:
-        self.app = app
+    def __init__(self, app: ASGIApp, log: bool = True) -> None:
+        self.app, self.log = app, log
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -70,16 +71,25 @@ class AccessLog:
             await send(message)
 
         try:
-            await self.app(scope, receive, recording_send)
+            await self.serve(scope, receive, recording_send)
         finally:
-            client = scope.get("client")
-            gen = scope.get(GENERATION_KEY)
-            tokens = "" if gen is None else (f" prompt_tokens={gen.num_prompt_tokens}"
-                                             f" completion_tokens={gen.num_generated_tokens}")
-            access_logger.info('%s "%s %s" %d %.3fs%s',
-                               f"{client[0]}:{client[1]}" if client else "-",
-                               scope.get("method", "-"), scope.get("path", "-"), status,
-                               time.perf_counter() - start, tokens)
+            extra = self.describe(scope, status)
+            if self.log:
+                client = scope.get("client")
+                access_logger.info('%s "%s %s" %d %.3fs%s',
+                                   f"{client[0]}:{client[1]}" if client else "-",
+                                   scope.get("method", "-"), scope.get("path", "-"), status,
+                                   time.perf_counter() - start, extra)
+
+    async def serve(self, scope: Scope, receive: Receive, send: Send) -> None:
+        await self.app(scope, receive, send)
+
+    def describe(self, scope: Scope, status: int) -> str:
+        """What the line adds after the latency (called once the request was answered, whether
+        or not the line is logged)."""
+        gen = scope.get(GENERATION_KEY)
+        return "" if gen is None else (f" prompt_tokens={gen.num_prompt_tokens}"
+                                       f" completion_tokens={gen.num_generated_tokens}")
 
 
 class ErrorCounter:

@@ -9,15 +9,15 @@ from fastapi import Request
 from fastapi.responses import Response
 
 from kvserve.outputs import CompletionOutput
-from kvserve.server.disagg import kv_leg
+from kvserve.sampling_params import SamplingParams
 from kvserve.server.errors import bad_request
-from kvserve.server.generation import Generation
+from kvserve.server.generation import Generation, new_generation
 from kvserve.server.logprobs import chat_logprobs
 from kvserve.server.prompts import (
+    Prompt,
     chat_conversation,
     check_lengths,
-    check_model,
-    check_n,
+    check_request,
     sampling_params,
     tokenize_chat,
 )
@@ -38,15 +38,14 @@ from kvserve.server.protocol import (
     dump,
 )
 from kvserve.server.state import ServerState
-from kvserve.server.streaming import Update, respond, stream_choices, usage
-from kvserve.server.structured import ToolPlan, compile_constraint, output_constraint, tool_plan
+from kvserve.server.streaming import Update, full_response, include_usage, respond, stream_choices
+from kvserve.server.structured import ToolPlan, output_constraint, tool_plan
 from kvserve.server.tool_parsers import StreamingToolCalls, new_call_id
 
 
 async def create_chat_completion(req: ChatCompletionRequest, request: Request,
                                  state: ServerState) -> Response:
-    check_model(req.model, state.settings)
-    check_n(req.n, state.settings)
+    check_request(req, state.settings)
     if req.top_logprobs is not None and not req.logprobs:
         raise bad_request("top_logprobs requires logprobs to be true", "top_logprobs")
     conversation = chat_conversation(req, state.tokenizer, state.limits)
@@ -57,9 +56,8 @@ async def create_chat_completion(req: ChatCompletionRequest, request: Request,
                           "to tool calls: it cannot be combined with response_format or "
                           "structured_outputs", "tool_choice")
     constraint = constraint or plan.constraint
-    ticket = state.admit(1, req.n)
-    try:
-        await compile_constraint(state.engine, constraint)
+
+    async def prepare() -> tuple[list[Prompt], SamplingParams]:
         prompt = await state.pool.run(tokenize_chat, conversation, req.add_generation_prompt,
                                       state.limits, plan.template_tools)
         if req.max_completion_tokens is not None:
@@ -68,16 +66,11 @@ async def create_chat_completion(req: ChatCompletionRequest, request: Request,
             max_tokens, max_param = req.max_tokens, "max_tokens"
         check_lengths([prompt], max_tokens, state.limits, "messages", max_param)
         logprobs = (req.top_logprobs or 0) if req.logprobs else None
-        params = sampling_params(req, max_tokens=max_tokens, max_tokens_param=max_param,
-                                 logprobs=logprobs, prompt_logprobs=None, limits=state.limits)
-        if constraint is not None:
-            params = params.clone(structured_outputs=constraint.params)
-        params, kv = kv_leg(req.kv_transfer, 1, params, state.settings.role)
-        gen = Generation(state, state.new_id("chatcmpl"), [prompt], params, ticket,
-                         priority=req.priority, cache_salt=req.cache_salt, kv=kv)
-    except BaseException:
-        ticket.release()
-        raise
+        return [prompt], sampling_params(
+            req, max_tokens=max_tokens, max_tokens_param=max_param, logprobs=logprobs,
+            prompt_logprobs=None, limits=state.limits)
+
+    gen = await new_generation(state, req, "chatcmpl", 1, constraint, prepare)
     view = _ChatView(req, state, plan)
     return await respond(gen, request, req.stream, view.full, view.chunks)
 
@@ -114,14 +107,10 @@ class _ChatView:
                 logprobs=self._logprobs(comp.token_ids, comp.logprobs) if comp else None,
                 finish_reason=reason, stop_reason=comp.stop_reason if comp else None,
             ))
-        d = dump(ChatCompletionResponse(id=gen.request_id, created=gen.created,
-                                        model=self.model, choices=choices, usage=usage(gen)))
-        if gen.kv_result is not None:
-            d["kv_transfer"] = gen.kv_result
-        return d
+        return full_response(gen, ChatCompletionResponse, self.model, choices)
 
     async def chunks(self, gen: Generation, first: Update | None) -> AsyncIterator[dict]:
-        include_usage = bool(self.req.stream_options and self.req.stream_options.include_usage)
+        with_usage = include_usage(self.req)
 
         def chunk(choice: ChatChunkChoice | None, usage: UsageInfo | None = None) -> dict:
             c = ChatCompletionChunk(id=gen.request_id, created=gen.created, model=self.model,
@@ -129,7 +118,7 @@ class _ChatView:
             d = dump(c)
             for ch in d["choices"]:  # OpenAI omits unset delta fields
                 ch["delta"] = {k: v for k, v in ch["delta"].items() if v is not None}
-            if not include_usage:
+            if not with_usage:
                 d.pop("usage", None)
             return d
 
@@ -168,5 +157,5 @@ class _ChatView:
             yield chunk(ChatChunkChoice(index=i, delta=DeltaMessage(role="assistant",
                                                                     content="")))
         async for d in stream_choices(gen, first, self.req.n, choice_chunk,
-                                      (lambda u: chunk(None, u)) if include_usage else None):
+                                      (lambda u: chunk(None, u)) if with_usage else None):
             yield d

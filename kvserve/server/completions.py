@@ -12,13 +12,13 @@ from fastapi import Request
 from fastapi.responses import Response
 
 from kvserve.outputs import CompletionOutput
-from kvserve.server.disagg import kv_leg
-from kvserve.server.generation import Generation
+from kvserve.sampling_params import SamplingParams
+from kvserve.server.generation import Generation, new_generation
 from kvserve.server.logprobs import TextOffsets, completion_logprobs
 from kvserve.server.prompts import (
+    Prompt,
     check_lengths,
-    check_model,
-    check_n,
+    check_request,
     completion_items,
     sampling_params,
     tokenize_prompts,
@@ -32,33 +32,25 @@ from kvserve.server.protocol import (
     dump,
 )
 from kvserve.server.state import ServerState
-from kvserve.server.streaming import Update, respond, stream_choices, usage
-from kvserve.server.structured import compile_constraint, output_constraint
+from kvserve.server.streaming import Update, full_response, include_usage, respond, stream_choices
+from kvserve.server.structured import output_constraint
 
 
 async def create_completion(req: CompletionRequest, request: Request,
                             state: ServerState) -> Response:
-    check_model(req.model, state.settings)
-    check_n(req.n, state.settings)
+    check_request(req, state.settings)
     items = completion_items(req, state.limits, state.settings)
     constraint = output_constraint(req)
-    ticket = state.admit(len(items), req.n)
-    try:
-        await compile_constraint(state.engine, constraint)
+
+    async def prepare() -> tuple[list[Prompt], SamplingParams]:
         prompts = await state.pool.run(tokenize_prompts, items, state.limits)
         check_lengths(prompts, req.max_tokens, state.limits, "prompt", "max_tokens")
         prompt_lp = req.logprobs if req.echo and req.logprobs is not None else None
-        params = sampling_params(req, max_tokens=req.max_tokens, max_tokens_param="max_tokens",
-                                 logprobs=req.logprobs, prompt_logprobs=prompt_lp,
-                                 limits=state.limits)
-        if constraint is not None:
-            params = params.clone(structured_outputs=constraint.params)
-        params, kv = kv_leg(req.kv_transfer, len(prompts), params, state.settings.role)
-        gen = Generation(state, state.new_id("cmpl"), prompts, params, ticket,
-                         priority=req.priority, cache_salt=req.cache_salt, kv=kv)
-    except BaseException:
-        ticket.release()
-        raise
+        return prompts, sampling_params(
+            req, max_tokens=req.max_tokens, max_tokens_param="max_tokens",
+            logprobs=req.logprobs, prompt_logprobs=prompt_lp, limits=state.limits)
+
+    gen = await new_generation(state, req, "cmpl", len(items), constraint, prepare)
     view = _CompletionView(req, state)
     return await respond(gen, request, req.stream, view.full, view.chunks)
 
@@ -108,19 +100,15 @@ class _CompletionView:
                     finish_reason=gen.finish_reason(comp),
                     stop_reason=comp.stop_reason if comp else None,
                 ))
-        d = dump(CompletionResponse(id=gen.request_id, created=gen.created,
-                                    model=self.model, choices=choices, usage=usage(gen)))
-        if gen.kv_result is not None:
-            d["kv_transfer"] = gen.kv_result
-        return d
+        return full_response(gen, CompletionResponse, self.model, choices)
 
     async def chunks(self, gen: Generation, first: Update | None) -> AsyncIterator[dict]:
-        include_usage = bool(self.req.stream_options and self.req.stream_options.include_usage)
+        with_usage = include_usage(self.req)
 
         def chunk(choices: list[CompletionChoice], usage: UsageInfo | None = None) -> dict:
             d = dump(CompletionResponse(id=gen.request_id, created=gen.created,
                                         model=self.model, choices=choices, usage=usage))
-            if not include_usage:
+            if not with_usage:
                 d.pop("usage", None)
             return d
 
@@ -145,5 +133,5 @@ class _CompletionView:
                 stop_reason=comp.stop_reason if reason else None)])
 
         async for d in stream_choices(gen, first, self.req.n, choice_chunk,
-                                      (lambda u: chunk([], u)) if include_usage else None):
+                                      (lambda u: chunk([], u)) if with_usage else None):
             yield d

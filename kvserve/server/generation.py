@@ -15,7 +15,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 
 from starlette.types import Receive
 
@@ -28,10 +28,12 @@ from kvserve.engine.async_engine import (
 from kvserve.outputs import CompletionOutput, Logprobs, RequestOutput
 from kvserve.sampling_params import SamplingParams
 from kvserve.server.admission import Ticket
-from kvserve.server.disagg import prefill_result
+from kvserve.server.disagg import kv_leg, prefill_result
 from kvserve.server.errors import APIError, bad_request
 from kvserve.server.prompts import Prompt
+from kvserve.server.protocol import SamplingRequest
 from kvserve.server.state import ServerState
+from kvserve.server.structured import Constraint, compile_constraint
 
 _DISCONNECTED = object()
 _FORCE_END = object()
@@ -356,6 +358,28 @@ class Generation:
                 metrics.finished.labels(reason).inc()
         if any(self.choices):
             metrics.e2e.observe(time.monotonic() - self.arrival)
+
+
+async def new_generation(
+        state: ServerState, req: SamplingRequest, id_prefix: str, num_prompts: int,
+        constraint: Constraint | None,
+        prepare: Callable[[], Awaitable[tuple[list[Prompt], SamplingParams]]]) -> Generation:
+    """Admit a request of ``num_prompts`` prompts x ``req.n`` choices, compile its output
+    constraint, then build it: ``prepare`` tokenizes and checks the prompts and makes the
+    sampling parameters (the constraint and the disaggregation leg are added here). Whatever
+    raises (a 400 among them) gives the admission ticket back."""
+    ticket = state.admit(num_prompts, req.n)
+    try:
+        await compile_constraint(state.engine, constraint)
+        prompts, params = await prepare()
+        if constraint is not None:
+            params = params.clone(structured_outputs=constraint.params)
+        params, kv = kv_leg(req.kv_transfer, len(prompts), params, state.settings.role)
+        return Generation(state, state.new_id(id_prefix), prompts, params, ticket,
+                          priority=req.priority, cache_salt=req.cache_salt, kv=kv)
+    except BaseException:
+        ticket.release()
+        raise
 
 
 async def run_to_first(gen: Generation, receive: Receive) -> tuple[int, RequestOutput] | None:

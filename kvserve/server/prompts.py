@@ -62,6 +62,12 @@ def check_n(n: int, settings: ServerSettings) -> None:
         raise bad_request(f"n must be at most {settings.max_n} on this server, got {n}", "n")
 
 
+def check_request(req: SamplingRequest, settings: ServerSettings) -> None:
+    """What every generation request is checked for first: the model it names (a 404), then n."""
+    check_model(req.model, settings)
+    check_n(req.n, settings)
+
+
 # ---- prompts ----------------------------------------------------------------------------------
 def _check_ids(ids: list[int], limits: Limits, param: str) -> list[int]:
     """The engine's own check (kvserve.engine.input_processor), run before queueing."""

@@ -19,7 +19,13 @@ from starlette.types import Receive, Scope, Send
 from kvserve.outputs import CompletionOutput, RequestOutput
 from kvserve.server.errors import APIError, SafeJSONResponse, error_body
 from kvserve.server.generation import ClientDisconnected, Generation, run_to_first
-from kvserve.server.protocol import UsageInfo
+from kvserve.server.protocol import (
+    ChatCompletionResponse,
+    CompletionResponse,
+    SamplingRequest,
+    UsageInfo,
+    dump,
+)
 
 Update = tuple[int, RequestOutput]
 ChunkSource = Callable[[Generation, Update | None], AsyncIterator[dict]]
@@ -54,6 +60,22 @@ class GenerationStream(StreamingResponse):
 def usage(gen: Generation) -> UsageInfo:
     p, c = gen.num_prompt_tokens, gen.num_generated_tokens
     return UsageInfo(prompt_tokens=p, completion_tokens=c, total_tokens=p + c)
+
+
+def full_response(gen: Generation, response: type[CompletionResponse | ChatCompletionResponse],
+                  model: str, choices: list) -> dict:
+    """The one-JSON answer: ``response`` of ``choices`` with the usage, plus a prefill leg's KV
+    handle (``kv_transfer``)."""
+    d = dump(response(id=gen.request_id, created=gen.created, model=model, choices=choices,
+                      usage=usage(gen)))
+    if gen.kv_result is not None:
+        d["kv_transfer"] = gen.kv_result
+    return d
+
+
+def include_usage(req: SamplingRequest) -> bool:
+    """Whether a stream ends with a usage chunk (``stream_options.include_usage``)."""
+    return bool(req.stream_options and req.stream_options.include_usage)
 
 
 async def stream_choices(gen: Generation, first: Update | None, n: int,

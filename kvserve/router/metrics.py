@@ -12,6 +12,23 @@ from prometheus_client import CollectorRegistry, Counter, generate_latest
 from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
+# per replica: (name, help, the Replica attribute it reads; None: the blocks the router's
+# prefix index holds for it)
+_GAUGES: tuple[tuple[str, str, str | None], ...] = (
+    ("healthy", "1 while the replica is in the pool.", "healthy"),
+    ("inflight", "Requests this router has in flight on the replica.", "inflight"),
+    ("running", "Sequences running on the replica (its last /metrics).", "running"),
+    ("waiting", "Sequences waiting on the replica (its last /metrics).", "waiting"),
+    ("load", "The load routing compares: max(in flight here, running + waiting).", "load"),
+    ("kv_cache_usage", "Fraction of the replica's KV blocks in use.", "kv_usage"),
+    ("prefix_cache_hit_rate", "The replica's prefix-cache hit rate (its /metrics).",
+     "hit_rate"),
+    ("indexed_blocks", "Prefix-cached blocks the router's index holds for it.", None),
+    ("kv_event_lag_seconds", "Receive time minus publish time of its last event batch.",
+     "event_lag_s"),
+    ("kv_event_gaps", "Sequence gaps seen in its KV-event stream.", "gaps"),
+)
+
 
 class _ReplicaCollector:
     def __init__(self, state: Any) -> None:
@@ -22,36 +39,17 @@ class _ReplicaCollector:
 
     def collect(self) -> Iterator[Metric]:
         pool, index = self._state.pool, self._state.index
-        rows = [
-            ("healthy", "1 while the replica is in the pool.", lambda r: float(r.healthy)),
-            ("inflight", "Requests this router has in flight on the replica.",
-             lambda r: r.inflight),
-            ("running", "Sequences running on the replica (its last /metrics).",
-             lambda r: r.running),
-            ("waiting", "Sequences waiting on the replica (its last /metrics).",
-             lambda r: r.waiting),
-            ("load", "The load routing compares: max(in flight here, running + waiting).",
-             lambda r: r.load),
-            ("kv_cache_usage", "Fraction of the replica's KV blocks in use.",
-             lambda r: r.kv_usage),
-            ("prefix_cache_hit_rate", "The replica's prefix-cache hit rate (its /metrics).",
-             lambda r: r.hit_rate),
-            ("indexed_blocks", "Prefix-cached blocks the router's index holds for it.",
-             lambda r: index.num_blocks(r.name)),
-            ("kv_event_lag_seconds", "Receive time minus publish time of its last event batch.",
-             lambda r: r.event_lag_s),
-            ("kv_event_gaps", "Sequence gaps seen in its KV-event stream.", lambda r: r.gaps),
-        ]
         # role: decode (or both) for the main pool, prefill for a disaggregated router's
         pools = [("decode" if self._state.prefill_pool is not None else "both", pool)]
         if self._state.prefill_pool is not None:
             pools.append(("prefill", self._state.prefill_pool))
-        for name, doc, value in rows:
+        for name, doc, attr in _GAUGES:
             fam = GaugeMetricFamily(f"kvserve_router_replica_{name}", doc,
                                     labels=["replica", "url", "role"])
             for role, p in pools:
                 for r in p.replicas.values():
-                    fam.add_metric([r.name, r.url, role], float(value(r)))
+                    value = index.num_blocks(r.name) if attr is None else getattr(r, attr)
+                    fam.add_metric([r.name, r.url, role], float(value))
             yield fam
 
 

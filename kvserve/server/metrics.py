@@ -68,15 +68,32 @@ class _SnapshotCollector:
         for key, doc in (("checks", "KV integrity checks run"),
                          ("failures", "KV integrity checks that failed"),
                          ("repairs", "KV integrity repairs made")):
-            fam = CounterMetricFamily(f"kvserve_integrity_{key}", f"{doc}, by reason.",
-                                      labels=["reason"])
-            for reason, n in sorted((integrity.get(key) or {}).items()):
-                fam.add_metric([str(reason)], n)
-            yield fam
+            yield _labelled(f"kvserve_integrity_{key}", f"{doc}, by reason.", "reason",
+                            integrity.get(key))
         if s.kv_tiers is not None:
             yield from _tier_metrics(s.kv_tiers)
         if s.kv_transfer is not None:
             yield from _transfer_metrics(s.kv_transfer)
+
+
+def _labelled(name: str, doc: str, label: str, values: dict | None) -> CounterMetricFamily:
+    """A counter family with one sample per key of ``values`` (sorted), labelled ``label``."""
+    fam = CounterMetricFamily(name, doc, labels=[label])
+    for key, n in sorted((values or {}).items()):
+        fam.add_metric([str(key)], n)
+    return fam
+
+
+def _histogram(name: str, doc: str, bounds: list[float], counts: list[int],
+               sum_value: float) -> Iterator[Metric]:
+    """A histogram family from per-bucket counts (``bounds`` then +Inf, not cumulative, as
+    ``KVTiers.stats`` / ``KVTransfer.stats`` keep them); none while there are no counts."""
+    if counts:
+        cum, buckets = 0, []
+        for le, n in zip([*map(str, bounds), "+Inf"], counts, strict=True):
+            cum += n
+            buckets.append((le, cum))
+        yield HistogramMetricFamily(name, doc, buckets=buckets, sum_value=sum_value)
 
 
 def _transfer_metrics(st: dict) -> Iterator[Metric]:
@@ -94,24 +111,15 @@ def _transfer_metrics(st: dict) -> Iterator[Metric]:
                       "by reason"),
                      ("fallbacks", "Transfers that failed (timeout, unknown, ...): the decode "
                       "replica prefilled itself, by reason")):
-        fam = CounterMetricFamily(f"kvserve_kv_transfer_{key}", f"{doc}.", labels=["reason"])
-        for reason, n in sorted((st.get(key) or {}).items()):
-            fam.add_metric([reason], n)
-        yield fam
+        yield _labelled(f"kvserve_kv_transfer_{key}", f"{doc}.", "reason", st.get(key))
     yield GaugeMetricFamily("kvserve_kv_transfer_outstanding", "Offered transfers not yet "
                             "confirmed by a decode replica.", value=st.get("outstanding", 0))
     yield CounterMetricFamily("kvserve_kv_transfer_expired", "Offered transfers dropped "
                               "unconfirmed after --kv-transfer-timeout.",
                               value=st.get("expired", 0))
-    bounds, counts = st.get("latency_buckets", []), st.get("latency_counts", [])
-    if counts:
-        cum, buckets = 0, []
-        for le, n in zip([*map(str, bounds), "+Inf"], counts, strict=True):
-            cum += n
-            buckets.append((le, cum))
-        yield HistogramMetricFamily("kvserve_kv_transfer_seconds", "Time to fetch and verify "
-                                    "a request's transferred KV.", buckets=buckets,
-                                    sum_value=st.get("latency_seconds", 0.0))
+    yield from _histogram("kvserve_kv_transfer_seconds", "Time to fetch and verify a "
+                          "request's transferred KV.", st.get("latency_buckets", []),
+                          st.get("latency_counts", []), st.get("latency_seconds", 0.0))
 
 
 def _tier_metrics(st: dict) -> Iterator[Metric]:
@@ -121,10 +129,8 @@ def _tier_metrics(st: dict) -> Iterator[Metric]:
                      ("misses", "Chain blocks looked for in a tier and not there"),
                      ("writes", "KV blocks written down to a tier"),
                      ("evictions", "KV tier entries evicted by its byte cap")):
-        fam = CounterMetricFamily(f"kvserve_kv_tier_{key}", f"{doc}.", labels=["tier"])
-        for name, t in sorted(tiers.items()):
-            fam.add_metric([name], t.get(key, 0))
-        yield fam
+        yield _labelled(f"kvserve_kv_tier_{key}", f"{doc}.", "tier",
+                        {name: t.get(key, 0) for name, t in tiers.items()})
     fam = GaugeMetricFamily("kvserve_kv_tier_bytes", "Bytes a KV tier holds.", labels=["tier"])
     cap = GaugeMetricFamily("kvserve_kv_tier_capacity_bytes", "A KV tier's byte cap.",
                             labels=["tier"])
@@ -144,15 +150,9 @@ def _tier_metrics(st: dict) -> Iterator[Metric]:
                             "be written down.", value=st.get("queue_depth", 0))
     yield CounterMetricFamily("kvserve_kv_offload_dropped_writes", "Write-downs dropped by a "
                               "full queue.", value=st.get("dropped_writes", 0))
-    bounds, counts = st.get("restore_buckets", []), st.get("restore_counts", [])
-    if counts:
-        cum, buckets = 0, []
-        for le, n in zip([*map(str, bounds), "+Inf"], counts, strict=True):
-            cum += n
-            buckets.append((le, cum))
-        yield HistogramMetricFamily("kvserve_kv_restore_seconds", "Time to read and verify a "
-                                    "request's blocks from the KV tiers.", buckets=buckets,
-                                    sum_value=st.get("restore_seconds", 0.0))
+    yield from _histogram("kvserve_kv_restore_seconds", "Time to read and verify a request's "
+                          "blocks from the KV tiers.", st.get("restore_buckets", []),
+                          st.get("restore_counts", []), st.get("restore_seconds", 0.0))
 
 
 class ServerMetrics:

@@ -388,9 +388,21 @@ class SchedulerConfig:
             raise ValueError(f"max_model_len must be >= 1, got {self.max_model_len}")
 
 
+def resolve_max_model_len(max_model_len: int | None, context_len: int) -> int:
+    """The effective ``max_model_len``: the given one (at most the model's context length,
+    else a ValueError naming it), or the model's context length when None."""
+    if max_model_len is None:
+        return context_len
+    if max_model_len > context_len:
+        raise ValueError(f"max_model_len {max_model_len} exceeds the model's context length "
+                         f"{context_len}")
+    return max_model_len
+
+
 @dataclass(frozen=True, slots=True)
 class ModelConfig:
-    """What the engine needs to know about the loaded model (derived from the HF config)."""
+    """What the engine needs to know about the model, settled from the HF config before any
+    weight is read (kvserve.engine.builder.settle)."""
 
     path: str
     architecture: str
@@ -400,7 +412,7 @@ class ModelConfig:
     num_kv_heads: int  # per cache row: 1 for MLA
     head_dim: int  # cache row width: kv_lora_rank + rope dim for MLA
     kv_components: int  # 2 (K and V) or 1 (MLA latent)
-    max_model_len: int
+    max_model_len: int  # effective: the user's (<= context length) or the context length
     eos_token_ids: tuple[int, ...] = ()
     bos_token_id: int | None = None
 
@@ -408,7 +420,9 @@ class ModelConfig:
 @dataclass(frozen=True, slots=True)
 class EngineConfig:
     """Everything decided at start-up, once (``kvserve.engine.builder``): the user's
-    ``EngineArgs`` resolved against the loaded checkpoint, ``auto`` values included."""
+    ``EngineArgs`` resolved against the checkpoint's config, ``auto`` values included, before
+    the workers start; then the block count the workers measured and the fingerprint of the
+    files they loaded."""
 
     model: ModelConfig
     cache: CacheConfig

@@ -1,7 +1,9 @@
 """Start-up: ``EngineArgs`` + checkpoint -> the frozen ``EngineConfig`` and the wired parts of
 an engine (executor and model, tokenizer, block pool, integrity checker, KV manager,
-scheduler, runner). Every ``auto`` and every cross-check is decided here, once; the engine
-itself only drives the parts.
+scheduler, runner). Every ``auto`` and every cross-check is decided here, once, from the
+checkpoint's config before any worker starts (``settle``); the workers load the weights and
+report the one thing they measure, the KV block count. The engine itself only drives the
+parts.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from kvserve.config import (
     dtype_name,
     resolve_attention_backend,
     resolve_checkpoint_kv_mode,
+    resolve_max_model_len,
 )
 from kvserve.engine.arg_utils import EngineArgs
 from kvserve.engine.executor import Executor, MultiprocExecutor, make_executor
@@ -34,14 +37,18 @@ from kvserve.engine.model_runner import ModelRunner
 from kvserve.engine.scheduler import Scheduler
 from kvserve.engine.worker import WorkerConfig
 from kvserve.kernels.cpu import w16_gemm
+from kvserve.model import registry
 from kvserve.model.default_model import resolve_model
 from kvserve.model.loader import (
     checkpoint_dtype,
+    checkpoint_dtypes,
     describe_weight_bytes,
+    eos_token_ids,
     load_hf_config,
     load_tokenizer,
     model_source,
 )
+from kvserve.model.parallel_check import validate_parallel
 
 logger = logging.getLogger("kvserve")
 
@@ -93,72 +100,86 @@ def describe_cpu_path(compute: torch.dtype, storage: torch.dtype) -> str:
 
 
 def settle(args: EngineArgs) -> WorkerConfig:
-    """Every ``auto`` settled once, before any worker starts (every rank, a headless node's
-    too, then builds from the same values): the attention backend, and the KV mode from the
-    checkpoint's config (no weights read)."""
+    """Every ``auto`` and every setting that needs no weights, settled once from the arguments
+    and the checkpoint's config (no weight read), before any worker starts: every rank, a
+    headless node's too, then builds from the same values. User errors (a ValueError naming
+    the parameter) surface here."""
+    cache_cfg, sched_cfg = args.cache_config(), args.scheduler_config()
     args = dataclasses.replace(args, attention_backend=resolve_attention_backend(
         args.attention_backend, args.device))
     path = resolve_model(args.model)
-    hf_config, _ = load_hf_config(model_source(path)[0])
+    # tensor parallelism: heads, intermediate size, INT4 groups (clear errors, no process yet)
+    validate_parallel(path, args.tensor_parallel_size, args.enable_expert_parallel)
+    folder, ggml = model_source(path)  # a GGUF's converted metadata: config.json, tokenizer
+    hf_config, arch = load_hf_config(folder)
+    dtypes = checkpoint_dtypes(folder, ggml, hf_config, args.dtype, args.device)
     kv_mode = resolve_checkpoint_kv_mode(args.kv_cache_dtype, args.dtype,
                                          checkpoint_dtype(hf_config), args.device)
-    return WorkerConfig(args, path, kv_mode)
+    # rank 0's heads under tensor parallelism; the rest of the spec is the same on every rank
+    spec = registry.resolve(arch).spec_for(hf_config, args.tensor_parallel_size, 0)
+    if kv_mode.rotate and spec.components != 2 and spec.kv_lora_rank is None:
+        raise ValueError(f"kv_cache_dtype {cache_cfg.kv_cache_dtype!r} (rotated) needs a "
+                         "model that folds the rotation into its latent up-projection")
+    model = ModelConfig(
+        path=path, architecture=arch, dtype=dtypes.compute, vocab_size=hf_config.vocab_size,
+        num_layers=spec.num_layers, num_kv_heads=spec.num_kv_heads, head_dim=spec.head_dim,
+        kv_components=spec.components,
+        max_model_len=resolve_max_model_len(sched_cfg.max_model_len, spec.context_len),
+        eos_token_ids=eos_token_ids(folder),
+    )
+    return WorkerConfig(args, path, model, dtypes, cache_cfg, sched_cfg, kv_mode,
+                        cache_cfg.kv_rotation_seed if kv_mode.rotate else None,
+                        spec.context_len)
 
 
 def build_engine(args: EngineArgs) -> EngineParts:
-    cache_cfg, sched_cfg = args.cache_config(), args.scheduler_config()  # user errors first
     settled = settle(args)
-    args = settled.args
+    args, cache_cfg, sched_cfg = settled.args, settled.cache, settled.scheduler
     torch.manual_seed(args.seed)
     t0 = time.perf_counter()
     executor = make_executor(settled)
     worker = executor.driver
-    loaded, spec, layout = worker.loaded, worker.spec, worker.layout
+    budget = worker.budget  # the one value the workers measure (the min over TP ranks)
+    block_size = cache_cfg.block_size
     # config.json + tokenizer live in loaded.folder (a GGUF's converted metadata)
-    tokenizer = load_tokenizer(args.tokenizer or loaded.folder)
-    model_config = ModelConfig(
-        path=worker.path, architecture=loaded.architecture, dtype=loaded.dtype,
-        vocab_size=loaded.hf_config.vocab_size, num_layers=spec.num_layers,
-        num_kv_heads=spec.num_kv_heads, head_dim=spec.head_dim,
-        kv_components=spec.components, max_model_len=layout.max_model_len,
-        eos_token_ids=worker.eos_ids(), bos_token_id=tokenizer.bos_token_id,
-    )
+    tokenizer = load_tokenizer(args.tokenizer or worker.loaded.folder)
+    model_config = dataclasses.replace(settled.model, bos_token_id=tokenizer.bos_token_id)
     kv_cache = worker.kv_cache  # rank 0's slice (its KV heads) under TP
     config = EngineConfig(model=model_config, cache=cache_cfg, scheduler=sched_cfg,
-                          kv_mode=kv_cache.mode, num_blocks=layout.num_blocks,
+                          kv_mode=settled.kv_mode, num_blocks=budget.num_blocks,
                           fingerprint=worker.fingerprint,
                           tensor_parallel_size=args.tensor_parallel_size)
     kv_events = None
     if args.kv_events_endpoint:
         kv_events = KVEventPublisher(
-            args.kv_events_endpoint, block_size=layout.block_size,
+            args.kv_events_endpoint, block_size=block_size,
             medium="GPU" if kv_cache.data.is_cuda else "CPU",
             replay_endpoint=args.kv_events_replay_endpoint, topic=args.kv_events_topic,
             fmt=args.kv_events_format)
         logger.info("publishing KV events on %s", kv_events.endpoint)
-    pool = BlockPool(layout.num_blocks, event_sink=kv_events)
+    pool = BlockPool(budget.num_blocks, event_sink=kv_events)
     integrity = None
     if cache_cfg.kv_integrity != "off":
         peers = executor if isinstance(executor, MultiprocExecutor) else None
         integrity = IntegrityChecker(kv_cache, pool, config.fingerprint, cache_cfg.kv_integrity,
                                      cache_cfg.scrub_blocks_per_step, peers=peers)
     tiers = worker.build_tiers(cache_cfg)  # each rank builds its own (executor.worker_main)
-    kv = KVCacheManager(pool, layout.block_size, cache_cfg.enable_prefix_caching,
+    kv = KVCacheManager(pool, block_size, cache_cfg.enable_prefix_caching,
                         config.fingerprint, integrity, tiers,
                         executor if isinstance(executor, MultiprocExecutor) else None,
                         _build_transfer(args, worker))
     scheduler = Scheduler(sched_cfg, kv)
     worker.init_runner()
-    runner = ModelRunner(executor, layout.block_size, spec.components,
+    runner = ModelRunner(executor, block_size, model_config.kv_components,
                          model_config.vocab_size, model_config.eos_token_ids)
     tp = args.tensor_parallel_size
-    logger.info("model %s (%s, %s): %s%s", worker.path, loaded.architecture,
-                dtype_name(loaded.dtype), describe_weight_bytes(worker.model),
+    logger.info("model %s (%s, %s): %s%s", model_config.path, model_config.architecture,
+                dtype_name(model_config.dtype), describe_weight_bytes(worker.model),
                 f" on rank 0 of {tp} (tensor parallel)" if tp > 1 else "")
     if torch.device(args.device).type == "cpu":
-        logger.info("%s", describe_cpu_path(loaded.dtype, loaded.storage or loaded.dtype))
+        logger.info("%s", describe_cpu_path(model_config.dtype, settled.dtypes.storage))
     logger.info("%s; max_model_len %d; %d B/token of KV; %s", kv_cache.describe(),
-                layout.max_model_len, kv_cache.bytes_per_token, layout.budget_note)
+                model_config.max_model_len, kv_cache.bytes_per_token, budget.note)
     if tiers is not None:
         logger.info("%s", tiers.describe())
     logger.info("ready in %.1f s", time.perf_counter() - t0)

@@ -172,12 +172,8 @@ class MultiprocExecutor:
     """Rank 0 of a tensor-parallel world (see the module docstring)."""
 
     def __init__(self, config: WorkerConfig) -> None:
-        from kvserve.model.parallel_check import validate_parallel
-
         args = config.args
-        tp = args.tensor_parallel_size
-        # Clear errors before any process starts (heads, intermediate size, INT4 groups).
-        validate_parallel(args.model, tp, args.enable_expert_parallel)
+        tp = args.tensor_parallel_size  # validated by the builder (parallel_check)
         if ps.state() is not None:
             raise ValueError("tensor_parallel_size: another tensor-parallel engine is alive in "
                              "this process; call its engine.shutdown() first (one per process)")
@@ -452,7 +448,7 @@ def worker_main(config: WorkerConfig, rank: int, world_size: int, init_method: s
         worker = Worker(config, rank, world_size)
         worker.init_runner()
         seals = SliceSeals(worker.kv_cache, worker.fingerprint)
-        tiers = worker.build_tiers(args.cache_config())
+        tiers = worker.build_tiers(config.cache)
         with torch.inference_mode():
             while True:
                 kind, x = _recv()

@@ -1,9 +1,10 @@
 """One rank of the engine: its model shard, its slice of the KV cache, its runner.
 
-Every rank derives the same cache geometry from the same ``WorkerConfig`` (settled by the
-builder: no rank resolves an ``auto``) (the KV block count is
-then the minimum over ranks, agreed with an all-reduce), so block ids mean the same thing
-everywhere while each rank stores only its own KV heads:
+Every rank builds from the same ``WorkerConfig``, settled by the builder from the arguments and
+the checkpoint's config before any worker starts (every ``auto``, the KV mode, max_model_len):
+a rank only measures what needs its memory, the KV block count (``KVBudget``, the minimum over
+ranks, agreed with an all-reduce), so block ids mean the same thing everywhere while each rank
+stores only its own KV heads:
 
     rank r's cache  data [L, NB + 1, C, bs, H_r, D]     H_r = this rank's KV heads
 
@@ -15,7 +16,6 @@ messages.
 from __future__ import annotations
 
 import hashlib
-import json
 import logging
 import os
 from dataclasses import dataclass
@@ -26,7 +26,14 @@ from kvserve.attention import get_backend
 from kvserve.cache.block_store import StoreSpec, dtype_str
 from kvserve.cache.kv_cache import PagedKVCache, bytes_per_block
 from kvserve.cache.kv_tiers import KVTiers, TierConfig
-from kvserve.config import CacheConfig, KVMode, dtype_name
+from kvserve.config import (
+    CacheConfig,
+    KVMode,
+    ModelConfig,
+    ModelDtypes,
+    SchedulerConfig,
+    dtype_name,
+)
 from kvserve.distributed import parallel_state as ps
 from kvserve.engine.arg_utils import EngineArgs
 from kvserve.engine.cpu_graphs import CpuGraphRunner
@@ -45,26 +52,29 @@ DEFAULT_MAX_KV_BYTES = 4 * 2**30
 
 
 @dataclass(frozen=True, slots=True)
-class KVLayout:
-    """The KV cache every rank allocates (same block count; heads are per rank)."""
-
-    num_blocks: int
-    block_size: int
-    dtype: torch.dtype
-    max_model_len: int
-    budget_note: str
-    mode_name: str = ""  # canonical KV mode (int8_rot, int8_plain, fp8_e4m3_plain, bf16, ...)
-    rotation_seed: int | None = None  # rotated modes: the Hadamard rotation's seed
-
-
-@dataclass(frozen=True, slots=True)
 class WorkerConfig:
     """What every rank builds from, settled once by the builder before any worker starts
-    (kvserve.engine.builder.settle): no rank resolves an ``auto``."""
+    (kvserve.engine.builder.settle) from the arguments and the checkpoint's config, no weight
+    read: no rank resolves an ``auto`` or rebuilds a config from ``args``."""
 
     args: EngineArgs  # with attention_backend settled
     model_path: str  # the checkpoint (a file or folder; None / "demo" resolved)
+    model: ModelConfig  # num_kv_heads: rank 0's under TP; bos_token_id: the tokenizer's, later
+    dtypes: ModelDtypes  # dtype resolved: compute (= model.dtype) and dense weight storage
+    cache: CacheConfig
+    scheduler: SchedulerConfig  # max_model_len as given; the effective one is model's
     kv_mode: KVMode  # kv_cache_dtype resolved against the checkpoint
+    rotation_seed: int | None  # rotated modes: the Hadamard rotation's seed, else None
+    context_len: int  # the model's (model.max_model_len <= context_len)
+
+
+@dataclass(frozen=True, slots=True)
+class KVBudget:
+    """What only a worker can measure, reported once: the KV pool's block count (every rank
+    holds the same block ids: the minimum over ranks) and how it was chosen."""
+
+    num_blocks: int
+    note: str
 
 
 class Worker:
@@ -72,26 +82,29 @@ class Worker:
         self.config, self.rank, self.world_size = config, rank, world_size
         self.args = args = config.args
         self.path = config.model_path
-        self.loaded: LoadedModel = load_model(self.path, args.dtype, args.device,
+        self.loaded: LoadedModel = load_model(self.path, config.dtypes, args.device,
                                               progress=args.progress and rank == 0,
                                               act_terms=activation_terms(args.gguf_activations),
                                               int4_kernel=args.int4_cuda_kernel)
         self.model = self.loaded.model
         self.spec = self.model.kv_spec()  # this rank's heads
-        self.layout = self._layout()
-        spec, lay = self.spec, self.layout
+        self._check_settled()
+        self.budget = self._measure_kv_budget()
+        spec = self.spec
         static = self.loaded.kv_scales
         if static is not None:
             static = static.unsqueeze(-1).expand(-1, -1, spec.num_kv_heads)
         mla = spec.components == 1
         split = (spec.kv_lora_rank, spec.head_dim - spec.kv_lora_rank) if mla else None
         self.kv_cache = PagedKVCache(
-            spec.num_layers, lay.num_blocks, lay.block_size, spec.num_kv_heads,
-            spec.head_dim, spec.components, lay.dtype, args.device, static_scales=static,
-            rotation_seed=lay.rotation_seed, rotation_split=split,
+            spec.num_layers, self.budget.num_blocks, config.cache.block_size,
+            spec.num_kv_heads, spec.head_dim, spec.components, config.kv_mode.dtype,
+            args.device, static_scales=static, rotation_seed=config.rotation_seed,
+            rotation_split=split,
             # rank 0 seals from the fused writer's state; other ranks recompute their slice
-            checksums=args.kv_integrity != "off" and rank == 0,
+            checksums=config.cache.kv_integrity != "off" and rank == 0,
         )
+        assert self.kv_cache.mode == config.kv_mode, (self.kv_cache.mode, config.kv_mode)
         if mla and self.kv_cache.rotation is not None:
             # MLA: the latent's rotation is folded into kv_b_proj (W_UK / W_UV) once, here
             self.model.fold_kv_rotation(self.kv_cache.rotation)
@@ -103,8 +116,8 @@ class Worker:
         spec, args = self.spec, self.args
         backend = get_backend(args.attention_backend, self.kv_cache, spec.num_heads,
                               spec.num_kv_heads, spec.head_dim, spec.scale,
-                              self.layout.max_model_len)
-        self.runner = ForwardRunner(self.model, backend, self.layout.block_size,
+                              self.config.model.max_model_len)
+        self.runner = ForwardRunner(self.model, backend, self.config.cache.block_size,
                                   spec.components, args.device,
                                   graphs=self._decode_graphs(backend))
         return self.runner
@@ -112,26 +125,25 @@ class Worker:
     def execute(self, step: StepInput) -> list[torch.Tensor | None]:
         return self.runner.run(step)
 
-    # ---- geometry ----------------------------------------------------------------------------
-    def _layout(self) -> KVLayout:
-        args, spec = self.args, self.spec
-        cache_cfg, sched_cfg = args.cache_config(), args.scheduler_config()
-        kv_mode = self.config.kv_mode  # settled by the builder
-        kv_dtype = kv_mode.dtype
-        rot_seed = cache_cfg.kv_rotation_seed if kv_mode.rotate else None
-        if kv_mode.rotate and spec.components != 2 and spec.kv_lora_rank is None:
-            raise ValueError(f"kv_cache_dtype {cache_cfg.kv_cache_dtype!r} (rotated) needs a "
-                             "model that folds the rotation into its latent up-projection")
-        per_block = bytes_per_block(spec.num_layers, cache_cfg.block_size,
-                                    spec.num_kv_heads, spec.head_dim,
-                                    spec.components, kv_dtype)
-        max_len = spec.context_len
-        if sched_cfg.max_model_len is not None:
-            if sched_cfg.max_model_len > max_len:
-                raise ValueError(f"max_model_len {sched_cfg.max_model_len} exceeds the model's "
-                                 f"context length {max_len}")
-            max_len = sched_cfg.max_model_len
-        n, note = num_kv_blocks(cache_cfg, per_block, sched_cfg.max_num_seqs * max_len)
+    # ---- what only a worker knows ------------------------------------------------------------
+    def _check_settled(self) -> None:
+        """What this rank built matches what the builder settled from the same config.json
+        (an internal invariant, not a user error)."""
+        spec, m, dtypes = self.spec, self.config.model, self.config.dtypes
+        built = (self.loaded.architecture, self.loaded.dtype, self.loaded.storage)
+        assert built == (m.architecture, dtypes.compute, dtypes.storage), (built, m, dtypes)
+        assert (spec.num_layers, spec.head_dim, spec.components, spec.context_len) == (
+            m.num_layers, m.head_dim, m.kv_components, self.config.context_len), (spec, m)
+        assert self.rank != 0 or spec.num_kv_heads == m.num_kv_heads, (spec, m)
+
+    def _measure_kv_budget(self) -> KVBudget:
+        """The KV block count for this rank's memory (the minimum over tensor-parallel ranks),
+        measured once; everything else about the cache is settled."""
+        cfg, spec = self.config, self.spec
+        per_block = bytes_per_block(spec.num_layers, cfg.cache.block_size, spec.num_kv_heads,
+                                    spec.head_dim, spec.components, cfg.kv_mode.dtype)
+        n, note = num_kv_blocks(cfg.cache, per_block,
+                                cfg.scheduler.max_num_seqs * cfg.model.max_model_len)
         if ps.get_tp_size() > 1:
             # every rank must hold the same block ids: the smallest pool wins
             agreed = int(ps.cpu_all_reduce_min(torch.tensor([n], dtype=torch.int64),
@@ -140,7 +152,7 @@ class Worker:
                 note += f"; {agreed} blocks agreed over {ps.get_tp_size()} ranks (min)"
             n = agreed
             note += " (per rank)"
-        return KVLayout(n, cache_cfg.block_size, kv_dtype, max_len, note, kv_mode.name, rot_seed)
+        return KVBudget(n, note)
 
     def _replica_key(self) -> int | None:
         """Which replicated copy of the KV this rank holds, or None when its slice is its own.
@@ -202,27 +214,12 @@ class Worker:
         rot = "" if rotation is None else f"|rot={rotation.describe()}"
         if self.kv_cache.mode.is_int8:
             rot += "|scale=log8"  # 1-byte 2^(e/8) scale codes (kvserve/quant/int8.py)
-        h.update(f"{dtype_name(self.loaded.dtype)}|{dtype_name(self.layout.dtype)}|"
-                 f"{self.layout.block_size}{rot}".encode())
+        h.update(f"{dtype_name(self.loaded.dtype)}|{dtype_name(self.config.kv_mode.dtype)}|"
+                 f"{self.config.cache.block_size}{rot}".encode())
         if self.world_size > 1:
             h.update(f"|tp={self.world_size}|rank={self.rank}|kv_heads="
                      f"{self.spec.num_kv_heads}".encode())
         return h.digest()
-
-    def eos_ids(self) -> tuple[int, ...]:
-        ids: list[int] = []
-        for name in ("generation_config.json", "config.json"):
-            f = os.path.join(self.loaded.folder, name)
-            if os.path.isfile(f):
-                with open(f) as fh:
-                    eos = json.load(fh).get("eos_token_id")
-                if isinstance(eos, int):
-                    ids.append(eos)
-                elif isinstance(eos, list):
-                    ids.extend(int(e) for e in eos)
-                if ids:
-                    break
-        return tuple(dict.fromkeys(ids))
 
     def _decode_graphs(self, backend) -> DecodeGraphs | None:
         """CUDA graphs on a GPU, recorded kernel graphs on CPU (kvserve/engine/cpu_graphs.py):
@@ -231,10 +228,9 @@ class Worker:
             return None
         if self.kv_cache.data.is_cuda:
             return self._cuda_graphs(backend)
-        sched_cfg = self.args.scheduler_config()
         graphs = CpuGraphRunner(self.model, backend, self.kv_cache, self.kv_cache.block_size,
-                                self.spec.components, sched_cfg.max_num_seqs,
-                                self.layout.max_model_len)
+                                self.spec.components, self.config.scheduler.max_num_seqs,
+                                self.config.model.max_model_len)
         return graphs if graphs.capture() else None
 
     def _cuda_graphs(self, backend) -> CudaGraphRunner | None:
@@ -244,10 +240,9 @@ class Worker:
         if not backend.cuda_graphs:
             logger.info("CUDA graphs off: attention backend %r is not capturable", backend.name)
             return None
-        sched_cfg = self.args.scheduler_config()
         graphs = CudaGraphRunner(self.model, backend, self.kv_cache, self.kv_cache.block_size,
-                                 self.spec.components, sched_cfg.max_num_seqs,
-                                 self.layout.max_model_len)
+                                 self.spec.components, self.config.scheduler.max_num_seqs,
+                                 self.config.model.max_model_len)
         try:
             graphs.capture()
         except Exception as e:  # noqa: BLE001 - e.g. a model that syncs the host: run eager

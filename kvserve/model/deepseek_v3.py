@@ -70,12 +70,12 @@ def mla_softmax_scale(config) -> float:
     return scale
 
 
-def mla_kv_spec(config) -> KVSpec:
+def mla_kv_spec(config, tp_size: int = 1) -> KVSpec:
     """KV cache spec of an MLA model: one latent row [R + dr] per token and layer (components
     == 1, so the registry picks mla_torch / mla_triton: resolve_backend_name)."""
     return KVSpec(
         num_layers=config.num_hidden_layers,
-        num_heads=config.num_attention_heads // get_tp_size(),  # this rank's heads
+        num_heads=config.num_attention_heads // tp_size,  # this rank's heads
         num_kv_heads=1,  # the latent row, replicated on every tensor-parallel rank
         head_dim=config.kv_lora_rank + config.qk_rope_head_dim,
         components=1,
@@ -203,8 +203,9 @@ class DeepseekV3ForCausalLM(CausalLMBase):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
         return gather_logits(self.lm_head(hidden).float(), self.config.vocab_size)
 
-    def kv_spec(self) -> KVSpec:
-        return mla_kv_spec(self.config)
+    @classmethod
+    def spec_for(cls, config, tp_size: int = 1, tp_rank: int = 0) -> KVSpec:
+        return mla_kv_spec(config, tp_size)
 
     @torch.no_grad()
     def fold_kv_rotation(self, rotation) -> None:

@@ -10,6 +10,7 @@ from typing import Any, ClassVar, Protocol
 import torch
 from torch import nn
 
+from kvserve.distributed.parallel_state import get_tp_rank, get_tp_size
 from kvserve.model.forward_batch import ForwardBatch
 
 
@@ -46,7 +47,9 @@ class CausalLM(Protocol):
 
     def forward(self, batch: ForwardBatch) -> torch.Tensor: ...  # hidden states [T, hidden]
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None: ...  # [N, V] fp32
-    def kv_spec(self) -> KVSpec: ...
+    def kv_spec(self) -> KVSpec: ...  # this rank's (``spec_for`` this rank's config)
+    @classmethod
+    def spec_for(cls, config: Any, tp_size: int = 1, tp_rank: int = 0) -> KVSpec: ...
     def tie_weights(self) -> None: ...  # after materializing, before loading
 
     def fold_kv_rotation(self, rotation) -> None:
@@ -69,8 +72,15 @@ class CausalLMBase(nn.Module):
     int4_dense_modules: ClassVar[tuple[str, ...]] = ()
     tie_word_embeddings: bool = False
 
-    def kv_spec(self) -> KVSpec:
+    @classmethod
+    def spec_for(cls, config: Any, tp_size: int = 1, tp_rank: int = 0) -> KVSpec:
+        """The KV spec of tensor-parallel rank ``tp_rank`` of ``tp_size``, from the HF config
+        alone (no weights): the builder settles it before any worker starts."""
         raise NotImplementedError
+
+    def kv_spec(self) -> KVSpec:
+        """This rank's spec: ``spec_for`` this model's config and this process's TP rank."""
+        return type(self).spec_for(self.config, get_tp_size(), get_tp_rank())
 
     def tie_weights(self) -> None:
         if self.tie_word_embeddings:

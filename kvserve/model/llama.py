@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kvserve.distributed.parallel_state import get_tp_rank, get_tp_size
+from kvserve.distributed.parallel_state import get_tp_size
 from kvserve.kernels.cpu import cpu_ops
 from kvserve.layers.linear import (
     MergedColumnParallelLinear,
@@ -153,16 +153,16 @@ class LlamaForCausalLM(CausalLMBase):
         """[N, V] fp32 logits; under TP only rank 0 gets them (None elsewhere)."""
         return gather_logits(self.lm_head(hidden).float(), self.config.vocab_size)
 
-    def kv_spec(self) -> KVSpec:
-        c = self.config
+    @classmethod
+    def spec_for(cls, config, tp_size: int = 1, tp_rank: int = 0) -> KVSpec:
+        c = config
         h = c.num_attention_heads
-        tp = get_tp_size()
-        hk, _ = kv_head_layout(getattr(c, "num_key_value_heads", None) or h, tp, get_tp_rank())
+        hk, _ = kv_head_layout(getattr(c, "num_key_value_heads", None) or h, tp_size, tp_rank)
         window = getattr(c, "sliding_window", None) if getattr(c, "use_sliding_window",
                                                               True) else None
         return KVSpec(
             num_layers=c.num_hidden_layers,
-            num_heads=h // tp,  # this rank's heads: its attention and its slice of the KV cache
+            num_heads=h // tp_size,  # this rank's heads: its attention and its KV cache slice
             num_kv_heads=hk, head_dim=head_dim_of(c), components=2,
             scale=head_dim_of(c) ** -0.5, max_position_embeddings=c.max_position_embeddings,
             sliding_window=window,

@@ -109,20 +109,22 @@ def model_source(path: str) -> tuple[str, GGUFCheckpoint | None]:
     return path, None
 
 
-def load_model(path: str, dtype: str | torch.dtype = "auto", device: str = "cpu",
+def load_model(path: str, dtype: str | torch.dtype | ModelDtypes = "auto", device: str = "cpu",
                progress: bool = True, act_terms: int = 2,
                int4_kernel: str = "triton") -> LoadedModel:
-    """``act_terms``: GGUF Q4_0 / Q4_1 / Q8_0 weights multiply activations quantized to this
-    many int8 terms per 32 columns on CPU (integer dot products, kvserve.quant.wq); 0 keeps
-    fp32 activations (the dequantized weights' exact product, slower). ``int4_kernel``: the
-    GPU kernel INT4 layers are repacked for off the CPU ("triton" or "tinygemm")."""
+    """``dtype``: a name or dtype resolved here, or the ``ModelDtypes`` the engine's builder
+    settled (``checkpoint_dtypes``). ``act_terms``: GGUF Q4_0 / Q4_1 / Q8_0 weights multiply
+    activations quantized to this many int8 terms per 32 columns on CPU (integer dot
+    products, kvserve.quant.wq); 0 keeps fp32 activations (the dequantized weights' exact
+    product, slower). ``int4_kernel``: the GPU kernel INT4 layers are repacked for off the
+    CPU ("triton" or "tinygemm")."""
     from kvserve.config import dtype_name
 
     folder, ggml = model_source(path)
     hf_config, arch = load_hf_config(folder)
     quant = None if ggml else parse_quant_config(_raw_quantization_config(folder))
-    n_params = None if ggml else _checkpoint_params(folder)
-    dtypes = model_dtypes(dtype, checkpoint_dtype(hf_config), device, n_params)
+    dtypes = (dtype if isinstance(dtype, ModelDtypes)
+              else checkpoint_dtypes(folder, ggml, hf_config, dtype, device))
     dtype, storage = dtypes.compute, dtypes.storage
     cls = registry.resolve(arch)
     prev = torch.get_default_dtype()
@@ -217,6 +219,32 @@ def load_model(path: str, dtype: str | torch.dtype = "auto", device: str = "cpu"
     files = (ggml.path,) if ggml is not None else tuple(safetensors_files(folder))
     return LoadedModel(model, hf_config, arch, dtype, _scales_tensor(kv_scales, hf_config),
                        folder, files, storage)
+
+
+def checkpoint_dtypes(folder: str, ggml: GGUFCheckpoint | None, hf_config,
+                      dtype: str | torch.dtype, device: str) -> ModelDtypes:
+    """``dtype`` resolved for the checkpoint in ``folder`` (``model_source``) from its config
+    and safetensors headers: no weight is read."""
+    n_params = None if ggml else _checkpoint_params(folder)
+    return model_dtypes(dtype, checkpoint_dtype(hf_config), device, n_params)
+
+
+def eos_token_ids(folder: str) -> tuple[int, ...]:
+    """The end-of-sequence ids of the checkpoint in ``folder``: generation_config.json's,
+    else config.json's (an int or a list), first occurrence kept."""
+    ids: list[int] = []
+    for name in ("generation_config.json", "config.json"):
+        f = os.path.join(folder, name)
+        if os.path.isfile(f):
+            with open(f) as fh:
+                eos = json.load(fh).get("eos_token_id")
+            if isinstance(eos, int):
+                ids.append(eos)
+            elif isinstance(eos, list):
+                ids.extend(int(e) for e in eos)
+            if ids:
+                break
+    return tuple(dict.fromkeys(ids))
 
 
 def model_dtypes(dtype: str | torch.dtype, ckpt: torch.dtype, device: str,

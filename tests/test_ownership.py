@@ -3,7 +3,8 @@ into the wrong module fails here:
 
 - ``auto``: settled once, in config.py and engine/builder.py; no other module of the engine
   stack compares a setting with "auto" (server/ and router/ keep request-level choices such
-  as OpenAI's ``tool_choice: "auto"``, which are not settings).
+  as OpenAI's ``tool_choice: "auto"``, which are not settings). Only the builder turns
+  ``EngineArgs`` into configs; workers read the settled ones.
 - the KV mode: no layer (attention/, cache/, kernels/, engine/) compares a torch dtype to
   decide the KV storage kind; they ask the mode (``KVMode`` / ``KVStorage`` in config.py).
 - names: KV modes say their rotation; test hooks live behind ``engine.debug``.
@@ -174,6 +175,17 @@ def test_auto_is_settled_only_in_config_and_builder():
     assert not bad, f"these modules resolve an 'auto' (move it to config / builder): {bad}"
     assert _auto_tests(ast.parse("if name == 'auto': pass"))
     assert _auto_tests(ast.parse("x = kind in ('auto', 'prefix')"))
+
+
+def test_configs_are_built_from_engine_args_only_by_the_builder():
+    """Workers and the engine read the settled configs (``WorkerConfig`` / ``EngineConfig``);
+    only engine/builder.py turns ``EngineArgs`` into them."""
+    makers = ("cache_config", "scheduler_config", "transfer_config")
+    bad = [f"{path}:{n.lineno}" for path, tree in _sources().items()
+           if path not in ("engine/builder.py", "engine/arg_utils.py")
+           for n in ast.walk(tree) if isinstance(n, ast.Call)
+           and isinstance(n.func, ast.Attribute) and n.func.attr in makers]
+    assert not bad, f"configs rebuilt from EngineArgs outside the builder: {bad}"
 
 
 def test_kv_auto_is_resolved_against_the_checkpoint_by_config():

@@ -127,7 +127,7 @@ def settle(args: EngineArgs) -> WorkerConfig:
         max_model_len=resolve_max_model_len(sched_cfg.max_model_len, spec.context_len),
         eos_token_ids=eos_token_ids(folder),
     )
-    return WorkerConfig(args, path, model, dtypes, cache_cfg, sched_cfg, kv_mode,
+    return WorkerConfig(args, model, dtypes, cache_cfg, sched_cfg, kv_mode,
                         cache_cfg.kv_rotation_seed if kv_mode.rotate else None,
                         spec.context_len)
 

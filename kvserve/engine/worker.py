@@ -58,8 +58,9 @@ class WorkerConfig:
     read: no rank resolves an ``auto`` or rebuilds a config from ``args``."""
 
     args: EngineArgs  # with attention_backend settled
-    model_path: str  # the checkpoint (a file or folder; None / "demo" resolved)
-    model: ModelConfig  # num_kv_heads: rank 0's under TP; bos_token_id: the tokenizer's, later
+    # path: the checkpoint (None / "demo" resolved); num_kv_heads: rank 0's under TP;
+    # bos_token_id: None here (the tokenizer's, filled in by the builder)
+    model: ModelConfig
     dtypes: ModelDtypes  # dtype resolved: compute (= model.dtype) and dense weight storage
     cache: CacheConfig
     scheduler: SchedulerConfig  # max_model_len as given; the effective one is model's
@@ -81,7 +82,7 @@ class Worker:
     def __init__(self, config: WorkerConfig, rank: int = 0, world_size: int = 1) -> None:
         self.config, self.rank, self.world_size = config, rank, world_size
         self.args = args = config.args
-        self.path = config.model_path
+        self.path = config.model.path
         self.loaded: LoadedModel = load_model(self.path, config.dtypes, args.device,
                                               progress=args.progress and rank == 0,
                                               act_terms=activation_terms(args.gguf_activations),

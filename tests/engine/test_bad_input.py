@@ -66,6 +66,29 @@ def test_bad_engine_args(tiny_llama):
             LLM(tiny_llama, progress=False, **kw)
 
 
+def test_engine_args_settled_before_any_worker(tiny_llama, monkeypatch):
+    """``settle`` decides max_model_len, the KV mode and the model's shape from config.json:
+    a bad value fails before any worker loads a weight, and a good one is settled in full."""
+    from kvserve import LLM
+    from kvserve.engine import worker
+    from kvserve.engine.arg_utils import EngineArgs
+    from kvserve.engine.builder import settle
+
+    def no_worker(*a, **k):
+        raise AssertionError("a worker started before the arguments were settled")
+
+    monkeypatch.setattr(worker.Worker, "__init__", no_worker)
+    with pytest.raises(ValueError, match="max_model_len 1000000 exceeds"):
+        LLM(tiny_llama, progress=False, max_model_len=10**6)
+    s = settle(EngineArgs(model=tiny_llama, max_model_len=64, kv_cache_dtype="int8"))
+    assert s.model.max_model_len == 64 and s.context_len >= 64
+    assert s.scheduler.max_model_len == 64 and s.kv_mode.rotate
+    assert s.rotation_seed == s.cache.kv_rotation_seed
+    assert s.args.attention_backend != "auto" and s.model.architecture == "LlamaForCausalLM"
+    full = settle(EngineArgs(model=tiny_llama))
+    assert full.model.max_model_len == full.context_len and full.rotation_seed is None
+
+
 def test_duplicate_request_id_rejected(tiny_llama, make_llm):
     eng = make_llm(tiny_llama).engine
     eng.add_request("a", {"prompt_token_ids": [1, 2]}, OK)

@@ -274,6 +274,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", default=None, help="JSON results file")
     p.add_argument("--plot", default=None, help="PNG plot file")
     ns = p.parse_args(argv)
+    from kvserve.bench.common import resolve_model_path
+
+    ns.model = resolve_model_path(ns.model)  # None: the default model (SmolLM2 GGUF)
     from kvserve.bench.common import env_info
 
     runs = {"colocated": ("2 colocated", False), "disaggregated": ("1 prefill + 1 decode", True)}

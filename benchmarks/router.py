@@ -258,6 +258,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", default=None, help="JSON results file")
     p.add_argument("--plot", default=None, help="PNG plot file")
     ns = p.parse_args(argv)
+    from kvserve.bench.common import resolve_model_path
+
+    ns.model = resolve_model_path(ns.model)  # None: the default model (SmolLM2 GGUF)
     from kvserve.bench.common import env_info
 
     runs = [] if ns.no_baseline else [("1 replica", None)]

@@ -22,19 +22,16 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import json
-import os
 import random
-import signal
-import socket
-import subprocess
 import sys
-import tempfile
 import time
 from dataclasses import dataclass, field
 
 import httpx
+
+from kvserve.bench import served
+from kvserve.bench.served import ServeProcess, percentile, scrape
 
 KEY = "sk-pd-bench"
 WORDS = ["river", "stone", "light", "paper", "engine", "garden", "window", "market", "signal",
@@ -66,75 +63,20 @@ def token_gaps(events: list[tuple[float, int]]) -> list[float]:
     return out
 
 
-def percentile(xs: list[float], p: float) -> float:
-    xs = sorted(xs)
-    if not xs:
-        return float("nan")
-    k = (len(xs) - 1) * p
-    lo, hi = int(k), min(int(k) + 1, len(xs) - 1)
-    return xs[lo] + (xs[hi] - xs[lo]) * (k - lo)
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class Server:
+class Server(ServeProcess):
     def __init__(self, model: str | None, threads: int, disaggregated: bool,
                  extra: list[str]) -> None:
-        self.port = _free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.log = tempfile.NamedTemporaryFile(  # noqa: SIM115 - lives with the process
-            "w+", prefix="kvserve-pd-bench-", suffix=".log", delete=False)
-        cmd = [sys.executable, "-m", "kvserve.cli", "serve", *([model] if model else []),
-               "--port", str(self.port), "--api-key", KEY, "--no-access-log",
-               "--data-parallel-size", "2", "--replica-threads", str(threads), *extra]
-        cmd += ["--prefill-replicas", "1"] if disaggregated else ["--routing", "least-loaded"]
-        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT,
-                                     env=dict(os.environ, PYTHONUNBUFFERED="1"))
-
-    def replicas(self) -> dict:
-        return httpx.get(f"{self.url}/router/replicas", timeout=5,
-                         headers={"Authorization": f"Bearer {KEY}"}).json()
+        args = ["--data-parallel-size", "2", "--replica-threads", str(threads), *extra]
+        args += ["--prefill-replicas", "1"] if disaggregated else ["--routing", "least-loaded"]
+        super().__init__(model, args, key=KEY, log_prefix="kvserve-pd-bench-")
 
     def wait_ready(self, timeout: float) -> None:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                self.log.flush()
-                self.log.seek(0)
-                raise RuntimeError(f"server exited:\n{self.log.read()[-3000:]}")
-            with contextlib.suppress(httpx.HTTPError, ValueError, KeyError):
-                j = self.replicas()
-                reps = j["replicas"] + j.get("prefill_replicas", [])
-                if len(reps) == 2 and all(r["healthy"] for r in reps):
-                    return
-            time.sleep(0.5)
-        raise RuntimeError(f"not ready after {timeout} s")
+        def ready() -> bool:
+            j = self.router_replicas()
+            reps = j["replicas"] + j.get("prefill_replicas", [])
+            return len(reps) == 2 and all(r["healthy"] for r in reps)
 
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(60)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(10)
-        self.log.close()
-        os.unlink(self.log.name)
-
-
-def scrape(url: str) -> dict[str, float]:
-    from prometheus_client.parser import text_string_to_metric_families
-
-    out: dict[str, float] = {}
-    for fam in text_string_to_metric_families(httpx.get(f"{url}/metrics", timeout=10).text):
-        for s in fam.samples:
-            key = s.name + ("" if not s.labels else json.dumps(s.labels, sort_keys=True))
-            out[key] = s.value
-    return out
+        self.wait_until(ready, timeout)
 
 
 async def _stream(c: httpx.AsyncClient, url: str, kind: str, body: dict) -> Stream:
@@ -145,12 +87,7 @@ async def _stream(c: httpx.AsyncClient, url: str, kind: str, body: dict) -> Stre
             **body, "stream": True, "temperature": 0, "ignore_eos": True, "logprobs": 0},
             headers={"Authorization": f"Bearer {KEY}"}) as r:
         r.raise_for_status()
-        async for line in r.aiter_lines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            chunk = json.loads(line[6:])
-            if "error" in chunk:
-                raise RuntimeError(chunk["error"])
+        async for chunk in served.sse_chunks(r):
             for ch in chunk.get("choices") or []:
                 k = len((ch.get("logprobs") or {}).get("tokens") or [])
                 if k:
@@ -207,7 +144,7 @@ def run_one(label: str, disaggregated: bool, ns: argparse.Namespace) -> dict:
     try:
         server.wait_ready(ns.startup_timeout)
         streams, wall = asyncio.run(run_workload(server.url, ns))
-        reps = server.replicas()
+        reps = server.router_replicas()
         urls = [r["url"] for r in reps["replicas"] + reps.get("prefill_replicas", [])]
         transfer = {}
         for u in urls:
@@ -226,39 +163,32 @@ def run_one(label: str, disaggregated: bool, ns: argparse.Namespace) -> dict:
 
 
 def plot(results: list[dict], path: str) -> None:
-    import matplotlib
+    def draw(labels: list[str], axes) -> None:
+        ax = axes[0]
+        for i, q in enumerate(("p50", "p90", "p99")):
+            ax.bar([j + 0.27 * i for j in range(len(labels))],
+                   [r[f"chat_itl_{q}_s"] * 1000 for r in results], width=0.27, label=q)
+        ax.set_xticks([j + 0.27 for j in range(len(labels))], labels)
+        ax.set_title("chat inter-token latency (ms)")
+        ax.legend()
+        ax = axes[1]
+        for i, kind in enumerate(("chat", "long")):
+            ax.bar([j + 0.4 * i for j in range(len(labels))],
+                   [r[f"{kind}_ttft_p50_s"] for r in results], width=0.4, label=f"{kind} p50")
+            ax.scatter([j + 0.4 * i for j in range(len(labels))],
+                       [r[f"{kind}_ttft_p90_s"] for r in results], color="k", zorder=3,
+                       label="p90" if i else None)
+        ax.set_xticks([j + 0.2 for j in range(len(labels))], labels)
+        ax.set_title("TTFT (s)")
+        ax.legend()
+        axes[2].bar(labels, [r["output_tokens_per_s"] for r in results])
+        axes[2].set_title("output tokens/s")
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    labels = [r["label"] for r in results]
-    fig, axes = plt.subplots(1, 3, figsize=(13, 3.8))
-    ax = axes[0]
-    for i, q in enumerate(("p50", "p90", "p99")):
-        ax.bar([j + 0.27 * i for j in range(len(labels))],
-               [r[f"chat_itl_{q}_s"] * 1000 for r in results], width=0.27, label=q)
-    ax.set_xticks([j + 0.27 for j in range(len(labels))], labels)
-    ax.set_title("chat inter-token latency (ms)")
-    ax.legend()
-    ax = axes[1]
-    for i, kind in enumerate(("chat", "long")):
-        ax.bar([j + 0.4 * i for j in range(len(labels))],
-               [r[f"{kind}_ttft_p50_s"] for r in results], width=0.4, label=f"{kind} p50")
-        ax.scatter([j + 0.4 * i for j in range(len(labels))],
-                   [r[f"{kind}_ttft_p90_s"] for r in results], color="k", zorder=3,
-                   label="p90" if i else None)
-    ax.set_xticks([j + 0.2 for j in range(len(labels))], labels)
-    ax.set_title("TTFT (s)")
-    ax.legend()
-    axes[2].bar(labels, [r["output_tokens_per_s"] for r in results])
-    axes[2].set_title("output tokens/s")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    served.save_panels(results, path, draw)
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--model", default=None, help="served model (default: SmolLM2 GGUF)")
+    p = served.parser(__doc__)
     p.add_argument("--chats", type=int, default=4, help="concurrent chat requests")
     p.add_argument("--chat-tokens", type=int, default=256, help="output tokens per chat")
     p.add_argument("--longs", type=int, default=6, help="long-prompt requests")
@@ -266,27 +196,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--long-output", type=int, default=4, help="output tokens per long request")
     p.add_argument("--long-start", type=float, default=2.0, help="seconds before the first")
     p.add_argument("--long-interval", type=float, default=4.0, help="seconds between longs")
-    p.add_argument("--threads", type=int, default=1, help="threads per replica")
-    p.add_argument("--max-num-seqs", type=int, default=8, help="per replica")
-    p.add_argument("--kv-cache-memory", default="256MiB", help="KV budget per replica")
+    served.add_replica_options(p, kv_cache_memory="256MiB")
     p.add_argument("--runs", default="colocated,disaggregated", help="which runs, in order")
-    p.add_argument("--startup-timeout", type=float, default=600.0, help="seconds")
-    p.add_argument("--out", default=None, help="JSON results file")
-    p.add_argument("--plot", default=None, help="PNG plot file")
+    served.add_output_options(p)
     ns = p.parse_args(argv)
     from kvserve.bench.common import resolve_model_path
 
     ns.model = resolve_model_path(ns.model)  # None: the default model (SmolLM2 GGUF)
-    from kvserve.bench.common import env_info
-
     runs = {"colocated": ("2 colocated", False), "disaggregated": ("1 prefill + 1 decode", True)}
     results = [run_one(*runs[r], ns) for r in ns.runs.split(",") if r]
-    doc = {"benchmark": "pd_disagg", "env": env_info(), "config": vars(ns), "results": results}
-    if ns.out:
-        with open(ns.out, "w") as f:
-            json.dump(doc, f, indent=1)
-    if ns.plot:
-        plot(results, ns.plot)
+    served.write_results("pd_disagg", ns, results, plot)
     return 0
 
 

@@ -16,19 +16,16 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import json
-import os
 import random
-import signal
-import socket
-import subprocess
 import sys
-import tempfile
 import time
 from dataclasses import dataclass
 
 import httpx
+
+from kvserve.bench import served
+from kvserve.bench.served import ServeProcess, percentile, scrape
 
 KEY = "sk-router-bench"
 POLICIES = ("round-robin", "least-loaded", "session", "prefix")
@@ -57,15 +54,6 @@ def conversation_turns(conv: int, turns: int, doc_tokens: int) -> list[str]:
             f"Question {t} about document {conv}: what comes next?" for t in range(turns)]
 
 
-def percentile(xs: list[float], p: float) -> float:
-    xs = sorted(xs)
-    if not xs:
-        return float("nan")
-    k = (len(xs) - 1) * p
-    lo, hi = int(k), min(int(k) + 1, len(xs) - 1)
-    return xs[lo] + (xs[hi] - xs[lo]) * (k - lo)
-
-
 def weighted_hit_rate(replica_metrics: list[dict[str, float]]) -> float:
     """Prompt-token weighted prefix-cache hit rate over replicas."""
     total = sum(m.get("kvserve_prompt_tokens_total", 0.0) for m in replica_metrics)
@@ -75,73 +63,32 @@ def weighted_hit_rate(replica_metrics: list[dict[str, float]]) -> float:
                m.get("kvserve_prompt_tokens_total", 0.0) for m in replica_metrics) / total
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class Server:
-    def __init__(self, model: str, threads: int, policy: str | None, extra: list[str]) -> None:
-        self.port = _free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.log = tempfile.NamedTemporaryFile(  # noqa: SIM115 - lives with the process
-            "w+", prefix="kvserve-router-bench-", suffix=".log", delete=False)
-        cmd = [sys.executable, "-m", "kvserve.cli", "serve", model, "--port", str(self.port),
-               "--api-key", KEY, "--no-access-log", *extra]
-        env = dict(os.environ, PYTHONUNBUFFERED="1")
+class Server(ServeProcess):
+    def __init__(self, model: str | None, threads: int, policy: str | None,
+                 extra: list[str]) -> None:
+        env = {}
         if policy is None:  # one replica alone, publishing its events for the same cost
             env["OMP_NUM_THREADS"] = str(threads)
-            cmd += ["--kv-events-endpoint", "tcp://127.0.0.1:0"]
+            extra = [*extra, "--kv-events-endpoint", "tcp://127.0.0.1:0"]
         else:
-            cmd += ["--data-parallel-size", "2", "--replica-threads", str(threads),
-                    "--routing", policy]
-        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, env=env)
+            extra = [*extra, "--data-parallel-size", "2", "--replica-threads", str(threads),
+                     "--routing", policy]
+        super().__init__(model, extra, key=KEY, log_prefix="kvserve-router-bench-", env=env)
         self.routed = policy is not None
 
     def wait_ready(self, timeout: float) -> None:
-        deadline = time.monotonic() + timeout
         want = 2 if self.routed else None
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                self.log.flush()
-                self.log.seek(0)
-                raise RuntimeError(f"server exited:\n{self.log.read()[-3000:]}")
-            with contextlib.suppress(httpx.HTTPError, ValueError):
-                r = httpx.get(f"{self.url}/ready", timeout=2)
-                if r.status_code == 200 and (want is None or r.json().get("replicas") == want):
-                    return
-            time.sleep(0.5)
-        raise RuntimeError(f"not ready after {timeout} s")
+
+        def ready() -> bool:
+            r = httpx.get(f"{self.url}/ready", timeout=2)
+            return r.status_code == 200 and (want is None or r.json().get("replicas") == want)
+
+        self.wait_until(ready, timeout)
 
     def replica_urls(self) -> list[str]:
         if not self.routed:
             return [self.url]
-        info = httpx.get(f"{self.url}/router/replicas", timeout=5,
-                         headers={"Authorization": f"Bearer {KEY}"}).json()
-        return [r["url"] for r in info["replicas"]]
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(60)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(10)
-        self.log.close()
-        os.unlink(self.log.name)
-
-
-def scrape(url: str) -> dict[str, float]:
-    from prometheus_client.parser import text_string_to_metric_families
-
-    out: dict[str, float] = {}
-    for fam in text_string_to_metric_families(httpx.get(f"{url}/metrics", timeout=10).text):
-        for s in fam.samples:
-            key = s.name + ("" if not s.labels else json.dumps(s.labels, sort_keys=True))
-            out[key] = s.value
-    return out
+        return [r["url"] for r in self.router_replicas()["replicas"]]
 
 
 async def run_workload(url: str, conversations: int, turns: int, doc_tokens: int,
@@ -162,12 +109,7 @@ async def run_workload(url: str, conversations: int, turns: int, doc_tokens: int
                                       "stream_options": {"include_usage": True}}) as r:
                 r.raise_for_status()
                 replica = r.headers.get("x-kvserve-replica")
-                async for line in r.aiter_lines():
-                    if not line.startswith("data: ") or line == "data: [DONE]":
-                        continue
-                    chunk = json.loads(line[6:])
-                    if "error" in chunk:
-                        raise RuntimeError(chunk["error"])
+                async for chunk in served.sse_chunks(r):
                     if chunk.get("usage"):
                         tokens = chunk["usage"]["completion_tokens"]
                     if not chunk.get("choices"):
@@ -219,59 +161,41 @@ def run_one(label: str, policy: str | None, ns: argparse.Namespace) -> dict:
 
 
 def plot(results: list[dict], path: str) -> None:
-    import matplotlib
+    def draw(labels: list[str], axes) -> None:
+        panels = (("prefix_cache_hit_rate", "prefix-cache hit rate"),
+                  ("ttft_p50_s", "TTFT p50 / p90 (s)"),
+                  ("output_tokens_per_s", "output tokens/s"))
+        for ax, (key, title) in zip(axes, panels, strict=True):
+            ax.bar(labels, [r[key] for r in results], color="tab:blue", label=key)
+            if key == "ttft_p50_s":
+                ax.scatter(labels, [r["ttft_p90_s"] for r in results], color="tab:red",
+                           label="p90", zorder=3)
+                ax.legend()
+            ax.set_title(title)
+            ax.tick_params(axis="x", rotation=30)
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    labels = [r["label"] for r in results]
-    fig, axes = plt.subplots(1, 3, figsize=(13, 3.8))
-    panels = (("prefix_cache_hit_rate", "prefix-cache hit rate"),
-              ("ttft_p50_s", "TTFT p50 / p90 (s)"),
-              ("output_tokens_per_s", "output tokens/s"))
-    for ax, (key, title) in zip(axes, panels, strict=True):
-        ax.bar(labels, [r[key] for r in results], color="tab:blue", label=key)
-        if key == "ttft_p50_s":
-            ax.scatter(labels, [r["ttft_p90_s"] for r in results], color="tab:red",
-                       label="p90", zorder=3)
-            ax.legend()
-        ax.set_title(title)
-        ax.tick_params(axis="x", rotation=30)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    served.save_panels(results, path, draw)
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--model", default=None, help="served model (default: SmolLM2 GGUF)")
+    p = served.parser(__doc__)
     p.add_argument("--conversations", type=int, default=8, help="concurrent conversations")
     p.add_argument("--turns", type=int, default=4, help="turns per conversation")
     p.add_argument("--doc-tokens", type=int, default=1500, help="document length (about)")
     p.add_argument("--answer-tokens", type=int, default=32, help="tokens per answer")
-    p.add_argument("--threads", type=int, default=1, help="threads per replica")
-    p.add_argument("--max-num-seqs", type=int, default=8, help="per replica")
-    p.add_argument("--kv-cache-memory", default="96MiB", help="KV budget per replica")
+    served.add_replica_options(p, kv_cache_memory="96MiB")
     p.add_argument("--policies", default=",".join(POLICIES),
                    help="comma list of routing policies to run")
     p.add_argument("--no-baseline", action="store_true", help="skip the one-replica run")
-    p.add_argument("--startup-timeout", type=float, default=600.0, help="seconds")
-    p.add_argument("--out", default=None, help="JSON results file")
-    p.add_argument("--plot", default=None, help="PNG plot file")
+    served.add_output_options(p)
     ns = p.parse_args(argv)
     from kvserve.bench.common import resolve_model_path
 
     ns.model = resolve_model_path(ns.model)  # None: the default model (SmolLM2 GGUF)
-    from kvserve.bench.common import env_info
-
     runs = [] if ns.no_baseline else [("1 replica", None)]
     runs += [(pol, pol) for pol in ns.policies.split(",") if pol]
     results = [run_one(label, pol, ns) for label, pol in runs]
-    doc = {"benchmark": "router", "env": env_info(), "config": vars(ns), "results": results}
-    if ns.out:
-        with open(ns.out, "w") as f:
-            json.dump(doc, f, indent=1)
-    if ns.plot:
-        plot(results, ns.plot)
+    served.write_results("router", ns, results, plot)
     return 0
 
 

@@ -25,8 +25,27 @@ import torch
 import torch.nn.functional as F
 
 from kvserve.bench.common import env_info, log, write_json
-from kvserve.quant import fp8, int8
+from kvserve.kernels import reference as ref
 from kvserve.quant.rotation import rotation_matrix
+
+
+def int8_bf16_scales(x: torch.Tensor) -> torch.Tensor:
+    """The previous INT8 recipe: x's fp32 values after a round trip with bf16(max(amax, 1e-12)
+    / 127) per row instead of the cache's 1-byte log-domain codes."""
+    amax = x.detach().abs().amax(dim=-1).float().clamp_min_(1e-12)
+    s = (amax / 127.0).to(torch.bfloat16).float()
+    return ref.int8_quantize(x, s).float() * s.unsqueeze(-1)
+
+
+def int8_asymmetric(x: torch.Tensor) -> torch.Tensor:
+    """x [..., D] -> its fake-quantized fp32 values on a 255-level min/max grid per row (bf16
+    scale and bf16 zero point ``lo``), ``x' = lo + q * scale``: four times the scale bytes."""
+    xf = x.float()
+    lo = xf.amin(dim=-1, keepdim=True).to(torch.bfloat16).float()
+    hi = xf.amax(dim=-1, keepdim=True)
+    scale = ((hi - lo).clamp_min(1e-12) / 255.0).to(torch.bfloat16).float()
+    q = torch.round((xf - lo) / scale).clamp_(0, 255)
+    return lo + q * scale
 
 
 def fake_quant(x: torch.Tensor, kind: str) -> torch.Tensor:
@@ -34,15 +53,13 @@ def fake_quant(x: torch.Tensor, kind: str) -> torch.Tensor:
     if kind == "bf16":
         return x.to(torch.bfloat16).float()
     if kind == "fp8":
-        q, s = fp8.quantize_dynamic(x, torch.float8_e4m3fn)
-        return fp8.dequantize(q, s)
+        return ref.fp8_dequantize(*ref.fp8_quantize_dynamic(x, torch.float8_e4m3fn))
     if kind == "int8":
-        q, s = int8.quantize_dynamic(x)
-        return int8.dequantize(q, s)
+        return ref.int8_dequantize(*ref.int8_quantize_dynamic(x))
     if kind == "int8_bf16s":
-        return int8.fake_quantize(x, scale="bf16")
+        return int8_bf16_scales(x)
     if kind == "int8_asym":
-        return int8.quantize_asymmetric(x)
+        return int8_asymmetric(x)
     raise ValueError(f"unknown kind {kind!r}")
 
 

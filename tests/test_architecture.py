@@ -22,7 +22,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("kvserve.model",),  # architectures, checkpoint loading
     ("kvserve.layers", "kvserve.attention"),  # nn building blocks, attention backends
     ("kvserve.cache",),  # block pool, paged KV tensors, integrity
-    # math (kernels/cpu: the ctypes bindings, kernels/triton: the Triton kernels, reference.py:
+    # math (kernels/cpu: the ctypes bindings, kernels/triton: the Triton kernels, reference/:
     # their twins), number formats, collectives
     ("kvserve.kernels", "kvserve.quant", "kvserve.distributed"),
     # plain data and build helpers

@@ -10,6 +10,7 @@ into the wrong module fails here:
 - names: KV modes say their rotation; test hooks live behind ``engine.debug``.
 - the step: only the scheduler's apply step (``Scheduler.update_from_output``) advances a
   request (``num_computed_tokens``, appended tokens); only the runner samples.
+- the pure-torch twins of the kernels and quantizers: kvserve/kernels/reference/ only.
 """
 
 from __future__ import annotations
@@ -201,3 +202,52 @@ def test_kv_auto_is_resolved_against_the_checkpoint_by_config():
     assert resolve_checkpoint_kv_mode("auto", "auto", f32, "cpu") == KVMode(f32)
     assert resolve_checkpoint_kv_mode("auto", "bf16", f32, "cpu") == KVMode(bf16)
     assert resolve_checkpoint_kv_mode("int8", "auto", f32, "cpu") == KVMode(torch.int8, True)
+
+
+# The twins' one home; kernels/cpu and kernels/triton bind the kernels under the twins' names.
+_TWIN_HOME = "kernels/reference/"
+_KERNEL_BINDINGS = ("kernels/cpu/", "kernels/triton/")
+# Same name, not a twin: the INT4 format's signed unpacker, the debug KV dump, logprob decoding.
+_NOT_TWINS = {("quant/int4.py", "unpack_int4"), ("engine/debug.py", "gather_kv"),
+              ("engine/executor.py", "gather_kv"), ("server/logprobs.py", "decode")}
+# Calls that make a pure-torch twin: the quantizers' rounding and the attention math.
+_TWIN_MATH = {"round", "clamp", "clamp_", "searchsorted", "softmax",
+              "scaled_dot_product_attention", "index_copy_"}
+# Modules that dispatch to a kernel and so must not carry their own torch fallback (mla_torch
+# is the MLA path itself, with no kernel beside it on CPU, and so is not here).
+_DISPATCHERS = ("cache/kv_cache.py", "attention/cpu_backend.py", "attention/triton_backend.py",
+                "attention/mla_triton.py", "quant/fp8.py", "quant/int8.py", "quant/w16.py",
+                "quant/wq.py")
+
+
+def _math_calls(tree: ast.AST) -> list[str]:
+    return [f"{n.lineno}: {n.func.attr if isinstance(n.func, ast.Attribute) else n.func.id}"
+            for n in ast.walk(tree) if isinstance(n, ast.Call) and (
+                (isinstance(n.func, ast.Attribute) and n.func.attr in _TWIN_MATH)
+                or (isinstance(n.func, ast.Name) and n.func.id in _TWIN_MATH))]
+
+
+def test_one_home_for_the_pure_torch_twins():
+    """Every pure-torch twin of a kernel or quantizer is defined in kernels/reference/: no
+    other module defines a function of a twin's name (the kernel bindings aside), and the
+    modules that dispatch to a kernel (the cache's writer, the attention backends) or define a
+    format (quant/) hold no torch fallback of their own."""
+    sources = _sources()
+    twins = {n.name for path, tree in sources.items() if path.startswith(_TWIN_HOME)
+             for n in tree.body if isinstance(n, ast.FunctionDef) and not n.name.startswith("_")}
+    assert {"write_kv", "write_rows", "paged_attention", "fp8_quantize", "int8_quantize",
+            "w16_linear", "wq_matmul", "decode", "prefill"} <= twins
+    second = [f"{path}:{n.lineno} {n.name}" for path, tree in sources.items()
+              if not path.startswith((_TWIN_HOME, *_KERNEL_BINDINGS))
+              for n in ast.walk(tree) if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))
+              and n.name in twins and (path, n.name) not in _NOT_TWINS]
+    assert not second, f"a second twin (move it to kvserve/{_TWIN_HOME}): {second}"
+    fallbacks = [f"{path}:{hit}" for path in _DISPATCHERS for hit in _math_calls(sources[path])]
+    assert not fallbacks, f"torch math outside kvserve/{_TWIN_HOME}: {fallbacks}"
+
+
+def test_the_twin_scan_sees_twin_math():
+    """The scan catches what it is meant to (so the test above can fail)."""
+    for src in ("y = torch.round(x / s).clamp_(-127, 127)", "flat.index_copy_(0, r, q)",
+                "o = F.scaled_dot_product_attention(q, k, v)", "p = scores.softmax(-1)"):
+        assert _math_calls(ast.parse(src)), src

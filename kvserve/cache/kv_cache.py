@@ -35,8 +35,8 @@ from collections.abc import Callable
 import torch
 
 from kvserve.config import KVMode, KVStorage
+from kvserve.kernels import reference
 from kvserve.kernels.cpu import paged_attention as cpu_attention
-from kvserve.quant import fp8, int8
 from kvserve.quant.rotation import KVRotation
 
 logger = logging.getLogger(__name__)
@@ -95,8 +95,8 @@ class PagedKVCache:
             torch.zeros(shape[:-1], dtype=self.mode.scale_dtype, device=device)
             if self.has_scales else None
         )
-        # fp32 writes on CPU go through the C writer when it builds (kvs_write_kv); the torch
-        # code below it (x.to, fp8.quantize, int8.quantize + index_copy_) is its twin.
+        # fp32 writes on CPU go through the C writer when it builds (kvs_write_kv); its twin,
+        # kvserve.kernels.reference.write_rows, takes every other write.
         self.use_kernel = not self.data.is_cuda and cpu_attention.load() is not None
         # Per-block checksum state: wanted when integrity is on (decided by whoever builds the
         # cache), kept by the fused writer (``use_fused_writer``).
@@ -154,7 +154,8 @@ class PagedKVCache:
         """The one write path: component c of T tokens, parts[c] [T, H, D]; rows [T] int64 =
         component-0 rows (see the module docstring); ``slots`` [T] int64 the same tokens as
         slot ids (computed from rows when None). Below it: the fused Triton kernel (after
-        ``use_fused_writer``; takes slots), else the C writers / torch (takes rows)."""
+        ``use_fused_writer``; takes slots), else the C writer (fp32 rows on CPU, where it
+        builds) or its pure-torch twin ``reference.write_rows`` (both take rows)."""
         if self._fused_write is not None:
             if slots is None:
                 cbs = self.components * self.block_size
@@ -166,29 +167,15 @@ class PagedKVCache:
                               self.csum_state, *static)
             return
         flat = self.layer_rows(layer)
-        bs = self.block_size
         scale_rows = self.scales[layer].view(-1, self.num_kv_heads) if self.has_scales else None
         for c, x in enumerate(parts):
-            if (self.use_kernel and x.dtype == torch.float32 and x.device.type == "cpu"
-                    and self.dtype in cpu_attention.WRITE_DTYPES):
-                static = None if self.static_scales is None else self.static_scales[layer, c]
-                cpu_attention.write_kv(x, rows, flat, scale_rows, static, row_offset=c * bs)
-                continue
-            r = rows if c == 0 else rows + c * bs
-            if not self.has_scales:
-                flat.index_copy_(0, r, x.to(self.dtype))
-            elif self.is_int8:
-                q, s = int8.quantize_dynamic(x)
-                flat.index_copy_(0, r, q)
-                scale_rows.index_copy_(0, r, s)
-            else:
-                if self.static_scales is not None:
-                    s = self.static_scales[layer, c].expand(x.shape[0], -1)
-                else:
-                    s = fp8.compute_scales(x, self.dtype)
-                q = fp8.quantize(x, s, self.dtype)
-                flat.view(torch.uint8).index_copy_(0, r, q.view(torch.uint8))
-                scale_rows.index_copy_(0, r, s)
+            # per component: the C writer takes fp32 rows on CPU, its twin the rest (a bf16
+            # model's v, say); both take the same arguments
+            c_writes = (self.use_kernel and x.dtype == torch.float32 and x.device.type == "cpu"
+                        and self.dtype in cpu_attention.WRITE_DTYPES)
+            write = cpu_attention.write_kv if c_writes else reference.write_rows
+            static = None if self.static_scales is None else self.static_scales[layer, c]
+            write(x, rows, flat, scale_rows, static, row_offset=c * self.block_size)
 
     def describe(self) -> str:
         cap_tokens = self.num_blocks * self.block_size

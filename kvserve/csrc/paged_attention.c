@@ -867,7 +867,8 @@ void kvs_paged_attention(const void *kv, const void *scales, int dtype, const fl
 }
 
 /* ---- FP8 quantize-on-write ------------------------------------------------------------
- * Twin: kvserve/quant/fp8.py (compute_scales + quantize + torch's RNE cast); bit-exact.
+ * Twin: kvserve/kernels/reference/quant.py (fp8_compute_scales + fp8_quantize + torch's RNE
+ * cast); bit-exact.
  * x [T, H, D] fp32; rows [T] (+ row_off: row ids into dst [R, H, D] / scales [R, H]).
  * scale = bf16_rne(clamp(amax, 1e-12, FLT_MAX) / FP8_MAX); q = rne_fp8(clamp(x / scale,
  * +-FP8_MAX)). NaN elements: ignored by amax (the compare is false), stored as 0.
@@ -939,7 +940,7 @@ static void write_fp8(const float *x, int64_t ldx, const int64_t *rows, int64_t 
 }
 
 /* ---- INT8 quantize-on-write (symmetric, per row, log-domain 1-byte scale) --------------
- * Twin: kvserve/quant/int8.py (compute_codes + quantize); bit-exact.
+ * Twin: kvserve/kernels/reference/quant.py (int8_compute_codes + int8_quantize); bit-exact.
  * x [T, H, D] fp32; rows [T] (+ row_off: row ids into dst [R, H, D] / codes [R, H] int8).
  * e = the smallest code in [-128, 127] with 127 * scale(e) >= amax (fp32 products; 127 if
  * none); q = clamp(rint(x / scale(e)), -127, 127) (rintf rounds half to even, as torch.round).

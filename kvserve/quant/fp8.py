@@ -5,7 +5,9 @@ bfloat16 beside the payload (2 bytes per head_dim-wide row: 3.1% at head_dim 64,
 The stored (bf16-rounded) scale is the one used to quantize, so dequantization is exact up to
 FP8 rounding; saturation is impossible because values are clamped to +-FP8_MAX after scaling.
 
-Non-finite input (C writer and this twin agree bit for bit): NaN elements are stored as 0 and
+The quantizer's pure-torch twin (``fp8_compute_scales`` / ``fp8_quantize`` /
+``fp8_dequantize``) lives with every other kernel twin in :mod:`kvserve.kernels.reference`.
+Non-finite input (the C writer and that twin agree bit for bit): NaN elements are stored as 0 and
 do not enter the row's amax; amax is clamped to [1e-12, FLT_MAX], so the stored scale is always
 finite (an inf element saturates to +-FP8_MAX and reads back as a huge finite value instead of
 making the whole row 0 * inf = NaN); an all-zero row gets the smallest scale and exact zeros.
@@ -28,36 +30,6 @@ import torch
 FP8_MAX = {torch.float8_e4m3fn: 448.0, torch.float8_e5m2: 57344.0}
 # value = half_bits_value * HALF_BITS_FACTOR[dtype] * scale
 HALF_BITS_FACTOR = {torch.float8_e4m3fn: 256.0, torch.float8_e5m2: 1.0}
-_MIN_AMAX = 1e-12
-_FLT_MAX = torch.finfo(torch.float32).max
-
-
-def compute_scales(x: torch.Tensor, fp8_dtype: torch.dtype) -> torch.Tensor:
-    """x [..., D] -> bf16 scales [...]: amax/FP8_MAX per row, rounded to bf16 (NaN elements
-    ignored, amax clamped to [1e-12, FLT_MAX]: the scale is always finite and positive)."""
-    a = x.detach().abs().float()
-    amax = a.masked_fill_(a.isnan(), 0.0).amax(dim=-1).clamp_(_MIN_AMAX, _FLT_MAX)
-    return (amax / FP8_MAX[fp8_dtype]).to(torch.bfloat16)
-
-
-def quantize(
-    x: torch.Tensor, scales: torch.Tensor, fp8_dtype: torch.dtype
-) -> torch.Tensor:
-    """x [..., D] float, scales [...] -> fp8 [..., D]. Clamped, so outliers never give NaN/inf
-    (+-inf -> +-FP8_MAX; a NaN element is stored as 0, as the C writer does)."""
-    fmax = FP8_MAX[fp8_dtype]
-    y = x.float() / scales.float().unsqueeze(-1)
-    return y.nan_to_num_(nan=0.0).clamp_(-fmax, fmax).to(fp8_dtype)
-
-
-def quantize_dynamic(x: torch.Tensor, fp8_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    scales = compute_scales(x, fp8_dtype)
-    return quantize(x, scales, fp8_dtype), scales
-
-
-def dequantize(q: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
-    """Reference twin: fp8 [..., D], bf16 scales [...] -> fp32 [..., D] (torch's slow cast)."""
-    return q.float() * scales.float().unsqueeze(-1)
 
 
 def fp8_to_half_bits(q: torch.Tensor, out: torch.Tensor) -> torch.Tensor:

@@ -19,7 +19,7 @@ A uniform 8-bit grid keeps ~7 bits of every element where E4M3 keeps 3 mantissa 
 the per-head rotation (``kvserve.quant.rotation``) a row's values are spread evenly, which is
 the case a uniform grid fits best. -128 is never produced (the grid is symmetric).
 
-Non-finite input never reaches the cache as an undefined code (the C writer and this twin
+Non-finite input never reaches the cache as an undefined code (the C writer and its twin
 agree bit for bit; the Triton writer is not yet aligned for NaN): a NaN element is stored as
 0 and does not enter the row's amax; +-inf saturates (amax = inf -> code 127, the element ->
 +-127); an all-zero (or all-NaN) row gets code -128 and exact zeros. Scales are per row, so
@@ -30,14 +30,14 @@ a bf16 scale: 3.1% / 1.6%), so INT8 KV holds 1.97x the tokens of BF16 at head_di
 Rounding the scale up to a 2^(1/8) grid instead of storing bf16(amax / 127) costs nothing
 measurable on SmolLM2 (docs/benchmarks.md, "8-bit KV on a real model").
 
-``quantize_asymmetric`` (min/max grid, a bf16 scale AND a bf16 zero point per row: four
-times the scale bytes) is kept for the measurement that chose symmetric
-(``benchmarks/kv8_sim.py``); the cache never stores it. ``compute_scales_bf16`` is the
-previous (bf16-scale) recipe, kept for the same measurement.
+The alternatives measured before choosing this one (an asymmetric min/max grid, bf16 scales)
+live in ``benchmarks/kv8_sim.py``; the cache never stores them.
 
-The C writer ``kvs_write_int8`` (kvserve/csrc/paged_attention.c) and the Triton writer are
-bit-exact with ``compute_codes`` + ``quantize`` here (tests/attention/test_cpu_kernel.py,
-tests/kernels).
+This module holds the format (the code table); the quantizer's pure-torch twin
+(``int8_compute_codes`` / ``int8_quantize`` / ``int8_quantize_dynamic`` / ``int8_dequantize``)
+lives with every other kernel twin in :mod:`kvserve.kernels.reference`. The C writer
+``kvs_write_int8`` (kvserve/csrc/paged_attention.c) and the Triton writer are bit-exact with
+it (tests/attention/test_cpu_kernel.py, tests/kernels).
 """
 
 from __future__ import annotations
@@ -45,7 +45,6 @@ from __future__ import annotations
 import torch
 
 QMAX = 127.0
-_MIN_AMAX = 1e-12
 SCALE_DTYPE = torch.int8  # what the cache stores per row: the code e
 CODE_MIN, CODE_MAX = -128, 127
 #: fp32(2^(k/8)), k = 0..7 (correctly rounded; the C kernel carries the same literals).
@@ -62,74 +61,11 @@ def _table() -> torch.Tensor:
 
 #: scale(e) for e = -128..127 (index e + 128), fp32 [256]; and 127 * scale(e) (fp32 products).
 SCALE_TABLE = _table()
-_THRESH = SCALE_TABLE * QMAX
+#: 127 * scale(e) (fp32 products): a row takes the first code whose threshold covers its amax.
+THRESHOLDS = SCALE_TABLE * QMAX
 
 
 def code_to_scale(codes: torch.Tensor) -> torch.Tensor:
     """int8 codes [...] -> fp32 scales [...] (exact)."""
     table = SCALE_TABLE.to(codes.device)
     return table[codes.long() + 128]
-
-
-def _amax(x: torch.Tensor) -> torch.Tensor:
-    """max |x| per row, NaN elements ignored (as the C writer's ``a > amax`` compare does)."""
-    a = x.detach().abs().float()
-    return a.masked_fill_(a.isnan(), 0.0).amax(dim=-1)
-
-
-def compute_codes(x: torch.Tensor) -> torch.Tensor:
-    """x [..., D] -> int8 codes [...]: the smallest e with 127 * 2^(e/8) >= amax (fp32).
-
-    Non-finite input (see the module docstring): NaN elements do not enter amax; an inf
-    amax gets code 127; an all-zero (or all-NaN) row gets code -128."""
-    amax = _amax(x)
-    thresh = _THRESH.to(amax.device)
-    idx = torch.searchsorted(thresh, amax.contiguous(), right=False).clamp_(max=255)
-    return (idx - 128).to(torch.int8)
-
-
-def compute_scales(x: torch.Tensor) -> torch.Tensor:
-    """x [..., D] -> the fp32 scales the cache uses (``code_to_scale(compute_codes(x))``)."""
-    return code_to_scale(compute_codes(x))
-
-
-def compute_scales_bf16(x: torch.Tensor) -> torch.Tensor:
-    """The previous recipe, for measurement: bf16(max(amax, 1e-12) / 127) per row."""
-    amax = x.detach().abs().amax(dim=-1).float().clamp_min_(_MIN_AMAX)
-    return (amax / QMAX).to(torch.bfloat16)
-
-
-def quantize(x: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
-    """x [..., D] float, scales [...] (fp32 or bf16 values) -> int8 [..., D] (RNE, +-127;
-    NaN -> 0, +-inf -> +-127)."""
-    y = x.float() / scales.float().unsqueeze(-1)
-    return torch.round(y).nan_to_num_(nan=0.0).clamp_(-QMAX, QMAX).to(torch.int8)
-
-
-def quantize_dynamic(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """x [..., D] -> (int8 payload [..., D], int8 scale codes [...]): what the cache stores."""
-    codes = compute_codes(x)
-    return quantize(x, code_to_scale(codes)), codes
-
-
-def dequantize(q: torch.Tensor, codes: torch.Tensor) -> torch.Tensor:
-    """int8 [..., D], int8 scale codes [...] -> fp32 [..., D]."""
-    return q.float() * code_to_scale(codes).unsqueeze(-1)
-
-
-def fake_quantize(x: torch.Tensor, scale: str = "log8") -> torch.Tensor:
-    """Measurement: x's fp32 values after a round trip; ``scale`` "log8" (the cache) or
-    "bf16" (the previous recipe)."""
-    s = compute_scales(x) if scale == "log8" else compute_scales_bf16(x).float()
-    return quantize(x, s).float() * s.unsqueeze(-1)
-
-
-def quantize_asymmetric(x: torch.Tensor) -> torch.Tensor:
-    """Measurement only: x [..., D] -> its fake-quantized fp32 values on a 255-level min/max
-    grid per row (bf16 scale and bf16 zero point ``lo``), ``x' = lo + q * scale``."""
-    xf = x.float()
-    lo = xf.amin(dim=-1, keepdim=True).to(torch.bfloat16).float()
-    hi = xf.amax(dim=-1, keepdim=True)
-    scale = ((hi - lo).clamp_min(_MIN_AMAX) / 255.0).to(torch.bfloat16).float()
-    q = torch.round((xf - lo) / scale).clamp_(0, 255)
-    return lo + q * scale

@@ -9,12 +9,12 @@ import torch.nn.functional as F
 from kvserve.attention.cpu_backend import CpuAttentionBackend
 from kvserve.attention.metadata import AttentionMetadata
 from kvserve.cache.kv_cache import PagedKVCache
-from kvserve.quant import fp8
+from kvserve.kernels import reference as ref
 
 
 def _dense_kv(kv: PagedKVCache, layer: int, blocks: list[int], n: int):
     d = kv.data[layer, blocks]  # [nb, 2, bs, H, D]
-    d = fp8.dequantize(d, kv.scales[layer, blocks]) if kv.is_fp8 else d.float()
+    d = ref.fp8_dequantize(d, kv.scales[layer, blocks]) if kv.is_fp8 else d.float()
     d = d.permute(1, 0, 2, 3, 4).reshape(2, -1, kv.num_kv_heads, kv.head_dim)[:, :n]
     return d[0], d[1]  # [n, H, D]
 

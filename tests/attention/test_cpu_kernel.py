@@ -192,7 +192,7 @@ def test_fp8_write_kernel_bit_exact_with_twin(dtype, static):
 @pytest.mark.parametrize("t,h,d", [(37, 3, 64), (5, 1, 8), (19, 2, 128), (9, 4, 576),
                                    (3, 3, 6)])
 def test_int8_write_kernel_bit_exact_with_twin(t, h, d):
-    """kvs_write_int8 == int8.compute_codes + quantize (RNE ties, zero rows, huge and tiny
+    """kvs_write_int8 == ref.int8_compute_codes + quantize (RNE ties, zero rows, huge and tiny
     rows beyond the code range, amax exactly on a code's threshold), payload and 1-byte scale
     codes, over shapes."""
     torch.manual_seed(2 + d)

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from kvserve import SamplingParams
+from kvserve.kernels import reference as ref
 
 # slow: 65 engine runs compared pairwise
 pytestmark = pytest.mark.slow
@@ -78,12 +79,8 @@ def prompt_kv_rows(engine, ids):
         if kv.scales is not None:
             sc = kv.scales[:, blk, :, off]
             b.append(sc.contiguous().view(torch.uint8).flatten())
-            if kv.is_int8:  # 1-byte log-domain scale codes
-                from kvserve.quant import int8
-
-                v = int8.dequantize(data, sc)
-            else:
-                v = v * sc.float().unsqueeze(-1)
+            # INT8: 1-byte log-domain scale codes
+            v = ref.int8_dequantize(data, sc) if kv.is_int8 else v * sc.float().unsqueeze(-1)
         raw.append(torch.cat(b))
         vals.append(v)
     cached = req.metrics.num_cached_tokens

@@ -19,7 +19,6 @@ if not torch.cuda.is_available():
 
 from kvserve.config import kv_scale_dtype  # noqa: E402
 from kvserve.kernels import reference as ref  # noqa: E402
-from kvserve.quant import int8  # noqa: E402
 
 
 @dataclass
@@ -99,8 +98,8 @@ def build_paged_cache(
             q8, sc = ref.quantize_fp8_rows(rows, dtype)
             dense.append(ref.dequantize_rows(q8, sc).transpose(0, 1))
         elif dtype == torch.int8:
-            q8, sc = int8.quantize_dynamic(rows)
-            dense.append(int8.dequantize(q8, sc).transpose(0, 1))
+            q8, sc = ref.int8_quantize_dynamic(rows)
+            dense.append(ref.int8_dequantize(q8, sc).transpose(0, 1))
         else:
             dense.append(rows.to(dtype).float().transpose(0, 1))
     return PagedCache(

@@ -8,7 +8,7 @@ import torch
 from kvserve.cache.kv_cache import PagedKVCache, bytes_per_block
 from kvserve.config import CacheConfig, KVMode, resolve_kv_mode
 from kvserve.kernels import reference as ref
-from kvserve.quant import fp8, int8
+from kvserve.quant import int8
 from kvserve.quant.rotation import KVRotation, hadamard, rotation_matrix
 
 HEAD_DIMS = [16, 32, 64, 128, 72, 20]  # powers of two: Hadamard; others: random orthogonal
@@ -70,13 +70,13 @@ def test_int8_round_trip_error_bound(shape):
     a factor 2^(1/8) of amax / 127 and every element is within amax / 254 * 2^(1/8)."""
     torch.manual_seed(0)
     x = torch.randn(shape) * torch.logspace(-2, 3, shape[0]).view(-1, 1, 1)
-    q, codes = int8.quantize_dynamic(x)
+    q, codes = ref.int8_quantize_dynamic(x)
     assert q.dtype == torch.int8 and codes.dtype == torch.int8 and int(q.min()) >= -127
     s = int8.code_to_scale(codes)
     amax = x.abs().amax(-1)
     assert (127 * s >= amax).all()  # rounded up: |x / s| <= 127
     assert (127 * int8.code_to_scale(codes.long() - 1) < amax).all()  # and the smallest such
-    y = int8.dequantize(q, codes)
+    y = ref.int8_dequantize(q, codes)
     err = (y - x).abs()
     assert (err <= s.unsqueeze(-1) / 2 * (1 + 2**-20) + 1e-30).all()
     assert (err <= amax.unsqueeze(-1) / 254 * 2 ** (1 / 8) * (1 + 2**-20)).all()
@@ -88,9 +88,9 @@ def test_int8_scale_codes_range_and_table():
     assert torch.allclose(int8.SCALE_TABLE.double(), 2.0 ** (e.double() / 8), rtol=2**-24)
     assert torch.equal(int8.SCALE_TABLE[::8], torch.exp2(e[::8].float() / 8))
     x = torch.tensor([[0.0, 0.0], [1e-9, 0.0], [1e9, 1.0], [127.0, 1.0]])
-    codes = int8.compute_codes(x)
+    codes = ref.int8_compute_codes(x)
     assert codes.tolist() == [-128, -128, 127, 0]
-    q = int8.quantize(x, int8.code_to_scale(codes))
+    q = ref.int8_quantize(x, int8.code_to_scale(codes))
     assert q[2, 0] == 127 and q[3, 0] == 127  # beyond the range: saturates, no wrap
 
 
@@ -108,13 +108,13 @@ def test_cache_write_matches_quantizer_twin_and_bounds(kind):
     rows = (rows // 8) * 16 + rows % 8
     kv.write(0, rows, x, x)
     if kind == "int8":
-        got = int8.dequantize(kv.layer_rows(0)[rows], kv.scales[0].view(-1, h)[rows])
-        want = int8.dequantize(*int8.quantize_dynamic(x))
+        got = ref.int8_dequantize(kv.layer_rows(0)[rows], kv.scales[0].view(-1, h)[rows])
+        want = ref.int8_dequantize(*ref.int8_quantize_dynamic(x))
         bound = x.abs().amax(-1, keepdim=True) / 254 * 2 ** (1 / 8) * (1 + 2**-20)
     else:
         got = (kv.layer_rows(0)[rows].float()
                * kv.scales[0].view(-1, h)[rows].float().unsqueeze(-1))
-        want = fp8.dequantize(*fp8.quantize_dynamic(x, dtype))
+        want = ref.fp8_dequantize(*ref.fp8_quantize_dynamic(x, dtype))
         rel = 2**-4 if dtype == torch.float8_e4m3fn else 2**-3
         bound = rel * torch.maximum(x.abs(), x.abs().amax(-1, keepdim=True) * 2**-6)
     assert torch.equal(got, want)

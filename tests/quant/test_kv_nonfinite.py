@@ -1,12 +1,12 @@
 """All-zero, all-NaN and +-inf rows through the 8-bit KV writers (INT8, FP8 E4M3 / E5M2).
 
-The behaviour chosen (kvserve/quant/int8.py, fp8.py): the cache never stores a non-finite
-scale or an undefined code. A NaN element is stored as 0 and does not enter its row's amax;
-+-inf saturates (INT8: code 127, element +-127; FP8: amax clamped to FLT_MAX, so the scale is
-finite and the element reads back as +-FP8_MAX * scale); an all-zero (or all-NaN) row gets the
-smallest scale and exact zeros. The C writer and the torch twin agree bit for bit, and since
-scales are per row, a bad row never changes another row's bytes.
-"""
+The behaviour chosen (kvserve/quant/int8.py, fp8.py; twins in kvserve/kernels/reference): the
+cache never stores a non-finite scale or an undefined code. A NaN element is stored as 0 and
+does not enter its row's amax; +-inf saturates (INT8: code 127, element +-127; FP8: amax
+clamped to FLT_MAX, so the scale is finite and the element reads back as +-FP8_MAX * scale); an
+all-zero (or all-NaN) row gets the smallest scale and exact zeros. The C writer and the torch
+twin agree bit for bit, and since scales are per row, a bad row never changes another row's
+bytes."""
 
 from __future__ import annotations
 
@@ -48,7 +48,7 @@ def _write(kind: str, x: torch.Tensor, kernel: bool):
 
 
 def _values(kind, q, s):
-    return int8.dequantize(q, s) if kind == "int8" else fp8.dequantize(q, s)
+    return ref.int8_dequantize(q, s) if kind == "int8" else ref.fp8_dequantize(q, s)
 
 
 @pytest.mark.parametrize("kind", list(DTYPES))
@@ -59,9 +59,9 @@ def test_c_writer_equals_twin_on_nonfinite_rows(kind):
     assert torch.equal(qc.view(torch.uint8), qt.view(torch.uint8))
     assert torch.equal(sc.view(torch.uint8), st.view(torch.uint8))
     if kind == "int8":
-        q2, s2 = int8.quantize_dynamic(x)
+        q2, s2 = ref.int8_quantize_dynamic(x)
     else:
-        q2, s2 = fp8.quantize_dynamic(x, DTYPES[kind])
+        q2, s2 = ref.fp8_quantize_dynamic(x, DTYPES[kind])
         q3, s3 = ref.quantize_fp8_rows(x, DTYPES[kind])  # the Triton kernels' twin
         assert torch.equal(q3.view(torch.uint8), q2.view(torch.uint8)) and torch.equal(s3, s2)
     assert torch.equal(q2.view(torch.uint8), qt.view(torch.uint8)) and torch.equal(s2, st)
@@ -81,7 +81,7 @@ def test_nonfinite_rows_store_finite_values_and_leave_other_rows_alone(kind, ker
         top = 127 * int8.code_to_scale(s[2])
     else:
         assert torch.isfinite(s.float()).all() and (s.float() > 0).all()
-        assert s[0].item() == s[1].item() == fp8.compute_scales(torch.zeros(1, D),
+        assert s[0].item() == s[1].item() == ref.fp8_compute_scales(torch.zeros(1, D),
                                                                 DTYPES[kind]).item()
         top = fp8.FP8_MAX[DTYPES[kind]] * s[2].float()
     # all-zero and all-NaN rows: exact zeros; +-inf rows: +-the largest value, everywhere

@@ -95,14 +95,15 @@ WRITE_DTYPES = frozenset({torch.float32, torch.bfloat16, torch.float8_e4m3fn,
 def write_kv(x: torch.Tensor, rows: torch.Tensor, dst_rows: torch.Tensor,
              scale_rows: torch.Tensor | None = None, static_scales: torch.Tensor | None = None,
              row_offset: int = 0) -> None:
-    """Write x [T, H, D] fp32 (heads contiguous; token rows may be strided) into dst_rows
+    """Twin: :func:`kvserve.kernels.reference.write_rows` (same arguments; bit-exact).
+
+    Write x [T, H, D] fp32 (heads contiguous; token rows may be strided) into dst_rows
     [R, H, D] at rows ``rows + row_offset`` (int64 [T]), in dst's dtype (``WRITE_DTYPES``):
 
       fp32 / bf16  converted (round to nearest even), no scales;
       FP8          per-row bf16 scales into scale_rows [R, H] (dynamic, or the given static
-                   bf16 scales [H]; twin: kvserve/quant/fp8.py);
-      INT8         symmetric, per-row 1-byte log-scale codes into scale_rows [R, H] int8
-                   (twin: kvserve/quant/int8.py ``quantize_dynamic``)."""
+                   bf16 scales [H]);
+      INT8         symmetric, per-row 1-byte log-scale codes into scale_rows [R, H] int8."""
     dll = load()
     assert dll is not None and dst_rows.dtype in WRITE_DTYPES
     t, h, d = x.shape

@@ -3,7 +3,7 @@
 Twins (the spec): ``paged_decode_attention``, ``paged_attention`` and ``mla_decode`` in
 :mod:`kvserve.kernels.reference`; every wrapper here takes the same arguments as its twin.
 
-Cache layout (see reference.py): ``kv_data[L, NB, C, bs, Hkv, D]``, FP8 scales
+Cache layout (see kernels/reference): ``kv_data[L, NB, C, bs, Hkv, D]``, FP8 scales
 ``kv_scales[L, NB, C, bs, Hkv]``. Token position p of sequence b lives at::
 
     page = block_tables[b, p // bs]          (int32 -> int64 before multiplying by a stride)

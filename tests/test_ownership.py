@@ -251,3 +251,16 @@ def test_the_twin_scan_sees_twin_math():
     for src in ("y = torch.round(x / s).clamp_(-127, 127)", "flat.index_copy_(0, r, q)",
                 "o = F.scaled_dot_product_attention(q, k, v)", "p = scores.softmax(-1)"):
         assert _math_calls(ast.parse(src)), src
+
+
+def test_the_cache_chooses_its_writer_when_built():
+    """The KV cache's writer (C / Triton / twin) and the Triton writer's checksum state are set
+    in ``PagedKVCache.__init__`` only: no backend swaps them afterwards."""
+    bad = []
+    for path, tree in _sources().items():
+        owner = _enclosing_functions(tree)
+        for node in ast.walk(tree):
+            if any(_assigns_attr(node, a) for a in ("writer", "_fused_write", "csum_state")) \
+                    and (path, owner[node]) != ("cache/kv_cache.py", "__init__"):
+                bad.append(f"{path}:{node.lineno}")
+    assert not bad, f"the cache's writer is set outside PagedKVCache.__init__: {bad}"

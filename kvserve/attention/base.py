@@ -1,7 +1,9 @@
 """The attention-backend Protocol (what models, the runner and CUDA graphs may call) and
 ``BackendBase``, the defaults a backend overrides. Capabilities are declared, not probed:
 ``latent`` (serves an MLA latent cache through ``forward_mla``) and ``cuda_graphs``
-(``graph_plan`` can describe a decode step over static tensors).
+(``graph_plan`` can describe a decode step over static tensors); so is the KV writer a backend's
+cache is built with (``kv_writer``, one of ``kvserve.cache.kv_cache.KV_WRITERS``: whoever builds
+the cache asks the registry, ``kvserve.attention.kv_writer``).
 
 Per-step planning: a backend turns the step's ``AttentionMetadata`` into a typed plan once
 (the first layer) and keeps it in ``meta.cache[name]`` for the other layers."""
@@ -13,12 +15,14 @@ from typing import ClassVar, Generic, Protocol, TypeVar
 import torch
 
 from kvserve.attention.metadata import AttentionMetadata
+from kvserve.cache.kv_cache import PagedKVCache
 
 
 class AttentionBackend(Protocol):
     name: ClassVar[str]
     latent: ClassVar[bool]
     cuda_graphs: ClassVar[bool]
+    kv_writer: ClassVar[str]
 
     def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 meta: AttentionMetadata) -> torch.Tensor:
@@ -48,6 +52,16 @@ class BackendBase(Generic[P]):
     name: ClassVar[str] = "base"
     latent: ClassVar[bool] = False
     cuda_graphs: ClassVar[bool] = False
+    kv_writer: ClassVar[str] = "c"  # the C writer where it takes the rows, else its twin
+
+    @classmethod
+    def _check_writer(cls, kv_cache: PagedKVCache) -> None:
+        """The cache was built with the writer this backend declares (a cache's writer is
+        chosen when it is built, never swapped): the Triton backends check it, since the
+        integrity checker seals from the fused writer's checksum state."""
+        if kv_cache.writer != cls.kv_writer:
+            raise ValueError(f"kv_cache: the {cls.name} backend needs a cache built with "
+                             f"writer={cls.kv_writer!r}, got writer={kv_cache.writer!r}")
 
     def _plan(self, meta: AttentionMetadata) -> P:
         """This step's plan: built by the first layer that asks, kept in ``meta.cache``."""

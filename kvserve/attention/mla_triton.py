@@ -35,6 +35,7 @@ from kvserve.cache.kv_cache import PagedKVCache
 
 class MlaTritonAttentionBackend(MlaTorchAttentionBackend):
     name = "mla_triton"
+    kv_writer = "triton"  # the fused write kernel (+ the integrity checksum state)
 
     def __init__(
         self, kv_cache: PagedKVCache, num_heads: int, num_kv_heads: int, head_dim: int,
@@ -44,8 +45,7 @@ class MlaTritonAttentionBackend(MlaTorchAttentionBackend):
         from kvserve.kernels.triton import attention as triton_attention
 
         self._attn = triton_attention
-        # the cache's writes run the fused Triton kernel (+ the integrity checksum state)
-        kv_cache.use_fused_writer()
+        self._check_writer(kv_cache)
 
     # ---- per-step planning (shared by all layers) -------------------------------------------
     def _build_plan(self, meta: AttentionMetadata) -> MlaPlan:

@@ -32,6 +32,7 @@ class TritonPlan:
 class TritonAttentionBackend(BackendBase[TritonPlan]):
     name = "triton"
     cuda_graphs = True
+    kv_writer = "triton"  # the fused write kernel (+ the integrity checksum state)
 
     def __init__(self, kv_cache: PagedKVCache, num_heads: int, num_kv_heads: int,
                  head_dim: int, scale: float, max_model_len: int) -> None:
@@ -43,9 +44,7 @@ class TritonAttentionBackend(BackendBase[TritonPlan]):
         self.kv = kv_cache
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
         self.scale = scale
-        # the cache's writes run the fused Triton kernel, which also keeps the per-block
-        # checksum state the integrity checker seals from (when integrity is on)
-        kv_cache.use_fused_writer()
+        self._check_writer(kv_cache)
 
     def _build_plan(self, meta: AttentionMetadata) -> TritonPlan:
         dev = self.kv.data.device

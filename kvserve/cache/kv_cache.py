@@ -17,8 +17,17 @@ the row of token ``slot``, component c, in ``data[layer].view(-1, H, D)`` is
 
 Everything is allocated (and zero-touched, to take the page faults) once at start-up.
 
+The writer is chosen once, when the cache is built (``writer``, one of ``KV_WRITERS``):
+
+    "c"          the C writer (kvserve/csrc/paged_attention.c) for fp32 rows on CPU, where it
+                 builds; its pure-torch twin (``kvserve.kernels.reference.write_rows``) for the
+                 rest (a bf16 model's v, a CUDA cache, no C compiler)
+    "triton"     the fused Triton write kernel (kvserve/kernels/triton/cache.py), which also
+                 keeps the checksum state below; what the Triton attention backends need
+    "reference"  the pure-torch twin only (what tests compare the others with)
+
 Optional checksum state (``kvserve.cache.integrity``), present only when integrity checking is
-on AND the writes accumulate it (the fused Triton write kernel, ``use_fused_writer``)::
+on AND the writes accumulate it (the ``"triton"`` writer)::
 
     csum_state [num_layers, num_blocks + 1, 4]  int64  (S1, S2 payload, S1, S2 scales)
 
@@ -42,6 +51,7 @@ from kvserve.quant.rotation import KVRotation
 logger = logging.getLogger(__name__)
 
 SCALE_DTYPE = torch.bfloat16  # FP8 (and static checkpoint scales); INT8 stores 1-byte codes
+KV_WRITERS = ("c", "triton", "reference")  # the ``writer`` a cache is built with (docstring)
 
 
 def bytes_per_block(
@@ -68,7 +78,10 @@ class PagedKVCache:
         rotation_seed: int | None = None,
         rotation_split: tuple[int, ...] | None = None,
         checksums: bool = False,
+        writer: str = "c",
     ) -> None:
+        if writer not in KV_WRITERS:
+            raise ValueError(f"writer must be one of {', '.join(KV_WRITERS)}, got {writer!r}")
         self.num_layers, self.num_blocks, self.block_size = num_layers, num_blocks, block_size
         self.null_block = num_blocks  # never allocated, stays zero (padded tables point here)
         self.num_kv_heads, self.head_dim, self.components = num_kv_heads, head_dim, components
@@ -95,15 +108,24 @@ class PagedKVCache:
             torch.zeros(shape[:-1], dtype=self.mode.scale_dtype, device=device)
             if self.has_scales else None
         )
-        # fp32 writes on CPU go through the C writer when it builds (kvs_write_kv); its twin,
-        # kvserve.kernels.reference.write_rows, takes every other write.
-        self.use_kernel = not self.data.is_cuda and cpu_attention.load() is not None
-        # Per-block checksum state: wanted when integrity is on (decided by whoever builds the
-        # cache), kept by the fused writer (``use_fused_writer``).
-        self.checksums_wanted = checksums
-        self.csum_state: torch.Tensor | None = None
-        # The fused writer (kernels/triton/cache.write_kv) once a Triton backend asks for it.
+        self.writer = writer  # chosen here, once (the module docstring)
+        # "c": fp32 writes on CPU go through the C writer when it builds (kvs_write_kv); its
+        # twin, kvserve.kernels.reference.write_rows, takes every other write.
+        self.use_kernel = (writer == "c" and not self.data.is_cuda
+                           and cpu_attention.load() is not None)
+        # "triton": the fused kernel (kernels/triton/cache.write_kv), which also keeps the
+        # per-block checksum state when integrity is on (``checksums``, decided by whoever
+        # builds the cache). Allocated here, before any block is: the checker zeroes a block's
+        # row when it allocates the block, so a row older than allocation would be untrusted.
         self._fused_write: Callable[..., None] | None = None
+        self.csum_state: torch.Tensor | None = None
+        if writer == "triton":
+            from kvserve.kernels.triton import cache as triton_cache
+
+            self._fused_write = triton_cache.write_kv
+            if checksums:
+                self.csum_state = torch.zeros((num_layers, num_blocks + 1, 4),
+                                              dtype=torch.int64, device=self.data.device)
         # Optional checkpoint scales [num_layers, C, H] (per-tensor scales broadcast over H).
         self.static_scales = None
         if static_scales is not None:
@@ -114,25 +136,6 @@ class PagedKVCache:
                 self.static_scales = static_scales.to(SCALE_DTYPE).reshape(
                     num_layers, components, num_kv_heads
                 )
-
-    def use_fused_writer(self) -> torch.Tensor | None:
-        """Called once by a Triton backend: ``write`` runs the fused Triton write kernel from
-        now on (kvserve/kernels/triton/cache.py, the twin of reference.write_kv), which also
-        keeps the per-block checksum state. Allocates ``csum_state`` (once) if the cache was
-        built with ``checksums`` and returns it (None otherwise).
-
-        Must run before any block is allocated: the checker zeroes a block's row on allocation,
-        so a row that existed before allocation began would not be trustworthy.
-        """
-        from kvserve.kernels.triton import cache as triton_cache
-
-        self._fused_write = triton_cache.write_kv
-        if self.checksums_wanted and self.csum_state is None:
-            self.csum_state = torch.zeros(
-                (self.num_layers, self.num_blocks + 1, 4), dtype=torch.int64,
-                device=self.data.device,
-            )
-        return self.csum_state
 
     @property
     def bytes_per_block(self) -> int:
@@ -153,9 +156,9 @@ class PagedKVCache:
               slots: torch.Tensor | None = None) -> None:
         """The one write path: component c of T tokens, parts[c] [T, H, D]; rows [T] int64 =
         component-0 rows (see the module docstring); ``slots`` [T] int64 the same tokens as
-        slot ids (computed from rows when None). Below it: the fused Triton kernel (after
-        ``use_fused_writer``; takes slots), else the C writer (fp32 rows on CPU, where it
-        builds) or its pure-torch twin ``reference.write_rows`` (both take rows)."""
+        slot ids (computed from rows when None). Below it, the cache's ``writer``: the fused
+        Triton kernel (takes slots), or the C writer (fp32 rows on CPU, where it builds) and
+        its pure-torch twin ``reference.write_rows`` (both take rows)."""
         if self._fused_write is not None:
             if slots is None:
                 cbs = self.components * self.block_size

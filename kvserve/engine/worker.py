@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kvserve.attention import get_backend
+from kvserve.attention import get_backend, kv_writer
 from kvserve.cache.block_store import StoreSpec, dtype_str
 from kvserve.cache.kv_cache import PagedKVCache, bytes_per_block
 from kvserve.cache.kv_tiers import KVTiers, TierConfig
@@ -104,6 +104,7 @@ class Worker:
             rotation_split=split,
             # rank 0 seals from the fused writer's state; other ranks recompute their slice
             checksums=config.cache.kv_integrity != "off" and rank == 0,
+            writer=kv_writer(args.attention_backend, spec.components),  # chosen once, here
         )
         assert self.kv_cache.mode == config.kv_mode, (self.kv_cache.mode, config.kv_mode)
         if mla and self.kv_cache.rotation is not None:

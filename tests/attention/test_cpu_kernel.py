@@ -178,9 +178,8 @@ def test_fp8_write_kernel_bit_exact_with_twin(dtype, static):
     x[1] = 0.0
     st = torch.tensor([[[0.5, 2.0, 1e-3]]]).expand(1, 2, 3) if static else None
     fast = PagedKVCache(1, 8, 8, h, d, 2, dtype, static_scales=st)
-    twin = PagedKVCache(1, 8, 8, h, d, 2, dtype, static_scales=st)
-    twin.use_kernel = False
-    assert fast.use_kernel
+    twin = PagedKVCache(1, 8, 8, h, d, 2, dtype, static_scales=st, writer="reference")
+    assert fast.use_kernel and not twin.use_kernel
     rows = torch.randperm(8 * 2 * 8)[:t]
     rows = (rows // 16) * 16 + rows % 8  # component-0 rows
     fast.write(0, rows, x, -x)
@@ -206,8 +205,7 @@ def test_int8_write_kernel_bit_exact_with_twin(t, h, d):
     bs = 8
     nb = -(-t // bs) * 2
     fast = PagedKVCache(1, nb, bs, h, d, 2, torch.int8)
-    twin = PagedKVCache(1, nb, bs, h, d, 2, torch.int8)
-    twin.use_kernel = False
+    twin = PagedKVCache(1, nb, bs, h, d, 2, torch.int8, writer="reference")
     assert fast.use_kernel and fast.scales.dtype == torch.int8
     rows = torch.randperm(nb * 2 * bs)[:t]
     rows = (rows // 16) * 16 + rows % 8  # component-0 rows
@@ -235,8 +233,8 @@ def test_rotated_backend_kernel_matches_twin(dtype, seed):
     hq, hk, d, bs = 6, 2, 64, 16
     outs = []
     for use_kernel in (True, False):
-        kv = PagedKVCache(1, 12, bs, hk, d, 2, dtype, rotation_seed=seed)
-        kv.use_kernel = use_kernel
+        kv = PagedKVCache(1, 12, bs, hk, d, 2, dtype, rotation_seed=seed,
+                          writer="c" if use_kernel else "reference")
         be = CpuAttentionBackend(kv, hq, hk, d, d**-0.5, 1024)
         be.use_kernel = use_kernel
         perm = list(range(12))
@@ -275,7 +273,7 @@ def test_decode_row_alone_equals_row_in_batch():
 def test_kv_writer_strided_rows_and_offset_match_the_twin(dtype):
     """kvs_write_kv reads token rows ldx apart (k / v are views of the fused qkv output) and
     writes rows + row_offset; bf16 rounds to nearest even (a NaN stays a NaN), as torch's cast.
-    The C writer and the torch code below it in PagedKVCache.write agree bit for bit (NaN
+    The C writer and its twin (reference.write_rows, the "reference" writer) agree bit for bit (NaN
     payloads aside)."""
     torch.manual_seed(3)
     T, H, D, W = 5, 2, 16, 80
@@ -290,8 +288,7 @@ def test_kv_writer_strided_rows_and_offset_match_the_twin(dtype):
 
     def cache(use_kernel: bool) -> PagedKVCache:
         kv = PagedKVCache(num_layers=1, num_blocks=4, block_size=4, num_kv_heads=H, head_dim=D,
-                          components=2, dtype=dtype)
-        kv.use_kernel = use_kernel
+                          components=2, dtype=dtype, writer="c" if use_kernel else "reference")
         kv.write(0, rows, x, x * 0.5)  # component 1 = rows + block_size
         return kv
 

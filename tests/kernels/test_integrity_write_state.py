@@ -12,7 +12,7 @@ import torch
 pytest.importorskip("triton")
 
 from kvserve import SamplingParams  # noqa: E402
-from kvserve.attention import get_backend  # noqa: E402
+from kvserve.attention import get_backend, kv_writer  # noqa: E402
 from kvserve.cache.block_pool import BlockPool  # noqa: E402
 from kvserve.cache.integrity import IntegrityChecker, block_sums  # noqa: E402
 from kvserve.cache.kv_cache import PagedKVCache  # noqa: E402
@@ -28,7 +28,8 @@ BS = 8
 
 def _setup(kv_dtype: torch.dtype, components: int, integrity: bool = True):
     heads, dim = (2, 16) if components == 2 else (1, 48)  # GQA K/V, or an MLA 32 + 16 row
-    kv = PagedKVCache(2, 6, BS, heads, dim, components, kv_dtype, DEVICE, checksums=integrity)
+    kv = PagedKVCache(2, 6, BS, heads, dim, components, kv_dtype, DEVICE, checksums=integrity,
+                      writer="triton")
     pool = BlockPool(6)
     checker = IntegrityChecker(kv, pool, b"test-fingerprint", "on") if integrity else None
     backend = get_backend("triton", kv, 4, heads, dim, 0.25, 64)  # triton / mla_triton
@@ -68,7 +69,7 @@ def _assert_seals_match_bytes(checker: IntegrityChecker, kv: PagedKVCache, block
 @pytest.mark.parametrize("kv_dtype", list(KV_DTYPES))
 def test_seal_from_write_state_equals_recompute(kv_dtype, components):
     kv, pool, checker, backend = _setup(KV_DTYPES[kv_dtype], components)
-    assert kv.csum_state is not None  # allocated by the backend's use_fused_writer()
+    assert kv.csum_state is not None  # allocated by the cache, built with the Triton writer
     assert kv.csum_state.shape == (2, 7, 4)  # [L, num_blocks + 1 (null block), 4]
     gen = torch.Generator().manual_seed(components)
     blocks = pool.allocate(3)
@@ -118,10 +119,14 @@ def test_rewrite_without_reset_would_not_match():
 def test_no_state_without_integrity_or_on_the_torch_backend():
     kv, _, _, backend = _setup(torch.bfloat16, 2, integrity=False)
     assert kv.csum_state is None  # integrity off: no atomics
-    kv = PagedKVCache(2, 6, BS, 2, 16, 2, torch.bfloat16, DEVICE, checksums=True)
+    assert kv_writer("torch", 2) == "c" and kv_writer("triton", 1) == "triton"
+    kv = PagedKVCache(2, 6, BS, 2, 16, 2, torch.bfloat16, DEVICE, checksums=True,
+                      writer=kv_writer("torch", 2))
     checker = IntegrityChecker(kv, BlockPool(6), b"fp", "on")
     get_backend("torch", kv, 4, 2, 16, 0.25, 64)
     assert kv.csum_state is None  # the torch writer keeps no state: seal recomputes
+    with pytest.raises(ValueError, match="writer='triton'"):
+        get_backend("triton", kv, 4, 2, 16, 0.25, 64)  # the writer is chosen when built
     checker.seal([0], [b"\x00" * 16])
     assert checker.seal_sources == {"recompute": 1}
 

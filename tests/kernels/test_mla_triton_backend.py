@@ -11,7 +11,7 @@ import torch
 pytest.importorskip("triton")
 
 from kvserve import SamplingParams  # noqa: E402
-from kvserve.attention import get_backend, resolve_backend_name  # noqa: E402
+from kvserve.attention import get_backend, kv_writer, resolve_backend_name  # noqa: E402
 from kvserve.attention.metadata import AttentionMetadata  # noqa: E402
 from kvserve.cache.kv_cache import PagedKVCache  # noqa: E402
 from kvserve.config import resolve_attention_backend
@@ -43,7 +43,8 @@ def _meta(steps: list[tuple[int, int]], tables: list[list[int]]) -> AttentionMet
 def _backends(kv_dtype: torch.dtype):
     out = []
     for name in ("mla_torch", "mla_triton"):
-        kv = PagedKVCache(LAYERS, NUM_BLOCKS, BS, 1, R + DR, 1, kv_dtype, DEVICE)
+        kv = PagedKVCache(LAYERS, NUM_BLOCKS, BS, 1, R + DR, 1, kv_dtype, DEVICE,
+                          writer=kv_writer(name, 1))
         be = get_backend(name, kv, H, 1, R + DR, (DN + DR) ** -0.5, 256)
         assert be.name == name
         out.append(be)

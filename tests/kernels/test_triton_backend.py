@@ -36,7 +36,7 @@ def test_engine_on_triton_backend_matches_torch(model_factory, make_llm, kv):
 
 @pytest.mark.parametrize("dtype", ["float32", "float8_e4m3fn", "int8"])
 def test_cache_write_runs_the_fused_kernel_bit_exact(dtype):
-    """``PagedKVCache.write`` is the one write path: after ``use_fused_writer`` it runs the
+    """``PagedKVCache.write`` is the one write path: built with ``writer="triton"`` it runs the
     Triton kernel (slots from rows when none are given), bit-exact with the reference write."""
     import torch
 
@@ -44,8 +44,8 @@ def test_cache_write_runs_the_fused_kernel_bit_exact(dtype):
     from kvserve.kernels import reference as ref
 
     dt = getattr(torch, dtype)
-    kv = PagedKVCache(2, 4, 4, 2, 8, 2, dt, device=DEVICE, checksums=True)
-    state = kv.use_fused_writer()
+    kv = PagedKVCache(2, 4, 4, 2, 8, 2, dt, device=DEVICE, checksums=True, writer="triton")
+    state = kv.csum_state
     g = torch.Generator().manual_seed(0)
     k, v = torch.randn(5, 2, 8, generator=g), torch.randn(5, 2, 8, generator=g)
     k, v = k.to(DEVICE), v.to(DEVICE)

@@ -35,10 +35,8 @@ def _rows() -> torch.Tensor:
 
 
 def _write(kind: str, x: torch.Tensor, kernel: bool):
-    kv = PagedKVCache(1, 4, 8, 1, D, 2, DTYPES[kind])
-    if not kernel:
-        kv.use_kernel = False
-    elif not kv.use_kernel:
+    kv = PagedKVCache(1, 4, 8, 1, D, 2, DTYPES[kind], writer="c" if kernel else "reference")
+    if kernel and not kv.use_kernel:
         pytest.skip("C kernel not built")
     rows = torch.arange(x.shape[0])
     kv.write(0, rows, x, x)

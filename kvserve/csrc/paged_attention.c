@@ -6,8 +6,9 @@
  * len = p + 1 (causal), so one kernel serves both and a row's result does not depend on how
  * its sequence was chunked or batched.
  *
- * Pure-torch twin: kvserve/attention/torch_backend.py (TorchAttentionBackend._decode /
- * _prefill); tests/attention/test_cpu_kernel.py sweeps shapes and dtypes against it.
+ * Pure-torch twin: kvserve/kernels/reference/cpu_attention.py (decode / prefill, what the
+ * CPU backend runs where this kernel does not build); tests/attention/test_cpu_kernel.py
+ * sweeps shapes and dtypes against it.
  *
  * Layout (see kvserve/cache/kv_cache.py):
  *   kv      [num_blocks+1, 2, bs, H, D]   (one layer; component 0 = K, 1 = V)

@@ -51,10 +51,12 @@ async def create_chat_completion(req: ChatCompletionRequest, request: Request,
     conversation = chat_conversation(req, state.tokenizer, state.limits)
     plan = tool_plan(req, state.settings)
     constraint = output_constraint(req)
-    if constraint is not None and plan.constraint is not None:
+    if constraint is not None and plan.forced:
         raise bad_request("tool_choice 'required' or a named function constrains the answer "
                           "to tool calls: it cannot be combined with response_format or "
                           "structured_outputs", "tool_choice")
+    # auto with strict tools: response_format / structured_outputs decide the answer instead
+    # (a JSON answer has no room for calls), as without strict tools
     constraint = constraint or plan.constraint
 
     async def prepare() -> tuple[list[Prompt], SamplingParams]:

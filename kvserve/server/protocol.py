@@ -284,7 +284,9 @@ class FunctionDefinition(_Request):
     name: ToolName
     description: Text | None = None
     parameters: JsonSchema | None = Field(None, description="A JSON schema (an object's).")
-    strict: bool | None = None
+    strict: bool | None = Field(None, description="tool_choice auto: this tool's arguments "
+                                                  "follow its parameters schema (a grammar); "
+                                                  "required / named always do.")
 
 
 class ChatTool(_Request):

@@ -4,8 +4,11 @@ event loop, a compile error is a 400 naming the field) and the tool-call parser 
 answer back. docs/structured-outputs.md.
 
 ``tool_choice``: ``none`` renders the tools but parses no calls; ``auto`` (the default with
-tools) parses calls the model chose to write; ``required`` and a named function constrain the
-answer with the parser's grammar, so it is always calls (one for a named function, several if
+tools) parses calls the model chose to write, and when a tool is ``strict`` constrains the
+answer to either text with no call in it or calls of declared tools whose strict ones'
+arguments are valid for their schemas (``ToolParser.auto_grammar``; without a strict tool no
+grammar is attached); ``required`` and a named function constrain the answer with the
+parser's grammar, so it is always calls (one for a named function, several if
 ``parallel_tool_calls``) of declared tools with arguments valid for their schemas.
 """
 
@@ -33,7 +36,8 @@ class Constraint:
 class ToolPlan:
     template_tools: list[dict] | None  # what the chat template gets (transformers' tools=)
     parser: ToolParser | None  # None: the answer is not parsed for calls
-    constraint: Constraint | None  # required / named: the calls' grammar
+    constraint: Constraint | None  # required / named: the calls' grammar; auto: text or calls
+    forced: bool = False  # required / named: the answer is calls (no room for a format)
 
 
 def _so(param: str, **kw) -> Constraint:
@@ -83,10 +87,11 @@ def tool_plan(req: ChatCompletionRequest, settings: ServerSettings) -> ToolPlan:
         raise bad_request("this server parses no tool calls: start it with --tool-call-parser "
                           "(hermes, llama3_json, pythonic), or send tool_choice 'none'", "tools")
     parser = get_parser(settings.tool_call_parser)
-    if choice == "auto":
-        return ToolPlan(template_tools, parser, None)
-    if choice == "required":
-        chosen, parallel, param = tools, req.parallel_tool_calls, "tools"
+    auto = choice == "auto"
+    if auto and not any(t.function.strict for t in tools):
+        return ToolPlan(template_tools, parser, None)  # the calls are read as written
+    if auto or choice == "required":
+        chosen, parallel = tools, req.parallel_tool_calls
     else:
         assert not isinstance(choice, str)
         want = choice.function.name
@@ -94,10 +99,12 @@ def tool_plan(req: ChatCompletionRequest, settings: ServerSettings) -> ToolPlan:
         if not chosen:
             raise bad_request(f"tool_choice names the function {want!r}, which is not in "
                               f"tools ({', '.join(names)})", "tool_choice")
-        parallel, param = False, "tools"
-    specs = [ToolSpec(t.function.name, t.function.parameters or _EMPTY_OBJECT) for t in chosen]
-    return ToolPlan(template_tools, parser,
-                    _so(param, grammar=parser.grammar(specs, parallel)))
+        parallel = False
+    # required / named: every tool's arguments follow its schema; auto: the strict ones'
+    specs = [ToolSpec(t.function.name, t.function.parameters or _EMPTY_OBJECT,
+                      not auto or bool(t.function.strict)) for t in chosen]
+    grammar = (parser.auto_grammar if auto else parser.grammar)(specs, parallel)
+    return ToolPlan(template_tools, parser, _so("tools", grammar=grammar), forced=not auto)
 
 
 async def compile_constraint(engine, constraint: Constraint | None) -> None:

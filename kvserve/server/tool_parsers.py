@@ -1,6 +1,8 @@
 """Tool-call formats (``--tool-call-parser``): how a model writes its function calls, how to
-read them back out of the text, and the grammar that forces them (``tool_choice`` required or
-a named function).
+read them back out of the text, and the grammars that force them (``tool_choice`` required or
+a named function: ``ToolParser.grammar``) or let the model choose between text and calls whose
+strict tools' arguments follow their schemas (``auto`` with ``strict`` tools:
+``ToolParser.auto_grammar``).
 
 - ``hermes``: ``<tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>``, one block
   per call, after optional text (Hermes, Qwen 2.5 / 3, kvserve's templates/hermes_tools.jinja).
@@ -35,6 +37,7 @@ class ParsedCall:
 class ToolSpec:
     name: str
     parameters: dict  # a JSON schema (an object's)
+    strict: bool = True  # False: any JSON object passes as the arguments (auto's loose tools)
 
 
 def new_call_id() -> str:
@@ -72,23 +75,43 @@ def _compact(schema: dict) -> dict:
 
 
 def _object_schema(tool: ToolSpec, args_key: str) -> dict:
+    args = tool.parameters if tool.strict else {"type": "object"}
     return {"type": "object",
-            "properties": {"name": {"const": tool.name}, args_key: tool.parameters},
+            "properties": {"name": {"const": tool.name}, args_key: args},
             "required": ["name", args_key], "additionalProperties": False}
+
+
+def _not_starting_with(prefix: str, start: str) -> str:
+    """A Lark lexeme: any text whose stripped form does not start with ``start`` (after an
+    optional ``prefix`` and whitespace): what the parser's ``extract`` reads as no call."""
+    head = rf"\s*({re.escape(prefix)}\s*)?{re.escape(start)}"
+    return f"/(?s:.*)/ & ~/{head}(?s:.*)/"
 
 
 class ToolParser:
     name = ""
     starts_with = ""  # the answer is calls iff its stripped text starts with this
+    prefix = ""  # (after this optional tag)
     marker = ""  # or: calls start at this marker, after optional content
 
     def extract(self, text: str) -> tuple[str | None, list[ParsedCall]]:
         raise NotImplementedError
 
-    def grammar(self, tools: list[ToolSpec], parallel: bool) -> str:
-        """A Lark grammar whose every sentence is one call (several if ``parallel``) of one
-        of ``tools`` with arguments valid for its schema."""
+    def calls_rules(self, tools: list[ToolSpec], parallel: bool) -> str:
+        """Lark rules whose rule ``calls`` is one call (several if ``parallel``) of one of
+        ``tools`` with arguments valid for its schema (any JSON object if not ``strict``)."""
         raise NotImplementedError
+
+    def grammar(self, tools: list[ToolSpec], parallel: bool) -> str:
+        """``tool_choice`` required / named: every sentence is calls (``calls_rules``)."""
+        return "start: calls\n" + self.calls_rules(tools, parallel)
+
+    def auto_grammar(self, tools: list[ToolSpec], parallel: bool) -> str:
+        """``tool_choice`` auto: every sentence is either text that ``extract`` reads as no
+        call, or calls as ``grammar`` writes them. Here: text whose stripped form does not
+        start with ``starts_with``, or the calls from the first character."""
+        return (f"start: TEXT | calls\nTEXT: {_not_starting_with(self.prefix, self.starts_with)}"
+                "\n" + self.calls_rules(tools, parallel))
 
 
 class HermesParser(ToolParser):
@@ -113,20 +136,34 @@ class HermesParser(ToolParser):
         content = text[:start]
         return (content if content.strip() else None), calls
 
-    def grammar(self, tools: list[ToolSpec], parallel: bool) -> str:
+    def calls_rules(self, tools: list[ToolSpec], parallel: bool) -> str:
         body = _compact({"anyOf": [_object_schema(t, "arguments") for t in tools]})
         more = f" ({_lit(chr(10))} call)*" if parallel else ""
-        return (f"start: call{more}\n"
-                f"call: {_lit('<tool_call>' + chr(10))} body {_lit(chr(10) + '</tool_call>')}\n"
+        return (f"calls: call{more}\n"
+                f"call: {_lit(self.marker)} call_rest\n"
+                f"call_rest: {_lit(chr(10))} body {_lit(chr(10) + '</tool_call>')}\n"
                 f"body: %json {json.dumps(body)}\n")
+
+    def auto_grammar(self, tools: list[ToolSpec], parallel: bool) -> str:
+        """Text without the marker (so every call goes through the grammar), or text up to
+        the first marker (a lazy lexeme: it ends at the marker) and the calls from there. The
+        text lexeme and the lazy one run side by side: a marker kills the first and ends the
+        second, which a greedy lexer alone could not split."""
+        more = f" ({_lit(chr(10))} call)*" if parallel else ""
+        m = re.escape(self.marker)
+        return (f"start: TEXT | text_call call_rest{more}\n"
+                f"TEXT: /(?s:.*)/ & ~/(?s:.*{m}.*)/\n"
+                f"text_call[lazy]: /(?s:.*){m}/\n"
+                + self.calls_rules(tools, parallel))
 
 
 class Llama3JsonParser(ToolParser):
     name = "llama3_json"
     starts_with = "{"
+    prefix = "<|python_tag|>"
 
     def extract(self, text: str) -> tuple[str | None, list[ParsedCall]]:
-        s = text.strip().removeprefix("<|python_tag|>").strip()
+        s = text.strip().removeprefix(self.prefix).strip()
         if not s.startswith("{"):
             return text, []
         dec, i, calls = json.JSONDecoder(), 0, []
@@ -143,10 +180,10 @@ class Llama3JsonParser(ToolParser):
                 i += 1
         return None, calls
 
-    def grammar(self, tools: list[ToolSpec], parallel: bool) -> str:
+    def calls_rules(self, tools: list[ToolSpec], parallel: bool) -> str:
         body = _compact({"anyOf": [_object_schema(t, "parameters") for t in tools]})
         more = f" ({_lit('; ')} body)*" if parallel else ""
-        return f"start: body{more}\nbody: %json {json.dumps(body)}\n"
+        return f"calls: body{more}\nbody: %json {json.dumps(body)}\n"
 
 
 _PY_CONSTANTS = {"true": True, "false": False, "null": None, "True": True, "False": False,
@@ -167,9 +204,10 @@ def _py_value(node: ast.expr) -> object:
 class PythonicParser(ToolParser):
     name = "pythonic"
     starts_with = "["
+    prefix = "<|python_start|>"
 
     def extract(self, text: str) -> tuple[str | None, list[ParsedCall]]:
-        s = text.strip().removeprefix("<|python_start|>").removesuffix("<|python_end|>").strip()
+        s = text.strip().removeprefix(self.prefix).removesuffix("<|python_end|>").strip()
         if not (s.startswith("[") and s.endswith("]")):
             return text, []
         try:
@@ -187,11 +225,20 @@ class PythonicParser(ToolParser):
             return text, []
         return None, calls
 
-    def grammar(self, tools: list[ToolSpec], parallel: bool) -> str:
+    def calls_rules(self, tools: list[ToolSpec], parallel: bool) -> str:
         """Each call passes the required parameters, in the schema's order, as keyword
-        arguments whose values are written as JSON (read back as Python literals)."""
+        arguments whose values are written as JSON (read back as Python literals); a tool
+        that is not ``strict`` takes any keyword arguments with any JSON values."""
         rules, alts = [], []
+        any_kw = f"KW {_lit('=')} any"
+        if not all(t.strict for t in tools):
+            rules += ["KW: /[A-Za-z_][A-Za-z0-9_]*/", f"any: %json {json.dumps(_compact({}))}"]
         for i, t in enumerate(tools):
+            alts.append(f"t{i}")
+            if not t.strict:
+                rules.append(f"t{i}: {_lit(t.name + '(')} ({any_kw} ({_lit(', ')} {any_kw})*)? "
+                             f"{_lit(')')}")
+                continue
             props = t.parameters.get("properties") or {}
             req = [p for p in props if p in set(t.parameters.get("required") or [])]
             parts = []
@@ -199,9 +246,8 @@ class PythonicParser(ToolParser):
                 rules.append(f"t{i}_a{j}: %json {json.dumps(_compact(props[p] or {}))}")
                 parts.append(f"{_lit(('' if j == 0 else ', ') + p + '=')} t{i}_a{j}")
             rules.append(f"t{i}: {_lit(t.name + '(')} {' '.join(parts)} {_lit(')')}")
-            alts.append(f"t{i}")
         more = f" ({_lit(', ')} call)*" if parallel else ""
-        return (f"start: {_lit('[')} call{more} {_lit(']')}\ncall: {' | '.join(alts)}\n"
+        return (f"calls: {_lit('[')} call{more} {_lit(']')}\ncall: {' | '.join(alts)}\n"
                 + "\n".join(rules) + "\n")
 
 

@@ -176,29 +176,70 @@ def test_named_and_required_tool_calls(oai):
         _check_calls(_calls(r.choices[0].message), {"get_weather", "get_time"})
 
 
+def _streamed(oai: OpenAI, **kw) -> tuple[str, list[tuple[str, dict]], str | None]:
+    """A streamed answer as the openai client's deltas assemble it: content, calls, reason."""
+    content, calls, reason = "", {}, None
+    for chunk in oai.chat.completions.create(stream=True, **kw):
+        if not chunk.choices:
+            continue
+        ch = chunk.choices[0]
+        reason = ch.finish_reason or reason
+        content += ch.delta.content or ""
+        for d in ch.delta.tool_calls or []:
+            entry = calls.setdefault(d.index, {"id": None, "name": "", "arguments": ""})
+            entry["id"] = d.id or entry["id"]
+            if d.function is not None:
+                entry["name"] += d.function.name or ""
+                entry["arguments"] += d.function.arguments or ""
+    assert all(c["id"] for c in calls.values())
+    return content, [(c["name"], json.loads(c["arguments"])) for _, c in sorted(calls.items())], \
+        reason
+
+
 def test_streamed_tool_calls_assemble_to_the_same_calls(oai):
     for seed, parallel in [(0, False), (1, False), (2, True), (3, True)]:
         kw = dict(model=MODEL_NAME, messages=USER, max_tokens=150, seed=seed, temperature=1.0,
                   tools=TOOLS, tool_choice="required", parallel_tool_calls=parallel)
         full = oai.chat.completions.create(**kw)
-        calls: dict[int, dict] = {}
-        reason = None
-        for chunk in oai.chat.completions.create(stream=True, **kw):
-            if not chunk.choices:
-                continue
-            ch = chunk.choices[0]
-            reason = ch.finish_reason or reason
-            for d in ch.delta.tool_calls or []:
-                entry = calls.setdefault(d.index, {"id": None, "name": "", "arguments": ""})
-                entry["id"] = d.id or entry["id"]
-                if d.function is not None:
-                    entry["name"] += d.function.name or ""
-                    entry["arguments"] += d.function.arguments or ""
-        streamed = [(c["name"], json.loads(c["arguments"])) for _, c in sorted(calls.items())]
+        _, streamed, reason = _streamed(oai, **kw)
         assert reason == full.choices[0].finish_reason
         assert reason == "tool_calls" or parallel
-        assert all(c["id"] for c in calls.values())
         assert streamed == _calls(full.choices[0].message)
+
+
+STRICT_TOOLS = [{"type": "function", "function": {**TOOLS[0]["function"], "strict": True}},
+                TOOLS[1]]  # get_weather strict, get_time not
+
+
+def test_auto_with_a_strict_tool(oai):
+    """auto + a strict tool: text with no call marker in it, or calls whose strict tool's
+    arguments validate. (The demo model writes text; the grammar's calls are tested in
+    test_tool_parsers.py.) Streamed answers assemble the same; response_format still wins."""
+    for seed in range(4):
+        kw = dict(model=MODEL_NAME, messages=USER, max_tokens=60, seed=seed, temperature=1.0,
+                  tools=STRICT_TOOLS)
+        for choice in oai.chat.completions.create(n=2, **kw).choices:
+            msg = choice.message
+            if msg.tool_calls:
+                assert choice.finish_reason == "tool_calls"
+                for name, args in _calls(msg):
+                    assert name in PARAMS
+                    if name == "get_weather":
+                        jsonschema.validate(args, WEATHER)
+            else:
+                assert choice.finish_reason in ("stop", "length")
+                assert msg.content and "<tool_call>" not in msg.content
+        full = oai.chat.completions.create(**kw).choices[0]
+        if not full.message.tool_calls:  # the same prompt without a grammar: the same text
+            loose = oai.chat.completions.create(tool_choice="none", **kw).choices[0]
+            assert loose.message.content == full.message.content
+        content, calls, reason = _streamed(oai, **kw)
+        assert (content, calls, reason) == (full.message.content or "",
+                                            _calls(full.message) if full.message.tool_calls
+                                            else [], full.finish_reason)
+    r = oai.chat.completions.create(model=MODEL_NAME, messages=USER, max_tokens=300, seed=0,
+                                    tools=STRICT_TOOLS, response_format=_json_schema(SCHEMA))
+    jsonschema.validate(json.loads(r.choices[0].message.content), SCHEMA)
 
 
 def test_multi_turn_with_tool_results(oai):
@@ -251,6 +292,9 @@ BAD = [
     (CHAT, {"messages": USER, "tools": [{"type": "function", "function": {
         "name": "f", "parameters": {"type": "object", "properties": {"a": {"type": "nope"}}}}}],
         "tool_choice": "required"}, "tools"),
+    (CHAT, {"messages": USER, "tools": [{"type": "function", "function": {
+        "name": "f", "strict": True,
+        "parameters": {"type": "object", "properties": {"a": {"type": "nope"}}}}}]}, "tools"),
     (CHAT, {"messages": USER, "response_format": _json_schema(
         {"type": "object", "properties": {"a": {"type": "strnig"}}})},
      "response_format.json_schema.schema"),

@@ -100,3 +100,15 @@ def test_tool_calls_and_a_multi_turn_exchange(oai):
     r = oai.chat.completions.create(model=MODEL_NAME, messages=ASK, max_tokens=60,
                                     temperature=0, tools=TOOLS, tool_choice="auto")
     assert r.choices[0].message.content or r.choices[0].message.tool_calls
+    # auto with a strict tool: text with no call marker, or calls with valid arguments
+    strict = [{"type": "function", "function": {**TOOLS[0]["function"], "strict": True}}]
+    for seed in range(3):
+        kw = dict(model=MODEL_NAME, messages=ASK, max_tokens=60, temperature=1.0, seed=seed,
+                  tools=strict)
+        msg = oai.chat.completions.create(**kw).choices[0].message
+        for c in msg.tool_calls or []:
+            jsonschema.validate(json.loads(c.function.arguments), WEATHER)
+        if not msg.tool_calls:  # the same text as without the grammar
+            assert "<tool_call>" not in msg.content
+            none = oai.chat.completions.create(tool_choice="none", **kw).choices[0].message
+            assert none.content == msg.content

@@ -53,3 +53,35 @@ def test_serve_data_parallel_end_to_end() -> None:
                 httpx.get(f"{rep['url']}/health", timeout=2)
     finally:
         server.stop()
+
+
+def test_data_parallel_replicas_each_tensor_parallel() -> None:
+    """``-dp 2 -tp 2``: each replica is its own 2-rank tensor-parallel group (4 engine ranks),
+    both serve, and greedy text equals one plain engine's on the same prompts."""
+    from kvserve import LLM, SamplingParams
+
+    prompts = ["Hello there", "The cat", "A list is", "Once upon"]
+    llm = LLM(demo_model_path(), kv_cache_memory="16MiB")
+    want = [o.outputs[0].text for o in llm.generate(
+        prompts, SamplingParams(temperature=0, max_tokens=8))]
+    del llm
+    server = Proc("serve", demo_model_path(), "--data-parallel-size", "2",
+                  "--tensor-parallel-size", "2", "--replica-threads", "1",
+                  "--kv-cache-memory", "16MiB", "--health-interval", "0.2")
+    try:
+        def both() -> bool:
+            r = httpx.get(f"{server.url}/ready", timeout=2)
+            return r.status_code == 200 and r.json()["replicas"] == 2
+        wait_for(both, 300, "two tensor-parallel replicas ready")
+        seen, got = set(), []
+        for p in prompts:
+            r = httpx.post(f"{server.url}/v1/completions", timeout=60, json={
+                "prompt": p, "max_tokens": 8, "temperature": 0})
+            assert r.status_code == 200, r.text
+            seen.add(r.headers["x-kvserve-replica"])
+            got.append(r.json()["choices"][0]["text"])
+        assert seen == {"r0", "r1"}
+        assert got == want
+        assert "tensor parallel: 2 ranks" in server.text()
+    finally:
+        server.stop()

@@ -117,6 +117,12 @@ class EngineArgs:
         "products -- int8x2: two int8 passes (~15 bits, near-exact), int8: one (llama.cpp's "
         "arithmetic, fastest); fp32: the dequantized weights' exact product (slowest)",
         choices=["int8x2", "int8", "fp32"])
+    # bf16 weights on an AVX512-BF16 CPU (kvserve/kernels/cpu/w16_gemm.py, docs/cpu.md): GEMMs of
+    # at least this many rows round x to bf16 and use vdpbf16ps; None = KVSERVE_CPU_BF16_ROWS.
+    cpu_bf16_dot_rows: int | None = arg(
+        None, "bf16 weights on an AVX512-BF16 CPU: GEMMs of at least this many rows use bf16 dot "
+        "products (faster from ~16 rows, KL ~2e-4 vs fp32; docs/cpu.md); 0 = never (exact fp32 "
+        "dots); default: KVSERVE_CPU_BF16_ROWS, else 0", type=int)
     # INT4 checkpoints on CUDA (kvserve/layers/int4_methods.py): the kernel each INT4 layer is
     # repacked for at load; tinygemm wants bf16 activations and sm80+.
     int4_cuda_kernel: str = arg(
@@ -165,6 +171,9 @@ class EngineArgs:
         from kvserve.quant.wq import activation_terms  # torch: not at import (--help)
 
         activation_terms(self.gguf_activations)  # ValueError naming gguf_activations
+        if self.cpu_bf16_dot_rows is not None and self.cpu_bf16_dot_rows < 0:
+            raise ValueError(f"cpu_bf16_dot_rows must be a row count >= 0 (0 = never), got "
+                             f"{self.cpu_bf16_dot_rows}")
         if self.int4_cuda_kernel not in ("triton", "tinygemm"):
             raise ValueError(f"int4_cuda_kernel must be triton or tinygemm, got "
                              f"{self.int4_cuda_kernel!r}")

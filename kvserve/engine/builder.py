@@ -91,7 +91,7 @@ def describe_cpu_path(compute: torch.dtype, storage: torch.dtype) -> str:
         dot = (f"bf16 dot products (vdpbf16ps) for GEMMs of >= {rows} rows, fp32 below"
                if rows else "fp32 dot products")
         if not rows and storage == torch.bfloat16 and w16_gemm.has_bf16_dot(lib):
-            dot += " (bf16 dot products available: KVSERVE_CPU_BF16_ROWS=N, docs/cpu.md)"
+            dot += " (bf16 dot products available: --cpu-bf16-dot-rows N, docs/cpu.md)"
         dense = f"16-bit GEMM with {dot}"
     else:
         dense = "torch's fp32 GEMM for the fp32 weights"

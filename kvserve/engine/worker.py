@@ -40,6 +40,7 @@ from kvserve.engine.cpu_graphs import CpuGraphRunner
 from kvserve.engine.cuda_graphs import CudaGraphRunner, clear_scratch_block
 from kvserve.engine.forward_runner import DecodeGraphs, ForwardRunner
 from kvserve.engine.step_input import StepInput
+from kvserve.kernels.cpu import w16_gemm
 from kvserve.layers.linear import kv_head_layout
 from kvserve.model.loader import LoadedModel, load_model
 from kvserve.quant.wq import activation_terms
@@ -83,6 +84,7 @@ class Worker:
         self.config, self.rank, self.world_size = config, rank, world_size
         self.args = args = config.args
         self.path = config.model.path
+        w16_gemm.set_bf16_dot_rows(args.cpu_bf16_dot_rows)  # this process's 16-bit GEMMs
         self.loaded: LoadedModel = load_model(self.path, config.dtypes, args.device,
                                               progress=args.progress and rank == 0,
                                               act_terms=activation_terms(args.gguf_activations),

@@ -134,3 +134,30 @@ def test_threshold_fp16_and_threads(bf16_lib):
             assert torch.equal(w16.w16_gemm(bf16_lib, x, w, bf16_rows=1), dot)
     finally:
         torch.set_num_threads(prev)
+
+
+def test_engine_setting_decides_over_the_environment(monkeypatch):
+    """--cpu-bf16-dot-rows (EngineArgs.cpu_bf16_dot_rows), set by each worker for its process,
+    wins over KVSERVE_CPU_BF16_ROWS; unset (None), the environment decides; a negative count is
+    refused naming the field."""
+    from kvserve import LLM
+    from kvserve.engine.arg_utils import EngineArgs
+
+    lib = object()
+    monkeypatch.setattr(w16, "has_bf16_dot", lambda _lib: True)  # as on an AVX512-BF16 CPU
+    monkeypatch.setenv("KVSERVE_CPU_BF16_ROWS", "128")
+    try:
+        w16.set_bf16_dot_rows(None)
+        assert w16.bf16_dot_rows(lib) == 128
+        w16.set_bf16_dot_rows(0)
+        assert w16.bf16_dot_rows(lib) == 0
+        w16.set_bf16_dot_rows(32)
+        assert w16.bf16_dot_rows(lib) == 32
+        LLM("demo", cpu_bf16_dot_rows=16, kv_cache_memory="4MiB")
+        assert w16.bf16_dot_rows(lib) == 16
+        LLM("demo", kv_cache_memory="4MiB")  # no flag: back to the environment
+        assert w16.bf16_dot_rows(lib) == 128
+    finally:
+        w16.set_bf16_dot_rows(None)
+    with pytest.raises(ValueError, match="cpu_bf16_dot_rows"):
+        EngineArgs(cpu_bf16_dot_rows=-1)

@@ -59,10 +59,26 @@ def has_bf16_dot(lib: ctypes.CDLL) -> bool:
     return "avx512_bf16" in config.cpu_flags() and getattr(lib, "bf16_dot_built", False)
 
 
+# The engine's settled --cpu-bf16-dot-rows (EngineArgs.cpu_bf16_dot_rows), set once per process
+# by its worker before any step; None: the environment decides (kernel benchmarks, tests).
+_engine_rows: int | None = None
+
+
+def set_bf16_dot_rows(rows: int | None) -> None:
+    """The engine's setting for this process (None: ``KVSERVE_CPU_BF16_ROWS`` or off)."""
+    global _engine_rows
+    assert rows is None or rows >= 0, rows  # validated by EngineArgs
+    _engine_rows = rows
+    bf16_dot_rows.cache_clear()
+
+
 @functools.cache
 def bf16_dot_rows(lib: ctypes.CDLL) -> int:
     """From how many rows a bf16-weight GEMM on ``lib`` uses bf16 dot products; 0 = never
-    (``KVSERVE_CPU_BF16_ROWS`` unset or 0, or the CPU or the build lacks AVX512-BF16)."""
+    (the engine's ``cpu_bf16_dot_rows``, else ``KVSERVE_CPU_BF16_ROWS``, unset or 0, or the
+    CPU or the build lacks AVX512-BF16)."""
+    if _engine_rows is not None:
+        return _engine_rows if _engine_rows and has_bf16_dot(lib) else 0
     raw = os.environ.get("KVSERVE_CPU_BF16_ROWS", str(BF16_DOT_DEFAULT_ROWS))
     try:
         rows = int(raw)

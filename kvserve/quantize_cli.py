@@ -180,7 +180,7 @@ def tensor_bytes(folder: str) -> dict[str, int]:
     """name -> bytes of every tensor in a folder's safetensors files (headers only)."""
     from safetensors import safe_open
 
-    from kvserve.model.loader import safetensors_files
+    from kvserve.model.sources import safetensors_files
 
     out: dict[str, int] = {}
     for fn in safetensors_files(folder):

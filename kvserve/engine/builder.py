@@ -44,11 +44,10 @@ from kvserve.model.loader import (
     checkpoint_dtypes,
     describe_weight_bytes,
     eos_token_ids,
-    load_hf_config,
     load_tokenizer,
-    model_source,
 )
 from kvserve.model.parallel_check import validate_parallel
+from kvserve.model.sources import load_hf_config, model_source
 
 logger = logging.getLogger("kvserve")
 

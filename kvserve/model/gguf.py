@@ -5,7 +5,8 @@
   ``~/.cache/kvserve/gguf/<key>/`` (key: the file's path, size and mtime) so later starts read
   plain ``config.json`` / ``tokenizer.json`` in milliseconds instead of re-parsing the file.
 * **Tensors** -> HF names through ``gguf``'s own tensor-name map for the architecture, then the
-  model's per-parameter ``weight_loader`` as for safetensors (kvserve.model.loader):
+  model's per-parameter ``weight_loader`` as for safetensors (kvserve.model.sources.GGUFSource,
+  then kvserve.model.loader):
     Q4_0 / Q4_1   kept packed: raw blocks go to the INT4 module (``Int4Scheme`` format "gguf",
                   unpacked by ``kvserve.quant.gguf_q4`` into the int4 min form, no requantizing)
                   when every shard of the fused module (q/k/v, gate/up) has that same type;

@@ -60,7 +60,8 @@ class CausalLM(Protocol):
 
     def load_extra(self, name: str, handle, loaded: set) -> bool:
         """Load a checkpoint tensor that maps to no parameter (e.g. per-expert tensors into
-        stacked experts); False if it is not the model's."""
+        stacked experts) through ``handle.get_tensor(name)`` (a ``TensorReader`` of
+        kvserve.model.sources); False if it is not the model's."""
         ...
 
 

@@ -1,10 +1,11 @@
-"""Load an HF folder (config.json, single or sharded *.safetensors, tokenizer files) or a GGUF
-file (kvserve.model.gguf: metadata converted once to an HF folder, Q4_0 / Q4_1 kept packed).
+"""Load a checkpoint (kvserve.model.sources: an HF folder of *.safetensors, or a GGUF file)
+into a model.
 
-The model is built on the meta device, materialized once (``to_empty``), and every checkpoint
-tensor is handed to its parameter's ``weight_loader`` (fused q/k/v and gate/up are assembled
-from their shards there). A checkpoint that lacks a tensor the model needs is an error that
-names the tensor.
+The model is built on the meta device, the source says which linears load as INT4, the model
+is materialized once (``to_empty``), and every tensor the source yields is handed to its
+parameter's ``weight_loader`` (fused q/k/v and gate/up are assembled from their shards there;
+under tensor parallelism the source reads this rank's slice where it can). A checkpoint that
+lacks a tensor the model needs is an error that names the tensor.
 """
 
 from __future__ import annotations
@@ -12,22 +13,29 @@ from __future__ import annotations
 import json
 import logging
 import os
+from contextlib import closing
 from dataclasses import dataclass
 
 import torch
-from safetensors import safe_open
 from tqdm.auto import tqdm
 
 from kvserve.config import ModelDtypes, resolve_model_dtypes
 from kvserve.distributed.parallel_state import get_tp_size
 from kvserve.layers.int4_linear import Int4Linear
-from kvserve.layers.linear import Int4MergedLinear, Linear, MergedLinear
+from kvserve.layers.linear import Int4MergedLinear, Linear, MergedLinear, ShardSlice
 from kvserve.layers.moe import FusedMoE, Int4FusedMoE
 from kvserve.layers.vocab_parallel import ParallelLMHead, VocabParallelEmbedding
 from kvserve.model import gguf, registry
 from kvserve.model.gguf import GGUFCheckpoint
 from kvserve.model.interface import CausalLM
-from kvserve.model.quant_config import QuantConfig, parse_quant_config
+from kvserve.model.quant_config import QuantConfig
+from kvserve.model.sources import (
+    checkpoint_params,
+    expected_tensors,
+    load_hf_config,
+    model_source,
+    open_checkpoint,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -48,43 +56,11 @@ class LoadedModel:
     storage: torch.dtype | None = None  # dense weight tables (None: ``dtype``)
 
 
-def load_hf_config(path: str):
-    from transformers import AutoConfig
-
-    if not os.path.isdir(path):
-        raise ValueError(f"model must be a local HF folder; {path!r} is not a directory")
-    if not os.path.isfile(os.path.join(path, "config.json")):
-        raise ValueError(f"model folder {path!r} has no config.json")
-    with open(os.path.join(path, "config.json")) as f:
-        raw = json.load(f)
-    archs = raw.get("architectures") or []
-    if not archs:
-        raise ValueError(f"{path}/config.json names no 'architectures'")
-    registry.resolve(archs[0])  # fail fast, naming the architecture, before transformers
-    return AutoConfig.from_pretrained(path, local_files_only=True), archs[0]
-
-
 def checkpoint_dtype(hf_config) -> torch.dtype:
     dt = getattr(hf_config, "dtype", None) or getattr(hf_config, "torch_dtype", None)
     if isinstance(dt, str):
         dt = getattr(torch, dt, None)
     return dt if isinstance(dt, torch.dtype) else torch.float32
-
-
-def safetensors_files(path: str) -> list[str]:
-    index = os.path.join(path, "model.safetensors.index.json")
-    if os.path.isfile(index):
-        with open(index) as f:
-            weight_map = json.load(f)["weight_map"]
-        files = sorted(set(weight_map.values()))
-    else:
-        files = sorted(f for f in os.listdir(path) if f.endswith(".safetensors"))
-    if not files:
-        raise ValueError(f"no *.safetensors weights in {path!r}")
-    missing = [f for f in files if not os.path.isfile(os.path.join(path, f))]
-    if missing:
-        raise ValueError(f"checkpoint shard(s) missing from {path!r}: {', '.join(missing)}")
-    return [os.path.join(path, f) for f in files]
 
 
 def _target(model: CausalLM, name: str) -> tuple[str, str | None]:
@@ -98,17 +74,6 @@ def _target(model: CausalLM, name: str) -> tuple[str, str | None]:
     return name, None
 
 
-def model_source(path: str) -> tuple[str, GGUFCheckpoint | None]:
-    """(folder holding config.json and the tokenizer, the GGUF file or None) for ``path``."""
-    if gguf.is_gguf(path):
-        ckpt = gguf.GGUFCheckpoint(path)
-        return ckpt.metadata_dir, ckpt
-    if os.path.isfile(path):
-        raise ValueError(f"model {path!r} is a file but not a .gguf file; give a GGUF file or "
-                         "an HF folder (config.json + *.safetensors)")
-    return path, None
-
-
 def load_model(path: str, dtype: str | torch.dtype | ModelDtypes = "auto", device: str = "cpu",
                progress: bool = True, act_terms: int = 2,
                int4_kernel: str = "triton") -> LoadedModel:
@@ -120,11 +85,10 @@ def load_model(path: str, dtype: str | torch.dtype | ModelDtypes = "auto", devic
     CPU ("triton" or "tinygemm")."""
     from kvserve.config import dtype_name
 
-    folder, ggml = model_source(path)
-    hf_config, arch = load_hf_config(folder)
-    quant = None if ggml else parse_quant_config(_raw_quantization_config(folder))
+    source = open_checkpoint(path)
+    hf_config, arch = source.config()
     dtypes = (dtype if isinstance(dtype, ModelDtypes)
-              else checkpoint_dtypes(folder, ggml, hf_config, dtype, device))
+              else model_dtypes(dtype, checkpoint_dtype(hf_config), device, source.n_params()))
     dtype, storage = dtypes.compute, dtypes.storage
     cls = registry.resolve(arch)
     prev = torch.get_default_dtype()
@@ -134,11 +98,7 @@ def load_model(path: str, dtype: str | torch.dtype | ModelDtypes = "auto", devic
             model = cls(hf_config)
     finally:
         torch.set_default_dtype(prev)
-    name_map: dict[str, str] = {}
-    if ggml is not None:
-        dense = _expected_tensors(model, dict(model.named_parameters(remove_duplicate=False)))
-        name_map = ggml.name_map(list(dense.values()), hf_config.num_hidden_layers)
-        quant = gguf.GGUFQuant(ggml, name_map, model.packed_modules, act_terms)
+    quant = source.prepare(model, act_terms)
     if quant is not None:
         n = swap_int4_modules(model, quant)
         logger.info("%s: %d linear module(s) load as %s", path, n, quant.describe())
@@ -146,59 +106,45 @@ def load_model(path: str, dtype: str | torch.dtype | ModelDtypes = "auto", devic
     model.tie_weights()
 
     params = dict(model.named_parameters(remove_duplicate=False))
-    expected = _expected_tensors(model, params)
+    expected = expected_tensors(model, params)
     loaded: set[tuple[str, str | None]] = set()
     kv_scales: dict[tuple[int, int], float] = {}
-
-    def load_one(name: str, tensor: torch.Tensor) -> None:
-        pname, shard = _target(model, name)
-        param = params[pname]
-        if not getattr(param, "keep_dtype", False):
-            tensor = tensor.to(param.dtype)
-        if shard is None:
-            param.weight_loader(param, tensor)
-        else:
-            param.weight_loader(param, tensor, shard)
-        loaded.add((pname, shard))
-
     with tqdm(total=len(expected), desc="Loading weights", unit="tensor",
-              disable=not progress, leave=False) as bar:
-        if ggml is not None:
-            packed = set(ggml_packed_modules(model))
-            for name, tensor in ggml.iter_tensors(name_map, packed, hf_config):
-                load_one(name, tensor)
-                bar.update(1)
-        for file in [] if ggml is not None else safetensors_files(folder):
-            with safe_open(file, framework="pt", device="cpu") as f:
-                for name in f.keys():  # noqa: SIM118 - safe_open is not a dict
-                    if name.endswith(_IGNORED_SUFFIXES):
-                        continue
-                    if name.endswith((".k_scale", ".v_scale")):
-                        kv_scales[_scale_key(name)] = float(f.get_tensor(name).float().max())
-                        continue
-                    pname, shard = _target(model, name)
-                    if pname not in params:
-                        if model.load_extra(name, f, loaded):
-                            continue
-                        if quant is not None and name.rsplit(".", 1)[-1] in quant.tensor_names:
-                            raise ValueError(
-                                f"checkpoint tensor {name} is INT4 ({quant.method}) but "
-                                f"kvserve loads module {name.rsplit('.', 1)[0]} dense: "
-                                "quantization_config does not quantize it (listed in "
-                                "'ignore' / not in 'targets'), or kvserve has no INT4 path "
-                                "for it (e.g. an MoE router gate)")
-                        logger.warning("ignoring checkpoint tensor %s (no such parameter)", name)
-                        continue
-                    load_one(name, _read_rank_slice(f, name, model, pname, shard))
-                    bar.update(1)
+              disable=not progress, leave=False) as bar, \
+            closing(source.weights(model)) as weights:
+        for name, reader in weights:
+            if name.endswith(_IGNORED_SUFFIXES):
+                continue
+            if name.endswith((".k_scale", ".v_scale")):
+                kv_scales[_scale_key(name)] = float(reader.get_tensor(name).float().max())
+                continue
+            pname, shard = _target(model, name)
+            if pname not in params:
+                if model.load_extra(name, reader, loaded):
+                    continue
+                if quant is not None and name.rsplit(".", 1)[-1] in quant.tensor_names:
+                    raise ValueError(
+                        f"checkpoint tensor {name} is INT4 ({quant.method}) but kvserve loads "
+                        f"module {name.rsplit('.', 1)[0]} dense: quantization_config does not "
+                        "quantize it (listed in 'ignore' / not in 'targets'), or kvserve has "
+                        "no INT4 path for it (e.g. an MoE router gate)")
+                logger.warning("ignoring checkpoint tensor %s (no such parameter)", name)
+                continue
+            param = params[pname]
+            tensor = reader.read(name, *_rank_slice(model, pname, shard))
+            if not getattr(param, "keep_dtype", False):
+                tensor = tensor.to(param.dtype)
+            if shard is None:
+                param.weight_loader(param, tensor)
+            else:
+                param.weight_loader(param, tensor, shard)
+            loaded.add((pname, shard))
+            bar.update(1)
     missing = [hf for key, hf in expected.items() if key not in loaded]
     if missing:
         raise ValueError(f"checkpoint {path!r} is missing tensor(s): {', '.join(missing[:8])}"
                          + (f" (+{len(missing) - 8} more)" if len(missing) > 8 else ""))
-    if ggml is not None and torch.device(device).type == "cpu":
-        kept = keep_q8_tables(model, ggml, name_map, dtype, act_terms)
-        if kept:
-            logger.info("GGUF: %d Q8_0 table(s) (token embedding / LM head) kept 8-bit", kept)
+    source.finish(model, dtype, device, act_terms)
     if quant is not None:
         densify_int4_modules(model, dtype, device)
     for module in model.modules():
@@ -216,16 +162,15 @@ def load_model(path: str, dtype: str | torch.dtype | ModelDtypes = "auto", devic
         logger.info("%d dense weight table(s) kept %s, computed in %s", n, dtype_name(storage),
                     dtype_name(dtype))
     model.eval()
-    files = (ggml.path,) if ggml is not None else tuple(safetensors_files(folder))
     return LoadedModel(model, hf_config, arch, dtype, _scales_tensor(kv_scales, hf_config),
-                       folder, files, storage)
+                       source.folder, source.files(), storage)
 
 
 def checkpoint_dtypes(folder: str, ggml: GGUFCheckpoint | None, hf_config,
                       dtype: str | torch.dtype, device: str) -> ModelDtypes:
     """``dtype`` resolved for the checkpoint in ``folder`` (``model_source``) from its config
     and safetensors headers: no weight is read."""
-    n_params = None if ggml else _checkpoint_params(folder)
+    n_params = None if ggml else checkpoint_params(folder)
     return model_dtypes(dtype, checkpoint_dtype(hf_config), device, n_params)
 
 
@@ -282,19 +227,21 @@ def narrow_dense_weights(model: CausalLM, storage: torch.dtype) -> int:
     return n
 
 
-def _read_rank_slice(handle, name: str, model: torch.nn.Module, pname: str,
-                     shard: str | None) -> torch.Tensor:
-    """Tensor parallel: a dense column / row parallel weight (or bias) is read as this rank's
-    slice only (safetensors ``get_slice``: the other ranks' rows are never read); everything
-    else (tp = 1, replicated, vocabulary tables, INT4 parts) is read whole."""
+def _rank_slice(model: torch.nn.Module, pname: str, shard: str | None
+                ) -> tuple[ShardSlice | None, bool]:
+    """(this rank's slice of the checkpoint tensor for ``pname`` / ``shard``, whether it is a
+    bias) for ``TensorReader.read``. Tensor parallel: a dense column / row parallel weight (or
+    bias) is read as this rank's slice only (safetensors ``get_slice``: the other ranks' rows
+    are never read); everything else (tp = 1, replicated, vocabulary tables, INT4 parts) is
+    read whole (slice None)."""
     if get_tp_size() > 1:
         mod_name, _, attr = pname.rpartition(".")
         module = model.get_submodule(mod_name) if mod_name else model
         if isinstance(module, (Linear, MergedLinear)) and not isinstance(module, ParallelLMHead):
             sl = module.tp_plan.get(shard)
             if sl is not None:
-                return sl.read(handle, name, is_bias=attr == "bias")
-    return handle.get_tensor(name)
+                return sl, attr == "bias"
+    return None, False
 
 
 def weight_bytes(model: torch.nn.Module) -> tuple[int, int]:
@@ -341,7 +288,7 @@ def export_gguf_to_hf(path: str, out: str, dtype: torch.dtype = torch.bfloat16,
     hf_config, arch = load_hf_config(ckpt.metadata_dir)
     with torch.device("meta"):
         model = registry.resolve(arch)(hf_config)
-    expected = _expected_tensors(model, dict(model.named_parameters(remove_duplicate=False)))
+    expected = expected_tensors(model, dict(model.named_parameters(remove_duplicate=False)))
     name_map = ckpt.name_map(list(expected.values()), hf_config.num_hidden_layers)
     tensors = {}
     for name, t in tqdm(ckpt.iter_tensors(name_map, set(), hf_config), total=len(name_map),
@@ -355,64 +302,6 @@ def export_gguf_to_hf(path: str, out: str, dtype: torch.dtype = torch.bfloat16,
     hf_config.dtype = dtype
     hf_config.save_pretrained(out)
     return out
-
-
-def keep_q8_tables(model: torch.nn.Module, ckpt: GGUFCheckpoint, name_map: dict[str, str],
-                   dtype: torch.dtype, act_terms: int = 2) -> int:
-    """A Q8_0 token embedding (and a Q8_0 ``output`` LM head) stays 8-bit after loading: the
-    dense weights just loaded are replaced by ``Q8Embedding`` / ``Q8LMHead`` over the file's
-    own blocks (the same values: d * q is exact in fp32, checked here for fp32 models). A
-    tied LM head reads the embedding's tensors. Returns how many tables were kept."""
-    from kvserve.layers.q8_embedding import Q8Embedding, Q8LMHead
-    from kvserve.quant.gguf_q8 import dequantize_q8, unpack_q8_0
-
-    by_hf = {hf: g for g, hf in name_map.items()}
-
-    def table(hf_name: str, dense: torch.Tensor) -> Q8Embedding | None:
-        g = by_hf.get(hf_name)
-        if g is None or ckpt.type_of(g) != "Q8_0" or dense.dim() != 2:
-            return None
-        q, d = unpack_q8_0(ckpt.tensors[g].data, tuple(dense.shape))
-        if dense.dtype == torch.float32:
-            assert torch.equal(dequantize_q8(q, d), dense), hf_name  # exact, as documented
-        return Q8Embedding(q, d, dense.dtype, act_terms)
-
-    from kvserve.distributed.parallel_state import get_tp_size
-
-    n = 0
-    embed = getattr(getattr(model, "model", None), "embed_tokens", None)
-    head = getattr(model, "lm_head", None)
-    weight = getattr(embed, "weight", None)
-    if get_tp_size() > 1 or not isinstance(weight, torch.Tensor) or weight.dim() != 2:
-        return 0  # vocabulary-parallel shards (tp > 1): left as loaded
-    tied = isinstance(head, Linear) and head.weight is weight
-    emb = table("model.embed_tokens.weight", weight.detach())
-    if emb is not None:
-        model.model.embed_tokens = emb
-        n += 1
-        if tied:
-            model.lm_head = Q8LMHead(emb)
-    if not tied and isinstance(head, Linear):  # an INT4 head stays as it is
-        out = table("lm_head.weight", head.weight.detach())
-        if out is not None and head.bias is None:
-            model.lm_head = Q8LMHead(out)
-            n += 1
-    return n
-
-
-def ggml_packed_modules(model: CausalLM) -> list[str]:
-    """Checkpoint module names (``model.layers.0.self_attn.q_proj``) whose weight the model
-    holds as raw GGUF Q4 blocks (shards of an ``Int4MergedLinear`` of format "gguf")."""
-    out = []
-    for module in model.modules():
-        if isinstance(module, Int4MergedLinear) and module.scheme.format == "gguf":
-            out.extend(module.shard_names.values())
-    return out
-
-
-def _raw_quantization_config(path: str) -> dict | None:
-    with open(os.path.join(path, "config.json")) as f:
-        return json.load(f).get("quantization_config")
 
 
 def swap_int4_modules(model: CausalLM, quant: QuantConfig) -> int:
@@ -496,22 +385,6 @@ def densify_int4_modules(model: CausalLM, dtype: torch.dtype, device: str = "cpu
     return n
 
 
-def _checkpoint_params(path: str) -> int | None:
-    """Parameter count from the safetensors headers (no tensor is read)."""
-    total = 0
-    try:
-        for file in safetensors_files(path):
-            with safe_open(file, framework="pt", device="cpu") as f:
-                for name in f.keys():  # noqa: SIM118 - safe_open is not a dict
-                    n = 1
-                    for d in f.get_slice(name).get_shape():
-                        n *= d
-                    total += n
-    except (OSError, ValueError):
-        return None
-    return total
-
-
 def materialize(model: torch.nn.Module, device: str) -> None:
     """Replace meta parameters with uninitialized real ones, keeping their attributes
     (``weight_loader`` etc.; ``Module.to_empty`` would drop them)."""
@@ -525,28 +398,6 @@ def materialize(model: torch.nn.Module, device: str) -> None:
         for name, b in list(module._buffers.items()):
             if b is not None and b.is_meta:
                 module._buffers[name] = torch.empty_like(b, device=device)
-
-
-def _expected_tensors(model, params) -> dict[tuple[str, str | None], str]:
-    """(our param, shard) -> the checkpoint name we expect for it."""
-    inverse: dict[str, list[tuple[str, str]]] = {}
-    for ckpt, (fused, shard) in model.packed_modules.items():
-        inverse.setdefault(fused, []).append((ckpt, shard))
-    tied = model.tie_word_embeddings
-    out: dict[tuple[str, str | None], str] = {}
-    for pname, param in params.items():
-        if tied and pname == "lm_head.weight":
-            continue
-        if getattr(param, "skip_expected", False):
-            continue
-        parts = pname.split(".")
-        module = parts[-2] if len(parts) >= 2 else ""
-        if module in inverse:
-            for ckpt, shard in inverse[module]:
-                out[(pname, shard)] = ".".join(parts[:-2] + [ckpt, parts[-1]])
-        else:
-            out[(pname, None)] = pname
-    return out
 
 
 def _scale_key(name: str) -> tuple[int, int]:

@@ -5,7 +5,7 @@ that would work (vllm PR #52535 does the same)."""
 from __future__ import annotations
 
 from kvserve.model.default_model import resolve_model
-from kvserve.model.loader import _raw_quantization_config, load_hf_config, model_source
+from kvserve.model.sources import load_hf_config, model_source, raw_quantization_config
 
 # Architectures whose layers are tensor-parallel (kvserve.model.llama, qwen3_moe, glm4_moe,
 # deepseek_v3), and those of them with routed experts.
@@ -23,7 +23,7 @@ def _int4_group_sizes(folder: str, is_gguf: bool, names: dict[str, str]
         return dict.fromkeys(names, 32)  # Q4_0 / Q4_1 blocks (dense GGUF tensors: harmless)
     from kvserve.model.quant_config import parse_quant_config
 
-    quant = parse_quant_config(_raw_quantization_config(folder))
+    quant = parse_quant_config(raw_quantization_config(folder))
     out: dict[str, int | None] = dict.fromkeys(names)
     if quant is None:
         return out

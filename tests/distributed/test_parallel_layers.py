@@ -40,9 +40,9 @@ def test_collectives_exact(tmp_path):
 
 
 def _load_shards(rank: int, world: int, path: str) -> dict:
-    from kvserve.model import loader
+    from kvserve.model import loader, sources
 
-    real, whole = loader.safe_open, []
+    real, whole = sources.safe_open, []
 
     class Spy:  # records the tensors read whole (get_tensor) rather than sliced (get_slice)
         def __init__(self, *a, **k) -> None:
@@ -65,7 +65,7 @@ def _load_shards(rank: int, world: int, path: str) -> dict:
             whole.append(name)
             return self.f.get_tensor(name)
 
-    loader.safe_open = Spy
+    sources.safe_open = Spy
     model = loader.load_model(path, "float32", progress=False).model
     out = {n: p.detach().clone() for n, p in model.named_parameters()}
     out["__read_whole__"] = whole

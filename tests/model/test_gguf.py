@@ -231,6 +231,30 @@ def test_gguf_bad_inputs(tmp_path, gguf_factory):
         LLM(str(tmp_path / "missing"), progress=False)
 
 
+def test_gguf_and_safetensors_sources_yield_the_same_tensors(tmp_path):
+    """The loader's two checkpoint sources (kvserve.model.sources) of one model: a GGUF file of
+    float tensors yields the HF names and bit-identical tensors of the safetensors folder it
+    was written from (llama: llama.cpp's q/k row permutation undone)."""
+    from kvserve.model import registry
+    from kvserve.model.sources import GGUFSource, SafetensorsSource, open_checkpoint
+    from tests.conftest import make_tiny_model
+
+    hf = make_tiny_model(str(tmp_path / "hf"), "llama")
+    path = write_gguf(hf, str(tmp_path / "llama.gguf"), lambda g: "F32")
+    got = {}
+    for p, kind in ((hf, SafetensorsSource), (path, GGUFSource)):
+        source = open_checkpoint(p)
+        assert isinstance(source, kind)
+        cfg, arch = source.config()
+        with torch.device("meta"):
+            model = registry.resolve(arch)(cfg)
+        source.prepare(model, 2)
+        got[kind] = {n: r.get_tensor(n).clone() for n, r in source.weights(model)}
+    st, gg = got[SafetensorsSource], got[GGUFSource]
+    assert sorted(st) == sorted(gg)
+    assert [n for n in st if not torch.equal(st[n], gg[n])] == []
+
+
 def test_default_model_missing_says_how_to_install(monkeypatch):
     from kvserve.model import default_model
 

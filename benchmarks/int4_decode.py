@@ -98,7 +98,8 @@ def _save_tokenizer(path: str, vocab_size: int) -> None:
 
 def model_bytes(model: torch.nn.Module) -> dict[str, int]:
     """Bytes held by the loaded model: all params + buffers, and the linear layers' share."""
-    from kvserve.layers.linear import Int4MergedLinear, Linear, MergedLinear
+    from kvserve.layers.int4.merged import Int4MergedLinear
+    from kvserve.layers.linear import Linear, MergedLinear
 
     total = sum(t.numel() * t.element_size()
                 for t in list(model.parameters()) + list(model.buffers()))

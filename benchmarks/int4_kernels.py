@@ -20,10 +20,10 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-from kvserve.layers.int4_linear import Int4Linear
-from kvserve.layers.int4_methods import DEQUANT_MIN_M
+from kvserve.layers.int4.layouts import int4pack_layout
+from kvserve.layers.int4.linear import Int4Linear
+from kvserve.layers.int4.methods import DEQUANT_MIN_M
 from kvserve.quant import int4
-from kvserve.quant.int4_layouts import int4pack_layout
 
 
 def bench(fn: Callable[[], object], repeats: int) -> float:

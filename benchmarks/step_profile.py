@@ -70,6 +70,7 @@ from kvserve.engine.arg_utils import EngineArgs
 from kvserve.engine.llm_engine import LLMEngine
 from kvserve.kernels.cpu import paged_attention as cpu_kernel
 from kvserve.layers import linear as linear_mod
+from kvserve.layers.int4.merged import Int4MergedLinear
 from kvserve.sampling_params import SamplingParams
 
 PARTS = ("attention", "kv_write", "rotation", "linear", "forward_other", "sampling", "engine")
@@ -111,7 +112,7 @@ def install_class_timers(timers: Timers):
 
     # RowParallelLinear (o_proj, down_proj) overrides Linear.forward, so it is wrapped itself
     for cls in (linear_mod.Linear, linear_mod.RowParallelLinear, linear_mod.MergedLinear,
-                linear_mod.Int4MergedLinear, Q8LMHead):
+                Int4MergedLinear, Q8LMHead):
         saved.append((cls, "forward", cls.forward))
         cls.forward = timers.wrap("linear", cls.forward)
 

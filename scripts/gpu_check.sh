@@ -302,8 +302,8 @@ if [ "$DRY" = 1 ]; then
         && echo "[dry-run] scripts/gpu_check_tp.py compiles" || rc=1
     "$PY" -c 'import kvserve.engine.executor, kvserve.distributed.parallel_state' \
         && echo "[dry-run] kvserve.engine.executor + kvserve.distributed import" || rc=1
-    "$PY" -c 'import kvserve.engine.cuda_graphs, kvserve.layers.int4_linear' \
-        && echo "[dry-run] kvserve.engine.cuda_graphs + kvserve.layers.int4_linear import" || rc=1
+    "$PY" -c 'import kvserve.engine.cuda_graphs, kvserve.layers.int4.linear' \
+        && echo "[dry-run] kvserve.engine.cuda_graphs + kvserve.layers.int4.linear import" || rc=1
     "$PY" -m py_compile "$WORK/make_model.py" "$WORK/decode_bench.py" "$WORK/summary.py" \
         && echo "[dry-run] inline helpers compile" || rc=1
     if "$PY" -c 'import triton' 2>/dev/null; then

@@ -31,7 +31,7 @@ CUDA = torch.cuda.is_available()
 if not CUDA:
     os.environ.setdefault("TRITON_INTERPRET", "1")  # before anything imports triton
 
-from kvserve.layers.int4_linear import Int4Linear  # noqa: E402
+from kvserve.layers.int4.linear import Int4Linear  # noqa: E402
 from kvserve.quant import int4  # noqa: E402
 
 out_dir = sys.argv[1] if len(sys.argv) > 1 else "."

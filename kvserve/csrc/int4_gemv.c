@@ -3,7 +3,7 @@
  * `_convert_weight_to_int4pack_for_cpu` produced (so the layer holds one packed copy, shared
  * with `_weight_int4pack_mm_for_cpu`, which keeps the larger-M work).
  *
- * Twin: Int4Linear.dequantize() -> x @ W^T (kvserve/layers/int4_methods.py); the test
+ * Twin: Int4Linear.dequantize() -> x @ W^T (kvserve/layers/int4/methods.py); the test
  * tests/quant/test_int4_gemv.py sweeps shapes against it.
  *
  * Packed layout ("halves" mode, block_n = BN in {32, 64}; found by int4pack_layout()):
@@ -242,7 +242,7 @@ void kvs_int4_gemv(const uint8_t *packed, const uint16_t *sz, const float *x, co
 /*
  * Dequantize stored rows [r0, r1) (multiples of BN) to W^T, fp32 out [K, r1 - r0] (k-major),
  * for the GEMM path of larger batches. Twin: the torch code of CpuPackMethod.rows_t
- * (kvserve/layers/int4_methods.py), which it reproduces bit for bit: per (group, row) t = z - 8 s (bf16 pairs) or t = m (fp16 min
+ * (kvserve/layers/int4/methods.py), which it reproduces bit for bit: per (group, row) t = z - 8 s (bf16 pairs) or t = m (fp16 min
  * form), then w = fl(fl(u * s) + t) -- two roundings, so no contraction into an FMA here.
  */
 __attribute__((optimize("fp-contract=off")))

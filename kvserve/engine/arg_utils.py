@@ -123,7 +123,7 @@ class EngineArgs:
         None, "bf16 weights on an AVX512-BF16 CPU: GEMMs of at least this many rows use bf16 dot "
         "products (faster from ~16 rows, KL ~2e-4 vs fp32; docs/cpu.md); 0 = never (exact fp32 "
         "dots); default: KVSERVE_CPU_BF16_ROWS, else 0", type=int)
-    # INT4 checkpoints on CUDA (kvserve/layers/int4_methods.py): the kernel each INT4 layer is
+    # INT4 checkpoints on CUDA (kvserve/layers/int4/methods.py): the kernel each INT4 layer is
     # repacked for at load; tinygemm wants bf16 activations and sm80+.
     int4_cuda_kernel: str = arg(
         "triton", "INT4 weights on cuda: the Triton W4A16 GEMM or torch's tinygemm op",

@@ -38,7 +38,7 @@ placeholders stand for the others and their checkpoint tensors are skipped unrea
 INT4 hook (in-memory quantization): ``FusedMoE.use_expert_modules(w13_modules, w2_modules)``
 swaps the dense stacked weights for per-expert modules (``nn.ModuleList`` of E modules each
 mapping [..., in] -> [..., out], e.g. ``int4_experts_from_dense(moe.w13)`` from
-``kvserve.layers.int4_linear``, likewise for ``w2``); the dense tensors are released and
+``kvserve.layers.int4.linear``, likewise for ``w2``); the dense tensors are released and
 dispatch calls ``modules[e](x_group)`` instead of ``F.linear(x_group, w[e])``.
 """
 
@@ -347,7 +347,7 @@ class Int4FusedMoE(nn.ModuleList):
     expert for gate+up (``concat_out``; two only if GPTQ act-order gave gate and up different
     ``g_idx``) and one for down.
 
-    Built by ``replacing`` a meta ``FusedMoE`` (``kvserve.model.loader.swap_int4_modules``).
+    Built by ``replacing`` a meta ``FusedMoE`` (``kvserve.layers.int4.loading.swap_int4_modules``).
 
     Tensor parallel, as ``FusedMoE``: ``split`` experts (``ExpertMLP(split=True)``: rows and
     whole-group columns per rank) or expert parallel (rank r holds experts [lo, lo + n) as

@@ -178,7 +178,7 @@ class DeepseekV3ForCausalLM(CausalLMBase):
     }
 
     # MLA decode absorbs kv_b_proj's weight into the queries: an INT4 kv_b_proj is dequantized
-    # to a dense Linear once at load (kvserve.model.loader.densify_int4_modules).
+    # to a dense Linear once at load (kvserve.layers.int4.loading.densify_int4_modules).
     int4_dense_modules = ("kv_b_proj",)
 
     def __init__(self, config) -> None:

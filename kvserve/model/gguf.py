@@ -8,7 +8,7 @@
   model's per-parameter ``weight_loader`` as for safetensors (kvserve.model.sources.GGUFSource,
   then kvserve.model.loader):
     Q4_0 / Q4_1   kept packed: raw blocks go to the INT4 module (``Int4Scheme`` format "gguf",
-                  unpacked by ``kvserve.quant.gguf_q4`` into the int4 min form, no requantizing)
+                  unpacked by ``kvserve.quant.int4.unpack_q4`` into the min form, no requantizing)
                   when every shard of the fused module (q/k/v, gate/up) has that same type;
                   else dequantized like the types below
     F32/F16/BF16  as stored
@@ -273,7 +273,7 @@ def _head_dim(hf_config) -> int:
 
 
 class GGUFQuant:
-    """The loader's quantization view of a GGUF file (kvserve.model.loader.swap_int4_modules):
+    """The loader's quantization view of a GGUF file (kvserve/layers/int4/loading.py):
     a linear module loads as INT4 when its weight, and that of every shard fused with it, is
     the same Q4_0 / Q4_1 type."""
 

@@ -21,14 +21,13 @@ from tqdm.auto import tqdm
 
 from kvserve.config import ModelDtypes, resolve_model_dtypes
 from kvserve.distributed.parallel_state import get_tp_size
-from kvserve.layers.int4_linear import Int4Linear
-from kvserve.layers.linear import Int4MergedLinear, Linear, MergedLinear, ShardSlice
-from kvserve.layers.moe import FusedMoE, Int4FusedMoE
+from kvserve.layers.int4.loading import finish_int4_modules, swap_int4_modules
+from kvserve.layers.int4.merged import Int4MergedLinear
+from kvserve.layers.linear import Linear, MergedLinear, ShardSlice
 from kvserve.layers.vocab_parallel import ParallelLMHead, VocabParallelEmbedding
 from kvserve.model import gguf, registry
 from kvserve.model.gguf import GGUFCheckpoint
 from kvserve.model.interface import CausalLM
-from kvserve.model.quant_config import QuantConfig
 from kvserve.model.sources import (
     checkpoint_params,
     expected_tensors,
@@ -146,17 +145,7 @@ def load_model(path: str, dtype: str | torch.dtype | ModelDtypes = "auto", devic
                          + (f" (+{len(missing) - 8} more)" if len(missing) > 8 else ""))
     source.finish(model, dtype, device, act_terms)
     if quant is not None:
-        densify_int4_modules(model, dtype, device)
-    for module in model.modules():
-        if isinstance(module, Int4MergedLinear):
-            module.finish_loading()
-            if torch.device(device).type != "cpu":
-                # packed on the CPU from the checkpoint; repacked once for the GPU kernel
-                # (dropping the CPU layout) and moved
-                for lin in module.modules():
-                    if isinstance(lin, Int4Linear):
-                        lin.to_device_layout(int4_kernel, device)
-                module.to(device)
+        finish_int4_modules(model, dtype, device, int4_kernel)
     if storage != dtype:
         n = narrow_dense_weights(model, storage)
         logger.info("%d dense weight table(s) kept %s, computed in %s", n, dtype_name(storage),
@@ -302,87 +291,6 @@ def export_gguf_to_hf(path: str, out: str, dtype: torch.dtype = torch.bfloat16,
     hf_config.dtype = dtype
     hf_config.save_pretrained(out)
     return out
-
-
-def swap_int4_modules(model: CausalLM, quant: QuantConfig) -> int:
-    """Replace the (meta) ``Linear`` / ``MergedLinear`` modules that ``quant`` quantizes with
-    ``Int4MergedLinear``; returns how many. A fused module's shards are looked up by their
-    checkpoint names (``packed_modules``) and must agree; a tied ``lm_head`` stays as it is.
-
-    MoE: a ``FusedMoE`` (stacked dense experts) any of whose ``experts.<e>.{gate,up,down}_proj``
-    the config quantizes first becomes an ``Int4FusedMoE`` of per-expert dense modules named
-    like the checkpoint (``experts.<e>.gate_up_proj`` / ``down_proj``); the pass below then
-    swaps those the config quantizes, so per-expert ``ignore`` entries, gate/up agreement and
-    error messages work as for any MLP. Router gates are not linear modules here: always dense.
-    """
-    for name, module in list(model.named_modules()):
-        if isinstance(module, FusedMoE) and any(
-                quant.scheme_for(f"{name}.{e}.{proj}") is not None
-                for e in range(module.num_experts)
-                for proj in ("gate_proj", "up_proj", "down_proj")):
-            parent_name, _, attr = name.rpartition(".")
-            parent = model.get_submodule(parent_name) if parent_name else model
-            setattr(parent, attr, Int4FusedMoE.replacing(module))
-    shard_ckpt: dict[str, dict[str, str]] = {}  # fused module -> shard id -> checkpoint module
-    for ckpt, (fused, shard) in model.packed_modules.items():
-        shard_ckpt.setdefault(fused, {})[shard] = ckpt
-    tied = model.tie_word_embeddings
-    swapped = 0
-    for name, module in list(model.named_modules()):
-        if not isinstance(module, (Linear, MergedLinear)):
-            continue
-        if tied and name == "lm_head":
-            continue
-        parent_name, _, attr = name.rpartition(".")
-        names: dict[str | None, str]
-        if isinstance(module, MergedLinear):
-            ckpt = shard_ckpt.get(attr, {})
-            prefix = parent_name + "." if parent_name else ""
-            names = {s: prefix + ckpt[s] if s in ckpt else f"{name}.{s}" for s in module.shard_ids}
-        else:
-            names = {None: name}
-        schemes = {s: quant.scheme_for(n) for s, n in names.items()}
-        if len(set(schemes.values())) > 1:
-            detail = ", ".join(f"{names[s]}: {sch.describe() if sch else 'dense'}"
-                               for s, sch in schemes.items())
-            raise ValueError(f"fused module {name} runs its shards as one GEMM, but "
-                             f"quantization_config quantizes them differently ({detail})")
-        scheme = next(iter(schemes.values()))
-        if scheme is None:
-            continue
-        parent = model.get_submodule(parent_name) if parent_name else model
-        setattr(parent, attr, Int4MergedLinear.replacing(module, scheme, names))
-        swapped += 1
-    return swapped
-
-
-def densify_int4_modules(model: CausalLM, dtype: torch.dtype, device: str = "cpu"
-                         ) -> int:
-    """Modules a model reads as a dense weight matrix (its ``int4_dense_modules``: attribute
-    names, e.g. MLA's ``kv_b_proj``, whose weight decode absorbs into the queries) load from
-    INT4 checkpoint tensors like any other and are then dequantized once (on the CPU, after
-    the checkpoint is read) into a plain ``Linear`` of ``dtype`` on ``device``. Returns how
-    many."""
-    names = tuple(model.int4_dense_modules)
-    n = 0
-    for name, module in list(model.named_modules()):
-        if not isinstance(module, Int4MergedLinear) or name.rpartition(".")[2] not in names:
-            continue
-        if len(module.shard_ids) != 1:
-            raise ValueError(f"{name}: a fused module cannot be dequantized to a Linear")
-        module.finish_loading()  # idempotent; GPTQ modules may still wait for optional tensors
-        w = module.dequantize().to(device=device, dtype=dtype)  # [out, in]
-        with torch.device("meta"):  # parameters replaced just below
-            dense = Linear(module.in_features, module.out_sizes[0],
-                           bias=module.bias is not None)
-        dense.weight = torch.nn.Parameter(w, requires_grad=False)
-        if module.bias is not None:
-            dense.bias = torch.nn.Parameter(module.bias.detach().to(device=device, dtype=dtype),
-                                            requires_grad=False)
-        parent_name, _, attr = name.rpartition(".")
-        setattr(model.get_submodule(parent_name) if parent_name else model, attr, dense)
-        n += 1
-    return n
 
 
 def materialize(model: torch.nn.Module, device: str) -> None:

@@ -30,10 +30,10 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from kvserve.quant.int4 import GPTQ_FORMATS
-from kvserve.quant.int4_scheme import (  # noqa: F401 - re-exported
+from kvserve.quant.int4 import (  # noqa: F401 - Int4Scheme and GGUF_TENSORS re-exported
     CT_TENSORS,
     GGUF_TENSORS,
+    GPTQ_FORMATS,
     GPTQ_TENSORS,
     Int4Scheme,
 )

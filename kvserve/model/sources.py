@@ -26,7 +26,8 @@ import torch
 from safetensors import safe_open
 
 from kvserve.distributed.parallel_state import get_tp_size
-from kvserve.layers.linear import Int4MergedLinear, Linear
+from kvserve.layers.int4.merged import Int4MergedLinear
+from kvserve.layers.linear import Linear
 from kvserve.model import gguf, registry
 from kvserve.model.gguf import GGUFCheckpoint, GGUFQuant
 from kvserve.model.interface import CausalLM

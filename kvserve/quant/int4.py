@@ -1,7 +1,10 @@
-"""INT4 weight-only formats: pure-torch pack/unpack, round-to-nearest quantization, AWQ search.
+"""INT4 weight-only formats, the one home of the format: the canonical form, pure-torch
+pack/unpack of every checkpoint format kvserve reads (compressed-tensors ``pack-quantized``,
+GPTQ, GGUF Q4_0 / Q4_1 blocks), the per-module checkpoint scheme (``Int4Scheme``: which
+tensors, and how they unpack), round-to-nearest quantization and the AWQ search.
 
 Everything here is the reference ("twin") side: plain torch ops, fp32 math, no layout tricks.
-``kvserve.quant.int4_layouts`` repacks an :class:`Int4Weight` for the kernels.
+The INT4 layer (``kvserve.layers.int4``) repacks an :class:`Int4Weight` for the kernels.
 
 Canonical in-memory form (:class:`Int4Weight`), the compressed-tensors convention::
 
@@ -15,7 +18,7 @@ Canonical in-memory form (:class:`Int4Weight`), the compressed-tensors conventio
 
 GGUF Q4_1 (w = d * q + m, q the unsigned nibble) is exactly the min form with scales = d,
 mins = m; Q4_0 (w = d * (q - 8)) is scales = d, mins = -8 d (exact: d * q and d * (q - 8) need
-at most 15 significant bits). See ``kvserve.quant.gguf_q4``.
+at most 15 significant bits). See the GGUF section below (``unpack_q4``).
 
 compressed-tensors ``pack-quantized`` (checked against compressed_tensors 0.20.1,
 ``compressors/pack_quantized/{base,helpers}.py`` and ``quantization/lifecycle/forward.py``)::
@@ -47,9 +50,10 @@ GPTQ (auto-gptq / GPTQ-for-LLaMa checkpoint layout; zero-point convention as in 
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 INT4_MIN, INT4_MAX = -8, 7
@@ -319,6 +323,158 @@ def unpack_gptq(
         raise ValueError(f"group_size={group_size} gives {math.ceil(k / group_size)} groups "
                          f"for in={k}, scales has {ng}")
     return Int4Weight(values, scales.t().contiguous(), zeros, group_size, gi)
+
+
+# ---------------------------------------------------------------------------------------------
+# GGUF Q4_0 / Q4_1 blocks
+# ---------------------------------------------------------------------------------------------
+# ggml's block layouts (``ggml-common.h``; ``gguf.quants`` is the reference these are tested
+# against, bit for bit), 32 weights of one row per block, rows stored one after another::
+#
+#     Q4_0  18 B:  d fp16 | qs[16]           w = d * (q - 8)
+#     Q4_1  20 B:  d fp16 | m fp16 | qs[16]  w = d * q + m
+#     qs[j] low nibble = q of weight j, high nibble = q of weight j + 16   (j = 0 .. 15)
+#
+# Both become the min form, group 32 (``Int4Weight.mins``), without requantizing::
+#
+#     values = q - 8 (int8),  scales = d (fp16),  mins = m (Q4_1)  or  -8 d (Q4_0, exact in fp16)
+#     w = fl(fl((values + 8) * d) + mins)  ==  gguf.quants.dequantize  bit for bit:
+#       Q4_1: gguf computes fl(fl(d * q) + m) in fp32: the same two roundings;
+#       Q4_0: gguf computes fl(d * (q - 8)); d * q and 8 d are exact in fp32 (<= 15 significant
+#             bits) and d * (q - 8) is representable, so the one rounding of the sum is exact.
+#
+# ``Int4Linear`` keeps exactly these nibbles and (d, min) pairs in fp16 (no bf16 rounding).
+
+Q4_GROUP = 32  # weights per block (QK4_0 == QK4_1 == 32)
+Q4_BLOCK_BYTES = {"Q4_0": 18, "Q4_1": 20}
+
+
+def unpack_q4(data: np.ndarray | torch.Tensor, kind: str, shape: tuple[int, int]
+              ) -> Int4Weight:
+    """Raw block bytes (uint8, ``rows * blocks * Q4_BLOCK_BYTES`` in any shape) of an [out, in]
+    tensor -> Int4Weight (values int8 [out, in], scales / mins fp16 [out, in / 32])."""
+    if kind not in Q4_BLOCK_BYTES:
+        raise ValueError(f"kind must be one of {sorted(Q4_BLOCK_BYTES)}, got {kind!r}")
+    out, k = shape
+    if k % Q4_GROUP:
+        raise ValueError(f"{kind} rows hold whole blocks of {Q4_GROUP}; in_features {k} is not")
+    raw = _as_bytes(data)
+    nb, bb = k // Q4_GROUP, Q4_BLOCK_BYTES[kind]
+    if raw.numel() != out * nb * bb:
+        raise ValueError(f"{kind} [{out}, {k}] needs {out * nb * bb} bytes, got {raw.numel()}")
+    blocks = raw.view(out, nb, bb)
+    d = blocks[..., 0:2].contiguous().view(torch.float16).view(out, nb)
+    qs = blocks[..., bb - 16:]  # [out, nb, 16]
+    q = torch.cat((qs & 15, qs >> 4), -1).reshape(out, k)  # weight j | j + 16 of each block
+    values = (q.to(torch.int16) - OFFSET).to(torch.int8)
+    if kind == "Q4_1":
+        mins = blocks[..., 2:4].contiguous().view(torch.float16).view(out, nb)
+    else:
+        mins = d * -8.0  # fp16: exact unless |d| > 8188 (then inf, refused below)
+        if not torch.isfinite(mins).all():
+            raise ValueError("Q4_0 scale too large for fp16 min form (|d| > 8188)")
+    return Int4Weight(values, d.clone(), None, Q4_GROUP, None, mins.clone())
+
+
+def _as_bytes(data: np.ndarray | torch.Tensor) -> torch.Tensor:
+    """uint8 view of a tensor, or of a (possibly read-only, memory-mapped) array's copy."""
+    if isinstance(data, torch.Tensor):
+        return data.contiguous().view(torch.uint8).reshape(-1)
+    return torch.from_numpy(np.array(data, dtype=np.uint8).reshape(-1))
+
+
+# ---------------------------------------------------------------------------------------------
+# Checkpoint schemes: how one module's INT4 weight is stored, and its tensors -> Int4Weight
+# ---------------------------------------------------------------------------------------------
+
+# Tensors a quantized module owns in the checkpoint, per format.
+CT_TENSORS = ("weight_packed", "weight_scale", "weight_shape", "weight_zero_point",
+              "weight_g_idx")
+GPTQ_TENSORS = ("qweight", "qzeros", "scales", "g_idx")
+GGUF_TENSORS = ("gguf_blocks",)  # uint8 [out, blocks * bytes]: raw Q4_0 / Q4_1 blocks
+
+
+@dataclass(frozen=True, slots=True)
+class Int4Scheme:
+    """How one module's INT4 weight is stored in a checkpoint (format, group size, symmetry,
+    act order) and which tensors it owns. Read from ``quantization_config`` by
+    ``kvserve.model.quant_config`` (or from a GGUF file's tensor types by ``kvserve.model.gguf``);
+    consumed by the INT4 layer (``kvserve.layers.int4``)."""
+
+    format: str  # "pack-quantized", "gptq" or "gguf" (raw Q4_0 / Q4_1 blocks)
+    group_size: int  # -1: channel-wise (one group per row)
+    symmetric: bool
+    act_order: bool = False  # a g_idx tensor is required
+    checkpoint_format: str = "gptq"  # GPTQ only: "gptq" (v1) or "gptq_v2"
+    gguf_type: str | None = None  # GGUF only: "Q4_0" or "Q4_1"
+    # GGUF only: int8 terms per activation on CPU (kvserve.quant.wq); 0: fp32 activations
+    act_terms: int = 0
+
+    @property
+    def tensor_names(self) -> tuple[str, ...]:
+        if self.format == "gguf":
+            return GGUF_TENSORS
+        return CT_TENSORS if self.format == "pack-quantized" else GPTQ_TENSORS
+
+    def required_tensors(self) -> tuple[str, ...]:
+        """Tensor names (``<module>.<name>``) a checkpoint must hold for this module."""
+        if self.format == "gguf":
+            return GGUF_TENSORS
+        if self.format == "pack-quantized":
+            names = ["weight_packed", "weight_scale", "weight_shape"]
+            if not self.symmetric:
+                names.append("weight_zero_point")
+            if self.act_order:
+                names.append("weight_g_idx")
+        else:
+            names = ["qweight", "scales"]
+            if not self.symmetric:
+                names.append("qzeros")
+            if self.act_order:
+                names.append("g_idx")
+        return tuple(names)
+
+    def eager_tensors(self) -> tuple[str, ...]:
+        """Tensors a module waits for before building itself as soon as they are in (GPTQ
+        writers always store qzeros and g_idx); the loader builds the rest at the end."""
+        if self.format == "gptq":
+            return self.tensor_names
+        return self.required_tensors()
+
+    def ignorable_tensors(self) -> tuple[str, ...]:
+        """Tensors the scheme does not use (a symmetric checkpoint's zero points)."""
+        if not self.symmetric:
+            return ()
+        return ("weight_zero_point",) if self.format == "pack-quantized" else ("qzeros",)
+
+    def unpack(self, tensors: Mapping[str, torch.Tensor], shape: tuple[int, int]
+               ) -> Int4Weight:
+        """One module's checkpoint tensors (by name, ``required_tensors`` all present) -> its
+        Int4Weight [out, in]; ``shape`` (the checkpoint's [out, in]) is read by the GGUF format
+        only, the others store it. A pack-quantized trivial g_idx (== k // group) is dropped."""
+        t = tensors
+        if self.format == "gguf":
+            return unpack_q4(t["gguf_blocks"], self.gguf_type, shape)  # type: ignore[arg-type]
+        if self.format == "pack-quantized":
+            w = from_compressed_tensors(
+                t["weight_packed"], t["weight_scale"], t["weight_shape"],
+                None if self.symmetric else t["weight_zero_point"],
+                None if self.group_size == -1 else self.group_size, t.get("weight_g_idx"))
+            if w.g_idx is not None and torch.equal(
+                    w.g_idx, torch.arange(w.in_features) // w.group_size):
+                w = Int4Weight(w.values, w.scales, w.zeros, w.group_size)
+            return w
+        return unpack_gptq(t["qweight"], t.get("qzeros"), t["scales"], t.get("g_idx"),
+                           group_size=self.group_size, sym=self.symmetric,
+                           checkpoint_format=self.checkpoint_format)
+
+    def describe(self) -> str:
+        if self.format == "gguf":
+            return f"int4 gguf {self.gguf_type} group {self.group_size} (min form)"
+        group = "channel" if self.group_size == -1 else f"group {self.group_size}"
+        sym = "sym" if self.symmetric else "asym"
+        fmt = self.format if self.format != "gptq" else self.checkpoint_format
+        return f"int4 {fmt} {group} {sym}" + (" act-order" if self.act_order else "")
 
 
 # ---------------------------------------------------------------------------------------------

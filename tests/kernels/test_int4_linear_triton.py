@@ -10,8 +10,8 @@ import torch
 
 pytest.importorskip("triton")
 
-from kvserve.layers.int4_linear import Int4Linear  # noqa: E402
-from kvserve.layers.int4_methods import CanonicalMethod, TritonMethod  # noqa: E402
+from kvserve.layers.int4.linear import Int4Linear  # noqa: E402
+from kvserve.layers.int4.methods import CanonicalMethod, TritonMethod  # noqa: E402
 from kvserve.quant import int4  # noqa: E402
 
 # slow: Triton INT4 GEMM in the interpreter

@@ -190,7 +190,7 @@ def test_expert_module_hook_replaces_dense_weights():
 
 
 def test_int4_experts_through_the_hook():
-    int4_linear = pytest.importorskip("kvserve.layers.int4_linear")
+    int4_linear = pytest.importorskip("kvserve.layers.int4.linear")
     torch.manual_seed(7)
     m = _experts(e=4, hidden=64, inter=64)
     x = torch.randn(12, 64)
@@ -226,7 +226,7 @@ def test_expert_loader_shards_and_shapes():
 def _int4_module(shards: dict[str | None, torch.Tensor], in_features: int, group: int):
     """An ``Int4MergedLinear`` fed through its weight loaders, as the model loader does, with
     compressed-tensors tensors of RTN-quantized ``shards``; returns it and the dense twin."""
-    from kvserve.layers.linear import Int4MergedLinear
+    from kvserve.layers.int4.merged import Int4MergedLinear
     from kvserve.model.quant_config import Int4Scheme
     from kvserve.quant import int4
 
@@ -248,8 +248,8 @@ def _int4_module(shards: dict[str | None, torch.Tensor], in_features: int, group
 def test_int4_fused_moe_layer_matches_its_dequantized_twin():
     """``Int4FusedMoE``: per expert one Int4Linear for gate+up and one for down; only experts
     that received tokens run (each once, on its rows); a dense (ignored) expert mixes in."""
-    from kvserve.layers.int4_linear import Int4Linear
-    from kvserve.layers.int4_methods import CpuPackMethod
+    from kvserve.layers.int4.linear import Int4Linear
+    from kvserve.layers.int4.methods import CpuPackMethod
 
     torch.manual_seed(8)
     e_n, hidden, inter = 5, 64, 32

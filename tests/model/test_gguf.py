@@ -18,10 +18,9 @@ import torch
 
 from kvserve import SamplingParams
 from kvserve.kernels import reference
-from kvserve.layers.int4_linear import Int4Linear
-from kvserve.layers.int4_methods import CpuPackMethod, WqMethod
+from kvserve.layers.int4.linear import Int4Linear
+from kvserve.layers.int4.methods import CpuPackMethod, WqMethod
 from kvserve.quant import int4, wq
-from kvserve.quant.gguf_q4 import BLOCK_BYTES, unpack_q4
 from tests.model.gguf_writer import dequantized_hf, write_gguf
 from tests.model.parity import assert_greedy_equal, assert_logits_close
 
@@ -40,7 +39,7 @@ PROMPTS = [
 def _random_blocks(kind: str, rows: int, cols: int, seed: int) -> np.ndarray:
     """Random raw blocks: random nibbles, random finite fp16 d (and m) of any exponent."""
     rng = np.random.default_rng(seed)
-    nb, bb = cols // 32, BLOCK_BYTES[kind]
+    nb, bb = cols // 32, int4.Q4_BLOCK_BYTES[kind]
     raw = rng.integers(0, 256, size=(rows, nb, bb), dtype=np.uint8)
     halves = 2 if kind == "Q4_1" else 1
     h = rng.integers(0, 2**16, size=(rows, nb, halves), dtype=np.uint16)
@@ -56,14 +55,14 @@ def test_q4_unpacking_exact_against_gguf(kind):
     for seed, (rows, cols) in enumerate([(8, 32), (37, 256), (128, 576)]):
         raw = _random_blocks(kind, rows, cols, seed)
         ref = torch.from_numpy(dequantize(raw, QT[kind]))
-        got = int4.dequantize(unpack_q4(raw, kind, (rows, cols)))
+        got = int4.dequantize(int4.unpack_q4(raw, kind, (rows, cols)))
         assert torch.equal(got, ref)  # IEEE-equal (Q4_0: a zero may carry the other sign)
         if kind == "Q4_1":  # the same two roundings: bit for bit
             assert torch.equal(got.view(torch.int32), ref.view(torch.int32))
         # quantized from real-looking weights too
         w = np.random.default_rng(seed).standard_normal((rows, cols)).astype(np.float32) * 0.05
         q = quantize(w, QT[kind])
-        assert torch.equal(int4.dequantize(unpack_q4(q, kind, (rows, cols))),
+        assert torch.equal(int4.dequantize(int4.unpack_q4(q, kind, (rows, cols))),
                            torch.from_numpy(dequantize(q, QT[kind])))
 
 
@@ -75,7 +74,7 @@ def test_packed_int4_layer_equals_dequantized_matmul(kind, shape, a8):
     w = np.random.default_rng(n).standard_normal((n, k)).astype(np.float32) * 0.05
     q = quantize(w, QT[kind])
     ref_w = torch.from_numpy(dequantize(q, QT[kind]))
-    layer = Int4Linear(unpack_q4(q, kind, (n, k)), act_terms=a8)
+    layer = Int4Linear(int4.unpack_q4(q, kind, (n, k)), act_terms=a8)
     # int8 activations: integer-dot tiles and nothing else; fp32: torch's int4 pack, fp16 pairs
     assert isinstance(layer.method, WqMethod) == bool(a8)
     assert a8 or not isinstance(layer.method, CpuPackMethod) or (

@@ -1,4 +1,4 @@
-"""INT4 formats (kvserve.quant.int4) and Int4Linear (kvserve.layers.int4_linear).
+"""INT4 formats (kvserve.quant.int4) and Int4Linear (kvserve.layers.int4.linear).
 
 Reference packers here are written independently of the library, with explicit per-element bit
 operations, from the format descriptions (compressed-tensors pack-quantized, GPTQ v1/v2).
@@ -11,10 +11,10 @@ import math
 import pytest
 import torch
 
-from kvserve.layers.int4_linear import Int4Linear, int4_experts_from_dense
-from kvserve.layers.int4_methods import CpuPackMethod
+from kvserve.layers.int4.layouts import int4pack_layout
+from kvserve.layers.int4.linear import Int4Linear, int4_experts_from_dense
+from kvserve.layers.int4.methods import CpuPackMethod
 from kvserve.quant import int4
-from kvserve.quant.int4_layouts import int4pack_layout
 
 
 def _to_int32(word: int) -> int:

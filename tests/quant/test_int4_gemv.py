@@ -12,8 +12,8 @@ import pytest
 import torch
 
 from kvserve.kernels.cpu import int4_gemv
-from kvserve.layers import int4_methods
-from kvserve.layers.int4_linear import Int4Linear
+from kvserve.layers.int4 import methods as int4_methods
+from kvserve.layers.int4.linear import Int4Linear
 from kvserve.quant import int4
 
 pytestmark = pytest.mark.skipif(int4_methods.gemv_lib() is None,

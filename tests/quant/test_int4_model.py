@@ -22,8 +22,9 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from kvserve import SamplingParams
-from kvserve.layers.int4_linear import Int4Linear
-from kvserve.layers.linear import Int4MergedLinear, Linear
+from kvserve.layers.int4.linear import Int4Linear
+from kvserve.layers.int4.merged import Int4MergedLinear
+from kvserve.layers.linear import Linear
 from kvserve.model.loader import load_model
 from kvserve.model.quant_config import parse_quant_config
 from kvserve.quant import int4

@@ -25,9 +25,10 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from kvserve import SamplingParams
-from kvserve.layers.int4_linear import Int4Linear
-from kvserve.layers.int4_methods import CpuPackMethod
-from kvserve.layers.linear import Int4MergedLinear, Linear, MergedLinear
+from kvserve.layers.int4.linear import Int4Linear
+from kvserve.layers.int4.merged import Int4MergedLinear
+from kvserve.layers.int4.methods import CpuPackMethod
+from kvserve.layers.linear import Linear, MergedLinear
 from kvserve.layers.moe import FusedMoE, Int4FusedMoE, TopKRouter
 from kvserve.model.loader import load_model
 from kvserve.quant import int4

@@ -10,7 +10,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from kvserve.layers.int4_linear import Int4Linear
+from kvserve.layers.int4.linear import Int4Linear
 from kvserve.quant import int4
 from kvserve.quant.quantizer import _awq_overrides, is_target, quantize_checkpoint
 

@@ -1,7 +1,7 @@
 """Bindings of ``kvserve/csrc/int4_gemv.c``: the INT4 GEMV and the W^T dequantize of row
-blocks, both reading the bytes of torch's CPU int4 pack (``kvserve.quant.int4_layouts``:
+blocks, both reading the bytes of torch's CPU int4 pack (``kvserve.layers.int4.layouts``:
 "halves" layout, block_n 32 or 64) with bf16 (scale, zero) pairs, or fp16 (scale, min) pairs
-of the GGUF min form. Twin: the torch code of ``kvserve.layers.int4_methods.CpuPackMethod``."""
+of the GGUF min form. Twin: the torch code of ``kvserve.layers.int4.methods.CpuPackMethod``."""
 
 from __future__ import annotations
 

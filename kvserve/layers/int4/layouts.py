@@ -1,4 +1,4 @@
-"""INT4 weight layouts the compute methods read (``kvserve.layers.int4_methods``), each built
+"""INT4 weight layouts the compute methods read (``kvserve.layers.int4.methods``), each built
 once from a canonical :class:`~kvserve.quant.int4.Int4Weight` (or from another layout's
 unsigned nibbles). Pure torch: packing here, arithmetic there.
 

@@ -1,6 +1,6 @@
 """How an INT4 layer computes (vLLM's ``LinearMethod`` idea): one method object per layer,
 chosen once when the layer is built (CPU) or repacked for a GPU kernel, holding its layout's
-buffers (``kvserve.quant.int4_layouts``) and the kernel calls. ``Int4Linear`` itself only
+buffers (``kvserve.layers.int4.layouts``) and the kernel calls. ``Int4Linear`` itself only
 permutes columns, adds the bias and reshapes.
 
 Every method maps x2 [m, K] (columns already permuted, m >= 1) to [m, N] in x2's dtype
@@ -50,8 +50,8 @@ from kvserve.kernels import reference as ref
 from kvserve.kernels.cpu import int4_gemv as int4_cpu
 from kvserve.kernels.cpu import wq_gemm as wq_cpu
 from kvserve.kernels.triton import interpreting
+from kvserve.layers.int4 import layouts
 from kvserve.quant import int4, wq
-from kvserve.quant import int4_layouts as layouts
 from kvserve.quant.int4 import Int4Weight
 
 DEQUANT_MIN_M = 96  # rows of x from which dequant -> fp32 GEMM beats the int4 op (measured)
@@ -318,7 +318,7 @@ class CanonicalMethod(_ChunkedDequant):
 
 class TritonMethod(Int4Method):
     """kvserve/kernels/triton/int4.py on the compressed-tensors layout (see
-    ``int4_layouts.pack_triton``); a CPU module runs the twin (or the interpreter)."""
+    ``layouts.pack_triton``); a CPU module runs the twin (or the interpreter)."""
 
     device_kernel = "triton"
     path = "triton"
@@ -349,7 +349,7 @@ class TritonMethod(Int4Method):
 
 class TinygemmMethod(Int4Method):
     """torch's CUDA ``_weight_int4pack_mm`` (bf16 activations): dev_u8 / dev_sz from
-    ``int4_layouts.pack_tinygemm``; ``finish`` on CUDA turns dev_u8 into the op's int32
+    ``layouts.pack_tinygemm``; ``finish`` on CUDA turns dev_u8 into the op's int32
     tiles (dev_packed)."""
 
     device_kernel = "tinygemm"

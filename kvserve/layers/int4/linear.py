@@ -1,12 +1,7 @@
 """INT4 weight-only linear layer (W4A16): y = x W^T + b with W held as 4-bit groups.
 
-The layer is small on purpose; the rest of INT4 lives where it belongs:
-
-    kvserve/quant/int4.py          the canonical form (Int4Weight), checkpoint formats, RTN/AWQ
-    kvserve/quant/quantizer.py     the offline quantizer (a checkpoint -> pack-quantized)
-    kvserve/quant/int4_layouts.py  the layouts kernels read (CPU op pack, wq tiles, GPU packs)
-    kvserve/layers/int4_methods.py the compute method, chosen once (CPU at build time, GPU by
-                                   ``to_device_layout``), and its kernel calls
+The layer is small on purpose; the rest of INT4 is in this package (see its ``__init__``) and
+in ``kvserve/quant/int4.py`` (the format).
 
 Building: ``Int4Linear(weight: Int4Weight, bias=None, *, act_terms=0, dequant_min_m=...,
 gemv_max_m=...)`` (packing happens once, here; the layer is immutable afterwards), or
@@ -36,7 +31,7 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
-from kvserve.layers import int4_methods as methods
+from kvserve.layers.int4 import methods
 from kvserve.quant import int4
 from kvserve.quant.int4 import Int4Weight
 

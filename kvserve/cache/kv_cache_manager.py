@@ -290,8 +290,11 @@ class KVCacheManager:
         ids = self.pool.allocate(len(blocks))
         if self.integrity is not None:
             self.integrity.on_allocate(ids)
-        if ids:
-            self.transfer.install(ids, blocks)
+        # under TP every rank installs its slice; a block refused on any rank and all after it
+        # are recomputed (freed here, unregistered)
+        n = self.transfer.install_import(ids, job)
+        self.pool.free(ids[n:][::-1])
+        ids, blocks = ids[:n], blocks[:n]
         full = [(x, blk) for x, blk in zip(ids, blocks, strict=True)
                 if len(blk.token_ids) == self.block_size]
         if full and self.integrity is not None:

@@ -27,11 +27,22 @@ Transports (both: nothing pickled; the bytes are block_store's, the control mess
   * ``ZmqTransport``: the sender serves its outbox from a ROUTER socket (a thread); the
     receiver's DEALER asks ``{"op": "get", "id"}`` and gets ``[msgpack header, blob, ...]``,
     then sends ``{"op": "done", "id"}``. ZMQ_MAXMSGSIZE bounds every frame.
+
+Tensor parallelism (rank to rank, the directory transport only): every rank exports its own
+slice (its KV heads) under its own id (``slice_id``: the handle's id, ``-<rank>`` after it on
+ranks > 0) and the handle names the number of ranks; on the decode side rank 0 fetches and
+verifies its slice in the background as above, then (``TransferPeers.transfer_import``) every
+other rank fetches, verifies and installs its own slice of those blocks. The rank and world
+size are part of every block's identity, so a slice of another rank is refused. A block is
+used only when every rank verified its slice; the first block refused on any rank and all
+after it are recomputed. A handle from a prefill replica of another TP size is a fallback
+(``tp_mismatch``).
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import os
 import threading
@@ -56,6 +67,11 @@ PROTOCOL_VERSION = 1
 TRANSPORTS = ("dir", "zmq")
 # Transfer latency histogram bucket bounds (seconds): kvserve_kv_transfer_seconds.
 IMPORT_THREADS = 4
+# Ranks > 0 fetch their slice on the step thread after rank 0 verified its own; the files were
+# written before the handle was issued, so this only waits when the sender is gone.
+PEER_FETCH_TIMEOUT_S = 0.5
+# A peer rank's per-block verdict crosses ranks as a code: 0 = verified, i = PEER_REASONS[i-1].
+PEER_REASONS = (*(r.value for r in block_store.Reason), "missing")
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
 
 
@@ -96,7 +112,8 @@ class TransferHandle:
     address: str  # the directory, or the sender's tcp:// endpoint
     num_tokens: int  # prompt tokens covered (full blocks + the partial one)
     num_blocks: int
-    nbytes: int
+    nbytes: int  # rank 0's slice (every rank's slice is as large)
+    num_ranks: int = 1  # the prefill replica's tensor-parallel size (one slice per rank)
 
     def to_dict(self) -> dict:
         return {"version": PROTOCOL_VERSION, **asdict(self)}
@@ -120,7 +137,33 @@ class TransferHandle:
             raise ValueError(f"kv_transfer.transport must be one of {TRANSPORTS}")
         if not d["transfer_id"].replace("-", "").isalnum():
             raise ValueError("kv_transfer.transfer_id must be alphanumeric")
-        return cls(**{k: d[k] for k in types})
+        ranks = d.get("num_ranks", 1)  # absent: a single-rank replica
+        if not isinstance(ranks, int) or isinstance(ranks, bool) or ranks < 1:
+            raise ValueError("kv_transfer.num_ranks must be an int >= 1")
+        return cls(**{k: d[k] for k in types}, num_ranks=ranks)
+
+
+def slice_id(transfer_id: str, rank: int) -> str:
+    """The id rank ``rank``'s slice of a transfer travels under (rank 0: the handle's own)."""
+    return transfer_id if rank == 0 else f"{transfer_id}-{rank}"
+
+
+class TransferPeers(Protocol):
+    """The other tensor-parallel ranks (kvserve.engine.executor.MultiprocExecutor): each
+    exports and installs its own slice of a transfer's blocks."""
+
+    def transfer_export(self, transfer_id: str, block_ids: list[int],
+                        expected: list[Expected]) -> int:
+        """Every other rank offers its slice of the blocks; their bytes, summed."""
+        ...
+
+    def transfer_import(self, handle: TransferHandle, block_ids: list[int],
+                        expected: list[Expected]) -> tuple[list[str | None], int]:
+        """Every other rank fetches its slice, verifies ``expected`` (rank 0's verified
+        prefix; [] only drops the files) and installs the verified prefix into ``block_ids``;
+        per block the reason it was refused on some rank (None: verified everywhere), and the
+        bytes the other ranks received."""
+        ...
 
 
 class Transport(Protocol):
@@ -378,8 +421,10 @@ class KVTransfer:
     ``KVCacheManager``."""
 
     def __init__(self, cfg: TransferConfig, spec: StoreSpec, kv: PagedKVCache,
-                 transport: Transport | None = None) -> None:
-        self.cfg, self.spec, self.kv = cfg, spec, kv
+                 transport: Transport | None = None, peers: TransferPeers | None = None,
+                 import_threads: int = IMPORT_THREADS) -> None:
+        assert spec.world_size == 1 or cfg.transport == "dir", "refused in settle()"
+        self.cfg, self.spec, self.kv, self.peers = cfg, spec, kv, peers
         self.transport = transport or make_transport(cfg)
         self.exported = 0  # transfers offered
         self.imported = 0  # transfers fetched (some blocks may have been refused)
@@ -395,16 +440,19 @@ class KVTransfer:
         # a few fetches at once: one slow / dead prefill replica does not hold up the others
         self._threads = [threading.Thread(target=self._jobs.serve, args=(self._run_import,),
                                           name=f"kv-transfer-recv{i}", daemon=True)
-                         for i in range(IMPORT_THREADS)]
+                         for i in range(import_threads)]
         for t in self._threads:
             t.start()
         self._closed = False
 
     # ---- prefill side ---------------------------------------------------------------------
     def export(self, block_ids: list[int], expected: list[Expected],
-               sealed: list[np.ndarray | None]) -> TransferHandle:
+               sealed: list[np.ndarray | None], transfer_id: str | None = None
+               ) -> TransferHandle:
         """Serialize the prompt's blocks ``block_ids`` (the last may be partial: fewer tokens
-        in ``expected``) and offer them; ``sealed``: the pool's seal sums of full blocks."""
+        in ``expected``) and offer them; ``sealed``: the pool's seal sums of full blocks.
+        Under TP rank 0 calls this; the other ranks export their slice (``export_slice``)
+        before the handle is returned."""
         bs = self.spec.block_size
         idx = torch.tensor(block_ids, dtype=torch.int64, device=self.kv.data.device)
         # [L, n, C, bs, H, D], copied as bytes (FP8 has few CPU kernels)
@@ -427,13 +475,59 @@ class KVTransfer:
             blobs.append(block_store.serialize(self.spec, StoredBlock(
                 e.chain_hash, e.token_ids, payload[:, i],
                 None if scales is None else scales[:, i], sums)))
-        tid = uuid.uuid4().hex
-        address = self.transport.offer(tid, blobs)
+        tid = transfer_id or uuid.uuid4().hex
+        address = self.transport.offer(slice_id(tid, self.spec.rank), blobs)
         nbytes = sum(map(len, blobs))
         self.exported += 1
         self.bytes_sent += nbytes
+        if self.peers is not None:  # synchronous: every slice is offered before the handle
+            self.bytes_sent += self.peers.transfer_export(tid, block_ids, expected)
         n_tokens = sum(len(e.token_ids) for e in expected)
-        return TransferHandle(tid, self.cfg.transport, address, n_tokens, len(blobs), nbytes)
+        return TransferHandle(tid, self.cfg.transport, address, n_tokens, len(blobs), nbytes,
+                              self.spec.world_size)
+
+    def export_slice(self, transfer_id: str, block_ids: list[int],
+                     expected: list[Expected]) -> int:
+        """A rank > 0: offer this rank's slice (sums taken now: this rank keeps only its seals'
+        digests); returns its bytes."""
+        self.transport.expire()
+        return self.export(block_ids, expected, [None] * len(expected), transfer_id).nbytes
+
+    def import_slice(self, handle: TransferHandle, block_ids: list[int],
+                     expected: list[Expected]) -> tuple[list[int], int]:
+        """A rank > 0: fetch this rank's slice, verify ``expected`` and install the verified
+        prefix into ``block_ids``; per block a ``PEER_REASONS`` code (0 = verified), and the
+        bytes received. Nothing expected: only drop the slice's files (rank 0's fetch failed
+        or everything was refused there)."""
+        h = dataclasses.replace(handle, transfer_id=slice_id(handle.transfer_id,
+                                                             self.spec.rank))
+        if not expected:
+            _dir_delete(h.address, h.transfer_id, h.num_blocks)
+            return [], 0
+        missing = len(PEER_REASONS)
+        try:
+            blobs = self.transport.fetch(h, PEER_FETCH_TIMEOUT_S, self.cfg.max_bytes)
+        except TransferFailed as e:
+            logger.warning("kv transfer %s: rank %d fetch failed (%s)", h.transfer_id,
+                           self.spec.rank, e)
+            return [missing] * len(expected), 0
+        codes, blocks = [], []
+        for i, e in enumerate(expected):
+            res = (block_store.verify(self.spec, blobs[i], e.chain_hash, e.token_ids)
+                   if i < len(blobs) else None)
+            if isinstance(res, StoredBlock):
+                codes.append(0)
+                if len(blocks) == i:
+                    blocks.append(res)
+            else:
+                codes.append(missing if res is None else PEER_REASONS.index(res.reason.value) + 1)
+                if res is not None:
+                    logger.warning("kv transfer %s: rank %d block %d refused: %s %s",
+                                   h.transfer_id, self.spec.rank, i, res.reason.value,
+                                   res.detail)
+        if blocks:
+            self.install(block_ids[: len(blocks)], blocks)
+        return codes, sum(map(len, blobs))
 
     def expire(self) -> None:
         self.transport.expire()
@@ -473,6 +567,9 @@ class KVTransfer:
         if h.transport != self.cfg.transport:
             job.failed = "wrong_transport"
             return
+        if h.num_ranks != self.spec.world_size:
+            job.failed = "tp_mismatch"  # one slice per rank: the layouts must match
+            return
         if h.num_blocks != len(job.expected) or h.num_tokens != sum(
                 len(e.token_ids) for e in job.expected):
             job.failed = "wrong_prompt"  # a handle for another prompt
@@ -501,6 +598,23 @@ class KVTransfer:
                 ok = False
             elif ok:
                 job.blocks.append(res)
+
+    def install_import(self, block_ids: list[int], job: _Import) -> int:
+        """Install a finished import's verified blocks into ``block_ids`` (fresh pool blocks,
+        one per block of ``job.blocks``); under TP every other rank installs its own slice
+        too. Returns how many blocks every rank verified (the caller frees the rest)."""
+        if block_ids:
+            self.install(block_ids, job.blocks)
+        if self.peers is None:
+            return len(block_ids)
+        reasons, nbytes = self.peers.transfer_import(job.handle, block_ids,
+                                                     job.expected[: len(block_ids)])
+        n = next((i for i, r in enumerate(reasons) if r is not None), len(block_ids))
+        with self._lock:
+            self.bytes_received += nbytes
+            self.rejected.update(r for r in reasons if r is not None)
+            self.blocks_installed -= len(block_ids) - n
+        return n
 
     def install(self, block_ids: list[int], blocks: list[StoredBlock]) -> None:
         """Copy verified blocks into freshly allocated pool blocks (``block_store.install``)."""

@@ -21,7 +21,6 @@ from kvserve.cache.block_pool import BlockPool
 from kvserve.cache.integrity import IntegrityChecker
 from kvserve.cache.kv_cache_manager import KVCacheManager
 from kvserve.cache.kv_events import KVEventPublisher
-from kvserve.cache.kv_transfer import KVTransfer
 from kvserve.cbuild import cpu_kind
 from kvserve.config import (
     EngineConfig,
@@ -109,6 +108,11 @@ def settle(args: EngineArgs) -> WorkerConfig:
     path = resolve_model(args.model)
     # tensor parallelism: heads, intermediate size, INT4 groups (clear errors, no process yet)
     validate_parallel(path, args.tensor_parallel_size, args.enable_expert_parallel)
+    transfer = args.transfer_config()
+    if transfer is not None and transfer.transport != "dir" and args.tensor_parallel_size > 1:
+        raise ValueError(f"kv_transfer {transfer.transport} is not supported with "
+                         "tensor_parallel_size > 1: use kv_transfer dir (each rank writes and "
+                         "reads its own slice; docs/disaggregation.md)")
     folder, ggml = model_source(path)  # a GGUF's converted metadata: config.json, tokenizer
     hf_config, arch = load_hf_config(folder)
     dtypes = checkpoint_dtypes(folder, ggml, hf_config, args.dtype, args.device)
@@ -166,7 +170,8 @@ def build_engine(args: EngineArgs) -> EngineParts:
     kv = KVCacheManager(pool, block_size, cache_cfg.enable_prefix_caching,
                         config.fingerprint, integrity, tiers,
                         executor if isinstance(executor, MultiprocExecutor) else None,
-                        _build_transfer(args, worker))
+                        worker.build_transfer(
+                            executor if isinstance(executor, MultiprocExecutor) else None))
     scheduler = Scheduler(sched_cfg, kv)
     worker.init_runner()
     runner = ModelRunner(executor, block_size, model_config.kv_components,
@@ -184,14 +189,3 @@ def build_engine(args: EngineArgs) -> EngineParts:
     logger.info("ready in %.1f s", time.perf_counter() - t0)
     return EngineParts(args, config, executor, tokenizer, pool, integrity, kv, scheduler,
                        runner, kv_events)
-
-
-def _build_transfer(args: EngineArgs, worker: Any) -> KVTransfer | None:
-    """Disaggregation's KV transfer (docs/disaggregation.md), or None when off."""
-    cfg = args.transfer_config()
-    if cfg is None:
-        return None
-    if args.tensor_parallel_size > 1:
-        raise ValueError("kv_transfer is not supported with tensor_parallel_size > 1 yet "
-                         "(docs/disaggregation.md)")
-    return KVTransfer(cfg, worker.store_spec(), worker.kv_cache)

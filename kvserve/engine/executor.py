@@ -33,6 +33,11 @@ Control messages (all rank 0 -> every rank, on the gloo CPU group):
              copies its slice of the evicted blocks now and queues them for its KV tiers
     TIER_RESTORE n, block ids[n], chain hashes[n, 2], token ids[n, bs]: each rank reads,
              verifies and installs its slice, then all_reduce(MAX) of the bad mask [n]
+    TRANSFER_EXPORT  msgpack {id, blocks, hashes, tokens} as bytes (``_pack``): each rank
+             offers its slice of the prompt's blocks (disaggregation), then a gather to rank 0
+             of each rank's bytes (the handle is issued only after every slice is offered)
+    TRANSFER_IMPORT  msgpack {handle, blocks, hashes, tokens}: each rank fetches, verifies and
+             installs its slice, then a gather to rank 0 of (bytes, a code per block)
     SHUTDOWN (each rank writes its tiers down and stops them first)
 """
 
@@ -47,10 +52,12 @@ import time
 import weakref
 from typing import Protocol
 
+import msgpack
 import numpy as np
 import torch
 
 from kvserve.cache.integrity import content_hashes
+from kvserve.cache.kv_transfer import PEER_REASONS, Expected, TransferHandle
 from kvserve.distributed import parallel_state as ps
 from kvserve.engine.arg_utils import EngineArgs
 from kvserve.engine.step_input import StepInput
@@ -58,7 +65,8 @@ from kvserve.engine.worker import Worker, WorkerConfig
 
 logger = logging.getLogger("kvserve")
 
-STEP, SEAL, VERIFY, INJECT, DUMP_KV, SHUTDOWN, TIER_WRITE, TIER_RESTORE = range(1, 9)
+(STEP, SEAL, VERIFY, INJECT, DUMP_KV, SHUTDOWN, TIER_WRITE, TIER_RESTORE, TRANSFER_EXPORT,
+ TRANSFER_IMPORT) = range(1, 11)
 _EXIT_GRACE_S = 1.0  # after a failed collective: how long a dying worker's exit may take
 _FAULT_KINDS = ("bitflip", "scale", "swap")
 
@@ -131,6 +139,29 @@ def _tier_items(x: torch.Tensor, n: int) -> tuple[list[int], list[tuple[bytes, t
     hashes = _tensor_to_hashes(x[n: 3 * n])
     toks = x[3 * n:].view(n, -1).tolist() if n else []
     return ids, [(h, tuple(t)) for h, t in zip(hashes, toks, strict=True)]
+
+
+def _pack(obj: dict) -> torch.Tensor:
+    """A msgpack message as int64: byte length, then the bytes zero-padded to 8."""
+    raw = msgpack.packb(obj)
+    pad = raw + b"\0" * (-len(raw) % 8)
+    return torch.cat([torch.tensor([len(raw)]),
+                      torch.from_numpy(np.frombuffer(pad, dtype=np.int64).copy())])
+
+
+def _unpack(x: torch.Tensor) -> dict:
+    n = int(x[0])
+    return msgpack.unpackb(x[1:].numpy().astype(np.int64).tobytes()[:n])
+
+
+def _transfer_message(block_ids: list[int], expected: list[Expected], **extra) -> torch.Tensor:
+    return _pack({"blocks": block_ids, "hashes": [e.chain_hash for e in expected],
+                  "tokens": [list(e.token_ids) for e in expected], **extra})
+
+
+def _transfer_items(msg: dict) -> tuple[list[int], list[Expected]]:
+    return msg["blocks"], [Expected(bytes(h), tuple(t))
+                           for h, t in zip(msg["hashes"], msg["tokens"], strict=True)]
 
 
 def _replica_message(key: int, sums: np.ndarray) -> torch.Tensor:
@@ -311,6 +342,36 @@ class MultiprocExecutor:
             raise self._failed(e) from e
         return [bool(x) for x in mask.tolist()]
 
+    # ---- disaggregation across ranks (kvserve.cache.kv_transfer.TransferPeers) ---------------
+    def transfer_export(self, transfer_id: str, block_ids: list[int],
+                        expected: list[Expected]) -> int:
+        """Every other rank offers its slice under ``slice_id(transfer_id, rank)``; waits until
+        all have (the gather), returns their bytes."""
+        self._send(TRANSFER_EXPORT, _transfer_message(block_ids, expected, id=transfer_id))
+        try:
+            parts = ps.cpu_gather(torch.zeros(1, dtype=torch.int64))
+        except ps.DistributedError as e:
+            raise self._failed(e) from e
+        assert parts is not None
+        return sum(int(p[0]) for p in parts[1:])
+
+    def transfer_import(self, handle: TransferHandle, block_ids: list[int],
+                        expected: list[Expected]) -> tuple[list[str | None], int]:
+        """Every other rank fetches, verifies and installs its slice of ``block_ids``; per
+        block the reason some rank refused it (None: verified on every rank), and the other
+        ranks' bytes."""
+        n = len(block_ids)
+        self._send(TRANSFER_IMPORT, _transfer_message(block_ids, expected,
+                                                      handle=handle.to_dict()))
+        try:
+            parts = ps.cpu_gather(torch.zeros(1 + n, dtype=torch.int64))
+        except ps.DistributedError as e:
+            raise self._failed(e) from e
+        assert parts is not None
+        codes = torch.stack(parts[1:])[:, 1:].amax(dim=0).tolist() if n else []
+        return ([PEER_REASONS[c - 1] if c else None for c in codes],
+                sum(int(p[0]) for p in parts[1:]))
+
     def inject(self, rank: int, block_id: int, layer: int, kind: str, index: int = 0,
                bit: int = 0, other_index: int = 1) -> None:
         """Corrupt a block on another rank only (drills, tests)."""
@@ -449,6 +510,7 @@ def worker_main(config: WorkerConfig, rank: int, world_size: int, init_method: s
         worker.init_runner()
         seals = SliceSeals(worker.kv_cache, worker.fingerprint)
         tiers = worker.build_tiers(config.cache)
+        transfer = worker.build_transfer()
         with torch.inference_mode():
             while True:
                 kind, x = _recv()
@@ -484,9 +546,21 @@ def worker_main(config: WorkerConfig, rank: int, world_size: int, init_method: s
                     ids, items = _tier_items(x[1:], n)
                     bad = torch.tensor(tiers.restore_now(ids, items), dtype=torch.int64)
                     ps.cpu_all_reduce_max(bad)
+                elif kind == TRANSFER_EXPORT and transfer is not None:
+                    msg = _unpack(x)
+                    nbytes = transfer.export_slice(msg["id"], *_transfer_items(msg))
+                    ps.cpu_gather(torch.tensor([nbytes]))
+                elif kind == TRANSFER_IMPORT and transfer is not None:
+                    msg = _unpack(x)
+                    ids, expected = _transfer_items(msg)
+                    codes, nbytes = transfer.import_slice(
+                        TransferHandle.from_dict(msg["handle"]), ids, expected)
+                    ps.cpu_gather(torch.tensor([nbytes, *codes], dtype=torch.int64))
                 elif kind == SHUTDOWN:
                     if tiers is not None:
                         tiers.close()
+                    if transfer is not None:
+                        transfer.close()
                     break
                 else:
                     raise ps.DistributedError(f"rank {rank}: unknown message kind {kind}")

@@ -26,6 +26,7 @@ from kvserve.attention import get_backend, kv_writer
 from kvserve.cache.block_store import StoreSpec, dtype_str
 from kvserve.cache.kv_cache import PagedKVCache, bytes_per_block
 from kvserve.cache.kv_tiers import KVTiers, TierConfig
+from kvserve.cache.kv_transfer import IMPORT_THREADS, KVTransfer, TransferPeers
 from kvserve.config import (
     CacheConfig,
     KVMode,
@@ -187,6 +188,16 @@ class Worker:
         cfg = TierConfig(cache_cfg.kv_offload_memory_bytes, cache_cfg.kv_offload_dir,
                          cache_cfg.kv_offload_disk_bytes, cache_cfg.kv_offload_queue_blocks)
         return KVTiers(cfg, self.store_spec(), self.kv_cache)
+
+    def build_transfer(self, peers: TransferPeers | None = None) -> KVTransfer | None:
+        """This rank's side of disaggregation's KV transfer (docs/disaggregation.md), or None
+        when off. Under tensor parallelism every rank exports and imports its own slice; only
+        rank 0 fetches in the background (``peers``: the other ranks, on rank 0)."""
+        cfg = self.config.args.transfer_config()
+        if cfg is None:
+            return None
+        return KVTransfer(cfg, self.store_spec(), self.kv_cache, peers=peers,
+                          import_threads=IMPORT_THREADS if self.rank == 0 else 0)
 
     def store_spec(self) -> StoreSpec:
         """The identity and layout of this rank's stored / transferred blocks (block_store)."""

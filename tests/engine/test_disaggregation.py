@@ -250,6 +250,32 @@ def test_prefill_gone_falls_back(tiny_bf16, colocated, tmp_path, transport):
         dec.shutdown()
 
 
+def test_tp_mismatch_falls_back(tiny_bf16, colocated, tmp_path):
+    """A handle from a prefill replica of another tensor-parallel size (one slice per rank):
+    the decode engine prefills itself, counted (``tp_mismatch``); output unchanged."""
+    kw = {"kv_transfer": "dir", "kv_transfer_dir": str(tmp_path), "kv_transfer_timeout": 1.0}
+    pre, dec = _engine(tiny_bf16, "bf16", **kw), _engine(tiny_bf16, "bf16", **kw)
+    prompts = _prompts()
+    try:
+        pre_out = _prefill(pre, prompts)
+        handles = [{**pre_out[f"r{i}"].kv_transfer, "num_ranks": 2} for i in range(len(prompts))]
+        assert _decode(dec, prompts, pre_out, handles=handles) == colocated("bf16")
+        st = dec.stats().kv_transfer
+        assert st["fallbacks"] == {"tp_mismatch": 4} and st["blocks_installed"] == 0
+        dec.debug.check_no_leaks()
+        pre.debug.check_no_leaks()
+    finally:
+        pre.shutdown()
+        dec.shutdown()
+
+
+def test_zmq_refused_with_tensor_parallel(tiny_bf16):
+    """ZMQ carries one sender's outbox; tensor-parallel replicas use the directory (each rank
+    its own slice files): refused at start-up, before any rank starts."""
+    with pytest.raises(ValueError, match="kv_transfer zmq .*tensor_parallel_size"):
+        _engine(tiny_bf16, "bf16", kv_transfer="zmq", tensor_parallel_size=2)
+
+
 def test_bad_requests(tiny_bf16, tmp_path):
     eng = _engine(tiny_bf16, "bf16")
     try:
@@ -323,10 +349,12 @@ def test_handle_is_checked():
 
     h = TransferHandle("ab12", "zmq", "tcp://127.0.0.1:5", 40, 3, 1000)
     assert TransferHandle.from_dict(h.to_dict()) == h
+    old = {k: v for k, v in h.to_dict().items() if k != "num_ranks"}  # a single-rank sender
+    assert TransferHandle.from_dict(old).num_ranks == 1
     for bad, field in (({"version": 9}, "version"), ({"num_tokens": -1}, "num_tokens"),
                        ({"transport": "ftp"}, "transport"),
                        ({"transfer_id": "../x"}, "transfer_id"),
-                       ({"nbytes": True}, "nbytes")):
+                       ({"nbytes": True}, "nbytes"), ({"num_ranks": 0}, "num_ranks")):
         with pytest.raises(ValueError, match=f"kv_transfer.{field}"):
             TransferHandle.from_dict({**h.to_dict(), **bad})
 

@@ -132,7 +132,7 @@ def settle(args: EngineArgs) -> WorkerConfig:
     )
     return WorkerConfig(args, model, dtypes, cache_cfg, sched_cfg, kv_mode,
                         cache_cfg.kv_rotation_seed if kv_mode.rotate else None,
-                        spec.context_len)
+                        spec.context_len, transfer)
 
 
 def build_engine(args: EngineArgs) -> EngineParts:

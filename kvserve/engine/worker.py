@@ -26,7 +26,7 @@ from kvserve.attention import get_backend, kv_writer
 from kvserve.cache.block_store import StoreSpec, dtype_str
 from kvserve.cache.kv_cache import PagedKVCache, bytes_per_block
 from kvserve.cache.kv_tiers import KVTiers, TierConfig
-from kvserve.cache.kv_transfer import IMPORT_THREADS, KVTransfer, TransferPeers
+from kvserve.cache.kv_transfer import IMPORT_THREADS, KVTransfer, TransferConfig, TransferPeers
 from kvserve.config import (
     CacheConfig,
     KVMode,
@@ -69,6 +69,7 @@ class WorkerConfig:
     kv_mode: KVMode  # kv_cache_dtype resolved against the checkpoint
     rotation_seed: int | None  # rotated modes: the Hadamard rotation's seed, else None
     context_len: int  # the model's (model.max_model_len <= context_len)
+    transfer: TransferConfig | None = None  # disaggregation's KV transfer (None: off)
 
 
 @dataclass(frozen=True, slots=True)
@@ -193,7 +194,7 @@ class Worker:
         """This rank's side of disaggregation's KV transfer (docs/disaggregation.md), or None
         when off. Under tensor parallelism every rank exports and imports its own slice; only
         rank 0 fetches in the background (``peers``: the other ranks, on rank 0)."""
-        cfg = self.config.args.transfer_config()
+        cfg = self.config.transfer
         if cfg is None:
             return None
         return KVTransfer(cfg, self.store_spec(), self.kv_cache, peers=peers,

@@ -96,6 +96,7 @@ from kvserve.kernels.reference.quant import (
     int8_quantize,
     int8_quantize_dynamic,
     quantize_fp8_rows,
+    static_scale_rows,
 )
 
 __all__ = [
@@ -134,4 +135,5 @@ __all__ = [
     "wq_fake_quant_act",
     "wq_dequantize",
     "wq_matmul",
+    "static_scale_rows",
 ]

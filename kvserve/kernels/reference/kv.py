@@ -8,10 +8,10 @@ import torch
 
 from kvserve.config import KVStorage
 from kvserve.kernels.reference.quant import (
-    _static_scale_rows,
     fp8_compute_scales,
     fp8_quantize,
     int8_quantize_dynamic,
+    static_scale_rows,
 )
 
 
@@ -175,7 +175,7 @@ def write_kv(
     for c, (x, static) in enumerate(comps):
         x = x[valid.to(x.device)].to(kv_data.device)  # [n, H, D]
         if static is not None and fp8:
-            static = _static_scale_rows(static, x.shape[:-1])
+            static = static_scale_rows(static, x.shape[:-1])
         write_rows(x, rows, dst, scale_rows if fp8 or i8 else None, static, row_offset=c * bs)
     if csum_state is not None and slots.numel():
         contrib = token_checksum_contrib(kv_data, kv_scales if fp8 or i8 else None, layer,

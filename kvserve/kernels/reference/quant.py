@@ -105,7 +105,7 @@ def int8_dequantize(q: torch.Tensor, codes: torch.Tensor) -> torch.Tensor:
 # ---- rows of either kind --------------------------------------------------------------------
 
 
-def _static_scale_rows(scale: float | torch.Tensor, shape: torch.Size) -> torch.Tensor:
+def static_scale_rows(scale: float | torch.Tensor, shape: torch.Size) -> torch.Tensor:
     """Broadcast a per-tensor (scalar) or per-head ([H]) static scale to ``shape`` = [..., H]."""
     s = torch.as_tensor(scale, dtype=torch.float32)
     if s.numel() != 1 and s.shape != (shape[-1],):
@@ -132,7 +132,7 @@ def quantize_fp8_rows(
     if static_scale is None:
         scale = fp8_compute_scales(xf, dtype)
     else:
-        scale = _static_scale_rows(static_scale, xf.shape[:-1]).clone()
+        scale = static_scale_rows(static_scale, xf.shape[:-1]).clone()
     return fp8_quantize(xf, scale, dtype), scale
 
 

@@ -282,7 +282,7 @@ def write_kv(
     if use_static:
         if any(s is None for s in statics):
             raise ValueError("give static scales for both K and V, or for neither")
-        rows = [ref._static_scale_rows(s, torch.Size([n_heads])) for s in statics]
+        rows = [ref.static_scale_rows(s, torch.Size([n_heads])) for s in statics]
         static = torch.stack(rows).contiguous().view(torch.int16).to(kv_data.device)
     else:
         static = sc

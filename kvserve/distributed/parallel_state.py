@@ -7,9 +7,12 @@ One TP group spans all ranks (world size = tensor_parallel_size). Like vLLM's
     cpu_group     always gloo: the driver's step inputs and integrity votes (small int64
                   tensors), so control traffic never needs the accelerator
 
-Every collective runs under the timeout given to ``init_distributed`` (both groups are created
-with it), so a rank that dies or hangs turns into an exception on the others, never a silent
-hang. Without ``init_distributed`` (the single-process engine) tp size is 1, tp rank 0 and every
+Every collective runs under the timeout given to ``init_distributed``, so a rank that dies or
+hangs turns into an exception on the others, never a silent hang. Two more gloo groups exist
+for waits that are not hangs: the workers' wait for the driver's next message header (the
+driver's send of it still times out) and start-up (ranks finish loading at different times).
+
+Without ``init_distributed`` (the single-process engine) tp size is 1, tp rank 0 and every
 collective is the identity: layers call these helpers unconditionally.
 
 This module sits at the bottom of the import graph (torch only): layers, models, cache and
@@ -40,9 +43,15 @@ class ParallelState:
     device_group: object  # dist.ProcessGroup
     cpu_group: object  # dist.ProcessGroup (gloo)
     timeout_s: float
-    # gloo, no practical timeout: only for a worker waiting for the driver's next message
-    # (an idle engine is not a hung one; a dead driver closes the sockets, which fails at once)
+    # gloo: the driver's message headers. A worker waits on it without a practical timeout
+    # (an idle engine is not a hung one; a dead driver closes the sockets, which fails at
+    # once), but the driver sends under ``timeout_s``: a gloo send completes only once the
+    # receiver has posted its receive, so a worker stopped between two messages would
+    # otherwise hang the driver for good.
     idle_group: object
+    # gloo, no practical timeout on any rank: start-up, where ranks finish loading at
+    # different times (a rank that dies while loading closes its sockets: fails at once)
+    startup_group: object
     enable_expert_parallel: bool = False
 
 
@@ -67,10 +76,13 @@ def init_distributed(init_method: str, rank: int, world_size: int, *, device: st
                             timeout=timeout)
     device_group = dist.group.WORLD
     cpu_group = dist.new_group(list(range(world_size)), backend="gloo", timeout=timeout)
+    forever = datetime.timedelta(days=365)
+    # the timeout is each rank's own: the sender (rank 0) times out, the receivers wait
     idle_group = dist.new_group(list(range(world_size)), backend="gloo",
-                                timeout=datetime.timedelta(days=365))
+                                timeout=timeout if rank == 0 else forever)
+    startup_group = dist.new_group(list(range(world_size)), backend="gloo", timeout=forever)
     _STATE = ParallelState(rank, world_size, device_group, cpu_group, timeout_s, idle_group,
-                           enable_expert_parallel)
+                           startup_group, enable_expert_parallel)
     return _STATE
 
 
@@ -144,7 +156,8 @@ def tp_gather(x: torch.Tensor, dim: int = -1) -> torch.Tensor | None:
 # ---- cpu-group collectives (control) ---------------------------------------------------------
 def cpu_broadcast(x: torch.Tensor, idle: bool = False) -> torch.Tensor:
     """Broadcast a CPU tensor from rank 0 over the gloo group (in place on the receivers).
-    ``idle``: the message header a worker waits for between steps (no timeout)."""
+    ``idle``: the message header a worker waits for between steps (no timeout on the
+    workers; the driver's send still times out, see ``ParallelState.idle_group``)."""
     assert _STATE is not None
     group = _STATE.idle_group if idle else _STATE.cpu_group
     _run("broadcast", lambda: dist.broadcast(x, src=0, group=group))
@@ -158,11 +171,11 @@ def cpu_all_reduce_max(x: torch.Tensor) -> torch.Tensor:
     return x
 
 
-def cpu_all_reduce_min(x: torch.Tensor, idle: bool = False) -> torch.Tensor:
-    """``idle``: at start-up, where ranks finish loading at different times (a rank that dies
-    while loading closes its sockets, which fails this at once)."""
+def cpu_all_reduce_min(x: torch.Tensor, startup: bool = False) -> torch.Tensor:
+    """``startup``: at start-up, where ranks finish loading at different times (a rank that
+    dies while loading closes its sockets, which fails this at once)."""
     assert _STATE is not None
-    group = _STATE.idle_group if idle else _STATE.cpu_group
+    group = _STATE.startup_group if startup else _STATE.cpu_group
     _run("all_reduce(MIN)",
          lambda: dist.all_reduce(x, op=dist.ReduceOp.MIN, group=group))
     return x

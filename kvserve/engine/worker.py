@@ -153,7 +153,7 @@ class Worker:
         if ps.get_tp_size() > 1:
             # every rank must hold the same block ids: the smallest pool wins
             agreed = int(ps.cpu_all_reduce_min(torch.tensor([n], dtype=torch.int64),
-                                               idle=True)[0])
+                                               startup=True)[0])
             if agreed != n:
                 note += f"; {agreed} blocks agreed over {ps.get_tp_size()} ranks (min)"
             n = agreed

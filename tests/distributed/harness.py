@@ -52,12 +52,12 @@ def _setup() -> None:
     torch.set_num_threads(1)
 
 
-def _rank_entry(fn, rank: int, world: int, init: str, q, args) -> None:
+def _rank_entry(fn, rank: int, world: int, init: str, q, args, collective_timeout_s) -> None:
     _setup()
     from kvserve.distributed import parallel_state as ps
 
     try:
-        ps.init_distributed(init, rank, world, timeout_s=60)
+        ps.init_distributed(init, rank, world, timeout_s=collective_timeout_s)
         q.put((rank, "ok", _plain(fn(rank, world, *args))))
     except BaseException:  # noqa: BLE001 - reported to the parent
         q.put((rank, "error", traceback.format_exc()))
@@ -99,11 +99,13 @@ def _collect(procs, q, n: int, timeout: float) -> list:
     return [results[r] for r in range(n)]
 
 
-def run_world(fn, world: int, tmp, *args, timeout: float = TIMEOUT_S) -> list:
+def run_world(fn, world: int, tmp, *args, timeout: float = TIMEOUT_S,
+              collective_timeout_s: float = 60.0) -> list:
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
     init = f"file://{os.path.join(str(tmp), 'rendezvous')}"
-    procs = [ctx.Process(target=_rank_entry, args=(fn, r, world, init, q, args))
+    procs = [ctx.Process(target=_rank_entry,
+                         args=(fn, r, world, init, q, args, collective_timeout_s))
              for r in range(world)]
     for p in procs:
         p.start()

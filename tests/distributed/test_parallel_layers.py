@@ -39,6 +39,36 @@ def test_collectives_exact(tmp_path):
             assert out["to0"] is None
 
 
+def _idle_header(rank: int, world: int) -> float | str:
+    """The driver's message header (``idle=True``): a worker may wait for it far past the
+    collective timeout (an idle engine), but the driver's send must not wait for a worker
+    that stopped between two messages (a gloo send completes only once the receiver posts)."""
+    import time
+
+    from kvserve.distributed import parallel_state as ps
+
+    if rank == 0:
+        time.sleep(4)  # idle for twice the timeout: the worker keeps waiting
+    got = ps.cpu_broadcast(torch.tensor([5, 6]) if rank == 0 else torch.zeros(2, dtype=torch.int64),
+                           idle=True)
+    assert got.tolist() == [5, 6]
+    if rank == 1:
+        time.sleep(8)  # "stopped" before posting the next receive
+        return "slept"
+    t0 = time.monotonic()
+    try:
+        ps.cpu_broadcast(torch.tensor([7, 8]), idle=True)
+    except ps.DistributedError:
+        return time.monotonic() - t0
+    return "sent to a worker that never received"
+
+
+def test_idle_header_waits_on_workers_not_on_the_driver(tmp_path):
+    took, slept = run_world(_idle_header, 2, tmp_path, collective_timeout_s=2.0)
+    assert slept == "slept"
+    assert isinstance(took, float) and 1.5 < took < 6, took
+
+
 def _load_shards(rank: int, world: int, path: str) -> dict:
     from kvserve.model import loader, sources
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import socket
 
 from kvserve.config_cli import add_cli_args, from_cli_args
 from kvserve.router.settings import RouterSettings
@@ -40,13 +41,15 @@ def _router_main(ns: argparse.Namespace) -> int:
                       from_cli_args(ServerSettings, ns, skip=_NOT_ROUTER_SERVER))
 
 
-def run_router(router: RouterSettings, launch: LaunchSettings,
-               server: ServerSettings) -> int:
+def run_router(router: RouterSettings, launch: LaunchSettings, server: ServerSettings,
+               sock: socket.socket | None = None) -> int:
+    """Serve the router app; ``sock``: its port, already bound (``listen_socket``)."""
     from kvserve.model.default_model import resolve_model
     from kvserve.model.loader import load_tokenizer
     from kvserve.router.app import RouterState, build_router_app
-    from kvserve.server.launch import DrainingServer
+    from kvserve.server.launch import DrainingServer, bound_port, listen_socket
 
+    sock = sock or listen_socket(launch.host, launch.port)
     logging.getLogger("httpx").setLevel(logging.WARNING)  # not a line per proxied request
     tokenizer = None
     if router.uses_tokenizer:
@@ -54,11 +57,15 @@ def run_router(router: RouterSettings, launch: LaunchSettings,
     state = RouterState(router, server.api_key, tokenizer, server.tokenizer_workers)
     app = build_router_app(state, api_key=server.api_key,
                            max_body_bytes=server.max_body_bytes, access_log=server.access_log)
-    http = DrainingServer.create(app, launch.host, launch.port, launch.drain_timeout,
+    port = bound_port(sock)
+    http = DrainingServer.create(app, launch.host, port, launch.drain_timeout,
                                  launch.uvicorn_log_level, lifespan="on")
     logger.info("routing (%s) on http://%s:%d over %d replica(s)", router.routing, launch.host,
-                launch.port, len(router.replicas))
-    http.run()
+                port, len(router.replicas))
+    try:
+        http.run(sockets=[sock])
+    finally:
+        sock.close()
     return 0
 
 
@@ -66,7 +73,9 @@ def serve_replicas(ns: argparse.Namespace, engine_args, server: ServerSettings,
                    launch: LaunchSettings, argv: list[str]) -> int:
     """``kvserve serve --data-parallel-size N``: the replica processes, then the router."""
     from kvserve.router.launch import ReplicaProcesses
+    from kvserve.server.launch import listen_socket
 
+    sock = listen_socket(launch.host, launch.port)  # before any replica can take the port
     procs = ReplicaProcesses(argv, launch.data_parallel_size, threads=launch.replica_threads,
                              device=engine_args.device,
                              tensor_parallel_size=engine_args.tensor_parallel_size,
@@ -76,8 +85,9 @@ def serve_replicas(ns: argparse.Namespace, engine_args, server: ServerSettings,
                            replicas=tuple(procs.urls[p:]), prefill=tuple(procs.urls[:p]),
                            replica_api_key=procs.key,
                            tokenizer=engine_args.tokenizer or engine_args.model)
-    procs.start()
     try:
-        return run_router(router, launch, server)
+        procs.start()
+        return run_router(router, launch, server, sock)
     finally:
+        sock.close()
         procs.stop()

@@ -71,20 +71,24 @@ def serve(ns: argparse.Namespace, engine_args: EngineArgs) -> int:
             argv = argv[argv.index("serve") + 1:]
         return serve_replicas(ns, engine_args, settings, launch, argv)
     from kvserve.router.launch import watch_parent
+    from kvserve.server.launch import bound_port, listen_socket
 
     watch_parent()  # a replica of `serve --data-parallel-size` ends with its router
-    engine = AsyncLLMEngine.from_engine_args(engine_args, step_delay_s=launch.step_delay)
-    app = None
+    sock = listen_socket(launch.host, launch.port)  # before the model loads (see launch.py)
+    app = engine = None
     try:
+        engine = AsyncLLMEngine.from_engine_args(engine_args, step_delay_s=launch.step_delay)
         app = build_app(engine, settings)
         engine.start()
-        server = DrainingServer.create(app, launch.host, launch.port, launch.drain_timeout,
+        server = DrainingServer.create(app, launch.host, bound_port(sock), launch.drain_timeout,
                                        launch.uvicorn_log_level)
         logger.info("serving %s on http://%s:%d", settings.served_model_name, launch.host,
-                    launch.port)
-        server.run()
+                    bound_port(sock))
+        server.run(sockets=[sock])
     finally:
-        engine.shutdown()
+        sock.close()
+        if engine is not None:
+            engine.shutdown()
         if app is not None:
             app.state.server.close()
     if server.engine_error is not None:

@@ -18,12 +18,17 @@ collective timeout, or any other engine failure) the server stops on its own: ``
 error response or a stream's error event, never a hang); after ``FORCE_GRACE_S`` for those
 answers to be written it shuts down, and ``kvserve serve`` logs why and exits 1
 (``engine_error``), so a supervisor (systemd, Kubernetes) sees the failure and restarts it.
+
+``listen_socket`` binds the port before anything slow or port-hungry runs (loading the model,
+tensor-parallel ranks' gloo sockets, replica processes): a port in use fails at once with a
+clear error, and nothing started later can take it (``--port 0``: the system picks one).
 """
 
 from __future__ import annotations
 
 import logging
 import signal
+import socket
 import time
 from types import FrameType
 from typing import Protocol
@@ -46,6 +51,37 @@ class Drainable(Protocol):
     def dead_error(self) -> BaseException | None: ...
 
     def end_all(self) -> None: ...
+def listen_socket(host: str, port: int) -> socket.socket:
+    """A listening TCP socket on (``host``, ``port``) for ``DrainingServer.run(sockets=[...])``;
+    ``ValueError`` naming the port when it is taken."""
+    if not 0 <= port <= 65535:
+        raise ValueError(f"port must be in [0, 65535], got {port}")
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM,
+                                   flags=socket.AI_PASSIVE)
+    except socket.gaierror as e:
+        raise ValueError(f"host: cannot resolve {host!r}: {e}") from e
+    family, kind, proto, _, addr = infos[0]
+    sock = socket.socket(family, kind, proto)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # a restart binds at once
+        if family == socket.AF_INET6:
+            sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 0)
+        sock.bind(addr)
+        # listening now, not when uvicorn starts: only a listening socket keeps every other
+        # bind off the port (two SO_REUSEADDR sockets may share a port neither listens on);
+        # a client that connects meanwhile waits in the backlog until the app serves
+        sock.listen(2048)
+    except OSError as e:
+        sock.close()
+        raise ValueError(f"port: cannot listen on {host}:{port}: {e.strerror or e}") from e
+    return sock
+
+
+def bound_port(sock: socket.socket) -> int:
+    return sock.getsockname()[1]
+
+
 FORCE_GRACE_S = 1.0
 UVICORN_GRACE_S = 1
 

@@ -116,7 +116,8 @@ class LaunchSettings:
     """Where and how ``kvserve serve`` runs the app (uvicorn, shutdown, test pacing)."""
 
     host: str = arg("127.0.0.1", "address to listen on", group=LAUNCH)
-    port: int = arg(8000, "port to listen on", type=int, group=LAUNCH)
+    port: int = arg(8000, "port to listen on (0: the system picks one, and logs it)", type=int,
+                    group=LAUNCH)
     drain_timeout: float = arg(
         60.0, "seconds to let in-flight requests finish on SIGTERM before ending them (streams "
         "get finish_reason 'abort' and [DONE]); exit follows within about 2 s", type=float,

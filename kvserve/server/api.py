@@ -25,6 +25,7 @@ from kvserve.server.errors import (
     validation_error_handler,
 )
 from kvserve.server.middleware import AccessLog, APIKeyAuth, BodyLimit, ErrorCounter
+from kvserve.server.prompts import check_request
 from kvserve.server.protocol import (
     ChatCompletionRequest,
     ChatCompletionResponse,
@@ -80,12 +81,14 @@ def _routes(app: FastAPI, state: ServerState) -> None:
               responses=_GENERATION_RESPONSES)
     async def completions(body: CompletionRequest, request: Request) -> Response:
         """Text completion; `stream: true` answers with server-sent events."""
+        check_request(body, state.settings)
         return await create_completion(body, request, state)
 
     @app.post("/v1/chat/completions", response_model=ChatCompletionResponse,
               responses=_GENERATION_RESPONSES)
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
         """Chat completion with the model's chat template; `stream: true` answers with SSE."""
+        check_request(body, state.settings)
         return await create_chat_completion(body, request, state)
 
     @app.get("/v1/models", response_model=ModelList)

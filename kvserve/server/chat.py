@@ -17,7 +17,6 @@ from kvserve.server.prompts import (
     Prompt,
     chat_conversation,
     check_lengths,
-    check_request,
     sampling_params,
     tokenize_chat,
 )
@@ -45,7 +44,6 @@ from kvserve.server.tool_parsers import StreamingToolCalls, new_call_id
 
 async def create_chat_completion(req: ChatCompletionRequest, request: Request,
                                  state: ServerState) -> Response:
-    check_request(req, state.settings)
     if req.top_logprobs is not None and not req.logprobs:
         raise bad_request("top_logprobs requires logprobs to be true", "top_logprobs")
     conversation = chat_conversation(req, state.tokenizer, state.limits)

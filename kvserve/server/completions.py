@@ -18,7 +18,6 @@ from kvserve.server.logprobs import TextOffsets, completion_logprobs
 from kvserve.server.prompts import (
     Prompt,
     check_lengths,
-    check_request,
     completion_items,
     sampling_params,
     tokenize_prompts,
@@ -38,7 +37,6 @@ from kvserve.server.structured import output_constraint
 
 async def create_completion(req: CompletionRequest, request: Request,
                             state: ServerState) -> Response:
-    check_request(req, state.settings)
     items = completion_items(req, state.limits, state.settings)
     constraint = output_constraint(req)
 

@@ -66,7 +66,7 @@ def _idle_header(rank: int, world: int) -> float | str:
 def test_idle_header_waits_on_workers_not_on_the_driver(tmp_path):
     took, slept = run_world(_idle_header, 2, tmp_path, collective_timeout_s=2.0)
     assert slept == "slept"
-    assert isinstance(took, float) and 1.5 < took < 6, took
+    assert isinstance(took, float) and 1.5 < took < 7.5, took  # before the worker wakes (8 s)
 
 
 def _load_shards(rank: int, world: int, path: str) -> dict:

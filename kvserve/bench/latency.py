@@ -115,8 +115,13 @@ class HFPeer:
     def __init__(self, path: str, dtype: torch.dtype) -> None:
         from transformers import AutoModelForCausalLM
 
-        self.model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype,
-                                                          local_files_only=True).eval()
+        if path.lower().endswith(".gguf"):  # transformers dequantizes a GGUF's weights
+            folder, name = os.path.split(os.path.abspath(path))
+            self.model = AutoModelForCausalLM.from_pretrained(
+                folder, gguf_file=name, dtype=dtype, local_files_only=True).eval()
+        else:
+            self.model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype,
+                                                              local_files_only=True).eval()
         self.pad = self.model.config.pad_token_id
         if self.pad is None:
             eos = self.model.config.eos_token_id

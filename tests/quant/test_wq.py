@@ -82,6 +82,50 @@ def test_gemm_matches_twin(lib, bits, m, n, k, group):
     torch.testing.assert_close(y, ref, rtol=1e-5, atol=1e-5 * float(ref.abs().max()))
 
 
+def _gemm(lib, codes, sm, x, n, k, group, bits):
+    q, dx, qs = reference.wq_quantize_act(x)
+    y = torch.empty(x.shape[0], n)
+    lib.kvs_wq_gemm(codes.data_ptr(), sm.data_ptr(), q.data_ptr(), dx.data_ptr(), qs.data_ptr(),
+                    x.shape[0], n, k, group, bits, 2, y.data_ptr())
+    return y
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+def test_extreme_codes_and_activations(lib, bits):
+    """Codes 0 and 2^bits - 1 against activations at +-127: the 8-bit AVX2 path computes
+    (u ^ 0x80) q with |u ^ 0x80| <= 128, the 4-bit one sums 8 nibble pairs in 16 bits; neither
+    may overflow."""
+    n, k = 32, 64
+    u = torch.zeros(n, k, dtype=torch.uint8)
+    u[1::2] = (1 << bits) - 1
+    u[2::4, ::3] = 0x80 if bits == 8 else 8
+    s = torch.full((n, k // 32), 0.01).half()
+    m = torch.full((n, k // 32), -0.5).half()
+    x = torch.where(torch.arange(k) % 2 == 0, 1.0, -1.0).repeat(4, 1)
+    x[1] = 1.0
+    x[2] = -1.0
+    x[3, ::5] = 0.0
+    codes, sm = wq.pack_codes(u, bits), wq.pack_scales(s, m)
+    y = _gemm(lib, codes, sm, x, n, k, 32, bits)
+    ref = reference.wq_matmul(x, u, s, m, 32)
+    torch.testing.assert_close(y, ref, rtol=1e-5, atol=1e-5 * float(ref.abs().max()))
+
+
+@pytest.mark.parametrize("bits,group", [(4, 32), (4, 64), (8, 32)])
+def test_kernel_rows_are_batch_invariant(lib, bits, group):
+    """Every ISA variant: a row's result is bit for bit the same alone, in a pass of 2 or 3
+    rows, or in a batch of 11 (passes of 4 and a remainder)."""
+    u, s, mn = _weights(48, 256, group, bits, 11)
+    codes, sm = wq.pack_codes(u, bits), wq.pack_scales(s, mn)
+    x = torch.randn(11, 256)
+    full = _gemm(lib, codes, sm, x, 48, 256, group, bits)
+    for i in range(11):
+        for rows in (1, 2, 3):
+            if i + rows <= 11:
+                part = _gemm(lib, codes, sm, x[i:i + rows].contiguous(), 48, 256, group, bits)
+                assert torch.equal(part[0], full[i])
+
+
 @pytest.mark.parametrize("terms", [1, 2])
 def test_rows_are_batch_invariant(terms):
     lib = wq_cpu.wq_library()

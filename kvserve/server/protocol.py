@@ -11,7 +11,7 @@ Fields marked *kvserve* are extensions beyond OpenAI's API (vLLM spells them the
 from __future__ import annotations
 
 import time
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Generic, Literal, TypeVar
 
 from pydantic import (
     AfterValidator,
@@ -336,21 +336,37 @@ class CompletionLogprobs(_Response):
 FinishReason = Literal["stop", "length", "abort", "tool_calls", "grammar_dead_end"]
 
 
-class CompletionChoice(_Response):
+LogprobsT = TypeVar("LogprobsT", bound=BaseModel)
+ChoiceT = TypeVar("ChoiceT", bound=BaseModel)
+
+
+class _Choice(_Response, Generic[LogprobsT]):
+    """What every choice carries besides its ``text``, ``message`` or ``delta``."""
+
     index: int
-    text: str
-    logprobs: CompletionLogprobs | None = None
+    logprobs: LogprobsT | None = None
     finish_reason: FinishReason | None = None
     stop_reason: int | str | None = None
 
 
-class CompletionResponse(_Response):
+class _Completion(_Response, Generic[ChoiceT]):
+    """What every answer (a text or chat completion, or a chunk of one) carries; ``object`` is
+    the kind's literal."""
+
     id: str
-    object: Literal["text_completion"] = "text_completion"
+    object: str
     created: int = Field(default_factory=lambda: int(time.time()))
     model: str
-    choices: list[CompletionChoice]
+    choices: list[ChoiceT]
     usage: UsageInfo | None = None
+
+
+class CompletionChoice(_Choice[CompletionLogprobs]):
+    text: str
+
+
+class CompletionResponse(_Completion[CompletionChoice]):
+    object: Literal["text_completion"] = "text_completion"
 
 
 class TopLogprob(_Response):
@@ -397,20 +413,12 @@ class DeltaToolCall(_Response):
     function: DeltaFunctionCall | None = None
 
 
-class ChatChoice(_Response):
-    index: int
+class ChatChoice(_Choice[ChoiceLogprobs]):
     message: AssistantMessage
-    logprobs: ChoiceLogprobs | None = None
-    finish_reason: FinishReason | None = None
-    stop_reason: int | str | None = None
 
 
-class ChatCompletionResponse(_Response):
-    id: str
+class ChatCompletionResponse(_Completion[ChatChoice]):
     object: Literal["chat.completion"] = "chat.completion"
-    created: int = Field(default_factory=lambda: int(time.time()))
-    model: str
-    choices: list[ChatChoice]
     usage: UsageInfo
 
 
@@ -420,21 +428,13 @@ class DeltaMessage(_Response):
     tool_calls: list[DeltaToolCall] | None = None
 
 
-class ChatChunkChoice(_Response):
-    index: int
+class ChatChunkChoice(_Choice[ChoiceLogprobs]):
     delta: DeltaMessage
-    logprobs: ChoiceLogprobs | None = None
-    finish_reason: FinishReason | None = None
-    stop_reason: int | str | None = None
 
 
-class ChatCompletionChunk(_Response):
-    id: str
+class ChatCompletionChunk(_Completion[ChatChunkChoice]):
     object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
     created: int
-    model: str
-    choices: list[ChatChunkChoice]
-    usage: UsageInfo | None = None
 
 
 class ModelCard(_Response):

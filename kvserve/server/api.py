@@ -16,8 +16,8 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 import kvserve
 from kvserve.engine.async_engine import AsyncLLMEngine
 from kvserve.model.loader import load_tokenizer
-from kvserve.server.chat import create_chat_completion
-from kvserve.server.completions import create_completion
+from kvserve.server.chat import ChatHandler
+from kvserve.server.completions import CompletionHandler
 from kvserve.server.errors import (
     APIError,
     api_error_handler,
@@ -82,14 +82,14 @@ def _routes(app: FastAPI, state: ServerState) -> None:
     async def completions(body: CompletionRequest, request: Request) -> Response:
         """Text completion; `stream: true` answers with server-sent events."""
         check_request(body, state.settings)
-        return await create_completion(body, request, state)
+        return await CompletionHandler(body, state).answer(request)
 
     @app.post("/v1/chat/completions", response_model=ChatCompletionResponse,
               responses=_GENERATION_RESPONSES)
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
         """Chat completion with the model's chat template; `stream: true` answers with SSE."""
         check_request(body, state.settings)
-        return await create_chat_completion(body, request, state)
+        return await ChatHandler(body, state).answer(request)
 
     @app.get("/v1/models", response_model=ModelList)
     async def models() -> dict:

@@ -5,13 +5,10 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator
 
-from fastapi import Request
-from fastapi.responses import Response
-
 from kvserve.outputs import CompletionOutput
 from kvserve.sampling_params import SamplingParams
 from kvserve.server.errors import bad_request
-from kvserve.server.generation import Generation, new_generation
+from kvserve.server.generation import Generation
 from kvserve.server.logprobs import chat_logprobs
 from kvserve.server.prompts import (
     Prompt,
@@ -37,29 +34,41 @@ from kvserve.server.protocol import (
     dump,
 )
 from kvserve.server.state import ServerState
-from kvserve.server.streaming import Update, full_response, include_usage, respond, stream_choices
-from kvserve.server.structured import ToolPlan, output_constraint, tool_plan
+from kvserve.server.streaming import Handler, Update, full_response, include_usage, stream_choices
+from kvserve.server.structured import output_constraint, tool_plan
 from kvserve.server.tool_parsers import StreamingToolCalls, new_call_id
 
 
-async def create_chat_completion(req: ChatCompletionRequest, request: Request,
-                                 state: ServerState) -> Response:
-    if req.top_logprobs is not None and not req.logprobs:
-        raise bad_request("top_logprobs requires logprobs to be true", "top_logprobs")
-    conversation = chat_conversation(req, state.tokenizer, state.limits)
-    plan = tool_plan(req, state.settings)
-    constraint = output_constraint(req)
-    if constraint is not None and plan.forced:
-        raise bad_request("tool_choice 'required' or a named function constrains the answer "
-                          "to tool calls: it cannot be combined with response_format or "
-                          "structured_outputs", "tool_choice")
-    # auto with strict tools: response_format / structured_outputs decide the answer instead
-    # (a JSON answer has no room for calls), as without strict tools
-    constraint = constraint or plan.constraint
+class ChatHandler(Handler):
+    """One chat completion: checked and planned before admission (the conversation; the tool
+    plan: the template's tools, the call parser, the calls' grammar; the output format), read
+    back with the tool calls its parser finds in the answer."""
 
-    async def prepare() -> tuple[list[Prompt], SamplingParams]:
-        prompt = await state.pool.run(tokenize_chat, conversation, req.add_generation_prompt,
-                                      state.limits, plan.template_tools)
+    req: ChatCompletionRequest
+    id_prefix = "chatcmpl"
+
+    def __init__(self, req: ChatCompletionRequest, state: ServerState) -> None:
+        super().__init__(req, state)
+        if req.top_logprobs is not None and not req.logprobs:
+            raise bad_request("top_logprobs requires logprobs to be true", "top_logprobs")
+        self.conversation = chat_conversation(req, state.tokenizer, state.limits)
+        self.plan = tool_plan(req, state.settings)
+        constraint = output_constraint(req)
+        if constraint is not None and self.plan.forced:
+            raise bad_request("tool_choice 'required' or a named function constrains the "
+                              "answer to tool calls: it cannot be combined with "
+                              "response_format or structured_outputs", "tool_choice")
+        # auto with strict tools: response_format / structured_outputs decide the answer
+        # instead (a JSON answer has no room for calls), as without strict tools
+        self.constraint = constraint or self.plan.constraint
+        self.parser = self.plan.parser
+        self.top = req.top_logprobs or 0
+
+    async def prepare(self) -> tuple[list[Prompt], SamplingParams]:
+        req, state = self.req, self.state
+        prompt = await state.pool.run(tokenize_chat, self.conversation,
+                                      req.add_generation_prompt, state.limits,
+                                      self.plan.template_tools)
         if req.max_completion_tokens is not None:
             max_tokens, max_param = req.max_completion_tokens, "max_completion_tokens"
         else:
@@ -69,19 +78,6 @@ async def create_chat_completion(req: ChatCompletionRequest, request: Request,
         return [prompt], sampling_params(
             req, max_tokens=max_tokens, max_tokens_param=max_param, logprobs=logprobs,
             prompt_logprobs=None, limits=state.limits)
-
-    gen = await new_generation(state, req, "chatcmpl", 1, constraint, prepare)
-    view = _ChatView(req, state, plan)
-    return await respond(gen, request, req.stream, view.full, view.chunks)
-
-
-class _ChatView:
-    def __init__(self, req: ChatCompletionRequest, state: ServerState, plan: ToolPlan) -> None:
-        self.req = req
-        self.state = state
-        self.parser = plan.parser
-        self.model = state.settings.served_model_name
-        self.top = req.top_logprobs or 0
 
     def _logprobs(self, token_ids, logprobs) -> ChoiceLogprobs | None:
         if not self.req.logprobs or logprobs is None:

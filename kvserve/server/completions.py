@@ -8,12 +8,9 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator
 
-from fastapi import Request
-from fastapi.responses import Response
-
 from kvserve.outputs import CompletionOutput
 from kvserve.sampling_params import SamplingParams
-from kvserve.server.generation import Generation, new_generation
+from kvserve.server.generation import Generation
 from kvserve.server.logprobs import TextOffsets, completion_logprobs
 from kvserve.server.prompts import (
     Prompt,
@@ -31,33 +28,31 @@ from kvserve.server.protocol import (
     dump,
 )
 from kvserve.server.state import ServerState
-from kvserve.server.streaming import Update, full_response, include_usage, respond, stream_choices
+from kvserve.server.streaming import Handler, Update, full_response, include_usage, stream_choices
 from kvserve.server.structured import output_constraint
 
 
-async def create_completion(req: CompletionRequest, request: Request,
-                            state: ServerState) -> Response:
-    items = completion_items(req, state.limits, state.settings)
-    constraint = output_constraint(req)
+class CompletionHandler(Handler):
+    """One text completion of a prompt or a batch of them; with ``echo`` each choice's text
+    (and logprobs) starts with its prompt's."""
 
-    async def prepare() -> tuple[list[Prompt], SamplingParams]:
-        prompts = await state.pool.run(tokenize_prompts, items, state.limits)
+    req: CompletionRequest
+    id_prefix = "cmpl"
+
+    def __init__(self, req: CompletionRequest, state: ServerState) -> None:
+        super().__init__(req, state)
+        self.items = completion_items(req, state.limits, state.settings)
+        self.num_prompts = len(self.items)
+        self.constraint = output_constraint(req)
+
+    async def prepare(self) -> tuple[list[Prompt], SamplingParams]:
+        req, state = self.req, self.state
+        prompts = await state.pool.run(tokenize_prompts, self.items, state.limits)
         check_lengths(prompts, req.max_tokens, state.limits, "prompt", "max_tokens")
         prompt_lp = req.logprobs if req.echo and req.logprobs is not None else None
         return prompts, sampling_params(
             req, max_tokens=req.max_tokens, max_tokens_param="max_tokens",
             logprobs=req.logprobs, prompt_logprobs=prompt_lp, limits=state.limits)
-
-    gen = await new_generation(state, req, "cmpl", len(items), constraint, prepare)
-    view = _CompletionView(req, state)
-    return await respond(gen, request, req.stream, view.full, view.chunks)
-
-
-class _CompletionView:
-    def __init__(self, req: CompletionRequest, state: ServerState) -> None:
-        self.req = req
-        self.state = state
-        self.model = state.settings.served_model_name
 
     def _prompt_text(self, gen: Generation, i: int) -> str:
         p = gen.prompts[i]

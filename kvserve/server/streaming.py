@@ -1,4 +1,5 @@
-"""Answer a ``Generation`` as one JSON response or as a server-sent-event stream.
+"""Answer a ``Generation`` as one JSON response or as a server-sent-event stream; ``Handler``,
+what the completion and chat endpoints share from a request's body to its answer.
 
 Both paths first wait for the request's first output, so admission, engine rejections and a
 deadline that passes before any token all still become proper HTTP errors. A stream's
@@ -17,8 +18,15 @@ from fastapi.responses import Response, StreamingResponse
 from starlette.types import Receive, Scope, Send
 
 from kvserve.outputs import CompletionOutput, RequestOutput
+from kvserve.sampling_params import SamplingParams
 from kvserve.server.errors import APIError, SafeJSONResponse, error_body
-from kvserve.server.generation import ClientDisconnected, Generation, run_to_first
+from kvserve.server.generation import (
+    ClientDisconnected,
+    Generation,
+    new_generation,
+    run_to_first,
+)
+from kvserve.server.prompts import Prompt
 from kvserve.server.protocol import (
     ChatCompletionResponse,
     CompletionResponse,
@@ -26,6 +34,8 @@ from kvserve.server.protocol import (
     UsageInfo,
     dump,
 )
+from kvserve.server.state import ServerState
+from kvserve.server.structured import Constraint
 
 Update = tuple[int, RequestOutput]
 ChunkSource = Callable[[Generation, Update | None], AsyncIterator[dict]]
@@ -143,3 +153,34 @@ async def respond(gen: Generation, request: Request, stream: bool,
     finally:
         if not handed_over:
             gen.close()
+
+
+class Handler:
+    """One request to a generation endpoint, from its validated body to the HTTP answer. A
+    subclass checks the request in ``__init__`` (400s come before admission) and sets what it
+    asks for (``num_prompts``, the output ``constraint``); ``prepare`` tokenizes the prompts
+    and makes the sampling parameters once admitted; ``full`` reads the finished
+    ``Generation`` as one JSON response and ``chunks`` as a stream's."""
+
+    id_prefix: str  # of the request id ("cmpl" -> "cmpl-...")
+    num_prompts = 1
+    constraint: Constraint | None = None
+
+    def __init__(self, req: SamplingRequest, state: ServerState) -> None:
+        self.req = req
+        self.state = state
+        self.model = state.settings.served_model_name
+
+    async def prepare(self) -> tuple[list[Prompt], SamplingParams]:
+        raise NotImplementedError
+
+    def full(self, gen: Generation) -> dict:
+        raise NotImplementedError
+
+    def chunks(self, gen: Generation, first: Update | None) -> AsyncIterator[dict]:
+        raise NotImplementedError
+
+    async def answer(self, request: Request) -> Response:
+        gen = await new_generation(self.state, self.req, self.id_prefix, self.num_prompts,
+                                   self.constraint, self.prepare)
+        return await respond(gen, request, self.req.stream, self.full, self.chunks)

@@ -28,12 +28,15 @@ import torch
 from kvserve.attention.cpu_backend import CpuAttentionBackend
 from kvserve.attention.metadata import AttentionMetadata
 from kvserve.bench.common import env_info, log, write_json
-from kvserve.cache.kv_cache import PagedKVCache
+from kvserve.cache.kv_cache import PagedKVCache, bytes_per_block
 from kvserve.cbuild import build_source
+from kvserve.config import KVMode
 from kvserve.kernels.cpu import paged_attention as cpu_kernel
 
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp8_e4m3": torch.float8_e4m3fn,
-          "fp8_e5m2": torch.float8_e5m2, "int8": torch.int8}
+# unrotated: the kernel reads what is stored ("int8" is int8_plain)
+MODES = {name: KVMode(dtype) for name, dtype in (
+    ("fp32", torch.float32), ("bf16", torch.bfloat16), ("fp8_e4m3", torch.float8_e4m3fn),
+    ("fp8_e5m2", torch.float8_e5m2), ("int8", torch.int8))}
 
 
 def last_level_cache_bytes() -> int:
@@ -52,11 +55,11 @@ def last_level_cache_bytes() -> int:
     return best
 
 
-def setup(dtype: torch.dtype, a) -> tuple[PagedKVCache, AttentionMetadata, torch.Tensor]:
+def setup(mode: KVMode, a) -> tuple[PagedKVCache, AttentionMetadata, torch.Tensor]:
     bs = 16
-    kv = PagedKVCache(a.layers, 1, bs, a.kv_heads, a.head_dim, 2, dtype)
-    nb = max(a.budget_mib * 2**20 // kv.bytes_per_block, a.batch * -(-a.context // bs))
-    kv = PagedKVCache(a.layers, nb, bs, a.kv_heads, a.head_dim, 2, dtype)
+    per_block = bytes_per_block(a.layers, bs, a.kv_heads, a.head_dim, 2, mode)
+    nb = max(a.budget_mib * 2**20 // per_block, a.batch * -(-a.context // bs))
+    kv = PagedKVCache(a.layers, nb, bs, a.kv_heads, a.head_dim, 2, mode)
     g = torch.Generator().manual_seed(0)
     rows = torch.arange(nb * 2 * bs).view(nb, 2, bs)[:, 0].reshape(-1)
     for layer in range(a.layers):
@@ -102,8 +105,7 @@ def main(argv: list[str] | None = None) -> int:
     empty = torch.empty(0, a.kv_heads, a.head_dim)
     rows = []
     for name in a.dtypes.split(","):
-        dtype = DTYPES[name]
-        kv, meta, q = setup(dtype, a)
+        kv, meta, q = setup(MODES[name], a)
         be = CpuAttentionBackend(kv, a.kv_heads * a.group, a.kv_heads, a.head_dim,
                                    a.head_dim**-0.5, 4096)
         plan = be._plan(meta).kernel

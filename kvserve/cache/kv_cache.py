@@ -43,7 +43,7 @@ from collections.abc import Callable
 
 import torch
 
-from kvserve.config import KVMode, KVStorage
+from kvserve.config import KVMode
 from kvserve.kernels import reference
 from kvserve.kernels.cpu import paged_attention as cpu_attention
 from kvserve.quant.rotation import KVRotation
@@ -56,10 +56,9 @@ KV_WRITERS = ("c", "triton", "reference")  # the ``writer`` a cache is built wit
 
 def bytes_per_block(
     num_layers: int, block_size: int, num_kv_heads: int, head_dim: int, components: int,
-    dtype: torch.dtype,
+    mode: KVMode,
 ) -> int:
-    elem = torch.empty((), dtype=dtype).element_size()
-    per_row = head_dim * elem + KVStorage(dtype).scale_bytes
+    per_row = head_dim * mode.dtype.itemsize + mode.scale_bytes
     return num_layers * components * block_size * num_kv_heads * per_row
 
 
@@ -72,7 +71,7 @@ class PagedKVCache:
         num_kv_heads: int,
         head_dim: int,
         components: int,
-        dtype: torch.dtype,
+        mode: KVMode,
         device: torch.device | str = "cpu",
         static_scales: torch.Tensor | None = None,
         rotation_seed: int | None = None,
@@ -80,14 +79,19 @@ class PagedKVCache:
         checksums: bool = False,
         writer: str = "c",
     ) -> None:
+        """``mode``: the settled KV mode (storage kind and rotation); ``rotation_seed``: the
+        seed of a rotated mode's rotation (``CacheConfig.kv_rotation_seed``), None otherwise."""
         if writer not in KV_WRITERS:
             raise ValueError(f"writer must be one of {', '.join(KV_WRITERS)}, got {writer!r}")
+        if mode.rotate != (rotation_seed is not None):
+            raise ValueError(f"rotation_seed goes with a rotated KV mode, and only there: "
+                             f"{mode.name} (rotate={mode.rotate}), got {rotation_seed!r}")
         self.num_layers, self.num_blocks, self.block_size = num_layers, num_blocks, block_size
         self.null_block = num_blocks  # never allocated, stays zero (padded tables point here)
         self.num_kv_heads, self.head_dim, self.components = num_kv_heads, head_dim, components
-        self.dtype = dtype
-        # The storage kind is decided here once; backends read these flags, never the dtype.
-        self.mode = KVMode(dtype, rotate=rotation_seed is not None)
+        # The storage kind is the mode's; backends read these flags, never the dtype.
+        self.mode = mode
+        self.dtype = mode.dtype  # the tensors' dtype
         self.is_fp8 = self.mode.is_fp8
         self.is_int8 = self.mode.is_int8
         self.has_scales = self.mode.scaled  # FP8 / INT8: one scale per row
@@ -99,11 +103,11 @@ class PagedKVCache:
         # q/k/v rotation of the rotated modes (None: stored as computed).
         # (MLA: block-diagonal over [c_kv | k_pe], ``rotation_split`` = (R, dr).)
         self.rotation = (
-            None if rotation_seed is None
-            else KVRotation(head_dim, rotation_seed, device, split=rotation_split)
+            KVRotation(head_dim, rotation_seed, device, split=rotation_split)
+            if mode.rotate else None
         )
         shape = (num_layers, num_blocks + 1, components, block_size, num_kv_heads, head_dim)
-        self.data = torch.zeros(shape, dtype=dtype, device=device)
+        self.data = torch.zeros(shape, dtype=self.dtype, device=device)
         self.scales = (
             torch.zeros(shape[:-1], dtype=self.mode.scale_dtype, device=device)
             if self.has_scales else None
@@ -141,7 +145,7 @@ class PagedKVCache:
     def bytes_per_block(self) -> int:
         return bytes_per_block(
             self.num_layers, self.block_size, self.num_kv_heads, self.head_dim,
-            self.components, self.dtype,
+            self.components, self.mode,
         )
 
     @property

@@ -103,14 +103,13 @@ class Worker:
         split = (spec.kv_lora_rank, spec.head_dim - spec.kv_lora_rank) if mla else None
         self.kv_cache = PagedKVCache(
             spec.num_layers, self.budget.num_blocks, config.cache.block_size,
-            spec.num_kv_heads, spec.head_dim, spec.components, config.kv_mode.dtype,
+            spec.num_kv_heads, spec.head_dim, spec.components, config.kv_mode,
             args.device, static_scales=static, rotation_seed=config.rotation_seed,
             rotation_split=split,
             # rank 0 seals from the fused writer's state; other ranks recompute their slice
             checksums=config.cache.kv_integrity != "off" and rank == 0,
             writer=kv_writer(args.attention_backend, spec.components),  # chosen once, here
         )
-        assert self.kv_cache.mode == config.kv_mode, (self.kv_cache.mode, config.kv_mode)
         if mla and self.kv_cache.rotation is not None:
             # MLA: the latent's rotation is folded into kv_b_proj (W_UK / W_UV) once, here
             self.model.fold_kv_rotation(self.kv_cache.rotation)
@@ -147,7 +146,7 @@ class Worker:
         measured once; everything else about the cache is settled."""
         cfg, spec = self.config, self.spec
         per_block = bytes_per_block(spec.num_layers, cfg.cache.block_size, spec.num_kv_heads,
-                                    spec.head_dim, spec.components, cfg.kv_mode.dtype)
+                                    spec.head_dim, spec.components, cfg.kv_mode)
         n, note = num_kv_blocks(cfg.cache, per_block,
                                 cfg.scheduler.max_num_seqs * cfg.model.max_model_len)
         if ps.get_tp_size() > 1:

@@ -9,6 +9,7 @@ import torch.nn.functional as F
 from kvserve.attention.cpu_backend import CpuAttentionBackend
 from kvserve.attention.metadata import AttentionMetadata
 from kvserve.cache.kv_cache import PagedKVCache
+from kvserve.config import KVMode
 from kvserve.kernels import reference as ref
 
 
@@ -24,7 +25,7 @@ def _dense_kv(kv: PagedKVCache, layer: int, blocks: list[int], n: int):
 @pytest.mark.parametrize(("hq", "hk", "d", "bs"), [(4, 4, 16, 4), (8, 2, 32, 16), (6, 1, 64, 8)])
 def test_mixed_batch_matches_dense(dtype, hq, hk, d, bs):
     torch.manual_seed(0)
-    kv = PagedKVCache(2, 64, bs, hk, d, 2, dtype)
+    kv = PagedKVCache(2, 64, bs, hk, d, 2, KVMode(dtype))
     # seq0: decode at length 37, seq1: fresh prefill of 9, seq2: extend 5 tokens onto 20 cached
     seq_lens, q_lens = [37, 9, 25], [1, 9, 5]
     perm = torch.randperm(64).tolist()

@@ -12,6 +12,7 @@ import torch
 from kvserve.attention.cpu_backend import CpuAttentionBackend
 from kvserve.attention.metadata import AttentionMetadata
 from kvserve.cache.kv_cache import PagedKVCache
+from kvserve.config import KVMode
 from kvserve.kernels.cpu import paged_attention as cpu_kernel
 from kvserve.quant import int8
 from tests.conftest import variant_library
@@ -27,7 +28,7 @@ SHAPES = [(4, 4, 16, 4), (8, 2, 64, 16), (6, 1, 128, 8), (16, 2, 72, 16), (4, 2,
 def _filled_cache(dtype, hk, d, bs, nb=40):
     """A one-layer cache with every block written (values over 1e-2..1e2, so FP8 dynamic
     scales span a wide range) and a random block order."""
-    kv = PagedKVCache(1, nb, bs, hk, d, 2, dtype)
+    kv = PagedKVCache(1, nb, bs, hk, d, 2, KVMode(dtype))
     rows = torch.arange(nb * 2 * bs).view(nb, 2, bs)[:, 0].reshape(-1)
     x = torch.randn(rows.numel(), hk, d) * torch.logspace(-2, 2, rows.numel()).view(-1, 1, 1)
     kv.write(0, rows, x, torch.randn_like(x))
@@ -177,8 +178,9 @@ def test_fp8_write_kernel_bit_exact_with_twin(dtype, static):
     x[0, 0, :5] = torch.tensor([0.0, -0.0, 1e30, -1e30, 1e-30])
     x[1] = 0.0
     st = torch.tensor([[[0.5, 2.0, 1e-3]]]).expand(1, 2, 3) if static else None
-    fast = PagedKVCache(1, 8, 8, h, d, 2, dtype, static_scales=st)
-    twin = PagedKVCache(1, 8, 8, h, d, 2, dtype, static_scales=st, writer="reference")
+    fast = PagedKVCache(1, 8, 8, h, d, 2, KVMode(dtype), static_scales=st)
+    twin = PagedKVCache(1, 8, 8, h, d, 2, KVMode(dtype), static_scales=st,
+                        writer="reference")
     assert fast.use_kernel and not twin.use_kernel
     rows = torch.randperm(8 * 2 * 8)[:t]
     rows = (rows // 16) * 16 + rows % 8  # component-0 rows
@@ -204,8 +206,8 @@ def test_int8_write_kernel_bit_exact_with_twin(t, h, d):
         x[2, -1, 0], x[-1, -1, 0] = thr[131], torch.nextafter(thr[97], torch.tensor(1e9))
     bs = 8
     nb = -(-t // bs) * 2
-    fast = PagedKVCache(1, nb, bs, h, d, 2, torch.int8)
-    twin = PagedKVCache(1, nb, bs, h, d, 2, torch.int8, writer="reference")
+    fast = PagedKVCache(1, nb, bs, h, d, 2, KVMode(torch.int8))
+    twin = PagedKVCache(1, nb, bs, h, d, 2, KVMode(torch.int8), writer="reference")
     assert fast.use_kernel and fast.scales.dtype == torch.int8
     rows = torch.randperm(nb * 2 * bs)[:t]
     rows = (rows // 16) * 16 + rows % 8  # component-0 rows
@@ -233,7 +235,8 @@ def test_rotated_backend_kernel_matches_twin(dtype, seed):
     hq, hk, d, bs = 6, 2, 64, 16
     outs = []
     for use_kernel in (True, False):
-        kv = PagedKVCache(1, 12, bs, hk, d, 2, dtype, rotation_seed=seed,
+        kv = PagedKVCache(1, 12, bs, hk, d, 2, KVMode(dtype, rotate=seed is not None),
+                          rotation_seed=seed,
                           writer="c" if use_kernel else "reference")
         be = CpuAttentionBackend(kv, hq, hk, d, d**-0.5, 1024)
         be.use_kernel = use_kernel
@@ -288,7 +291,8 @@ def test_kv_writer_strided_rows_and_offset_match_the_twin(dtype):
 
     def cache(use_kernel: bool) -> PagedKVCache:
         kv = PagedKVCache(num_layers=1, num_blocks=4, block_size=4, num_kv_heads=H, head_dim=D,
-                          components=2, dtype=dtype, writer="c" if use_kernel else "reference")
+                          components=2, mode=KVMode(dtype),
+                          writer="c" if use_kernel else "reference")
         kv.write(0, rows, x, x * 0.5)  # component 1 = rows + block_size
         return kv
 

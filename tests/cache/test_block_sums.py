@@ -13,6 +13,7 @@ import torch
 
 from kvserve.cache.integrity import block_sums, block_sums_numpy
 from kvserve.cache.kv_cache import PagedKVCache
+from kvserve.config import KVMode
 from kvserve.kernels.cpu import block_sums as c_block_sums
 
 pytestmark = pytest.mark.skipif(c_block_sums.load() is None, reason="no C compiler")
@@ -42,7 +43,7 @@ def _fill(kv: PagedKVCache, mode: str, g: torch.Generator) -> None:
 @pytest.mark.parametrize("mode", ["random", "min", "max"])
 def test_c_kernel_equals_numpy(case: tuple, mode: str) -> None:
     L, nb, bs, h, d, c, dtype = case
-    kv = PagedKVCache(L, nb, bs, h, d, c, dtype)
+    kv = PagedKVCache(L, nb, bs, h, d, c, KVMode(dtype))
     _fill(kv, mode, torch.Generator().manual_seed(nb * bs + d))
     blocks = [nb - 1, 0, nb // 2, nb]  # any order, the null block too
     got = block_sums(kv, blocks)
@@ -54,7 +55,7 @@ def test_c_kernel_equals_numpy(case: tuple, mode: str) -> None:
 def test_hand_worked_sums() -> None:
     """One bf16 block of 2 layers whose words are 1, 2, 3, ...: S1 = N(N+1)/2,
     S2 = sum (i+1)^2 = N(N+1)(2N+1)/6 (layer 0); layer 1 holds -1 everywhere."""
-    kv = PagedKVCache(2, 1, 4, 1, 5, 2, torch.bfloat16)  # 40 words per block and layer
+    kv = PagedKVCache(2, 1, 4, 1, 5, 2, KVMode(torch.bfloat16))  # 40 words per block and layer
     n = 40
     kv.data[0, 0].view(-1).view(torch.int16).copy_(torch.arange(1, n + 1, dtype=torch.int16))
     kv.data[1, 0].view(-1).view(torch.int16).fill_(-1)

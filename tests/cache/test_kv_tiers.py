@@ -473,7 +473,7 @@ def _cache_and_tiers(tmp_path, mode: str = "int8"):
     from kvserve.config import parse_kv_mode
 
     m = parse_kv_mode(mode)
-    kv = PagedKVCache(2, 8, BS, 2, 16, 2, m.dtype, rotation_seed=0 if m.rotate else None)
+    kv = PagedKVCache(2, 8, BS, 2, 16, 2, m, rotation_seed=0 if m.rotate else None)
     g = torch.Generator().manual_seed(0)
     kv.data.view(torch.uint8).copy_(torch.randint(0, 256, kv.data.view(torch.uint8).shape,
                                                   generator=g, dtype=torch.uint8))

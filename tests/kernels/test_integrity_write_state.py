@@ -16,6 +16,7 @@ from kvserve.attention import get_backend, kv_writer  # noqa: E402
 from kvserve.cache.block_pool import BlockPool  # noqa: E402
 from kvserve.cache.integrity import IntegrityChecker, block_sums  # noqa: E402
 from kvserve.cache.kv_cache import PagedKVCache  # noqa: E402
+from kvserve.config import KVMode  # noqa: E402
 from kvserve.kernels.triton import cache as tc  # noqa: E402
 
 # slow: Triton write kernel in the interpreter, whole engines
@@ -28,7 +29,8 @@ BS = 8
 
 def _setup(kv_dtype: torch.dtype, components: int, integrity: bool = True):
     heads, dim = (2, 16) if components == 2 else (1, 48)  # GQA K/V, or an MLA 32 + 16 row
-    kv = PagedKVCache(2, 6, BS, heads, dim, components, kv_dtype, DEVICE, checksums=integrity,
+    kv = PagedKVCache(2, 6, BS, heads, dim, components, KVMode(kv_dtype), DEVICE,
+                      checksums=integrity,
                       writer="triton")
     pool = BlockPool(6)
     checker = IntegrityChecker(kv, pool, b"test-fingerprint", "on") if integrity else None
@@ -120,7 +122,7 @@ def test_no_state_without_integrity_or_on_the_torch_backend():
     kv, _, _, backend = _setup(torch.bfloat16, 2, integrity=False)
     assert kv.csum_state is None  # integrity off: no atomics
     assert kv_writer("torch", 2) == "c" and kv_writer("triton", 1) == "triton"
-    kv = PagedKVCache(2, 6, BS, 2, 16, 2, torch.bfloat16, DEVICE, checksums=True,
+    kv = PagedKVCache(2, 6, BS, 2, 16, 2, KVMode(torch.bfloat16), DEVICE, checksums=True,
                       writer=kv_writer("torch", 2))
     checker = IntegrityChecker(kv, BlockPool(6), b"fp", "on")
     get_backend("torch", kv, 4, 2, 16, 0.25, 64)

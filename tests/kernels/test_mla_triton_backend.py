@@ -14,7 +14,7 @@ from kvserve import SamplingParams  # noqa: E402
 from kvserve.attention import get_backend, kv_writer, resolve_backend_name  # noqa: E402
 from kvserve.attention.metadata import AttentionMetadata  # noqa: E402
 from kvserve.cache.kv_cache import PagedKVCache  # noqa: E402
-from kvserve.config import resolve_attention_backend
+from kvserve.config import KVMode, resolve_attention_backend
 
 # slow: Triton MLA backend in the interpreter
 pytestmark = pytest.mark.slow
@@ -43,7 +43,7 @@ def _meta(steps: list[tuple[int, int]], tables: list[list[int]]) -> AttentionMet
 def _backends(kv_dtype: torch.dtype):
     out = []
     for name in ("mla_torch", "mla_triton"):
-        kv = PagedKVCache(LAYERS, NUM_BLOCKS, BS, 1, R + DR, 1, kv_dtype, DEVICE,
+        kv = PagedKVCache(LAYERS, NUM_BLOCKS, BS, 1, R + DR, 1, KVMode(kv_dtype), DEVICE,
                           writer=kv_writer(name, 1))
         be = get_backend(name, kv, H, 1, R + DR, (DN + DR) ** -0.5, 256)
         assert be.name == name
@@ -86,8 +86,8 @@ def test_mla_triton_backend_equals_mla_torch(kv):
 
 
 def test_mla_backend_family_resolution():
-    mla = PagedKVCache(1, 2, BS, 1, R + DR, 1, torch.bfloat16, "cpu")
-    gqa = PagedKVCache(1, 2, BS, 2, 16, 2, torch.bfloat16, "cpu")
+    mla = PagedKVCache(1, 2, BS, 1, R + DR, 1, KVMode(torch.bfloat16), "cpu")
+    gqa = PagedKVCache(1, 2, BS, 2, 16, 2, KVMode(torch.bfloat16), "cpu")
     auto_cpu = resolve_attention_backend("auto", "cpu")  # the builder settles auto
     assert auto_cpu == "cpu" and resolve_attention_backend("auto", "cuda:0") == "triton"
     assert resolve_backend_name(auto_cpu, mla) == "mla_torch"  # CPU cache
@@ -98,7 +98,7 @@ def test_mla_backend_family_resolution():
     assert resolve_backend_name("torch", gqa) == "cpu"  # the old name, still accepted
     assert resolve_backend_name("triton", gqa) == "triton"
     if torch.cuda.is_available():
-        cuda = PagedKVCache(1, 2, BS, 1, R + DR, 1, torch.bfloat16, "cuda")
+        cuda = PagedKVCache(1, 2, BS, 1, R + DR, 1, KVMode(torch.bfloat16), "cuda")
         assert resolve_backend_name(resolve_attention_backend("auto", "cuda"), cuda) \
             == "mla_triton"
 

@@ -41,10 +41,11 @@ def test_cache_write_runs_the_fused_kernel_bit_exact(dtype):
     import torch
 
     from kvserve.cache.kv_cache import PagedKVCache
+    from kvserve.config import KVMode
     from kvserve.kernels import reference as ref
 
     dt = getattr(torch, dtype)
-    kv = PagedKVCache(2, 4, 4, 2, 8, 2, dt, device=DEVICE, checksums=True, writer="triton")
+    kv = PagedKVCache(2, 4, 4, 2, 8, 2, KVMode(dt), device=DEVICE, checksums=True, writer="triton")
     state = kv.csum_state
     g = torch.Generator().manual_seed(0)
     k, v = torch.randn(5, 2, 8, generator=g), torch.randn(5, 2, 8, generator=g)

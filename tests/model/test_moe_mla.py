@@ -240,6 +240,7 @@ def test_mla_rotation_folded_equals_unrotated():
     from kvserve.attention.metadata import AttentionMetadata
     from kvserve.attention.mla_torch import MlaTorchAttentionBackend
     from kvserve.cache.kv_cache import PagedKVCache
+    from kvserve.config import KVMode
 
     torch.manual_seed(3)
     h, dn, dr, dv, r, bs, n = 4, 16, 8, 12, 32, 16, 37
@@ -255,7 +256,8 @@ def test_mla_rotation_folded_equals_unrotated():
     q_nope, q_pe = torch.randn(n, h, dn), torch.randn(n, h, dr)
     outs = []
     for seed in (None, 11):
-        kv = PagedKVCache(1, 8, bs, 1, r + dr, 1, torch.float32, rotation_seed=seed,
+        kv = PagedKVCache(1, 8, bs, 1, r + dr, 1, KVMode(torch.float32, rotate=seed is not None),
+                          rotation_seed=seed,
                           rotation_split=None if seed is None else (r, dr))
         wf = w if kv.rotation is None else w @ kv.rotation.parts[0]  # the load-time fold
         be = MlaTorchAttentionBackend(kv, h, 1, r + dr, 0.3, 512)
@@ -293,13 +295,14 @@ def test_mla_kv_bytes_per_token_deepseek_v3_dims():
     from transformers import DeepseekV3Config
 
     from kvserve.cache.kv_cache import bytes_per_block
+    from kvserve.config import KVMode
     from kvserve.model.deepseek_v3 import mla_kv_spec
 
     spec = mla_kv_spec(DeepseekV3Config())  # 61 layers, R 512, dr 64, 128 heads
     assert (spec.components, spec.num_kv_heads, spec.head_dim) == (1, 1, 576)
 
     def per_token(dtype, heads, head_dim, comps):
-        return bytes_per_block(61, 16, heads, head_dim, comps, dtype) // 16
+        return bytes_per_block(61, 16, heads, head_dim, comps, KVMode(dtype)) // 16
 
     assert per_token(torch.bfloat16, 1, 576, 1) == 70_272
     assert per_token(torch.float8_e4m3fn, 1, 576, 1) == 35_258
@@ -315,6 +318,7 @@ def test_mla_decode_absorption_matches_expansion():
     from kvserve.attention.metadata import AttentionMetadata
     from kvserve.attention.mla_torch import MlaTorchAttentionBackend
     from kvserve.cache.kv_cache import PagedKVCache
+    from kvserve.config import KVMode
 
     torch.manual_seed(0)
     h, dn, dr, dv, r, bs, n = 4, 16, 8, 12, 32, 16, 37
@@ -326,7 +330,7 @@ def test_mla_decode_absorption_matches_expansion():
         return AttentionMetadata(sum(qlens), starts, qlens, slens, [blocks] * len(qlens), wr, wr)
 
     for dtype, tol in ((torch.float32, 1e-5), (torch.float8_e4m3fn, 1e-5)):
-        kv = PagedKVCache(1, 8, bs, 1, r + dr, 1, dtype)
+        kv = PagedKVCache(1, 8, bs, 1, r + dr, 1, KVMode(dtype))
         be = MlaTorchAttentionBackend(kv, h, 1, r + dr, 0.3, 512)
         w = torch.randn(h * (dn + dv), r) * 0.2
         latent = torch.randn(n, r + dr)

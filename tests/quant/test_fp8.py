@@ -6,10 +6,12 @@ import pytest
 import torch
 
 from kvserve.cache.kv_cache import PagedKVCache, bytes_per_block
+from kvserve.config import KVMode
 from kvserve.kernels import reference as ref
 from kvserve.quant import fp8
 
 DTYPES = [torch.float8_e4m3fn, torch.float8_e5m2]
+BF16, FP8 = KVMode(torch.bfloat16), KVMode(torch.float8_e4m3fn)  # KV cache modes
 # Relative error bound per element: half an ulp at the top binade (3 / 2 mantissa bits),
 # plus the bf16 rounding of the scale that we quantize with (exact, so not added).
 REL = {torch.float8_e4m3fn: 2**-4, torch.float8_e5m2: 2**-3}
@@ -52,19 +54,18 @@ def test_fast_half_bits_path_equals_torch_cast(dtype):
 def test_capacity_arithmetic_hand_worked():
     # 2 layers, block 16, 2 KV heads, head_dim 64, K+V.
     # bf16: 2*2*16*2*64*2 B = 16384 B/block. fp8: payload 8192 + scales 2*2*16*2*2 = 256 B.
-    assert bytes_per_block(2, 16, 2, 64, 2, torch.bfloat16) == 16384
-    assert bytes_per_block(2, 16, 2, 64, 2, torch.float8_e4m3fn) == 8192 + 256
+    assert bytes_per_block(2, 16, 2, 64, 2, BF16) == 16384
+    assert bytes_per_block(2, 16, 2, 64, 2, FP8) == 8192 + 256
     budget = 1 << 20
     assert budget // 16384 == 64 and budget // 8448 == 124
     # ratios the FP8 issue asks for: >= 1.90 at head_dim 64, >= 1.94 at head_dim 128
     for d, need in ((64, 1.90), (128, 1.94)):
-        r = bytes_per_block(1, 16, 8, d, 2, torch.bfloat16) / bytes_per_block(
-            1, 16, 8, d, 2, torch.float8_e4m3fn)
+        r = bytes_per_block(1, 16, 8, d, 2, BF16) / bytes_per_block(1, 16, 8, d, 2, FP8)
         assert r >= need
 
 
 def test_cache_write_uses_stored_scale():
-    kv = PagedKVCache(1, 4, 4, 2, 8, 2, torch.float8_e4m3fn)
+    kv = PagedKVCache(1, 4, 4, 2, 8, 2, FP8)
     k = torch.randn(3, 2, 8) * 5
     v = torch.randn(3, 2, 8)
     rows = torch.tensor([0, 1, 9])  # block 0 offsets 0,1; block 1 offset 1 (row 1*2*4+1)

@@ -102,7 +102,7 @@ def test_cache_write_matches_quantizer_twin_and_bounds(kind):
     dtype = {"int8": torch.int8, "fp8_e4m3": torch.float8_e4m3fn,
              "fp8_e5m2": torch.float8_e5m2}[kind]
     t, h, d = 24, 2, 64
-    kv = PagedKVCache(1, 4, 8, h, d, 2, dtype)
+    kv = PagedKVCache(1, 4, 8, h, d, 2, KVMode(dtype))
     x = torch.randn(t, h, d) * torch.logspace(-2, 2, t).view(-1, 1, 1)
     rows = torch.arange(t)
     rows = (rows // 8) * 16 + rows % 8
@@ -124,17 +124,17 @@ def test_cache_write_matches_quantizer_twin_and_bounds(kind):
 def test_int8_scale_overhead_and_capacity():
     """INT8 stores 1 scale byte per head_dim-wide row (FP8: 2): <= 3% at head_dim 64."""
     for d in (64, 128):
-        i8 = bytes_per_block(30, 16, 3, d, 2, torch.int8)
-        f8 = bytes_per_block(30, 16, 3, d, 2, torch.float8_e4m3fn)
-        b16 = bytes_per_block(30, 16, 3, d, 2, torch.bfloat16)
+        i8 = bytes_per_block(30, 16, 3, d, 2, KVMode(torch.int8))
+        f8 = bytes_per_block(30, 16, 3, d, 2, KVMode(torch.float8_e4m3fn))
+        b16 = bytes_per_block(30, 16, 3, d, 2, KVMode(torch.bfloat16))
         assert i8 == 30 * 2 * 16 * 3 * (d + 1) and f8 == 30 * 2 * 16 * 3 * (d + 2)
         assert (i8 - b16 / 2) / i8 == 1 / (d + 1)  # 1.54% at 64, 0.78% at 128
         assert b16 / i8 >= 1.96
-    kv = PagedKVCache(2, 3, 16, 3, 64, 2, torch.int8)
+    kv = PagedKVCache(2, 3, 16, 3, 64, 2, KVMode(torch.int8))
     assert kv.scales.dtype == torch.int8 and kv.bytes_per_token == 2 * 2 * 3 * 65
     assert "1-byte" in kv.describe()
     with pytest.raises(ValueError, match="block_size"):
-        PagedKVCache(1, 2, 3, 1, 64, 1, torch.int8)
+        PagedKVCache(1, 2, 3, 1, 64, 1, KVMode(torch.int8))
 
 
 def test_kv_modes_and_errors():
@@ -154,4 +154,11 @@ def test_kv_modes_and_errors():
     with pytest.raises(ValueError, match="kv_rotation_seed"):
         CacheConfig(kv_cache_dtype="int8", kv_rotation_seed=-1)
     with pytest.raises(ValueError, match="head_dim"):
-        PagedKVCache(1, 2, 4, 1, 15, 2, torch.int8)
+        PagedKVCache(1, 2, 4, 1, 15, 2, KVMode(torch.int8))
+    # the mode says whether the cache rotates; the seed comes with a rotated mode only
+    with pytest.raises(ValueError, match="rotation_seed"):
+        PagedKVCache(1, 2, 4, 1, 16, 2, KVMode(torch.int8, rotate=True))
+    with pytest.raises(ValueError, match="rotation_seed"):
+        PagedKVCache(1, 2, 4, 1, 16, 2, KVMode(torch.int8), rotation_seed=0)
+    rotated = PagedKVCache(1, 2, 4, 1, 16, 2, KVMode(torch.int8, rotate=True), rotation_seed=0)
+    assert rotated.mode.name == "int8_rot" and rotated.rotation is not None

@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from kvserve.cache.kv_cache import PagedKVCache
+from kvserve.config import KVMode
 from kvserve.kernels import reference as ref
 from kvserve.quant import fp8, int8
 
@@ -35,7 +36,7 @@ def _rows() -> torch.Tensor:
 
 
 def _write(kind: str, x: torch.Tensor, kernel: bool):
-    kv = PagedKVCache(1, 4, 8, 1, D, 2, DTYPES[kind], writer="c" if kernel else "reference")
+    kv = PagedKVCache(1, 4, 8, 1, D, 2, KVMode(DTYPES[kind]), writer="c" if kernel else "reference")
     if kernel and not kv.use_kernel:
         pytest.skip("C kernel not built")
     rows = torch.arange(x.shape[0])

@@ -27,13 +27,14 @@ Evaluation on CPU: the T*k (token, slot) pairs are sorted by expert once; each a
 runs one GEMM pair over its contiguous token group; results are scaled by the routing weights
 and ``index_add_``-ed back. No Python loop over tokens.
 
-INT4 checkpoints: ``Int4FusedMoE`` (per-expert ``ExpertMLP`` children whose gate_up_proj /
-down_proj the loader swaps for ``Int4MergedLinear``, i.e. one ``Int4Linear`` for gate+up and one
-for down per expert) replaces ``FusedMoE`` when ``quantization_config`` quantizes the experts;
-routing and dispatch (``dispatch_experts``) are shared. Under tensor parallelism it splits
-like ``FusedMoE``: each expert's gate/up rows and down columns (whole INT4 groups, checked
-up front) per rank, or, with expert parallelism, whole experts per rank (``RemoteExpert``
-placeholders stand for the others and their checkpoint tensors are skipped unread).
+INT4 checkpoints: ``Int4FusedMoE`` (kvserve/layers/int4/moe.py: per-expert ``ExpertMLP``
+children whose gate_up_proj / down_proj the loader swaps for ``Int4MergedLinear``, i.e. one
+``Int4Linear`` for gate+up and one for down per expert) replaces ``FusedMoE`` when
+``quantization_config`` quantizes the experts; routing and dispatch (``dispatch_experts``) are
+shared. Under tensor parallelism it splits like ``FusedMoE``: each expert's gate/up rows and
+down columns (whole INT4 groups, checked up front) per rank, or, with expert parallelism, whole
+experts per rank (``RemoteExpert`` placeholders stand for the others and their checkpoint
+tensors are skipped unread).
 
 INT4 hook (in-memory quantization): ``FusedMoE.use_expert_modules(w13_modules, w2_modules)``
 swaps the dense stacked weights for per-expert modules (``nn.ModuleList`` of E modules each
@@ -336,79 +337,13 @@ class RemoteExpert(nn.Module):
     local experts keep their checkpoint names (``experts.<e>``)."""
 
 
-class Int4FusedMoE(nn.ModuleList):
-    """Routed experts of an INT4 checkpoint: E ``ExpertMLP`` children named ``0`` .. ``E-1``,
-    so parameter names are the checkpoint's (``mlp.experts.<e>.gate_up_proj.weight_packed`` <-
-    ``mlp.experts.<e>.{gate,up}_proj.weight_packed`` through ``packed_modules``, like a dense
-    MLP's gate/up). Same interface and routing arithmetic as ``FusedMoE`` (``forward(x,
-    weights, ids)``, ``dispatch_experts``): only experts that received tokens run, each on its
-    contiguous rows. Modules the config keeps dense (``ignore``) stay ``MergedLinear`` /
-    ``Linear``; everything else is an ``Int4MergedLinear`` holding one ``Int4Linear`` per
-    expert for gate+up (``concat_out``; two only if GPTQ act-order gave gate and up different
-    ``g_idx``) and one for down.
-
-    Built by ``replacing`` a meta ``FusedMoE`` (``kvserve.layers.int4.loading.swap_int4_modules``).
-
-    Tensor parallel, as ``FusedMoE``: ``split`` experts (``ExpertMLP(split=True)``: rows and
-    whole-group columns per rank) or expert parallel (rank r holds experts [lo, lo + n) as
-    ``ExpertMLP``, the rest are ``RemoteExpert``); either way one all-reduce sums the ranks'
-    partial outputs.
-    """
-
-    def __init__(self, num_experts: int, hidden: int, intermediate: int) -> None:
-        """``intermediate``: the checkpoint's (full) moe_intermediate_size."""
-        tp, r = get_tp_size(), get_tp_rank()
-        ep = tp > 1 and expert_parallel()
-        split = tp > 1 and not ep
-        local = num_experts // tp if ep else num_experts
-        lo = r * local if ep else 0
-        super().__init__(ExpertMLP(hidden, intermediate, split) if lo <= e < lo + local
-                         else RemoteExpert() for e in range(num_experts))
-        self.num_experts, self.hidden, self.intermediate = num_experts, hidden, intermediate
-        self.ep, self.expert_lo, self.num_local = ep, lo, local
-        self.reduce_results = tp > 1
-
-    @classmethod
-    def replacing(cls, moe: FusedMoE) -> Int4FusedMoE:
-        """Per-expert stand-in for ``moe`` on the meta device, in ``moe``'s dtype."""
-        prev = torch.get_default_dtype()
-        torch.set_default_dtype(moe.w13.dtype)
-        try:
-            with torch.device("meta"):
-                return cls(moe.num_experts, moe.hidden, moe.full_intermediate)
-        finally:
-            torch.set_default_dtype(prev)
-
-    def is_local(self, expert: int) -> bool:
-        return self.expert_lo <= expert < self.expert_lo + self.num_local
-
-    def forward(self, x: torch.Tensor, weights: torch.Tensor,  # type: ignore[override]
-                ids: torch.Tensor) -> torch.Tensor:
-        """x [T, hidden], weights [T, k] fp32, ids [T, k] -> [T, hidden] in x's dtype."""
-        lo = self.expert_lo
-        out = dispatch_experts(x, weights, ids, self.num_experts, lambda e, xe: self[e](xe),
-                               local=(lo, lo + self.num_local) if self.ep else None)
-        return tp_all_reduce(out) if self.reduce_results else out  # sum of the ranks' parts
-
-    def weight_bytes(self) -> int:
-        """Bytes of the expert weights held (INT4 packs, scales/zeros, dense leftovers)."""
-        n = 0
-        for expert in self:
-            if not isinstance(expert, ExpertMLP):
-                continue  # another rank's expert
-            for mod in (expert.gate_up_proj, expert.down_proj):
-                if hasattr(mod, "weight_bytes"):  # Int4MergedLinear
-                    n += mod.weight_bytes()
-                else:
-                    n += sum(p.numel() * p.element_size() for p in mod.parameters())
-        return n
-
-
 class SparseMoeBlock(nn.Module):
-    """``gate`` (router) + ``experts`` + optional ``shared_experts`` (a dense MLP on every
-    token, added to the routed output). Module names follow HF checkpoints."""
+    """``gate`` (router) + ``experts`` (``FusedMoE``, or the loader's ``Int4FusedMoE`` for an
+    INT4 checkpoint: ``forward(x, weights, ids)`` either way) + optional ``shared_experts`` (a
+    dense MLP on every token, added to the routed output). Module names follow HF
+    checkpoints."""
 
-    def __init__(self, router: TopKRouter, experts: FusedMoE | Int4FusedMoE,
+    def __init__(self, router: TopKRouter, experts: nn.Module,
                  shared_experts: nn.Module | None = None) -> None:
         super().__init__()
         self.gate = router
@@ -473,10 +408,10 @@ def load_expert_tensor(model: nn.Module, name: str, handle, loaded: set) -> bool
         return True
     if (m := _ANY_EXPERT.match(name)) is not None:
         try:
-            experts = model.get_submodule(f"{m['prefix']}.experts")
+            expert = model.get_submodule(f"{m['prefix']}.experts.{m['e']}")
         except AttributeError:
-            experts = None
-        if isinstance(experts, Int4FusedMoE) and not experts.is_local(int(m["e"])):
+            expert = None  # stacked experts (FusedMoE) have no per-expert modules
+        if isinstance(expert, RemoteExpert):
             return True  # expert parallel: another rank holds this expert (not read here)
     if (m := _PER_EXPERT.match(name)) is not None:
         e, kind = int(m["e"]), m["kind"]
@@ -492,7 +427,7 @@ def load_expert_tensor(model: nn.Module, name: str, handle, loaded: set) -> bool
         experts = model.get_submodule(pname.rsplit(".", 1)[0])
     except AttributeError:
         return False
-    if isinstance(experts, Int4FusedMoE):
+    if not isinstance(experts, FusedMoE):  # per-expert modules: the loader's Int4FusedMoE
         raise ValueError(f"checkpoint tensor {name} is a dense expert weight, but "
                          f"quantization_config quantizes the experts of {m['prefix']} (INT4 "
                          "checkpoints store experts.<e>.<proj>.weight_packed / qweight; list "
@@ -501,7 +436,6 @@ def load_expert_tensor(model: nn.Module, name: str, handle, loaded: set) -> bool
         param = model.get_parameter(pname)
     except AttributeError:
         return False
-    assert isinstance(experts, FusedMoE)
     tensor = handle.get_tensor(name).to(param.dtype)
     param.weight_loader(param, tensor, shard)
     if experts.fully_loaded(pname.rsplit(".", 1)[1]):

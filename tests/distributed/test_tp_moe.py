@@ -105,7 +105,8 @@ def test_int4_moe_tp2_matches_tp1(int4_moe_models, name, ep):
 
 def _int4_expert_layout(path: str, ep: bool) -> dict:
     from kvserve import LLM
-    from kvserve.layers.moe import ExpertMLP, Int4FusedMoE
+    from kvserve.layers.int4.moe import Int4FusedMoE
+    from kvserve.layers.moe import ExpertMLP
 
     llm = LLM(path, dtype="float32", kv_cache_dtype="fp32", num_blocks=16, progress=False,
               tensor_parallel_size=2, enable_expert_parallel=ep, distributed_timeout_s=60)

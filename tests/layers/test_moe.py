@@ -8,7 +8,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kvserve.layers.moe import FusedMoE, Int4FusedMoE, TopKRouter, grouped_topk
+from kvserve.layers.int4.moe import Int4FusedMoE
+from kvserve.layers.moe import FusedMoE, TopKRouter, grouped_topk
 
 
 def hf_deepseek_route(logits, bias, top_k, n_group, topk_group, norm, scale):

@@ -28,8 +28,9 @@ from kvserve import SamplingParams
 from kvserve.layers.int4.linear import Int4Linear
 from kvserve.layers.int4.merged import Int4MergedLinear
 from kvserve.layers.int4.methods import CpuPackMethod
+from kvserve.layers.int4.moe import Int4FusedMoE
 from kvserve.layers.linear import Linear, MergedLinear
-from kvserve.layers.moe import FusedMoE, Int4FusedMoE, TopKRouter
+from kvserve.layers.moe import FusedMoE, TopKRouter
 from kvserve.model.loader import load_model
 from kvserve.quant import int4
 from kvserve.quant.quantizer import quantize_checkpoint

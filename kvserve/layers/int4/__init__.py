@@ -13,9 +13,9 @@ GPTQ and GGUF Q4 tensors, the per-module ``Int4Scheme``, RTN / AWQ) and the offl
     layouts.py   the layouts the methods read (CPU op pack, wq tiles, GPU packs)
     merged.py    Int4MergedLinear: the stand-in for a Linear / MergedLinear whose checkpoint
                  tensors are INT4 (weight loaders with shard ids, tensor-parallel slicing)
+    moe.py       Int4FusedMoE: an INT4 checkpoint's MoE experts as per-expert ``Linear`` /
+                 ``MergedLinear`` modules that ``loading.swap_int4_modules`` swaps like any
+                 other (routing and dispatch: ``kvserve.layers.moe``)
     loading.py   the loader's passes: swap the quantized modules in on the meta model,
                  dequantize those read as a dense matrix, pack for the device
-
-MoE experts of an INT4 checkpoint are ``kvserve.layers.moe.Int4FusedMoE``: per-expert
-``Linear`` / ``MergedLinear`` modules that ``loading.swap_int4_modules`` swaps like any other.
 """

@@ -17,8 +17,9 @@ from torch import nn
 
 from kvserve.layers.int4.linear import Int4Linear
 from kvserve.layers.int4.merged import Int4MergedLinear
+from kvserve.layers.int4.moe import Int4FusedMoE
 from kvserve.layers.linear import Linear, MergedLinear
-from kvserve.layers.moe import FusedMoE, Int4FusedMoE
+from kvserve.layers.moe import FusedMoE
 from kvserve.quant.int4 import Int4Scheme
 
 

@@ -82,6 +82,28 @@ def test_gemm_matches_twin(lib, bits, m, n, k, group):
     torch.testing.assert_close(y, ref, rtol=1e-5, atol=1e-5 * float(ref.abs().max()))
 
 
+@pytest.mark.parametrize("terms", [1, 2])
+def test_quantize_act_nan_is_ignored_by_amax_and_clamps_low(lib, terms):
+    """Every variant (vector and scalar C alike): a NaN activation does not enter its block's
+    amax (fmaxf semantics) and quantizes to -127; the block's other entries are as without it."""
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(2, 64, generator=g)
+    x[0, 3] = float("nan")
+    q = torch.empty(terms * 2, 64, dtype=torch.int8)
+    dx, qs = torch.empty(terms * 2, 2), torch.empty(terms * 2, 2, dtype=torch.int32)
+    lib.kvs_wq_quant_act(x.data_ptr(), 2, 64, terms, 1, q.data_ptr(), dx.data_ptr(),
+                         qs.data_ptr())
+    clean = x.clone()
+    clean[0, 3] = 0.0
+    q2, dx2, qs2 = reference.wq_quantize_act(clean, terms)
+    assert torch.equal(dx, dx2)
+    for t in range(terms):  # row 0 of each term: the NaN's code is -127 instead of 0
+        assert int(q[2 * t, 3]) == -127 and int(q2[2 * t, 3]) == 0
+        q2[2 * t, 3] = -127
+        qs2[2 * t, 0] -= 127
+    assert torch.equal(q, q2) and torch.equal(qs, qs2)
+
+
 def _gemm(lib, codes, sm, x, n, k, group, bits):
     q, dx, qs = reference.wq_quantize_act(x)
     y = torch.empty(x.shape[0], n)

@@ -103,11 +103,15 @@ def install_class_timers(timers: Timers):
     the function that puts the originals back."""
     saved = [(cpu_kernel, "paged_attention", cpu_kernel.paged_attention)]
     cpu_kernel.paged_attention = timers.wrap("attention", cpu_kernel.paged_attention)
+    from kvserve.kernels import reference
+    from kvserve.kernels.cpu import cpu_ops
     from kvserve.quant.rotation import KVRotation
 
-    for meth in ("apply", "invert"):
-        saved.append((KVRotation, meth, getattr(KVRotation, meth)))
-        setattr(KVRotation, meth, timers.wrap("rotation", getattr(KVRotation, meth)))
+    # the CPU backend's C rotation (or its twin), and the MLA backends' KVRotation methods
+    for owner, meth in ((cpu_ops, "rotate_heads"), (reference, "rotate_heads"),
+                        (KVRotation, "apply"), (KVRotation, "invert")):
+        saved.append((owner, meth, getattr(owner, meth)))
+        setattr(owner, meth, timers.wrap("rotation", getattr(owner, meth)))
     from kvserve.layers.q8_embedding import Q8LMHead
 
     # RowParallelLinear (o_proj, down_proj) overrides Linear.forward, so it is wrapped itself

@@ -8,7 +8,8 @@ preallocated workspace, prefills one at a time with SDPA
 the step (chunks of decode sequences keep the workspace bounded) and writes the step's K/V.
 
 Rotated modes (``kv.rotation``, e.g. ``int8``): q, k, v are multiplied by R before the write and
-the attention, the output by R^T after (kvserve/quant/rotation.py), on both paths.
+the attention, the output by R^T after (kvserve/quant/rotation.py), on both paths: the C kernel
+``kvs_rotate_heads`` (recordable in a CPU decode graph) where it applies, else its twin.
 """
 
 from __future__ import annotations
@@ -25,6 +26,8 @@ from kvserve.attention.metadata import (
     plan_rows,
 )
 from kvserve.cache.kv_cache import PagedKVCache
+from kvserve.kernels import reference
+from kvserve.kernels.cpu import cpu_ops
 from kvserve.kernels.cpu import paged_attention as cpu_attention
 from kvserve.kernels.reference import cpu_attention as twin
 
@@ -95,8 +98,16 @@ class CpuAttentionBackend(BackendBase[CpuPlan]):
         if rot is None:
             return self._attend(layer, q, k, v, meta)
         # q . k and p . v commute with the orthogonal R: attend in the rotated basis.
-        out = self._attend(layer, rot.apply(q), rot.apply(k), rot.apply(v), meta)
-        return rot.invert(out)
+        out = self._attend(layer, self._rotate(q, rot.matrix), self._rotate(k, rot.matrix),
+                           self._rotate(v, rot.matrix), meta)
+        return self._rotate(out, rot.inverse)
+
+    @staticmethod
+    def _rotate(x: torch.Tensor, r: torch.Tensor) -> torch.Tensor:
+        """x [T, H, D] times R (or R^T): the C kernel where it applies (recordable in a CPU
+        graph), else its twin."""
+        y = cpu_ops.rotate_heads(x, r)
+        return y if y is not None else reference.rotate_heads(x, r)
 
     def _attend(
         self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,

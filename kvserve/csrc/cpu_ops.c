@@ -10,6 +10,8 @@
  *                     (twin: F.embedding(ids, table).float())
  *   kvs_gather_q8     embedding lookup in a GGUF Q8_0 table, dequantized to fp32
  *                     (twin: kvserve.layers.q8_embedding.Q8Embedding's torch path)
+ *   kvs_rotate_heads  every head of every row times the KV rotation R (or R^T) of the
+ *                     rotated 8-bit KV modes (twin: kvserve.kernels.reference.rotate_heads)
  *
  * Rows are independent (batch invariant): each row runs the same instructions whatever the
  * number of rows. Tests: tests/layers/test_cpu_ops.py (against the twins, native and portable
@@ -152,6 +154,45 @@ int kvs_gather_q8(const void *qv, const uint16_t *dv, int tiled, int64_t V, int6
     return 0;
 }
 
+/*
+ * out fp32 [T, H, D] (contiguous) = x [T, H, D] R: x's rows are ldx floats apart, each row's H
+ * heads of D floats contiguous from its start (q, k or v inside a fused qkv row); R fp32
+ * [D, D] row-major. out[t, h, j] = sum_i x[t, h, i] R[i, j] summed over i = 0 .. D-1 in that
+ * order (one FMA chain per output), so a row's result does not depend on the others.
+ */
+void kvs_rotate_heads(const float *x, int64_t T, int64_t ldx, int64_t H, int64_t D,
+                      const float *R, float *out, int num_threads) {
+#pragma omp parallel for schedule(static) num_threads(num_threads) if (T * H * D * D > 262144)
+    for (int64_t th = 0; th < T * H; th++) {
+        const float *xr = x + (th / H) * ldx + (th % H) * D;
+        float *o = out + th * D;
+        int64_t j = 0;
+#if defined(__AVX2__) && defined(__FMA__)
+        for (; j + 16 <= D; j += 16) {
+            __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps();
+            for (int64_t i = 0; i < D; i++) {
+                const __m256 xi = _mm256_set1_ps(xr[i]);
+                a0 = _mm256_fmadd_ps(xi, _mm256_loadu_ps(R + i * D + j), a0);
+                a1 = _mm256_fmadd_ps(xi, _mm256_loadu_ps(R + i * D + j + 8), a1);
+            }
+            _mm256_storeu_ps(o + j, a0);
+            _mm256_storeu_ps(o + j + 8, a1);
+        }
+        for (; j + 8 <= D; j += 8) {
+            __m256 a0 = _mm256_setzero_ps();
+            for (int64_t i = 0; i < D; i++)
+                a0 = _mm256_fmadd_ps(_mm256_set1_ps(xr[i]), _mm256_loadu_ps(R + i * D + j), a0);
+            _mm256_storeu_ps(o + j, a0);
+        }
+#endif
+        for (; j < D; j++) {
+            float a = 0.0f;
+            for (int64_t i = 0; i < D; i++) a = fmaf(xr[i], R[i * D + j], a);
+            o[j] = a;
+        }
+    }
+}
+
 /* ---- recorded-graph adapters (kvs_op.h) ------------------------------------------------ */
 int kvs_gather_q8_op(const int64_t *a) {
     return kvs_gather_q8(OP_P(0), OP_P(1), (int)a[2], a[3], a[4], OP_P(5), a[6], OP_P(7));
@@ -175,4 +216,9 @@ int kvs_add_rms_norm_op(const int64_t *a) {
 
 int kvs_gather_rows_op(const int64_t *a) {
     return kvs_gather_rows(OP_P(0), (int)a[1], a[2], a[3], OP_P(4), a[5], a[6], OP_P(7));
+}
+
+int kvs_rotate_heads_op(const int64_t *a) {
+    kvs_rotate_heads(OP_P(0), a[1], a[2], a[3], a[4], OP_P(5), OP_P(6), (int)a[7]);
+    return 0;
 }

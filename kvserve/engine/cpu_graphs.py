@@ -18,7 +18,7 @@ writing and attending slot 0 of ``null_block``, re-zeroed afterwards), as CUDA g
 does.
 
 A model whose forward cannot be recorded (a torch op between the kernels: tensor parallelism,
-rotated KV modes, biases, a layout without a C kernel) is refused at capture with the reason
+biases, a layout without a C kernel) is refused at capture with the reason
 logged, and every step runs eagerly.
 """
 

@@ -78,7 +78,7 @@ def _graphs(llm) -> CpuGraphRunner | None:
     return llm.engine.runner.graphs
 
 
-@pytest.mark.parametrize("kv", ["auto", "fp8", "fp8_e5m2", "int8_plain"])
+@pytest.mark.parametrize("kv", ["auto", "fp8", "fp8_e5m2", "int8_plain", "int8", "fp8_rot"])
 def test_replay_equals_eager(bf16_llama, make_llm, kv):
     eager = make_llm(bf16_llama, kv_cache_dtype=kv, enforce_eager=True,
                      max_num_batched_tokens=16)
@@ -106,12 +106,12 @@ def test_replay_equals_eager_under_preemption_and_prefix_hits(bf16_llama, make_l
     assert _graphs(fast).runs > 0
 
 
-def test_rotated_kv_is_refused_and_runs_eagerly(bf16_llama, make_llm):
-    """int8 (rotated) multiplies q/k/v by R in torch: not recordable."""
-    fast = make_llm(bf16_llama, kv_cache_dtype="int8")
-    eager = make_llm(bf16_llama, kv_cache_dtype="int8", enforce_eager=True)
-    assert _graphs(fast) is None
-    assert _generate(fast) == _generate(eager)
+def test_rotated_kv_records_its_rotations(bf16_llama, make_llm):
+    """int8 (rotated): q, k, v times R and the output times R^T run as recorded C kernels
+    (kvs_rotate_heads), so the decode graph records; it was refused while torch multiplied."""
+    g = _graphs(make_llm(bf16_llama, kv_cache_dtype="int8"))
+    assert g is not None and g.refused is None
+    assert g.tape.names.count("kvs_rotate_heads") == 4 * 2  # q, k, v, out in 2 layers
 
 
 def test_fp32_weights_are_refused(tiny_llama, make_llm, caplog):

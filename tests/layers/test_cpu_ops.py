@@ -86,3 +86,26 @@ def test_add_rms_norm_matches_twin(lib, with_x):
     got = cpu_ops.add_rms_norm(x if with_x else None, r, w, 1e-5)
     torch.testing.assert_close(r, new_res, rtol=0, atol=0)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("t,h,d", [(1, 1, 7), (3, 9, 64), (5, 2, 40), (2, 3, 24), (17, 4, 128)])
+def test_rotate_heads_matches_twin_and_is_batch_invariant(lib, t, h, d):
+    """kvs_rotate_heads against its twin (x @ R per head), on q as it sits inside a fused qkv
+    row (row stride past the heads); each row's result alone equals its result in the batch."""
+    from kvserve.kernels import reference
+    from kvserve.quant.rotation import rotation_matrix
+
+    r = rotation_matrix(d, 3).contiguous()
+    qkv = torch.randn(t, (h + 2) * d)
+    q = qkv[:, : h * d].view(t, h, d)  # strides (qkv width, d, 1)
+    got = cpu_ops.rotate_heads(q, r)
+    assert got is not None and got.is_contiguous() and got.shape == (t, h, d)
+    torch.testing.assert_close(got, reference.rotate_heads(q, r), rtol=1e-5, atol=1e-5)
+    for i in range(t):
+        assert torch.equal(cpu_ops.rotate_heads(q[i:i + 1], r)[0], got[i])
+    back = cpu_ops.rotate_heads(got, r.t().contiguous())  # R^T undoes R
+    torch.testing.assert_close(back, q, rtol=1e-5, atol=1e-5)
+    # what it does not take: bf16, a head stride other than d, a non-square R
+    assert cpu_ops.rotate_heads(q.bfloat16(), r) is None
+    assert cpu_ops.rotate_heads(qkv.view(t, h + 2, d)[:, ::2], r) is None
+    assert cpu_ops.rotate_heads(q, torch.randn(d, d + 1)) is None

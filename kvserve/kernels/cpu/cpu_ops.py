@@ -30,6 +30,8 @@ def ops_library() -> ctypes.CDLL | None:
     dll.kvs_gather_rows.restype = c_int
     dll.kvs_gather_q8.argtypes = [p, p, c_int, i64, i64, p, i64, p]
     dll.kvs_gather_q8.restype = c_int
+    dll.kvs_rotate_heads.argtypes = [p, i64, i64, i64, i64, p, p, c_int]
+    dll.kvs_rotate_heads.restype = None
     return dll
 
 # kvs_gather_rows' table kinds
@@ -112,4 +114,20 @@ def gather_q8(q: torch.Tensor, d: torch.Tensor, tiled: bool, num_rows: int, k: i
     if launch(lib, "kvs_gather_q8", q, d, int(tiled), num_rows, k, ids, Rows(ids.shape[0]),
               out):
         raise IndexError(f"token id out of range for an embedding of {num_rows} rows")
+    return out
+
+
+def rotate_heads(x: torch.Tensor, r: torch.Tensor) -> torch.Tensor | None:
+    """x fp32 [T, H, D] (each row's heads contiguous: strides (any, D, 1)) times R fp32 [D, D]
+    (contiguous) -> fp32 [T, H, D] contiguous; None if the C op does not apply (the twin:
+    ``kvserve.kernels.reference.rotate_heads``)."""
+    lib = ops_library()
+    if lib is None or not _fp32_cpu(x, r) or x.dim() != 3 or not r.is_contiguous():
+        return None
+    t, h, d = x.shape
+    if x.stride(2) != 1 or x.stride(1) != d or r.shape != (d, d):
+        return None
+    out = torch.empty(t, h, d, dtype=torch.float32)
+    launch(lib, "kvs_rotate_heads", x, Rows(t), x.stride(0), h, d, r, out,
+           torch.get_num_threads())
     return out

@@ -79,6 +79,7 @@ from kvserve.kernels.reference.int4 import (
 )
 from kvserve.kernels.reference.kv import (
     block_checksum_state,
+    rotate_heads,
     token_checksum_contrib,
     write_kv,
     write_rows,
@@ -115,6 +116,7 @@ __all__ = [
     "int8_dequantize",
     "quantize_fp8_rows",
     "dequantize_rows",
+    "rotate_heads",
     "write_kv",
     "write_rows",
     "block_checksum_state",

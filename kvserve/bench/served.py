@@ -22,7 +22,7 @@ from typing import Any
 
 import httpx
 
-from kvserve.router.launch import free_port
+from kvserve.router.launch import PortReservation
 
 
 def percentile(xs: list[float], p: float) -> float:
@@ -80,13 +80,18 @@ class ServeProcess(LoggedProcess):
 
     def __init__(self, model: str | None, args: list[str], *, key: str, log_prefix: str,
                  env: dict[str, str] | None = None) -> None:
-        self.port = free_port()
+        self._port = PortReservation()  # held while the server runs (closed by stop)
+        self.port = self._port.port
         self.url = f"http://127.0.0.1:{self.port}"
         self.key = key
         super().__init__([sys.executable, "-m", "kvserve.cli", "serve",
                           *([model] if model else []), "--port", str(self.port),
                           "--api-key", key, "--no-access-log", *args],
                          log_prefix=log_prefix, env=env)
+
+    def stop(self) -> None:
+        super().stop()
+        self._port.close()
 
     def router_replicas(self) -> dict:
         """The router's ``GET /router/replicas``."""

@@ -1,6 +1,6 @@
 """``kvserve serve --data-parallel-size N``: N replica processes behind the router.
 
-Each replica is ``kvserve serve`` with the same arguments, on a loopback port chosen here,
+Each replica is ``kvserve serve`` with the same arguments, on a loopback port reserved here,
 with its own CPU threads (``OMP_NUM_THREADS``: ``--replica-threads``, default the cores split
 evenly), its own devices on CUDA (``CUDA_VISIBLE_DEVICES``: ``-tp`` consecutive ones each), its
 own tensor-parallel group, a KV-event publisher on a loopback port, and a random key only the
@@ -35,10 +35,23 @@ _STRIPPED = {"--data-parallel-size": 1, "-dp": 1, "--port": 1, "--host": 1, "--a
              "--role": 1}
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+class PortReservation:
+    """A free loopback port held for a child server: a bound, non-listening SO_REUSEADDR
+    socket, open until ``close``. While it is open the kernel's port-0 binds (another
+    process's gloo or ZMQ socket) never take the port, yet the child's own SO_REUSEADDR bind
+    and listen (``kvserve serve``'s ``listen_socket``, uvicorn) succeed; with nobody listening,
+    connections are refused (the router's health checks see a dead replica, and a restarted
+    replica binds the same port again). A port read from a socket that was closed at once
+    could be taken by anyone before the child binds it."""
+
+    def __init__(self, host: str = "127.0.0.1") -> None:
+        self._sock = socket.socket()
+        self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        self._sock.bind((host, 0))
+        self.port: int = self._sock.getsockname()[1]
+
+    def close(self) -> None:
+        self._sock.close()
 
 
 def replica_argv(argv: list[str]) -> list[str]:
@@ -97,7 +110,8 @@ class ReplicaProcesses:
             raise ValueError(f"replica_threads must be >= 1, got {threads}")
         self.key = secrets.token_urlsafe(24)
         self.threads = threads or max(1, (os.cpu_count() or 1) // n)
-        self.ports = [free_port() for _ in range(n)]
+        self._ports = [PortReservation() for _ in range(n)]  # held until stop()
+        self.ports = [r.port for r in self._ports]
         self.urls = [f"http://127.0.0.1:{p}" for p in self.ports]
         self._argv = replica_argv(argv)
         self._device, self._tp = device, tensor_parallel_size
@@ -159,6 +173,8 @@ class ReplicaProcesses:
             except subprocess.TimeoutExpired:
                 p.kill()
                 p.wait(5)
+        for r in self._ports:
+            r.close()
         if self.transfer_dir is not None:
             import shutil
 

@@ -21,7 +21,8 @@ import httpx
 import pytest
 
 from kvserve.engine.arg_utils import demo_model_path
-from tests.server.conftest import free_port, metric
+from kvserve.router.launch import PortReservation
+from tests.server.conftest import metric
 
 pytestmark = [pytest.mark.slow, pytest.mark.skipif(
     not os.path.isfile(os.path.join(demo_model_path(), "model.safetensors")),
@@ -34,7 +35,10 @@ AUTH = {"Authorization": f"Bearer {KEY}"}
 
 class Proc:
     def __init__(self, *args: str, port: int | None = None) -> None:
-        self.port = port or free_port()
+        # a port of its own is held until stop (a restart binds it again); a given one is the
+        # caller's
+        self._port = PortReservation() if port is None else None
+        self.port = port or self._port.port
         self.url = f"http://127.0.0.1:{self.port}"
         self.args = args
         self.log = tempfile.NamedTemporaryFile(  # noqa: SIM115 - lives with the process
@@ -65,6 +69,8 @@ class Proc:
         if not self.log.closed:
             self.log.close()
             os.unlink(self.log.name)
+        if self._port is not None:
+            self._port.close()
 
 
 def replica(port: int | None = None) -> Proc:

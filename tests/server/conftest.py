@@ -13,7 +13,6 @@ import asyncio
 import contextlib
 import os
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -22,6 +21,8 @@ from collections.abc import Iterator
 
 import httpx
 import pytest
+
+from kvserve.router.launch import PortReservation
 
 API_KEY = "sk-kvserve-test"
 MODEL_NAME = "tiny"
@@ -38,17 +39,12 @@ def pytest_collection_modifyitems(config, items) -> None:
     items.sort(key=lambda item: item.get_closest_marker("server_shutdown") is not None)
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 class ServerProcess:
     """``python -m kvserve.cli serve MODEL --port P ...`` as a subprocess."""
 
     def __init__(self, model: str, *args: str) -> None:
-        self.port = free_port()
+        self._port = PortReservation()  # held until stop: no other bind takes it meanwhile
+        self.port = self._port.port
         self.url = f"http://127.0.0.1:{self.port}"
         self._log = tempfile.NamedTemporaryFile(  # noqa: SIM115 - lives as long as the server
             "w+", prefix="kvserve-serve-", suffix=".log", delete=False)
@@ -84,6 +80,7 @@ class ServerProcess:
                 self.proc.wait(10)
         self._log.close()
         os.unlink(self._log.name)
+        self._port.close()
 
 
 @pytest.fixture(scope="session")

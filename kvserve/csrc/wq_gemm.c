@@ -113,7 +113,6 @@ static inline void quant_block_avx2(const float *restrict xb, int terms, int8_t 
 }
 #endif
 
-__attribute__((optimize("fp-contract=off")))
 void kvs_wq_quant_act(const float *restrict x, int64_t M, int64_t K, int terms,
                       int num_threads, int8_t *restrict q, float *restrict dx,
                       int32_t *restrict qs) {

@@ -7,6 +7,8 @@ import socket
 import subprocess
 import sys
 
+import pytest
+
 from kvserve.router.launch import PortReservation
 from kvserve.server.launch import listen_socket
 
@@ -28,15 +30,8 @@ def test_port_zero_binds_never_take_a_reserved_port():
                 for s in held:
                     s.close()
         # an explicit bind without SO_REUSEADDR is refused too
-        plain = socket.socket()
-        try:
-            try:
-                plain.bind(("127.0.0.1", res.port))
-                raise AssertionError("a plain bind took the reserved port")
-            except OSError:
-                pass
-        finally:
-            plain.close()
+        with socket.socket() as plain, pytest.raises(OSError):
+            plain.bind(("127.0.0.1", res.port))
     finally:
         res.close()
 

@@ -173,3 +173,29 @@ def test_grammar_backends_tiny(tmp_path):
     (res,) = r["results"]
     assert res["backend"].startswith("llguidance") and res["tokens"] > 50
     assert res["text_head"].startswith('{"id": 1042, "name": "Ada Lovelace"')
+
+
+def test_default_flags_parity_tiny(tmp_path):
+    """The default-flags parity script on the demo model: 8 chat prompts, both KV runs, the
+    full-forward reference, and where a run differs, the reference's top-2 gap there."""
+    dp = _script("default_flags_parity")
+    out = tmp_path / "p.json"
+    assert dp.main(["--model", "demo", "--tokens", "3", "--threads", "1", "--json",
+                    str(out)]) == 0
+    r = json.loads(out.read_text())
+    assert r["prompts"] == 8 and r["kv_modes"] == {"bf16": "bf16", "int8": "int8_rot"}
+    assert set(r["greedy_equal_to_reference"]) == {"bf16", "int8"}
+    kl = r["kl_bf16_vs_candidate"]
+    assert kl["positions"] == 8 * 3 and 0 <= kl["mean"] <= kl["max"]
+    assert 0 <= kl["top1_agreement"] <= 1
+    assert r["env"]["cpu"]["kind"]
+    for row in r["per_prompt"]:
+        assert len(row["reference"]) == 3
+        for kv in ("bf16", "int8"):
+            d = row[kv]
+            assert d["equal"] == (d["first_difference"] is None)
+            if not d["equal"]:
+                assert d["tokens"][d["first_difference"]] != row["reference"][d["first_difference"]]
+                assert d["reference_top2_gap_there"] >= 0
+    with pytest.raises(SystemExit):
+        dp.main(["--tokens", "0"])

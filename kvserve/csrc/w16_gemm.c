@@ -13,7 +13,7 @@
  * depend on its batch (batch invariance; the test checks it bit for bit).
  *
  * Tiling: NR weight rows x MR rows of x per register tile (AVX-512: 4 x 4 zmm accumulators;
- * AVX2: 4 x 2 ymm). OpenMP splits the N / NR weight tiles over threads. x is walked in chunks
+ * AVX2: 6 x 2 ymm, so each x vector read from L2 serves 6 FMAs). OpenMP splits the N / NR weight tiles over threads. x is walked in chunks
  * of ~256 KB of rows (prefill-sized M), each tile streamed once per chunk. M <= MR: the tile is
  * converted to fp32 in registers as it is read. M > MR: it is converted once per chunk into a
  * per-thread fp32 scratch (NR * K floats, L1/L2-resident) and every MR-row block of x runs
@@ -45,7 +45,14 @@
 #include <immintrin.h>
 #endif
 
-#define NR 4 /* weight rows per tile (vsum4 reduces 4 accumulators at once) */
+/* weight rows per tile: AVX2 6 (x 2 rows of x: 12 of its 16 ymm accumulate; each x vector,
+ * streamed from L2 for prefill- and batch-sized M, feeds 6 FMAs), else 4 */
+#if !(defined(__AVX512F__) && defined(__AVX512BW__)) && defined(__AVX2__) && defined(__FMA__) && \
+    defined(__F16C__)
+#define NR 6
+#else
+#define NR 4
+#endif
 #ifndef PF_TILES
 #define PF_TILES 4
 #endif
@@ -111,18 +118,30 @@ static inline __attribute__((always_inline)) void tile(
         for (int j = 0; j < NR; j++) acc[i][j] = vzero();
     const int64_t kv = K - K % VL;
     for (int64_t k = 0; k < kv; k += VL) {
-        vec wv[NR];
+        /* the rows' x vectors first, then one weight vector at a time (MR x NR accumulators,
+         * MR x vectors and one weight vector live: no spills at 2 x 6 on AVX2) */
+        vec xv[MR];
+        for (int i = 0; i < mr; i++) {
+            if (wf) _mm_prefetch((const char *)(x[i] + k + 64), _MM_HINT_T0);
+            xv[i] = vload(x[i] + k);
+        }
         for (int j = 0; j < NR; j++) {
             if (!wf) _mm_prefetch((const char *)(w[j] + k + pf), _MM_HINT_T0);
-            wv[j] = wf ? vload(wf[j] + k) : vload16(w[j] + k, kind);
-        }
-        for (int i = 0; i < mr; i++) {
-            const vec xv = vload(x[i] + k);
-            for (int j = 0; j < NR; j++) acc[i][j] = vfma(xv, wv[j], acc[i][j]);
+            const vec wv = wf ? vload(wf[j] + k) : vload16(w[j] + k, kind);
+            for (int i = 0; i < mr; i++) acc[i][j] = vfma(xv[i], wv, acc[i][j]);
         }
     }
     for (int i = 0; i < mr; i++) {
-        _mm_storeu_ps(out[i], vsum4(acc[i][0], acc[i][1], acc[i][2], acc[i][3]));
+        /* 4 sums per vsum4 (each output's addition tree is the same in every lane, so a
+         * padded last group changes nothing) */
+        for (int j0 = 0; j0 < NR; j0 += 4) {
+#define KVS_J(d) (j0 + (d) < NR ? j0 + (d) : j0)
+            float s4[4];
+            _mm_storeu_ps(s4, vsum4(acc[i][j0], acc[i][KVS_J(1)], acc[i][KVS_J(2)],
+                                    acc[i][KVS_J(3)]));
+#undef KVS_J
+            for (int j = j0; j < j0 + 4 && j < NR; j++) out[i][j] = s4[j - j0];
+        }
         for (int j = 0; j < NR; j++)
             for (int64_t k = kv; k < K; k++)
                 out[i][j] += x[i][k] * (wf ? wf[j][k] : w16_scalar(w[j] + k, kind));

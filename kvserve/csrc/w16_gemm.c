@@ -127,7 +127,10 @@ static inline __attribute__((always_inline)) void tile(
         }
         for (int j = 0; j < NR; j++) {
             if (!wf) _mm_prefetch((const char *)(w[j] + k + pf), _MM_HINT_T0);
-            const vec wv = wf ? vload(wf[j] + k) : vload16(w[j] + k, kind);
+            vec wv = wf ? vload(wf[j] + k) : vload16(w[j] + k, kind);
+            /* in a register: else the compiler folds the load into every row's FMA, and the
+             * loads (one per FMA) instead of the FMAs bound the loop */
+            __asm__("" : "+v"(wv));
             for (int i = 0; i < mr; i++) acc[i][j] = vfma(xv[i], wv, acc[i][j]);
         }
     }

@@ -173,6 +173,12 @@ void kvs_wq_quant_act(const float *restrict x, int64_t M, int64_t K, int terms,
  *   out = fma(s[g], dx[b] * acc_b, out);  ms += dx[b] * qs[b];  at the group's end
  *   out = fma(m[g], ms, out)
  */
+/* Integer adds are associative, so gcc is free to regroup an accumulator's chain: it computed
+ * a whole block's vpmaddubsw products first and spilled them to the stack to add them up later.
+ * An empty asm on the accumulator after each step keeps the chain in program order, and in
+ * registers (the sums are exact integers either way). */
+#define KVS_KEEP(v) __asm__("" : "+x"(v))
+
 static inline __attribute__((always_inline)) void pass_avx2(
     const uint8_t *restrict wt, const uint16_t *restrict st, const int8_t *restrict q,
     const float *restrict dx, const int32_t *restrict qs, int64_t K, int64_t G, const int bits,
@@ -203,6 +209,7 @@ static inline __attribute__((always_inline)) void pass_avx2(
                                                  _mm256_maddubs_epi16(w0, _mm256_set1_epi32(x0)));
                         a[mm] = _mm256_add_epi16(a[mm],
                                                  _mm256_maddubs_epi16(w1, _mm256_set1_epi32(x1)));
+                        KVS_KEEP(a[mm]);
                     }
                 }
                 for (int mm = 0; mm < mt; mm++) a[mm] = _mm256_madd_epi16(a[mm], ones);
@@ -219,6 +226,7 @@ static inline __attribute__((always_inline)) void pass_avx2(
                         const __m256i sx = _mm256_sign_epi8(_mm256_set1_epi32(xv), q8);
                         a[mm] = _mm256_add_epi32(a[mm], _mm256_madd_epi16(
                             _mm256_maddubs_epi16(mag, sx), ones));
+                        KVS_KEEP(a[mm]);
                     }
                 }
             }

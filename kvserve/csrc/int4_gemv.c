@@ -242,8 +242,9 @@ void kvs_int4_gemv(const uint8_t *packed, const uint16_t *sz, const float *x, co
 /*
  * Dequantize stored rows [r0, r1) (multiples of BN) to W^T, fp32 out [K, r1 - r0] (k-major),
  * for the GEMM path of larger batches. Twin: the torch code of CpuPackMethod.rows_t
- * (kvserve/layers/int4/methods.py), which it reproduces bit for bit: per (group, row) t = z - 8 s (bf16 pairs) or t = m (fp16 min
- * form), then w = fl(fl(u * s) + t) -- two roundings, so no contraction into an FMA here.
+ * (kvserve/layers/int4/methods.py), which it reproduces bit for bit: per (group, row)
+ * t = z - 8 s (bf16 pairs) or t = m (fp16 min form), then w = fl(fl(u * s) + t) -- two
+ * roundings, so no contraction into an FMA here.
  */
 __attribute__((optimize("fp-contract=off")))
 void kvs_int4_dequant_t(const uint8_t *restrict packed, const uint16_t *restrict sz,

@@ -13,8 +13,9 @@
  * depend on its batch (batch invariance; the test checks it bit for bit).
  *
  * Tiling: NR weight rows x MR rows of x per register tile (AVX-512: 4 x 4 zmm accumulators;
- * AVX2: 6 x 2 ymm, so each x vector read from L2 serves 6 FMAs). OpenMP splits the N / NR weight tiles over threads. x is walked in chunks
- * of ~256 KB of rows (prefill-sized M), each tile streamed once per chunk. M <= MR: the tile is
+ * AVX2: 6 x 2 ymm, so each x vector read from L2 serves 6 FMAs). OpenMP splits the N / NR
+ * weight tiles over threads. x is walked in chunks of ~256 KB of rows (prefill-sized M), each
+ * tile streamed once per chunk. M <= MR: the tile is
  * converted to fp32 in registers as it is read. M > MR: it is converted once per chunk into a
  * per-thread fp32 scratch (NR * K floats, L1/L2-resident) and every MR-row block of x runs
  * against that; the converted values are exact, so both paths compute the same sums.

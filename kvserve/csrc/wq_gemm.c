@@ -475,7 +475,8 @@ int kvs_wq_linear(const float *x, int64_t M, int64_t K, const uint8_t *codes,
                   int num_threads, float *y) {
     const int64_t rows = terms * M, nb = K / 32;
     const size_t q_bytes = ((size_t)(rows * K) + 63) & ~(size_t)63;
-    const size_t need = q_bytes + (size_t)(rows * nb) * 8 + (terms > 1 ? (size_t)(rows * N) * 4 : 0);
+    const size_t need =
+        q_bytes + (size_t)(rows * nb) * 8 + (terms > 1 ? (size_t)(rows * N) * 4 : 0);
     if (need > scratch_cap) {
         void *p = realloc(scratch_buf, need);
         if (p == NULL) return -1;

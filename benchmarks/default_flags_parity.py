@@ -33,7 +33,8 @@ import time
 
 import torch
 
-from kvserve.bench.common import env_info, resolve_model_path
+from kvserve.bench.common import env_info, model_label, resolve_model_path
+from kvserve.bench.quality import kl_rows
 
 CHAT = ["What is the capital of France?", "What is a list?", "Name three colors.",
         "How many legs does a spider have?", "Write a haiku about the sea.",
@@ -97,9 +98,9 @@ def main(argv: list[str] | None = None) -> int:
     kls, hits, n = [], 0, 0
     for p, toks in zip(prompts, runs["bf16"]["tokens"], strict=True):
         seq = p + toks
-        a = base.engine.prompt_logits(seq).log_softmax(-1)[len(p) - 1:len(seq) - 1]
-        b = cand.engine.prompt_logits(seq).log_softmax(-1)[len(p) - 1:len(seq) - 1]
-        kls.extend((a.exp() * (a - b)).sum(-1).tolist())
+        a = base.engine.prompt_logits(seq)[len(p) - 1:len(seq) - 1]
+        b = cand.engine.prompt_logits(seq)[len(p) - 1:len(seq) - 1]
+        kls.extend(kl_rows(a, b).tolist())
         hits += int((b.argmax(-1) == torch.tensor(toks)).sum())
         n += len(toks)
 
@@ -121,7 +122,7 @@ def main(argv: list[str] | None = None) -> int:
         per_prompt.append(row)
     summary = {kv: sum(r[kv]["equal"] for r in per_prompt) for kv in runs}
     result = {
-        "bench": "default_flags_parity", "model": path, "tokens": args.tokens,
+        "bench": "default_flags_parity", "model": model_label(path), "tokens": args.tokens,
         "prompts": len(prompts), "kv_modes": {kv: r["kv_mode"] for kv, r in runs.items()},
         "decode_graph_steps": {kv: r["graph_steps"] for kv, r in runs.items()},
         "greedy_equal_to_reference": {kv: f"{v} of {len(prompts)}" for kv, v in summary.items()},

@@ -11,7 +11,9 @@ its tied LM head (49,152 x 576); ``--shapes random-llama``: the random Llama of 
 latency --make-random-llama`` (use ``--layers 8``). For each number of rows M: GFLOP/s of one
 pass over the layers with
 
-  kvserve   the C kernel reading the bf16 weights (fp32 activations, fp32 accumulation);
+  kvserve   the C kernel reading the bf16 weights packed in its tiles, as the engine holds
+            them (fp32 activations, fp32 accumulation);
+  kvserve_row_major  the same kernel on the checkpoint's row-major tables (same results);
   torch     ``x @ W.T`` on fp32 copies of the weights (twice the bytes, made beforehand);
   baseline  (optional) the same C kernel built from another source file, e.g. the version
             before a change (``git show REV:kvserve/csrc/w16_gemm.c > old.c``);
@@ -74,7 +76,14 @@ def main(argv: list[str] | None = None) -> int:
     layers32 = [[w.float() for w in ws] for ws in layers]
     head32 = head.float()
     evict = torch.zeros(a.evict_mib * 2**18) if a.evict_mib else None
-    impls = {"kvserve": lambda x, w, w32: w16.w16_gemm(lib, x, w),
+    # the engine holds its 16-bit tables packed in the kernel's tiles (kvserve.quant.w16)
+    packed = {}
+    for w in [*(w for ws in layers for w in ws), head]:
+        p = torch.nn.Parameter(w.clone(), requires_grad=False)
+        w16.pack_weight(lib, p)
+        packed[id(w)] = p
+    impls = {"kvserve": lambda x, w, w32: w16.w16_gemm(lib, x, packed[id(w)]),
+             "kvserve_row_major": lambda x, w, w32: w16.w16_gemm(lib, x, w),
              "torch_fp32": lambda x, w, w32: x @ w32.t()}
     if w16.has_bf16_dot(lib):
         impls["kvserve_bf16_dot"] = lambda x, w, w32: w16.w16_gemm(lib, x, w, bf16_rows=1)
@@ -82,7 +91,7 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         if a.baseline_source:
             base = w16.bind(build_source(a.baseline_source, tmp))
-            impls["baseline"] = lambda x, w, w32: w16.w16_gemm(base, x, w)
+            impls["baseline"] = lambda x, w, w32: w16.w16_gemm(base, x, w)  # row-major
         results = []
         for m in [int(v) for v in a.rows.split(",")]:
             xs = {k: torch.randn(m, k, generator=g) for k in {k for _, _, k in layer_shapes}}

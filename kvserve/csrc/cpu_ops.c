@@ -6,8 +6,9 @@
  *   kvs_silu_mul      silu(gate) * up from the fused gate_up output (twin: F.silu(g) * u)
  *   kvs_add_rms_norm  residual += x; out = residual / rms(residual) * w
  *                     (twin: kvserve.layers.norm.RMSNorm on x + residual)
- *   kvs_gather_rows   embedding lookup: table rows (fp32 / bf16 / fp16) widened to fp32
- *                     (twin: F.embedding(ids, table).float())
+ *   kvs_gather_rows   embedding lookup: table rows (fp32 / bf16 / fp16, row-major or in the
+ *                     16-bit GEMM's packed tiles) widened to fp32
+ *                     (twin: kvserve.quant.w16.table_rows(table, ids).float())
  *   kvs_gather_q8     embedding lookup in a GGUF Q8_0 table, dequantized to fp32
  *                     (twin: kvserve.layers.q8_embedding.Q8Embedding's torch path)
  *   kvs_rotate_heads  every head of every row times the KV rotation R (or R^T) of the
@@ -101,10 +102,13 @@ void kvs_add_rms_norm(const float *x, float *residual, const float *w, int64_t T
     }
 }
 
-/* out fp32 [n, dim] = table[ids[i], :dim] widened; table [V, ld] rows, kind 0 fp32, 1 bf16,
- * 2 fp16 (exact widening). Returns 0, or 1 (nothing written) if an id is not in [0, V). */
+/* out fp32 [n, dim] = table[ids[i], :dim] widened; kind 0 fp32, 1 bf16, 2 fp16 (exact
+ * widening). tr == 0: table [V, ld] rows. tr > 0 (16-bit kinds): the 16-bit GEMM's packed
+ * tiles (kvserve/quant/w16.py) [ceil(V / tr), dim / tc, tr, tc], so row v's columns c .. c + tc
+ * start at ((v / tr) * (dim / tc) + c / tc) * tr * tc + (v % tr) * tc (ld unused). Returns 0, or
+ * 1 (nothing written) if an id is not in [0, V). */
 int kvs_gather_rows(const void *table, int kind, int64_t V, int64_t ld, const int64_t *ids,
-                    int64_t n, int64_t dim, float *out) {
+                    int64_t n, int64_t dim, float *out, int64_t tr, int64_t tc) {
     for (int64_t i = 0; i < n; i++)
         if (ids[i] < 0 || ids[i] >= V) return 1;
     for (int64_t i = 0; i < n; i++) {
@@ -113,12 +117,18 @@ int kvs_gather_rows(const void *table, int kind, int64_t V, int64_t ld, const in
             memcpy(o, (const float *)table + ids[i] * ld, sizeof(float) * (size_t)dim);
             continue;
         }
-        const uint16_t *r = (const uint16_t *)table + ids[i] * ld;
-        if (kind == 1) {
-            uint32_t *u = (uint32_t *)o;
-            for (int64_t j = 0; j < dim; j++) u[j] = (uint32_t)r[j] << 16;
-        } else {
-            for (int64_t j = 0; j < dim; j++) o[j] = kvs_f16f(r[j]);
+        /* run: contiguous columns (a row, or one tile step); step: 16-bit elements between
+         * one run's start and the next's */
+        const int64_t run = tr ? tc : dim, step = tr ? tr * tc : 0;
+        const uint16_t *r = (const uint16_t *)table +
+                            (tr ? (ids[i] / tr) * tr * dim + (ids[i] % tr) * tc : ids[i] * ld);
+        for (int64_t c = 0; c < dim; c += run, r += step) {
+            if (kind == 1) {
+                uint32_t *u = (uint32_t *)(o + c);
+                for (int64_t j = 0; j < run; j++) u[j] = (uint32_t)r[j] << 16;
+            } else {
+                for (int64_t j = 0; j < run; j++) o[c + j] = kvs_f16f(r[j]);
+            }
         }
     }
     return 0;
@@ -215,7 +225,8 @@ int kvs_add_rms_norm_op(const int64_t *a) {
 }
 
 int kvs_gather_rows_op(const int64_t *a) {
-    return kvs_gather_rows(OP_P(0), (int)a[1], a[2], a[3], OP_P(4), a[5], a[6], OP_P(7));
+    return kvs_gather_rows(OP_P(0), (int)a[1], a[2], a[3], OP_P(4), a[5], a[6], OP_P(7), a[8],
+                           a[9]);
 }
 
 int kvs_rotate_heads_op(const int64_t *a) {

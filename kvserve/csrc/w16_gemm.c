@@ -20,6 +20,13 @@
  * per-thread fp32 scratch (NR * K floats, L1/L2-resident) and every MR-row block of x runs
  * against that; the converted values are exact, so both paths compute the same sums.
  *
+ * Packed weights (packed = 1; kvs_w16_packing gives the build's NR and PK, kvserve/quant/w16.py
+ * packs): W as [ceil(N / NR), K / PK, NR, PK], i.e. each tile's NR rows interleaved PK
+ * columns at a time (rows past N zero; K % PK == 0). A tile is then one sequential stream
+ * instead of NR streams a row apart: a batch-1 step reads its weights at ~34 GB/s instead of
+ * ~26 on 2 AVX2 cores (the read probe: ~35). The arithmetic is the same in both layouts (the
+ * same vectors meet in the same order), so packing changes no result.
+ *
  * BF16 dot products (builds with AVX512-BF16, i.e. -march=native on Zen 4+ / Cooper Lake /
  * Sapphire Rapids+, or cbuild's "bf16" variant): bf16 weights (kind 0) times a GEMM of
  * M >= bf16_rows rows (the caller's threshold; 0 = never) take vdpbf16ps instead -- x is
@@ -56,6 +63,10 @@
 #endif
 #ifndef PF_TILES
 #define PF_TILES 4
+#endif
+/* packed tiles: software prefetch this many bytes ahead of the one stream */
+#ifndef PF_PACKED
+#define PF_PACKED 512
 #endif
 
 static inline float w16_scalar(const uint16_t *w, int kind) {
@@ -113,7 +124,7 @@ static inline __m128 vsum4(vec a0, vec a1, vec a2, vec a3) {
  * each combination compiles to its own fully unrolled loop. */
 static inline __attribute__((always_inline)) void tile(
     const float *const *x, int mr, const uint16_t *const *w, const float *const *wf, int kind,
-    int64_t K, int64_t pf, float out[MR][NR]) {
+    int64_t K, int64_t pf, const int64_t ws, float out[MR][NR]) {
     vec acc[MR][NR];
     for (int i = 0; i < mr; i++)
         for (int j = 0; j < NR; j++) acc[i][j] = vzero();
@@ -126,9 +137,14 @@ static inline __attribute__((always_inline)) void tile(
             if (wf) _mm_prefetch((const char *)(x[i] + k + 64), _MM_HINT_T0);
             xv[i] = vload(x[i] + k);
         }
+        if (!wf && ws != 1) { /* packed: the tile's one stream, NR * VL * 2 bytes per step */
+            const char *p = (const char *)(w[0] + k * ws) + PF_PACKED;
+            _mm_prefetch(p, _MM_HINT_T0);
+            _mm_prefetch(p + 64, _MM_HINT_T0);
+        }
         for (int j = 0; j < NR; j++) {
-            if (!wf) _mm_prefetch((const char *)(w[j] + k + pf), _MM_HINT_T0);
-            vec wv = wf ? vload(wf[j] + k) : vload16(w[j] + k, kind);
+            if (!wf && ws == 1) _mm_prefetch((const char *)(w[j] + k + pf), _MM_HINT_T0);
+            vec wv = wf ? vload(wf[j] + k) : vload16(w[j] + k * ws, kind);
             /* in a register: else the compiler folds the load into every row's FMA, and the
              * loads (one per FMA) instead of the FMAs bound the loop */
             __asm__("" : "+v"(wv));
@@ -153,16 +169,21 @@ static inline __attribute__((always_inline)) void tile(
 }
 
 static void tile_dispatch(const float *const *x, int mr, const uint16_t *const *w,
-                          const float *const *wf, int kind, int64_t K, int64_t pf,
+                          const float *const *wf, int kind, int64_t K, int64_t pf, int packed,
                           float out[MR][NR]) {
-    /* literal arguments: one specialized copy of tile() per (mr, source) */
+    /* literal arguments: one specialized copy of tile() per (mr, source, layout) */
 #define KVS_TILE(MRV)                                                          \
     if (wf)                                                                    \
-        tile(x, MRV, w, wf, 0, K, pf, out);                                        \
+        tile(x, MRV, w, wf, 0, K, pf, 1, out);                                 \
     else if (kind == 1)                                                        \
-        tile(x, MRV, w, NULL, 1, K, pf, out);                                      \
+        if (packed)                                                            \
+            tile(x, MRV, w, NULL, 1, K, pf, NR, out);                          \
+        else                                                                   \
+            tile(x, MRV, w, NULL, 1, K, pf, 1, out);                           \
+    else if (packed)                                                           \
+        tile(x, MRV, w, NULL, 0, K, pf, NR, out);                              \
     else                                                                       \
-        tile(x, MRV, w, NULL, 0, K, pf, out);
+        tile(x, MRV, w, NULL, 0, K, pf, 1, out);
     switch (mr) {
 #if MR == 4
     case 4: KVS_TILE(4) break;
@@ -177,15 +198,16 @@ static void tile_dispatch(const float *const *x, int mr, const uint16_t *const *
 #define MR 4
 /* plain C: the same per-element order as above with VL = 8 */
 static void tile_dispatch(const float *const *x, int mr, const uint16_t *const *w,
-                          const float *const *wf, int kind, int64_t K, int64_t pf,
+                          const float *const *wf, int kind, int64_t K, int64_t pf, int packed,
                           float out[MR][NR]) {
-    const int64_t kv = K - K % 8;
+    const int64_t kv = K - K % 8, ws = packed ? NR : 1;
     for (int i = 0; i < mr; i++)
         for (int j = 0; j < NR; j++) {
             float lane[8] = {0};
             for (int64_t k = 0; k < kv; k += 8)
                 for (int l = 0; l < 8; l++)
-                    lane[l] += x[i][k + l] * (wf ? wf[j][k + l] : w16_scalar(w[j] + k + l, kind));
+                    lane[l] += x[i][k + l] *
+                               (wf ? wf[j][k + l] : w16_scalar(w[j] + k * ws + l, kind));
             float s = ((lane[0] + lane[4]) + (lane[2] + lane[6])) +
                       ((lane[1] + lane[5]) + (lane[3] + lane[7]));
             for (int64_t k = kv; k < K; k++)
@@ -309,6 +331,42 @@ int kvs_w16_bf16_dot(void) {
 #endif
 }
 
+/* columns per packed step (the vector width; the plain C path sums in 8-lane order) */
+#ifdef VL
+#define PK VL
+#else
+#define PK 8
+#endif
+
+/* the packed layout this build reads: out[0] = rows per tile (NR), out[1] = columns per
+ * step (PK) */
+void kvs_w16_packing(int64_t *out) {
+    out[0] = NR;
+    out[1] = PK;
+}
+
+/* one packed tile (NR rows, K % PK == 0) -> NR fp32 rows of K (exact), read as one stream;
+ * prefetching pf elements ahead (a few tiles: the GEMM between two widenings reads no memory,
+ * so a short distance would leave every tile's first lines to DRAM latency) */
+static void widen_packed(const uint16_t *w, int64_t K, int kind, int64_t pf, float *out) {
+    for (int64_t s = 0; s < K / PK; s++) {
+        const uint16_t *src = w + s * NR * PK;
+#ifdef VL
+        _mm_prefetch((const char *)(src + pf), _MM_HINT_T0);
+        _mm_prefetch((const char *)(src + pf) + 64, _MM_HINT_T0);
+#endif
+        for (int j = 0; j < NR; j++) {
+            float *dst = out + (size_t)j * K + s * PK;
+#ifdef VL
+            const vec v = vload16(src + j * PK, kind);
+            memcpy(dst, &v, sizeof(v));
+#else
+            for (int l = 0; l < PK; l++) dst[l] = w16_scalar(src + j * PK + l, kind);
+#endif
+        }
+    }
+}
+
 /* 16-bit row -> fp32 (exact) */
 static void widen_row(const uint16_t *w, int64_t K, int kind, int64_t pf, float *out) {
     int64_t k = 0;
@@ -322,15 +380,17 @@ static void widen_row(const uint16_t *w, int64_t K, int kind, int64_t pf, float 
     for (; k < K; k++) out[k] = w16_scalar(w + k, kind);
 }
 
-/* x fp32 [M, K] (row stride ldx), w 16-bit [N, K] (row stride ldw), y fp32 [M, N] (row stride
- * ldy); bf16 weights and M >= bf16_rows > 0 take the bf16 dot products where the build and the
- * CPU have them. Returns 0, or 1 when scratch memory could not be allocated (y is then
- * incomplete). */
+/* x fp32 [M, K] (row stride ldx), w 16-bit [N, K] (row stride ldw) or, packed, this build's
+ * tiles (kvs_w16_packing; ldw unused), y fp32 [M, N] (row stride ldy); row-major bf16 weights
+ * and M >= bf16_rows > 0 take the bf16 dot products where the build and the CPU have them.
+ * Returns 0, 1 when scratch memory could not be allocated (y is then incomplete), or 2 (nothing
+ * done) for packed weights with K % PK != 0. */
 int kvs_w16_gemm(const float *x, int64_t M, int64_t K, int64_t ldx, const uint16_t *w,
                  int64_t N, int64_t ldw, int kind, int num_threads, float *y, int64_t ldy,
-                 int64_t bf16_rows) {
+                 int64_t bf16_rows, int packed) {
+    if (packed && K % PK) return 2;
 #ifdef KVS_BF16_DOT
-    if (kind == 0 && bf16_rows > 0 && M >= bf16_rows && kvs_w16_bf16_dot())
+    if (!packed && kind == 0 && bf16_rows > 0 && M >= bf16_rows && kvs_w16_bf16_dot())
         return w16_gemm_bf16_dot(x, M, K, ldx, w, N, ldw, num_threads, y, ldy);
 #else
     (void)bf16_rows;
@@ -365,17 +425,21 @@ int kvs_w16_gemm(const float *x, int64_t M, int64_t K, int64_t ldx, const uint16
                 for (int j = 0; j < NR; j++) {
                     int64_t n = t * NR + j;
                     if (n >= N) n = N - 1; /* alias the last row; its result is dropped */
-                    wr[j] = w + n * ldw;
+                    /* packed: row j's first vector; its next ones follow NR * PK apart */
+                    wr[j] = packed ? w + t * NR * K + j * PK : w + n * ldw;
                     wf[j] = scratch + (size_t)j * K;
-                    if (convert) widen_row(wr[j], K, kind, pf, scratch + (size_t)j * K);
+                    if (convert && !packed)
+                        widen_row(wr[j], K, kind, pf, scratch + (size_t)j * K);
                 }
+                if (convert && packed)
+                    widen_packed(w + t * NR * K, K, kind, PF_TILES * NR * K, scratch);
                 const int nr = N - t * NR < NR ? (int)(N - t * NR) : NR;
                 for (int64_t m0 = c0; m0 < c1; m0 += MR) {
                     const int mr = c1 - m0 < MR ? (int)(c1 - m0) : MR;
                     const float *xr[MR];
                     for (int i = 0; i < MR; i++) xr[i] = x + (m0 + (i < mr ? i : 0)) * ldx;
                     float out[MR][NR];
-                    tile_dispatch(xr, mr, wr, convert ? wf : NULL, kind, K, pf, out);
+                    tile_dispatch(xr, mr, wr, convert ? wf : NULL, kind, K, pf, packed, out);
                     for (int i = 0; i < mr; i++)
                         memcpy(y + (m0 + i) * ldy + t * NR, out[i], sizeof(float) * nr);
                 }
@@ -388,5 +452,5 @@ int kvs_w16_gemm(const float *x, int64_t M, int64_t K, int64_t ldx, const uint16
 
 int kvs_w16_gemm_op(const int64_t *a) {
     return kvs_w16_gemm(OP_P(0), a[1], a[2], a[3], OP_P(4), a[5], a[6], (int)a[7], (int)a[8],
-                        OP_P(9), a[10], a[11]);
+                        OP_P(9), a[10], a[11], (int)a[12]);
 }

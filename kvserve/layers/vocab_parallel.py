@@ -10,12 +10,12 @@ which drops the padding. At tp = 1 nothing is padded and both are the plain laye
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from kvserve.distributed.parallel_state import get_tp_rank, get_tp_size, tp_all_reduce, tp_gather
 from kvserve.kernels.cpu import cpu_ops
 from kvserve.layers.linear import ColumnParallelLinear, ShardSlice
+from kvserve.quant.w16 import table_rows
 
 VOCAB_PADDING = 64
 
@@ -61,11 +61,11 @@ class VocabParallelEmbedding(nn.Module):
                 x = cpu_ops.gather_rows(self.weight, ids)  # fp32 rows: one C call on CPU
                 if x is not None:
                     return x
-            x = F.embedding(ids, self.weight)
+            x = table_rows(self.weight, ids)
             return x if self.out_dtype is None else x.to(self.out_dtype)
         local = ids - self.start
         mask = (local >= 0) & (local < self.per_rank)
-        x = F.embedding(torch.where(mask, local, 0), self.weight)  # [T, hidden]
+        x = table_rows(self.weight, torch.where(mask, local, 0))  # [T, hidden]
         if self.out_dtype is not None:
             x = x.to(self.out_dtype)
         x = x * mask.unsqueeze(-1).to(x.dtype)

@@ -148,8 +148,9 @@ def load_model(path: str, dtype: str | torch.dtype | ModelDtypes = "auto", devic
         finish_int4_modules(model, dtype, device, int4_kernel)
     if storage != dtype:
         n = narrow_dense_weights(model, storage)
-        logger.info("%d dense weight table(s) kept %s, computed in %s", n, dtype_name(storage),
-                    dtype_name(dtype))
+        packed = pack_dense_weights(model)
+        logger.info("%d dense weight table(s) kept %s (%d packed in the CPU GEMM's tiles), "
+                    "computed in %s", n, dtype_name(storage), packed, dtype_name(dtype))
     model.eval()
     return LoadedModel(model, hf_config, arch, dtype, _scales_tensor(kv_scales, hf_config),
                        source.folder, source.files(), storage)
@@ -213,6 +214,35 @@ def narrow_dense_weights(model: CausalLM, storage: torch.dtype) -> int:
         if w.dtype == torch.float32 and w.device.type == "cpu":
             w.data = w.data.to(storage)
             n += 1
+    return n
+
+
+def pack_dense_weights(model: CausalLM) -> int:
+    """Repack the 16-bit CPU tables that ``narrow_dense_weights`` left (dense linears, the
+    token embedding, a tied head once) into the 16-bit GEMM's tiles (kvserve.quant.w16: a
+    batch-1 step streams them ~1.3x faster, same results). Not when the GEMM is not built, or
+    when this process's bf16-weight GEMMs take bf16 dot products (``--cpu-bf16-dot-rows``: that
+    path reads row-major tables). Returns the number of tables packed."""
+    from kvserve.kernels.cpu import w16_gemm
+    from kvserve.quant.w16 import can_pack
+
+    lib = w16_gemm.w16_library()
+    if lib is None:
+        return 0
+    keep = set(model.int4_dense_modules)
+    cols = w16_gemm.packing(lib)[1]
+    n = 0
+    for name, module in model.named_modules():
+        if name.rpartition(".")[2] in keep or not isinstance(
+                module, (Linear, MergedLinear, VocabParallelEmbedding)):
+            continue
+        w = module.weight
+        if not can_pack(w, cols):  # (a tied table: packed already)
+            continue
+        if w.dtype == torch.bfloat16 and w16_gemm.bf16_dot_rows(lib):
+            continue
+        w16_gemm.pack_weight(lib, w)
+        n += 1
     return n
 
 

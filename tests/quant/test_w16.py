@@ -83,6 +83,77 @@ def test_prefill_sized_batch_is_chunked_without_changing_rows(lib, dtype):
     torch.testing.assert_close(full, w16_linear(x, w), rtol=1e-4, atol=1e-4)
 
 
+def _packed(lib, w):
+    """w packed in ``lib``'s tiles, as the loader holds it (a parameter with ``w16_tiles``)."""
+    p = torch.nn.Parameter(w.clone(), requires_grad=False)
+    w16_cpu.pack_weight(lib, p)
+    return p
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("n,k", [(4, 16), (13, 64), (33, 576), (130, 1024)])
+def test_packed_tiles_give_the_row_major_results_bit_for_bit(lib, dtype, n, k):
+    """The packed layout only moves where each weight vector lives: every batch size (the
+    register path, M <= MR, and the scratch path) returns exactly the row-major result, and a
+    row still does not depend on its batch."""
+    from kvserve.quant.w16 import unpack
+
+    x, w = _case(64, n, k, dtype, n * 7 + k)
+    p = _packed(lib, w)
+    tiles = p.w16_tiles
+    assert (tiles.tile_rows, tiles.tile_cols) == w16_cpu.packing(lib)
+    assert p.shape == (tiles.num_tiles, tiles.tile_rows * k)  # no [n, k] reader accepts it
+    assert torch.equal(unpack(p, tiles), w)
+    full = w16_cpu.w16_gemm(lib, x, p)
+    assert torch.equal(full, w16_cpu.w16_gemm(lib, x, w))
+    for m in (1, 2, 3, 5, 17):
+        assert torch.equal(w16_cpu.w16_gemm(lib, x[:m], p), full[:m]), m
+
+
+def test_packing_refuses_what_it_cannot_hold():
+    from kvserve.quant.w16 import can_pack, pack
+
+    w = torch.zeros(8, 24, dtype=torch.bfloat16)
+    assert can_pack(w, 8) and not can_pack(w, 16) and not can_pack(w.float(), 8)
+    assert not can_pack(w.t(), 8)  # not contiguous
+    with pytest.raises(ValueError, match="cannot pack"):
+        pack(w, 4, 16)
+
+
+def test_packed_table_rows_and_c_gather():
+    """An embedding reads rows of a packed table (a tied LM head's): the torch twin
+    (``table_rows``) and the C gather give the row-major rows, and out-of-range ids raise."""
+    from kvserve.kernels.cpu import cpu_ops
+    from kvserve.quant.w16 import table_rows
+
+    lib = w16_cpu.w16_library()
+    if lib is None:
+        pytest.skip("C kernel unavailable")
+    for dtype in (torch.bfloat16, torch.float16):
+        _, w = _case(1, 37, 96, dtype, 5)
+        p = _packed(lib, w)
+        ids = torch.tensor([0, 36, 5, 6, 11, 12, 30, 5])
+        assert torch.equal(table_rows(p, ids), w[ids])
+        assert torch.equal(table_rows(p, ids.view(2, 4)), w[ids].view(2, 4, 96))
+        got = cpu_ops.gather_rows(p, ids)
+        if got is not None:
+            assert torch.equal(got, w[ids].float())
+            with pytest.raises(IndexError):
+                cpu_ops.gather_rows(p, torch.tensor([37]))
+        with pytest.raises(IndexError):
+            table_rows(p, torch.tensor([-1]))
+
+
+def test_packed_weight_without_the_kernel_uses_the_twin(monkeypatch):
+    lib = w16_cpu.w16_library()
+    if lib is None:
+        pytest.skip("C kernel unavailable")
+    x, w = _case(3, 20, 64, torch.bfloat16, 2)
+    p = _packed(lib, w)
+    monkeypatch.setattr(w16_cpu, "w16_library", lambda: None)
+    torch.testing.assert_close(w16_cpu.linear_w16(x, p), w16_linear(x, w), rtol=0, atol=0)
+
+
 def test_leading_dims_and_bias():
     x, w = _case(6, 12, 32, torch.bfloat16, 1)
     b = torch.randn(12)
@@ -120,6 +191,12 @@ def test_loader_keeps_bf16_weights_for_fp32_compute(tmp_path, monkeypatch, make_
     assert dense and all(m.weight.dtype == torch.bfloat16 for m in dense)
     emb = model.model.embed_tokens
     assert isinstance(emb, VocabParallelEmbedding) and emb.weight.dtype == torch.bfloat16
+    # every table packed in the GEMM's tiles (its logical shape on ``w16_tiles``)
+    for m in [*dense, emb]:
+        tiles = m.weight.w16_tiles
+        rows = (emb.per_rank if m is emb else m.out_features if isinstance(m, Linear)
+                else sum(m.out_sizes))
+        assert (tiles.rows, tiles.cols) == (rows, m.weight.shape[1] // tiles.tile_rows)
     assert emb(torch.tensor([3, 5])).dtype == torch.float32
     assert (model.lm_head.weight is emb.weight) == tied
     norms = [p for n, p in model.named_parameters() if "norm" in n]

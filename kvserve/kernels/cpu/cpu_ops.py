@@ -12,6 +12,7 @@ import torch
 
 from kvserve.cbuild import build_library
 from kvserve.kernels.cpu.graph import Rows, launch
+from kvserve.quant.w16 import tiles_of
 
 
 @functools.cache
@@ -26,7 +27,7 @@ def ops_library() -> ctypes.CDLL | None:
     dll.kvs_silu_mul.restype = None
     dll.kvs_add_rms_norm.argtypes = [p, p, p, i64, i64, ctypes.c_float, p, c_int]
     dll.kvs_add_rms_norm.restype = None
-    dll.kvs_gather_rows.argtypes = [p, c_int, i64, i64, p, i64, i64, p]
+    dll.kvs_gather_rows.argtypes = [p, c_int, i64, i64, p, i64, i64, p, i64, i64]
     dll.kvs_gather_rows.restype = c_int
     dll.kvs_gather_q8.argtypes = [p, p, c_int, i64, i64, p, i64, p]
     dll.kvs_gather_q8.restype = c_int
@@ -85,18 +86,23 @@ def add_rms_norm(x: torch.Tensor | None, residual: torch.Tensor, weight: torch.T
 
 
 def gather_rows(table: torch.Tensor, ids: torch.Tensor) -> torch.Tensor | None:
-    """Embedding lookup widened to fp32: table [V, D] (fp32 / bf16 / fp16, rows contiguous)
-    at ids int64 [T] -> fp32 [T, D]; None if the C op does not apply. An id outside [0, V)
-    raises IndexError (as F.embedding does)."""
+    """Embedding lookup widened to fp32: table [V, D] (fp32 / bf16 / fp16, rows contiguous, or
+    a 16-bit table packed in the GEMM's tiles: kvserve.quant.w16) at ids int64 [T] -> fp32
+    [T, D]; None if the C op does not apply. An id outside [0, V) raises IndexError (as
+    F.embedding does)."""
     lib = ops_library()
+    tiles = tiles_of(table)
     if lib is None or table.dtype not in GATHER_KINDS or table.device.type != "cpu" \
             or table.dim() != 2 or table.stride(1) != 1 or ids.dtype != torch.int64 \
-            or ids.dim() != 1 or not ids.is_contiguous():
+            or ids.dim() != 1 or not ids.is_contiguous() \
+            or (tiles is not None and not table.is_contiguous()):
         return None
-    out = torch.empty(ids.shape[0], table.shape[1], dtype=torch.float32)
-    if launch(lib, "kvs_gather_rows", table, GATHER_KINDS[table.dtype], table.shape[0],
-              table.stride(0), ids, Rows(ids.shape[0]), table.shape[1], out):
-        raise IndexError(f"token id out of range for an embedding of {table.shape[0]} rows")
+    rows, dim = (table.shape[0], table.shape[1]) if tiles is None else (tiles.rows, tiles.cols)
+    tr, tc = (0, 0) if tiles is None else (tiles.tile_rows, tiles.tile_cols)
+    out = torch.empty(ids.shape[0], dim, dtype=torch.float32)
+    if launch(lib, "kvs_gather_rows", table, GATHER_KINDS[table.dtype], rows,
+              table.stride(0), ids, Rows(ids.shape[0]), dim, out, tr, tc):
+        raise IndexError(f"token id out of range for an embedding of {rows} rows")
     return out
 
 

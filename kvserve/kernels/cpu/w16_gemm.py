@@ -22,7 +22,7 @@ from kvserve import config
 from kvserve.cbuild import build_library
 from kvserve.kernels.cpu.graph import Rows, launch
 from kvserve.kernels.reference import w16_linear
-from kvserve.quant.w16 import KINDS
+from kvserve.quant.w16 import KINDS, W16Tiles, pack, tiles_of, unpack
 
 
 @functools.cache
@@ -35,11 +35,19 @@ def w16_library() -> ctypes.CDLL | None:
 
 def bind(dll: ctypes.CDLL) -> ctypes.CDLL:
     """Declare the library's signatures (also for the tests' other-ISA builds) and ask once
-    whether it has the bf16-dot path on this CPU (``dll.bf16_dot_built``; never asked while a
-    graph records, where the query would be refused as a kernel without an adapter)."""
+    for its packed layout (``dll.packing``) and whether it has the bf16-dot path on this CPU
+    (``dll.bf16_dot_built``; never asked while a graph records, where the query would be
+    refused as a kernel without an adapter)."""
     p, i64, c_int = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
-    dll.kvs_w16_gemm.argtypes = [p, i64, i64, i64, p, i64, i64, c_int, c_int, p, i64, i64]
+    dll.kvs_w16_gemm.argtypes = [p, i64, i64, i64, p, i64, i64, c_int, c_int, p, i64, i64,
+                                 c_int]
     dll.kvs_w16_gemm.restype = c_int
+    dll.packing = None  # (rows per tile, columns per step) of its packed tiles
+    if hasattr(dll, "kvs_w16_packing"):  # (an older source built by a benchmark lacks it)
+        dll.kvs_w16_packing.argtypes, dll.kvs_w16_packing.restype = [p], None
+        out = torch.zeros(2, dtype=torch.int64)
+        launch(dll, "kvs_w16_packing", out)
+        dll.packing = (int(out[0]), int(out[1]))
     dll.bf16_dot_built = False
     if hasattr(dll, "kvs_w16_bf16_dot"):  # (an older source built by a benchmark lacks it)
         dll.kvs_w16_bf16_dot.argtypes, dll.kvs_w16_bf16_dot.restype = [], c_int
@@ -95,31 +103,57 @@ def applies(x: torch.Tensor, weight: torch.Tensor) -> bool:
             and weight.device.type == "cpu")
 
 
+def packing(lib: ctypes.CDLL) -> tuple[int, int]:
+    """The packed layout ``lib`` reads: (rows per tile, columns per step) (kvserve.quant.w16)."""
+    return lib.packing
+
+
 def w16_gemm(lib: ctypes.CDLL, x: torch.Tensor, weight: torch.Tensor,
              bf16_rows: int = 0) -> torch.Tensor:
-    """fp32 x [..., K] @ 16-bit weight [N, K]^T -> fp32 [..., N] in one C call; with
-    ``bf16_rows`` > 0, bf16 weights and at least that many rows use bf16 dot products where
-    ``lib`` and the CPU have them (``bf16_dot_rows``)."""
+    """fp32 x [..., K] @ 16-bit weight [N, K]^T -> fp32 [..., N] in one C call; the weight
+    row-major, or packed in ``lib``'s tiles (``w16_tiles``: kvserve.quant.w16). With
+    ``bf16_rows`` > 0, row-major bf16 weights and at least that many rows use bf16 dot products
+    where ``lib`` and the CPU have them (``bf16_dot_rows``)."""
     k = x.shape[-1]
-    n = weight.shape[0]
-    assert weight.shape[1] == k and weight.stride(1) == 1
+    tiles = tiles_of(weight)
+    if tiles is None:
+        n, ldw = weight.shape[0], weight.stride(0)
+        assert weight.shape[1] == k and weight.stride(1) == 1
+    else:
+        n, ldw = tiles.rows, 0
+        assert tiles.cols == k and (tiles.tile_rows, tiles.tile_cols) == lib.packing, tiles
+        assert weight.is_contiguous()
     x2 = x.reshape(-1, k)
     if x2.stride(1) != 1:
         x2 = x2.contiguous()
     m = x2.shape[0]
     y = torch.empty(m, n, dtype=torch.float32)
-    if m and launch(lib, "kvs_w16_gemm", x2, Rows(m), k, x2.stride(0), weight, n,
-                    weight.stride(0), KINDS[weight.dtype], torch.get_num_threads(), y, n,
-                    bf16_rows):
-        raise MemoryError("kvs_w16_gemm: no scratch memory")
+    if m:
+        rc = launch(lib, "kvs_w16_gemm", x2, Rows(m), k, x2.stride(0), weight, n, ldw,
+                    KINDS[weight.dtype], torch.get_num_threads(), y, n, bf16_rows,
+                    int(tiles is not None))
+        assert rc != 2, "packed weights with K % tile_cols != 0"  # pack() refuses them
+        if rc:
+            raise MemoryError("kvs_w16_gemm: no scratch memory")
     return y.reshape(*x.shape[:-1], n)
 
 
 def linear_w16(x: torch.Tensor, weight: torch.Tensor,
                bias: torch.Tensor | None = None) -> torch.Tensor:
-    """``F.linear`` for fp32 x and a 16-bit weight: the C kernel, else the twin."""
+    """``F.linear`` for fp32 x and a 16-bit weight (row-major or packed): the C kernel, else
+    the twin."""
     lib = w16_library()
-    if lib is None or weight.stride(1) != 1:
-        return w16_linear(x, weight, bias)
+    tiles = tiles_of(weight)
+    if lib is None or (tiles is None and weight.stride(1) != 1):
+        return w16_linear(x, weight if tiles is None else unpack(weight, tiles), bias)
     y = w16_gemm(lib, x, weight, bf16_dot_rows(lib))
     return y if bias is None else y + bias.float()
+
+
+def pack_weight(lib: ctypes.CDLL, weight: torch.nn.Parameter) -> W16Tiles:
+    """Repack a row-major 16-bit parameter in place into ``lib``'s tiles (its ``data`` becomes
+    the packed table and ``w16_tiles`` says how; a tied table is one parameter, packed once)."""
+    packed, tiles = pack(weight.data, *lib.packing)
+    weight.data = packed
+    weight.w16_tiles = tiles  # type: ignore[attr-defined]
+    return tiles

@@ -35,6 +35,7 @@ from kvserve.engine.arg_utils import EngineArgs
 from kvserve.engine.llm_engine import LLMEngine
 from kvserve.kernels import reference as ref
 from kvserve.kernels.cpu import w16_gemm as w16
+from kvserve.quant.w16 import tiles_of, unpack
 from kvserve.sampling_params import SamplingParams
 
 _REAL = (w16.linear_w16, w16.bf16_dot_rows)  # restored when main() returns
@@ -53,7 +54,8 @@ def _policy(rows: int, kernel: bool):
     def emulated(x, weight, bias=None):
         m = x.reshape(-1, x.shape[-1]).shape[0]
         if rows and m >= rows and weight.dtype == torch.bfloat16:
-            y = ref.w16_linear_bf16_dot(x, weight)
+            tiles = tiles_of(weight)  # the engine holds its tables packed (kvserve.quant.w16)
+            y = ref.w16_linear_bf16_dot(x, weight if tiles is None else unpack(weight, tiles))
             return y if bias is None else y + bias.float()
         return real(x, weight, bias)
 

@@ -35,6 +35,7 @@ from kvserve.model.sources import (
     model_source,
     open_checkpoint,
 )
+from kvserve.quant.w16 import can_pack, tiles_of
 
 logger = logging.getLogger(__name__)
 
@@ -224,7 +225,6 @@ def pack_dense_weights(model: CausalLM) -> int:
     when this process's bf16-weight GEMMs take bf16 dot products (``--cpu-bf16-dot-rows``: that
     path reads row-major tables). Returns the number of tables packed."""
     from kvserve.kernels.cpu import w16_gemm
-    from kvserve.quant.w16 import can_pack
 
     lib = w16_gemm.w16_library()
     if lib is None:
@@ -283,8 +283,9 @@ def weight_bytes(model: torch.nn.Module) -> tuple[int, int]:
         if id(t) in seen or not t.is_floating_point() or t.dim() < 1:
             continue
         seen.add(id(t))
-        held += t.numel() * t.element_size()
-        bf16 += t.numel() * 2
+        held += t.numel() * t.element_size()  # a packed table's padding rows included
+        tiles = tiles_of(t)
+        bf16 += 2 * (t.numel() if tiles is None else tiles.rows * tiles.cols)
     return held, bf16
 
 

@@ -60,8 +60,10 @@ def pack(weight: torch.Tensor, tile_rows: int, tile_cols: int) -> tuple[torch.Te
     if tile_rows < 1 or tile_cols < 1 or k % tile_cols:
         raise ValueError(f"cannot pack a [{n}, {k}] table in tiles of {tile_rows} x {tile_cols}")
     tiles = W16Tiles(n, k, tile_rows, tile_cols)
-    padded = weight.new_zeros(tiles.num_tiles * tile_rows, k)
-    padded[:n] = weight
+    padded = weight
+    if n % tile_rows:  # (a copy only then: a big table is held twice, not three times)
+        padded = weight.new_zeros(tiles.num_tiles * tile_rows, k)
+        padded[:n] = weight
     t = padded.view(tiles.num_tiles, tile_rows, k // tile_cols, tile_cols).permute(0, 2, 1, 3)
     return t.contiguous().view(tiles.num_tiles, tile_rows * k), tiles
 

@@ -121,8 +121,11 @@ def w16_gemm(lib: ctypes.CDLL, x: torch.Tensor, weight: torch.Tensor,
         assert weight.shape[1] == k and weight.stride(1) == 1
     else:
         n, ldw = tiles.rows, 0
-        assert tiles.cols == k and (tiles.tile_rows, tiles.tile_cols) == lib.packing, tiles
-        assert weight.is_contiguous()
+        # (checked, not asserted: a mismatch would have the C read past the table)
+        if tiles.cols != k or (tiles.tile_rows, tiles.tile_cols) != lib.packing \
+                or not weight.is_contiguous():
+            raise RuntimeError(f"packed weight {tiles} does not fit x [..., {k}] and this "
+                               f"kernel's tiles {lib.packing}")
     x2 = x.reshape(-1, k)
     if x2.stride(1) != 1:
         x2 = x2.contiguous()
@@ -132,7 +135,8 @@ def w16_gemm(lib: ctypes.CDLL, x: torch.Tensor, weight: torch.Tensor,
         rc = launch(lib, "kvs_w16_gemm", x2, Rows(m), k, x2.stride(0), weight, n, ldw,
                     KINDS[weight.dtype], torch.get_num_threads(), y, n, bf16_rows,
                     int(tiles is not None))
-        assert rc != 2, "packed weights with K % tile_cols != 0"  # pack() refuses them
+        if rc == 2:
+            raise RuntimeError("kvs_w16_gemm: packed weights with K % tile_cols != 0")
         if rc:
             raise MemoryError("kvs_w16_gemm: no scratch memory")
     return y.reshape(*x.shape[:-1], n)

@@ -156,9 +156,12 @@ void kvs_wq_quant_act(const float *restrict x, int64_t M, int64_t K, int terms,
 
 #if defined(__AVX2__)
 /*
- * AVX2 pass (AVX-512 builds without VNNI take it too): mt (<= MT) rows of x against one half
- * of a weight tile (8 output rows, h = 0 / 1) over all of K, the 8 outputs of each row held in
- * one fp32 register from the first block to the last. AVX2 has no u8 x s8 -> s32 dot:
+ * AVX2 pass (AVX-512 builds without VNNI take it too): mt (<= MT) rows of x against nh halves
+ * of a weight tile (8 output rows each, halves h0 .. h0 + nh - 1) over all of K, the 8 outputs
+ * of each row and half held in one fp32 register from the first block to the last. Up to 2 rows
+ * (a batch-1 row and its int8x2 remainder) take both halves in one pass, so each x broadcast and
+ * each row's scalar work serve 16 outputs; 3-4 rows take a pass per half (more accumulators
+ * would spill). Every output runs the same operations either way. AVX2 has no u8 x s8 -> s32 dot:
  * vpmaddubsw (pairs -> s16), then vpmaddwd (-> s32). A code vector is unpacked once per block
  * and serves every row of the pass; mt, bits are constants at each call site, so the loops
  * unroll and everything stays in registers.
@@ -182,80 +185,112 @@ void kvs_wq_quant_act(const float *restrict x, int64_t M, int64_t K, int terms,
 static inline __attribute__((always_inline)) void pass_avx2(
     const uint8_t *restrict wt, const uint16_t *restrict st, const int8_t *restrict q,
     const float *restrict dx, const int32_t *restrict qs, int64_t K, int64_t G, const int bits,
-    const int mt, const int h, float *restrict y, int64_t ldy) {
+    const int mt, const int h0, const int nh, float *restrict y, int64_t ldy) {
+    /* halves h0 .. h0 + nh - 1 (nh = 2: the whole tile in one pass, each x broadcast and each
+     * row's scalar work shared by both halves; every output's operations are the same) */
     const int64_t nb = K / 32, ng = K / G, bpg = G / 32, block_bytes = 64 * bits;
     const __m256i ones = _mm256_set1_epi16(1), lo4 = _mm256_set1_epi8(0x0F);
     const __m256i bias = _mm256_set1_epi8((char)0x80);
-    __m256 out[MT];
-    for (int mm = 0; mm < mt; mm++) out[mm] = _mm256_setzero_ps();
+    __m256 out[MT][2];
+    for (int mm = 0; mm < mt; mm++)
+        for (int hh = 0; hh < nh; hh++) out[mm][hh] = _mm256_setzero_ps();
     for (int64_t g = 0; g < ng; g++) {
-        const __m256 s = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(st + g * 32 + 8 * h)));
+        __m256 s[2];
+        for (int hh = 0; hh < nh; hh++)
+            s[hh] = _mm256_cvtph_ps(
+                _mm_loadu_si128((const __m128i *)(st + g * 32 + 8 * (h0 + hh))));
         float ms[MT] = {0};
         for (int64_t b = g * bpg; b < (g + 1) * bpg; b++) {
-            const uint8_t *wb = wt + b * block_bytes + 32 * h;
+            const uint8_t *wb = wt + b * block_bytes + 32 * h0;
             const int8_t *qb = q + 32 * b;
-            __m256i a[MT];
+            __m256i a[MT][2];
             if (bits == 4) {
-                for (int mm = 0; mm < mt; mm++) a[mm] = _mm256_setzero_si256();
+                for (int mm = 0; mm < mt; mm++)
+                    for (int hh = 0; hh < nh; hh++) a[mm][hh] = _mm256_setzero_si256();
                 for (int t = 0; t < 4; t++) { /* k 8t..8t+3 (low nibbles), 8t+4..8t+7 (high) */
-                    const __m256i v = _mm256_loadu_si256((const __m256i *)(wb + 64 * t));
-                    const __m256i w0 = _mm256_and_si256(v, lo4);
-                    const __m256i w1 = _mm256_and_si256(_mm256_srli_epi16(v, 4), lo4);
+                    __m256i w0[2], w1[2];
+                    for (int hh = 0; hh < nh; hh++) {
+                        const __m256i v =
+                            _mm256_loadu_si256((const __m256i *)(wb + 64 * t + 32 * hh));
+                        w0[hh] = _mm256_and_si256(v, lo4);
+                        w1[hh] = _mm256_and_si256(_mm256_srli_epi16(v, 4), lo4);
+                    }
                     for (int mm = 0; mm < mt; mm++) {
                         int32_t x0, x1;
                         memcpy(&x0, qb + mm * K + 8 * t, 4);
                         memcpy(&x1, qb + mm * K + 8 * t + 4, 4);
-                        a[mm] = _mm256_add_epi16(a[mm],
-                                                 _mm256_maddubs_epi16(w0, _mm256_set1_epi32(x0)));
-                        a[mm] = _mm256_add_epi16(a[mm],
-                                                 _mm256_maddubs_epi16(w1, _mm256_set1_epi32(x1)));
-                        KVS_KEEP(a[mm]);
+                        const __m256i b0 = _mm256_set1_epi32(x0), b1 = _mm256_set1_epi32(x1);
+                        for (int hh = 0; hh < nh; hh++) {
+                            a[mm][hh] = _mm256_add_epi16(a[mm][hh],
+                                                         _mm256_maddubs_epi16(w0[hh], b0));
+                            a[mm][hh] = _mm256_add_epi16(a[mm][hh],
+                                                         _mm256_maddubs_epi16(w1[hh], b1));
+                            KVS_KEEP(a[mm][hh]);
+                        }
                     }
                 }
-                for (int mm = 0; mm < mt; mm++) a[mm] = _mm256_madd_epi16(a[mm], ones);
+                for (int mm = 0; mm < mt; mm++)
+                    for (int hh = 0; hh < nh; hh++)
+                        a[mm][hh] = _mm256_madd_epi16(a[mm][hh], ones);
             } else {
                 for (int mm = 0; mm < mt; mm++)
-                    a[mm] = _mm256_set1_epi32(128 * qs[mm * nb + b]);
+                    for (int hh = 0; hh < nh; hh++)
+                        a[mm][hh] = _mm256_set1_epi32(128 * qs[mm * nb + b]);
                 for (int t = 0; t < 8; t++) { /* k-quad t: k 4t..4t+3 */
-                    const __m256i q8 = _mm256_xor_si256(
-                        _mm256_loadu_si256((const __m256i *)(wb + 64 * t)), bias);
-                    const __m256i mag = _mm256_abs_epi8(q8);
+                    __m256i q8[2], mag[2];
+                    for (int hh = 0; hh < nh; hh++) {
+                        q8[hh] = _mm256_xor_si256(
+                            _mm256_loadu_si256((const __m256i *)(wb + 64 * t + 32 * hh)), bias);
+                        mag[hh] = _mm256_abs_epi8(q8[hh]);
+                    }
                     for (int mm = 0; mm < mt; mm++) {
                         int32_t xv;
                         memcpy(&xv, qb + mm * K + 4 * t, 4);
-                        const __m256i sx = _mm256_sign_epi8(_mm256_set1_epi32(xv), q8);
-                        a[mm] = _mm256_add_epi32(a[mm], _mm256_madd_epi16(
-                            _mm256_maddubs_epi16(mag, sx), ones));
-                        KVS_KEEP(a[mm]);
+                        const __m256i bx = _mm256_set1_epi32(xv);
+                        for (int hh = 0; hh < nh; hh++) {
+                            const __m256i sx = _mm256_sign_epi8(bx, q8[hh]);
+                            a[mm][hh] = _mm256_add_epi32(a[mm][hh], _mm256_madd_epi16(
+                                _mm256_maddubs_epi16(mag[hh], sx), ones));
+                            KVS_KEEP(a[mm][hh]);
+                        }
                     }
                 }
             }
             for (int mm = 0; mm < mt; mm++) {
                 const float d = dx[mm * nb + b];
-                const __m256 f = _mm256_mul_ps(_mm256_set1_ps(d), _mm256_cvtepi32_ps(a[mm]));
-                out[mm] = _mm256_fmadd_ps(s, f, out[mm]);
+                for (int hh = 0; hh < nh; hh++) {
+                    const __m256 f =
+                        _mm256_mul_ps(_mm256_set1_ps(d), _mm256_cvtepi32_ps(a[mm][hh]));
+                    out[mm][hh] = _mm256_fmadd_ps(s[hh], f, out[mm][hh]);
+                }
                 ms[mm] += d * (float)qs[mm * nb + b];
             }
         }
-        const __m256 mn = _mm256_cvtph_ps(
-            _mm_loadu_si128((const __m128i *)(st + g * 32 + 16 + 8 * h)));
-        for (int mm = 0; mm < mt; mm++)
-            out[mm] = _mm256_fmadd_ps(mn, _mm256_set1_ps(ms[mm]), out[mm]);
+        for (int hh = 0; hh < nh; hh++) {
+            const __m256 mn = _mm256_cvtph_ps(
+                _mm_loadu_si128((const __m128i *)(st + g * 32 + 16 + 8 * (h0 + hh))));
+            for (int mm = 0; mm < mt; mm++)
+                out[mm][hh] = _mm256_fmadd_ps(mn, _mm256_set1_ps(ms[mm]), out[mm][hh]);
+        }
     }
-    for (int mm = 0; mm < mt; mm++) _mm256_storeu_ps(y + mm * ldy + 8 * h, out[mm]);
+    for (int mm = 0; mm < mt; mm++)
+        for (int hh = 0; hh < nh; hh++)
+            _mm256_storeu_ps(y + mm * ldy + 8 * (h0 + hh), out[mm][hh]);
 }
 
 static void pass_avx2_dispatch(const uint8_t *wt, const uint16_t *st, const int8_t *q,
                                const float *dx, const int32_t *qs, int64_t K, int64_t G,
-                               int bits, int mt, int h, float *y, int64_t ldy) {
-    /* literal arguments: one specialized copy per (bits, mt) */
-#define KVS_PASS(BITS, MTV) pass_avx2(wt, st, q, dx, qs, K, G, BITS, MTV, h, y, ldy)
+                               int bits, int mt, float *y, int64_t ldy) {
+    /* literal arguments: one specialized copy per (bits, mt). Up to 2 rows, one pass takes
+     * both halves of the tile (16 outputs per row: 4 accumulators per row fit the 16 ymm);
+     * 3 or 4 rows run one pass per half. */
+#define KVS_PASS(BITS, MTV, H0, NH) pass_avx2(wt, st, q, dx, qs, K, G, BITS, MTV, H0, NH, y, ldy)
 #define KVS_PASS_MT(BITS)                                                       \
     switch (mt) {                                                              \
-    case 4: KVS_PASS(BITS, 4); break;                                          \
-    case 3: KVS_PASS(BITS, 3); break;                                          \
-    case 2: KVS_PASS(BITS, 2); break;                                          \
-    default: KVS_PASS(BITS, 1); break;                                         \
+    case 4: KVS_PASS(BITS, 4, 0, 1); KVS_PASS(BITS, 4, 1, 1); break;           \
+    case 3: KVS_PASS(BITS, 3, 0, 1); KVS_PASS(BITS, 3, 1, 1); break;           \
+    case 2: KVS_PASS(BITS, 2, 0, 2); break;                                    \
+    default: KVS_PASS(BITS, 1, 0, 2); break;                                   \
     }
     if (bits == 4) {
         KVS_PASS_MT(4)
@@ -424,9 +459,8 @@ void kvs_wq_gemm(const uint8_t *restrict codes, const uint16_t *restrict sm,
         for (int64_t m0 = 0; m0 < M; m0 += MT) {
             const int mt = (M - m0) < MT ? (int)(M - m0) : MT;
 #if defined(__AVX2__)
-            for (int h = 0; h < 2; h++)
-                pass_avx2_dispatch(wt, st, q + m0 * K, dx + m0 * nb, qs + m0 * nb, K, G, bits,
-                                   mt, h, y + m0 * N + tile * 16, N);
+            pass_avx2_dispatch(wt, st, q + m0 * K, dx + m0 * nb, qs + m0 * nb, K, G, bits, mt,
+                               y + m0 * N + tile * 16, N);
 #else
             /* per row and group: f = sum_b dx[b] acc_b, ms = sum_b dx[b] qs[b];
              * out += s f + m ms (the AVX2 pass's sums in another order) */

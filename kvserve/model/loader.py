@@ -196,21 +196,27 @@ def model_dtypes(dtype: str | torch.dtype, ckpt: torch.dtype, device: str,
                                 w16_kernel=on_cpu and w16_library() is not None)
 
 
+def _dense_tables(model: CausalLM):
+    """The modules whose weight table is a dense [out, in] matrix held 16-bit on CPU: dense
+    linears and the token embedding, except the modules the model reads as a dense matrix
+    itself (``int4_dense_modules``, e.g. MLA's kv_b_proj). A tied head's table comes twice."""
+    keep = set(model.int4_dense_modules)
+    for name, module in model.named_modules():
+        if name.rpartition(".")[2] not in keep and isinstance(
+                module, (Linear, MergedLinear, VocabParallelEmbedding)):
+            yield module
+
+
 def narrow_dense_weights(model: CausalLM, storage: torch.dtype) -> int:
     """Cast the weight tables of dense linears and the token embedding to ``storage`` (16-bit,
     exact: they were loaded from a ``storage`` checkpoint). Biases, norms, MoE experts and the
     modules the model reads as a dense matrix (``int4_dense_modules``, e.g. MLA's kv_b_proj)
     keep the compute dtype. A tied LM head shares the embedding's table, so it is cast once.
     Returns the number of tables cast."""
-    keep = set(model.int4_dense_modules)
     n = 0
-    for name, module in model.named_modules():
-        if name.rpartition(".")[2] in keep:
-            continue
+    for module in _dense_tables(model):
         if isinstance(module, VocabParallelEmbedding):
             module.out_dtype = module.weight.dtype
-        elif not isinstance(module, (Linear, MergedLinear)):
-            continue
         w = module.weight
         if w.dtype == torch.float32 and w.device.type == "cpu":
             w.data = w.data.to(storage)
@@ -221,25 +227,23 @@ def narrow_dense_weights(model: CausalLM, storage: torch.dtype) -> int:
 def pack_dense_weights(model: CausalLM) -> int:
     """Repack the 16-bit CPU tables that ``narrow_dense_weights`` left (dense linears, the
     token embedding, a tied head once) into the 16-bit GEMM's tiles (kvserve.quant.w16: a
-    batch-1 step streams them ~1.3x faster, same results). Not when the GEMM is not built, or
-    when this process's bf16-weight GEMMs take bf16 dot products (``--cpu-bf16-dot-rows``: that
-    path reads row-major tables). Returns the number of tables packed."""
+    batch-1 step streams them ~1.3x faster, same results). Not when the GEMM is not built, or,
+    for bf16 tables, when this process's bf16-weight GEMMs take bf16 dot products
+    (``--cpu-bf16-dot-rows``: that path reads row-major tables). Returns the number of tables
+    packed."""
     from kvserve.kernels.cpu import w16_gemm
 
     lib = w16_gemm.w16_library()
     if lib is None:
         return 0
-    keep = set(model.int4_dense_modules)
     cols = w16_gemm.packing(lib)[1]
+    bf16_dots = bool(w16_gemm.bf16_dot_rows(lib))
     n = 0
-    for name, module in model.named_modules():
-        if name.rpartition(".")[2] in keep or not isinstance(
-                module, (Linear, MergedLinear, VocabParallelEmbedding)):
-            continue
+    for module in _dense_tables(model):
         w = module.weight
         if not can_pack(w, cols):  # (a tied table: packed already)
             continue
-        if w.dtype == torch.bfloat16 and w16_gemm.bf16_dot_rows(lib):
+        if w.dtype == torch.bfloat16 and bf16_dots:
             continue
         w16_gemm.pack_weight(lib, w)
         n += 1

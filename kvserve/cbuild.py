@@ -31,22 +31,61 @@ def _compiler() -> str | None:
     return shutil.which(os.environ.get("CC", "cc")) or shutil.which("gcc")
 
 
+def kernel_build() -> str:
+    """The build the engine's kernels use: "native" (``-march=native``, the default) or the ISA
+    variant KVSERVE_CPU_BUILD names (a key of ISA_FLAGS: e.g. ``avx2`` to rule the AVX-512 code
+    out, or ``bf16_emu`` to run the AVX-512 paths on an AVX2 machine while developing them).
+    Raises ValueError for a name it does not know or a variant this CPU cannot run (loading it
+    would stop the process on an illegal instruction)."""
+    build = os.environ.get("KVSERVE_CPU_BUILD", "").strip() or "native"
+    if build == "native":
+        return build
+    if build not in ISA_FLAGS:
+        raise ValueError(f"KVSERVE_CPU_BUILD={build!r}: expected native or one of "
+                         f"{', '.join(ISA_FLAGS)}")
+    if not can_run_variant(build):
+        from kvserve.config import cpu_flags
+
+        lacks = sorted(ISA_CPU_FLAGS[build] - cpu_flags()) or ["x86-64"]
+        raise ValueError(f"KVSERVE_CPU_BUILD={build}: this CPU cannot run that build (lacks "
+                         f"{', '.join(lacks)})")
+    return build
+
+
+def variant_flags(isa: str) -> list[str]:
+    """The compiler flags of ISA variant ``isa`` (FLAGS with its target in place of
+    -march=native). Raises FileNotFoundError for an emulated variant without SIMDe's headers."""
+    flags = [f for f in FLAGS if f != "-march=native"] + list(ISA_FLAGS[isa])
+    if isa in EMULATED:
+        include = simde_include()
+        if include is None:
+            raise FileNotFoundError(f"the {isa} variant needs SIMDe's headers: pip install "
+                                    "simde-py (a dev extra) or apt install libsimde-dev")
+        flags += ["-isystem", include, "-include", os.path.join(CSRC, "emu", "avx512_simde.h")]
+    return flags
+
+
 @cache
 def build_library(name: str) -> ctypes.CDLL | None:
-    """Compile (once per source version) and load ``kvserve/csrc/<name>.c``."""
+    """Compile (once per source version and build, see kernel_build) and load
+    ``kvserve/csrc/<name>.c``."""
     if os.environ.get("KVSERVE_CPU_KERNEL", "1") == "0":
         return None
     cc = _compiler()
     if cc is None:
         logger.info("no C compiler: %s falls back to pure torch", name)
         return None
+    build = kernel_build()
+    flags = FLAGS if build == "native" else variant_flags(build)
     src_path = os.path.join(CSRC, f"{name}.c")
     with open(src_path, "rb") as f:
         src = f.read()
-    # shared headers (csrc/*.h) are part of every kernel's version
+    # shared headers (csrc/*.h, and the emulation's) are part of every kernel's version
     headers = b"".join(pathlib.Path(CSRC, h).read_bytes()
                        for h in sorted(os.listdir(CSRC)) if h.endswith(".h"))
-    key = hashlib.sha256(src + headers + " ".join(FLAGS).encode()).hexdigest()[:16]
+    if build in EMULATED:
+        headers += pathlib.Path(CSRC, "emu", "avx512_simde.h").read_bytes()
+    key = hashlib.sha256(src + headers + " ".join(flags).encode()).hexdigest()[:16]
     cache_dir = os.path.join(
         os.path.expanduser(os.environ.get("XDG_CACHE_HOME", "~/.cache")), "kvserve")
     lib = os.path.join(cache_dir, f"{name}_{key}.so")
@@ -55,7 +94,7 @@ def build_library(name: str) -> ctypes.CDLL | None:
         fd, tmp = tempfile.mkstemp(suffix=".so", dir=cache_dir)
         os.close(fd)
         try:
-            subprocess.run([cc, src_path, "-o", tmp, *FLAGS], check=True, capture_output=True)
+            subprocess.run([cc, src_path, "-o", tmp, *flags], check=True, capture_output=True)
             os.replace(tmp, lib)
         except (OSError, subprocess.CalledProcessError) as e:
             err = getattr(e, "stderr", b"") or b""
@@ -78,6 +117,15 @@ ISA_FLAGS = {"avx2": ("-march=haswell",),
              "portable": ("-mno-avx2", "-mno-fma", "-mno-f16c", "-mno-avx512f"),
              "avx512": ("-march=skylake-avx512",),
              "bf16": ("-march=skylake-avx512", "-mavx512f", "-mavx512vnni", "-mavx512bf16")}
+# The same AVX-512 paths emulated on an AVX2 CPU, for tests only: the kernel is built for Haswell
+# with csrc/emu/avx512_simde.h, which maps every _mm512_* intrinsic onto SIMDe's portable
+# 512-bit vectors (two native halves) and claims the AVX-512 feature macros, so "avx512_emu"
+# and "bf16_emu" run the code of "avx512" and "bf16" (tiles, packed layouts, masks, vdpbf16ps,
+# vpdpbusd) on the machines that cannot run those. Needs SIMDe's headers: the simde-py package
+# (a dev extra) or the system's (Debian libsimde-dev); see simde_include().
+EMULATED = {"avx512_emu": "avx512", "bf16_emu": "bf16"}
+ISA_FLAGS |= {"avx512_emu": ("-march=haswell", "-Wno-psabi"),
+              "bf16_emu": ("-march=haswell", "-Wno-psabi", "-DKVS_SIMDE_BF16")}
 # /proc/cpuinfo flags a CPU needs to run each variant
 ISA_CPU_FLAGS: dict[str, frozenset[str]] = {
     "avx2": frozenset({"avx2", "fma", "f16c", "bmi2"}),
@@ -86,7 +134,23 @@ ISA_CPU_FLAGS: dict[str, frozenset[str]] = {
                          "avx512vl", "avx512cd"}),
     "bf16": frozenset({"avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512dq", "avx512vl",
                        "avx512cd", "avx512_vnni", "avx512_bf16"}),
+    "avx512_emu": frozenset({"avx2", "fma", "f16c", "bmi2"}),
+    "bf16_emu": frozenset({"avx2", "fma", "f16c", "bmi2"}),
 }
+
+
+def simde_include() -> str | None:
+    """The directory holding SIMDe's ``simde/x86/avx512.h`` (the simde-py package's, else the
+    system's), or None: the emulated variants then cannot be built."""
+    try:
+        import simde_py
+
+        candidates = [simde_py.get_include()]
+    except ImportError:
+        candidates = []
+    candidates += ["/usr/include", "/usr/local/include"]
+    return next((d for d in candidates
+                 if os.path.isfile(os.path.join(d, "simde", "x86", "avx512.h"))), None)
 
 
 # The CPU kinds kvserve tells apart (docs/cpu.md), highest first, by the flags they need:
@@ -131,17 +195,18 @@ def compile_variant(name: str, isa: str, out_dir: str, asm: bool = False) -> str
     """Compile ``kvserve/csrc/<name>.c`` for ``isa`` (a key of ISA_FLAGS) into ``out_dir``
     without loading it: the shared library's path, or with ``asm`` the assembly's (``-S``).
     None without a C compiler or off x86-64 (the flags are x86 flags); raises
-    CalledProcessError when it does not compile."""
+    CalledProcessError when it does not compile, FileNotFoundError for an emulated variant
+    without SIMDe's headers."""
     import platform
 
     cc = _compiler()
     if cc is None or platform.machine() not in ("x86_64", "AMD64"):
         return None
     out = os.path.join(out_dir, f"{name}_{isa}." + ("s" if asm else "so"))
-    flags = [f for f in FLAGS if f != "-march=native"]
+    flags = variant_flags(isa)
     if asm:
         flags = [f for f in flags if f not in ("-shared", "-lm")] + ["-S"]
-    subprocess.run([cc, os.path.join(CSRC, f"{name}.c"), "-o", out, *flags, *ISA_FLAGS[isa]],
+    subprocess.run([cc, os.path.join(CSRC, f"{name}.c"), "-o", out, *flags],
                    check=True, capture_output=True)
     return out
 

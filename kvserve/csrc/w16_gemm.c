@@ -147,7 +147,9 @@ static inline __attribute__((always_inline)) void tile(
             vec wv = wf ? vload(wf[j] + k) : vload16(w[j] + k * ws, kind);
             /* in a register: else the compiler folds the load into every row's FMA, and the
              * loads (one per FMA) instead of the FMAs bound the loop */
+#ifndef KVS_SIMDE /* (an emulated 512-bit vector is no register) */
             __asm__("" : "+v"(wv));
+#endif
             for (int i = 0; i < mr; i++) acc[i][j] = vfma(xv[i], wv, acc[i][j]);
         }
     }
@@ -324,7 +326,9 @@ static int w16_gemm_bf16_dot(const float *x, int64_t M, int64_t K, int64_t ldx,
 
 /* 1 when this build has the bf16-dot path and the CPU running it has AVX512-BF16 */
 int kvs_w16_bf16_dot(void) {
-#ifdef KVS_BF16_DOT
+#if defined(KVS_BF16_DOT) && defined(KVS_SIMDE)
+    return 1; /* emulated (cbuild's bf16_emu test build): any CPU runs it */
+#elif defined(KVS_BF16_DOT)
     return __builtin_cpu_supports("avx512bf16") ? 1 : 0;
 #else
     return 0;

@@ -21,7 +21,7 @@ from kvserve.cache.block_pool import BlockPool
 from kvserve.cache.integrity import IntegrityChecker
 from kvserve.cache.kv_cache_manager import KVCacheManager
 from kvserve.cache.kv_events import KVEventPublisher
-from kvserve.cbuild import cpu_kind
+from kvserve.cbuild import cpu_kind, kernel_build
 from kvserve.config import (
     EngineConfig,
     ModelConfig,
@@ -93,7 +93,9 @@ def describe_cpu_path(compute: torch.dtype, storage: torch.dtype) -> str:
         dense = f"16-bit GEMM with {dot}"
     else:
         dense = "torch's fp32 GEMM for the fp32 weights"
-    return (f"{head}; {dtypes}; C kernels (-march=native): {dense}, integer-dot GGUF GEMM, "
+    build = kernel_build()
+    built = "-march=native" if build == "native" else f"KVSERVE_CPU_BUILD={build}"
+    return (f"{head}; {dtypes}; C kernels ({built}): {dense}, integer-dot GGUF GEMM, "
             "fused small ops, paged attention")
 
 

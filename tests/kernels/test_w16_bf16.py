@@ -22,10 +22,12 @@ from kvserve.kernels.reference import w16_linear
 from tests.conftest import variant_library
 
 
-@pytest.fixture(scope="module")
-def bf16_lib(tmp_path_factory):
-    """The bf16 variant, loaded only where the CPU runs it."""
-    return w16.bind(variant_library("w16_gemm", "bf16", str(tmp_path_factory.mktemp("bf16"))))
+@pytest.fixture(scope="module", params=["bf16", "bf16_emu"])
+def bf16_lib(request, tmp_path_factory):
+    """The bf16 variant, loaded only where the CPU runs it, and the same source with AVX-512
+    emulated (cbuild's bf16_emu: SIMDe on AVX2), which runs on any AVX2 CPU."""
+    return w16.bind(variant_library("w16_gemm", request.param,
+                                    str(tmp_path_factory.mktemp(request.param))))
 
 
 def _case(m, n, k, seed, dtype=torch.bfloat16):

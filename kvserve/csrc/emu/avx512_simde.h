@@ -112,7 +112,8 @@ static inline simde__m512i kvs_emu_maskz_loadu_epi16(uint32_t k, const void *p) 
 #define _mm512_maskz_loadu_epi16 kvs_emu_maskz_loadu_epi16
 
 /* vcvtne2ps2bf16: lanes 0-15 from b, 16-31 from a; round to nearest even, denormal inputs
- * to signed zero, NaN quieted */
+ * to signed zero, NaN quieted: per lane the rounding of w16_gemm.c's bf16_rne (its K % 32
+ * tail), kept as a copy here so that the emulation does not depend on the kernel it checks */
 #undef _mm512_cvtne2ps_pbh
 static inline uint16_t kvs_emu_bf16(float f) {
     uint32_t u;

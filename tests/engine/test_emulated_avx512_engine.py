@@ -28,16 +28,31 @@ PROMPTS = [[5, 9, 17, 33], [100, 7, 250, 3, 8, 41, 77, 90, 11, 4, 300], [400, 40
 MAX_TOKENS = [6, 10, 14]
 
 
-def _run_all(cases: list[tuple[str, str, str]]) -> dict:
-    """Each (name, model, kv_cache_dtype): graph state, tokens and chosen-token logprobs."""
-    from kvserve import LLM, SamplingParams
+def _run_all(cases: list[tuple[str, str, str]], bf16_dot_rows: int | None = None) -> dict:
+    """Each (name, model, kv_cache_dtype): graph state, tokens and chosen-token logprobs, and
+    the start-up log's CPU path line. ``bf16_dot_rows``: the opt-in bf16 dot products, with
+    the CPU's flags reporting AVX512-BF16 (as tests/conftest.py's simulate_cpu does)."""
+    import logging
+
+    from kvserve import LLM, SamplingParams, config
     from kvserve.cbuild import kernel_build
     from kvserve.kernels.cpu import paged_attention, w16_gemm
 
+    if bf16_dot_rows is not None:
+        from tests.conftest import SIMULATED_CPUS
+
+        config.cpu_flags = lambda: SIMULATED_CPUS["avx512_bf16"][0]
+    lines: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda r: lines.append(r.getMessage())
+    logging.getLogger("kvserve").addHandler(handler)
+    logging.getLogger("kvserve").setLevel(logging.INFO)
     out = {"build": kernel_build(), "packing": list(w16_gemm.packing(w16_gemm.w16_library())),
            "attention_simd": paged_attention.simd_level(), "runs": {}}
     for name, model, kv in cases:
-        llm = LLM(model, progress=False, kv_cache_memory="8MiB", kv_cache_dtype=kv)
+        lines.clear()
+        llm = LLM(model, progress=False, kv_cache_memory="8MiB", kv_cache_dtype=kv,
+                  cpu_bf16_dot_rows=bf16_dot_rows)
         params = [SamplingParams(max_tokens=m, temperature=0.0, ignore_eos=True, logprobs=1)
                   for m in MAX_TOKENS]
         outs = [o.outputs[0] for o in llm.generate(PROMPTS, params)]
@@ -46,7 +61,8 @@ def _run_all(cases: list[tuple[str, str, str]]) -> dict:
             "graph": g is not None and g.refused is None, "replays": g.runs if g else 0,
             "tokens": [list(o.token_ids) for o in outs],
             "logprobs": [[lp[t] for t, lp in zip(o.token_ids, o.logprobs, strict=True)]
-                         for o in outs]}
+                         for o in outs],
+            "cpu_path": next((x for x in lines if x.startswith("CPU path:")), "")}
         llm.engine.debug.check_no_leaks()
     return out
 
@@ -67,18 +83,23 @@ def cases(tmp_path_factory) -> list[tuple[str, str, str]]:
     return [("bf16", folder, "auto"), ("bf16_int8kv", folder, "int8"), ("q4", gguf, "auto")]
 
 
-def test_engine_on_emulated_avx512_kernels_matches_native(cases):
+def _emulated(cases, bf16_dot_rows: int | None = None) -> dict:
+    """_run_all in a child process on the bf16_emu build."""
     if simde_include() is None:
         (pytest.fail if os.environ.get("CI") == "true" else pytest.skip)(
             "SIMDe's headers are not installed (pip install simde-py)")
     code = ("import json, sys; from tests.engine.test_emulated_avx512_engine import _run_all; "
-            "print('RESULT' + json.dumps(_run_all(json.loads(sys.argv[1]))))")
+            "print('RESULT' + json.dumps(_run_all(*json.loads(sys.argv[1]))))")
     env = dict(os.environ, KVSERVE_CPU_BUILD="bf16_emu")
-    proc = subprocess.run([sys.executable, "-c", code, json.dumps(cases)], cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=900)
+    proc = subprocess.run([sys.executable, "-c", code, json.dumps([cases, bf16_dot_rows])],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    emu = json.loads(next(line[6:] for line in proc.stdout.splitlines()
-                          if line.startswith("RESULT")))
+    return json.loads(next(line[6:] for line in proc.stdout.splitlines()
+                           if line.startswith("RESULT")))
+
+
+def test_engine_on_emulated_avx512_kernels_matches_native(cases):
+    emu = _emulated(cases)
     native = _run_all(cases)
     assert emu["build"] == "bf16_emu" and native["build"] == "native"
     assert emu["packing"] == [4, 16] and emu["attention_simd"] == 2  # the AVX-512 code ran
@@ -90,3 +111,25 @@ def test_engine_on_emulated_avx512_kernels_matches_native(cases):
         # activation code can then round the other way (measured: up to 9e-4 / 3e-4)
         for a, b in zip(got["logprobs"], want["logprobs"], strict=True):
             assert a == pytest.approx(b, abs=3e-3), name
+
+
+def test_opt_in_bf16_dot_products_in_the_engine(cases):
+    """``cpu_bf16_dot_rows=4`` on an AVX512-BF16 CPU (flags simulated, the bf16_emu build): the
+    log names the path, the tables stay row-major (the dot products read rows), and the
+    prompts' GEMMs (>= 4 rows) take bf16-rounded activations: logprobs move off the fp32
+    ones, by about bf16's rounding, not more."""
+    folder = [c for c in cases if c[0] == "bf16"]
+    dots = _emulated(folder, bf16_dot_rows=4)
+    fp32 = _emulated(folder)
+    assert "bf16 dot products (vdpbf16ps) for GEMMs of >= 4 rows" in dots["runs"]["bf16"][
+        "cpu_path"]
+    assert "bf16 dot products available" in fp32["runs"]["bf16"]["cpu_path"] or \
+        "fp32 dot products" in fp32["runs"]["bf16"]["cpu_path"]
+    assert dots["packing"] == [4, 16]
+    got, want = dots["runs"]["bf16"], fp32["runs"]["bf16"]
+    assert got["graph"] and got["replays"] > 0  # decode rows (< 4 per step) keep fp32 dots
+    first = [(a[0], b[0]) for a, b in zip(got["logprobs"], want["logprobs"], strict=True)]
+    assert max(abs(a - b) for a, b in first) > 1e-5  # the prompt's GEMMs took the bf16 path
+    assert [t[0] for t in got["tokens"]] == [t[0] for t in want["tokens"]]
+    for a, b in first:
+        assert a == pytest.approx(b, abs=5e-2)

@@ -83,8 +83,10 @@ def build_library(name: str) -> ctypes.CDLL | None:
     # shared headers (csrc/*.h, and the emulation's) are part of every kernel's version
     headers = b"".join(pathlib.Path(CSRC, h).read_bytes()
                        for h in sorted(os.listdir(CSRC)) if h.endswith(".h"))
-    if build in EMULATED:
+    if build in EMULATED:  # the emulation and the SIMDe it maps onto (its version macros)
         headers += pathlib.Path(CSRC, "emu", "avx512_simde.h").read_bytes()
+        headers += pathlib.Path(flags[flags.index("-isystem") + 1], "simde",
+                                "simde-common.h").read_bytes()
     key = hashlib.sha256(src + headers + " ".join(flags).encode()).hexdigest()[:16]
     cache_dir = os.path.join(
         os.path.expanduser(os.environ.get("XDG_CACHE_HOME", "~/.cache")), "kvserve")
@@ -97,11 +99,13 @@ def build_library(name: str) -> ctypes.CDLL | None:
             subprocess.run([cc, src_path, "-o", tmp, *flags], check=True, capture_output=True)
             os.replace(tmp, lib)
         except (OSError, subprocess.CalledProcessError) as e:
-            err = getattr(e, "stderr", b"") or b""
-            logger.warning("building %s failed (%s); using pure torch", name,
-                           err.decode()[-500:])
+            err = (getattr(e, "stderr", b"") or b"").decode()[-500:]
             if os.path.exists(tmp):
                 os.remove(tmp)
+            if build != "native":  # asked for by name: no quiet fallback to pure torch
+                raise RuntimeError(f"KVSERVE_CPU_BUILD={build}: {name} does not build: "
+                                   f"{err or e}") from e
+            logger.warning("building %s failed (%s); using pure torch", name, err)
             return None
     return ctypes.CDLL(lib)
 

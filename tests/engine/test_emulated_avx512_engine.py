@@ -16,12 +16,15 @@ import sys
 import pytest
 import torch
 
-from kvserve.cbuild import can_run_variant, simde_include
+from kvserve.cbuild import can_run_variant, kernel_build
 from kvserve.kernels.cpu.w16_gemm import w16_library
+from tests.conftest import require_simde
 
 pytestmark = [pytest.mark.slow,
               pytest.mark.skipif(w16_library() is None, reason="no C compiler"),
-              pytest.mark.skipif(not can_run_variant("bf16_emu"), reason="needs AVX2")]
+              pytest.mark.skipif(not can_run_variant("bf16_emu"), reason="needs AVX2"),
+              pytest.mark.skipif(kernel_build() != "native",
+                                 reason="compares with this process's native build")]
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 PROMPTS = [[5, 9, 17, 33], [100, 7, 250, 3, 8, 41, 77, 90, 11, 4, 300], [400, 401]]
@@ -34,9 +37,7 @@ def _run_all(cases: list[tuple[str, str, str]], bf16_dot_rows: int | None = None
     the CPU's flags reporting AVX512-BF16 (as tests/conftest.py's simulate_cpu does)."""
     import logging
 
-    from kvserve import LLM, SamplingParams, config
-    from kvserve.cbuild import kernel_build
-    from kvserve.kernels.cpu import paged_attention, w16_gemm
+    from kvserve import config
 
     if bf16_dot_rows is not None:
         from tests.conftest import SIMULATED_CPUS
@@ -45,8 +46,22 @@ def _run_all(cases: list[tuple[str, str, str]], bf16_dot_rows: int | None = None
     lines: list[str] = []
     handler = logging.Handler()
     handler.emit = lambda r: lines.append(r.getMessage())
-    logging.getLogger("kvserve").addHandler(handler)
-    logging.getLogger("kvserve").setLevel(logging.INFO)
+    logger = logging.getLogger("kvserve")
+    level = logger.level
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
+    try:
+        return _generate_all(cases, bf16_dot_rows, lines)
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(level)
+
+
+def _generate_all(cases, bf16_dot_rows, lines: list[str]) -> dict:
+    from kvserve import LLM, SamplingParams
+    from kvserve.cbuild import kernel_build
+    from kvserve.kernels.cpu import paged_attention, w16_gemm
+
     out = {"build": kernel_build(), "packing": list(w16_gemm.packing(w16_gemm.w16_library())),
            "attention_simd": paged_attention.simd_level(), "runs": {}}
     for name, model, kv in cases:
@@ -85,14 +100,12 @@ def cases(tmp_path_factory) -> list[tuple[str, str, str]]:
 
 def _emulated(cases, bf16_dot_rows: int | None = None) -> dict:
     """_run_all in a child process on the bf16_emu build."""
-    if simde_include() is None:
-        (pytest.fail if os.environ.get("CI") == "true" else pytest.skip)(
-            "SIMDe's headers are not installed (pip install simde-py)")
+    require_simde()
     code = ("import json, sys; from tests.engine.test_emulated_avx512_engine import _run_all; "
             "print('RESULT' + json.dumps(_run_all(*json.loads(sys.argv[1]))))")
     env = dict(os.environ, KVSERVE_CPU_BUILD="bf16_emu")
     proc = subprocess.run([sys.executable, "-c", code, json.dumps([cases, bf16_dot_rows])],
-                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=500)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return json.loads(next(line[6:] for line in proc.stdout.splitlines()
                            if line.startswith("RESULT")))

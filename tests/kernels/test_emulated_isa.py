@@ -12,7 +12,7 @@ import pytest
 
 from kvserve import cbuild
 from kvserve.kernels.cpu import w16_gemm as w16
-from tests.conftest import variant_library
+from tests.conftest import require_simde, variant_library
 
 
 @pytest.mark.slow  # compiles (an emulated attention build: ~20 s)
@@ -33,8 +33,7 @@ def test_emulated_builds_take_the_avx512_paths(tmp_path, isa, bf16_dot):
 def test_emulated_machine_code_runs_on_avx2(tmp_path, name):
     """No zmm register and no AVX-512-only instruction in the emulated build (it runs where
     AVX2 does); the real bf16 build of the same source has them."""
-    if cbuild.simde_include() is None:
-        pytest.skip("SIMDe's headers are not installed (pip install simde-py)")
+    require_simde()
     try:
         emu = cbuild.compile_variant(name, "bf16_emu", str(tmp_path), asm=True)
     except subprocess.CalledProcessError as e:
@@ -59,9 +58,10 @@ def test_emulated_variant_without_simde_says_what_to_install(tmp_path, monkeypat
 def test_the_emulation_header_refuses_a_real_avx512_target(tmp_path):
     """Built for a CPU that has AVX-512, the header would shadow the real intrinsics: it stops
     the build instead."""
+    require_simde()
     include, cc = cbuild.simde_include(), cbuild._compiler()
-    if include is None or cc is None:
-        pytest.skip("needs SIMDe's headers and a C compiler")
+    if cc is None:
+        pytest.skip("needs a C compiler")
     src = tmp_path / "t.c"
     src.write_text("int f(void) { return 1; }\n")
     r = subprocess.run([cc, "-march=skylake-avx512", "-isystem", include, "-include",
@@ -73,9 +73,13 @@ def test_the_emulation_header_refuses_a_real_avx512_target(tmp_path):
 def test_kernel_build_setting(monkeypatch):
     """KVSERVE_CPU_BUILD picks the engine's build: native by default, any variant this CPU
     runs, and a clear error for a name it does not know or a build the CPU cannot run."""
+    import platform
+
     from kvserve import config
     from tests.conftest import SIMULATED_CPUS
 
+    if platform.machine() not in ("x86_64", "AMD64"):
+        pytest.skip("the variants are x86 builds")
     monkeypatch.delenv("KVSERVE_CPU_BUILD", raising=False)
     assert cbuild.kernel_build() == "native"
     monkeypatch.setenv("KVSERVE_CPU_BUILD", "portable")
@@ -89,3 +93,21 @@ def test_kernel_build_setting(monkeypatch):
         cbuild.kernel_build()
     monkeypatch.setenv("KVSERVE_CPU_BUILD", "bf16_emu")
     assert cbuild.kernel_build() == "bf16_emu"
+
+
+def test_a_named_build_that_does_not_compile_stops_the_engine(tmp_path, monkeypatch):
+    """native: a failed build falls back to pure torch (None); a build named in
+    KVSERVE_CPU_BUILD raises with the compiler's message instead of running something else."""
+    import shutil
+
+    if shutil.which("false") is None:
+        pytest.skip("needs the false command")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))  # nothing cached: it must compile
+    monkeypatch.setattr(cbuild, "_compiler", lambda: shutil.which("false"))
+    monkeypatch.delenv("KVSERVE_CPU_BUILD", raising=False)
+    assert cbuild.build_library.__wrapped__("w16_gemm") is None
+    if not cbuild.can_run_variant("portable"):
+        pytest.skip("the variants are x86 builds")
+    monkeypatch.setenv("KVSERVE_CPU_BUILD", "portable")
+    with pytest.raises(RuntimeError, match="KVSERVE_CPU_BUILD=portable: w16_gemm does not build"):
+        cbuild.build_library.__wrapped__("w16_gemm")

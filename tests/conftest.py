@@ -63,7 +63,8 @@ def save_tiny_tokenizer(path: str, vocab_size: int) -> None:
 
 
 # The builds of each C kernel its tests check against the twin: the native one (-march=native)
-# and every variant of kvserve.cbuild.ISA_FLAGS.
+# and every variant of kvserve.cbuild.ISA_FLAGS (avx512_emu / bf16_emu: the AVX-512 code with
+# its intrinsics emulated, so it runs on AVX2 machines too).
 # The native build runs in the inner loop; the other ISA builds (compiled by the tests) are
 # marked slow, so `pytest -m "not slow"` skips them and CI runs them all.
 def isa_variants(*without: str) -> tuple:

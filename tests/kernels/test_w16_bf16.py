@@ -3,7 +3,8 @@ against its twin (kvserve.kernels.reference.w16_linear_bf16_dot), and its run-ti
 
 Needs only torch and a C compiler. The "bf16" build (cbuild ISA variant, -mavx512bf16) compiles
 on any x86-64 host (checked everywhere); running it needs a CPU with AVX512-BF16 (Zen 4 / 5,
-Cooper Lake, Sapphire Rapids and later) and skips elsewhere, saying so. On such a machine:
+Cooper Lake, Sapphire Rapids and later) and skips elsewhere, saying so. The same sweeps also run
+on "bf16_emu", the same source with AVX-512 emulated (SIMDe), on any AVX2 CPU. On such a machine:
 
     python -m pytest -q tests/kernels/test_w16_bf16.py::test_bf16_dot_matches_twin
 """

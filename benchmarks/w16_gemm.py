@@ -16,7 +16,8 @@ pass over the layers with
   kvserve_row_major  the same kernel on the checkpoint's row-major tables (same results);
   torch     ``x @ W.T`` on fp32 copies of the weights (twice the bytes, made beforehand);
   baseline  (optional) the same C kernel built from another source file, e.g. the version
-            before a change (``git show REV:kvserve/csrc/w16_gemm.c > old.c``);
+            before a change (``git show REV:kvserve/csrc/w16_gemm.c > old.c``), on the packed
+            tables where its tiles are this kernel's, else on the row-major ones;
   kvserve_bf16_dot, torch_bf16  (CPUs with AVX512-BF16 only) the C kernel's bf16 dot products
             (vdpbf16ps, activations rounded to bf16: what ``KVSERVE_CPU_BF16_ROWS`` turns on)
             and torch's own bf16 GEMM (oneDNN, AMX where present) on bf16 activations -- the
@@ -91,7 +92,10 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         if a.baseline_source:
             base = w16.bind(build_source(a.baseline_source, tmp))
-            impls["baseline"] = lambda x, w, w32: w16.w16_gemm(base, x, w)  # row-major
+            if base.packing == lib.packing:  # the same tiles: time it on the packed tables
+                impls["baseline"] = lambda x, w, w32: w16.w16_gemm(base, x, packed[id(w)])
+            else:  # an older source without (these) tiles
+                impls["baseline"] = lambda x, w, w32: w16.w16_gemm(base, x, w)
         results = []
         for m in [int(v) for v in a.rows.split(",")]:
             xs = {k: torch.randn(m, k, generator=g) for k in {k for _, _, k in layer_shapes}}

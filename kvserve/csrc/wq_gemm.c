@@ -39,6 +39,14 @@
 #endif
 
 #define MT 4 /* rows of x per pass over a weight tile */
+/* AVX2 passes of 1-2 rows (batch 1): software prefetch this many bytes ahead of the codes'
+ * stream (a thread's tiles are consecutive, so it runs on into its next tile). Without it such
+ * a pass reads its tiles at ~75% of the read bandwidth: too little integer work per byte to
+ * hide DRAM latency behind, and the hardware prefetcher alone does not run far enough ahead.
+ * 2048 / 4096 measured alike (benchmarks/wq_gemm.py); 3-4 rows are compute-bound (none). */
+#ifndef PF_WQ
+#define PF_WQ 4096
+#endif
 
 /* 16 fp16 -> fp32 */
 static inline void f16x16(const uint16_t *restrict p, float *restrict out) {
@@ -203,6 +211,9 @@ static inline __attribute__((always_inline)) void pass_avx2(
         for (int64_t b = g * bpg; b < (g + 1) * bpg; b++) {
             const uint8_t *wb = wt + b * block_bytes + 32 * h0;
             const int8_t *qb = q + 32 * b;
+            if (nh == 2) /* mt <= 2: the memory-bound passes */
+                for (int o = 0; o < block_bytes; o += 64)
+                    _mm_prefetch((const char *)(wt + b * block_bytes + PF_WQ + o), _MM_HINT_T0);
             __m256i a[MT][2];
             if (bits == 4) {
                 for (int mm = 0; mm < mt; mm++)

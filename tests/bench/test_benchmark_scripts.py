@@ -96,6 +96,31 @@ def test_w16_gemm_tiny(tmp_path):
     assert r["ceiling_gflops_torch_fp32_hot"] > 0 and r["env"]["cpu"]
 
 
+def test_wq_gemm_tiny(tmp_path):
+    """The GGUF GEMM benchmark replays recorded graphs of both builds and says whether their
+    outputs agree (the same source twice: they must)."""
+    from kvserve.kernels.cpu import graph
+    from kvserve.kernels.cpu import wq_gemm as wq_cpu
+
+    if wq_cpu.wq_library() is None or not graph.available():
+        pytest.skip("no C compiler")
+    wg = _script("wq_gemm")
+    out = tmp_path / "q.json"
+    assert wg.main(["--threads", "1", "--rounds", "1", "--rows", "1,3", "--layers", "1",
+                    "--bandwidth-mib", "64",
+                    "--baseline-source", os.path.join(ROOT, "kvserve", "csrc", "wq_gemm.c"),
+                    "--json", str(out)]) == 0
+    r = json.loads(out.read_text())
+    assert [x["rows"] for x in r["results"]] == [1, 3]
+    assert r["layer_bytes"] > 0 and r["head_bytes"] > r["layer_bytes"]  # one layer vs the head
+    for x in r["results"]:
+        assert x["identical_to_baseline"] is True
+        for impl in ("kvserve", "baseline"):
+            assert x[impl]["layers_gbs"] > 0 and x[impl]["head_ms"] > 0
+            assert x[impl]["pass_over_floor"] > 0
+    assert r["read_bandwidth"]["read_gbs"] > 0 and r["env"]["cpu"]
+
+
 def test_kv_tiers_tiny(tmp_path):
     kt = _script("kv_tiers")
     out, png = tmp_path / "t.json", tmp_path / "t.png"

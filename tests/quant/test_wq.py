@@ -16,11 +16,7 @@ from tests.conftest import isa_variants, variant_library
 
 
 def _built_lib(tmp_path_factory, isa: str) -> ctypes.CDLL:
-    dll = variant_library("wq_gemm", isa, str(tmp_path_factory.mktemp("wq")))
-    p, i64, c_int = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
-    dll.kvs_wq_quant_act.argtypes = [p, i64, i64, c_int, c_int, p, p, p]
-    dll.kvs_wq_gemm.argtypes = [p, p, p, p, p, i64, i64, i64, i64, c_int, c_int, p]
-    return dll
+    return wq_cpu.bind(variant_library("wq_gemm", isa, str(tmp_path_factory.mktemp("wq"))))
 
 
 # (its AVX-512 code is the VNNI pass only: avx512_emu would repeat the AVX2 build)

@@ -18,8 +18,12 @@ def wq_library() -> ctypes.CDLL | None:
     """The compiled kernel, or None (no compiler, or KVSERVE_CPU_KERNEL=0): callers use the
     twin."""
     dll = build_library("wq_gemm")
-    if dll is None:
-        return None
+    return None if dll is None else bind(dll)
+
+
+def bind(dll: ctypes.CDLL) -> ctypes.CDLL:
+    """Declare the library's signatures (also for the tests' other-ISA builds and a
+    benchmark's baseline build)."""
     p, i64, c_int = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
     dll.kvs_wq_quant_act.argtypes = [p, i64, i64, c_int, c_int, p, p, p]
     dll.kvs_wq_quant_act.restype = None

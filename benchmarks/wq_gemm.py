@@ -1,0 +1,147 @@
+"""The integer-dot GEMM for GGUF weights (kvserve/csrc/wq_gemm.c) over a decode step's weight
+stream, against this machine's read bandwidth, one run, JSON out.
+
+    .venv/bin/python benchmarks/wq_gemm.py [--threads 2] [--rounds 7] [--rows 1,16,64]
+        [--terms 2] [--baseline-source OLD.c] [--json docs/bench/wq_gemm.json]
+
+The stream is the default model's (SmolLM2-135M Q4_1, as the engine holds it): per layer the
+fused qkv (960 x 576), o (576 x 576), fused gate_up (3072 x 576) and down (576 x 1536) in 4-bit
+tiles with a (scale, min) per 32 columns, 30 layers (~66 MB), then the tied Q8_0 LM head
+(49,152 x 576, ~30 MB) -- random codes, so a pass reads ~96 MB from DRAM like a batch-1 decode
+step does (more than the L3). Each build's calls are recorded into CPU graphs
+(kvserve.kernels.cpu.graph) and replayed, as the engine replays them: no Python between calls.
+
+For each number of rows M and each build (``kvserve``: this checkout's kernel; ``baseline``:
+the same kernel built from another source file, e.g. ``git show REV:kvserve/csrc/wq_gemm.c >
+old.c``), rotated per round, median of ``rounds``: milliseconds for the layers and for the
+head, and GB/s of weight bytes read. With a baseline, ``identical_to_baseline`` says whether
+the two builds' outputs are bit for bit the same (they should be, for a change of speed only).
+``read_gbs`` is torch.sum's streaming read rate on the same threads
+(kvserve.bench.common.read_bandwidth): the floor of a pass is bytes / read_gbs, and
+``pass_over_floor`` how far the pass is above it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import tempfile
+import time
+
+import torch
+
+from kvserve.bench.common import env_info, log, read_bandwidth, write_json
+from kvserve.cbuild import build_source
+from kvserve.kernels.cpu import graph
+from kvserve.kernels.cpu import wq_gemm as wq_cpu
+from kvserve.quant import wq
+
+LAYER_SHAPES = [("qkv", 960, 576), ("o", 576, 576), ("gate_up", 3072, 576), ("down", 576, 1536)]
+HEAD_SHAPE = ("lm_head", 49152, 576)
+GROUP = 32
+
+
+def make_table(n: int, k: int, bits: int, g: torch.Generator) -> tuple[torch.Tensor, ...]:
+    """Random codes and (scale, min) in the kernel's tile layout: (codes, sm)."""
+    u = torch.randint(0, 2**bits, (n, k), dtype=torch.uint8, generator=g)
+    s = torch.rand(n, k // GROUP, generator=g) * 0.01
+    m = -s * (2 ** (bits - 1))
+    return wq.pack_codes(u, bits), wq.pack_scales(s, m)
+
+
+def table_bytes(t: tuple[torch.Tensor, ...]) -> int:
+    return sum(x.numel() * x.element_size() for x in t)
+
+
+def record(lib, calls, xs, terms: int) -> tuple[graph.Tape, list[torch.Tensor]]:
+    """One tape of ``calls`` [(codes, sm, N, K, bits)] on ``lib``, x from ``xs[K]``, and the
+    outputs its replays write."""
+    with graph.recording() as tape:
+        ys = [wq_cpu.wq_linear(lib, xs[k], codes, sm, n, GROUP, bits, terms)
+              for codes, sm, n, k, bits in calls]
+    return tape, ys
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--rounds", type=int, default=7)
+    ap.add_argument("--rows", default="1,16,64")
+    ap.add_argument("--layers", type=int, default=30)
+    ap.add_argument("--terms", type=int, choices=(1, 2), default=2,
+                    help="int8 passes per activation (2: the engine's default int8x2)")
+    ap.add_argument("--baseline-source", default=None)
+    ap.add_argument("--bandwidth-mib", type=int, default=0,
+                    help="read-bandwidth probe buffer (0: max(512 MiB, 8x the last-level cache))")
+    ap.add_argument("--json", default=None)
+    a = ap.parse_args(argv)
+    if a.threads < 1 or a.rounds < 1 or a.layers < 1:
+        raise SystemExit("--threads, --rounds and --layers must be >= 1")
+    torch.set_num_threads(a.threads)
+    lib = wq_cpu.wq_library()
+    if lib is None or not graph.available():
+        raise SystemExit("the C kernels did not build here (no compiler?)")
+    g = torch.Generator().manual_seed(0)
+    log(f"wq_gemm: {a.layers} layers of 4-bit tiles and an 8-bit head")
+    layer_tabs = [[(*make_table(n, k, 4, g), n, k, 4) for _, n, k in LAYER_SHAPES]
+                  for _ in range(a.layers)]
+    head = (*make_table(HEAD_SHAPE[1], HEAD_SHAPE[2], 8, g), HEAD_SHAPE[1], HEAD_SHAPE[2], 8)
+    layer_calls = [c for cs in layer_tabs for c in cs]
+    layer_bytes = sum(table_bytes(c[:2]) for c in layer_calls)
+    head_bytes = table_bytes(head[:2])
+    bw = read_bandwidth(a.bandwidth_mib)
+    log(f"read bandwidth {bw['read_gbs']:.1f} GB/s ({a.threads} threads); layers "
+        f"{layer_bytes / 1e6:.1f} MB, head {head_bytes / 1e6:.1f} MB")
+    with tempfile.TemporaryDirectory() as tmp:
+        libs = {"kvserve": lib}
+        if a.baseline_source:
+            libs["baseline"] = wq_cpu.bind(build_source(a.baseline_source, tmp))
+        results = []
+        for m in [int(v) for v in a.rows.split(",")]:
+            xs = {k: torch.randn(m, k, generator=g) for k in {c[3] for c in layer_calls}}
+            recs = {name: (record(d, layer_calls, xs, a.terms), record(d, [head], xs, a.terms))
+                    for name, d in libs.items()}
+            tapes = {name: (lr[0], hr[0]) for name, (lr, hr) in recs.items()}
+            times: dict[str, dict[str, list[float]]] = {n: {"layers": [], "head": []}
+                                                        for n in libs}
+            for r in range(a.rounds + 1):  # round 0 warms up
+                order = list(libs)[r % len(libs):] + list(libs)[:r % len(libs)]
+                for name in order:
+                    t_layers, t_head = tapes[name]
+                    t0 = time.perf_counter()
+                    t_layers.replay(m)
+                    t1 = time.perf_counter()
+                    t_head.replay(m)
+                    t2 = time.perf_counter()
+                    if r:
+                        times[name]["layers"].append(t1 - t0)
+                        times[name]["head"].append(t2 - t1)
+            row: dict = {"rows": m}
+            if "baseline" in libs:  # a change that should not alter results: does it?
+                outs = {name: lr[1] + hr[1] for name, (lr, hr) in recs.items()}
+                row["identical_to_baseline"] = all(
+                    torch.equal(u, v) for u, v in zip(outs["kvserve"], outs["baseline"],
+                                                      strict=True))
+            for name, t in times.items():
+                tl, th = statistics.median(t["layers"]), statistics.median(t["head"])
+                row[name] = {"layers_ms": tl * 1e3, "layers_gbs": layer_bytes / tl / 1e9,
+                             "head_ms": th * 1e3, "head_gbs": head_bytes / th / 1e9,
+                             "pass_over_floor": (tl + th) * bw["read_gbs"] * 1e9
+                             / (layer_bytes + head_bytes)}
+            results.append(row)
+            log(f"M={m:4d}" + (f" (identical: {row['identical_to_baseline']})"
+                                if "baseline" in libs else "") + ": " + ", ".join(
+                f"{name} layers {row[name]['layers_ms']:.2f} ms ({row[name]['layers_gbs']:.1f} "
+                f"GB/s), head {row[name]['head_ms']:.2f} ms ({row[name]['head_gbs']:.1f} GB/s), "
+                f"{row[name]['pass_over_floor']:.2f}x floor" for name in libs))
+    write_json(a.json, {"bench": "wq_gemm", "threads": a.threads, "rounds": a.rounds,
+                        "layers": a.layers, "terms": a.terms, "group": GROUP,
+                        "shape_list": LAYER_SHAPES + [HEAD_SHAPE],
+                        "layer_bytes": layer_bytes, "head_bytes": head_bytes,
+                        "baseline_source": a.baseline_source, "read_bandwidth": bw,
+                        "results": results, "env": env_info()})
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

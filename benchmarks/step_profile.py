@@ -23,7 +23,12 @@ wall-clock timers around the parts of a step:
                    integrity sealing / scrubbing
 
 Decode steps run eagerly (``enforce_eager``): a recorded CPU graph replays the whole forward in
-one C call, which the part timers cannot split (``--graphs`` times that instead).
+one C call, which the part timers cannot split (``--graphs`` times that instead: its
+``forward_other`` is then the replay, ``linear`` the LM head). With ``--graphs`` each config
+also gets ``graph_kernels_ms``, after its timed windows: the recorded forward replayed whole
+(``all``) and each kernel's calls replayed alone (``Tape.only``), medians of 20 -- where the
+replay's time goes. Alone, a kernel finds more of its data in the caches than inside a step,
+so the parts sum to somewhat less than ``all``.
 
 The prompts are ``context - steps * repeats // 2`` tokens long, so the mean context of the
 timed steps is ``context``. Prefill cost per prompt token is timed on the same engines (the
@@ -68,6 +73,7 @@ from kvserve.bench.common import (
 )
 from kvserve.engine.arg_utils import EngineArgs
 from kvserve.engine.llm_engine import LLMEngine
+from kvserve.kernels.cpu import graph
 from kvserve.kernels.cpu import paged_attention as cpu_kernel
 from kvserve.layers import linear as linear_mod
 from kvserve.layers.int4.merged import Int4MergedLinear
@@ -133,6 +139,7 @@ class Config:
     engine: LLMEngine
     windows: list[dict[str, float]] = dataclasses.field(default_factory=list)
     prefill_s_per_token: float | None = None
+    kernel_split: dict[str, Any] | None = None  # graph_kernel_split (--graphs)
 
     @property
     def name(self) -> str:
@@ -234,6 +241,25 @@ def bytes_per_step(cfg: Config, context: int) -> dict[str, int]:
     return {"weights": held, "kv": kv, "total": held + kv}
 
 
+def graph_kernel_split(cfg: Config, repeats: int = 20) -> dict[str, Any] | None:
+    """Replay the config's recorded CPU graph whole and per kernel (None without one). Run
+    after the config's last window: a kernel replayed alone reruns on stale buffers (the KV
+    write rewrites the last step's slot with other values)."""
+    tape = getattr(cfg.engine.executor.driver.runner.graphs, "tape", None)
+    if not isinstance(tape, graph.Tape):
+        return None
+    names = list(dict.fromkeys(tape.names))
+    subs = {"all": tape, **{n: tape.only({n}) for n in names}}
+    times: dict[str, list[float]] = defaultdict(list)
+    for _ in range(repeats):
+        for name, t in subs.items():
+            t0 = time.perf_counter()
+            t.replay(cfg.batch)
+            times[name].append(time.perf_counter() - t0)
+    return {"ms": {n: statistics.median(v) * 1e3 for n, v in times.items()},
+            "calls": {n: len(t) for n, t in subs.items()}}
+
+
 def summarize(cfg: Config, args) -> dict[str, Any]:
     med = {k: statistics.median(w[k] for w in cfg.windows) for k in ("step_ms", *PARTS)}
     t_dec = med["step_ms"] / 1e3
@@ -252,6 +278,7 @@ def summarize(cfg: Config, args) -> dict[str, Any]:
         "projected_tokens_per_s": proj,
         "bytes_per_step": bytes_per_step(cfg, args.context),
         "windows": cfg.windows,
+        "graph_kernels_ms": cfg.kernel_split,
     }
 
 
@@ -340,6 +367,11 @@ def main(argv: list[str] | None = None) -> int:
                 f"{c.name} {c.windows[-1]['step_ms']:.2f} ms" for c in configs))
     finally:
         undo()
+    for c in configs:  # after every window: the split reruns kernels on stale buffers
+        c.kernel_split = graph_kernel_split(c) if args.graphs else None
+        if c.kernel_split:
+            log(f"step_profile: {c.name} graph replay: " + ", ".join(
+                f"{n} {ms:.3f} ms" for n, ms in c.kernel_split["ms"].items()))
     rows = [summarize(c, args) for c in configs]
     bw = read_bandwidth_gbs(torch.get_num_threads())
     for row in rows:  # the floor: bytes that must be read / measured read bandwidth

@@ -55,8 +55,18 @@ def test_step_profile_tiny(tmp_path):
         assert sum(c["parts_ms"].values()) == pytest.approx(c["step_ms"], rel=0.25)
         assert c["prefill_us_per_token"] > 0 and c["projected_tokens_per_s"] > 0
     assert r["summary"]["baseline"] == "bf16@2" and r["summary"]["candidate"] == "int8@3"
+    assert all(c["graph_kernels_ms"] is None for c in r["configs"])  # eager: no graph
     with pytest.raises(ValueError, match="DTYPE@BATCH"):
         sp.main(["--configs", "fp8"])
+    # decode graphs: the replay's time per kernel, from the recorded forward's own calls
+    assert sp.main(["--model", "demo", "--configs", "bf16@2", "--context", "24", "--steps",
+                    "2", "--repeats", "2", "--threads", "1", "--graphs", "--json",
+                    str(out)]) == 0
+    split = json.loads(out.read_text())["configs"][0]["graph_kernels_ms"]
+    calls = split["calls"]
+    assert calls["all"] == sum(n for k, n in calls.items() if k != "all")
+    assert {"kvs_paged_attention", "kvs_write_kv"} <= set(calls) and set(split["ms"]) == set(calls)
+    assert all(ms > 0 for ms in split["ms"].values())
 
 
 @pytest.mark.skipif(cpu_kernel.load() is None, reason="no C compiler")

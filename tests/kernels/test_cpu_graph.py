@@ -41,6 +41,34 @@ def test_replay_runs_the_recorded_calls_over_fewer_rows():
         assert torch.equal(res[:n], res_new + x_new)  # the in-place residual add replayed
 
 
+def test_only_replays_the_named_kernels_in_order():
+    """``Tape.only`` (the step profile's per-kernel split): a sub-tape of some kernels' calls
+    with their recorded arguments; the others do not run."""
+    torch.manual_seed(0)
+    B, K, N = 4, 64, 48
+    w = torch.randn(2 * N, K).bfloat16()
+    nw = torch.rand(K) + 0.5
+    x, res = torch.randn(B, K), torch.randn(B, K)
+    with torch.inference_mode(), graph.recording() as tape:
+        h = cpu_ops.add_rms_norm(x, res, nw, 1e-5)
+        g = w16_cpu.linear_w16(h, w)
+        y = cpu_ops.silu_mul(g)
+    gemm = tape.only({"kvs_w16_gemm"})
+    both = tape.only({"kvs_silu_mul", "kvs_add_rms_norm"})
+    assert gemm.names == ["kvs_w16_gemm"] and len(gemm) == 1 and gemm.max_rows == B
+    assert both.names == ["kvs_add_rms_norm", "kvs_silu_mul"]  # the tape's order
+    assert len(tape) == 3 and tape.only(set()).names == []
+    res0, y0 = res.clone(), y.clone()
+    with torch.inference_mode():
+        h.zero_()
+    gemm.replay(2)  # the GEMM alone, over 2 rows: g[:2] from the zeroed h, nothing else runs
+    assert torch.equal(g[:2], torch.zeros(2, 2 * N)) and torch.count_nonzero(g[2:]) > 0
+    assert torch.equal(res, res0) and torch.equal(y, y0)
+    both.replay(B)  # the norm's in-place residual add ran again; silu_mul re-read g
+    assert torch.equal(res, res0 + x)
+    assert torch.equal(y[:2], torch.zeros(2, N)) and torch.equal(y[2:], y0[2:])
+
+
 def test_replay_rows_must_be_within_the_recording():
     w, x = torch.randn(8, 16).bfloat16(), torch.randn(4, 16)
     with torch.inference_mode(), graph.recording() as tape:

@@ -125,6 +125,23 @@ class Tape:
         self._args.extend(_encode(a) for a in args)
         self._packed = None
 
+    def only(self, names: set[str]) -> Tape:
+        """A tape of this one's calls to the kernels in ``names``, in order (same arguments and
+        buffers) -- for timing where a replay's time goes. Replaying it runs those kernels on
+        whatever the buffers hold: it can overwrite state (a KV write of stale activations),
+        so only a benchmark that is done with the model's results uses it."""
+        sub = Tape()
+        sub._keep, sub.max_rows = self._keep, self.max_rows
+        for i, name in enumerate(self.names):
+            if name in names:
+                end = self._offsets[i + 1] if i + 1 < len(self.names) else len(self._args)
+                sub.names.append(name)
+                sub._fns.append(self._fns[i])
+                sub._offsets.append(len(sub._args))
+                sub._rows_at.append(self._rows_at[i])
+                sub._args.extend(self._args[self._offsets[i]:end])
+        return sub
+
     def replay(self, rows: int) -> None:
         lib = _graph_library()
         assert lib is not None and self.max_rows is not None

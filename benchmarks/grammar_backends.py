@@ -11,8 +11,10 @@ docs/structured-outputs.md.
 
     pip install --target /tmp/gb/llg llguidance
     pip install --no-deps --target /tmp/gb/xg xgrammar apache-tvm-ffi
-    python benchmarks/grammar_backends.py --tokenizer TOKENIZER_DIR \
-        --path /tmp/gb/llg --path /tmp/gb/xg
+    .venv/bin/python benchmarks/grammar_backends.py --tokenizer TOKENIZER_DIR \
+        --path /tmp/gb/llg --path /tmp/gb/xg --json-out OUT.json
+
+The JSON records the backends' versions and this machine (``env``).
 """
 
 from __future__ import annotations
@@ -195,8 +197,19 @@ def main(argv: list[str] | None = None) -> None:
         res.append(summary(fn(hf_tok, vocab, scores, a.max_steps, a.mode)))
         print(json.dumps(res[-1]), flush=True)
     if a.json_out:
-        with open(a.json_out, "w") as f:
-            json.dump({"vocab": vocab, "mode": a.mode, "results": res}, f, indent=1)
+        from importlib.metadata import PackageNotFoundError, version
+
+        from kvserve.bench.common import env_info, write_json
+
+        def ver(name: str) -> str | None:
+            try:
+                return version(name)
+            except PackageNotFoundError:
+                return None
+
+        write_json(a.json_out, {"bench": "grammar_backends", "vocab": vocab, "mode": a.mode,
+                                "versions": {b: ver(b) for b in ("llguidance", "xgrammar")},
+                                "results": res, "env": env_info()})
 
 
 if __name__ == "__main__":

@@ -208,6 +208,7 @@ def test_grammar_backends_tiny(tmp_path):
     (res,) = r["results"]
     assert res["backend"].startswith("llguidance") and res["tokens"] > 50
     assert res["text_head"].startswith('{"id": 1042, "name": "Ada Lovelace"')
+    assert r["env"]["cpu"]["kind"] and r["versions"]["llguidance"] == res["backend"].split()[1]
 
 
 def test_default_flags_parity_tiny(tmp_path):

@@ -1,6 +1,7 @@
 """The documentation stays true to the tree: the README stays short, every repository path and
-link the README and docs/*.md name exists (anchors included), and docs/design.md's layout map
-names every module, package and C source of kvserve/."""
+link the README and docs/*.md name exists (anchors included), docs/design.md's layout map
+names every module, package and C source of kvserve/, and docs/benchmarks.md lists every
+benchmark JSON."""
 
 from __future__ import annotations
 
@@ -98,3 +99,15 @@ def test_design_layout_names_nothing_that_is_gone():
     names |= {p.name + "/" for p in pkg.rglob("*") if p.is_dir()} | {"kvserve/"}
     stale = sorted(w for w in _layout_entries() if w not in names)
     assert not stale, f"docs/design.md's layout map names files that do not exist: {stale}"
+
+
+def test_every_benchmark_result_is_listed():
+    """docs/benchmarks.md's table names every JSON under docs/bench/ (or its folder): no
+    figure without its date and CPU."""
+    table = (ROOT / "docs" / "benchmarks.md").read_text()
+    listed = set(re.findall(r"^\| `(docs/bench/[^`]+)`", table, re.M))
+    unlisted = [str(p.relative_to(ROOT)) for p in sorted((ROOT / "docs" / "bench").rglob("*.json"))
+                if str(p.relative_to(ROOT)) not in listed
+                and not any(str(p.relative_to(ROOT)).startswith(d) for d in listed
+                            if d.endswith("/"))]
+    assert not unlisted, f"add to docs/benchmarks.md's table: {unlisted}"

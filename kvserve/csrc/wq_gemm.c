@@ -43,7 +43,8 @@
  * stream (a thread's tiles are consecutive, so it runs on into its next tile). Without it such
  * a pass reads its tiles at ~75% of the read bandwidth: too little integer work per byte to
  * hide DRAM latency behind, and the hardware prefetcher alone does not run far enough ahead.
- * 2048 / 4096 measured alike (benchmarks/wq_gemm.py); 3-4 rows are compute-bound (none). */
+ * 2 / 4 / 8 KiB measured alike (benchmarks/wq_gemm.py); 3-4 rows are compute-bound (none).
+ * Past the table's end the hints touch nothing: a prefetch never faults. */
 #ifndef PF_WQ
 #define PF_WQ 4096
 #endif

@@ -16,6 +16,7 @@ package never imports triton and runs on CPU and CUDA alike.
     int4.py           INT4 weight-only GEMM (pack-quantized)
     gemm.py           16-bit-weight and integer-dot (GGUF Q4 / Q8) CPU GEMMs
     kquant.py         integer-dot GEMM of GGUF Q5_0 / Q5_1 / Q4_K / Q5_K / Q6_K kept packed
+    lora.py           the grouped multi-LoRA GEMM (C and Triton)
 
 Everything but ``cpu_attention`` is re-exported here (``from kvserve.kernels import reference as
 ref; ref.write_kv(...)``).
@@ -87,6 +88,7 @@ from kvserve.kernels.reference.kv import (
     write_kv,
     write_rows,
 )
+from kvserve.kernels.reference.lora import lora_delta
 from kvserve.kernels.reference.quant import (
     dequantize_rows,
     fp8_compute_scales,
@@ -143,4 +145,5 @@ __all__ = [
     "kq_dequantize",
     "kq_matmul",
     "static_scale_rows",
+    "lora_delta",
 ]

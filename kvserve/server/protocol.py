@@ -78,8 +78,9 @@ class JSONSchemaFormat(_Request):
     name: ToolName = Field(..., description="The schema's name (letters, digits, _ and -).")
     description: Text | None = None
     schema_: JsonSchema = Field(..., alias="schema", description="A JSON schema.")
-    strict: bool | None = Field(None, description="Accepted; the output always follows the "
-                                                  "schema.")
+    strict: bool | None = Field(None, description="true: every object in the schema forbids "
+                                                  "undeclared properties, whatever its "
+                                                  "additionalProperties says.")
     model_config = ConfigDict(extra="ignore", allow_inf_nan=False, strict=True,
                               populate_by_name=True)
 

@@ -14,6 +14,7 @@ sequences are fine. This package never imports triton and runs on CPU and CUDA a
     cpu_attention.py  the CPU backend's pure-torch path (workspaces; the C kernel's twin)
     int4.py           INT4 weight-only GEMM (pack-quantized)
     gemm.py           16-bit-weight and integer-dot (GGUF Q4 / Q8) CPU GEMMs
+    lora.py           the grouped multi-LoRA GEMM (C and Triton)
 
 Everything but ``cpu_attention`` is re-exported here (``from kvserve.kernels import reference as
 ref; ref.write_kv(...)``).
@@ -84,6 +85,7 @@ from kvserve.kernels.reference.kv import (
     write_kv,
     write_rows,
 )
+from kvserve.kernels.reference.lora import lora_delta
 from kvserve.kernels.reference.quant import (
     dequantize_rows,
     fp8_compute_scales,
@@ -138,4 +140,5 @@ __all__ = [
     "wq_dequantize",
     "wq_matmul",
     "static_scale_rows",
+    "lora_delta",
 ]

@@ -31,8 +31,8 @@ import tempfile
 import torch
 
 from kvserve.bench.common import env_info, log, write_json
-from kvserve.cbuild import kernel_build
 from kvserve.bench.quality import kl_rows
+from kvserve.cbuild import kernel_build
 from kvserve.engine.arg_utils import EngineArgs
 from kvserve.engine.llm_engine import LLMEngine
 from kvserve.kernels import reference as ref

@@ -137,6 +137,8 @@ class KVTransferLeg(_Request):
     role: Literal["prefill", "decode"]
     handle: dict[str, Any] | None = None  # kvserve.cache.kv_transfer.TransferHandle.to_dict()
     first_token: FirstTokenIn | None = None
+    # the prefill leg's trace context (W3C traceparent), when it was traced
+    traceparent: str | None = Field(None, max_length=64)
 
 
 class SamplingRequest(_Request):

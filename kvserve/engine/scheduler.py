@@ -146,10 +146,13 @@ class Scheduler:
                 break
             self.waiting.pop(i)
             req.num_computed_tokens = computed
-            req.metrics.num_cached_tokens = max(req.metrics.num_cached_tokens, computed)
             req.status = RequestStatus.RUNNING
             if req.metrics.first_scheduled_time is None:
                 req.metrics.first_scheduled_time = time.monotonic()
+                # prompt tokens served by this engine's prefix cache (tiers included), taken
+                # once: a recompute after preemption hitting its own blocks is not a cache
+                # hit, and neither are blocks a decode engine received by transfer
+                req.metrics.num_cached_tokens = min(hit.num_tokens, req.num_prompt_tokens)
             self.running.append(req)
             out.new.append(self._scheduled(req, n))
             budget -= n

@@ -25,7 +25,7 @@ from kvserve.engine.async_engine import (
     EngineShutdown,
     RequestFailure,
 )
-from kvserve.outputs import CompletionOutput, Logprobs, RequestOutput
+from kvserve.outputs import CompletionOutput, Logprobs, RequestMetrics, RequestOutput
 from kvserve.sampling_params import SamplingParams
 from kvserve.server.admission import Ticket
 from kvserve.server.disagg import kv_leg, prefill_result
@@ -125,6 +125,8 @@ class Generation:
         self.choices: list[dict[int, _Choice]] = [{} for _ in prompts]
         self.prompt_logprobs: list[list[Logprobs | None] | None] = [None] * len(prompts)
         self.cached_tokens = [0] * len(prompts)  # per prompt: RequestOutput.num_cached_tokens
+        # per prompt: its engine request's timings (its first sequence's), for the metrics
+        self.request_metrics: list[RequestMetrics | None] = [None] * len(prompts)
         self._num_generated = 0
         self.done = [False] * len(prompts)
         self.timed_out = False
@@ -265,6 +267,8 @@ class Generation:
         if out.prompt_logprobs is not None:
             self.prompt_logprobs[i] = out.prompt_logprobs
         self.cached_tokens[i] = out.num_cached_tokens
+        if out.metrics is not None:
+            self.request_metrics[i] = out.metrics
         choices = self.choices[i]
         for delta in out.outputs:
             choice = choices.get(delta.index)
@@ -274,20 +278,18 @@ class Generation:
             self._num_generated += len(delta.token_ids)
 
     def _observe_tokens(self, out: RequestOutput) -> None:
-        m, metrics = out.metrics, self.state.metrics
+        m, record = out.metrics, self.state.metrics.record
         first = self.choices[0].get(0)
         n = len(first.token_ids) if first is not None else 0
         if m is None or n <= self._seen_tokens or m.last_token_time is None:
             return
         if self._last_token_time is None and m.first_token_time is not None:
-            metrics.ttft.observe(max(0.0, m.first_token_time - self.arrival))
+            record.first_token(m.first_token_time - self.arrival)
             self._seen_tokens = 1
             self._last_token_time = m.first_token_time
         new = n - self._seen_tokens
         if new > 0 and self._last_token_time is not None:
-            gap = max(0.0, m.last_token_time - self._last_token_time) / new
-            for _ in range(new):
-                metrics.itl.observe(gap)
+            record.inter_token((m.last_token_time - self._last_token_time) / new, new)
         self._seen_tokens = n
         self._last_token_time = m.last_token_time
 
@@ -362,16 +364,23 @@ class Generation:
             self._record_finish()
 
     def _record_finish(self) -> None:
-        metrics = self.state.metrics
-        for i in range(len(self.prompts)):
+        record = self.state.metrics.record
+        reasons = []
+        for i, prompt in enumerate(self.prompts):
+            tokens = []
             for c in range(self.params.n):
                 choice = self.choices[i].get(c)
                 reason = choice.finish_reason if choice is not None else None
                 if reason not in ("stop", "length", "grammar_dead_end"):
                     reason = "timeout" if self.timed_out else "abort"
-                metrics.finished.labels(reason).inc()
-        if any(self.choices):
-            metrics.e2e.observe(time.monotonic() - self.arrival)
+                reasons.append(reason)
+                tokens.append(len(choice.token_ids) if choice is not None else 0)
+            m = self.request_metrics[i]
+            if m is not None and m.first_token_time is not None:
+                record.prompt_done(self.arrival, m, len(prompt.token_ids), tokens,
+                                   self.params.n, self.params.max_tokens)
+        record.request_done(time.monotonic() - self.arrival if any(self.choices) else None,
+                            reasons)
 
 
 async def new_generation(

@@ -16,6 +16,7 @@ import asyncio
 import time
 from collections import deque
 from collections.abc import Awaitable, Callable
+from typing import TYPE_CHECKING
 
 from starlette.types import Receive
 
@@ -34,6 +35,9 @@ from kvserve.server.prompts import Prompt
 from kvserve.server.protocol import SamplingRequest
 from kvserve.server.state import ServerState
 from kvserve.server.structured import Constraint, compile_constraint
+
+if TYPE_CHECKING:  # imported only when tracing is on
+    from kvserve.server.tracing import RequestTrace
 
 _DISCONNECTED = object()
 _FORCE_END = object()
@@ -125,8 +129,6 @@ class Generation:
         self.choices: list[dict[int, _Choice]] = [{} for _ in prompts]
         self.prompt_logprobs: list[list[Logprobs | None] | None] = [None] * len(prompts)
         self.cached_tokens = [0] * len(prompts)  # per prompt: RequestOutput.num_cached_tokens
-        # per prompt: its engine request's timings (its first sequence's), for the metrics
-        self.request_metrics: list[RequestMetrics | None] = [None] * len(prompts)
         self._num_generated = 0
         self.done = [False] * len(prompts)
         self.timed_out = False
@@ -145,6 +147,9 @@ class Generation:
         self._closed = False
         self._last_token_time: float | None = None
         self._seen_tokens = 0  # choice 0 of prompt 0: tokens seen by the latency metrics
+        # tracing on: kvserve.server.tracing.RequestTrace, and each prompt's engine metrics
+        self.trace: RequestTrace | None = None
+        self.engine_metrics: list[RequestMetrics | None] = [None] * len(prompts)
 
     # ---- start ----------------------------------------------------------------------------
     async def start(self, receive: Receive | None = None) -> None:
@@ -262,13 +267,13 @@ class Generation:
             pass
 
     def _accumulate(self, i: int, out: RequestOutput) -> None:
+        if out.metrics is not None:  # its first sequence's timings: metrics and tracing
+            self.engine_metrics[i] = out.metrics
         if out.kv_transfer is not None:
             self.kv_result = prefill_result(out)
         if out.prompt_logprobs is not None:
             self.prompt_logprobs[i] = out.prompt_logprobs
         self.cached_tokens[i] = out.num_cached_tokens
-        if out.metrics is not None:
-            self.request_metrics[i] = out.metrics
         choices = self.choices[i]
         for delta in out.outputs:
             choice = choices.get(delta.index)
@@ -362,6 +367,8 @@ class Generation:
         self.state.generations.discard(self)
         if self._started:
             self._record_finish()
+        elif self.trace is not None:
+            self.trace.fail(shutting_down())
 
     def _record_finish(self) -> None:
         record = self.state.metrics.record
@@ -375,12 +382,15 @@ class Generation:
                     reason = "timeout" if self.timed_out else "abort"
                 reasons.append(reason)
                 tokens.append(len(choice.token_ids) if choice is not None else 0)
-            m = self.request_metrics[i]
+            m = self.engine_metrics[i]
             if m is not None and m.first_token_time is not None:
                 record.prompt_done(self.arrival, m, len(prompt.token_ids), tokens,
                                    self.params.n, self.params.max_tokens)
         record.request_done(time.monotonic() - self.arrival if any(self.choices) else None,
                             reasons)
+        if self.trace is not None:
+            self.trace.finish(self.request_id, self.arrival, self.engine_metrics,
+                              self.num_prompt_tokens, self.num_generated_tokens, reasons)
 
 
 async def new_generation(

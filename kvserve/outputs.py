@@ -42,6 +42,8 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     finished: bool
     prompt_logprobs: list[Logprobs | None] | None = None
+    # Prompt tokens this engine's prefix cache (KV tiers included) served when the request was
+    # first scheduled (the first sequence's, for n > 1); OpenAI's usage.cached_tokens.
     num_cached_tokens: int = 0
     metrics: RequestMetrics | None = field(default=None, repr=False)
     # Prefill role (docs/disaggregation.md): where a decode engine fetches the prompt's KV

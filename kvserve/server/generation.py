@@ -107,10 +107,13 @@ class _Sink(asyncio.Queue):
 class Generation:
     def __init__(self, state: ServerState, request_id: str, prompts: list[Prompt],
                  params: SamplingParams, ticket: Ticket, *, priority: int = 0,
-                 cache_salt: str | None = None, kv: dict | None = None) -> None:
+                 cache_salt: str | None = None, kv: dict | None = None,
+                 prefill_cached_tokens: int | None = None) -> None:
         self.state = state
         self.kv = kv or {}  # disaggregation leg: LLMEngine.add_request's kv_* arguments
         self.kv_result: dict | None = None  # a prefill leg's handle + first token
+        # a decode leg: the prefill replica's cached prompt tokens (its usage reports them)
+        self.prefill_cached_tokens = prefill_cached_tokens
         self.request_id = request_id
         self.prompts = prompts
         self.params = params
@@ -121,6 +124,7 @@ class Generation:
         # per prompt: its choices so far, and its prompt logprobs (from its first output)
         self.choices: list[dict[int, _Choice]] = [{} for _ in prompts]
         self.prompt_logprobs: list[list[Logprobs | None] | None] = [None] * len(prompts)
+        self.cached_tokens = [0] * len(prompts)  # per prompt: RequestOutput.num_cached_tokens
         self._num_generated = 0
         self.done = [False] * len(prompts)
         self.timed_out = False
@@ -260,6 +264,7 @@ class Generation:
             self.kv_result = prefill_result(out)
         if out.prompt_logprobs is not None:
             self.prompt_logprobs[i] = out.prompt_logprobs
+        self.cached_tokens[i] = out.num_cached_tokens
         choices = self.choices[i]
         for delta in out.outputs:
             choice = choices.get(delta.index)
@@ -305,6 +310,15 @@ class Generation:
     @property
     def num_prompt_tokens(self) -> int:
         return sum(len(p.token_ids) for p in self.prompts)
+
+    @property
+    def num_cached_tokens(self) -> int:
+        """Prompt tokens served from a prefix cache: the engine's count summed over the
+        prompts; a decode leg reports the prefill replica's (what it received by transfer is
+        not a cache hit)."""
+        if self.prefill_cached_tokens is not None:
+            return self.prefill_cached_tokens
+        return sum(self.cached_tokens)
 
     @property
     def num_generated_tokens(self) -> int:
@@ -375,8 +389,11 @@ async def new_generation(
         if constraint is not None:
             params = params.clone(structured_outputs=constraint.params)
         params, kv = kv_leg(req.kv_transfer, len(prompts), params, state.settings.role)
+        leg = req.kv_transfer
         return Generation(state, state.new_id(id_prefix), prompts, params, ticket,
-                          priority=req.priority, cache_salt=req.cache_salt, kv=kv)
+                          priority=req.priority, cache_salt=req.cache_salt, kv=kv,
+                          prefill_cached_tokens=leg.cached_tokens if leg is not None
+                          and leg.role == "decode" else None)
     except BaseException:
         ticket.release()
         raise

@@ -78,8 +78,9 @@ class JSONSchemaFormat(_Request):
     name: ToolName = Field(..., description="The schema's name (letters, digits, _ and -).")
     description: Text | None = None
     schema_: JsonSchema = Field(..., alias="schema", description="A JSON schema.")
-    strict: bool | None = Field(None, description="Accepted; the output always follows the "
-                                                  "schema.")
+    strict: bool | None = Field(None, description="true: every object in the schema forbids "
+                                                  "undeclared properties, whatever its "
+                                                  "additionalProperties says.")
     model_config = ConfigDict(extra="ignore", allow_inf_nan=False, strict=True,
                               populate_by_name=True)
 
@@ -137,6 +138,8 @@ class KVTransferLeg(_Request):
     role: Literal["prefill", "decode"]
     handle: dict[str, Any] | None = None  # kvserve.cache.kv_transfer.TransferHandle.to_dict()
     first_token: FirstTokenIn | None = None
+    # prompt tokens the prefill replica's prefix cache served (the decode leg's usage reports it)
+    cached_tokens: int | None = Field(None, ge=0)
 
 
 class SamplingRequest(_Request):
@@ -318,10 +321,15 @@ class ChatCompletionRequest(SamplingRequest):
 
 
 # ---- responses --------------------------------------------------------------------------------
+class PromptTokensDetails(_Response):
+    cached_tokens: int = 0  # prompt tokens served from the prefix cache (docs/server.md)
+
+
 class UsageInfo(_Response):
     prompt_tokens: int = 0
     completion_tokens: int = 0
     total_tokens: int = 0
+    prompt_tokens_details: PromptTokensDetails | None = None
 
 
 class CompletionLogprobs(_Response):

@@ -30,6 +30,7 @@ from kvserve.server.prompts import Prompt
 from kvserve.server.protocol import (
     ChatCompletionResponse,
     CompletionResponse,
+    PromptTokensDetails,
     SamplingRequest,
     UsageInfo,
     dump,
@@ -68,8 +69,12 @@ class GenerationStream(StreamingResponse):
 
 
 def usage(gen: Generation) -> UsageInfo:
+    """OpenAI's usage, with ``prompt_tokens_details.cached_tokens`` (``Generation``'s
+    ``num_cached_tokens``)."""
     p, c = gen.num_prompt_tokens, gen.num_generated_tokens
-    return UsageInfo(prompt_tokens=p, completion_tokens=c, total_tokens=p + c)
+    return UsageInfo(prompt_tokens=p, completion_tokens=c, total_tokens=p + c,
+                     prompt_tokens_details=PromptTokensDetails(
+                         cached_tokens=gen.num_cached_tokens))
 
 
 def full_response(gen: Generation, response: type[CompletionResponse | ChatCompletionResponse],

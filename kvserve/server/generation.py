@@ -16,6 +16,7 @@ import asyncio
 import time
 from collections import deque
 from collections.abc import Awaitable, Callable
+from typing import TYPE_CHECKING
 
 from starlette.types import Receive
 
@@ -25,7 +26,7 @@ from kvserve.engine.async_engine import (
     EngineShutdown,
     RequestFailure,
 )
-from kvserve.outputs import CompletionOutput, Logprobs, RequestOutput
+from kvserve.outputs import CompletionOutput, Logprobs, RequestMetrics, RequestOutput
 from kvserve.sampling_params import SamplingParams
 from kvserve.server.admission import Ticket
 from kvserve.server.disagg import kv_leg, prefill_result
@@ -34,6 +35,9 @@ from kvserve.server.prompts import Prompt
 from kvserve.server.protocol import SamplingRequest
 from kvserve.server.state import ServerState
 from kvserve.server.structured import Constraint, compile_constraint
+
+if TYPE_CHECKING:  # imported only when tracing is on
+    from kvserve.server.tracing import RequestTrace
 
 _DISCONNECTED = object()
 _FORCE_END = object()
@@ -143,6 +147,9 @@ class Generation:
         self._closed = False
         self._last_token_time: float | None = None
         self._seen_tokens = 0  # choice 0 of prompt 0: tokens seen by the latency metrics
+        # tracing on: kvserve.server.tracing.RequestTrace, and each prompt's engine metrics
+        self.trace: RequestTrace | None = None
+        self.engine_metrics: list[RequestMetrics | None] = [None] * len(prompts)
 
     # ---- start ----------------------------------------------------------------------------
     async def start(self, receive: Receive | None = None) -> None:
@@ -260,6 +267,8 @@ class Generation:
             pass
 
     def _accumulate(self, i: int, out: RequestOutput) -> None:
+        if self.trace is not None:
+            self.engine_metrics[i] = out.metrics
         if out.kv_transfer is not None:
             self.kv_result = prefill_result(out)
         if out.prompt_logprobs is not None:
@@ -360,9 +369,12 @@ class Generation:
         self.state.generations.discard(self)
         if self._started:
             self._record_finish()
+        elif self.trace is not None:
+            self.trace.fail(shutting_down())
 
     def _record_finish(self) -> None:
         metrics = self.state.metrics
+        reasons = []
         for i in range(len(self.prompts)):
             for c in range(self.params.n):
                 choice = self.choices[i].get(c)
@@ -370,8 +382,12 @@ class Generation:
                 if reason not in ("stop", "length", "grammar_dead_end"):
                     reason = "timeout" if self.timed_out else "abort"
                 metrics.finished.labels(reason).inc()
+                reasons.append(reason)
         if any(self.choices):
             metrics.e2e.observe(time.monotonic() - self.arrival)
+        if self.trace is not None:
+            self.trace.finish(self.request_id, self.arrival, self.engine_metrics,
+                              self.num_prompt_tokens, self.num_generated_tokens, reasons)
 
 
 async def new_generation(

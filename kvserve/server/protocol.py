@@ -138,6 +138,8 @@ class KVTransferLeg(_Request):
     role: Literal["prefill", "decode"]
     handle: dict[str, Any] | None = None  # kvserve.cache.kv_transfer.TransferHandle.to_dict()
     first_token: FirstTokenIn | None = None
+    # the prefill leg's trace context (W3C traceparent), when it was traced
+    traceparent: str | None = Field(None, max_length=64)
     # prompt tokens the prefill replica's prefix cache served (the decode leg's usage reports it)
     cached_tokens: int | None = Field(None, ge=0)
 

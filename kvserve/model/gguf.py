@@ -42,6 +42,7 @@ ARCHITECTURES: dict[str, tuple[str, bool]] = {
     "mistral": ("MistralForCausalLM", True),
     "qwen2": ("Qwen2ForCausalLM", False),
     "qwen3": ("Qwen3ForCausalLM", False),
+    "gemma3": ("Gemma3ForCausalLM", False),
 }
 AS_IS_TYPES = ("F32", "F16", "BF16")
 _CACHE_VERSION = "1"
@@ -109,6 +110,8 @@ class GGUFCheckpoint:
         os.makedirs(tmp, exist_ok=True)
         try:
             config = AutoConfig.from_pretrained(folder, gguf_file=name)
+            if self.gguf_arch == "gemma3":
+                _gemma3_config(config, self.path)
             config.architectures = [self.architecture]
             config.dtype = self.compute_dtype_name()
             config.save_pretrained(tmp)
@@ -217,6 +220,8 @@ class GGUFCheckpoint:
                                      f"ggml type {t.type}: {e}") from e
                 self.paths[gname] = "dequantized"
             tensor = tensor.reshape(t.shape)
+            if self.gguf_arch == "gemma3" and hf.endswith("norm.weight"):
+                tensor = tensor - 1  # llama.cpp stores Gemma's (1 + w); the checkpoint's w
             if perm is not None:
                 tensor = tensor.index_select(0, perm)
             yield hf, tensor
@@ -280,6 +285,32 @@ def _gguf_dequantizer(qtype):
         return torch.from_numpy(values).to(device=blocks.device, dtype=dtype)
 
     return dequant
+
+
+def _gemma3_config(config, path: str) -> None:
+    """What llama.cpp derives for ``gemma3`` instead of storing it (transformers' GGUF config
+    leaves the HF defaults): the query scale 1/sqrt(head_dim) (1/sqrt(hidden / heads) for the
+    62-layer 27B), the local layers' rope base 10,000, and the global layers' rope scaling
+    from ``gemma3.rope.scaling.*`` when the file has it (4B and larger: linear, factor 8)."""
+    import gguf
+
+    head_dim = _head_dim(config)
+    if config.num_hidden_layers == 62:
+        config.query_pre_attn_scalar = config.hidden_size // config.num_attention_heads
+    else:
+        config.query_pre_attn_scalar = head_dim
+    params = dict(config.rope_parameters)
+    params["sliding_attention"] = {"rope_type": "default", "rope_theta": 10000.0}
+    fields = gguf.GGUFReader(path).fields
+    factor = fields.get("gemma3.rope.scaling.factor")
+    kind = fields.get("gemma3.rope.scaling.type")
+    if factor is not None and float(factor.contents()) != 1.0:
+        kind_name = kind.contents() if kind is not None else "linear"
+        if kind_name != "linear":
+            raise ValueError(f"{path}: gemma3 rope scaling {kind_name!r} is not supported")
+        params["full_attention"] = {**params["full_attention"], "rope_type": "linear",
+                                    "factor": float(factor.contents())}
+    config.rope_parameters = params
 
 
 def _read_table(path: str) -> tuple[str, dict[str, GGUFTensor]]:

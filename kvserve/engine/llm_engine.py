@@ -28,7 +28,7 @@ from kvserve.engine.stats import EngineStats
 from kvserve.engine.worker import DEFAULT_MAX_KV_BYTES  # noqa: F401 - re-exported
 from kvserve.layers.grammar import GrammarCompiler
 from kvserve.outputs import RequestOutput
-from kvserve.request import FirstToken, Request, RequestStatus
+from kvserve.request import FirstToken, LoRARequest, Request, RequestStatus
 from kvserve.sampling_params import SamplingParams
 
 __all__ = ["LLMEngine", "PromptType"]
@@ -82,13 +82,21 @@ class LLMEngine:
                     params: SamplingParams | None = None, *, priority: int = 0,
                     cache_salt: str | None = None, arrival_time: float | None = None,
                     kv_export: bool = False, kv_transfer: dict | None = None,
-                    first_token: FirstToken | None = None) -> None:
+                    first_token: FirstToken | None = None,
+                    lora_request: LoRARequest | None = None) -> None:
         """``kv_export`` (prefill role): when the request ends by length, its prompt's KV is
         offered to a decode engine (RequestOutput.kv_transfer: the handle). ``kv_transfer`` +
         ``first_token`` (decode role): the handle and the token the prefill engine sampled; the
         prompt's KV is fetched, verified and counted as computed, and the request goes on
-        (docs/disaggregation.md)."""
+        (docs/disaggregation.md). ``lora_request``: the LoRA adapter to run the request with
+        (loaded from its ``lora_path`` on first use; None: the base model)."""
         params = params or SamplingParams()
+        lora = None
+        if lora_request is not None:
+            if self.runner.lora is None:
+                raise ValueError("lora_request: LoRA is off in this engine (enable_lora or "
+                                 "lora_modules)")
+            lora = self.runner.lora.resolve(lora_request)
         if not isinstance(params, SamplingParams):
             raise ValueError("sampling_params must be a SamplingParams")
         if request_id in self.output_processor.parents:
@@ -122,7 +130,7 @@ class LLMEngine:
                 child_params = params.clone(seed=params.seed + i)
             children.append(Request(cid, request_id, i, ids, child_params, max_tokens,
                                     prompt=text, priority=priority, cache_salt=cache_salt,
-                                    arrival_time=arrival))
+                                    lora=lora, arrival_time=arrival))
             if grammar is not None:
                 children[-1].grammar = self.grammars.matcher(so)
         if self.cache_config.enable_prefix_caching:
@@ -148,6 +156,32 @@ class LLMEngine:
         if req.is_finished:
             self.output_processor.pop(req.parent_id)
             raise ValueError("first_token: it already ends the request (no decode needed)")
+
+    # ---- LoRA adapters (kvserve/engine/lora_manager.py) ---------------------------------------
+    def add_lora(self, lora_name: str, lora_path: str) -> int:
+        """Register a PEFT adapter folder under ``lora_name``; its id (ValueError: bad adapter,
+        name taken, LoRA off)."""
+        if self.runner.lora is None:
+            raise ValueError("lora_name: LoRA is off in this engine (enable_lora or "
+                             "lora_modules)")
+        return self.runner.lora.add(lora_name, lora_path).lora_id
+
+    def remove_lora(self, lora_name: str) -> None:
+        """Unregister an adapter no unfinished request uses (ValueError otherwise)."""
+        if self.runner.lora is None or lora_name not in self.runner.lora.refs:
+            raise ValueError(f"lora_name: no adapter {lora_name!r} is loaded")
+        busy = [r for r in (*self.scheduler.running, *self.scheduler.waiting)
+                if r.lora is not None and r.lora.lora_name == lora_name]
+        if busy:
+            raise ValueError(f"lora_name: adapter {lora_name!r} is in use by {len(busy)} "
+                             "unfinished request(s)")
+        self.runner.lora.remove(lora_name)
+
+    def list_loras(self) -> list[tuple[str, int]]:
+        """(name, id) of every registered adapter."""
+        if self.runner.lora is None:
+            return []
+        return [(n, r.lora_id) for n, r in self.runner.lora.refs.items()]
 
     def abort_request(self, request_id: str | list[str]) -> None:
         for rid in [request_id] if isinstance(request_id, str) else request_id:

@@ -14,6 +14,7 @@ import numpy as np
 import torch
 
 from kvserve.engine.executor import Executor
+from kvserve.engine.lora_manager import LoRAManager
 from kvserve.engine.runner_output import ModelRunnerOutput
 from kvserve.engine.scheduler import ScheduledRequest, SchedulerOutput
 from kvserve.engine.step_input import StepInput
@@ -30,8 +31,9 @@ class _Plan:
 
 class ModelRunner:
     def __init__(self, executor: Executor, block_size: int, components: int, vocab_size: int,
-                 eos_token_ids: tuple[int, ...]) -> None:
+                 eos_token_ids: tuple[int, ...], lora: LoRAManager | None = None) -> None:
         self.executor = executor
+        self.lora = lora  # LoRA adapters and their slots (None: LoRA off)
         self.block_size = block_size
         self.components = components
         self.eos_token_ids = eos_token_ids
@@ -70,7 +72,8 @@ class ModelRunner:
         step, _ = self.prepare([s])
         # group 0 (rows to sample) empty; group 1 every position, like a prompt-logprobs run
         step = StepInput(step.input_ids, step.positions, step.write_rows, step.query_lens,
-                         step.seq_lens, step.block_tables, ((), tuple(range(s.num_new_tokens))))
+                         step.seq_lens, step.block_tables, ((), tuple(range(s.num_new_tokens))),
+                         step.lora_slots)
         logits = self.executor.execute(step)[1]
         assert logits is not None
         return logits.float().cpu()
@@ -121,6 +124,9 @@ class ModelRunner:
                     plan.prompt_logprobs.append((req.request_id, start + 1))
             loc += n
         tables = tuple(s.block_ids for s in scheduled)
+        lora_slots: tuple[int, ...] = ()
+        if self.lora is not None and any(s.req.lora is not None for s in scheduled):
+            lora_slots = tuple(self.lora.slots_for([s.req.lora for s in scheduled]))
         step = StepInput(ids, pos, rows, tuple(qlens), tuple(slens), tables,
-                         (tuple(sample_rows), *groups))
+                         (tuple(sample_rows), *groups), lora_slots)
         return step, plan

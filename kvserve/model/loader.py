@@ -227,23 +227,19 @@ def narrow_dense_weights(model: CausalLM, storage: torch.dtype) -> int:
 def pack_dense_weights(model: CausalLM) -> int:
     """Repack the 16-bit CPU tables that ``narrow_dense_weights`` left (dense linears, the
     token embedding, a tied head once) into the 16-bit GEMM's tiles (kvserve.quant.w16: a
-    batch-1 step streams them ~1.3x faster, same results). Not when the GEMM is not built, or,
-    for bf16 tables, when this process's bf16-weight GEMMs take bf16 dot products
-    (``--cpu-bf16-dot-rows``: that path reads row-major tables). Returns the number of tables
-    packed."""
+    batch-1 step streams them ~1.3x faster, same results; the bf16 dot products of
+    ``--cpu-bf16-dot-rows`` read the same tiles). Not when the GEMM is not built. Returns the
+    number of tables packed."""
     from kvserve.kernels.cpu import w16_gemm
 
     lib = w16_gemm.w16_library()
     if lib is None:
         return 0
     cols = w16_gemm.packing(lib)[1]
-    bf16_dots = bool(w16_gemm.bf16_dot_rows(lib))
     n = 0
     for module in _dense_tables(model):
         w = module.weight
         if not can_pack(w, cols):  # (a tied table: packed already)
-            continue
-        if w.dtype == torch.bfloat16 and bf16_dots:
             continue
         w16_gemm.pack_weight(lib, w)
         n += 1

@@ -49,6 +49,7 @@ class ChatHandler(Handler):
 
     req: ChatCompletionRequest
     id_prefix = "chatcmpl"
+    operation = "chat"
 
     def __init__(self, req: ChatCompletionRequest, state: ServerState) -> None:
         super().__init__(req, state)

@@ -138,6 +138,10 @@ class KVTransferLeg(_Request):
     role: Literal["prefill", "decode"]
     handle: dict[str, Any] | None = None  # kvserve.cache.kv_transfer.TransferHandle.to_dict()
     first_token: FirstTokenIn | None = None
+    # the prefill leg's trace context (W3C traceparent), when it was traced
+    traceparent: str | None = Field(None, max_length=64)
+    # prompt tokens the prefill replica's prefix cache served (the decode leg's usage reports it)
+    cached_tokens: int | None = Field(None, ge=0)
 
 
 class SamplingRequest(_Request):
@@ -322,10 +326,15 @@ class ChatCompletionRequest(SamplingRequest):
 
 
 # ---- responses --------------------------------------------------------------------------------
+class PromptTokensDetails(_Response):
+    cached_tokens: int = 0  # prompt tokens served from the prefix cache (docs/server.md)
+
+
 class UsageInfo(_Response):
     prompt_tokens: int = 0
     completion_tokens: int = 0
     total_tokens: int = 0
+    prompt_tokens_details: PromptTokensDetails | None = None
 
 
 class CompletionLogprobs(_Response):

@@ -16,6 +16,8 @@ from kvserve.config_cli import arg
 SERVER = "server"
 LAUNCH = "launch (listener, shutdown)"
 DATA_PARALLEL = "data parallel (docs/replicas.md)"
+TRACING = "tracing (OpenTelemetry; docs/server.md)"
+OTLP_PROTOCOLS = ("http/protobuf", "grpc")
 
 
 def _no_limit_if_zero(seconds: float) -> float | None:
@@ -76,11 +78,19 @@ class ServerSettings:
         None, "read tool calls out of answers in this format (needed for tools with "
         "tool_choice auto / required / named; docs/structured-outputs.md)",
         choices=list(TOOL_CALL_PARSERS), group=SERVER)
-
     reasoning_parser: str | None = arg(
         None, "a reasoning model's <think>...</think> becomes reasoning_content, kept out of "
         "content, structured outputs and tool calls (docs/server.md)",
         choices=list(REASONING_PARSERS), group=SERVER)
+
+    # OpenTelemetry traces (kvserve/server/tracing.py, imported only when this is set).
+    otlp_traces_endpoint: str | None = arg(
+        None, "export a trace of each request over OTLP to this URL, e.g. "
+        "http://127.0.0.1:4318/v1/traces (needs kvserve[otel]; a client's traceparent is "
+        "honoured; default: no tracing, at no cost)", metavar="URL", group=TRACING)
+    otlp_traces_protocol: str = arg(
+        "http/protobuf", "OTLP transport of --otlp-traces-endpoint",
+        choices=list(OTLP_PROTOCOLS), group=TRACING)
 
     def chat_template_text(self) -> str | None:
         if self.chat_template is None:
@@ -112,6 +122,13 @@ class ServerSettings:
             raise ValueError(f"max_prompts must be >= 1, got {self.max_prompts}")
         if self.chat_template is not None:
             chat_template_path(self.chat_template)
+        if self.otlp_traces_protocol not in OTLP_PROTOCOLS:
+            raise ValueError(f"otlp_traces_protocol must be one of {', '.join(OTLP_PROTOCOLS)}, "
+                             f"got {self.otlp_traces_protocol!r}")
+        if self.otlp_traces_endpoint is not None and not self.otlp_traces_endpoint.startswith(
+                ("http://", "https://", "grpc://")):
+            raise ValueError(f"otlp_traces_endpoint must be an http(s):// or grpc:// URL, got "
+                             f"{self.otlp_traces_endpoint!r}")
         if self.tool_call_parser is not None and self.tool_call_parser not in TOOL_CALL_PARSERS:
             raise ValueError(f"tool_call_parser must be one of {', '.join(TOOL_CALL_PARSERS)}, "
                              f"got {self.tool_call_parser!r}")

@@ -49,6 +49,13 @@ class ServerState:
         self.force_ended = False  # a forced shutdown ended every generation
         self._ids = itertools.count()
         self._salt = uuid.uuid4().hex[:8]
+        self.tracing = None  # kvserve.server.tracing.Tracing, only when tracing is on
+        if settings.otlp_traces_endpoint is not None:
+            from kvserve.server.tracing import Tracing
+
+            self.tracing = Tracing(settings.otlp_traces_endpoint, settings.otlp_traces_protocol,
+                                   "kvserve", {"kvserve.role": settings.role,
+                                               "kvserve.model": settings.served_model_name})
 
     @property
     def max_sequences(self) -> int:
@@ -94,3 +101,5 @@ class ServerState:
 
     def close(self) -> None:
         self.pool.close()
+        if self.tracing is not None:
+            self.tracing.shutdown()

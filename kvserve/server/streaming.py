@@ -30,6 +30,7 @@ from kvserve.server.prompts import Prompt
 from kvserve.server.protocol import (
     ChatCompletionResponse,
     CompletionResponse,
+    PromptTokensDetails,
     SamplingRequest,
     UsageInfo,
     dump,
@@ -68,8 +69,12 @@ class GenerationStream(StreamingResponse):
 
 
 def usage(gen: Generation) -> UsageInfo:
+    """OpenAI's usage, with ``prompt_tokens_details.cached_tokens`` (``Generation``'s
+    ``num_cached_tokens``)."""
     p, c = gen.num_prompt_tokens, gen.num_generated_tokens
-    return UsageInfo(prompt_tokens=p, completion_tokens=c, total_tokens=p + c)
+    return UsageInfo(prompt_tokens=p, completion_tokens=c, total_tokens=p + c,
+                     prompt_tokens_details=PromptTokensDetails(
+                         cached_tokens=gen.num_cached_tokens))
 
 
 def full_response(gen: Generation, response: type[CompletionResponse | ChatCompletionResponse],
@@ -80,6 +85,8 @@ def full_response(gen: Generation, response: type[CompletionResponse | ChatCompl
                       usage=usage(gen)))
     if gen.kv_result is not None:
         d["kv_transfer"] = gen.kv_result
+        if gen.trace is not None:  # the decode replica's transfer span links to this one
+            d["kv_transfer"] = {**gen.kv_result, "traceparent": gen.trace.traceparent()}
     return d
 
 
@@ -163,6 +170,7 @@ class Handler:
     ``Generation`` as one JSON response and ``chunks`` as a stream's."""
 
     id_prefix: str  # of the request id ("cmpl" -> "cmpl-...")
+    operation: str  # gen_ai.operation.name ("chat", "text_completion")
     num_prompts = 1
     constraint: Constraint | None = None
 
@@ -181,6 +189,18 @@ class Handler:
         raise NotImplementedError
 
     async def answer(self, request: Request) -> Response:
-        gen = await new_generation(self.state, self.req, self.id_prefix, self.num_prompts,
-                                   self.constraint, self.prepare)
+        trace = None
+        if self.state.tracing is not None:
+            from kvserve.server.tracing import RequestTrace
+
+            trace = RequestTrace(self.state.tracing, request.headers, self.operation,
+                                 self.model, self.state.settings.role, self.req)
+        try:
+            gen = await new_generation(self.state, self.req, self.id_prefix, self.num_prompts,
+                                       self.constraint, self.prepare)
+        except BaseException as e:
+            if trace is not None:
+                trace.fail(e)
+            raise
+        gen.trace = trace
         return await respond(gen, request, self.req.stream, self.full, self.chunks)

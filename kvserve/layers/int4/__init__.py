@@ -16,6 +16,8 @@ GPTQ and GGUF Q4 tensors, the per-module ``Int4Scheme``, RTN / AWQ) and the offl
     moe.py       Int4FusedMoE: an INT4 checkpoint's MoE experts as per-expert ``Linear`` /
                  ``MergedLinear`` modules that ``loading.swap_int4_modules`` swaps like any
                  other (routing and dispatch: ``kvserve.layers.moe``)
+    kq_linear.py KqLinear: a GGUF Q5_0 / Q5_1 / Q4_K / Q5_K / Q6_K linear kept packed for the
+                 integer-dot kernel kvserve/csrc/kq_gemm.c (format: ``kvserve/quant/kq.py``)
     loading.py   the loader's passes: swap the quantized modules in on the meta model,
                  dequantize those read as a dense matrix, pack for the device
 """

@@ -110,3 +110,28 @@ def test_q4_k_m_mix_decode_graph_replays_eager(files, make_llm):
     g = fast.engine.runner.graphs
     assert g is not None and g.runs > 0
     assert g.tape is not None and "kvs_kq_linear" in g.tape.names
+
+
+def test_docs_type_table_matches_the_dispatch_table():
+    """docs/quantization.md's coverage rows say packed / dequantized / as stored as
+    GGML_TYPES does, and name the kernel of every packed type."""
+    import pathlib
+    import re
+
+    from kvserve.layers.int4.gguf_types import GGML_TYPES
+
+    doc = (pathlib.Path(__file__).parents[2] / "docs" / "quantization.md").read_text()
+    rows = {}
+    for line in doc.splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if len(cells) == 4 and cells[1] in ("packed", "dequantized", "as stored"):
+            for name in re.findall(r"`(\w+)`", cells[0]):
+                rows[name] = cells
+    kinds = {"packed": "packed", "dequantized": "dequantized", "as stored": "float"}
+    for name in ("F32", "F16", "BF16", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q2_K", "Q3_K",
+                 "Q4_K", "Q5_K", "Q6_K", "IQ4_NL", "IQ4_XS"):
+        assert name in rows, name
+        path = GGML_TYPES[QT[name]]
+        assert kinds[rows[name][1]] == path.kind, name
+        if path.kind == "packed":
+            assert rows[name][2].strip("`").split("`")[0] in path.kernel, name

@@ -22,8 +22,8 @@ outputs concatenated, ``kvserve.layers.int4.gguf_linear``); if any shard's type 
 the whole module is dequantized.
 
 Registering a packed type (as Q5_0 / Q5_1 / Q4_K / Q5_K / Q6_K are, ``kq_linear.py``): add an
-entry to ``_PACKED`` below -- ``QT.Q4_K: GGMLTypePath("packed", "<kernel, e.g. kq_gemm.c (VNNI/AVX2/C)>",
-linear=<builder>, min_k=256)`` -- with the builder in its own module under
+entry to ``_PACKED`` below -- ``QT.Q4_K: GGMLTypePath("packed", "<kernel>", linear=<builder>,
+min_k=256)`` -- with the builder in its own module under
 ``kvserve/layers/int4/`` (as ``q8_linear.py`` does for Q8_0). Nothing else needs to change:
 the loader, the start-up log and the decode graphs read this table. Tests:
 tests/model/test_gguf_types.py loads a tiny model of every type and compares it to the

@@ -6,12 +6,18 @@ printing a request's span tree (docs/server.md, "Tracing").
     with OTLPReceiver() as rx:             # rx.endpoint: http://127.0.0.1:PORT/v1/traces
         ...                                 # kvserve serve --otlp-traces-endpoint rx.endpoint
         rx.wait_for(lambda spans: len(spans) >= 5, timeout=30)
-        print(rx.tree(trace_id))
+        print(tree(rx.trace(trace_id)))
+
+As a process (a collector apart from the load generator: benchmarks/tracing_overhead.py):
+``python -m kvserve.bench.otlp_receiver [PORT]`` prints its endpoint, serves until stdin
+closes; ``GET /stats`` answers the spans and export requests received so far.
 """
 
 from __future__ import annotations
 
 import gzip
+import json
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -110,6 +116,19 @@ class OTLPReceiver:
                 self.send_header("Content-Length", "0")  # an empty ExportTraceServiceResponse
                 self.end_headers()
 
+            def do_GET(self) -> None:  # noqa: N802 - GET /stats: what arrived so far
+                if self.path != "/stats":
+                    self.send_error(404)
+                    return
+                with receiver._cond:
+                    body = json.dumps({"spans": len(receiver.spans),
+                                       "requests": receiver.requests}).encode()
+                self.send_response(200)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
             def log_message(self, *args: Any) -> None:
                 pass
 
@@ -176,3 +195,15 @@ def tree(spans: list[ReceivedSpan], attrs: tuple[str, ...] = ()) -> str:
 
     walk("", 0)
     return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = sys.argv[1:] if argv is None else argv
+    with OTLPReceiver(port=int(args[0]) if args else 0) as rx:
+        print(rx.endpoint, flush=True)
+        sys.stdin.read()  # until the parent closes the pipe
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -192,3 +192,43 @@ def test_settings_refuse_bad_endpoint_and_protocol() -> None:
         ServerSettings(otlp_traces_endpoint="localhost:4318")
     with pytest.raises(ValueError, match="otlp_traces_protocol"):
         ServerSettings(otlp_traces_protocol="thrift")
+
+
+def test_phases_from_recorded_metrics() -> None:
+    """RequestTrace.finish turns what the engine recorded into child spans: a tier restore
+    with its blocks per tier, an integrity repair, a failed import's fallback reason."""
+    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+    from kvserve.outputs import KVMove, RequestMetrics
+    from kvserve.server.tracing import RequestTrace, Tracing
+
+    mem = InMemorySpanExporter()
+    tr = Tracing("http://127.0.0.1:9/v1/traces", "http/protobuf", "kvserve", exporter=mem)
+    m = RequestMetrics(arrival_time=10.0, first_scheduled_time=10.5, first_token_time=11.0,
+                       last_token_time=12.0, finished_time=12.0, num_cached_tokens=32,
+                       integrity_repairs=1,
+                       kv_restores=[KVMove(10.1, 0.2, blocks=3,
+                                           by_tier=(("memory", 1), ("disk", 2)))],
+                       kv_import=KVMove(10.0, 0.05, fallback="timeout"))
+
+    class Body:
+        model, max_tokens, n, stream, kv_transfer = None, 8, 1, False, None
+
+    rt = RequestTrace(tr, {}, "chat", "m", "decode", Body())
+    rt.finish("chatcmpl-1", 10.0, [m], 40, 3, ["stop"])
+    tr.shutdown()
+    spans = {s.name: s for s in mem.get_finished_spans()}
+    assert set(spans) == {"chat m", "kvserve.queue", "kvserve.kv_tier.restore",
+                          "kvserve.kv_transfer.import", "kvserve.prefill", "kvserve.decode"}
+    root = spans["chat m"].attributes
+    assert root["kvserve.integrity_repairs"] == 1 and root["kvserve.cached_tokens"] == 32
+    assert root["kvserve.kv_tier.blocks_restored.memory"] == 1
+    assert root["kvserve.kv_tier.blocks_restored.disk"] == 2
+    assert root["gen_ai.latency.time_in_queue"] == 0.5
+    restore = spans["kvserve.kv_tier.restore"]
+    assert restore.attributes["kvserve.kv_tier.blocks"] == 3
+    assert (restore.end_time - restore.start_time) == pytest.approx(0.2e9, abs=1e3)
+    assert spans["kvserve.kv_transfer.import"].attributes[
+        "kvserve.kv_transfer.fallback"] == "timeout"
+    assert all(s.parent.span_id == spans["chat m"].context.span_id
+               for s in spans.values() if s.name != "chat m")

@@ -145,3 +145,15 @@ def test_scale_in_place_matches_twin(lib):
     assert cpu_ops.scale_(x, 640**0.5)
     torch.testing.assert_close(x, want, rtol=1e-7, atol=0)
     assert not cpu_ops.scale_(x.bfloat16(), 2.0)
+
+
+@pytest.mark.parametrize("t,ns", [(1, (32, 16)), (5, (64, 8, 24)), (3, (16, 16, 16, 40))])
+def test_concat_cols_matches_torch_cat(lib, t, ns):
+    """GGUF fused modules of mixed types: parts side by side, one of them a strided view (a
+    padded part's [:, :n]), exactly torch.cat."""
+    parts = [torch.randn(t, n + 5)[:, :n] if i == 0 else torch.randn(t, n)
+             for i, n in enumerate(ns)]
+    got = cpu_ops.concat_cols(parts)
+    assert got is not None and torch.equal(got, torch.cat(parts, -1))
+    assert cpu_ops.concat_cols([p.double() for p in parts]) is None  # not fp32: the twin
+    assert cpu_ops.concat_cols([parts[0]] * 5) is None  # more than 4 parts

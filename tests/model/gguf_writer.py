@@ -53,8 +53,11 @@ def _tokenizer(vocab_size: int):
     return tokens, merges
 
 
-def write_gguf(hf_folder: str, out: str, types: Callable[[str], str]) -> str:
-    """Write ``hf_folder``'s model as GGUF to ``out``; ``types(gguf_name)`` -> ggml type name."""
+def write_gguf(hf_folder: str, out: str, types: Callable[[str], str],
+               data: Callable[[str, np.ndarray, str], np.ndarray] | None = None) -> str:
+    """Write ``hf_folder``'s model as GGUF to ``out``; ``types(gguf_name)`` -> ggml type name.
+    ``data(gguf_name, fp32 array, type name)`` -> the tensor's bytes (raw blocks, or the
+    float array for F32 / F16): replaces ``gguf.quants.quantize`` (hand-packed blocks)."""
     import gguf
     from gguf.quants import quantize
     from safetensors.torch import load_file
@@ -112,7 +115,13 @@ def write_gguf(hf_folder: str, out: str, types: Callable[[str], str]) -> str:
             arr = arr + 1  # convert_hf_to_gguf.py's Gemma3Model stores (1 + w)
         kind = types(gname) if arr.ndim == 2 else "F32"
         qtype = gguf.GGMLQuantizationType[kind]
-        if kind == "F32":
+        if data is not None and arr.ndim == 2:
+            raw = data(gname, arr, kind)
+            if kind in ("F32", "F16"):
+                w.add_tensor(gname, raw)
+            else:
+                w.add_tensor(gname, raw, raw_dtype=qtype)
+        elif kind == "F32":
             w.add_tensor(gname, arr.astype(np.float32))
         elif kind == "F16":
             w.add_tensor(gname, arr.astype(np.float16))

@@ -405,7 +405,8 @@ async def new_generation(
     try:
         await compile_constraint(state.engine, constraint)
         prompts, params = await prepare()
-        if constraint is not None:
+        if constraint is not None and params.structured_outputs is None:
+            # (prepare may have set it: the same grammar with a reasoning gate)
             params = params.clone(structured_outputs=constraint.params)
         params, kv = kv_leg(req.kv_transfer, len(prompts), params, state.settings.role)
         leg = req.kv_transfer

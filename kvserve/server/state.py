@@ -13,6 +13,7 @@ from kvserve.server.errors import APIError
 from kvserve.server.logprobs import TokenText
 from kvserve.server.metrics import ServerMetrics
 from kvserve.server.prompts import Limits, max_prompt_chars
+from kvserve.server.reasoning import ReasoningParser, get_reasoning_parser
 from kvserve.server.settings import ServerSettings
 from kvserve.server.workers import TokenizerPool
 
@@ -31,6 +32,9 @@ class ServerState:
         self.tokenizer = tokenizer  # the front end's own instance; event loop only
         self.text = TokenText(tokenizer)
         self.pool = TokenizerPool(tokenizer, settings.tokenizer_workers)
+        self.reasoning: ReasoningParser | None = (
+            get_reasoning_parser(settings.reasoning_parser, tokenizer)
+            if settings.reasoning_parser else None)
         mc = engine.model_config
         self.metrics = ServerMetrics(engine.snapshot, settings.served_model_name,
                                      mc.max_model_len)

@@ -41,6 +41,20 @@ def chat_template_path(name: str) -> str:
                      f"({', '.join(names)})")
 
 
+def _require_otel(protocol: str) -> None:
+    """The OpenTelemetry SDK and the protocol's exporter are installed (not imported)."""
+    import importlib.util
+
+    exporter = "grpc" if protocol == "grpc" else "http"
+    for mod in ("opentelemetry.sdk", f"opentelemetry.exporter.otlp.proto.{exporter}"):
+        try:
+            found = importlib.util.find_spec(mod) is not None
+        except ModuleNotFoundError:
+            found = False
+        if not found:
+            raise ValueError(f"otlp_traces_endpoint needs {mod}: pip install 'kvserve[otel]'")
+
+
 @dataclass(frozen=True, slots=True)
 class ServerSettings:
     # the model id in the API; on the command line None derives it from --model
@@ -135,6 +149,8 @@ class ServerSettings:
                 ("http://", "https://", "grpc://")):
             raise ValueError(f"otlp_traces_endpoint must be an http(s):// or grpc:// URL, got "
                              f"{self.otlp_traces_endpoint!r}")
+        if self.otlp_traces_endpoint is not None:  # before the model loads, not after
+            _require_otel(self.otlp_traces_protocol)
         if self.tool_call_parser is not None and self.tool_call_parser not in TOOL_CALL_PARSERS:
             raise ValueError(f"tool_call_parser must be one of {', '.join(TOOL_CALL_PARSERS)}, "
                              f"got {self.tool_call_parser!r}")

@@ -21,9 +21,9 @@ gate/up) whose shards are all packed is packed even when their types differ (one
 outputs concatenated, ``kvserve.layers.int4.gguf_linear``); if any shard's type is not packed,
 the whole module is dequantized.
 
-Registering a packed type (the K-quant kernels, Q5_0 / Q5_1): add an entry to ``_PACKED``
-below -- ``QT.Q4_K: GGMLTypePath("packed", "<kernel, e.g. kq_gemm.c (VNNI/AVX2/C)>",
-linear=<builder>, min_k=256)`` -- with the builder in its own module under
+Registering a packed type (as Q5_0 / Q5_1 / Q4_K / Q5_K / Q6_K are, ``kq_linear.py``): add an
+entry to ``_PACKED`` below -- ``QT.Q4_K: GGMLTypePath("packed", "<kernel>", linear=<builder>,
+min_k=256)`` -- with the builder in its own module under
 ``kvserve/layers/int4/`` (as ``q8_linear.py`` does for Q8_0). Nothing else needs to change:
 the loader, the start-up log and the decode graphs read this table. Tests:
 tests/model/test_gguf_types.py loads a tiny model of every type and compares it to the
@@ -77,11 +77,26 @@ def _q8(raw: torch.Tensor, shape: tuple[int, int], act_terms: int) -> nn.Module:
     return Q8Linear.from_blocks(raw, shape, act_terms)
 
 
+def _kq(kind: str) -> LinearBuilder:
+    def build(raw: torch.Tensor, shape: tuple[int, int], act_terms: int) -> nn.Module:
+        from kvserve.layers.int4.kq_linear import KqLinear
+
+        return KqLinear.from_blocks(raw, shape, act_terms, kind)
+
+    return build
+
+
 _WQ = "wq_gemm.c integer dot (VNNI / AVX2 / C)"
+_KQ = "kq_gemm.c integer dot (VNNI / AVX2 / C)"
 _PACKED: dict[QT, GGMLTypePath] = {
     QT.Q4_0: GGMLTypePath("packed", _WQ + ", 4-bit tiles", _q4("Q4_0")),
     QT.Q4_1: GGMLTypePath("packed", _WQ + ", 4-bit tiles", _q4("Q4_1")),
     QT.Q8_0: GGMLTypePath("packed", _WQ + ", 8-bit tiles", _q8),
+    QT.Q5_0: GGMLTypePath("packed", _KQ + ", 5-bit tiles", _kq("Q5_0")),
+    QT.Q5_1: GGMLTypePath("packed", _KQ + ", 5-bit tiles", _kq("Q5_1")),
+    QT.Q4_K: GGMLTypePath("packed", _KQ + ", 4-bit tiles", _kq("Q4_K"), min_k=256),
+    QT.Q5_K: GGMLTypePath("packed", _KQ + ", 5-bit tiles", _kq("Q5_K"), min_k=256),
+    QT.Q6_K: GGMLTypePath("packed", _KQ + ", 6-bit tiles", _kq("Q6_K"), min_k=256),
 }
 _FLOAT = (QT.F32, QT.F16, QT.BF16)
 _DEQUANT = "gguf.quants.dequantize -> dense; no packed kernel yet"

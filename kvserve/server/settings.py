@@ -92,6 +92,12 @@ class ServerSettings:
         None, "read tool calls out of answers in this format (needed for tools with "
         "tool_choice auto / required / named; docs/structured-outputs.md)",
         choices=list(TOOL_CALL_PARSERS), group=SERVER)
+    responses_max_stored: int = arg(
+        1000, "stored /v1/responses answers (store: true) kept for GET and "
+        "previous_response_id; the oldest are evicted (0: none kept)", type=int, group=SERVER)
+    responses_max_bytes: int = arg(
+        64 * 2**20, "bytes of stored /v1/responses answers (their JSON, conversations "
+        "included); the oldest are evicted", type=int, group=SERVER)
     reasoning_parser: str | None = arg(
         None, "a reasoning model's <think>...</think> becomes reasoning_content, kept out of "
         "content, structured outputs and tool calls (docs/server.md)",
@@ -148,6 +154,11 @@ class ServerSettings:
         if self.tool_call_parser is not None and self.tool_call_parser not in TOOL_CALL_PARSERS:
             raise ValueError(f"tool_call_parser must be one of {', '.join(TOOL_CALL_PARSERS)}, "
                              f"got {self.tool_call_parser!r}")
+        if self.responses_max_stored < 0:
+            raise ValueError(f"responses_max_stored must be >= 0, got "
+                             f"{self.responses_max_stored}")
+        if self.responses_max_bytes < 0:
+            raise ValueError(f"responses_max_bytes must be >= 0, got {self.responses_max_bytes}")
         if self.reasoning_parser is not None and self.reasoning_parser not in REASONING_PARSERS:
             raise ValueError(f"reasoning_parser must be one of {', '.join(REASONING_PARSERS)}, "
                              f"got {self.reasoning_parser!r}")

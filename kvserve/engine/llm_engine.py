@@ -24,6 +24,7 @@ from kvserve.engine.input_processor import PromptType, check_prompt_room, tokeni
 from kvserve.engine.output_processor import OutputProcessor
 from kvserve.engine.runner_output import ModelRunnerOutput
 from kvserve.engine.scheduler import ScheduledRequest, SchedulerOutput
+from kvserve.engine.spec.drafter import make_drafter
 from kvserve.engine.stats import EngineStats
 from kvserve.engine.worker import DEFAULT_MAX_KV_BYTES  # noqa: F401 - re-exported
 from kvserve.layers.grammar import GrammarCompiler
@@ -58,6 +59,7 @@ class LLMEngine:
                                         self.model_config.eos_token_ids)
         self.counters = {"prompt_tokens": 0, "generation_tokens": 0, "steps": 0,
                          "finished": 0, "aborted": 0}
+        self.drafter = make_drafter(self.args, self.tokenizer, self.model_config.vocab_size)
         # Test / drill / benchmark hooks (fault injection, leak checks, schedule observer)
         self.debug = EngineDebug(self.executor, self.pool, self.integrity, self.fingerprint,
                                  self.output_processor)
@@ -68,7 +70,9 @@ class LLMEngine:
 
     def shutdown(self) -> None:
         """Write the KV tiers down and stop them; stop the tensor-parallel workers and the KV
-        event publisher."""
+        event publisher (and a draft model's engine)."""
+        if self.drafter is not None and self.drafter.draft_model is not None:
+            self.drafter.draft_model.shutdown()
         self.kv.close()
         self.executor.shutdown()
         if self.kv_events is not None:
@@ -142,8 +146,8 @@ class LLMEngine:
         scheduler's one apply step, with nothing computed): logprobs, text, stop checks."""
         assert first is not None
         sched = SchedulerOutput(new=[ScheduledRequest(req, 0, 0, ())])
-        out = ModelRunnerOutput([req.request_id], [first.token_id], [first.logprobs],
-                                [first.logprob], [])
+        out = ModelRunnerOutput([req.request_id], [[first.token_id]], [[first.logprobs]],
+                                [[first.logprob]], [])
         self.scheduler.update_from_output(sched, out, self.output_processor)
         if req.is_finished:
             self.output_processor.pop(req.parent_id)
@@ -178,15 +182,32 @@ class LLMEngine:
             return []
         if self.debug.on_schedule is not None:
             self.debug.on_schedule(sched, len(self.scheduler.running))
+        t0 = time.perf_counter()
         out = self.runner.execute_model(sched)
+        seconds = time.perf_counter() - t0
         self.counters["steps"] += 1
         sampled = self.scheduler.update_from_output(sched, out, self.output_processor)
         if self.integrity is not None:
             self.integrity.end_step()
-        self.counters["generation_tokens"] += len(sampled)
+        self.counters["generation_tokens"] += sum(map(len, out.sampled_token_ids))
+        if self.drafter is not None:
+            self._draft(sched, out, seconds)
         outs = self.output_processor.make_outputs(dict.fromkeys(r.parent_id for r in sampled))
         self.counters["finished"] += sum(o.finished for o in outs)
         return outs
+
+    def _draft(self, sched: SchedulerOutput, out: ModelRunnerOutput, seconds: float) -> None:
+        """Speculative decoding: account the step's drafts, then draft for the next step."""
+        assert self.drafter is not None
+        drafts = {s.req.request_id: len(s.draft) for s in sched.scheduled if s.draft}
+        accepted = {rid: len(t) - 1 for rid, t in zip(out.req_ids, out.sampled_token_ids,
+                                                      strict=True) if rid in drafts}
+        self.drafter.observe(drafts, accepted, sched.num_batched_tokens, seconds)
+        sched_ = self.scheduler
+        self.drafter.sweep({r.request_id for r in sched_.running}
+                           | {r.request_id for r in sched_.waiting})
+        base = sum(r.num_tokens - r.num_computed_tokens for r in sched_.running)
+        self.drafter.propose(sched_.running, min(base, sched_.config.max_num_batched_tokens))
 
     @torch.inference_mode()
     def prompt_logits(self, token_ids: list[int]) -> torch.Tensor:
@@ -221,6 +242,7 @@ class LLMEngine:
             integrity=self.integrity.stats() if self.integrity is not None else None,
             kv_tiers=self.kv.tiers.stats() if self.kv.tiers is not None else None,
             kv_transfer=self.kv.transfer.stats() if self.kv.transfer is not None else None,
+            spec_decode=self.drafter.counters.as_dict() if self.drafter is not None else None,
             timestamp=time.monotonic(),
         )
 

@@ -24,4 +24,7 @@ class EngineStats:
     integrity: dict[str, Any] | None = None  # IntegrityChecker.stats(); None when off
     kv_tiers: dict[str, Any] | None = None  # KVTiers.stats(); None when no tier is on
     kv_transfer: dict[str, Any] | None = None  # KVTransfer.stats(); None when off
+    # speculative decoding: SpecCounters.as_dict() (drafts, draft / accepted tokens, accepted
+    # per position, mean accepted length); None when off
+    spec_decode: dict[str, Any] | None = None
     timestamp: float = 0.0  # time.monotonic() when taken

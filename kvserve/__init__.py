@@ -11,14 +11,17 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 __version__ = "0.1.0"
-__all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput", "__version__"]
+__all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput", "LoRARequest",
+           "__version__"]
 
 _LAZY = {"LLM": "kvserve.llm", "SamplingParams": "kvserve.sampling_params",
-         "RequestOutput": "kvserve.outputs", "CompletionOutput": "kvserve.outputs"}
+         "RequestOutput": "kvserve.outputs", "CompletionOutput": "kvserve.outputs",
+         "LoRARequest": "kvserve.request"}
 
 if TYPE_CHECKING:
     from kvserve.llm import LLM
     from kvserve.outputs import CompletionOutput, RequestOutput
+    from kvserve.request import LoRARequest
     from kvserve.sampling_params import SamplingParams
 
 

@@ -10,6 +10,7 @@ from tqdm.auto import tqdm
 from kvserve.engine.arg_utils import EngineArgs
 from kvserve.engine.llm_engine import LLMEngine, PromptType
 from kvserve.outputs import RequestOutput
+from kvserve.request import LoRARequest
 from kvserve.sampling_params import RequestOutputKind, SamplingParams
 
 
@@ -35,7 +36,9 @@ class LLM:
         *,
         use_tqdm: bool = False,
         priority: Sequence[int] | None = None,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
+        """``lora_request``: one adapter for every prompt, or one (or None) per prompt."""
         if isinstance(prompts, (str, dict)) or (
             isinstance(prompts, list) and prompts and isinstance(prompts[0], int)
         ):
@@ -53,11 +56,17 @@ class LLM:
         final = {id(p): p.clone(output_kind=RequestOutputKind.FINAL_ONLY)
                  for p in params if isinstance(p, SamplingParams)}
         params = [final.get(id(p), p) for p in params]
+        loras = ([lora_request] * len(prompts)
+                 if lora_request is None or isinstance(lora_request, LoRARequest)
+                 else list(lora_request))
+        if len(loras) != len(prompts):
+            raise ValueError("lora_request must be one LoRARequest or one per prompt")
         ids = []
         try:
             for i, (p, sp) in enumerate(zip(prompts, params, strict=True)):
                 rid = str(next(self._ids))
-                self.engine.add_request(rid, p, sp, priority=priority[i] if priority else 0)
+                self.engine.add_request(rid, p, sp, priority=priority[i] if priority else 0,
+                                        lora_request=loras[i])
                 ids.append(rid)
         except Exception:
             self.engine.abort_request(ids)

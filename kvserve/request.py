@@ -50,6 +50,35 @@ class FirstToken:
     logprobs: Logprobs | None = None
 
 
+@dataclass(frozen=True, slots=True)
+class LoRARequest:
+    """A request's LoRA adapter (vLLM's ``LoRARequest``): ``lora_name`` names it,
+    ``lora_int_id`` (> 0) is its number (the engine keeps its own for a name it already has),
+    ``lora_path`` the PEFT folder to load it from when the engine does not have it yet."""
+
+    lora_name: str
+    lora_int_id: int = 0
+    lora_path: str = ""
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.lora_name, str) or not self.lora_name:
+            raise ValueError("lora_request.lora_name must be a non-empty string")
+        if not isinstance(self.lora_int_id, int) or self.lora_int_id < 0:
+            raise ValueError(f"lora_request.lora_int_id must be an integer >= 0, got "
+                             f"{self.lora_int_id!r}")
+
+
+@dataclass(frozen=True, slots=True)
+class AdapterRef:
+    """The adapter a sequence runs with, as the engine resolved it: its id and name (KV
+    events' ``lora_id`` / ``lora_name``) and its content digest, which salts every block hash
+    of the sequence (different adapters never share KV; kvserve.cache.kv_cache_manager)."""
+
+    lora_id: int
+    lora_name: str
+    digest: bytes
+
+
 @dataclass(eq=False, slots=True)
 class Request:
     request_id: str  # unique per sequence: "<parent>" or "<parent>#<index>"
@@ -61,6 +90,7 @@ class Request:
     prompt: str | None = None
     priority: int = 0
     cache_salt: str | None = None
+    lora: AdapterRef | None = None  # None: the base model
     arrival_time: float = field(default_factory=time.monotonic)
     output_token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0

@@ -15,7 +15,10 @@ from __future__ import annotations
 from collections import Counter, OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
+
+if TYPE_CHECKING:
+    from kvserve.request import AdapterRef
 
 
 class NoFreeBlocksError(RuntimeError):
@@ -41,7 +44,7 @@ class EventSink(Protocol):
     """Told what the prefix-cache index gains and loses (``kvserve.cache.kv_events``)."""
 
     def stored(self, block_hash: bytes, parent_hash: bytes | None,
-               token_ids: tuple[int, ...]) -> None: ...
+               token_ids: tuple[int, ...], lora: AdapterRef | None = None) -> None: ...
     def removed(self, block_hash: bytes) -> None: ...
     def cleared(self) -> None: ...
 
@@ -146,9 +149,10 @@ class BlockPool:
         return block_id
 
     def register(self, block_id: int, block_hash: bytes, token_ids: tuple[int, ...],
-                 parent_hash: bytes | None = None) -> bool:
+                 parent_hash: bytes | None = None, lora: AdapterRef | None = None) -> bool:
         """Make a fully written block hittable. Returns False if another block holds the hash.
-        ``parent_hash``: the chain hash of the block before it (None: the first block)."""
+        ``parent_hash``: the chain hash of the block before it (None: the first block);
+        ``lora``: the adapter its KV was computed with (KV events report it)."""
         block = self.blocks[block_id]
         assert block.ref_cnt > 0, "only a block in use can be registered"
         if block.block_hash is not None or block.quarantined:
@@ -159,7 +163,10 @@ class BlockPool:
         block.token_ids = token_ids
         self._cached[block_hash] = block_id
         if self.event_sink is not None:
-            self.event_sink.stored(block_hash, parent_hash, token_ids)
+            if lora is None:
+                self.event_sink.stored(block_hash, parent_hash, token_ids)
+            else:
+                self.event_sink.stored(block_hash, parent_hash, token_ids, lora)
         return True
 
     def _uncache(self, block: Block, report: bool = True) -> None:

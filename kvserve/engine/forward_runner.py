@@ -11,6 +11,7 @@ import torch
 from kvserve.attention import AttentionBackend
 from kvserve.attention.metadata import AttentionMetadata
 from kvserve.engine.step_input import StepInput
+from kvserve.layers.lora import LoRAStep
 from kvserve.model.forward_batch import ForwardBatch
 
 
@@ -53,9 +54,14 @@ class ForwardRunner:
             seq_lens=list(step.seq_lens), block_tables=[list(t) for t in step.block_tables],
             write_rows=rows_t, slot_mapping=(rows_t // (c * bs)) * bs + rows_t % bs,
         )
+        lora = None
+        if step.lora_slots and max(step.lora_slots) >= 0:  # each token row's slot
+            idx = torch.repeat_interleave(torch.tensor(step.lora_slots, dtype=torch.int64),
+                                          torch.tensor(step.query_lens, dtype=torch.int64))
+            lora = LoRAStep(idx.to(self.device), frozenset(s for s in step.lora_slots if s >= 0))
         return ForwardBatch(input_ids=step.input_ids.to(self.device),
                             positions=step.positions.to(self.device), meta=meta,
-                            attn=self.backend)
+                            attn=self.backend, lora=lora)
 
     @torch.inference_mode()
     def run(self, step: StepInput) -> list[torch.Tensor | None]:

@@ -13,6 +13,8 @@ sizing, wiring) is ``kvserve.engine.builder``.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -25,11 +27,16 @@ from kvserve.engine.output_processor import OutputProcessor
 from kvserve.engine.runner_output import ModelRunnerOutput
 from kvserve.engine.scheduler import ScheduledRequest, SchedulerOutput
 from kvserve.engine.spec.drafter import make_drafter
-from kvserve.engine.stats import EngineStats
+from kvserve.engine.stats import (
+    ITERATION_TOKEN_BOUNDS,
+    BucketCounts,
+    EngineStats,
+    SpecDecodeCounters,
+)
 from kvserve.engine.worker import DEFAULT_MAX_KV_BYTES  # noqa: F401 - re-exported
 from kvserve.layers.grammar import GrammarCompiler
 from kvserve.outputs import RequestOutput
-from kvserve.request import FirstToken, Request, RequestStatus
+from kvserve.request import FirstToken, LoRARequest, Request, RequestStatus
 from kvserve.sampling_params import SamplingParams
 
 __all__ = ["LLMEngine", "PromptType"]
@@ -59,7 +66,18 @@ class LLMEngine:
                                         self.model_config.eos_token_ids)
         self.counters = {"prompt_tokens": 0, "generation_tokens": 0, "steps": 0,
                          "finished": 0, "aborted": 0}
+        self.iteration_tokens = BucketCounts(ITERATION_TOKEN_BOUNDS)  # tokens per step
+        # Hooks for the metrics: speculative decoding records its drafts here (None: off);
+        # LoRA serving sets ``lora_info`` to a callable giving EngineStats.lora (None: off).
         self.drafter = make_drafter(self.args, self.tokenizer, self.model_config.vocab_size)
+        self.spec_decode: SpecDecodeCounters | None = (
+            self.drafter.counters if self.drafter is not None else None)
+        self.lora_info: Callable[[], dict[str, Any]] | None = None
+        cc = self.cache_config
+        self._cache_info = {"block_size": str(cc.block_size),
+                            "num_gpu_blocks": str(self.pool.num_blocks),
+                            "cache_dtype": str(self.kv_mode),
+                            "enable_prefix_caching": str(cc.enable_prefix_caching)}
         # Test / drill / benchmark hooks (fault injection, leak checks, schedule observer)
         self.debug = EngineDebug(self.executor, self.pool, self.integrity, self.fingerprint,
                                  self.output_processor)
@@ -86,13 +104,21 @@ class LLMEngine:
                     params: SamplingParams | None = None, *, priority: int = 0,
                     cache_salt: str | None = None, arrival_time: float | None = None,
                     kv_export: bool = False, kv_transfer: dict | None = None,
-                    first_token: FirstToken | None = None) -> None:
+                    first_token: FirstToken | None = None,
+                    lora_request: LoRARequest | None = None) -> None:
         """``kv_export`` (prefill role): when the request ends by length, its prompt's KV is
         offered to a decode engine (RequestOutput.kv_transfer: the handle). ``kv_transfer`` +
         ``first_token`` (decode role): the handle and the token the prefill engine sampled; the
         prompt's KV is fetched, verified and counted as computed, and the request goes on
-        (docs/disaggregation.md)."""
+        (docs/disaggregation.md). ``lora_request``: the LoRA adapter to run the request with
+        (loaded from its ``lora_path`` on first use; None: the base model)."""
         params = params or SamplingParams()
+        lora = None
+        if lora_request is not None:
+            if self.runner.lora is None:
+                raise ValueError("lora_request: LoRA is off in this engine (enable_lora or "
+                                 "lora_modules)")
+            lora = self.runner.lora.resolve(lora_request)
         if not isinstance(params, SamplingParams):
             raise ValueError("sampling_params must be a SamplingParams")
         if request_id in self.output_processor.parents:
@@ -126,7 +152,7 @@ class LLMEngine:
                 child_params = params.clone(seed=params.seed + i)
             children.append(Request(cid, request_id, i, ids, child_params, max_tokens,
                                     prompt=text, priority=priority, cache_salt=cache_salt,
-                                    arrival_time=arrival))
+                                    lora=lora, arrival_time=arrival))
             if grammar is not None:
                 children[-1].grammar = self.grammars.matcher(so)
         if self.cache_config.enable_prefix_caching:
@@ -152,6 +178,32 @@ class LLMEngine:
         if req.is_finished:
             self.output_processor.pop(req.parent_id)
             raise ValueError("first_token: it already ends the request (no decode needed)")
+
+    # ---- LoRA adapters (kvserve/engine/lora_manager.py) ---------------------------------------
+    def add_lora(self, lora_name: str, lora_path: str) -> int:
+        """Register a PEFT adapter folder under ``lora_name``; its id (ValueError: bad adapter,
+        name taken, LoRA off)."""
+        if self.runner.lora is None:
+            raise ValueError("lora_name: LoRA is off in this engine (enable_lora or "
+                             "lora_modules)")
+        return self.runner.lora.add(lora_name, lora_path).lora_id
+
+    def remove_lora(self, lora_name: str) -> None:
+        """Unregister an adapter no unfinished request uses (ValueError otherwise)."""
+        if self.runner.lora is None or lora_name not in self.runner.lora.refs:
+            raise ValueError(f"lora_name: no adapter {lora_name!r} is loaded")
+        busy = [r for r in (*self.scheduler.running, *self.scheduler.waiting)
+                if r.lora is not None and r.lora.lora_name == lora_name]
+        if busy:
+            raise ValueError(f"lora_name: adapter {lora_name!r} is in use by {len(busy)} "
+                             "unfinished request(s)")
+        self.runner.lora.remove(lora_name)
+
+    def list_loras(self) -> list[tuple[str, int]]:
+        """(name, id) of every registered adapter."""
+        if self.runner.lora is None:
+            return []
+        return [(n, r.lora_id) for n, r in self.runner.lora.refs.items()]
 
     def abort_request(self, request_id: str | list[str]) -> None:
         for rid in [request_id] if isinstance(request_id, str) else request_id:
@@ -186,6 +238,7 @@ class LLMEngine:
         out = self.runner.execute_model(sched)
         seconds = time.perf_counter() - t0
         self.counters["steps"] += 1
+        self.iteration_tokens.observe(sum(x.num_new_tokens for x in sched.scheduled))
         sampled = self.scheduler.update_from_output(sched, out, self.output_processor)
         if self.integrity is not None:
             self.integrity.end_step()
@@ -235,14 +288,18 @@ class LLMEngine:
             num_running=len(sched.running), num_waiting=len(sched.waiting),
             num_prefilling=prefilling + len(sched.waiting),
             num_blocks_total=pool.num_blocks, num_blocks_used=pool.num_used_blocks,
-            num_blocks_free=pool.num_free_blocks, prefix_cache_hit_rate=float(self.kv.hit_rate),
+            num_blocks_free=pool.num_free_blocks, block_size=self.cache_config.block_size,
+            prefix_cache_hit_rate=float(self.kv.hit_rate),
             num_preemptions=self.scheduler.num_preemptions,
             num_unfinished_requests=self.get_num_unfinished_requests(),
-            counters=dict(self.counters),
+            counters={**self.counters, "prefix_cache_queries": self.kv.num_queried_tokens,
+                      "prefix_cache_hits": self.kv.num_hit_tokens},
+            iteration_tokens=self.iteration_tokens.copy(), cache_config=self._cache_info,
             integrity=self.integrity.stats() if self.integrity is not None else None,
             kv_tiers=self.kv.tiers.stats() if self.kv.tiers is not None else None,
             kv_transfer=self.kv.transfer.stats() if self.kv.transfer is not None else None,
-            spec_decode=self.drafter.counters.as_dict() if self.drafter is not None else None,
+            spec_decode=self.spec_decode.as_dict() if self.spec_decode is not None else None,
+            lora=self.lora_info() if self.lora_info is not None else None,
             timestamp=time.monotonic(),
         )
 

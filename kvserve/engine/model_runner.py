@@ -24,6 +24,7 @@ import numpy as np
 import torch
 
 from kvserve.engine.executor import Executor
+from kvserve.engine.lora_manager import LoRAManager
 from kvserve.engine.runner_output import ModelRunnerOutput
 from kvserve.engine.scheduler import ScheduledRequest, SchedulerOutput
 from kvserve.engine.step_input import StepInput
@@ -40,8 +41,9 @@ class _Plan:
 
 class ModelRunner:
     def __init__(self, executor: Executor, block_size: int, components: int, vocab_size: int,
-                 eos_token_ids: tuple[int, ...]) -> None:
+                 eos_token_ids: tuple[int, ...], lora: LoRAManager | None = None) -> None:
         self.executor = executor
+        self.lora = lora  # LoRA adapters and their slots (None: LoRA off)
         self.block_size = block_size
         self.components = components
         self.eos_token_ids = eos_token_ids
@@ -106,7 +108,8 @@ class ModelRunner:
         step, _ = self.prepare([s])
         # group 0 (rows to sample) empty; group 1 every position, like a prompt-logprobs run
         step = StepInput(step.input_ids, step.positions, step.write_rows, step.query_lens,
-                         step.seq_lens, step.block_tables, ((), tuple(range(s.num_new_tokens))))
+                         step.seq_lens, step.block_tables, ((), tuple(range(s.num_new_tokens))),
+                         step.lora_slots)
         logits = self.executor.execute(step)[1]
         assert logits is not None
         return logits.float().cpu()
@@ -173,6 +176,12 @@ class ModelRunner:
                     groups.append(tuple(range(loc, loc + last - start)))
                     plan.prompt_logprobs.append((req.request_id, start + 1))
             loc += n
+        lora_slots: tuple[int, ...] = ()
+        if self.lora is not None and any(s.req.lora is not None for s in scheduled):
+            # one slot per sequence of the step (a verified draft: one per row)
+            per_req = self.lora.slots_for([s.req.lora for s in scheduled])
+            lora_slots = tuple(x for s, x in zip(scheduled, per_req, strict=True)
+                               for _ in range(1 + len(s.draft) if s.draft else 1))
         step = StepInput(ids, pos, rows, tuple(qlens), tuple(slens), tuple(tables),
-                         (tuple(sample_rows), *groups))
+                         (tuple(sample_rows), *groups), lora_slots)
         return step, plan

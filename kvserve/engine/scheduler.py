@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Protocol
 
 from kvserve.cache.kv_cache_manager import EMPTY, KVCacheManager
 from kvserve.config import SchedulerConfig
-from kvserve.outputs import Logprobs
+from kvserve.outputs import KVMove, Logprobs
 from kvserve.request import Request, RequestStatus
 
 if TYPE_CHECKING:
@@ -78,8 +78,10 @@ class TokenChecker(Protocol):
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, kv: KVCacheManager) -> None:
+    def __init__(self, config: SchedulerConfig, kv: KVCacheManager, max_loras: int = 0) -> None:
         self.config = config
+        # LoRA: the most distinct adapters running at once (the adapter slots); 0: LoRA off
+        self.max_loras = max_loras
         self.kv = kv
         self.waiting: list[Request] = []  # sorted by _key
         self.running: list[Request] = []
@@ -131,7 +133,7 @@ class Scheduler:
         i = 0
         while i < len(self.waiting) and budget > 0 and len(self.running) < self.config.max_num_seqs:
             req = self.waiting[i]
-            if req.waits_for_leader:
+            if req.waits_for_leader or not self._lora_fits(req):
                 i += 1
                 continue
             # decode role: its prompt KV comes from a transfer (fetched and verified meanwhile)
@@ -157,14 +159,24 @@ class Scheduler:
                 break
             self.waiting.pop(i)
             req.num_computed_tokens = computed
-            req.metrics.num_cached_tokens = max(req.metrics.num_cached_tokens, computed)
             req.status = RequestStatus.RUNNING
             if req.metrics.first_scheduled_time is None:
                 req.metrics.first_scheduled_time = time.monotonic()
+                # prompt tokens served by this engine's prefix cache (tiers included), taken
+                # once: a recompute after preemption hitting its own blocks is not a cache
+                # hit, and neither are blocks a decode engine received by transfer
+                req.metrics.num_cached_tokens = min(hit.num_tokens, req.num_prompt_tokens)
             self.running.append(req)
             out.new.append(self._scheduled(req, n))
             budget -= n
         out.num_batched_tokens = self.config.max_num_batched_tokens - budget
+
+    def _lora_fits(self, req: Request) -> bool:
+        """A request's adapter runs already, or a slot is left for it."""
+        if req.lora is None:
+            return True
+        running = {r.lora.lora_id for r in self.running if r.lora is not None}
+        return req.lora.lora_id in running or len(running) < self.max_loras
 
     def _scheduled(self, req: Request, n: int, draft: tuple[int, ...] = ()) -> ScheduledRequest:
         return ScheduledRequest(req, n, req.num_computed_tokens,
@@ -239,7 +251,11 @@ class Scheduler:
                 and req.num_computed_tokens >= req.num_prompt_tokens):
             # prefill role: a decode engine continues it (a stop needs no continuation)
             try:
-                req.kv_handle = self.kv.export(req).to_dict()
+                t0 = time.monotonic()
+                handle = self.kv.export(req)
+                req.kv_handle = handle.to_dict()
+                req.metrics.kv_export = KVMove(t0, time.monotonic() - t0, handle.nbytes,
+                                               handle.num_blocks)
             except OSError:  # no handle: the caller continues without one (a full prefill)
                 logger.exception("kv transfer: export of %s failed", req.request_id)
         req.status = status
@@ -271,6 +287,7 @@ class Scheduler:
             first = min(hit)
             self.kv.truncate(req, first)
             req.num_computed_tokens = min(req.num_computed_tokens, first * bs)
+            req.metrics.integrity_repairs += 1
             rolled.append(req)
             logger.warning("integrity: request %s rolled back to token %d (recompute)",
                            req.request_id, first * bs)

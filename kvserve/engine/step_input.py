@@ -26,8 +26,10 @@ class StepInput:
     seq_lens: tuple[int, ...]  # [B]
     block_tables: tuple[tuple[int, ...], ...]  # [B][blocks]
     logits_groups: tuple[tuple[int, ...], ...]  # [G][rows]
+    # each sequence's LoRA slot, -1: none ([B]); empty: no sequence of the step has an adapter
+    lora_slots: tuple[int, ...] = ()
 
-    HEADER = 5  # T, B, total table entries, G, total logits rows
+    HEADER = 6  # T, B, total table entries, G, total logits rows, LoRA slots (0 or B)
 
     def to_tensor(self) -> torch.Tensor:
         """One flat int64 tensor: header, ids, positions, rows, query_lens, seq_lens,
@@ -35,29 +37,32 @@ class StepInput:
         tables = [b for t in self.block_tables for b in t]
         groups = [r for g in self.logits_groups for r in g]
         head = torch.tensor([self.input_ids.numel(), len(self.query_lens), len(tables),
-                             len(self.logits_groups), len(groups)], dtype=torch.int64)
+                             len(self.logits_groups), len(groups), len(self.lora_slots)],
+                            dtype=torch.int64)
         ints = torch.tensor([*self.query_lens, *self.seq_lens,
                              *(len(t) for t in self.block_tables), *tables,
-                             *(len(g) for g in self.logits_groups), *groups], dtype=torch.int64)
+                             *(len(g) for g in self.logits_groups), *groups,
+                             *self.lora_slots], dtype=torch.int64)
         return torch.cat([head, self.input_ids.cpu(), self.positions.cpu(),
                           self.write_rows.cpu(), ints])
 
     @classmethod
     def from_tensor(cls, x: torch.Tensor) -> StepInput:
-        t, b, nt, g, ng = (int(v) for v in x[: cls.HEADER])
+        t, b, nt, g, ng, nl = (int(v) for v in x[: cls.HEADER])
         o = cls.HEADER
         ids, pos, rows = x[o : o + t], x[o + t : o + 2 * t], x[o + 2 * t : o + 3 * t]
         rest = x[o + 3 * t :].tolist()
-        assert len(rest) == 3 * b + nt + g + ng, "malformed step input"
+        assert len(rest) == 3 * b + nt + g + ng + nl and nl in (0, b), "malformed step input"
         qlens, slens, tlens = rest[:b], rest[b : 2 * b], rest[2 * b : 3 * b]
         flat, rest = rest[3 * b : 3 * b + nt], rest[3 * b + nt :]
         tables, i = [], 0
         for n in tlens:
             tables.append(tuple(flat[i : i + n]))
             i += n
-        glens, gflat = rest[:g], rest[g:]
+        glens, gflat, lora = rest[:g], rest[g : g + ng], rest[g + ng :]
         groups, i = [], 0
         for n in glens:
             groups.append(tuple(gflat[i : i + n]))
             i += n
-        return cls(ids, pos, rows, tuple(qlens), tuple(slens), tuple(tables), tuple(groups))
+        return cls(ids, pos, rows, tuple(qlens), tuple(slens), tuple(tables), tuple(groups),
+                   tuple(lora))

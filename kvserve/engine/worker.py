@@ -44,6 +44,7 @@ from kvserve.engine.step_input import StepInput
 from kvserve.kernels.cpu import w16_gemm
 from kvserve.layers.linear import kv_head_layout
 from kvserve.model.loader import LoadedModel, load_model
+from kvserve.model.lora import check_lora_model, wrap_for_lora
 from kvserve.quant.wq import activation_terms
 
 logger = logging.getLogger("kvserve")
@@ -92,6 +93,11 @@ class Worker:
                                               act_terms=activation_terms(args.gguf_activations),
                                               int4_kernel=args.int4_cuda_kernel)
         self.model = self.loaded.model
+        self.lora_linears = None  # LoRA: the wrapped linears, by (layer, name)
+        if args.enable_lora:
+            check_lora_model(self.model, world_size)
+            self.lora_linears = wrap_for_lora(self.model, args.max_loras, args.max_lora_rank,
+                                              self.loaded.dtype, args.device)
         self.spec = self.model.kv_spec()  # this rank's heads
         self._check_settled()
         self.budget = self._measure_kv_budget()
@@ -121,7 +127,8 @@ class Worker:
         spec, args = self.spec, self.args
         backend = get_backend(args.attention_backend, self.kv_cache, spec.num_heads,
                               spec.num_kv_heads, spec.head_dim, spec.scale,
-                              self.config.model.max_model_len)
+                              self.config.model.max_model_len,
+                              layer_windows=spec.layer_windows)
         self.runner = ForwardRunner(self.model, backend, self.config.cache.block_size,
                                   spec.components, args.device,
                                   graphs=self._decode_graphs(backend))
@@ -240,6 +247,9 @@ class Worker:
         """CUDA graphs on a GPU, recorded kernel graphs on CPU (kvserve/engine/cpu_graphs.py):
         none under ``enforce_eager`` or tensor parallelism."""
         if self.args.enforce_eager or self.world_size > 1:
+            return None
+        if self.lora_linears is not None:
+            logger.info("decode graphs off: LoRA steps pick adapter slots per row (eager)")
             return None
         if self.kv_cache.data.is_cuda:
             return self._cuda_graphs(backend)

@@ -8,6 +8,7 @@ import torch
 
 from kvserve.attention import AttentionBackend
 from kvserve.attention.metadata import AttentionMetadata
+from kvserve.layers.lora import LoRAStep
 
 
 @dataclass(slots=True)
@@ -16,3 +17,4 @@ class ForwardBatch:
     positions: torch.Tensor  # [T] int64
     meta: AttentionMetadata
     attn: AttentionBackend
+    lora: LoRAStep | None = None  # each token row's adapter slot (None: no LoRA this step)

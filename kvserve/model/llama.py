@@ -16,6 +16,7 @@ from kvserve.layers.linear import (
     RowParallelLinear,
     kv_head_layout,
 )
+from kvserve.layers.lora import LoRAStep, with_lora
 from kvserve.layers.norm import RMSNorm
 from kvserve.layers.rotary import RotaryEmbedding
 from kvserve.layers.vocab_parallel import ParallelLMHead, VocabParallelEmbedding, gather_logits
@@ -47,7 +48,7 @@ class LlamaAttention(nn.Module):
     def forward(self, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         t = x.shape[0]
         h, hk, d = self.num_heads, self.num_kv_heads, self.head_dim
-        qkv = self.qkv_proj(x)
+        qkv = with_lora(self.qkv_proj, x, batch.lora)
         # fp32 on CPU without QK norm: q and k rotated in place in one C call (then views)
         rotated = self.q_norm is None and self.rotary.rotate_qk_(batch.positions, qkv, h + hk, d)
         q, k, v = qkv.split((h * d, hk * d, hk * d), dim=-1)
@@ -59,7 +60,7 @@ class LlamaAttention(nn.Module):
             qk = self.rotary(batch.positions, torch.cat((q, k), dim=1))
             q, k = qk[:, :h], qk[:, h:]
         o = batch.attn.forward(self.layer_idx, q, k, v, batch.meta)  # fp32 [T, H, D]
-        return self.o_proj(o.reshape(t, h * d).to(x.dtype))
+        return with_lora(self.o_proj, o.reshape(t, h * d).to(x.dtype), batch.lora)
 
 
 class LlamaMLP(nn.Module):
@@ -70,13 +71,13 @@ class LlamaMLP(nn.Module):
                                                        ("gate", "up"), bias=bias)
         self.down_proj = RowParallelLinear(intermediate, hidden, bias=bias)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate_up = self.gate_up_proj(x)
+    def forward(self, x: torch.Tensor, lora: LoRAStep | None = None) -> torch.Tensor:
+        gate_up = with_lora(self.gate_up_proj, x, lora)
         act = cpu_ops.silu_mul(gate_up)  # fp32 on CPU: one C call
         if act is None:
             gate, up = gate_up.split(self.intermediate, dim=-1)
             act = F.silu(gate) * up
-        return self.down_proj(act)
+        return with_lora(self.down_proj, act, lora)
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -97,7 +98,8 @@ class LlamaDecoderLayer(nn.Module):
         two (one fused add + RMSNorm per norm, as vLLM passes the residual)."""
         h, residual = self.input_layernorm.add_norm(x, residual)
         h, residual = self.post_attention_layernorm.add_norm(self.self_attn(h, batch), residual)
-        return self.mlp(h), residual
+        mlp = self.mlp(h) if batch.lora is None else self.mlp(h, batch.lora)
+        return mlp, residual
 
 
 class LlamaModel(nn.Module):

@@ -57,6 +57,6 @@ def prefill_result(out: RequestOutput) -> dict | None:
     c = out.outputs[0]
     tok = c.token_ids[0]
     lps = c.logprobs[0] if c.logprobs else None
-    return {"handle": out.kv_transfer, "first_token": {
+    return {"handle": out.kv_transfer, "cached_tokens": out.num_cached_tokens, "first_token": {
         "id": tok, "logprob": float(lps[tok]) if lps else 0.0,
         "top_logprobs": [[int(t), float(lp)] for t, lp in lps.items()] if lps else None}}

@@ -16,6 +16,7 @@ import asyncio
 import time
 from collections import deque
 from collections.abc import Awaitable, Callable
+from typing import TYPE_CHECKING
 
 from starlette.types import Receive
 
@@ -25,7 +26,7 @@ from kvserve.engine.async_engine import (
     EngineShutdown,
     RequestFailure,
 )
-from kvserve.outputs import CompletionOutput, Logprobs, RequestOutput
+from kvserve.outputs import CompletionOutput, Logprobs, RequestMetrics, RequestOutput
 from kvserve.sampling_params import SamplingParams
 from kvserve.server.admission import Ticket
 from kvserve.server.disagg import kv_leg, prefill_result
@@ -34,6 +35,9 @@ from kvserve.server.prompts import Prompt
 from kvserve.server.protocol import SamplingRequest
 from kvserve.server.state import ServerState
 from kvserve.server.structured import Constraint, compile_constraint
+
+if TYPE_CHECKING:  # imported only when tracing is on
+    from kvserve.server.tracing import RequestTrace
 
 _DISCONNECTED = object()
 _FORCE_END = object()
@@ -107,10 +111,13 @@ class _Sink(asyncio.Queue):
 class Generation:
     def __init__(self, state: ServerState, request_id: str, prompts: list[Prompt],
                  params: SamplingParams, ticket: Ticket, *, priority: int = 0,
-                 cache_salt: str | None = None, kv: dict | None = None) -> None:
+                 cache_salt: str | None = None, kv: dict | None = None,
+                 prefill_cached_tokens: int | None = None) -> None:
         self.state = state
         self.kv = kv or {}  # disaggregation leg: LLMEngine.add_request's kv_* arguments
         self.kv_result: dict | None = None  # a prefill leg's handle + first token
+        # a decode leg: the prefill replica's cached prompt tokens (its usage reports them)
+        self.prefill_cached_tokens = prefill_cached_tokens
         self.request_id = request_id
         self.prompts = prompts
         self.params = params
@@ -121,6 +128,7 @@ class Generation:
         # per prompt: its choices so far, and its prompt logprobs (from its first output)
         self.choices: list[dict[int, _Choice]] = [{} for _ in prompts]
         self.prompt_logprobs: list[list[Logprobs | None] | None] = [None] * len(prompts)
+        self.cached_tokens = [0] * len(prompts)  # per prompt: RequestOutput.num_cached_tokens
         self._num_generated = 0
         self.done = [False] * len(prompts)
         self.timed_out = False
@@ -139,6 +147,9 @@ class Generation:
         self._closed = False
         self._last_token_time: float | None = None
         self._seen_tokens = 0  # choice 0 of prompt 0: tokens seen by the latency metrics
+        # tracing on: kvserve.server.tracing.RequestTrace, and each prompt's engine metrics
+        self.trace: RequestTrace | None = None
+        self.engine_metrics: list[RequestMetrics | None] = [None] * len(prompts)
 
     # ---- start ----------------------------------------------------------------------------
     async def start(self, receive: Receive | None = None) -> None:
@@ -256,10 +267,13 @@ class Generation:
             pass
 
     def _accumulate(self, i: int, out: RequestOutput) -> None:
+        if out.metrics is not None:  # its first sequence's timings: metrics and tracing
+            self.engine_metrics[i] = out.metrics
         if out.kv_transfer is not None:
             self.kv_result = prefill_result(out)
         if out.prompt_logprobs is not None:
             self.prompt_logprobs[i] = out.prompt_logprobs
+        self.cached_tokens[i] = out.num_cached_tokens
         choices = self.choices[i]
         for delta in out.outputs:
             choice = choices.get(delta.index)
@@ -269,20 +283,18 @@ class Generation:
             self._num_generated += len(delta.token_ids)
 
     def _observe_tokens(self, out: RequestOutput) -> None:
-        m, metrics = out.metrics, self.state.metrics
+        m, record = out.metrics, self.state.metrics.record
         first = self.choices[0].get(0)
         n = len(first.token_ids) if first is not None else 0
         if m is None or n <= self._seen_tokens or m.last_token_time is None:
             return
         if self._last_token_time is None and m.first_token_time is not None:
-            metrics.ttft.observe(max(0.0, m.first_token_time - self.arrival))
+            record.first_token(m.first_token_time - self.arrival)
             self._seen_tokens = 1
             self._last_token_time = m.first_token_time
         new = n - self._seen_tokens
         if new > 0 and self._last_token_time is not None:
-            gap = max(0.0, m.last_token_time - self._last_token_time) / new
-            for _ in range(new):
-                metrics.itl.observe(gap)
+            record.inter_token((m.last_token_time - self._last_token_time) / new, new)
         self._seen_tokens = n
         self._last_token_time = m.last_token_time
 
@@ -305,6 +317,15 @@ class Generation:
     @property
     def num_prompt_tokens(self) -> int:
         return sum(len(p.token_ids) for p in self.prompts)
+
+    @property
+    def num_cached_tokens(self) -> int:
+        """Prompt tokens served from a prefix cache: the engine's count summed over the
+        prompts; a decode leg reports the prefill replica's (what it received by transfer is
+        not a cache hit)."""
+        if self.prefill_cached_tokens is not None:
+            return self.prefill_cached_tokens
+        return sum(self.cached_tokens)
 
     @property
     def num_generated_tokens(self) -> int:
@@ -346,18 +367,30 @@ class Generation:
         self.state.generations.discard(self)
         if self._started:
             self._record_finish()
+        elif self.trace is not None:
+            self.trace.fail(shutting_down())
 
     def _record_finish(self) -> None:
-        metrics = self.state.metrics
-        for i in range(len(self.prompts)):
+        record = self.state.metrics.record
+        reasons = []
+        for i, prompt in enumerate(self.prompts):
+            tokens = []
             for c in range(self.params.n):
                 choice = self.choices[i].get(c)
                 reason = choice.finish_reason if choice is not None else None
                 if reason not in ("stop", "length", "grammar_dead_end"):
                     reason = "timeout" if self.timed_out else "abort"
-                metrics.finished.labels(reason).inc()
-        if any(self.choices):
-            metrics.e2e.observe(time.monotonic() - self.arrival)
+                reasons.append(reason)
+                tokens.append(len(choice.token_ids) if choice is not None else 0)
+            m = self.engine_metrics[i]
+            if m is not None and m.first_token_time is not None:
+                record.prompt_done(self.arrival, m, len(prompt.token_ids), tokens,
+                                   self.params.n, self.params.max_tokens)
+        record.request_done(time.monotonic() - self.arrival if any(self.choices) else None,
+                            reasons)
+        if self.trace is not None:
+            self.trace.finish(self.request_id, self.arrival, self.engine_metrics,
+                              self.num_prompt_tokens, self.num_generated_tokens, reasons)
 
 
 async def new_generation(
@@ -372,11 +405,15 @@ async def new_generation(
     try:
         await compile_constraint(state.engine, constraint)
         prompts, params = await prepare()
-        if constraint is not None:
+        if constraint is not None and params.structured_outputs is None:
+            # (prepare may have set it: the same grammar with a reasoning gate)
             params = params.clone(structured_outputs=constraint.params)
         params, kv = kv_leg(req.kv_transfer, len(prompts), params, state.settings.role)
+        leg = req.kv_transfer
         return Generation(state, state.new_id(id_prefix), prompts, params, ticket,
-                          priority=req.priority, cache_salt=req.cache_salt, kv=kv)
+                          priority=req.priority, cache_salt=req.cache_salt, kv=kv,
+                          prefill_cached_tokens=leg.cached_tokens if leg is not None
+                          and leg.role == "decode" else None)
     except BaseException:
         ticket.release()
         raise

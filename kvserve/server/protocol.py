@@ -78,8 +78,9 @@ class JSONSchemaFormat(_Request):
     name: ToolName = Field(..., description="The schema's name (letters, digits, _ and -).")
     description: Text | None = None
     schema_: JsonSchema = Field(..., alias="schema", description="A JSON schema.")
-    strict: bool | None = Field(None, description="Accepted; the output always follows the "
-                                                  "schema.")
+    strict: bool | None = Field(None, description="true: every object in the schema forbids "
+                                                  "undeclared properties, whatever its "
+                                                  "additionalProperties says.")
     model_config = ConfigDict(extra="ignore", allow_inf_nan=False, strict=True,
                               populate_by_name=True)
 
@@ -137,6 +138,10 @@ class KVTransferLeg(_Request):
     role: Literal["prefill", "decode"]
     handle: dict[str, Any] | None = None  # kvserve.cache.kv_transfer.TransferHandle.to_dict()
     first_token: FirstTokenIn | None = None
+    # the prefill leg's trace context (W3C traceparent), when it was traced
+    traceparent: str | None = Field(None, max_length=64)
+    # prompt tokens the prefill replica's prefix cache served (the decode leg's usage reports it)
+    cached_tokens: int | None = Field(None, ge=0)
 
 
 class SamplingRequest(_Request):
@@ -315,13 +320,21 @@ class ChatCompletionRequest(SamplingRequest):
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     add_generation_prompt: bool = Field(True, description="kvserve.")
+    chat_template_kwargs: dict[str, Any] | None = Field(
+        None, description="kvserve (as vLLM): extra variables for the chat template, e.g. "
+                          "{\"enable_thinking\": false}.")
 
 
 # ---- responses --------------------------------------------------------------------------------
+class PromptTokensDetails(_Response):
+    cached_tokens: int = 0  # prompt tokens served from the prefix cache (docs/server.md)
+
+
 class UsageInfo(_Response):
     prompt_tokens: int = 0
     completion_tokens: int = 0
     total_tokens: int = 0
+    prompt_tokens_details: PromptTokensDetails | None = None
 
 
 class CompletionLogprobs(_Response):
@@ -398,6 +411,7 @@ class ToolCallOut(_Response):
 class AssistantMessage(_Response):
     role: Literal["assistant"] = "assistant"
     content: str | None = None
+    reasoning_content: str | None = None  # --reasoning-parser: the model's reasoning
     tool_calls: list[ToolCallOut] | None = None
 
 
@@ -425,6 +439,7 @@ class ChatCompletionResponse(_Completion[ChatChoice]):
 class DeltaMessage(_Response):
     role: Literal["assistant"] | None = None
     content: str | None = None
+    reasoning_content: str | None = None
     tool_calls: list[DeltaToolCall] | None = None
 
 

@@ -10,6 +10,12 @@ arguments are valid for their schemas (``ToolParser.auto_grammar``; without a st
 grammar is attached); ``required`` and a named function constrain the answer with the
 parser's grammar, so it is always calls (one for a named function, several if
 ``parallel_tool_calls``) of declared tools with arguments valid for their schemas.
+
+``strict: true`` (a ``json_schema`` response format, a function tool, a Responses
+``text.format``): every object in the schema forbids undeclared properties whatever its
+``additionalProperties`` says (``strict_schema``), as OpenAI's and xgrammar's strict modes do.
+Without it JSON Schema's own default stands (an object without ``additionalProperties`` may
+carry extra keys).
 """
 
 from __future__ import annotations
@@ -24,6 +30,44 @@ from kvserve.server.settings import ServerSettings
 from kvserve.server.tool_parsers import ToolParser, ToolSpec, get_parser
 
 _EMPTY_OBJECT = {"type": "object", "properties": {}}
+# keywords whose value is one subschema / a list of them / a name -> subschema mapping
+_SUB_ONE = ("items", "not", "if", "then", "else", "contains", "propertyNames",
+            "additionalItems", "unevaluatedItems")
+_SUB_LIST = ("anyOf", "oneOf", "allOf", "prefixItems")
+_SUB_MAP = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
+
+
+def _is_object_schema(node: dict) -> bool:
+    kind = node.get("type")
+    return kind == "object" or (isinstance(kind, list) and "object" in kind) or (
+        kind is None and ("properties" in node or "additionalProperties" in node
+                          or "required" in node))
+
+
+def strict_schema(schema: object) -> object:
+    """A copy of ``schema`` where every object schema (``type`` object, or untyped with
+    ``properties`` / ``additionalProperties`` / ``required``) has ``additionalProperties:
+    false``, and no ``unevaluatedProperties``: only declared properties (and
+    ``patternProperties``) are allowed. Recurses through every subschema keyword and
+    ``$defs``, so pydantic's nested models (``$ref`` to ``$defs``) are closed too. A
+    ``dict[str, X]`` field (an object with no properties) becomes the empty object, as in
+    OpenAI's strict mode."""
+    if isinstance(schema, list):
+        return [strict_schema(s) for s in schema]
+    if not isinstance(schema, dict):
+        return schema  # true / false schemas, enum values
+    out = {}
+    for key, value in schema.items():
+        if key in _SUB_ONE or key in _SUB_LIST:
+            out[key] = strict_schema(value)
+        elif key in _SUB_MAP and isinstance(value, dict):
+            out[key] = {k: strict_schema(v) for k, v in value.items()}
+        else:
+            out[key] = value
+    if _is_object_schema(schema):
+        out["additionalProperties"] = False
+        out.pop("unevaluatedProperties", None)
+    return out
 
 
 @dataclass(frozen=True, slots=True)
@@ -56,7 +100,10 @@ def output_constraint(req: SamplingRequest) -> Constraint | None:
     if rf is not None and rf.type == "json_object":
         return _so("response_format", json_object=True)
     if rf is not None and rf.type == "json_schema":
-        return _so("response_format.json_schema.schema", json=rf.json_schema.schema_)
+        schema = rf.json_schema.schema_
+        if rf.json_schema.strict:
+            schema = strict_schema(schema)
+        return _so("response_format.json_schema.schema", json=schema)
     if so is None:
         return None
     return _so("structured_outputs", json=so.json_, json_object=bool(so.json_object),
@@ -101,10 +148,15 @@ def tool_plan(req: ChatCompletionRequest, settings: ServerSettings) -> ToolPlan:
                               f"tools ({', '.join(names)})", "tool_choice")
         parallel = False
     # required / named: every tool's arguments follow its schema; auto: the strict ones'
-    specs = [ToolSpec(t.function.name, t.function.parameters or _EMPTY_OBJECT,
+    specs = [ToolSpec(t.function.name, _tool_schema(t.function.parameters, t.function.strict),
                       not auto or bool(t.function.strict)) for t in chosen]
     grammar = (parser.auto_grammar if auto else parser.grammar)(specs, parallel)
     return ToolPlan(template_tools, parser, _so("tools", grammar=grammar), forced=not auto)
+
+
+def _tool_schema(parameters: dict | None, strict: bool | None) -> dict:
+    schema = parameters or _EMPTY_OBJECT
+    return strict_schema(schema) if strict else schema  # type: ignore[return-value]
 
 
 async def compile_constraint(engine, constraint: Constraint | None) -> None:

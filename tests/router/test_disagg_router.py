@@ -95,6 +95,10 @@ def test_router_split_equals_colocated(pd) -> None:
                            for e in evs for c in e["choices"])
         assert text(_events(gs)) == text(_events(ws))
         assert _events(gs)[-1]["usage"] == _events(ws)[-1]["usage"]
+        # the prompt ran before on the replica that prefilled it (the prefill replica when
+        # split): its whole blocks are cached tokens, passed through by the router
+        u = _events(gs)[-1]["usage"]
+        assert u["prompt_tokens_details"]["cached_tokens"] == (u["prompt_tokens"] - 1) // 16 * 16
     m = httpx.get(f"{router.url}/metrics", timeout=5).text
     assert metric(m, 'kvserve_router_disaggregated_total{how="split"}') == 6
     assert metric(m, 'kvserve_router_disaggregated_total{how="whole"}') == 2  # n = 2

@@ -98,3 +98,37 @@ def test_legs_equal_colocated(inprocess, tmp_path, path):
         time.sleep(0.1)
         text = colo.run(scrape(pre))
     assert metric(text, "kvserve_kv_transfer_outstanding") == 0  # both confirmed
+
+
+def test_decode_leg_reports_the_prefill_replicas_cached_tokens(inprocess, tmp_path):
+    """usage.prompt_tokens_details.cached_tokens of a split request counts the prefill
+    replica's prefix-cache hits; the blocks the decode replica received are not hits."""
+    kw = {"kv_transfer": "dir", "kv_transfer_dir": str(tmp_path)}
+    pre = inprocess(engine_kw=kw, role="prefill")
+    dec = inprocess(engine_kw=kw, role="decode")
+    body = {"model": MODEL_NAME, "prompt": " ".join(f"w{i}" for i in range(100, 140)),
+            "max_tokens": 4, "temperature": 0, "ignore_eos": True}
+
+    async def go():
+        async with pre.client() as p, dec.client() as d:
+            out = []
+            for _ in range(2):  # the second prefill leg hits the first one's blocks
+                r = await p.post("/v1/completions", json={**body, "kv_transfer": {
+                    "role": "prefill"}})
+                leg = r.json()["kv_transfer"]
+                assert leg["cached_tokens"] == (
+                    r.json()["usage"]["prompt_tokens_details"]["cached_tokens"])
+                dbody = {**body, "kv_transfer": {"role": "decode", **leg}}
+                full = (await d.post("/v1/completions", json=dbody)).json()
+                chunks = await _sse(d, "/v1/completions", {
+                    **dbody, "stream_options": {"include_usage": True}})
+                out.append((leg["cached_tokens"], full["usage"], chunks[-1]["usage"]))
+            return out
+
+    (c0, u0, s0), (c1, u1, s1) = pre.run(go())
+    prompt = u0["prompt_tokens"]
+    assert c0 == 0 and c1 == (prompt - 1) // 16 * 16 > 0
+    assert u0["prompt_tokens_details"]["cached_tokens"] == 0 == (
+        s0["prompt_tokens_details"]["cached_tokens"])
+    assert u1["prompt_tokens_details"]["cached_tokens"] == c1 == (
+        s1["prompt_tokens_details"]["cached_tokens"])

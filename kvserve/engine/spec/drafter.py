@@ -14,40 +14,19 @@ drafts only near-certain tokens.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
 from typing import Protocol
 
 from kvserve.config import SpeculativeConfig
 from kvserve.engine.spec.cost import StepCost
 from kvserve.engine.spec.ngram import NgramIndex
 from kvserve.engine.spec.suffix import GlobalSuffixCache, SuffixTree
+from kvserve.engine.stats import SpecDecodeCounters
 from kvserve.request import Request, RequestStatus
 
 PRIOR = 0.5  # acceptance prior of a request that has no history yet
 _PRIOR_WEIGHT = 2.0  # in trials
 _DECAY = 0.8  # per verification: older outcomes count less
 _IDLE_DECAY = 0.95  # per step without drafts: back towards the prior
-
-
-@dataclass(slots=True)
-class SpecCounters:
-    """vLLM's spec-decode counters (vllm:spec_decode_*)."""
-
-    num_drafts: int = 0  # verify steps of one request with >= 1 draft token
-    num_draft_tokens: int = 0
-    num_accepted_tokens: int = 0
-    accepted_per_pos: list[int] = field(default_factory=list)  # [k]: accepted at position j
-
-    @property
-    def mean_accepted_length(self) -> float:
-        """Tokens per verify step of a request: 1 (the step's own) + accepted drafts."""
-        return 1.0 + self.num_accepted_tokens / self.num_drafts if self.num_drafts else 1.0
-
-    def as_dict(self) -> dict:
-        return {"num_drafts": self.num_drafts, "num_draft_tokens": self.num_draft_tokens,
-                "num_accepted_tokens": self.num_accepted_tokens,
-                "accepted_per_pos": list(self.accepted_per_pos),
-                "mean_accepted_length": self.mean_accepted_length}
 
 
 class DraftModel(Protocol):
@@ -82,7 +61,7 @@ class Drafter:
         self.draft_model = draft_model
         assert (config.method == "draft_model") == (draft_model is not None)
         self.cost = StepCost()
-        self.counters = SpecCounters(accepted_per_pos=[0] * self.k)
+        self.counters = SpecDecodeCounters(accepted_per_pos=[0] * self.k)
         self._states: dict[str, _State] = {}
         self.global_tree = (GlobalSuffixCache(config.suffix_decoding_max_tree_depth,
                                               config.suffix_decoding_max_cached_requests)
@@ -94,14 +73,9 @@ class Drafter:
         """A step's outcome: per request with drafts, how many it drafted and how many were
         accepted; the step's rows and wall time (the cost curve)."""
         self.cost.observe(rows, seconds)
-        c = self.counters
         for rid, k in drafts.items():
             a = accepted.get(rid, 0)
-            c.num_drafts += 1
-            c.num_draft_tokens += k
-            c.num_accepted_tokens += a
-            for j in range(a):
-                c.accepted_per_pos[j] += 1
+            self.counters.record(k, a)
             st = self._states.get(rid)
             if st is not None:  # positions reached: the accepted ones and the first rejected
                 st.trials = st.trials * _DECAY + min(k, a + 1)

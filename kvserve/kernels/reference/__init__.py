@@ -4,9 +4,10 @@ their one home (tests/test_ownership.py keeps it so).
 Every Triton kernel in ``kvserve/kernels/triton/*.py`` must agree with its twin here (bit-exact
 for the cache write and the checksum state, within floating-point tolerance for attention and
 the INT4 GEMM), and so must the C kernels whose twins live here (the 16-bit GEMM of
-``kvserve/csrc/w16_gemm.c``, the integer-dot GEMM of ``kvserve/csrc/wq_gemm.c``, the KV writer
-and the attention of ``kvserve/csrc/paged_attention.c``). Clarity beats speed: loops over
-sequences are fine. This package never imports triton and runs on CPU and CUDA alike.
+``kvserve/csrc/w16_gemm.c``, the integer-dot GEMMs of ``kvserve/csrc/wq_gemm.c`` and
+``kvserve/csrc/kq_gemm.c``, the KV writer and the attention of
+``kvserve/csrc/paged_attention.c``). Clarity beats speed: loops over sequences are fine. This
+package never imports triton and runs on CPU and CUDA alike.
 
     quant.py          FP8 / INT8 row quantizers (the KV writers' quantization)
     kv.py             the KV cache write and the checksum state
@@ -14,6 +15,8 @@ sequences are fine. This package never imports triton and runs on CPU and CUDA a
     cpu_attention.py  the CPU backend's pure-torch path (workspaces; the C kernel's twin)
     int4.py           INT4 weight-only GEMM (pack-quantized)
     gemm.py           16-bit-weight and integer-dot (GGUF Q4 / Q8) CPU GEMMs
+    kquant.py         integer-dot GEMM of GGUF Q5_0 / Q5_1 / Q4_K / Q5_K / Q6_K kept packed
+    lora.py           the grouped multi-LoRA GEMM (C and Triton)
 
 Everything but ``cpu_attention`` is re-exported here (``from kvserve.kernels import reference as
 ref; ref.write_kv(...)``).
@@ -77,6 +80,7 @@ from kvserve.kernels.reference.int4 import (
     unpack_int4,
     unpack_zero_points,
 )
+from kvserve.kernels.reference.kquant import kq_dequantize, kq_matmul
 from kvserve.kernels.reference.kv import (
     block_checksum_state,
     rotate_heads,
@@ -84,6 +88,7 @@ from kvserve.kernels.reference.kv import (
     write_kv,
     write_rows,
 )
+from kvserve.kernels.reference.lora import lora_delta
 from kvserve.kernels.reference.quant import (
     dequantize_rows,
     fp8_compute_scales,
@@ -137,5 +142,8 @@ __all__ = [
     "wq_fake_quant_act",
     "wq_dequantize",
     "wq_matmul",
+    "kq_dequantize",
+    "kq_matmul",
     "static_scale_rows",
+    "lora_delta",
 ]

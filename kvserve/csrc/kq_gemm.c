@@ -1,0 +1,548 @@
+/*
+ * Integer-dot GEMM for GGUF's 5-bit and K-quant formats kept packed: Q5_0, Q5_1, Q4_K, Q5_K,
+ * Q6_K (ggml type ids 6, 7, 12, 13, 14). Activations are quantized per row in int8 blocks of
+ * 32 columns (act_q8.h, as wq_gemm.c does for Q4_0 / Q4_1 / Q8_0), the products run on
+ * integer units (AVX-512 VNNI vpdpbusd, AVX2 vpmaddubsw + vpmaddwd, or plain C), and the
+ * formats' integer sub-block scales are applied to the exact integer sums:
+ *
+ *   Q5_0  w = d (u - 16)            per 32: T = I - 16 qs                    y += d sum_b dx T
+ *   Q5_1  w = d u + m               per 32: T = I                y += d sum dx T + m sum dx qs
+ *   Q4_K  w = d sc u - dmin mn      per 32: T = sc I; per 256:  y += d sum dx T - dmin sum dx mn qs
+ *   Q5_K  (the same, 5-bit u)
+ *   Q6_K  w = d sc_h (u - 32)       per 16 (h): T = sum_h sc_h (I_h - 32 qs_h); y += d sum dx T
+ *
+ * with u the unsigned code, I = sum_k u[k] q[k] over the block (or half-block h) and qs / qs_h
+ * the sums of the activation's int8 q. The integer part of every T (I - c qs) is exact and
+ * below 2^24 (so its fp32 conversion is exact); the sub-scales sc join dx as one float factor
+ * (sc dx). Results equal dequant(W) . dequant(quant(x)) up to fp32 rounding of the products
+ * and sums. Twin: kvserve.kernels.reference.kq_matmul; tests/quant/test_kq.py sweeps types,
+ * shapes and ISA builds against it (and its dequantization against gguf.quants).
+ *
+ * Layout (kvserve.quant.kq packs it): per tile of 16 output rows, per super-block (sb = 8
+ * blocks of 32 for K-quants, 1 for Q5_0 / Q5_1), one byte stream
+ *   hdr     fp16 D[16] (d), then for Q5_1 / K-quants fp16 Dm[16] (m / dmin)
+ *   per block of 32 columns:
+ *     scales  Q4_K / Q5_K: uint8 sc[16], uint8 mn[16];  Q6_K: int8 sc[2 halves][16]
+ *     lo      uint8 [4 t][16 rows][4 j]: low nibble bits 0-3 of u[r, 8t + j], high nibble
+ *             those of u[r, 8t + 4 + j] (wq_gemm.c's 4-bit tile order)
+ *     hi      5-bit: 8 uint64 masks, mask 2t + n bit 4r + j = bit 4 of u[r, 8t + 4n + j];
+ *             6-bit: those 8, then 8 more for bit 5
+ * so a 64-byte load is 16 rows x 4 columns and its high bits one 64-bit AVX-512 mask. Bytes
+ * per 16 x 256 weights: Q4_K 2368 (file 2304), Q5_K 2880 (2816), Q6_K 3360 (3360); per
+ * 16 x 32: Q5_0 352 (352), Q5_1 384 (384): within 3% of the file.
+ *
+ * Batch invariance: a row's result depends on that row alone and every row runs the same
+ * instruction stream whatever the batch (rows past the end alias valid ones, results dropped).
+ */
+#pragma GCC optimize("no-associative-math", "fp-contract=off")
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#include <omp.h>
+#include "kvs_op.h"
+#include "half.h"
+#if defined(__AVX2__)
+#include <immintrin.h>
+#endif
+#include "act_q8.h"
+
+/* the format of one ggml type, as the kernel reads it */
+typedef struct {
+    int bits;   /* code bits: 4, 5, 6 */
+    int sb;     /* blocks of 32 per super-block (per header) */
+    int subsc;  /* 0: none; 1: uint8 sc + mn per block; 2: int8 sc per half-block */
+    int dm;     /* 0: no Dm; 1: + Dm sum dx qs (Q5_1); 2: - Dm sum dx mn qs (K-quants) */
+    int zero;   /* code offset c: w ~ (u - c) */
+} kq_fmt;
+
+static int kq_format(int type, kq_fmt *f) {
+    switch (type) {
+    case 6: *f = (kq_fmt){5, 1, 0, 0, 16}; return 0;   /* Q5_0 */
+    case 7: *f = (kq_fmt){5, 1, 0, 1, 0}; return 0;    /* Q5_1 */
+    case 12: *f = (kq_fmt){4, 8, 1, 2, 0}; return 0;   /* Q4_K */
+    case 13: *f = (kq_fmt){5, 8, 1, 2, 0}; return 0;   /* Q5_K */
+    case 14: *f = (kq_fmt){6, 8, 2, 0, 32}; return 0;  /* Q6_K */
+    default: return -1;
+    }
+}
+
+static inline int64_t hdr_bytes(const kq_fmt f) { return 32 * (f.dm ? 2 : 1); }
+static inline int64_t blk_bytes(const kq_fmt f) {
+    return (f.subsc ? 32 : 0) + 256 + 64 * (f.bits - 4);
+}
+static inline int64_t sb_bytes(const kq_fmt f) { return hdr_bytes(f) + f.sb * blk_bytes(f); }
+
+/* bytes of one weight of n rows (n padded to 16) and k columns in this layout; -1 for an
+ * unknown type or a k the type cannot hold */
+int64_t kvs_kq_bytes(int type, int64_t n, int64_t k) {
+    kq_fmt f = {0, 1, 0, 0, 0};
+    if (kq_format(type, &f) || k % (32 * f.sb)) return -1;
+    return (n + 15) / 16 * (k / (32 * f.sb)) * sb_bytes(f);
+}
+
+/* ---------------------------------------------------------------- activations */
+
+/* x fp32 [M, K] -> q int8 [terms M, K], dx fp32 [terms M, K/32], qs int32 [terms M, K/16]
+ * (sums of q per 16 columns; the terms == 2 remainder rows follow the first M) */
+static void quant_act(const float *restrict x, int64_t M, int64_t K, int terms,
+                      int num_threads, int8_t *restrict q, float *restrict dx,
+                      int32_t *restrict qs) {
+    const int64_t nb = K / 32;
+#pragma omp parallel for schedule(static) num_threads(num_threads) if (M * K > 65536)
+    for (int64_t i = 0; i < M * nb; i++) {
+        int32_t s1, s2;
+        const int64_t i2 = M * nb + i;
+        kvs_quant_block(x + i * 32, terms, q + i * 32, terms == 2 ? q + i2 * 32 : NULL, dx + i,
+                        &s1, terms == 2 ? dx + i2 : NULL, &s2);
+        for (int t = 0; t < terms; t++) {
+            const int8_t *qb = q + (t ? i2 : i) * 32;
+            int32_t lo = 0, hi = 0;
+            for (int j = 0; j < 16; j++) {
+                lo += qb[j];
+                hi += qb[16 + j];
+            }
+            qs[2 * (t ? i2 : i)] = lo;
+            qs[2 * (t ? i2 : i) + 1] = hi;
+        }
+    }
+}
+
+/* ---------------------------------------------------------------- AVX-512 VNNI */
+
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+#define VT 4 /* tiles (64 output rows) per pass */
+#define VM 4 /* rows of x per pass */
+
+/* vt tiles x vm rows of x over all of K; out fp32 [VT][VM][16]. The type's constants are
+ * literal at each call site (always inlined): one specialized copy per type and vm. */
+static inline __attribute__((always_inline)) void pass_vnni(
+    const uint8_t *const wt[VT], const int8_t *const qr[VM], const float *const dxr[VM],
+    const int32_t *const qsr[VM], int64_t K, const int bits, const int sb, const int subsc,
+    const int dm, const int zero, const int vm, float out[VT][VM][16]) {
+    const kq_fmt f = {bits, sb, subsc, dm, zero};
+    const __m512i lo4 = _mm512_set1_epi8(0x0F), b16 = _mm512_set1_epi8(16),
+                  b32 = _mm512_set1_epi8(32);
+    const int64_t nsb = K / (32 * sb), hb = hdr_bytes(f), bb = blk_bytes(f), sbb = sb_bytes(f);
+    const int nseg = subsc == 2 ? 2 : 1, tseg = 4 / nseg;
+    __m512 o[VT][VM];
+    for (int j = 0; j < VT; j++)
+        for (int i = 0; i < vm; i++) o[j][i] = _mm512_setzero_ps();
+    for (int64_t s = 0; s < nsb; s++) {
+        __m512 fa[VT][VM], fm[VT][VM];
+        float ms[VM] = {0};
+        for (int j = 0; j < VT; j++)
+            for (int i = 0; i < vm; i++) fa[j][i] = fm[j][i] = _mm512_setzero_ps();
+        for (int bi = 0; bi < sb; bi++) {
+            const int64_t b = s * sb + bi; /* block of 32 columns */
+            for (int seg = 0; seg < nseg; seg++) {
+                __m512i a[VT][VM];
+                for (int j = 0; j < VT; j++)
+                    for (int i = 0; i < vm; i++) a[j][i] = _mm512_setzero_si512();
+                for (int t = seg * tseg; t < (seg + 1) * tseg; t++) {
+                    __m512i x0[VM], x1[VM];
+                    for (int i = 0; i < vm; i++) {
+                        int32_t v0, v1;
+                        memcpy(&v0, qr[i] + 32 * b + 8 * t, 4);
+                        memcpy(&v1, qr[i] + 32 * b + 8 * t + 4, 4);
+                        x0[i] = _mm512_set1_epi32(v0);
+                        x1[i] = _mm512_set1_epi32(v1);
+                    }
+                    for (int j = 0; j < VT; j++) {
+                        const uint8_t *blk = wt[j] + s * sbb + hb + bi * bb;
+                        const uint8_t *lo = blk + (subsc ? 32 : 0);
+                        const __m512i v = _mm512_loadu_si512((const void *)(lo + 64 * t));
+                        __m512i w0 = _mm512_and_si512(v, lo4);
+                        __m512i w1 = _mm512_and_si512(_mm512_srli_epi16(v, 4), lo4);
+                        if (bits >= 5) {
+                            uint64_t m0, m1;
+                            memcpy(&m0, lo + 256 + 8 * (2 * t), 8);
+                            memcpy(&m1, lo + 256 + 8 * (2 * t + 1), 8);
+                            w0 = _mm512_mask_add_epi8(w0, (__mmask64)m0, w0, b16);
+                            w1 = _mm512_mask_add_epi8(w1, (__mmask64)m1, w1, b16);
+                        }
+                        if (bits == 6) {
+                            uint64_t m0, m1;
+                            memcpy(&m0, lo + 256 + 64 + 8 * (2 * t), 8);
+                            memcpy(&m1, lo + 256 + 64 + 8 * (2 * t + 1), 8);
+                            w0 = _mm512_mask_add_epi8(w0, (__mmask64)m0, w0, b32);
+                            w1 = _mm512_mask_add_epi8(w1, (__mmask64)m1, w1, b32);
+                        }
+                        for (int i = 0; i < vm; i++) {
+                            a[j][i] = _mm512_dpbusd_epi32(a[j][i], w0, x0[i]);
+                            a[j][i] = _mm512_dpbusd_epi32(a[j][i], w1, x1[i]);
+                        }
+                    }
+                }
+                /* T (exact int32) -> fa += (sc dx) T: the sub-scale joins dx as a float (a
+                 * vpmulld would cost 2 uops and 10 cycles of latency on port 0, beside the
+                 * dpbusd) */
+                for (int j = 0; j < VT; j++) {
+                    const uint8_t *blk = wt[j] + s * sbb + hb + bi * bb;
+                    __m512 sc = _mm512_set1_ps(1.0f);
+                    if (subsc == 1)
+                        sc = _mm512_cvtepi32_ps(
+                            _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)blk)));
+                    else if (subsc == 2)
+                        sc = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
+                            _mm_loadu_si128((const __m128i *)(blk + 16 * seg))));
+                    for (int i = 0; i < vm; i++) {
+                        __m512i T = a[j][i];
+                        if (zero) {
+                            const int32_t qsum = nseg == 2
+                                ? qsr[i][2 * b + seg] : qsr[i][2 * b] + qsr[i][2 * b + 1];
+                            T = _mm512_sub_epi32(T, _mm512_set1_epi32(zero * qsum));
+                        }
+                        const __m512 d = subsc ? _mm512_mul_ps(sc, _mm512_set1_ps(dxr[i][b]))
+                                               : _mm512_set1_ps(dxr[i][b]);
+                        fa[j][i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(T), d, fa[j][i]);
+                    }
+                }
+            }
+            if (dm == 2)
+                for (int j = 0; j < VT; j++) {
+                    const uint8_t *blk = wt[j] + s * sbb + hb + bi * bb;
+                    const __m512 mn = _mm512_cvtepi32_ps(
+                        _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(blk + 16))));
+                    for (int i = 0; i < vm; i++) {
+                        const float dq =
+                            dxr[i][b] * (float)(qsr[i][2 * b] + qsr[i][2 * b + 1]);
+                        fm[j][i] = _mm512_fmadd_ps(mn, _mm512_set1_ps(dq), fm[j][i]);
+                    }
+                }
+            if (dm == 1)
+                for (int i = 0; i < vm; i++)
+                    ms[i] += dxr[i][b] * (float)(qsr[i][2 * b] + qsr[i][2 * b + 1]);
+        }
+        for (int j = 0; j < VT; j++) {
+            const uint16_t *h = (const uint16_t *)(wt[j] + s * sbb);
+            const __m512 D = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)h));
+            __m512 Dm = _mm512_setzero_ps();
+            if (dm) Dm = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(h + 16)));
+            for (int i = 0; i < vm; i++) {
+                o[j][i] = _mm512_fmadd_ps(D, fa[j][i], o[j][i]);
+                if (dm == 2) o[j][i] = _mm512_fnmadd_ps(Dm, fm[j][i], o[j][i]);
+                if (dm == 1) o[j][i] = _mm512_fmadd_ps(Dm, _mm512_set1_ps(ms[i]), o[j][i]);
+            }
+        }
+    }
+    for (int j = 0; j < VT; j++)
+        for (int i = 0; i < vm; i++) _mm512_storeu_ps(out[j][i], o[j][i]);
+}
+
+#define KQ_VNNI(BITS, SB, SUBSC, DM, ZERO)                                                  \
+    do {                                                                                    \
+        if (vm == 4) pass_vnni(wt, qr, dxr, qsr, K, BITS, SB, SUBSC, DM, ZERO, 4, out);     \
+        else if (vm == 2) pass_vnni(wt, qr, dxr, qsr, K, BITS, SB, SUBSC, DM, ZERO, 2, out); \
+        else pass_vnni(wt, qr, dxr, qsr, K, BITS, SB, SUBSC, DM, ZERO, 1, out);             \
+    } while (0)
+
+/* y[:, 0:n] (row stride ldy) for one weight; M rows of quantized x */
+static void gemm_vnni(int type, const uint8_t *w, int64_t n, int64_t K, const int8_t *q,
+                      const float *dx, const int32_t *qs, int64_t M, int num_threads, float *y,
+                      int64_t ldy) {
+    kq_fmt f = {0, 1, 0, 0, 0};
+    kq_format(type, &f);
+    const int64_t ntiles = (n + 15) / 16, ngroups = (ntiles + VT - 1) / VT;
+    const int64_t tile_bytes = K / (32 * f.sb) * sb_bytes(f);
+#pragma omp parallel for schedule(static) num_threads(num_threads)
+    for (int64_t tg = 0; tg < ngroups; tg++) {
+        const uint8_t *wt[VT];
+        for (int j = 0; j < VT; j++) {
+            int64_t tile = tg * VT + j;
+            if (tile >= ntiles) tile = ntiles - 1; /* alias; result dropped */
+            wt[j] = w + tile * tile_bytes;
+        }
+        for (int64_t m0 = 0; m0 < M;) {
+            const int64_t rem = M - m0;
+            const int vm = rem >= 4 ? 4 : rem >= 2 ? 2 : 1;
+            const int8_t *qr[VM];
+            const float *dxr[VM];
+            const int32_t *qsr[VM];
+            for (int i = 0; i < VM; i++) {
+                const int64_t m = i < vm ? m0 + i : m0;
+                qr[i] = q + m * K;
+                dxr[i] = dx + m * (K / 32);
+                qsr[i] = qs + m * (K / 16);
+            }
+            float out[VT][VM][16];
+            switch (type) {
+            case 6: KQ_VNNI(5, 1, 0, 0, 16); break;
+            case 7: KQ_VNNI(5, 1, 0, 1, 0); break;
+            case 12: KQ_VNNI(4, 8, 1, 2, 0); break;
+            case 13: KQ_VNNI(5, 8, 1, 2, 0); break;
+            default: KQ_VNNI(6, 8, 2, 0, 32); break;
+            }
+            for (int j = 0; j < VT && tg * VT + j < ntiles; j++) {
+                const int64_t c0 = (tg * VT + j) * 16, nc = n - c0 < 16 ? n - c0 : 16;
+                for (int i = 0; i < vm; i++)
+                    memcpy(y + (m0 + i) * ldy + c0, out[j][i], nc * sizeof(float));
+            }
+            m0 += vm;
+        }
+    }
+}
+#elif defined(__AVX2__)
+/* ---------------------------------------------------------------- AVX2 */
+
+#define MT 4 /* rows of x per pass */
+
+/* 32 bits -> 32 bytes: byte i = add where bit i is set, else 0 */
+static inline __m256i expand_bits(uint32_t m, __m256i add) {
+    const __m256i idx = _mm256_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1,
+                                         2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3, 3);
+    const __m256i sel = _mm256_set1_epi64x((long long)0x8040201008040201ULL);
+    const __m256i v = _mm256_shuffle_epi8(_mm256_set1_epi32((int)m), idx);
+    return _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(v, sel), sel), add);
+}
+
+/* one half hh (8 output rows) of a tile x mt rows of x over all of K: y[mm, 8 hh ..] */
+static inline __attribute__((always_inline)) void pass_avx2(
+    const uint8_t *restrict wt, const int8_t *restrict q, const float *restrict dx,
+    const int32_t *restrict qs, int64_t K, const int bits, const int sb, const int subsc,
+    const int dm, const int zero, const int mt, const int hh, float out[MT][16]) {
+    const kq_fmt f = {bits, sb, subsc, dm, zero};
+    const __m256i lo4 = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
+    const __m256i b16 = _mm256_set1_epi8(16), b32 = _mm256_set1_epi8(32);
+    const int64_t nsb = K / (32 * sb), hb = hdr_bytes(f), bb = blk_bytes(f), sbb = sb_bytes(f);
+    const int64_t nb = K / 32;
+    const int nseg = subsc == 2 ? 2 : 1, tseg = 4 / nseg;
+    __m256 o[MT];
+    for (int mm = 0; mm < mt; mm++) o[mm] = _mm256_setzero_ps();
+    for (int64_t s = 0; s < nsb; s++) {
+        __m256 fa[MT], fm[MT];
+        float ms[MT] = {0};
+        for (int mm = 0; mm < mt; mm++) fa[mm] = fm[mm] = _mm256_setzero_ps();
+        for (int bi = 0; bi < sb; bi++) {
+            const int64_t b = s * sb + bi;
+            const uint8_t *blk = wt + s * sbb + hb + bi * bb;
+            const uint8_t *lo = blk + (subsc ? 32 : 0);
+            for (int seg = 0; seg < nseg; seg++) {
+                __m256i a[MT];
+                for (int mm = 0; mm < mt; mm++) a[mm] = _mm256_setzero_si256();
+                for (int t = seg * tseg; t < (seg + 1) * tseg; t++) {
+                    const __m256i v = _mm256_loadu_si256((const __m256i *)(lo + 64 * t + 32 * hh));
+                    __m256i w0 = _mm256_and_si256(v, lo4);
+                    __m256i w1 = _mm256_and_si256(_mm256_srli_epi16(v, 4), lo4);
+                    for (int p = 0; p + 4 < bits; p++) { /* bit 4 (and 5) planes */
+                        uint32_t m0, m1;
+                        memcpy(&m0, lo + 256 + 64 * p + 8 * (2 * t) + 4 * hh, 4);
+                        memcpy(&m1, lo + 256 + 64 * p + 8 * (2 * t + 1) + 4 * hh, 4);
+                        w0 = _mm256_or_si256(w0, expand_bits(m0, p ? b32 : b16));
+                        w1 = _mm256_or_si256(w1, expand_bits(m1, p ? b32 : b16));
+                    }
+                    for (int mm = 0; mm < mt; mm++) {
+                        int32_t v0, v1;
+                        memcpy(&v0, q + mm * K + 32 * b + 8 * t, 4);
+                        memcpy(&v1, q + mm * K + 32 * b + 8 * t + 4, 4);
+                        /* u <= 63, |q| <= 127: a pair <= 16002, widened at once */
+                        a[mm] = _mm256_add_epi32(a[mm], _mm256_madd_epi16(
+                            _mm256_maddubs_epi16(w0, _mm256_set1_epi32(v0)), ones));
+                        a[mm] = _mm256_add_epi32(a[mm], _mm256_madd_epi16(
+                            _mm256_maddubs_epi16(w1, _mm256_set1_epi32(v1)), ones));
+                    }
+                }
+                __m256 sc = _mm256_set1_ps(1.0f); /* the sub-scale joins dx (no vpmulld) */
+                if (subsc == 1)
+                    sc = _mm256_cvtepi32_ps(
+                        _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(blk + 8 * hh))));
+                else if (subsc == 2)
+                    sc = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(
+                        _mm_loadl_epi64((const __m128i *)(blk + 16 * seg + 8 * hh))));
+                for (int mm = 0; mm < mt; mm++) {
+                    __m256i T = a[mm];
+                    if (zero) {
+                        const int32_t qsum = nseg == 2 ? qs[mm * 2 * nb + 2 * b + seg]
+                            : qs[mm * 2 * nb + 2 * b] + qs[mm * 2 * nb + 2 * b + 1];
+                        T = _mm256_sub_epi32(T, _mm256_set1_epi32(zero * qsum));
+                    }
+                    const __m256 d = subsc ? _mm256_mul_ps(sc, _mm256_set1_ps(dx[mm * nb + b]))
+                                           : _mm256_set1_ps(dx[mm * nb + b]);
+                    fa[mm] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(T), d, fa[mm]);
+                }
+            }
+            for (int mm = 0; mm < mt; mm++) {
+                const float dq = dx[mm * nb + b] *
+                    (float)(qs[mm * 2 * nb + 2 * b] + qs[mm * 2 * nb + 2 * b + 1]);
+                if (dm == 2) {
+                    const __m256 mn = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(
+                        _mm_loadl_epi64((const __m128i *)(blk + 16 + 8 * hh))));
+                    fm[mm] = _mm256_fmadd_ps(mn, _mm256_set1_ps(dq), fm[mm]);
+                }
+                if (dm == 1) ms[mm] += dq;
+            }
+        }
+        const uint16_t *h = (const uint16_t *)(wt + s * sbb);
+        const __m256 D = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(h + 8 * hh)));
+        __m256 Dm = _mm256_setzero_ps();
+        if (dm) Dm = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(h + 16 + 8 * hh)));
+        for (int mm = 0; mm < mt; mm++) {
+            o[mm] = _mm256_fmadd_ps(D, fa[mm], o[mm]);
+            if (dm == 2) o[mm] = _mm256_fnmadd_ps(Dm, fm[mm], o[mm]);
+            if (dm == 1) o[mm] = _mm256_fmadd_ps(Dm, _mm256_set1_ps(ms[mm]), o[mm]);
+        }
+    }
+    for (int mm = 0; mm < mt; mm++) _mm256_storeu_ps(out[mm] + 8 * hh, o[mm]);
+}
+
+#define KQ_AVX2_MT(BITS, SB, SUBSC, DM, ZERO, MTV)                                     \
+    do {                                                                               \
+        pass_avx2(wt, q + m0 * K, dx + m0 * nb, qs + m0 * 2 * nb, K, BITS, SB, SUBSC, DM, \
+                  ZERO, MTV, 0, out);                                                  \
+        pass_avx2(wt, q + m0 * K, dx + m0 * nb, qs + m0 * 2 * nb, K, BITS, SB, SUBSC, DM, \
+                  ZERO, MTV, 1, out);                                                  \
+    } while (0)
+#define KQ_AVX2(BITS, SB, SUBSC, DM, ZERO)                                          \
+    do {                                                                            \
+        switch (mt) {                                                               \
+        case 4: KQ_AVX2_MT(BITS, SB, SUBSC, DM, ZERO, 4); break;                    \
+        case 3: KQ_AVX2_MT(BITS, SB, SUBSC, DM, ZERO, 3); break;                    \
+        case 2: KQ_AVX2_MT(BITS, SB, SUBSC, DM, ZERO, 2); break;                    \
+        default: KQ_AVX2_MT(BITS, SB, SUBSC, DM, ZERO, 1); break;                   \
+        }                                                                           \
+    } while (0)
+#else
+/* ---------------------------------------------------------------- plain C */
+#define MT 4
+
+static inline int code_at(const uint8_t *lo, int bits, int r, int kk) {
+    const int t = kk / 8, n = (kk % 8) / 4, j = kk % 4, lane = 4 * r + j;
+    const uint8_t byte = lo[64 * t + 4 * r + j];
+    int u = n ? byte >> 4 : byte & 15;
+    for (int p = 0; p + 4 < bits; p++) {
+        uint64_t m;
+        memcpy(&m, lo + 256 + 64 * p + 8 * (2 * t + n), 8);
+        u |= (int)((m >> lane) & 1) << (4 + p);
+    }
+    return u;
+}
+
+/* one tile x mt rows: out[mm][r] (the vector paths' sums in another order) */
+static void tile_c(const uint8_t *wt, const kq_fmt f, const int8_t *q, const float *dx,
+                   const int32_t *qs, int64_t K, int mt, float out[MT][16]) {
+    const int64_t nsb = K / (32 * f.sb), hb = hdr_bytes(f), bb = blk_bytes(f), sbb = sb_bytes(f);
+    const int64_t nb = K / 32;
+    for (int mm = 0; mm < mt; mm++)
+        for (int r = 0; r < 16; r++) out[mm][r] = 0.0f;
+    for (int64_t s = 0; s < nsb; s++) {
+        const uint16_t *h = (const uint16_t *)(wt + s * sbb);
+        for (int mm = 0; mm < mt; mm++)
+            for (int r = 0; r < 16; r++) {
+                float fa = 0.0f, fm = 0.0f;
+                for (int bi = 0; bi < f.sb; bi++) {
+                    const int64_t b = s * f.sb + bi;
+                    const uint8_t *blk = wt + s * sbb + hb + bi * bb;
+                    const uint8_t *lo = blk + (f.subsc ? 32 : 0);
+                    const int8_t *qb = q + mm * K + 32 * b;
+                    const int32_t q0 = qs[mm * 2 * nb + 2 * b], q1 = qs[mm * 2 * nb + 2 * b + 1];
+                    int32_t I[2] = {0, 0};
+                    for (int kk = 0; kk < 32; kk++) I[kk / 16] += code_at(lo, f.bits, r, kk) * qb[kk];
+                    int32_t T;
+                    if (f.subsc == 2)
+                        T = (int8_t)blk[r] * (I[0] - f.zero * q0) +
+                            (int8_t)blk[16 + r] * (I[1] - f.zero * q1);
+                    else {
+                        T = I[0] + I[1] - f.zero * (q0 + q1);
+                        if (f.subsc == 1) T *= blk[r];
+                    }
+                    fa += dx[mm * nb + b] * (float)T;
+                    const float dq = dx[mm * nb + b] * (float)(q0 + q1);
+                    if (f.dm == 2) fm += (float)blk[16 + r] * dq;
+                    if (f.dm == 1) fm += dq;
+                }
+                out[mm][r] += kvs_f16f(h[r]) * fa;
+                if (f.dm == 2) out[mm][r] -= kvs_f16f(h[16 + r]) * fm;
+                if (f.dm == 1) out[mm][r] += kvs_f16f(h[16 + r]) * fm;
+            }
+    }
+}
+#endif
+
+#if !(defined(__AVX512VNNI__) && defined(__AVX512BW__))
+static void gemm_tiles(int type, const uint8_t *w, int64_t n, int64_t K, const int8_t *q,
+                       const float *dx, const int32_t *qs, int64_t M, int num_threads, float *y,
+                       int64_t ldy) {
+    kq_fmt f = {0, 1, 0, 0, 0};
+    kq_format(type, &f);
+    const int64_t ntiles = (n + 15) / 16, nb = K / 32;
+    const int64_t tile_bytes = K / (32 * f.sb) * sb_bytes(f);
+#pragma omp parallel for schedule(static) num_threads(num_threads)
+    for (int64_t tile = 0; tile < ntiles; tile++) {
+        const uint8_t *wt = w + tile * tile_bytes;
+        for (int64_t m0 = 0; m0 < M; m0 += MT) {
+            const int mt = (M - m0) < MT ? (int)(M - m0) : MT;
+            float out[MT][16];
+#if defined(__AVX2__)
+            switch (type) {
+            case 6: KQ_AVX2(5, 1, 0, 0, 16); break;
+            case 7: KQ_AVX2(5, 1, 0, 1, 0); break;
+            case 12: KQ_AVX2(4, 8, 1, 2, 0); break;
+            case 13: KQ_AVX2(5, 8, 1, 2, 0); break;
+            default: KQ_AVX2(6, 8, 2, 0, 32); break;
+            }
+#else
+            (void)nb;
+            tile_c(wt, f, q + m0 * K, dx + m0 * (K / 32), qs + m0 * (K / 16), K, mt, out);
+#endif
+            const int64_t c0 = tile * 16, nc = n - c0 < 16 ? n - c0 : 16;
+            for (int mm = 0; mm < mt; mm++)
+                memcpy(y + (m0 + mm) * ldy + c0, out[mm], nc * sizeof(float));
+        }
+    }
+}
+#endif
+
+/* ---------------------------------------------------------------- one call per layer */
+
+static _Thread_local void *scratch_buf = NULL;
+static _Thread_local size_t scratch_cap = 0;
+
+/*
+ * y fp32 [M, sum n_s] = x^ . [W_0; W_1; ...]^T for x fp32 [M, K]: the activations quantized
+ * once (terms int8 passes), then each shard's GEMM into its columns of y (shards of a fused
+ * module may have different types). shards int64 [nshard, 3]: (ggml type, n rows, pointer to
+ * the packed bytes). Returns 0; -1 without scratch memory; -2 for an unknown type or a K the
+ * type cannot hold (y untouched).
+ */
+int kvs_kq_linear(const float *x, int64_t M, int64_t K, const int64_t *shards, int64_t nshard,
+                  int terms, int num_threads, float *y) {
+    int64_t ntot = 0;
+    for (int64_t s = 0; s < nshard; s++) {
+        if (kvs_kq_bytes((int)shards[3 * s], shards[3 * s + 1], K) < 0 || K % 32) return -2;
+        ntot += shards[3 * s + 1];
+    }
+    const int64_t rows = terms * M, nb = K / 32;
+    const size_t q_bytes = ((size_t)(rows * K) + 63) & ~(size_t)63;
+    const size_t need = q_bytes + (size_t)(rows * nb) * 12 +
+                        (terms > 1 ? (size_t)(rows * ntot) * 4 : 0);
+    if (need > scratch_cap) {
+        void *p = realloc(scratch_buf, need);
+        if (p == NULL) return -1;
+        scratch_buf = p;
+        scratch_cap = need;
+    }
+    int8_t *q = (int8_t *)scratch_buf;
+    float *dx = (float *)((char *)scratch_buf + q_bytes);
+    int32_t *qs = (int32_t *)(dx + rows * nb);
+    float *out = terms > 1 ? (float *)(qs + rows * 2 * nb) : y;
+    quant_act(x, M, K, terms, num_threads, q, dx, qs);
+    int64_t c0 = 0;
+    for (int64_t s = 0; s < nshard; s++) {
+        const int type = (int)shards[3 * s];
+        const int64_t n = shards[3 * s + 1];
+        const uint8_t *w = (const uint8_t *)(intptr_t)shards[3 * s + 2];
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+        gemm_vnni(type, w, n, K, q, dx, qs, rows, num_threads, out + c0, ntot);
+#else
+        gemm_tiles(type, w, n, K, q, dx, qs, rows, num_threads, out + c0, ntot);
+#endif
+        c0 += n;
+    }
+    if (terms > 1)
+        for (int64_t i = 0; i < M * ntot; i++) y[i] = out[i] + out[M * ntot + i];
+    return 0;
+}
+
+int kvs_kq_linear_op(const int64_t *a) {
+    return kvs_kq_linear(OP_P(0), a[1], a[2], OP_P(3), a[4], (int)a[5], (int)a[6], OP_P(7));
+}

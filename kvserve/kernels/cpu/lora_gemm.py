@@ -1,0 +1,51 @@
+"""Bindings of ``kvserve/csrc/lora_gemm.c``: the grouped multi-LoRA GEMM on CPU (fp32).
+Twin: ``kvserve.kernels.reference.lora_delta``."""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+
+import torch
+
+from kvserve.kernels.cpu import INT, INT64, PTR, declare, load_library
+from kvserve.kernels.cpu.graph import launch
+
+# x, a, b, idx, scale, T, K, N, R, S, threads, tmp, order, y
+SIGNATURES = {
+    "kvs_lora_gemm": ([PTR, PTR, PTR, PTR, PTR, INT64, INT64, INT64, INT64, INT64, INT, PTR,
+                       PTR, PTR], INT64),
+    "kvs_lora_simd": ([], INT),
+}
+
+
+@functools.cache
+def load() -> ctypes.CDLL | None:
+    return load_library("lora_gemm", SIGNATURES)
+
+
+def bind(dll: ctypes.CDLL) -> ctypes.CDLL:
+    """Declare the entry points on another build of the same source (tests)."""
+    return declare(dll, SIGNATURES)
+
+
+def applies(y: torch.Tensor, x: torch.Tensor, a: torch.Tensor) -> bool:
+    """The C kernel takes fp32 CPU tensors (contiguous ones; the caller makes x so)."""
+    return (y.device.type == "cpu" and x.dtype == y.dtype == a.dtype == torch.float32
+            and y.is_contiguous())
+
+
+def lora_gemm_(lib: ctypes.CDLL, y: torch.Tensor, x: torch.Tensor, a: torch.Tensor,
+               b: torch.Tensor, idx: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """``y += lora_delta(x, a, b, idx, scale)`` in place (shapes: the twin's)."""
+    t, k = x.shape
+    s, r, _ = a.shape
+    n = b.shape[1]
+    assert y.shape == (t, n) and b.shape == (s, n, r) and idx.dtype == torch.int64
+    x = x.contiguous()
+    tmp = torch.empty(t, r, dtype=torch.float32)
+    order = torch.empty(t, dtype=torch.int64)
+    rc = launch(lib, "kvs_lora_gemm", x, a, b, idx, scale, t, k, n, r, s,
+                torch.get_num_threads(), tmp, order, y)
+    assert rc >= 0, "a row's LoRA slot is out of range"
+    return y

@@ -1,0 +1,147 @@
+"""GGUF Q5_0 / Q5_1 / Q4_K / Q5_K / Q6_K kept packed: the parts read from random blocks
+dequantize exactly as gguf.quants does, the tile layout round-trips, and the integer-dot kernel
+(kvserve/csrc/kq_gemm.c) matches its twin (kvserve.kernels.reference.kq_matmul) on the build
+this machine makes and every ISA variant this CPU runs (AVX2, portable, AVX-512, VNNI)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from kvserve.kernels import reference as ref
+from kvserve.kernels.cpu import kq_gemm as kq_cpu
+from kvserve.quant import kq
+from tests.conftest import isa_variants, variant_library
+
+gguf = pytest.importorskip("gguf")
+from gguf import GGMLQuantizationType as T  # noqa: E402
+
+TYPES = ("Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K")
+
+
+def random_blocks(name: str, n: int, k: int, seed: int = 0) -> np.ndarray:
+    """uint8 [n, row bytes] of a GGUF tensor of type ``name``: gguf.quants.quantize where the
+    library can (Q5_0, Q5_1), else random bytes with sane fp16 scales (K-quants)."""
+    rng = np.random.default_rng(seed)
+    qt = T[name]
+    if name in ("Q5_0", "Q5_1"):
+        w = rng.standard_normal((n, k)).astype(np.float32) * 0.05
+        w[0, :32] = 0.0  # an all-zero block (d = 0)
+        return gguf.quants.quantize(w, qt)
+    block, nbytes = gguf.GGML_QUANT_SIZES[qt]
+    nb = n * k // block
+    b = rng.integers(0, 256, (nb, nbytes), dtype=np.uint8)
+    half = lambda lo, hi: rng.uniform(lo, hi, nb).astype(np.float16).view(np.uint8)  # noqa: E731
+    if name in ("Q4_K", "Q5_K"):
+        b[:, 0:2] = half(1e-4, 2e-3).reshape(nb, 2)  # d
+        b[:, 2:4] = half(1e-4, 2e-3).reshape(nb, 2)  # dmin
+    else:
+        b[:, 208:210] = half(-2e-3, 2e-3).reshape(nb, 2)  # d (sign in d, scales int8)
+    return b.reshape(n, -1)
+
+
+def parts_of(name: str, n: int, k: int, seed: int = 0) -> tuple[kq.KqParts, np.ndarray]:
+    raw = random_blocks(name, n, k, seed)
+    return kq.from_blocks(name, torch.from_numpy(raw.copy()), (n, k)), raw
+
+
+@pytest.mark.parametrize("name", TYPES)
+def test_dequantize_equals_gguf_exactly(name):
+    p, raw = parts_of(name, 5, 512)
+    want = gguf.quants.dequantize(raw, T[name])
+    got = ref.kq_dequantize(p)
+    assert got.dtype == torch.float32
+    assert torch.equal(got, torch.from_numpy(want))
+
+
+@pytest.mark.parametrize("name", TYPES)
+@pytest.mark.parametrize("n", [16, 21, 3])
+def test_pack_round_trips_and_bytes_match_the_file(name, n):
+    p, _ = parts_of(name, n, 512, seed=n)
+    t = kq.type_id(name)
+    packed = kq.pack(p)
+    assert packed.numel() == kq.packed_bytes(t, n, 512)
+    back = kq.unpack(t, packed, n, 512)
+    for f in ("u", "d", "dm", "sc", "mn"):
+        a, b = getattr(p, f), getattr(back, f)
+        assert (a is None) == (b is None), f
+        if a is not None:
+            assert a.dtype == b.dtype and torch.equal(a, b), f
+    # per 16 rows the layout holds the file's bytes (K-quants: within 3%)
+    ratio = kq.packed_bytes(t, 16, 4096) / kq.file_bytes(t, 16, 4096)
+    assert 1.0 <= ratio <= 1.03
+
+
+@pytest.fixture(scope="module", params=isa_variants("avx512_emu", "bf16_emu"))
+def lib(request, tmp_path_factory):
+    if request.param == "native":
+        dll = kq_cpu.kq_library()
+        if dll is None:
+            pytest.skip("C kernel unavailable")
+        return dll
+    return kq_cpu.bind(variant_library("kq_gemm", request.param,
+                                       str(tmp_path_factory.mktemp("kq"))))
+
+
+def _run(lib, x, parts, terms):
+    packed = [kq.pack(p) for p in parts]
+    table = kq_cpu.shard_table([(p.qtype, p.shape[0], w)
+                                for p, w in zip(parts, packed, strict=True)])
+    return kq_cpu.kq_linear(lib, x, table, sum(p.shape[0] for p in parts), terms)
+
+
+def _close(got, want, x, parts, terms):
+    """Within fp32 rounding of the sums: relative to sum |x^| |w| per output."""
+    w = torch.cat([ref.kq_dequantize(p) for p in parts])
+    scale = x.abs() @ w.abs().t() + 1e-30
+    err = ((got - want).abs() / scale).max().item()
+    assert err < 2e-5, err
+
+
+@pytest.mark.parametrize("name", TYPES)
+@pytest.mark.parametrize("m,n,k", [(1, 16, 256), (2, 40, 512), (5, 70, 768), (9, 33, 256)])
+def test_gemm_matches_twin(lib, name, m, n, k):
+    p, _ = parts_of(name, n, k, seed=m + n)
+    x = torch.randn(m, k, generator=torch.Generator().manual_seed(k))
+    for terms in (1, 2):
+        got = _run(lib, x, [p], terms)
+        _close(got, ref.kq_matmul(x, [p], terms), x, [p], terms)
+
+
+def test_fused_shards_of_different_types(lib):
+    """One call over q / k / v of three types: each shard's columns equal its own GEMM."""
+    k = 512
+    parts = [parts_of("Q4_K", 48, k, 1)[0], parts_of("Q6_K", 20, k, 2)[0],
+             parts_of("Q5_0", 16, k, 3)[0]]
+    x = torch.randn(3, k, generator=torch.Generator().manual_seed(4))
+    got = _run(lib, x, parts, 2)
+    _close(got, ref.kq_matmul(x, parts, 2), x, parts, 2)
+    assert torch.equal(got[:, 48:68], _run(lib, x, parts[1:2], 2))
+
+
+@pytest.mark.parametrize("name", ["Q4_K", "Q6_K", "Q5_1"])
+def test_rows_are_batch_invariant(lib, name):
+    """A row's result is bit for bit the same alone or in a batch of 7."""
+    p, _ = parts_of(name, 40, 512, 5)
+    x = torch.randn(7, 512, generator=torch.Generator().manual_seed(6))
+    full = _run(lib, x, [p], 1)
+    for i in (0, 3, 6):
+        assert torch.equal(full[i:i + 1], _run(lib, x[i:i + 1].contiguous(), [p], 1))
+
+
+def test_kernel_refuses_a_k_the_type_cannot_hold(lib):
+    p, _ = parts_of("Q4_K", 16, 256)
+    packed = kq.pack(p)
+    table = kq_cpu.shard_table([(12, 16, packed)])
+    with pytest.raises(ValueError, match="in_features"):
+        kq_cpu.kq_linear(lib, torch.randn(1, 288), table, 16, 1)
+
+
+def test_parts_errors():
+    with pytest.raises(ValueError, match="multiple of 256"):
+        kq.from_blocks("Q4_K", torch.zeros(144, dtype=torch.uint8), (1, 288))
+    with pytest.raises(ValueError, match="qtype"):
+        kq.type_id("Q4_0")
+    with pytest.raises(ValueError, match="bytes"):
+        kq.from_blocks("Q6_K", torch.zeros(100, dtype=torch.uint8), (1, 256))

@@ -41,6 +41,20 @@ def chat_template_path(name: str) -> str:
                      f"({', '.join(names)})")
 
 
+def _require_otel(protocol: str) -> None:
+    """The OpenTelemetry SDK and the protocol's exporter are installed (not imported)."""
+    import importlib.util
+
+    exporter = "grpc" if protocol == "grpc" else "http"
+    for mod in ("opentelemetry.sdk", f"opentelemetry.exporter.otlp.proto.{exporter}"):
+        try:
+            found = importlib.util.find_spec(mod) is not None
+        except ModuleNotFoundError:
+            found = False
+        if not found:
+            raise ValueError(f"otlp_traces_endpoint needs {mod}: pip install 'kvserve[otel]'")
+
+
 @dataclass(frozen=True, slots=True)
 class ServerSettings:
     # the model id in the API; on the command line None derives it from --model
@@ -78,6 +92,12 @@ class ServerSettings:
         None, "read tool calls out of answers in this format (needed for tools with "
         "tool_choice auto / required / named; docs/structured-outputs.md)",
         choices=list(TOOL_CALL_PARSERS), group=SERVER)
+    responses_max_stored: int = arg(
+        1000, "stored /v1/responses answers (store: true) kept for GET and "
+        "previous_response_id; the oldest are evicted (0: none kept)", type=int, group=SERVER)
+    responses_max_bytes: int = arg(
+        64 * 2**20, "bytes of stored /v1/responses answers (their JSON, conversations "
+        "included); the oldest are evicted", type=int, group=SERVER)
     reasoning_parser: str | None = arg(
         None, "a reasoning model's <think>...</think> becomes reasoning_content, kept out of "
         "content, structured outputs and tool calls (docs/server.md)",
@@ -129,9 +149,16 @@ class ServerSettings:
                 ("http://", "https://", "grpc://")):
             raise ValueError(f"otlp_traces_endpoint must be an http(s):// or grpc:// URL, got "
                              f"{self.otlp_traces_endpoint!r}")
+        if self.otlp_traces_endpoint is not None:  # before the model loads, not after
+            _require_otel(self.otlp_traces_protocol)
         if self.tool_call_parser is not None and self.tool_call_parser not in TOOL_CALL_PARSERS:
             raise ValueError(f"tool_call_parser must be one of {', '.join(TOOL_CALL_PARSERS)}, "
                              f"got {self.tool_call_parser!r}")
+        if self.responses_max_stored < 0:
+            raise ValueError(f"responses_max_stored must be >= 0, got "
+                             f"{self.responses_max_stored}")
+        if self.responses_max_bytes < 0:
+            raise ValueError(f"responses_max_bytes must be >= 0, got {self.responses_max_bytes}")
         if self.reasoning_parser is not None and self.reasoning_parser not in REASONING_PARSERS:
             raise ValueError(f"reasoning_parser must be one of {', '.join(REASONING_PARSERS)}, "
                              f"got {self.reasoning_parser!r}")

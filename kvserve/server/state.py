@@ -14,6 +14,7 @@ from kvserve.server.logprobs import TokenText
 from kvserve.server.metrics import ServerMetrics
 from kvserve.server.prompts import Limits, max_prompt_chars
 from kvserve.server.reasoning import ReasoningParser, get_reasoning_parser
+from kvserve.server.response_store import ResponseStore
 from kvserve.server.settings import ServerSettings
 from kvserve.server.workers import TokenizerPool
 
@@ -32,6 +33,8 @@ class ServerState:
         self.tokenizer = tokenizer  # the front end's own instance; event loop only
         self.text = TokenText(tokenizer)
         self.pool = TokenizerPool(tokenizer, settings.tokenizer_workers)
+        self.responses = ResponseStore(settings.responses_max_stored,
+                                       settings.responses_max_bytes)
         self.reasoning: ReasoningParser | None = (
             get_reasoning_parser(settings.reasoning_parser, tokenizer)
             if settings.reasoning_parser else None)

@@ -142,8 +142,15 @@ async def _events(gen: Generation, first: Update | None, chunks: ChunkSource
     yield sse("[DONE]")
 
 
+# (generation, its first update, the chunk source) -> the stream's SSE text
+EventSource = Callable[[Generation, Update | None, ChunkSource], AsyncIterator[str]]
+
+
 async def respond(gen: Generation, request: Request, stream: bool,
-                  full: Callable[[Generation], dict], chunks: ChunkSource) -> Response:
+                  full: Callable[[Generation], dict], chunks: ChunkSource,
+                  events: EventSource | None = None) -> Response:
+    """``events``: how chunks become SSE text (default: ``data: {chunk}`` lines ending with
+    ``data: [DONE]``, the completions' framing)."""
     request.scope[GENERATION_KEY] = gen
     handed_over = False
     try:
@@ -151,7 +158,7 @@ async def respond(gen: Generation, request: Request, stream: bool,
         if stream:
             gen.stop_watching()
             handed_over = True
-            return GenerationStream(_events(gen, first, chunks), gen)
+            return GenerationStream((events or _events)(gen, first, chunks), gen)
         await gen.drain()
         gen.check_timeout_before_output()
         return SafeJSONResponse(full(gen))
@@ -170,6 +177,7 @@ class Handler:
     ``Generation`` as one JSON response and ``chunks`` as a stream's."""
 
     id_prefix: str  # of the request id ("cmpl" -> "cmpl-...")
+    events: EventSource | None = None  # a stream's framing (None: data: lines and [DONE])
     operation: str  # gen_ai.operation.name ("chat", "text_completion")
     num_prompts = 1
     constraint: Constraint | None = None
@@ -203,4 +211,5 @@ class Handler:
                 trace.fail(e)
             raise
         gen.trace = trace
-        return await respond(gen, request, self.req.stream, self.full, self.chunks)
+        return await respond(gen, request, self.req.stream, self.full, self.chunks,
+                             self.events)

@@ -81,6 +81,27 @@ def test_one_request_span_tree(inprocess, rx, stream) -> None:
     assert len(spans) == 4, tree(spans)
 
 
+def test_grpc_protocol(inprocess) -> None:
+    pytest.importorskip("grpc")
+    pytest.importorskip("opentelemetry.exporter.otlp.proto.grpc")
+    with OTLPReceiver(grpc=True) as rx:
+        srv = inprocess(otlp_traces_endpoint=rx.grpc_endpoint, otlp_traces_protocol="grpc")
+        tid, sid, tp = _traceparent()
+
+        async def go():
+            async with srv.client() as c:
+                r = await c.post("/v1/completions", headers={"traceparent": tp}, json={
+                    "model": MODEL_NAME, "prompt": PROMPT, "max_tokens": 2})
+                assert r.status_code == 200, r.text
+
+        srv.run(go())
+        _flush(srv)
+        spans = rx.wait_for(lambda s: any(x.kind == "SERVER" for x in s), 10)
+        (server,) = [s for s in spans if s.kind == "SERVER"]
+        assert server.trace_id == tid and server.parent_id == sid
+        assert {s.trace_id for s in spans} == {tid} and len(spans) >= 3
+
+
 def test_no_traceparent_is_a_new_root(inprocess, rx) -> None:
     srv = inprocess(otlp_traces_endpoint=rx.endpoint)
 
@@ -185,13 +206,23 @@ def test_no_cost_when_off(inprocess, monkeypatch) -> None:
     assert [trace for trace, _ in seen] == [None] and len(seen[0][1]) == 1
 
 
-def test_settings_refuse_bad_endpoint_and_protocol() -> None:
+def test_settings_refuse_bad_endpoint_and_protocol(monkeypatch) -> None:
+    import importlib.util
+
     from kvserve.server.settings import ServerSettings
 
     with pytest.raises(ValueError, match="otlp_traces_endpoint"):
         ServerSettings(otlp_traces_endpoint="localhost:4318")
     with pytest.raises(ValueError, match="otlp_traces_protocol"):
         ServerSettings(otlp_traces_protocol="thrift")
+    ServerSettings(otlp_traces_endpoint="grpc://127.0.0.1:4317", otlp_traces_protocol="grpc")
+    # without the extra: refused when the settings are read, before any model loads
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: None if name == "opentelemetry.sdk" else real(name, *a))
+    with pytest.raises(ValueError, match=r"otlp_traces_endpoint needs .*kvserve\[otel\]"):
+        ServerSettings(otlp_traces_endpoint="http://127.0.0.1:4318")
+    ServerSettings()  # tracing off needs nothing
 
 
 def test_phases_from_recorded_metrics() -> None:

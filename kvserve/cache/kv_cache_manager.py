@@ -336,13 +336,13 @@ class KVCacheManager:
         return len(cached)
 
     def close(self) -> None:
-        """Shutdown: write the pool's cached blocks to disk (a restart finds them there) and
-        stop the tiers' threads (and the transfer's)."""
+        """Shutdown: write the pool's cached blocks to disk / the remote store (a restart, or
+        another engine, finds them there) and stop the tiers' threads (and the transfer's)."""
         if self.transfer is not None:
             self.transfer.close()
         if self.tiers is None:
             return
-        if self.tiers.disk is not None:
+        if self.tiers.disk is not None or self.tiers.remote is not None:
             self.write_down_cached()
         self.tiers.close()
 

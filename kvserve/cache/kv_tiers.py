@@ -43,6 +43,7 @@ import torch
 from kvserve.cache import block_store, jobs
 from kvserve.cache.block_store import Reason, Rejected, StoredBlock, StoreSpec
 from kvserve.cache.kv_cache import PagedKVCache
+from kvserve.cache.remote_tier import RemoteTier
 
 logger = logging.getLogger("kvserve.kv_tiers")
 
@@ -60,10 +61,12 @@ class TierConfig:
     disk_dir: str | None = None  # None: no disk tier
     disk_bytes: int = 0
     queue_blocks: int = 256  # write-down queue bound (blocks)
+    remote_url: str | None = None  # None: no remote store (kvserve/cache/remote_tier.py)
+    remote_timeout_s: float = 0.2
 
     @property
     def enabled(self) -> bool:
-        return self.memory_bytes > 0 or self.disk_dir is not None
+        return self.memory_bytes > 0 or self.disk_dir is not None or self.remote_url is not None
 
 
 @dataclass(frozen=True, slots=True)
@@ -292,8 +295,10 @@ class KVTiers:
         self.cfg, self.spec, self.kv = cfg, spec, kv
         self.memory = MemoryTier(cfg.memory_bytes) if cfg.memory_bytes > 0 else None
         self.disk = DiskTier(cfg.disk_dir, cfg.disk_bytes) if cfg.disk_dir is not None else None
-        self.tiers: list[MemoryTier | DiskTier] = [
-            t for t in (self.memory, self.disk) if t is not None]
+        self.remote = (RemoteTier(cfg.remote_url, cfg.remote_timeout_s)
+                       if cfg.remote_url is not None else None)
+        self.tiers: list[MemoryTier | DiskTier | RemoteTier] = [
+            t for t in (self.memory, self.disk, self.remote) if t is not None]
         self.hits: Counter[str] = Counter()  # blocks restored, by tier
         self.misses: Counter[str] = Counter()  # chain blocks looked for and absent, by tier
         self.writes: Counter[str] = Counter()  # blocks written, by tier
@@ -319,6 +324,8 @@ class KVTiers:
         if self.disk is not None:
             parts.append(f"disk {self.disk.dir} {self.disk.cap / 2**30:.2f} GiB "
                          f"({len(self.disk)} blocks found there)")
+        if self.remote is not None:
+            parts.append(f"remote {self.remote.url}")
         return (f"KV tiers: {', '.join(parts)}; {self.spec.block_bytes / 1024:.1f} KiB per "
                 f"block; write queue {self.cfg.queue_blocks} blocks")
 
@@ -392,13 +399,22 @@ class KVTiers:
 
     # ---- restore ------------------------------------------------------------------------
     def available(self, items: list[tuple[bytes, tuple[int, ...]]]) -> int:
-        """How many of ``items`` (the chain's next blocks, in order) some tier holds."""
+        """How many of ``items`` (the chain's next blocks, in order) some tier holds. The
+        remote store is asked once, for every block the local tiers lack (one round trip)."""
         n = 0
-        for chain_hash, _ in items:
-            key = entry_key(self.spec, chain_hash)
+        keys = [entry_key(self.spec, h) for h, _ in items]
+        remote: dict[str, bool] | None = None
+        for key in keys:
             found = False
             for tier in self.tiers:
-                if tier.contains(key):
+                if tier is self.remote:
+                    if remote is None:
+                        rest = keys[n:]
+                        remote = dict(zip(rest, self.remote.contains_many(rest), strict=True))
+                    has = remote[key]
+                else:
+                    has = tier.contains(key)
+                if has:
                     found = True
                     break
                 self.misses[tier.name] += 1
@@ -482,12 +498,12 @@ class KVTiers:
                 self._reject(tier, key, res)
                 continue
             self.hits[tier.name] += 1
-            if tier is self.disk and self.memory is not None:
+            if tier is not self.memory and self.memory is not None:
                 self.memory.put(key, blob)  # promote
             return res
         return None
 
-    def _reject(self, tier: MemoryTier | DiskTier, key: str, why: Rejected) -> None:
+    def _reject(self, tier: MemoryTier | DiskTier | RemoteTier, key: str, why: Rejected) -> None:
         self.rejected[(tier.name, why.reason.value)] += 1
         logger.warning("kv tiers: %s entry %s refused: %s %s", tier.name, key, why.reason.value,
                        why.detail)
@@ -510,6 +526,8 @@ class KVTiers:
         self._reader.join(timeout=10)
         if self.disk is not None:
             self.disk.trim()
+        if self.remote is not None:
+            self.remote.close()
 
     def stats(self) -> dict:
         tiers = {}
@@ -520,6 +538,8 @@ class KVTiers:
                 "evictions": t.evictions,
                 "rejected": {r: n for (name, r), n in self.rejected.items() if name == t.name},
             }
+            if t is self.remote:  # calls that failed / were skipped while it was down
+                tiers[t.name].update(failures=t.failures, skipped=t.skipped, up=t.up)
         return {
             "tiers": tiers, "queue_depth": self._writes.qsize(),
             "queue_capacity": self._writes.maxsize, "dropped_writes": self.dropped_writes,

@@ -84,6 +84,12 @@ class EngineArgs:
         "processes)", metavar="PATH")
     kv_offload_disk: float = arg(
         4.0, "disk KV tier size in GiB (with --kv-offload-dir)", metavar="GIB", type=float)
+    kv_offload_url: str | None = arg(
+        None, "a shared remote KV tier: redis://HOST:PORT/DB (Redis or Valkey; engines on "
+        "several machines share prefixes through it)", metavar="URL")
+    kv_offload_timeout: float = arg(
+        0.2, "seconds per remote KV tier call; a failed call makes the store a miss for 5 s",
+        type=float)
     kv_offload_queue: int = arg(
         256, "KV tiers: most evicted blocks waiting to be written down (more are dropped)",
         metavar="N", type=int)
@@ -284,6 +290,7 @@ class EngineArgs:
             kv_offload_disk_bytes=(_gib(self.kv_offload_disk, "kv_offload_disk")
                                    if self.kv_offload_dir is not None else 0),
             kv_offload_queue_blocks=self.kv_offload_queue,
+            kv_offload_url=self.kv_offload_url, kv_offload_timeout_s=self.kv_offload_timeout,
         )
 
     def transfer_config(self):  # -> kvserve.cache.kv_transfer.TransferConfig | None

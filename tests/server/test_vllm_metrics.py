@@ -169,13 +169,15 @@ def test_live_metrics_match_the_table_and_the_responses(inprocess):
     assert value(fams, "vllm:cache_config_info", block_size="16") == 1
 
 
-def test_every_row_with_every_optional_part_on():
+def full_snapshot() -> EngineStats:
+    """A snapshot with every optional part on (integrity, tiers, transfer, speculation,
+    LoRA)."""
     spec = SpecDecodeCounters()
     spec.record(3, 2)
     spec.record(3, 0)
     it = BucketCounts((1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384))
     it.observe(7)
-    snap = EngineStats(
+    return EngineStats(
         num_running=2, num_waiting=1, num_blocks_total=10, num_blocks_used=4, block_size=16,
         counters={"prompt_tokens": 10, "prefix_cache_queries": 10, "prefix_cache_hits": 4},
         iteration_tokens=it, cache_config={"block_size": "16", "num_gpu_blocks": "10",
@@ -194,6 +196,10 @@ def test_every_row_with_every_optional_part_on():
                      "latency_buckets": [0.1], "latency_counts": [1, 0],
                      "latency_seconds": 0.05},
         spec_decode=spec.as_dict(), lora={"max_lora": 2, "running": ["a"], "waiting": ["b"]})
+
+
+def test_every_row_with_every_optional_part_on():
+    snap = full_snapshot()
     metrics = ServerMetrics(lambda: snap, "m", 64)
     metrics.http_errors.labels("404").inc()
     metrics.rejected.labels("queue_full").inc()

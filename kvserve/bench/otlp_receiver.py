@@ -6,12 +6,18 @@ printing a request's span tree (docs/server.md, "Tracing").
     with OTLPReceiver() as rx:             # rx.endpoint: http://127.0.0.1:PORT/v1/traces
         ...                                 # kvserve serve --otlp-traces-endpoint rx.endpoint
         rx.wait_for(lambda spans: len(spans) >= 5, timeout=30)
-        print(rx.tree(trace_id))
+        print(tree(rx.trace(trace_id)))
+
+As a process (a collector apart from the load generator: benchmarks/tracing_overhead.py):
+``python -m kvserve.bench.otlp_receiver [PORT]`` prints its endpoint, serves until stdin
+closes; ``GET /stats`` answers the spans and export requests received so far.
 """
 
 from __future__ import annotations
 
 import gzip
+import json
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -66,6 +72,11 @@ def decode_spans(body: bytes) -> list[ReceivedSpan]:
 
     req = ExportTraceServiceRequest()
     req.ParseFromString(body)
+    return spans_of(req)
+
+
+def spans_of(req: Any) -> list[ReceivedSpan]:
+    """The spans of a decoded ``ExportTraceServiceRequest``."""
     out = []
     for rs in req.resource_spans:
         service = str(_attrs(rs.resource.attributes).get("service.name", ""))
@@ -81,10 +92,15 @@ def decode_spans(body: bytes) -> list[ReceivedSpan]:
 
 
 class OTLPReceiver:
-    def __init__(self, host: str = "127.0.0.1", port: int = 0) -> None:
+    """``endpoint``: OTLP/HTTP; with ``grpc=True`` also OTLP/gRPC on ``grpc_endpoint``
+    (``grpc://127.0.0.1:PORT``, plaintext; needs grpcio)."""
+
+    def __init__(self, host: str = "127.0.0.1", port: int = 0, grpc: bool = False) -> None:
         self.spans: list[ReceivedSpan] = []
         self.requests = 0
         self._cond = threading.Condition()
+        self._grpc = None
+        self.grpc_endpoint: str | None = None
         receiver = self
 
         class Handler(BaseHTTPRequestHandler):
@@ -101,14 +117,24 @@ class OTLPReceiver:
                 except Exception:  # noqa: BLE001 - a malformed body is the sender's error
                     self.send_error(400)
                     return
-                with receiver._cond:
-                    receiver.spans.extend(spans)
-                    receiver.requests += 1
-                    receiver._cond.notify_all()
+                receiver._add(spans)
                 self.send_response(200)
                 self.send_header("Content-Type", "application/x-protobuf")
                 self.send_header("Content-Length", "0")  # an empty ExportTraceServiceResponse
                 self.end_headers()
+
+            def do_GET(self) -> None:  # noqa: N802 - GET /stats: what arrived so far
+                if self.path != "/stats":
+                    self.send_error(404)
+                    return
+                with receiver._cond:
+                    body = json.dumps({"spans": len(receiver.spans),
+                                       "requests": receiver.requests}).encode()
+                self.send_response(200)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
 
             def log_message(self, *args: Any) -> None:
                 pass
@@ -120,6 +146,33 @@ class OTLPReceiver:
         self._thread = threading.Thread(target=self._server.serve_forever,
                                         name="otlp-receiver", daemon=True)
         self._thread.start()
+        if grpc:
+            self._start_grpc(host)
+
+    def _add(self, spans: list[ReceivedSpan]) -> None:
+        with self._cond:
+            self.spans.extend(spans)
+            self.requests += 1
+            self._cond.notify_all()
+
+    def _start_grpc(self, host: str) -> None:
+        from concurrent import futures
+
+        import grpc
+        from opentelemetry.proto.collector.trace.v1 import trace_service_pb2, trace_service_pb2_grpc
+
+        receiver = self
+
+        class Service(trace_service_pb2_grpc.TraceServiceServicer):
+            def Export(self, request: Any, context: Any) -> Any:  # noqa: N802 - gRPC's name
+                receiver._add(spans_of(request))
+                return trace_service_pb2.ExportTraceServiceResponse()
+
+        self._grpc = grpc.server(futures.ThreadPoolExecutor(max_workers=2))
+        trace_service_pb2_grpc.add_TraceServiceServicer_to_server(Service(), self._grpc)
+        port = self._grpc.add_insecure_port(f"{host}:0")
+        self._grpc.start()
+        self.grpc_endpoint = f"grpc://{host}:{port}"
 
     def __enter__(self) -> OTLPReceiver:
         return self
@@ -128,6 +181,8 @@ class OTLPReceiver:
         self.close()
 
     def close(self) -> None:
+        if self._grpc is not None:
+            self._grpc.stop(grace=None)
         self._server.shutdown()
         self._server.server_close()
         self._thread.join(5)
@@ -176,3 +231,15 @@ def tree(spans: list[ReceivedSpan], attrs: tuple[str, ...] = ()) -> str:
 
     walk("", 0)
     return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = sys.argv[1:] if argv is None else argv
+    with OTLPReceiver(port=int(args[0]) if args else 0) as rx:
+        print(rx.endpoint, flush=True)
+        sys.stdin.read()  # until the parent closes the pipe
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

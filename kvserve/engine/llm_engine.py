@@ -13,6 +13,8 @@ sizing, wiring) is ``kvserve.engine.builder``.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -24,7 +26,13 @@ from kvserve.engine.input_processor import PromptType, check_prompt_room, tokeni
 from kvserve.engine.output_processor import OutputProcessor
 from kvserve.engine.runner_output import ModelRunnerOutput
 from kvserve.engine.scheduler import ScheduledRequest, SchedulerOutput
-from kvserve.engine.stats import EngineStats
+from kvserve.engine.spec.drafter import make_drafter
+from kvserve.engine.stats import (
+    ITERATION_TOKEN_BOUNDS,
+    BucketCounts,
+    EngineStats,
+    SpecDecodeCounters,
+)
 from kvserve.engine.worker import DEFAULT_MAX_KV_BYTES  # noqa: F401 - re-exported
 from kvserve.layers.grammar import GrammarCompiler
 from kvserve.outputs import RequestOutput
@@ -58,6 +66,19 @@ class LLMEngine:
                                         self.model_config.eos_token_ids)
         self.counters = {"prompt_tokens": 0, "generation_tokens": 0, "steps": 0,
                          "finished": 0, "aborted": 0}
+        self.iteration_tokens = BucketCounts(ITERATION_TOKEN_BOUNDS)  # tokens per step
+        # Hooks for the metrics: speculative decoding records its drafts here (None: off);
+        # LoRA serving sets ``lora_info`` to a callable giving EngineStats.lora (None: off).
+        self.drafter = make_drafter(self.args, self.tokenizer, self.model_config.vocab_size)
+        self.spec_decode: SpecDecodeCounters | None = (
+            self.drafter.counters if self.drafter is not None else None)
+        self.lora_info: Callable[[], dict[str, Any]] | None = (
+            self._lora_info if self.runner.lora is not None else None)
+        cc = self.cache_config
+        self._cache_info = {"block_size": str(cc.block_size),
+                            "num_gpu_blocks": str(self.pool.num_blocks),
+                            "cache_dtype": str(self.kv_mode),
+                            "enable_prefix_caching": str(cc.enable_prefix_caching)}
         # Test / drill / benchmark hooks (fault injection, leak checks, schedule observer)
         self.debug = EngineDebug(self.executor, self.pool, self.integrity, self.fingerprint,
                                  self.output_processor)
@@ -68,7 +89,9 @@ class LLMEngine:
 
     def shutdown(self) -> None:
         """Write the KV tiers down and stop them; stop the tensor-parallel workers and the KV
-        event publisher."""
+        event publisher (and a draft model's engine)."""
+        if self.drafter is not None and self.drafter.draft_model is not None:
+            self.drafter.draft_model.shutdown()
         self.kv.close()
         self.executor.shutdown()
         if self.kv_events is not None:
@@ -150,8 +173,8 @@ class LLMEngine:
         scheduler's one apply step, with nothing computed): logprobs, text, stop checks."""
         assert first is not None
         sched = SchedulerOutput(new=[ScheduledRequest(req, 0, 0, ())])
-        out = ModelRunnerOutput([req.request_id], [first.token_id], [first.logprobs],
-                                [first.logprob], [])
+        out = ModelRunnerOutput([req.request_id], [[first.token_id]], [[first.logprobs]],
+                                [[first.logprob]], [])
         self.scheduler.update_from_output(sched, out, self.output_processor)
         if req.is_finished:
             self.output_processor.pop(req.parent_id)
@@ -212,15 +235,33 @@ class LLMEngine:
             return []
         if self.debug.on_schedule is not None:
             self.debug.on_schedule(sched, len(self.scheduler.running))
+        t0 = time.perf_counter()
         out = self.runner.execute_model(sched)
+        seconds = time.perf_counter() - t0
         self.counters["steps"] += 1
+        self.iteration_tokens.observe(sum(x.num_new_tokens for x in sched.scheduled))
         sampled = self.scheduler.update_from_output(sched, out, self.output_processor)
         if self.integrity is not None:
             self.integrity.end_step()
-        self.counters["generation_tokens"] += len(sampled)
+        self.counters["generation_tokens"] += sum(map(len, out.sampled_token_ids))
+        if self.drafter is not None:
+            self._draft(sched, out, seconds)
         outs = self.output_processor.make_outputs(dict.fromkeys(r.parent_id for r in sampled))
         self.counters["finished"] += sum(o.finished for o in outs)
         return outs
+
+    def _draft(self, sched: SchedulerOutput, out: ModelRunnerOutput, seconds: float) -> None:
+        """Speculative decoding: account the step's drafts, then draft for the next step."""
+        assert self.drafter is not None
+        drafts = {s.req.request_id: len(s.draft) for s in sched.scheduled if s.draft}
+        accepted = {rid: len(t) - 1 for rid, t in zip(out.req_ids, out.sampled_token_ids,
+                                                      strict=True) if rid in drafts}
+        self.drafter.observe(drafts, accepted, sched.num_batched_tokens, seconds)
+        sched_ = self.scheduler
+        self.drafter.sweep({r.request_id for r in sched_.running}
+                           | {r.request_id for r in sched_.waiting})
+        base = sum(r.num_tokens - r.num_computed_tokens for r in sched_.running)
+        self.drafter.propose(sched_.running, min(base, sched_.config.max_num_batched_tokens))
 
     @torch.inference_mode()
     def prompt_logits(self, token_ids: list[int]) -> torch.Tensor:
@@ -248,15 +289,31 @@ class LLMEngine:
             num_running=len(sched.running), num_waiting=len(sched.waiting),
             num_prefilling=prefilling + len(sched.waiting),
             num_blocks_total=pool.num_blocks, num_blocks_used=pool.num_used_blocks,
-            num_blocks_free=pool.num_free_blocks, prefix_cache_hit_rate=float(self.kv.hit_rate),
+            num_blocks_free=pool.num_free_blocks, block_size=self.cache_config.block_size,
+            prefix_cache_hit_rate=float(self.kv.hit_rate),
             num_preemptions=self.scheduler.num_preemptions,
             num_unfinished_requests=self.get_num_unfinished_requests(),
-            counters=dict(self.counters),
+            counters={**self.counters, "prefix_cache_queries": self.kv.num_queried_tokens,
+                      "prefix_cache_hits": self.kv.num_hit_tokens},
+            iteration_tokens=self.iteration_tokens.copy(), cache_config=self._cache_info,
             integrity=self.integrity.stats() if self.integrity is not None else None,
             kv_tiers=self.kv.tiers.stats() if self.kv.tiers is not None else None,
             kv_transfer=self.kv.transfer.stats() if self.kv.transfer is not None else None,
+            spec_decode=self.spec_decode.as_dict() if self.spec_decode is not None else None,
+            lora=self.lora_info() if self.lora_info is not None else None,
             timestamp=time.monotonic(),
         )
+
+    def _lora_info(self) -> dict[str, Any]:
+        """EngineStats.lora: the adapter slots and the adapters of running / waiting
+        sequences (vllm:lora_requests_info)."""
+        assert self.runner.lora is not None
+
+        def names(reqs: list[Request]) -> list[str]:
+            return sorted({r.lora.lora_name for r in reqs if r.lora is not None})
+
+        return {"max_lora": self.runner.lora.max_loras, "running": names(self.scheduler.running),
+                "waiting": names(self.scheduler.waiting)}
 
     def reset_integrity_timers(self) -> None:
         """Start the integrity checker's wall-time counters afresh (benchmarks)."""

@@ -127,7 +127,8 @@ class Worker:
         spec, args = self.spec, self.args
         backend = get_backend(args.attention_backend, self.kv_cache, spec.num_heads,
                               spec.num_kv_heads, spec.head_dim, spec.scale,
-                              self.config.model.max_model_len)
+                              self.config.model.max_model_len,
+                              layer_windows=spec.layer_windows)
         self.runner = ForwardRunner(self.model, backend, self.config.cache.block_size,
                                   spec.components, args.device,
                                   graphs=self._decode_graphs(backend))
@@ -252,9 +253,13 @@ class Worker:
             return None
         if self.kv_cache.data.is_cuda:
             return self._cuda_graphs(backend)
+        rows = self.config.scheduler.max_num_seqs
+        spec = self.args.speculative_config
+        if spec is not None:  # verify steps: 1 + k decode rows per request
+            rows = min(rows * (1 + spec.num_speculative_tokens),
+                       max(rows, self.config.scheduler.max_num_batched_tokens))
         graphs = CpuGraphRunner(self.model, backend, self.kv_cache, self.kv_cache.block_size,
-                                self.spec.components, self.config.scheduler.max_num_seqs,
-                                self.config.model.max_model_len)
+                                self.spec.components, rows, self.config.model.max_model_len)
         return graphs if graphs.capture() else None
 
     def _cuda_graphs(self, backend) -> CudaGraphRunner | None:

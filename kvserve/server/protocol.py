@@ -104,7 +104,7 @@ def _format_tag(value: Any) -> str | None:
 
 
 # {"type": "text"}, {"type": "json_object"} or {"type": "json_schema", "json_schema": {...}};
-# the tags are class-like so that error locations skip them (kvserve.server.errors)
+# the tags are class-like so that error locations skip them (kvserve.http.errors)
 ResponseFormat = Annotated[
     Annotated[ResponseFormatText, Tag("Text")]
     | Annotated[ResponseFormatJSONObject, Tag("JSONObject")]
@@ -320,6 +320,9 @@ class ChatCompletionRequest(SamplingRequest):
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     add_generation_prompt: bool = Field(True, description="kvserve.")
+    chat_template_kwargs: dict[str, Any] | None = Field(
+        None, description="kvserve (as vLLM): extra variables for the chat template, e.g. "
+                          "{\"enable_thinking\": false}.")
 
 
 # ---- responses --------------------------------------------------------------------------------
@@ -408,6 +411,7 @@ class ToolCallOut(_Response):
 class AssistantMessage(_Response):
     role: Literal["assistant"] = "assistant"
     content: str | None = None
+    reasoning_content: str | None = None  # --reasoning-parser: the model's reasoning
     tool_calls: list[ToolCallOut] | None = None
 
 
@@ -435,6 +439,7 @@ class ChatCompletionResponse(_Completion[ChatChoice]):
 class DeltaMessage(_Response):
     role: Literal["assistant"] | None = None
     content: str | None = None
+    reasoning_content: str | None = None
     tool_calls: list[DeltaToolCall] | None = None
 
 

@@ -17,9 +17,10 @@ from fastapi import Request
 from fastapi.responses import Response, StreamingResponse
 from starlette.types import Receive, Scope, Send
 
+from kvserve.http.errors import APIError, SafeJSONResponse, error_body
+from kvserve.http.middleware import CLIENT_CLOSED, GENERATION_KEY
 from kvserve.outputs import CompletionOutput, RequestOutput
 from kvserve.sampling_params import SamplingParams
-from kvserve.server.errors import APIError, SafeJSONResponse, error_body
 from kvserve.server.generation import (
     ClientDisconnected,
     Generation,
@@ -45,8 +46,6 @@ ChunkSource = Callable[[Generation, Update | None], AsyncIterator[dict]]
 ChoiceChunk = Callable[[int, int, CompletionOutput | None, str | None], dict | None]
 
 _SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
-CLIENT_CLOSED = 499  # nginx's "client closed request"; nobody reads it
-GENERATION_KEY = "kvserve.generation"  # in the ASGI scope, for the access log
 
 logger = logging.getLogger("kvserve.server")
 
@@ -142,8 +141,15 @@ async def _events(gen: Generation, first: Update | None, chunks: ChunkSource
     yield sse("[DONE]")
 
 
+# (generation, its first update, the chunk source) -> the stream's SSE text
+EventSource = Callable[[Generation, Update | None, ChunkSource], AsyncIterator[str]]
+
+
 async def respond(gen: Generation, request: Request, stream: bool,
-                  full: Callable[[Generation], dict], chunks: ChunkSource) -> Response:
+                  full: Callable[[Generation], dict], chunks: ChunkSource,
+                  events: EventSource | None = None) -> Response:
+    """``events``: how chunks become SSE text (default: ``data: {chunk}`` lines ending with
+    ``data: [DONE]``, the completions' framing)."""
     request.scope[GENERATION_KEY] = gen
     handed_over = False
     try:
@@ -151,7 +157,7 @@ async def respond(gen: Generation, request: Request, stream: bool,
         if stream:
             gen.stop_watching()
             handed_over = True
-            return GenerationStream(_events(gen, first, chunks), gen)
+            return GenerationStream((events or _events)(gen, first, chunks), gen)
         await gen.drain()
         gen.check_timeout_before_output()
         return SafeJSONResponse(full(gen))
@@ -170,6 +176,7 @@ class Handler:
     ``Generation`` as one JSON response and ``chunks`` as a stream's."""
 
     id_prefix: str  # of the request id ("cmpl" -> "cmpl-...")
+    events: EventSource | None = None  # a stream's framing (None: data: lines and [DONE])
     operation: str  # gen_ai.operation.name ("chat", "text_completion")
     num_prompts = 1
     constraint: Constraint | None = None
@@ -191,7 +198,7 @@ class Handler:
     async def answer(self, request: Request) -> Response:
         trace = None
         if self.state.tracing is not None:
-            from kvserve.server.tracing import RequestTrace
+            from kvserve.http.tracing import RequestTrace
 
             trace = RequestTrace(self.state.tracing, request.headers, self.operation,
                                  self.model, self.state.settings.role, self.req)
@@ -203,4 +210,5 @@ class Handler:
                 trace.fail(e)
             raise
         gen.trace = trace
-        return await respond(gen, request, self.req.stream, self.full, self.chunks)
+        return await respond(gen, request, self.req.stream, self.full, self.chunks,
+                             self.events)

@@ -1,4 +1,4 @@
-"""OpenTelemetry tracing of one replica (kvserve/server/tracing.py), in process: an OTLP
+"""OpenTelemetry tracing of one replica (kvserve/http/tracing.py), in process: an OTLP
 receiver on loopback (kvserve/bench/otlp_receiver.py, decoding with opentelemetry-proto) gets
 the span of a request that continues the client's ``traceparent``, with gen_ai attributes
 equal to the response's and a child span per engine phase; a prefill leg and a decode leg join
@@ -81,6 +81,27 @@ def test_one_request_span_tree(inprocess, rx, stream) -> None:
     assert len(spans) == 4, tree(spans)
 
 
+def test_grpc_protocol(inprocess) -> None:
+    pytest.importorskip("grpc")
+    pytest.importorskip("opentelemetry.exporter.otlp.proto.grpc")
+    with OTLPReceiver(grpc=True) as rx:
+        srv = inprocess(otlp_traces_endpoint=rx.grpc_endpoint, otlp_traces_protocol="grpc")
+        tid, sid, tp = _traceparent()
+
+        async def go():
+            async with srv.client() as c:
+                r = await c.post("/v1/completions", headers={"traceparent": tp}, json={
+                    "model": MODEL_NAME, "prompt": PROMPT, "max_tokens": 2})
+                assert r.status_code == 200, r.text
+
+        srv.run(go())
+        _flush(srv)
+        spans = rx.wait_for(lambda s: any(x.kind == "SERVER" for x in s), 10)
+        (server,) = [s for s in spans if s.kind == "SERVER"]
+        assert server.trace_id == tid and server.parent_id == sid
+        assert {s.trace_id for s in spans} == {tid} and len(spans) >= 3
+
+
 def test_no_traceparent_is_a_new_root(inprocess, rx) -> None:
     srv = inprocess(otlp_traces_endpoint=rx.endpoint)
 
@@ -158,7 +179,7 @@ def test_prefill_and_decode_legs_join_one_trace(inprocess, rx, tmp_path) -> None
 def test_no_cost_when_off(inprocess, monkeypatch) -> None:
     """Tracing off: a request runs with the tracing module and the SDK unimportable (an
     import would raise), and no generation holds a trace."""
-    for name in ("kvserve.server.tracing", "opentelemetry.sdk", "opentelemetry.sdk.trace"):
+    for name in ("kvserve.http.tracing", "opentelemetry.sdk", "opentelemetry.sdk.trace"):
         monkeypatch.setitem(sys.modules, name, None)
     srv = inprocess()
     assert srv.state.tracing is None
@@ -180,13 +201,65 @@ def test_no_cost_when_off(inprocess, monkeypatch) -> None:
             assert r.status_code == 200, r.text
 
     srv.run(go())
-    assert seen == [(None, [None])]
+    # no trace; engine_metrics (references to the engine's RequestMetrics) is also what the
+    # Prometheus request histograms read, so it is filled either way
+    assert [trace for trace, _ in seen] == [None] and len(seen[0][1]) == 1
 
 
-def test_settings_refuse_bad_endpoint_and_protocol() -> None:
+def test_settings_refuse_bad_endpoint_and_protocol(monkeypatch) -> None:
+    import importlib.util
+
     from kvserve.server.settings import ServerSettings
 
     with pytest.raises(ValueError, match="otlp_traces_endpoint"):
         ServerSettings(otlp_traces_endpoint="localhost:4318")
     with pytest.raises(ValueError, match="otlp_traces_protocol"):
         ServerSettings(otlp_traces_protocol="thrift")
+    ServerSettings(otlp_traces_endpoint="grpc://127.0.0.1:4317", otlp_traces_protocol="grpc")
+    # without the extra: refused when the settings are read, before any model loads
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: None if name == "opentelemetry.sdk" else real(name, *a))
+    with pytest.raises(ValueError, match=r"otlp_traces_endpoint needs .*kvserve\[otel\]"):
+        ServerSettings(otlp_traces_endpoint="http://127.0.0.1:4318")
+    ServerSettings()  # tracing off needs nothing
+
+
+def test_phases_from_recorded_metrics() -> None:
+    """RequestTrace.finish turns what the engine recorded into child spans: a tier restore
+    with its blocks per tier, an integrity repair, a failed import's fallback reason."""
+    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+    from kvserve.http.tracing import RequestTrace, Tracing
+    from kvserve.outputs import KVMove, RequestMetrics
+
+    mem = InMemorySpanExporter()
+    tr = Tracing("http://127.0.0.1:9/v1/traces", "http/protobuf", "kvserve", exporter=mem)
+    m = RequestMetrics(arrival_time=10.0, first_scheduled_time=10.5, first_token_time=11.0,
+                       last_token_time=12.0, finished_time=12.0, num_cached_tokens=32,
+                       integrity_repairs=1,
+                       kv_restores=[KVMove(10.1, 0.2, blocks=3,
+                                           by_tier=(("memory", 1), ("disk", 2)))],
+                       kv_import=KVMove(10.0, 0.05, fallback="timeout"))
+
+    class Body:
+        model, max_tokens, n, stream, kv_transfer = None, 8, 1, False, None
+
+    rt = RequestTrace(tr, {}, "chat", "m", "decode", Body())
+    rt.finish("chatcmpl-1", 10.0, [m], 40, 3, ["stop"])
+    tr.shutdown()
+    spans = {s.name: s for s in mem.get_finished_spans()}
+    assert set(spans) == {"chat m", "kvserve.queue", "kvserve.kv_tier.restore",
+                          "kvserve.kv_transfer.import", "kvserve.prefill", "kvserve.decode"}
+    root = spans["chat m"].attributes
+    assert root["kvserve.integrity_repairs"] == 1 and root["kvserve.cached_tokens"] == 32
+    assert root["kvserve.kv_tier.blocks_restored.memory"] == 1
+    assert root["kvserve.kv_tier.blocks_restored.disk"] == 2
+    assert root["gen_ai.latency.time_in_queue"] == 0.5
+    restore = spans["kvserve.kv_tier.restore"]
+    assert restore.attributes["kvserve.kv_tier.blocks"] == 3
+    assert (restore.end_time - restore.start_time) == pytest.approx(0.2e9, abs=1e3)
+    assert spans["kvserve.kv_transfer.import"].attributes[
+        "kvserve.kv_transfer.fallback"] == "timeout"
+    assert all(s.parent.span_id == spans["chat m"].context.span_id
+               for s in spans.values() if s.name != "chat m")

@@ -20,4 +20,9 @@ GPTQ and GGUF Q4 tensors, the per-module ``Int4Scheme``, RTN / AWQ) and the offl
                  integer-dot kernel kvserve/csrc/kq_gemm.c (format: ``kvserve/quant/kq.py``)
     loading.py   the loader's passes: swap the quantized modules in on the meta model,
                  dequantize those read as a dense matrix, pack for the device
+    gguf_types.py   GGML_TYPES: how each ggml type of a GGUF file loads (packed: which builder;
+                 else dequantized), the one table the GGUF loader reads
+    gguf_linear.py  GGUFLinear: a linear module whose GGUF blocks stay packed (one part per run
+                 of shards of one type)
+    q8_linear.py    Q8_0 linears kept 8-bit (integer-dot 8-bit tiles)
 """

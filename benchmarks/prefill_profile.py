@@ -20,7 +20,8 @@ wall-clock timers around the parts:
 Configs run round-robin per repeat (rotating who goes first); medians are reported, with the
 GEMMs' GFLOP/s (2 x dense weights x prompt tokens / gemm time) beside two ceilings measured in
 the same run: torch's fp32 GEMM and torch's bf16 GEMM (oneDNN; AMX where present) on a hot
-1024^3 problem (wall time). ``--clock cpu`` times the parts in process CPU seconds instead. ``rows`` 0 is the exact fp32 path; 1 is bf16 dots for every GEMM.
+1024^3 problem (wall time). ``--clock cpu`` times the parts in process CPU seconds
+instead. ``rows`` 0 is the exact fp32 path; 1 is bf16 dots for every GEMM.
 """
 
 from __future__ import annotations

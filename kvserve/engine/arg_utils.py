@@ -119,7 +119,7 @@ class EngineArgs:
         "arithmetic, fastest); fp32: the dequantized weights' exact product (slowest)",
         choices=["int8x2", "int8", "fp32"])
     # bf16 weights on an AVX512-BF16 CPU (kvserve/kernels/cpu/w16_gemm.py, docs/cpu.md): GEMMs of
-    # at least this many rows round x to bf16 and use vdpbf16ps; None = KVSERVE_CPU_BF16_ROWS.
+    # at least this many rows round x to bf16 (AMX tiles, vdpbf16ps); None = KVSERVE_CPU_BF16_ROWS.
     cpu_bf16_dot_rows: int | None = arg(
         None, "bf16 weights on an AVX512-BF16 CPU: GEMMs of at least this many rows use bf16 dot "
         "products (AMX tiles where the CPU has AMX, else vdpbf16ps; KL ~2e-4 vs fp32; 1 = every "

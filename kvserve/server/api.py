@@ -24,6 +24,7 @@ from kvserve.server.errors import (
     http_error_handler,
     validation_error_handler,
 )
+from kvserve.server.lora import add_lora_routes
 from kvserve.server.middleware import AccessLog, APIKeyAuth, BodyLimit, ErrorCounter
 from kvserve.server.prompts import check_request
 from kvserve.server.protocol import (
@@ -81,21 +82,24 @@ def _routes(app: FastAPI, state: ServerState) -> None:
               responses=_GENERATION_RESPONSES)
     async def completions(body: CompletionRequest, request: Request) -> Response:
         """Text completion; `stream: true` answers with server-sent events."""
-        check_request(body, state.settings)
+        check_request(body, state.settings, state.loras.adapters)
         return await CompletionHandler(body, state).answer(request)
 
     @app.post("/v1/chat/completions", response_model=ChatCompletionResponse,
               responses=_GENERATION_RESPONSES)
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
         """Chat completion with the model's chat template; `stream: true` answers with SSE."""
-        check_request(body, state.settings)
+        check_request(body, state.settings, state.loras.adapters)
         return await ChatHandler(body, state).answer(request)
 
     @app.get("/v1/models", response_model=ModelList)
     async def models() -> dict:
-        card = ModelCard(id=state.settings.served_model_name,
-                         max_model_len=state.limits.max_model_len)
-        return dump(ModelList(data=[card]))
+        name, max_len = state.settings.served_model_name, state.limits.max_model_len
+        card = ModelCard(id=name, max_model_len=max_len)
+        return dump(ModelList(data=[card, *state.loras.cards(name, max_len)]))
+
+    add_lora_routes(app, state.loras, state.settings.served_model_name,
+                    state.settings.lora_runtime_updates and state.loras.enabled)
 
     @app.get("/health")
     async def health() -> JSONResponse:

@@ -76,6 +76,11 @@ class ServerSettings:
         "tool_choice auto / required / named; docs/structured-outputs.md)",
         choices=list(TOOL_CALL_PARSERS), group=SERVER)
 
+    lora_runtime_updates: bool = arg(  # POST /v1/load_lora_adapter, /v1/unload_lora_adapter
+        True, "with LoRA on: no runtime adapter loads / unloads over HTTP (default: allowed; "
+        "they read PEFT folders on the server's disk, safetensors only)",
+        flags=("--no-lora-runtime-updates",), action="store_false", group=SERVER)
+
     def chat_template_text(self) -> str | None:
         if self.chat_template is None:
             return None

@@ -1,7 +1,6 @@
 """Accuracy cost of the 16-bit GEMM's bf16 dot products (AVX512-BF16 vdpbf16ps, for GEMMs of
->= ``KVSERVE_CPU_BF16_ROWS`` rows when that is set; off by default) against fp32 activations on
-the same bf16 weights: KL(fp32 || bf16-dot) of next-token distributions and top-1 agreement, one
-run, JSON out.
+>= ``--cpu-bf16-dot-rows`` rows) against fp32 activations on the same bf16 weights:
+KL(fp32 || bf16-dot) of next-token distributions and top-1 agreement, one run, JSON out.
 
     .venv/bin/python benchmarks/bf16_dot_kl.py [--model BF16_FOLDER] [--prompts 8] [--len 256]
         [--rows 128] [--threads 2] [--json docs/bench/bf16_dot_kl.json]
@@ -18,7 +17,9 @@ directory (its weights dequantized and rounded to bf16 once: a bf16 checkpoint o
 weights). Where this CPU lacks AVX512-BF16 the kernel's pure-torch twin
 (kvserve.kernels.reference.w16_linear_bf16_dot: the same bf16-rounded activations and exact
 products, fp32 sums in another order) stands in for the kernel; ``"ran"`` in the JSON says
-which. The fp32 run is the C kernel with fp32 dot products either way.
+which ("kernel": the engine's own ``--cpu-bf16-dot-rows`` switch drove the C kernel on the
+packed tables the engine holds, vdpbf16ps). The fp32 run is the C kernel with fp32 dot products
+either way. A bf16-dot run equal to the fp32 one is an error (the switch reached nothing).
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ import torch
 
 from kvserve.bench.common import env_info, log, write_json
 from kvserve.bench.quality import kl_rows
+from kvserve.cbuild import kernel_build
 from kvserve.engine.arg_utils import EngineArgs
 from kvserve.engine.llm_engine import LLMEngine
 from kvserve.kernels import reference as ref
@@ -42,13 +44,14 @@ _REAL = (w16.linear_w16, w16.bf16_dot_rows)  # restored when main() returns
 
 
 def _policy(rows: int, kernel: bool):
-    """Make every bf16-weight GEMM of >= rows rows (0: none) take the bf16 dot products: the
-    kernel's threshold where the CPU has it, else the twin for those GEMMs."""
-    lib = w16.w16_library()
+    """Make every bf16-weight GEMM of >= rows rows (0: none) take the bf16 dot products. Where
+    the CPU has them: the engine's own switch (``--cpu-bf16-dot-rows``, which its worker sets
+    with ``set_bf16_dot_rows``), so the kernel the engine runs computes them, on the packed
+    tables it holds. Elsewhere: the twin for those GEMMs."""
     real = _REAL[0]
     if kernel:
-        w16.bf16_dot_rows = lambda _lib: rows
         w16.linear_w16 = real
+        w16.set_bf16_dot_rows(rows)
         return
 
     def emulated(x, weight, bias=None):
@@ -59,8 +62,7 @@ def _policy(rows: int, kernel: bool):
             return y if bias is None else y + bias.float()
         return real(x, weight, bias)
 
-    assert lib is not None
-    w16.bf16_dot_rows = lambda _lib: 0
+    w16.set_bf16_dot_rows(0)
     w16.linear_w16 = emulated
 
 
@@ -80,10 +82,12 @@ def main(argv: list[str] | None = None) -> int:
     if lib is None:
         raise SystemExit("the C kernel did not build here (no compiler?)")
     kernel = w16.has_bf16_dot(lib)
+    engine_rows = w16._engine_rows
     try:
         return _measure(a, kernel)
     finally:
         w16.linear_w16, w16.bf16_dot_rows = _REAL
+        w16.set_bf16_dot_rows(engine_rows)
 
 
 def _measure(a: argparse.Namespace, kernel: bool) -> int:
@@ -96,6 +100,7 @@ def _measure(a: argparse.Namespace, kernel: bool) -> int:
             log("exporting the default GGUF to a bf16 folder")
             model = export_gguf_to_hf(default_model_path(), tmp, torch.bfloat16, progress=False)
         engine = LLMEngine(EngineArgs(model=model, progress=False, seed=a.seed,
+                                      cpu_bf16_dot_rows=0,
                                       max_model_len=a.len + 8,
                                       max_num_batched_tokens=max(a.len, 256)))
         if engine.model_config.dtype != torch.float32:
@@ -128,8 +133,12 @@ def _measure(a: argparse.Namespace, kernel: bool) -> int:
             n += base.shape[0]
             log(f"sequence {i}: KL mean {kls[-1].mean():.2e}")
         kl = torch.cat(kls)
+        if not float(kl.max()) > 0:
+            raise SystemExit("the bf16-dot run equals the fp32 run: the switch did not reach "
+                             "the GEMMs")
         result = {"bench": "bf16_dot_kl", "model": a.model or "SmolLM2-135M (default GGUF as "
                   "bf16)", "ran": "kernel" if kernel else "twin (this CPU lacks AVX512-BF16)",
+                  "kernel_build": kernel_build(), "switch": f"--cpu-bf16-dot-rows {a.rows}",
                   "rows": a.rows, "prompts": a.prompts, "len": a.len, "positions": n,
                   "kl_mean": float(kl.mean()), "kl_p99": float(torch.quantile(kl, 0.99)),
                   "kl_max": float(kl.max()), "top1_agreement": top1 / n,

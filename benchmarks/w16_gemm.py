@@ -19,7 +19,8 @@ pass over the layers with
             before a change (``git show REV:kvserve/csrc/w16_gemm.c > old.c``), on the packed
             tables where its tiles are this kernel's, else on the row-major ones;
   kvserve_bf16_dot, torch_bf16  (CPUs with AVX512-BF16 only) the C kernel's bf16 dot products
-            (vdpbf16ps, activations rounded to bf16: what ``KVSERVE_CPU_BF16_ROWS`` turns on)
+            on the packed tables (vdpbf16ps, activations rounded to bf16: what
+            ``--cpu-bf16-dot-rows`` turns on; ``kvserve_bf16_dot_row_major`` on row-major ones)
             and torch's own bf16 GEMM (oneDNN, AMX where present) on bf16 activations -- the
             figures that decide whether the bf16 path is worth its accuracy cost (docs/cpu.md);
 
@@ -87,7 +88,10 @@ def main(argv: list[str] | None = None) -> int:
              "kvserve_row_major": lambda x, w, w32: w16.w16_gemm(lib, x, w),
              "torch_fp32": lambda x, w, w32: x @ w32.t()}
     if w16.has_bf16_dot(lib):
-        impls["kvserve_bf16_dot"] = lambda x, w, w32: w16.w16_gemm(lib, x, w, bf16_rows=1)
+        impls["kvserve_bf16_dot"] = lambda x, w, w32: w16.w16_gemm(lib, x, packed[id(w)],
+                                                                   bf16_rows=1)
+        impls["kvserve_bf16_dot_row_major"] = lambda x, w, w32: w16.w16_gemm(lib, x, w,
+                                                                             bf16_rows=1)
         impls["torch_bf16"] = lambda x, w, w32: (x.bfloat16() @ w.t()).float()
     with tempfile.TemporaryDirectory() as tmp:
         if a.baseline_source:

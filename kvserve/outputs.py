@@ -23,15 +23,35 @@ class CompletionOutput:
         return self.finish_reason is not None
 
 
+@dataclass(frozen=True, slots=True)
+class KVMove:
+    """One KV movement of a request, timed where it happened (``time.monotonic`` start): a
+    disaggregated export / import (kvserve/cache/kv_transfer.py) or a tier restore
+    (kvserve/cache/kv_tiers.py). The server turns these into trace spans after the fact."""
+
+    start: float
+    seconds: float
+    nbytes: int = 0
+    blocks: int = 0  # blocks sent / installed / read back
+    rejected: int = 0  # blocks refused on verification (recomputed)
+    fallback: str | None = None  # an import that became a local prefill: why
+    by_tier: tuple[tuple[str, int], ...] = ()  # restore: blocks read back per tier
+
+
 @dataclass(slots=True)
 class RequestMetrics:
-    arrival_time: float
+    arrival_time: float  # every time here is time.monotonic()
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
     last_token_time: float | None = None
     finished_time: float | None = None
     num_preemptions: int = 0
     num_cached_tokens: int = 0
+    # Recorded by the cache / scheduler as they happen (None / 0: it did not happen).
+    kv_export: KVMove | None = None  # prefill role: the prompt's KV offered
+    kv_import: KVMove | None = None  # decode role: fetched, verified, installed
+    kv_restores: list[KVMove] | None = None  # prefix blocks read back from KV tiers
+    integrity_repairs: int = 0  # rollbacks to recompute from a corrupt block
 
 
 @dataclass(slots=True)

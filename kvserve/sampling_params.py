@@ -42,8 +42,24 @@ class StructuredOutputsParams:
     # kvserve: JSON whitespace. False writes compact JSON (", " and ": " separators, no
     # newlines), which keeps small models from spending their budget on indentation.
     whitespace_flexible: bool = False
+    # kvserve: a reasoning model's answer (docs/server.md, "Reasoning models"): the grammar
+    # applies only after the reasoning, which ends with the token reasoning_end_token_id.
+    # reasoning_state says where the answer starts: "reasoning" (inside it: the grammar starts
+    # after the end token), "undecided" (reasoning if the first token is
+    # reasoning_start_token_id, else the grammar applies from the first token), None (no
+    # reasoning: the grammar applies from the first token). Not part of the compiled grammar.
+    reasoning_start_token_id: int | None = None
+    reasoning_end_token_id: int | None = None
+    reasoning_state: str | None = None
 
     def __post_init__(self) -> None:
+        if self.reasoning_state not in (None, "reasoning", "undecided"):
+            raise ValueError("reasoning_state must be None, 'reasoning' or 'undecided', got "
+                             f"{self.reasoning_state!r}")
+        if self.reasoning_state is not None and self.reasoning_end_token_id is None:
+            raise ValueError("reasoning_state needs reasoning_end_token_id")
+        if self.reasoning_state == "undecided" and self.reasoning_start_token_id is None:
+            raise ValueError("reasoning_state 'undecided' needs reasoning_start_token_id")
         if isinstance(self.choice, list):
             object.__setattr__(self, "choice", tuple(self.choice))
         if self.json is not None:  # kept as compact JSON text (hashable; key order kept)

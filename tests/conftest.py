@@ -28,6 +28,7 @@ def make_tiny_model(path: str, arch: str = "llama", save_dtype: torch.dtype = to
         "mistral": (tf.MistralConfig, tf.MistralForCausalLM),
         "qwen2": (tf.Qwen2Config, tf.Qwen2ForCausalLM),
         "qwen3": (tf.Qwen3Config, tf.Qwen3ForCausalLM),
+        "gemma3": (tf.Gemma3TextConfig, tf.Gemma3ForCausalLM),
     }[arch]
     cfg = cfg_cls(**common)
     torch.manual_seed(0)
@@ -37,6 +38,8 @@ def make_tiny_model(path: str, arch: str = "llama", save_dtype: torch.dtype = to
         for p in model.parameters():
             if p.dim() == 2:
                 p.normal_(0, 0.08)
+            elif arch == "gemma3":  # its (1 + w) norms init w = 0: make w matter
+                p.normal_(0, 0.3)
     model.to(save_dtype).save_pretrained(path)
     save_tiny_tokenizer(path, common["vocab_size"])
     return path

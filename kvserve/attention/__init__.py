@@ -58,7 +58,14 @@ def kv_writer(name: str, components: int) -> str:
 
 def get_backend(
     name: str, kv_cache: PagedKVCache, num_heads: int, num_kv_heads: int, head_dim: int,
-    scale: float, max_model_len: int,
+    scale: float, max_model_len: int, layer_windows: tuple[int, ...] = (),
 ) -> AttentionBackend:
+    """``layer_windows``: per layer, 0 (full causal attention) or its sliding window
+    (``KVSpec.layer_windows``; empty: every layer full)."""
     backend_cls = _backend_class(resolve_backend_name(name, kv_cache))
+    if any(layer_windows):
+        if not backend_cls.windowed:
+            raise ValueError(f"attention_backend {name!r} has no sliding-window layers")
+        return backend_cls(kv_cache, num_heads, num_kv_heads, head_dim, scale, max_model_len,
+                           layer_windows=tuple(layer_windows))
     return backend_cls(kv_cache, num_heads, num_kv_heads, head_dim, scale, max_model_len)

@@ -1,7 +1,8 @@
 """The attention-backend Protocol (what models, the runner and CUDA graphs may call) and
 ``BackendBase``, the defaults a backend overrides. Capabilities are declared, not probed:
-``latent`` (serves an MLA latent cache through ``forward_mla``) and ``cuda_graphs``
-(``graph_plan`` can describe a decode step over static tensors); so is the KV writer a backend's
+``latent`` (serves an MLA latent cache through ``forward_mla``), ``cuda_graphs``
+(``graph_plan`` can describe a decode step over static tensors) and ``windowed`` (takes
+``layer_windows``: sliding-window layers read only their window); so is the KV writer a backend's
 cache is built with (``kv_writer``, one of ``kvserve.cache.kv_cache.KV_WRITERS``: whoever builds
 the cache asks the registry, ``kvserve.attention.kv_writer``).
 
@@ -23,6 +24,7 @@ class AttentionBackend(Protocol):
     latent: ClassVar[bool]
     cuda_graphs: ClassVar[bool]
     kv_writer: ClassVar[str]
+    windowed: ClassVar[bool]  # takes ``layer_windows`` (sliding-window layers)
 
     def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 meta: AttentionMetadata) -> torch.Tensor:
@@ -52,6 +54,7 @@ class BackendBase(Generic[P]):
     name: ClassVar[str] = "base"
     latent: ClassVar[bool] = False
     cuda_graphs: ClassVar[bool] = False
+    windowed: ClassVar[bool] = False
     kv_writer: ClassVar[str] = "c"  # the C writer where it takes the rows, else its twin
 
     @classmethod

@@ -38,22 +38,25 @@ _WORKSPACE_MIN_TOKENS = 8192
 class CpuPlan:
     """One step's plan: every row through the C kernel (``kernel`` = plan_rows' (row_seq,
     tables, lens)), or the pure-torch decode chunks (tok, block ids, max blocks, pad
-    [n, 1, 1, L]) and prefills (start, q_len, seq_len, block ids)."""
+    [n, 1, 1, L], seq lens [n]) and prefills (start, q_len, seq_len, block ids)."""
 
     kernel: tuple[torch.Tensor | None, torch.Tensor, torch.Tensor] | None
-    decode: list[tuple[torch.Tensor, torch.Tensor, int, torch.Tensor]]
+    decode: list[tuple[torch.Tensor, torch.Tensor, int, torch.Tensor, torch.Tensor]]
     prefill: list[tuple[int, int, int, torch.Tensor]]
 
 
 class CpuAttentionBackend(BackendBase[CpuPlan]):
     name = "cpu"  # "torch" is accepted too (its old name)
+    windowed = True
 
     def __init__(
         self, kv_cache: PagedKVCache, num_heads: int, num_kv_heads: int, head_dim: int,
-        scale: float, max_model_len: int,
+        scale: float, max_model_len: int, layer_windows: tuple[int, ...] = (),
     ) -> None:
         assert kv_cache.components == 2 and num_heads % num_kv_heads == 0
         self.kv = kv_cache
+        # per layer: 0 (full causal) or the sliding window a local layer reads (KVSpec)
+        self.layer_windows = layer_windows
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
         self.group = num_heads // num_kv_heads
         self.scale = scale
@@ -75,7 +78,7 @@ class CpuAttentionBackend(BackendBase[CpuPlan]):
             plan = CpuPlan(plan_rows(meta, bs, null), [], [])
         else:
             decode = [b for b, q in enumerate(meta.query_lens) if q == 1]
-            chunks = [(c.tok, c.block_ids, c.max_blocks, c.pad[:, None, None, :])
+            chunks = [(c.tok, c.block_ids, c.max_blocks, c.pad[:, None, None, :], c.seq_lens)
                       for c in plan_decode_chunks(meta, decode, bs, null, self.ws_tokens)]
             plan = CpuPlan(None, chunks, plan_prefills(meta, bs))
         return plan
@@ -115,6 +118,7 @@ class CpuAttentionBackend(BackendBase[CpuPlan]):
     ) -> torch.Tensor:
         self.kv.write(layer, meta.write_rows, k, v)
         plan = self._plan(meta)
+        window = self.layer_windows[layer] if self.layer_windows else 0
         out = torch.empty(q.shape, dtype=torch.float32, device=q.device)
         if plan.kernel is not None:
             row_seq, tables, lens = plan.kernel
@@ -122,13 +126,17 @@ class CpuAttentionBackend(BackendBase[CpuPlan]):
             if q.dtype != torch.float32 or q.stride(2) != 1 or q.stride(1) != q.shape[2]:
                 q = q.float().contiguous()
             return cpu_attention.paged_attention(self.kv.data[layer], scales, q, tables,
-                                                 row_seq, lens, self.scale, out)
+                                                 row_seq, lens, self.scale, out,
+                                                 window=window)
         # the kernel's pure-torch twin (kvserve/kernels/reference/cpu_attention.py)
         data, scales = self.kv.data[layer], self.kv.scales[layer] if self.kv.has_scales else None
-        for tok, ids, mb, mask in plan.decode:
+        for tok, ids, mb, mask, lens in plan.decode:
+            if window:  # and before the window: keys [len - window, len) only
+                mask = mask | (torch.arange(mask.shape[-1]) < (lens - window)[:, None, None,
+                                                                              None])
             out[tok] = twin.decode(self.ws, data, scales, q[tok], ids, mb, mask, self.scale)
         for start, qlen, slen, ids in plan.prefill:
             out[start : start + qlen] = twin.prefill(self.ws, data, scales,
                                                      q[start : start + qlen], ids, slen,
-                                                     self.scale)
+                                                     self.scale, window)
         return out

@@ -32,10 +32,12 @@ class TritonPlan:
 class TritonAttentionBackend(BackendBase[TritonPlan]):
     name = "triton"
     cuda_graphs = True
+    windowed = True
     kv_writer = "triton"  # the fused write kernel (+ the integrity checksum state)
 
     def __init__(self, kv_cache: PagedKVCache, num_heads: int, num_kv_heads: int,
-                 head_dim: int, scale: float, max_model_len: int) -> None:
+                 head_dim: int, scale: float, max_model_len: int,
+                 layer_windows: tuple[int, ...] = ()) -> None:
         from kvserve.kernels.triton import attention as triton_attention
 
         if kv_cache.components != 2:
@@ -44,6 +46,7 @@ class TritonAttentionBackend(BackendBase[TritonPlan]):
         self.kv = kv_cache
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
         self.scale = scale
+        self.layer_windows = layer_windows  # per layer: 0 (full) or its sliding window
         self._check_writer(kv_cache)
 
     def _build_plan(self, meta: AttentionMetadata) -> TritonPlan:
@@ -84,10 +87,11 @@ class TritonAttentionBackend(BackendBase[TritonPlan]):
         kv = self.kv
         kv.write(layer, meta.write_rows, k, v, slots=p.slots)
         q = q.contiguous()
+        window = self.layer_windows[layer] if self.layer_windows else 0
         if p.decode:
             return self._attn.paged_decode_attention(
                 q, kv.data, kv.scales, layer, p.tables, p.seq_lens, self.scale,
-                max_seq_len=p.max_seq_len).float()
+                max_seq_len=p.max_seq_len, window=window).float()
         return self._attn.paged_attention(
             q, kv.data, kv.scales, layer, p.tables, p.seq_lens, p.qsl, self.scale,
-            max_query_len=p.max_query_len).float()
+            max_query_len=p.max_query_len, window=window).float()

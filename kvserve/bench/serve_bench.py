@@ -57,6 +57,9 @@ class ServeBenchConfig:
     seed: int = arg(0, "seed of request i is seed + i", type=int)
     timeout: float = arg(600.0, "seconds per request", type=float)
     json_out: str | None = arg(None, "write the report here", flags=("--json",))
+    traceparent: bool = arg(False, "send each request with a new sampled W3C traceparent "
+                            "header (a traced client; the server's --otlp-traces-endpoint)",
+                            action="store_true")
 
 
 @dataclass(slots=True)
@@ -98,14 +101,20 @@ def _content(chunk: dict) -> str:
     return text
 
 
-async def _one(client: httpx.AsyncClient, path: str, payload: dict) -> _Result:
+def new_traceparent(rng: random.Random) -> str:
+    """A sampled W3C traceparent with random (never all-zero) trace and span ids."""
+    return (f"00-{rng.getrandbits(128) | 1:032x}-{rng.getrandbits(64) | 1:016x}-01")
+
+
+async def _one(client: httpx.AsyncClient, path: str, payload: dict,
+               headers: dict[str, str] | None = None) -> _Result:
     import httpx
 
     res = _Result()
     start = time.perf_counter()
     last = None
     try:
-        async with client.stream("POST", path, json=payload) as r:
+        async with client.stream("POST", path, json=payload, headers=headers) as r:
             if r.status_code != 200:
                 await r.aread()
                 res.error = f"http_{r.status_code}"
@@ -162,8 +171,9 @@ async def lora_models(client: httpx.AsyncClient, lora_mix: str) -> list[str]:
 async def serve_bench(url: str, concurrency: int, requests: int, *, max_tokens: int = 64,
                       prompt: str | None = None, input_words: int = 32, chat: bool = False,
                       model: str | None = None, api_key: str | None = None,
-                      temperature: float = 1.0, seed: int = 0,
-                      timeout: float = 600.0, lora_mix: str | None = None) -> dict[str, Any]:
+                      temperature: float = 1.0, seed: int = 0, timeout: float = 600.0,
+                      traceparent: bool = False, lora_mix: str | None = None
+                      ) -> dict[str, Any]:
     """Async core of ``run_serve_bench`` (same arguments, returns the report)."""
     if concurrency < 1:
         raise ValueError(f"concurrency must be >= 1, got {concurrency}")
@@ -196,12 +206,17 @@ async def serve_bench(url: str, concurrency: int, requests: int, *, max_tokens: 
         path = "/v1/chat/completions" if chat else "/v1/completions"
         sem = asyncio.Semaphore(concurrency)
 
-        async def bounded(body: dict) -> _Result:
+        trace_rng = random.Random(seed ^ 0x7ace)
+        traced = [{"traceparent": new_traceparent(trace_rng)} if traceparent else None
+                  for _ in payloads]
+
+        async def bounded(body: dict, hdrs: dict[str, str] | None) -> _Result:
             async with sem:
-                return await _one(client, path, body)
+                return await _one(client, path, body, hdrs)
 
         start = time.perf_counter()
-        results = await asyncio.gather(*(bounded(b) for b in payloads))
+        results = await asyncio.gather(*(bounded(b, h) for b, h in zip(payloads, traced,
+                                                                         strict=True)))
         duration = time.perf_counter() - start
     report = _report(url, path, concurrency, results, duration)
     report["models"] = {m: sum(r.ok for r, b in zip(results, payloads, strict=True)
@@ -234,12 +249,14 @@ def run_serve_bench(url: str, concurrency: int, requests: int, *, max_tokens: in
                     prompt: str | None = None, input_words: int = 32, chat: bool = False,
                     model: str | None = None, api_key: str | None = None,
                     temperature: float = 1.0, seed: int = 0, timeout: float = 600.0,
-                    json_out: str | None = None, lora_mix: str | None = None) -> dict[str, Any]:
+                    json_out: str | None = None, traceparent: bool = False,
+                    lora_mix: str | None = None) -> dict[str, Any]:
     """Run the load and return the report; also write it to ``json_out`` when given."""
     report = asyncio.run(serve_bench(
         url, concurrency, requests, max_tokens=max_tokens, prompt=prompt,
         input_words=input_words, chat=chat, model=model, api_key=api_key,
-        temperature=temperature, seed=seed, timeout=timeout, lora_mix=lora_mix))
+        temperature=temperature, seed=seed, timeout=timeout, traceparent=traceparent,
+        lora_mix=lora_mix))
     if json_out:
         with open(json_out, "w") as f:
             json.dump(report, f, indent=2)

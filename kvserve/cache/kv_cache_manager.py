@@ -30,6 +30,7 @@ import numpy as np
 from kvserve.cache.block_pool import BlockPool
 from kvserve.cache.kv_tiers import Evicted, KVTiers, TierPeers
 from kvserve.cache.kv_transfer import Expected, KVTransfer, TransferHandle
+from kvserve.outputs import KVMove
 from kvserve.request import AdapterRef, Request
 
 
@@ -179,7 +180,13 @@ class KVCacheManager:
         tiers have none, None while a restore job runs (the request waits)."""
         assert self.tiers is not None
         rid, start, b = req.request_id, len(hits), self.block_size
-        blocks = self.tiers.take_restore(rid)
+        job = self.tiers.take_restore_job(rid)
+        blocks = None if job is None else job.blocks
+        if job is not None:
+            if req.metrics.kv_restores is None:
+                req.metrics.kv_restores = []
+            req.metrics.kv_restores.append(KVMove(
+                job.start_monotonic, job.seconds, blocks=len(job.blocks), by_tier=job.by_tier))
         if blocks is None:
             if self.tiers.restoring(rid):
                 return None
@@ -314,6 +321,8 @@ class KVCacheManager:
                 parent = blk.chain_hash
         self.req_blocks[rid] = ids
         self._req_committed[rid] = len(full)
+        req.metrics.kv_import = KVMove(job.start_monotonic, job.seconds, job.nbytes, n,
+                                       job.rejected + len(job.blocks) - n, job.failed)
         return sum(len(blk.token_ids) for blk in blocks)
 
     def write_down_cached(self) -> int:

@@ -277,6 +277,9 @@ class _Restore:
     started: float
     done: threading.Event
     blocks: list[StoredBlock]
+    start_monotonic: float = 0.0
+    seconds: float = 0.0
+    by_tier: tuple[tuple[str, int], ...] = ()  # blocks read back, per tier
 
 
 class KVTiers:
@@ -405,7 +408,8 @@ class KVTiers:
         return n
 
     def start_restore(self, req_id: str, items: list[tuple[bytes, tuple[int, ...]]]) -> None:
-        self._jobs.submit(req_id, _Restore(items, time.perf_counter(), threading.Event(), []))
+        self._jobs.submit(req_id, _Restore(items, time.perf_counter(), threading.Event(), [],
+                                           time.monotonic()))
 
     def restoring(self, req_id: str) -> bool:
         job = self._jobs.get(req_id)
@@ -413,11 +417,15 @@ class KVTiers:
 
     def take_restore(self, req_id: str) -> list[StoredBlock] | None:
         """The verified blocks of a finished restore job (consumed), None if none finished."""
+        job = self.take_restore_job(req_id)
+        return None if job is None else job.blocks
+
+    def take_restore_job(self, req_id: str) -> _Restore | None:
+        """``take_restore`` with the job's timing and blocks per tier."""
         job = self._jobs.finished(req_id)
-        if job is None:
-            return None
-        self._jobs.cancel(req_id)
-        return job.blocks
+        if job is not None:
+            self._jobs.cancel(req_id)
+        return job
 
     def cancel(self, req_id: str) -> None:
         """Forget a request's restore (its result, if it comes, is dropped)."""
@@ -440,6 +448,9 @@ class KVTiers:
         return bad
 
     def _run_restore(self, job: _Restore) -> None:
+        # Only this thread reads the tiers in this process (restore_now runs in TP worker
+        # ranks, other processes): the hits it adds are this job's.
+        before = dict(self.hits)
         try:
             for chain_hash, tokens in job.items:
                 blk = self._read_one(chain_hash, tokens)
@@ -449,6 +460,9 @@ class KVTiers:
         except Exception:  # noqa: BLE001 - a failed restore is a miss
             logger.exception("kv tiers: restore failed")
         dt = time.perf_counter() - job.started
+        job.seconds = dt
+        job.by_tier = tuple((t, n - before.get(t, 0)) for t, n in self.hits.items()
+                            if n > before.get(t, 0))
         self.restore_seconds += dt
         self.restore_hist[int(np.searchsorted(RESTORE_BUCKETS, dt))] += 1
         job.done.set()

@@ -413,6 +413,10 @@ class _Import:
     done: threading.Event = field(default_factory=threading.Event)
     blocks: list[StoredBlock] = field(default_factory=list)  # the verified prefix
     failed: str | None = None  # the fallback reason: nothing usable arrived
+    start_monotonic: float = 0.0
+    seconds: float = 0.0  # fetch + verify
+    nbytes: int = 0  # fetched
+    rejected: int = 0  # blocks refused (or missing)
 
 
 class KVTransfer:
@@ -535,7 +539,8 @@ class KVTransfer:
     # ---- decode side ----------------------------------------------------------------------
     def start_import(self, req_id: str, handle: TransferHandle,
                      expected: list[Expected]) -> None:
-        self._jobs.submit(req_id, _Import(handle, expected, time.perf_counter()))
+        self._jobs.submit(req_id, _Import(handle, expected, time.perf_counter(),
+                                          start_monotonic=time.monotonic()))
 
     def finished(self, req_id: str) -> _Import | None:
         """The request's import once it finished (``cancel`` consumes it), else None."""
@@ -557,6 +562,7 @@ class KVTransfer:
             logger.exception("kv transfer: import failed")
             job.failed, job.blocks = f"error:{type(e).__name__}", []
         dt = time.perf_counter() - job.started
+        job.seconds = dt
         with self._lock:
             self.latency_seconds += dt
             self.latency_hist[int(np.searchsorted(LATENCY_BUCKETS, dt))] += 1
@@ -580,17 +586,20 @@ class KVTransfer:
             job.failed = e.reason
             logger.warning("kv transfer %s: fetch failed (%s); prefill locally", h.transfer_id, e)
             return
+        job.nbytes = sum(map(len, blobs))
         with self._lock:
             self.imported += 1
-            self.bytes_received += sum(map(len, blobs))
+            self.bytes_received += job.nbytes
         ok = True
         for i, e in enumerate(job.expected):
             if i >= len(blobs):
+                job.rejected += len(job.expected) - i
                 with self._lock:
                     self.rejected["missing"] += len(job.expected) - i
                 break
             res = block_store.verify(self.spec, blobs[i], e.chain_hash, e.token_ids)
             if isinstance(res, Rejected):
+                job.rejected += 1
                 with self._lock:
                     self.rejected[res.reason.value] += 1
                 logger.warning("kv transfer %s: block %d refused: %s %s", h.transfer_id, i,

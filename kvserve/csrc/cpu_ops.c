@@ -13,6 +13,8 @@
  *                     (twin: kvserve.layers.q8_embedding.Q8Embedding's torch path)
  *   kvs_rotate_heads  every head of every row times the KV rotation R (or R^T) of the
  *                     rotated 8-bit KV modes (twin: kvserve.kernels.reference.rotate_heads)
+ *   kvs_concat_cols   up to 4 row-major parts side by side (a GGUF fused module whose shards
+ *                     differ in type; twin: torch.cat(parts, dim=-1))
  *
  * Rows are independent (batch invariant): each row runs the same instructions whatever the
  * number of rows. Tests: tests/layers/test_cpu_ops.py (against the twins, native and portable
@@ -203,6 +205,23 @@ void kvs_rotate_heads(const float *x, int64_t T, int64_t ldx, int64_t H, int64_t
     }
 }
 
+/* y fp32 [T, n0 + n1 + n2 + n3] = the parts side by side; part i fp32 [T, ni], rows ldi floats
+ * apart (ni == 0: unused, its pointer may be NULL). */
+void kvs_concat_cols(float *y, int64_t T, const float *a0, int64_t ld0, int64_t n0,
+                     const float *a1, int64_t ld1, int64_t n1, const float *a2, int64_t ld2,
+                     int64_t n2, const float *a3, int64_t ld3, int64_t n3) {
+    const float *a[4] = {a0, a1, a2, a3};
+    const int64_t ld[4] = {ld0, ld1, ld2, ld3}, n[4] = {n0, n1, n2, n3};
+    const int64_t N = n0 + n1 + n2 + n3;
+    for (int64_t t = 0; t < T; t++) {
+        float *o = y + t * N;
+        for (int i = 0; i < 4; i++) {
+            if (n[i]) memcpy(o, a[i] + t * ld[i], sizeof(float) * (size_t)n[i]);
+            o += n[i];
+        }
+    }
+}
+
 /* ---- recorded-graph adapters (kvs_op.h) ------------------------------------------------ */
 int kvs_gather_q8_op(const int64_t *a) {
     return kvs_gather_q8(OP_P(0), OP_P(1), (int)a[2], a[3], a[4], OP_P(5), a[6], OP_P(7));
@@ -231,5 +250,11 @@ int kvs_gather_rows_op(const int64_t *a) {
 
 int kvs_rotate_heads_op(const int64_t *a) {
     kvs_rotate_heads(OP_P(0), a[1], a[2], a[3], a[4], OP_P(5), OP_P(6), (int)a[7]);
+    return 0;
+}
+
+int kvs_concat_cols_op(const int64_t *a) {
+    kvs_concat_cols(OP_P(0), a[1], OP_P(2), a[3], a[4], OP_P(5), a[6], a[7], OP_P(8), a[9], a[10],
+                    OP_P(11), a[12], a[13]);
     return 0;
 }

@@ -12,9 +12,10 @@
  *   Q6_K  w = d sc_h (u - 32)       per 16 (h): T = sum_h sc_h (I_h - 32 qs_h); y += d sum dx T
  *
  * with u the unsigned code, I = sum_k u[k] q[k] over the block (or half-block h) and qs / qs_h
- * the sums of the activation's int8 q. Every T is an exact integer below 2^24 (so its fp32
- * conversion is exact): results equal dequant(W) . dequant(quant(x)) up to the order of fp32
- * additions. Twin: kvserve.kernels.reference.kq_matmul; tests/quant/test_kq.py sweeps types,
+ * the sums of the activation's int8 q. The integer part of every T (I - c qs) is exact and
+ * below 2^24 (so its fp32 conversion is exact); the sub-scales sc join dx as one float factor
+ * (sc dx). Results equal dequant(W) . dequant(quant(x)) up to fp32 rounding of the products
+ * and sums. Twin: kvserve.kernels.reference.kq_matmul; tests/quant/test_kq.py sweeps types,
  * shapes and ISA builds against it (and its dequantization against gguf.quants).
  *
  * Layout (kvserve.quant.kq packs it): per tile of 16 output rows, per super-block (sb = 8
@@ -173,15 +174,18 @@ static inline __attribute__((always_inline)) void pass_vnni(
                         }
                     }
                 }
-                /* T (exact int32) -> fa += dx T */
+                /* T (exact int32) -> fa += (sc dx) T: the sub-scale joins dx as a float (a
+                 * vpmulld would cost 2 uops and 10 cycles of latency on port 0, beside the
+                 * dpbusd) */
                 for (int j = 0; j < VT; j++) {
                     const uint8_t *blk = wt[j] + s * sbb + hb + bi * bb;
-                    __m512i sc = _mm512_setzero_si512();
+                    __m512 sc = _mm512_set1_ps(1.0f);
                     if (subsc == 1)
-                        sc = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)blk));
+                        sc = _mm512_cvtepi32_ps(
+                            _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)blk)));
                     else if (subsc == 2)
-                        sc = _mm512_cvtepi8_epi32(
-                            _mm_loadu_si128((const __m128i *)(blk + 16 * seg)));
+                        sc = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
+                            _mm_loadu_si128((const __m128i *)(blk + 16 * seg))));
                     for (int i = 0; i < vm; i++) {
                         __m512i T = a[j][i];
                         if (zero) {
@@ -189,9 +193,9 @@ static inline __attribute__((always_inline)) void pass_vnni(
                                 ? qsr[i][2 * b + seg] : qsr[i][2 * b] + qsr[i][2 * b + 1];
                             T = _mm512_sub_epi32(T, _mm512_set1_epi32(zero * qsum));
                         }
-                        if (subsc) T = _mm512_mullo_epi32(T, sc);
-                        fa[j][i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(T),
-                                                   _mm512_set1_ps(dxr[i][b]), fa[j][i]);
+                        const __m512 d = subsc ? _mm512_mul_ps(sc, _mm512_set1_ps(dxr[i][b]))
+                                               : _mm512_set1_ps(dxr[i][b]);
+                        fa[j][i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(T), d, fa[j][i]);
                     }
                 }
             }
@@ -338,12 +342,13 @@ static inline __attribute__((always_inline)) void pass_avx2(
                             _mm256_maddubs_epi16(w1, _mm256_set1_epi32(v1)), ones));
                     }
                 }
-                __m256i sc = _mm256_setzero_si256();
+                __m256 sc = _mm256_set1_ps(1.0f); /* the sub-scale joins dx (no vpmulld) */
                 if (subsc == 1)
-                    sc = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(blk + 8 * hh)));
+                    sc = _mm256_cvtepi32_ps(
+                        _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(blk + 8 * hh))));
                 else if (subsc == 2)
-                    sc = _mm256_cvtepi8_epi32(
-                        _mm_loadl_epi64((const __m128i *)(blk + 16 * seg + 8 * hh)));
+                    sc = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(
+                        _mm_loadl_epi64((const __m128i *)(blk + 16 * seg + 8 * hh))));
                 for (int mm = 0; mm < mt; mm++) {
                     __m256i T = a[mm];
                     if (zero) {
@@ -351,9 +356,9 @@ static inline __attribute__((always_inline)) void pass_avx2(
                             : qs[mm * 2 * nb + 2 * b] + qs[mm * 2 * nb + 2 * b + 1];
                         T = _mm256_sub_epi32(T, _mm256_set1_epi32(zero * qsum));
                     }
-                    if (subsc) T = _mm256_mullo_epi32(T, sc);
-                    fa[mm] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(T),
-                                             _mm256_set1_ps(dx[mm * nb + b]), fa[mm]);
+                    const __m256 d = subsc ? _mm256_mul_ps(sc, _mm256_set1_ps(dx[mm * nb + b]))
+                                           : _mm256_set1_ps(dx[mm * nb + b]);
+                    fa[mm] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(T), d, fa[mm]);
                 }
             }
             for (int mm = 0; mm < mt; mm++) {

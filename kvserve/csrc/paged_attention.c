@@ -140,9 +140,15 @@ typedef struct {
     const int8_t *codes;    /* INT8 log-scale codes; NULL unless INT8 */
     int dtype, bs, H, G, D;
     float sm_scale, factor;
+    int window; /* > 0: a row of length len attends only [len - window, len) */
     size_t row_bytes, comp_bytes, block_bytes, comp_scales;
     size_t ldq; /* floats between consecutive query rows */
 } Geo;
+
+/* First token row ``len`` attends: 0, or len - window on a sliding-window layer. */
+static inline int row_lo(const Geo *g, int64_t len) {
+    return g->window > 0 && len > g->window ? (int)(len - g->window) : 0;
+}
 
 /* Per-thread scratch, sized for the call (bs8 = bs rounded up to 8). */
 typedef struct {
@@ -157,9 +163,10 @@ typedef struct {
 static void job_scalar(const Geo *g, const float *qs, const int64_t *table, int len, int h,
                        float *os, Scratch *w) {
     const int G = g->G, D = g->D, bs = g->bs, H = g->H;
+    const int lo = row_lo(g, len);
     float *scores = w->s, *row = w->kw, *acc = w->acc, *mx = w->mx, *sum = w->sum;
     for (int j = 0; j < G; j++) mx[j] = -INFINITY;
-    for (int t = 0; t < len; t++) {
+    for (int t = lo; t < len; t++) {
         int64_t blk = table[t / bs];
         int off = t % bs;
         const uint8_t *base = g->kv + blk * g->block_bytes;
@@ -178,14 +185,14 @@ static void job_scalar(const Geo *g, const float *qs, const int64_t *table, int 
         }
     }
     for (int j = 0; j < G; j++) sum[j] = 0.f;
-    for (int t = 0; t < len; t++)
+    for (int t = lo; t < len; t++)
         for (int j = 0; j < G; j++) {
             float e = expf(scores[(size_t)t * G + j] - mx[j]);
             scores[(size_t)t * G + j] = e;
             sum[j] += e;
         }
     memset(acc, 0, sizeof(float) * (size_t)G * D);
-    for (int t = 0; t < len; t++) {
+    for (int t = lo; t < len; t++) {
         int64_t blk = table[t / bs];
         int off = t % bs;
         const uint8_t *base = g->kv + blk * g->block_bytes + g->comp_bytes;
@@ -317,10 +324,14 @@ static inline __attribute__((always_inline)) void job_avx2(
     float *mx = w->mx, *sum = w->sum;
     for (int x = 0; x < X; x++) { mx[x] = -INFINITY; sum[x] = 0.f; }
     memset(w->acc, 0, sizeof(float) * (size_t)X * D);
-    int len = 0;
-    for (int r = 0; r < R; r++) len = lens[r] > len ? (int)lens[r] : len;
+    int len = 0, lo0 = row_lo(g, lens[0]);
+    for (int r = 0; r < R; r++) {
+        len = lens[r] > len ? (int)lens[r] : len;
+        lo0 = row_lo(g, lens[r]) < lo0 ? row_lo(g, lens[r]) : lo0;
+    }
     const int nblk = (len + bs - 1) / bs;
-    for (int b = 0; b < nblk; b++) {
+    /* sliding window: blocks wholly before every row's window are never read */
+    for (int b = lo0 / bs; b < nblk; b++) {
         const int64_t blk = table[b];
         const int nt = len - b * bs < bs ? len - b * bs : bs;
         const uint8_t *kbase = g->kv + blk * g->block_bytes;
@@ -354,7 +365,9 @@ static inline __attribute__((always_inline)) void job_avx2(
             const int hh = x / RG, r = (x / G) % R, j = x % G;
             /* tokens of this block the row may see (causal): [0, ntr) */
             const int ntr = (int)lens[r] - b * bs < nt ? (int)lens[r] - b * bs : nt;
-            if (ntr <= 0) continue;
+            /* ... and not before its window: tokens [lo, ntr) of the block */
+            const int lo = row_lo(g, lens[r]) - b * bs;
+            if (ntr <= 0 || lo >= ntr) continue;
             const float *qg = q0 + (size_t)r * g->ldq + ((size_t)hh * G + j) * D;
             const float *kh = w->kw + (size_t)hh * D, *vh = w->vw + (size_t)hh * D;
             const float *ksh = w->ks + hh, *vsh = w->vs + hh; /* stride nh */
@@ -374,7 +387,7 @@ static inline __attribute__((always_inline)) void job_avx2(
             }
             float m = mx[x];
             for (int i = 0; i < ntr; i++) {
-                sj[i] *= ksh[(size_t)i * nh];
+                sj[i] = i < lo ? -INFINITY : sj[i] * ksh[(size_t)i * nh];
                 if (sj[i] > m) m = sj[i];
             }
             /* online softmax: rescale what was accumulated under the old max */
@@ -548,7 +561,7 @@ static inline __attribute__((always_inline)) void softmax_step(
  * tokens), so a row's result does not depend on which path ran (tested exactly). */
 static inline __attribute__((always_inline)) void direct_block(
     const Geo *g, const int dtype, const int GG, const float *q0, const uint8_t *kbase,
-    const uint8_t *nx, int h0, int nh, int ntr, int bs16, Scratch *w) {
+    const uint8_t *nx, int h0, int nh, int ntr, int lo, int bs16, Scratch *w) {
     const int H = g->H, es = elem_size(dtype);
     const size_t rb = g->row_bytes;
     for (int hh = 0; hh < nh; hh++) {
@@ -583,8 +596,8 @@ static inline __attribute__((always_inline)) void direct_block(
                     part[j][u] = acc;
                 }
             }
-            const __mmask16 live = n16 >= 16 ? (__mmask16)0xFFFF
-                                             : (__mmask16)((1u << n16) - 1u);
+            __mmask16 live = n16 >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << n16) - 1u);
+            if (lo > i0) live &= lo - i0 >= 16 ? 0 : (__mmask16)(0xFFFFu << (lo - i0));
             for (int j = 0; j < GG; j++) {
                 const __m512 sc = _mm512_mask_mul_ps(_mm512_set1_ps(-INFINITY), live,
                                                      hsum16x16(part[j]),
@@ -630,12 +643,16 @@ static inline __attribute__((always_inline)) void job_avx512(
     float *mx = w->mx, *sum = w->sum;
     for (int x = 0; x < X; x++) { mx[x] = -INFINITY; sum[x] = 0.f; }
     memset(w->acc, 0, sizeof(float) * (size_t)X * D);
-    int len = 0;
-    for (int r = 0; r < R; r++) len = lens[r] > len ? (int)lens[r] : len;
+    int len = 0, lo0 = row_lo(g, lens[0]);
+    for (int r = 0; r < R; r++) {
+        len = lens[r] > len ? (int)lens[r] : len;
+        lo0 = row_lo(g, lens[r]) < lo0 ? row_lo(g, lens[r]) : lo0;
+    }
     const int nblk = (len + bs - 1) / bs;
+    /* sliding window: blocks wholly before every row's window are never read */
     /* decode rows of 64-wide heads: K / V widened in registers, no staging tile */
     const int direct = R == 1 && D == 64 && G <= 4;
-    for (int b = 0; b < nblk; b++) {
+    for (int b = lo0 / bs; b < nblk; b++) {
         const int64_t blk = table[b];
         const int nt = len - b * bs < bs ? len - b * bs : bs;
         const uint8_t *kbase = g->kv + blk * g->block_bytes;
@@ -661,11 +678,12 @@ static inline __attribute__((always_inline)) void job_avx512(
             for (int i = nt; i < bs16; i++) { ks[i] = 0.f; vs[i] = 0.f; }
         }
         if (direct) {
+            const int dlo = row_lo(g, lens[0]) - b * bs; /* window start in this block */
             switch (G) { /* literal GG: one specialized copy each */
-            case 1: direct_block(g, dtype, 1, q0, kbase, nx, h0, nh, nt, bs16, w); break;
-            case 2: direct_block(g, dtype, 2, q0, kbase, nx, h0, nh, nt, bs16, w); break;
-            case 3: direct_block(g, dtype, 3, q0, kbase, nx, h0, nh, nt, bs16, w); break;
-            default: direct_block(g, dtype, 4, q0, kbase, nx, h0, nh, nt, bs16, w); break;
+            case 1: direct_block(g, dtype, 1, q0, kbase, nx, h0, nh, nt, dlo, bs16, w); break;
+            case 2: direct_block(g, dtype, 2, q0, kbase, nx, h0, nh, nt, dlo, bs16, w); break;
+            case 3: direct_block(g, dtype, 3, q0, kbase, nx, h0, nh, nt, dlo, bs16, w); break;
+            default: direct_block(g, dtype, 4, q0, kbase, nx, h0, nh, nt, dlo, bs16, w); break;
             }
             continue;
         }
@@ -695,7 +713,9 @@ static inline __attribute__((always_inline)) void job_avx512(
             const int hh = x / RG, r = (x / G) % R, j = x % G;
             /* tokens of this block the row may see (causal): [0, ntr) */
             const int ntr = (int)lens[r] - b * bs < nt ? (int)lens[r] - b * bs : nt;
-            if (ntr <= 0) continue;
+            /* ... and not before its window: tokens [lo, ntr) of the block */
+            const int lo = row_lo(g, lens[r]) - b * bs;
+            if (ntr <= 0 || lo >= ntr) continue;
             const float *qg = q0 + (size_t)r * g->ldq + ((size_t)hh * G + j) * D;
             const float *kh = w->kw + (size_t)hh * D, *vh = w->vw + (size_t)hh * D;
             const float *ksh = w->ks + (size_t)hh * bs16, *vsh = w->vs + (size_t)hh * bs16;
@@ -712,8 +732,9 @@ static inline __attribute__((always_inline)) void job_avx512(
                         a[u] = _mm512_fmadd_ps(qv, _mm512_loadu_ps(kt + (size_t)u * ld + c), a[u]);
                 }
                 const int left = ntr - i0;
-                const __mmask16 live = left >= 16 ? (__mmask16)0xFFFF
-                                                  : (__mmask16)((1u << left) - 1u);
+                __mmask16 live = left >= 16 ? (__mmask16)0xFFFF
+                                            : (__mmask16)((1u << left) - 1u);
+                if (lo > i0) live &= lo - i0 >= 16 ? 0 : (__mmask16)(0xFFFFu << (lo - i0));
                 const __m512 sc = _mm512_mask_mul_ps(_mm512_set1_ps(-INFINITY), live,
                                                      hsum16x16(a), _mm512_loadu_ps(ksh + i0));
                 _mm512_storeu_ps(sj + i0, sc);
@@ -784,7 +805,8 @@ int kvs_attention_simd(void) {
 void kvs_paged_attention(const void *kv, const void *scales, int dtype, const float *q,
                          int64_t ldq, const int64_t *block_tables, const int64_t *row_seq,
                          const int64_t *lens, int n, int max_blocks, int bs, int H, int G,
-                         int D, float sm_scale, int num_threads, int force_scalar, float *out) {
+                         int D, float sm_scale, int num_threads, int force_scalar, float *out,
+                         int window) {
     Geo g;
     g.kv = (const uint8_t *)kv;
     log8_init();
@@ -796,6 +818,7 @@ void kvs_paged_attention(const void *kv, const void *scales, int dtype, const fl
     g.G = G;
     g.D = D;
     g.sm_scale = sm_scale;
+    g.window = window;
     g.ldq = (size_t)ldq;
     g.factor = dtype_factor(dtype);
     g.row_bytes = (size_t)D * elem_size(dtype);
@@ -1028,6 +1051,6 @@ int kvs_write_kv_op(const int64_t *a) {
 int kvs_paged_attention_op(const int64_t *a) {
     kvs_paged_attention(OP_P(0), OP_P(1), (int)a[2], OP_P(3), a[4], OP_P(5), OP_P(6), OP_P(7),
                         (int)a[8], (int)a[9], (int)a[10], (int)a[11], (int)a[12], (int)a[13],
-                        OP_F(14), (int)a[15], (int)a[16], OP_P(17));
+                        OP_F(14), (int)a[15], (int)a[16], OP_P(17), (int)a[18]);
     return 0;
 }

@@ -28,8 +28,8 @@
  * same vectors meet in the same order), so packing changes no result.
  *
  * BF16 dot products (builds with AVX512-BF16, i.e. -march=native on Zen 4+ / Cooper Lake /
- * Sapphire Rapids+, or cbuild's "bf16" variant): bf16 weights (kind 0) times a GEMM of
- * M >= bf16_rows rows (the caller's threshold; 0 = never) take vdpbf16ps instead -- x is
+ * Sapphire Rapids+, or cbuild's "bf16" variant): bf16 weights (kind 0, row-major or packed:
+ * the same sums bit for bit, see btile) times a GEMM of M >= bf16_rows rows (the caller's threshold; 0 = never) take vdpbf16ps instead -- x is
  * rounded to bf16 (round to nearest even, subnormals to zero) once per call, and every 32
  * columns add pairs of exact bf16 x bf16 products into fp32 lanes. Chosen at run time: the
  * caller passes bf16_rows from the CPU's flags and the kernel also checks the CPU itself
@@ -244,21 +244,43 @@ static void bf16_row(const float *x, int64_t K, int64_t Kp, uint16_t *out) {
 }
 
 /* One register tile of bf16 dot products: x rows (bf16, zero-padded to a multiple of 32)
- * against NR bf16 weight rows. */
+ * against NR bf16 weight rows, row-major (ws = 1: row j at w[j]) or packed (ws = NR: row j's
+ * PK = 16 columns from k at w[j] + k * NR, the tile one stream). A packed row's 32 columns of a
+ * step are its two 16-column pieces, NR * PK apart, joined into one vector: the same values
+ * in the same lanes as the row-major load, so both layouts compute the same sums bit for bit
+ * (a K % 32 == 16 tail: the first piece, the upper half zero, as the row-major masked load). */
 static inline __attribute__((always_inline)) void btile(
     const uint16_t *const *x, int mr, const uint16_t *const *w, int64_t K, int64_t pf,
-    float out[MR][NR]) {
+    const int64_t ws, float out[MR][NR]) {
     vec acc[MR][NR];
     for (int i = 0; i < mr; i++)
         for (int j = 0; j < NR; j++) acc[i][j] = vzero();
     const int64_t kv = K - K % 32;
     for (int64_t k = 0; k < K; k += 32) {
-        /* the last K % 32 columns: weights loaded masked (x is zero-padded already) */
-        const __mmask32 mk = k < kv ? ~(__mmask32)0 : (__mmask32)((1u << (K - k)) - 1);
         __m512i wv[NR];
-        for (int j = 0; j < NR; j++) {
-            _mm_prefetch((const char *)(w[j] + k + pf), _MM_HINT_T0);
-            wv[j] = k < kv ? _mm512_loadu_si512(w[j] + k) : _mm512_maskz_loadu_epi16(mk, w[j] + k);
+        if (ws != 1) { /* packed: NR * 32 * 2 bytes of the one stream per step */
+            const char *p = (const char *)(w[0] + k * ws) + 2 * PF_PACKED;
+            _mm_prefetch(p, _MM_HINT_T0);
+            _mm_prefetch(p + 64, _MM_HINT_T0);
+            _mm_prefetch(p + 128, _MM_HINT_T0);
+            _mm_prefetch(p + 192, _MM_HINT_T0);
+            for (int j = 0; j < NR; j++) {
+                const __m256i lo = _mm256_loadu_si256((const __m256i *)(w[j] + k * ws));
+                wv[j] = k < kv ? _mm512_inserti64x4(
+                                     _mm512_castsi256_si512(lo),
+                                     _mm256_loadu_si256((const __m256i *)(w[j] + (k + 16) * ws)),
+                                     1)
+                               : _mm512_inserti64x4(_mm512_castsi256_si512(lo),
+                                                    _mm256_setzero_si256(), 1);
+            }
+        } else {
+            /* the last K % 32 columns: weights loaded masked (x is zero-padded already) */
+            const __mmask32 mk = k < kv ? ~(__mmask32)0 : (__mmask32)((1u << (K - k)) - 1);
+            for (int j = 0; j < NR; j++) {
+                _mm_prefetch((const char *)(w[j] + k + pf), _MM_HINT_T0);
+                wv[j] = k < kv ? _mm512_loadu_si512(w[j] + k)
+                               : _mm512_maskz_loadu_epi16(mk, w[j] + k);
+            }
         }
         for (int i = 0; i < mr; i++) {
             const __m512bh xv = (__m512bh)_mm512_loadu_si512(x[i] + k);
@@ -271,20 +293,26 @@ static inline __attribute__((always_inline)) void btile(
 }
 
 static void btile_dispatch(const uint16_t *const *x, int mr, const uint16_t *const *w,
-                           int64_t K, int64_t pf, float out[MR][NR]) {
+                           int64_t K, int64_t pf, int packed, float out[MR][NR]) {
+#define KVS_BTILE(MRV)                                                         \
+    if (packed)                                                                \
+        btile(x, MRV, w, K, pf, NR, out);                                      \
+    else                                                                       \
+        btile(x, MRV, w, K, pf, 1, out);
     switch (mr) {
-    case 4: btile(x, 4, w, K, pf, out); break;
-    case 3: btile(x, 3, w, K, pf, out); break;
-    case 2: btile(x, 2, w, K, pf, out); break;
-    default: btile(x, 1, w, K, pf, out); break;
+    case 4: KVS_BTILE(4) break;
+    case 3: KVS_BTILE(3) break;
+    case 2: KVS_BTILE(2) break;
+    default: KVS_BTILE(1) break;
     }
+#undef KVS_BTILE
 }
 
 /* the bf16-dot GEMM (same tiling and chunking as kvs_w16_gemm); 1 when x's bf16 copy could
  * not be allocated */
 static int w16_gemm_bf16_dot(const float *x, int64_t M, int64_t K, int64_t ldx,
                              const uint16_t *w, int64_t N, int64_t ldw, int num_threads,
-                             float *y, int64_t ldy) {
+                             float *y, int64_t ldy, int packed) {
     const int64_t Kp = (K + 31) / 32 * 32;
     uint16_t *xb = malloc(sizeof(uint16_t) * (size_t)(M * Kp));
     if (xb == NULL) return 1;
@@ -304,7 +332,9 @@ static int w16_gemm_bf16_dot(const float *x, int64_t M, int64_t K, int64_t ldx,
                 for (int j = 0; j < NR; j++) {
                     int64_t n = t * NR + j;
                     if (n >= N) n = N - 1; /* alias the last row; its result is dropped */
-                    wr[j] = w + n * ldw;
+                    /* packed: row j's first 16 columns (PK == VL == 16 in every build with
+                     * this path); its next ones follow NR * 16 apart */
+                    wr[j] = packed ? w + t * NR * K + j * 16 : w + n * ldw;
                 }
                 const int nr = N - t * NR < NR ? (int)(N - t * NR) : NR;
                 for (int64_t m0 = c0; m0 < c1; m0 += MR) {
@@ -312,7 +342,7 @@ static int w16_gemm_bf16_dot(const float *x, int64_t M, int64_t K, int64_t ldx,
                     const uint16_t *xr[MR];
                     for (int i = 0; i < MR; i++) xr[i] = xb + (m0 + (i < mr ? i : 0)) * Kp;
                     float out[MR][NR];
-                    btile_dispatch(xr, mr, wr, K, pf, out);
+                    btile_dispatch(xr, mr, wr, K, pf, packed, out);
                     for (int i = 0; i < mr; i++)
                         memcpy(y + (m0 + i) * ldy + t * NR, out[i], sizeof(float) * nr);
                 }
@@ -385,8 +415,8 @@ static void widen_row(const uint16_t *w, int64_t K, int kind, int64_t pf, float 
 }
 
 /* x fp32 [M, K] (row stride ldx), w 16-bit [N, K] (row stride ldw) or, packed, this build's
- * tiles (kvs_w16_packing; ldw unused), y fp32 [M, N] (row stride ldy); row-major bf16 weights
- * and M >= bf16_rows > 0 take the bf16 dot products where the build and the CPU have them.
+ * tiles (kvs_w16_packing; ldw unused), y fp32 [M, N] (row stride ldy); bf16 weights (either
+ * layout) and M >= bf16_rows > 0 take the bf16 dot products where the build and the CPU have them.
  * Returns 0, 1 when scratch memory could not be allocated (y is then incomplete), or 2 (nothing
  * done) for packed weights with K % PK != 0. */
 int kvs_w16_gemm(const float *x, int64_t M, int64_t K, int64_t ldx, const uint16_t *w,
@@ -394,8 +424,8 @@ int kvs_w16_gemm(const float *x, int64_t M, int64_t K, int64_t ldx, const uint16
                  int64_t bf16_rows, int packed) {
     if (packed && K % PK) return 2;
 #ifdef KVS_BF16_DOT
-    if (!packed && kind == 0 && bf16_rows > 0 && M >= bf16_rows && kvs_w16_bf16_dot())
-        return w16_gemm_bf16_dot(x, M, K, ldx, w, N, ldw, num_threads, y, ldy);
+    if (kind == 0 && bf16_rows > 0 && M >= bf16_rows && kvs_w16_bf16_dot())
+        return w16_gemm_bf16_dot(x, M, K, ldx, w, N, ldw, num_threads, y, ldy, packed);
 #else
     (void)bf16_rows;
 #endif

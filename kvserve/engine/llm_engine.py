@@ -13,6 +13,8 @@ sizing, wiring) is ``kvserve.engine.builder``.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -24,7 +26,12 @@ from kvserve.engine.input_processor import PromptType, check_prompt_room, tokeni
 from kvserve.engine.output_processor import OutputProcessor
 from kvserve.engine.runner_output import ModelRunnerOutput
 from kvserve.engine.scheduler import ScheduledRequest, SchedulerOutput
-from kvserve.engine.stats import EngineStats
+from kvserve.engine.stats import (
+    ITERATION_TOKEN_BOUNDS,
+    BucketCounts,
+    EngineStats,
+    SpecDecodeCounters,
+)
 from kvserve.engine.worker import DEFAULT_MAX_KV_BYTES  # noqa: F401 - re-exported
 from kvserve.layers.grammar import GrammarCompiler
 from kvserve.outputs import RequestOutput
@@ -58,6 +65,16 @@ class LLMEngine:
                                         self.model_config.eos_token_ids)
         self.counters = {"prompt_tokens": 0, "generation_tokens": 0, "steps": 0,
                          "finished": 0, "aborted": 0}
+        self.iteration_tokens = BucketCounts(ITERATION_TOKEN_BOUNDS)  # tokens per step
+        # Hooks for the metrics: speculative decoding records its drafts here (None: off);
+        # LoRA serving sets ``lora_info`` to a callable giving EngineStats.lora (None: off).
+        self.spec_decode: SpecDecodeCounters | None = None
+        self.lora_info: Callable[[], dict[str, Any]] | None = None
+        cc = self.cache_config
+        self._cache_info = {"block_size": str(cc.block_size),
+                            "num_gpu_blocks": str(self.pool.num_blocks),
+                            "cache_dtype": str(self.kv_mode),
+                            "enable_prefix_caching": str(cc.enable_prefix_caching)}
         # Test / drill / benchmark hooks (fault injection, leak checks, schedule observer)
         self.debug = EngineDebug(self.executor, self.pool, self.integrity, self.fingerprint,
                                  self.output_processor)
@@ -214,6 +231,7 @@ class LLMEngine:
             self.debug.on_schedule(sched, len(self.scheduler.running))
         out = self.runner.execute_model(sched)
         self.counters["steps"] += 1
+        self.iteration_tokens.observe(sum(x.num_new_tokens for x in sched.scheduled))
         sampled = self.scheduler.update_from_output(sched, out, self.output_processor)
         if self.integrity is not None:
             self.integrity.end_step()
@@ -248,13 +266,18 @@ class LLMEngine:
             num_running=len(sched.running), num_waiting=len(sched.waiting),
             num_prefilling=prefilling + len(sched.waiting),
             num_blocks_total=pool.num_blocks, num_blocks_used=pool.num_used_blocks,
-            num_blocks_free=pool.num_free_blocks, prefix_cache_hit_rate=float(self.kv.hit_rate),
+            num_blocks_free=pool.num_free_blocks, block_size=self.cache_config.block_size,
+            prefix_cache_hit_rate=float(self.kv.hit_rate),
             num_preemptions=self.scheduler.num_preemptions,
             num_unfinished_requests=self.get_num_unfinished_requests(),
-            counters=dict(self.counters),
+            counters={**self.counters, "prefix_cache_queries": self.kv.num_queried_tokens,
+                      "prefix_cache_hits": self.kv.num_hit_tokens},
+            iteration_tokens=self.iteration_tokens.copy(), cache_config=self._cache_info,
             integrity=self.integrity.stats() if self.integrity is not None else None,
             kv_tiers=self.kv.tiers.stats() if self.kv.tiers is not None else None,
             kv_transfer=self.kv.transfer.stats() if self.kv.transfer is not None else None,
+            spec_decode=self.spec_decode.as_dict() if self.spec_decode is not None else None,
+            lora=self.lora_info() if self.lora_info is not None else None,
             timestamp=time.monotonic(),
         )
 

@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Protocol
 
 from kvserve.cache.kv_cache_manager import EMPTY, KVCacheManager
 from kvserve.config import SchedulerConfig
-from kvserve.outputs import Logprobs
+from kvserve.outputs import KVMove, Logprobs
 from kvserve.request import Request, RequestStatus
 
 if TYPE_CHECKING:
@@ -219,7 +219,11 @@ class Scheduler:
                 and req.num_computed_tokens >= req.num_prompt_tokens):
             # prefill role: a decode engine continues it (a stop needs no continuation)
             try:
-                req.kv_handle = self.kv.export(req).to_dict()
+                t0 = time.monotonic()
+                handle = self.kv.export(req)
+                req.kv_handle = handle.to_dict()
+                req.metrics.kv_export = KVMove(t0, time.monotonic() - t0, handle.nbytes,
+                                               handle.num_blocks)
             except OSError:  # no handle: the caller continues without one (a full prefill)
                 logger.exception("kv transfer: export of %s failed", req.request_id)
         req.status = status
@@ -251,6 +255,7 @@ class Scheduler:
             first = min(hit)
             self.kv.truncate(req, first)
             req.num_computed_tokens = min(req.num_computed_tokens, first * bs)
+            req.metrics.integrity_repairs += 1
             rolled.append(req)
             logger.warning("integrity: request %s rolled back to token %d (recompute)",
                            req.request_id, first * bs)

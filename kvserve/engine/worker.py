@@ -127,7 +127,8 @@ class Worker:
         spec, args = self.spec, self.args
         backend = get_backend(args.attention_backend, self.kv_cache, spec.num_heads,
                               spec.num_kv_heads, spec.head_dim, spec.scale,
-                              self.config.model.max_model_len)
+                              self.config.model.max_model_len,
+                              layer_windows=spec.layer_windows)
         self.runner = ForwardRunner(self.model, backend, self.config.cache.block_size,
                                   spec.components, args.device,
                                   graphs=self._decode_graphs(backend))

@@ -70,28 +70,58 @@ def grammar_text(so: StructuredOutputsParams) -> str:
     return m.grammar_from_lark(so.grammar)
 
 
+_OPEN, _REASONING, _UNDECIDED = 0, 1, 2  # GrammarMatcher's reasoning gate
+
+
 class GrammarMatcher:
     """One sequence's grammar state (llguidance ``LLMatcher``); engine-side, lives on the
     ``Request``. Output tokens are never taken back (preemption recomputes the KV of tokens
-    already accepted), so the state only moves forward."""
+    already accepted), so the state only moves forward.
 
-    __slots__ = ("_m", "num_accepted")
+    A reasoning model's answer (``StructuredOutputsParams.reasoning_state``) passes a gate
+    first: while it reasons every token is allowed and none reaches the grammar; the token
+    after ``reasoning_end_token_id`` is the grammar's first. "undecided": the first token is
+    the start of a reasoning (``reasoning_start_token_id``) or the grammar's first token."""
 
-    def __init__(self, matcher) -> None:
+    __slots__ = ("_m", "num_accepted", "_gate", "_start", "_end")
+
+    def __init__(self, matcher, so: StructuredOutputsParams | None = None) -> None:
         self._m = matcher
         self.num_accepted = 0
+        state = so.reasoning_state if so is not None else None
+        self._gate = {None: _OPEN, "reasoning": _REASONING, "undecided": _UNDECIDED}[state]
+        self._start = so.reasoning_start_token_id if so is not None else None
+        self._end = so.reasoning_end_token_id if so is not None else None
+
+    @property
+    def reasoning(self) -> bool:
+        """Still before the grammar (reasoning, or not yet decided)."""
+        return self._gate != _OPEN
 
     def fill_bitmask(self, words: np.ndarray) -> bool:
         """Write the allowed next tokens into ``words`` (int32 [ceil(V / 32)], contiguous).
         False: a dead end (no token allowed, or the matcher is in an error state)."""
+        if self._gate == _REASONING:
+            words.fill(-1)  # every token (bits past the vocabulary are never drawn)
+            return True
         if self._m.is_error():
             words.fill(0)
             return False
         self._m.unsafe_compute_mask_ptr(words.ctypes.data, words.nbytes)
+        if self._gate == _UNDECIDED:
+            assert self._start is not None
+            words.view(np.uint32)[self._start >> 5] |= np.uint32(1 << (self._start & 31))
+            return True
         return not self._m.is_error() and bool(words.any())
 
     def accept(self, token: int) -> bool:
         """Advance with a sampled token; False if the grammar does not allow it."""
+        if self._gate == _UNDECIDED:
+            self._gate = _REASONING if token == self._start else _OPEN
+        if self._gate == _REASONING:
+            if token == self._end:
+                self._gate = _OPEN
+            return True
         ok = self._m.consume_token(token)
         if ok:
             self.num_accepted += 1
@@ -100,7 +130,7 @@ class GrammarMatcher:
     @property
     def is_terminated(self) -> bool:
         """The grammar has ended (only EOS could follow)."""
-        return bool(self._m.is_stopped())
+        return self._gate == _OPEN and bool(self._m.is_stopped())
 
     @property
     def error(self) -> str | None:
@@ -174,4 +204,4 @@ class GrammarCompiler:
 
     def matcher(self, so: StructuredOutputsParams) -> GrammarMatcher:
         """A fresh matcher for one sequence."""
-        return GrammarMatcher(self.compile(so).deep_copy())
+        return GrammarMatcher(self.compile(so).deep_copy(), so)

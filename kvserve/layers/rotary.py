@@ -9,8 +9,10 @@ from torch import nn
 from kvserve.kernels.cpu import cpu_ops
 
 
-def _rope_parameters(config) -> dict:
+def _rope_parameters(config, layer_type: str | None = None) -> dict:
     params = getattr(config, "rope_parameters", None) or {}
+    if layer_type is not None:  # per layer type (Gemma 3: sliding_attention / full_attention)
+        params = params[layer_type]
     if not params:  # transformers 4.x style
         scaling = getattr(config, "rope_scaling", None) or {}
         params = dict(scaling)
@@ -20,8 +22,9 @@ def _rope_parameters(config) -> dict:
     return params
 
 
-def compute_inv_freq(config, rotary_dim: int) -> tuple[torch.Tensor, float]:
-    params = _rope_parameters(config)
+def compute_inv_freq(config, rotary_dim: int, layer_type: str | None = None
+                     ) -> tuple[torch.Tensor, float]:
+    params = _rope_parameters(config, layer_type)
     rope_type = params["rope_type"]
     if rope_type == "default":
         base = params["rope_theta"]
@@ -31,7 +34,10 @@ def compute_inv_freq(config, rotary_dim: int) -> tuple[torch.Tensor, float]:
 
     if rope_type not in ROPE_INIT_FUNCTIONS:
         raise ValueError(f"unsupported rope_type {rope_type!r} (rope_parameters)")
-    inv, scaling = ROPE_INIT_FUNCTIONS[rope_type](config, "cpu")
+    if layer_type is not None:
+        inv, scaling = ROPE_INIT_FUNCTIONS[rope_type](config, "cpu", layer_type=layer_type)
+    else:
+        inv, scaling = ROPE_INIT_FUNCTIONS[rope_type](config, "cpu")
     return inv.float(), float(scaling)
 
 
@@ -41,9 +47,12 @@ class RotaryEmbedding(nn.Module):
     cos/sin tables [max_pos, rotary_dim/2] fp32 are built once; positions index into them.
     """
 
-    def __init__(self, config, rotary_dim: int, max_position: int, interleaved: bool = False):
+    def __init__(self, config, rotary_dim: int, max_position: int, interleaved: bool = False,
+                 layer_type: str | None = None):
+        """``layer_type``: the key of ``config.rope_parameters`` to use when a model keeps one
+        rope per kind of layer (Gemma 3's local and global layers)."""
         super().__init__()
-        inv_freq, scaling = compute_inv_freq(config, rotary_dim)
+        inv_freq, scaling = compute_inv_freq(config, rotary_dim, layer_type)
         t = torch.arange(max_position, dtype=torch.float)
         freqs = torch.outer(t, inv_freq)
         self.rotary_dim = rotary_dim

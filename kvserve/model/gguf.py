@@ -6,14 +6,13 @@
   plain ``config.json`` / ``tokenizer.json`` in milliseconds instead of re-parsing the file.
 * **Tensors** -> HF names through ``gguf``'s own tensor-name map for the architecture, then the
   model's per-parameter ``weight_loader`` as for safetensors (kvserve.model.sources.GGUFSource,
-  then kvserve.model.loader):
-    Q4_0 / Q4_1   kept packed: raw blocks go to the INT4 module (``Int4Scheme`` format "gguf",
-                  unpacked by ``kvserve.quant.int4.unpack_q4`` into the min form, no requantizing)
-                  when every shard of the fused module (q/k/v, gate/up) has that same type;
-                  else dequantized like the types below
-    F32/F16/BF16  as stored
-    other types   (Q8_0, K-quants, ...) dequantized by ``gguf.quants.dequantize`` to fp32, then
-                  cast to the compute dtype; one log line lists them
+  then kvserve.model.loader). How each ggml type loads is one table,
+  ``kvserve.layers.int4.gguf_types.GGML_TYPES``: F32 / F16 / BF16 as stored; packed types
+  (Q4_0, Q4_1, Q8_0, and what else is registered there) keep a linear module's raw blocks
+  (``GGUFLinear``, when every shard of the fused module is a packed type); every other tensor
+  is dequantized by ``gguf.quants.dequantize`` to fp32, then cast to the compute dtype. A type
+  gguf cannot read is a ValueError naming the type and the tensor. The start-up log names each
+  type, its count and its path, and the resident weight bytes against the file's.
 * **Rope permutation**: llama.cpp's converter permutes the rows of q_proj / k_proj of Llama and
   Mistral checkpoints (``LlamaModel.permute``: per head, the two rotary halves interleaved).
   Undone here on whole rows, which is exact for quantized rows too (a block never spans rows);
@@ -43,8 +42,8 @@ ARCHITECTURES: dict[str, tuple[str, bool]] = {
     "mistral": ("MistralForCausalLM", True),
     "qwen2": ("Qwen2ForCausalLM", False),
     "qwen3": ("Qwen3ForCausalLM", False),
+    "gemma3": ("Gemma3ForCausalLM", False),
 }
-PACKED_TYPES = ("Q4_0", "Q4_1")  # kept 4-bit
 AS_IS_TYPES = ("F32", "F16", "BF16")
 _CACHE_VERSION = "1"
 
@@ -82,10 +81,13 @@ class GGUFCheckpoint:
             raise ValueError(f"GGUF architecture {self.gguf_arch!r} ({path}) is not supported; "
                              f"supported: {', '.join(ARCHITECTURES)}")
         self.architecture, self.permuted_qk = ARCHITECTURES[self.gguf_arch]
-        unsupported = sorted({t.type for t in self.tensors.values()} - set(_dequantizable()))
-        if unsupported:
-            raise ValueError(f"{path}: tensor type(s) {', '.join(unsupported)} are not supported "
-                             "(gguf cannot dequantize them)")
+        from kvserve.layers.int4.gguf_types import path_of
+
+        for t in self.tensors.values():
+            try:
+                path_of(t.qtype, t.name)
+            except ValueError as e:
+                raise ValueError(f"{path}: {e}") from None
 
     # ---------------------------------------------------------------- metadata
 
@@ -102,11 +104,14 @@ class GGUFCheckpoint:
                     "into %s", os.path.basename(self.path), out)
         from transformers import AutoConfig, AutoTokenizer
 
+        register_with_transformers()
         folder, name = os.path.split(self.path)
         tmp = out + f".tmp{os.getpid()}"
         os.makedirs(tmp, exist_ok=True)
         try:
             config = AutoConfig.from_pretrained(folder, gguf_file=name)
+            if self.gguf_arch == "gemma3":
+                _gemma3_config(config, self.path)
             config.architectures = [self.architecture]
             config.dtype = self.compute_dtype_name()
             config.save_pretrained(tmp)
@@ -176,8 +181,10 @@ class GGUFCheckpoint:
     def iter_tensors(self, name_map: dict[str, str], packed: set[str], hf_config,
                      ) -> Iterator[tuple[str, torch.Tensor]]:
         """(HF name, tensor) for every mapped GGUF tensor. Names in ``packed`` (HF module
-        names whose weight stays 4-bit) come as ``<module>.gguf_blocks``: uint8
-        [out, blocks * block bytes] of raw blocks; everything else as a float tensor."""
+        names whose weight stays in the file's blocks) come as ``<module>.gguf_blocks``: uint8
+        [out, blocks * block bytes] of raw blocks; everything else as a float tensor.
+        ``self.paths`` then holds each GGUF tensor's path ("as stored", "packed",
+        "dequantized") for the start-up log."""
         from gguf.quants import dequantize
 
         unknown = sorted(n for n in self.tensors if n not in name_map
@@ -185,7 +192,7 @@ class GGUFCheckpoint:
         if unknown:
             raise ValueError(f"{self.path}: GGUF tensor(s) kvserve has no parameter for: "
                              f"{', '.join(unknown[:8])}" + (" ..." if len(unknown) > 8 else ""))
-        dequantized: Counter[str] = Counter()
+        self.paths: dict[str, str] = {}
         for gname, t in self.tensors.items():
             hf = name_map.get(gname)
             if hf is None:
@@ -197,23 +204,113 @@ class GGUFCheckpoint:
                 # reader's arrays map the file read-only
                 if perm is not None:
                     raw = raw.index_select(0, perm)
+                self.paths[gname] = "packed"
                 yield f"{module}.gguf_blocks", raw
                 continue
             if t.type in AS_IS_TYPES:
                 arr = np.array(t.data)  # a writable copy of the read-only mapping
                 tensor = torch.from_numpy(arr.view(np.uint16)).view(torch.bfloat16) \
                     if t.type == "BF16" else torch.from_numpy(arr)
+                self.paths[gname] = "as stored"
             else:
-                tensor = torch.from_numpy(dequantize(t.data, t.qtype))
-                dequantized[t.type] += 1
+                try:
+                    tensor = torch.from_numpy(dequantize(t.data, t.qtype))
+                except Exception as e:  # noqa: BLE001 - gguf raises several types
+                    raise ValueError(f"{self.path}: cannot dequantize GGUF tensor {gname!r} of "
+                                     f"ggml type {t.type}: {e}") from e
+                self.paths[gname] = "dequantized"
             tensor = tensor.reshape(t.shape)
+            if self.gguf_arch == "gemma3" and hf.endswith("norm.weight"):
+                tensor = tensor - 1  # llama.cpp stores Gemma's (1 + w); the checkpoint's w
             if perm is not None:
                 tensor = tensor.index_select(0, perm)
             yield hf, tensor
-        if dequantized:
-            logger.info("GGUF: dequantized %s tensor(s)%s",
-                        ", ".join(f"{n} {k}" for k, n in sorted(dequantized.items())),
-                        f"; {len(packed)} Q4_0 / Q4_1 weight(s) stay packed" if packed else "")
+
+    def tensor_bytes(self) -> int:
+        """Bytes of every tensor in the file (as stored)."""
+        return sum(int(np.asarray(t.data).nbytes) for t in self.tensors.values())
+
+    def log_types(self, resident: int, kept_q8: set[str] = frozenset()) -> None:
+        """The start-up log: each ggml type, its count and the path its tensors took (after
+        ``iter_tensors``), and resident weight bytes against the file's tensor bytes.
+        ``kept_q8``: GGUF names of Q8_0 tables kept 8-bit after loading."""
+        from kvserve.layers.int4.gguf_types import GGML_TYPES
+
+        paths: Counter[tuple[str, str]] = Counter()
+        for gname, how in getattr(self, "paths", {}).items():
+            t = self.tensors[gname]
+            if gname in kept_q8:
+                how = "kept Q8_0 (token embedding / LM head)"
+            elif how != "as stored":
+                how = f"{how} ({GGML_TYPES[t.qtype].kernel})" if how == "packed" else (
+                    f"dequantized to the compute dtype (gguf.quants.dequantize"
+                    f"{'' if len(t.shape) < 2 else '; no packed kernel for this type or shape'})")
+            paths[(t.type, how)] += 1
+        for (kind, how), n in sorted(paths.items()):
+            logger.info("GGUF %s x%d: %s", kind, n, how)
+        file_bytes = self.tensor_bytes()
+        logger.info("GGUF weights: %.1f MB resident, %.2fx the file's %.1f MB of tensors",
+                    resident / 1e6, resident / max(file_bytes, 1), file_bytes / 1e6)
+
+
+def register_with_transformers() -> None:
+    """Teach transformers' GGUF reader (``transformers.integrations.gguf.dequant``: block
+    sizes, names, dequantizers) the ggml types it lacks but ``gguf`` reads (Q5_0, Q5_1, ...),
+    with ``gguf.quants.dequantize`` as their dequantizer: its header reader (used here and for
+    the metadata conversion) otherwise refuses a whole file that holds one such tensor, and
+    its model loading (the parity reference) cannot dequantize them. Idempotent."""
+    try:
+        from transformers.integrations.gguf import dequant as tf
+    except ImportError:  # an older transformers: gguf.GGUFReader is the fallback
+        return
+    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+    from gguf.quants import _type_traits
+
+    readable = set(_type_traits)
+    for qtype, size in GGML_QUANT_SIZES.items():  # sizes of every type: the header reads;
+        # a type without a dequantizer is then refused by name (GGUFCheckpoint)
+        if qtype.name in AS_IS_TYPES or int(qtype) in tf.GGML_BLOCK:
+            continue
+        tf.GGML_BLOCK[int(qtype)] = size
+        tf.GGML_NAME[int(qtype)] = qtype.name
+        if qtype in readable:
+            tf._DEQUANT[int(qtype)] = _gguf_dequantizer(GGMLQuantizationType(qtype))
+
+
+def _gguf_dequantizer(qtype):
+    def dequant(blocks: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        from gguf.quants import dequantize
+
+        values = dequantize(blocks.cpu().numpy(), qtype)  # [blocks, weights per block]
+        return torch.from_numpy(values).to(device=blocks.device, dtype=dtype)
+
+    return dequant
+
+
+def _gemma3_config(config, path: str) -> None:
+    """What llama.cpp derives for ``gemma3`` instead of storing it (transformers' GGUF config
+    leaves the HF defaults): the query scale 1/sqrt(head_dim) (1/sqrt(hidden / heads) for the
+    62-layer 27B), the local layers' rope base 10,000, and the global layers' rope scaling
+    from ``gemma3.rope.scaling.*`` when the file has it (4B and larger: linear, factor 8)."""
+    import gguf
+
+    head_dim = _head_dim(config)
+    if config.num_hidden_layers == 62:
+        config.query_pre_attn_scalar = config.hidden_size // config.num_attention_heads
+    else:
+        config.query_pre_attn_scalar = head_dim
+    params = dict(config.rope_parameters)
+    params["sliding_attention"] = {"rope_type": "default", "rope_theta": 10000.0}
+    fields = gguf.GGUFReader(path).fields
+    factor = fields.get("gemma3.rope.scaling.factor")
+    kind = fields.get("gemma3.rope.scaling.type")
+    if factor is not None and float(factor.contents()) != 1.0:
+        kind_name = kind.contents() if kind is not None else "linear"
+        if kind_name != "linear":
+            raise ValueError(f"{path}: gemma3 rope scaling {kind_name!r} is not supported")
+        params["full_attention"] = {**params["full_attention"], "rope_type": "linear",
+                                    "factor": float(factor.contents())}
+    config.rope_parameters = params
 
 
 def _read_table(path: str) -> tuple[str, dict[str, GGUFTensor]]:
@@ -228,12 +325,18 @@ def _read_table(path: str) -> tuple[str, dict[str, GGUFTensor]]:
         from transformers.integrations.gguf import GgufHeader
     except ImportError:
         GgufHeader = None  # noqa: N806
+    register_with_transformers()
     if GgufHeader is not None:
         head = GgufHeader.from_file(path)
         blob = np.memmap(path, dtype=np.uint8, mode="r")
         tensors = {}
         for info in head.tensors:
-            qtype = GGMLQuantizationType(info.ggml_type)
+            try:
+                qtype = GGMLQuantizationType(info.ggml_type)
+            except ValueError:
+                raise ValueError(f"GGUF tensor {info.name!r} has ggml type id {info.ggml_type}, "
+                                 "which the installed gguf library does not know (a newer "
+                                 "llama.cpp type?); kvserve cannot read it") from None
             start = head.data_start + info.offset
             raw = blob[start:start + info.nbytes]
             tensors[info.name] = GGUFTensor(info.name, qtype.name, qtype, tuple(info.shape),
@@ -261,47 +364,31 @@ def _typed(raw: np.ndarray, qtype, shape: tuple[int, ...]) -> np.ndarray:
     return raw.reshape(rows, -1)
 
 
-def _dequantizable() -> tuple[str, ...]:
-    from gguf.quants import _type_traits
-
-    return (*AS_IS_TYPES, *(t.name for t in _type_traits))
-
-
 def _head_dim(hf_config) -> int:
     hd = getattr(hf_config, "head_dim", None)
     return int(hd) if hd else hf_config.hidden_size // hf_config.num_attention_heads
 
 
 class GGUFQuant:
-    """The loader's quantization view of a GGUF file (kvserve/layers/int4/loading.py):
-    a linear module loads as INT4 when its weight, and that of every shard fused with it, is
-    the same Q4_0 / Q4_1 type."""
+    """Which linear modules of a GGUF file keep their blocks: every ``Linear`` /
+    ``MergedLinear`` whose shards' types are all packed in ``GGML_TYPES`` becomes a
+    ``GGUFLinear`` (``swap``); the rest load dense."""
 
     method = "gguf"
     tensor_names = ("gguf_blocks",)
 
     def __init__(self, ckpt: GGUFCheckpoint, name_map: dict[str, str],
-                 packed_modules: dict[str, tuple[str, str]],
                  act_terms: int = 2) -> None:
-        from kvserve.model.quant_config import Int4Scheme
+        self.types = {hf.rpartition(".")[0]: ckpt.tensors[g].qtype for g, hf in name_map.items()
+                      if hf.endswith(".weight")}
+        self.act_terms = act_terms
+        self.swapped: Counter[str] = Counter()
 
-        by_module = {hf.rpartition(".")[0]: ckpt.type_of(g) for g, hf in name_map.items()
-                     if hf.endswith(".weight")}
-        self.schemes: dict[str, Int4Scheme] = {}
-        for module, kind in by_module.items():
-            if kind not in PACKED_TYPES:
-                continue
-            parent, _, leaf = module.rpartition(".")
-            fused = packed_modules.get(leaf)
-            siblings = [f"{parent}.{c}" for c, (fz, _) in packed_modules.items()
-                        if fused is not None and fz == fused[0]] or [module]
-            if all(by_module.get(s) == kind for s in siblings):
-                self.schemes[module] = Int4Scheme("gguf", 32, False, gguf_type=kind,
-                                                  act_terms=act_terms)
+    def swap(self, model) -> int:
+        from kvserve.layers.int4.gguf_linear import swap_gguf_modules
 
-    def scheme_for(self, name: str, class_name: str = "Linear"):
-        return self.schemes.get(name)
+        self.swapped = swap_gguf_modules(model, self.types.get, self.act_terms)
+        return sum(self.swapped.values())
 
     def describe(self) -> str:
-        kinds = Counter(s.gguf_type for s in self.schemes.values())
-        return "GGUF " + ", ".join(f"{k} x{n}" for k, n in sorted(kinds.items()))
+        return "GGUF packed " + ", ".join(f"{k} x{n}" for k, n in sorted(self.swapped.items()))

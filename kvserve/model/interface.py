@@ -28,6 +28,10 @@ class KVSpec:
     max_position_embeddings: int
     sliding_window: int | None = None
     kv_lora_rank: int | None = None  # MLA: the row is [c_kv (kv_lora_rank) | k_pe (rope dim)]
+    # Per layer: 0 (full causal attention) or the sliding window that layer reads (Gemma 3's
+    # local layers); empty: every layer full. Unlike ``sliding_window`` it does not bound the
+    # context: the full layers attend over all of it.
+    layer_windows: tuple[int, ...] = ()
 
     @property
     def context_len(self) -> int:

@@ -145,14 +145,14 @@ def load_model(path: str, dtype: str | torch.dtype | ModelDtypes = "auto", devic
         raise ValueError(f"checkpoint {path!r} is missing tensor(s): {', '.join(missing[:8])}"
                          + (f" (+{len(missing) - 8} more)" if len(missing) > 8 else ""))
     source.finish(model, dtype, device, act_terms)
-    if quant is not None:
-        finish_int4_modules(model, dtype, device, int4_kernel)
+    finish_int4_modules(model, dtype, device, int4_kernel)  # INT4 and packed GGUF modules
     if storage != dtype:
         n = narrow_dense_weights(model, storage)
         packed = pack_dense_weights(model)
         logger.info("%d dense weight table(s) kept %s (%d packed in the CPU GEMM's tiles), "
                     "computed in %s", n, dtype_name(storage), packed, dtype_name(dtype))
     model.eval()
+    source.loaded(model, weight_bytes(model)[0])
     return LoadedModel(model, hf_config, arch, dtype, _scales_tensor(kv_scales, hf_config),
                        source.folder, source.files(), storage)
 
@@ -227,23 +227,19 @@ def narrow_dense_weights(model: CausalLM, storage: torch.dtype) -> int:
 def pack_dense_weights(model: CausalLM) -> int:
     """Repack the 16-bit CPU tables that ``narrow_dense_weights`` left (dense linears, the
     token embedding, a tied head once) into the 16-bit GEMM's tiles (kvserve.quant.w16: a
-    batch-1 step streams them ~1.3x faster, same results). Not when the GEMM is not built, or,
-    for bf16 tables, when this process's bf16-weight GEMMs take bf16 dot products
-    (``--cpu-bf16-dot-rows``: that path reads row-major tables). Returns the number of tables
-    packed."""
+    batch-1 step streams them ~1.3x faster, same results; the bf16 dot products of
+    ``--cpu-bf16-dot-rows`` read the same tiles). Not when the GEMM is not built. Returns the
+    number of tables packed."""
     from kvserve.kernels.cpu import w16_gemm
 
     lib = w16_gemm.w16_library()
     if lib is None:
         return 0
     cols = w16_gemm.packing(lib)[1]
-    bf16_dots = bool(w16_gemm.bf16_dot_rows(lib))
     n = 0
     for module in _dense_tables(model):
         w = module.weight
         if not can_pack(w, cols):  # (a tied table: packed already)
-            continue
-        if w.dtype == torch.bfloat16 and bf16_dots:
             continue
         w16_gemm.pack_weight(lib, w)
         n += 1
@@ -270,12 +266,13 @@ def _rank_slice(model: torch.nn.Module, pname: str, shard: str | None
 def weight_bytes(model: torch.nn.Module) -> tuple[int, int]:
     """(bytes the model's weights hold now, bytes the same weights take in bf16). INT4
     modules count their packed nibbles, scales and zero points; tied tensors count once."""
+    from kvserve.layers.int4.gguf_linear import GGUFLinear
     from kvserve.layers.q8_embedding import Q8Embedding
 
     held = bf16 = 0
     seen: set[int] = set()
     for module in model.modules():
-        if isinstance(module, Int4MergedLinear):
+        if isinstance(module, (Int4MergedLinear, GGUFLinear)):
             held += module.weight_bytes()
             bf16 += 2 * module.in_features * sum(module.out_sizes)
             seen.update(id(t) for t in module.parameters())

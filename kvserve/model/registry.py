@@ -12,6 +12,7 @@ _MODELS: dict[str, str] = {
     "Qwen3MoeForCausalLM": "kvserve.model.qwen3_moe:Qwen3MoeForCausalLM",
     "Glm4MoeForCausalLM": "kvserve.model.glm4_moe:Glm4MoeForCausalLM",
     "DeepseekV3ForCausalLM": "kvserve.model.deepseek_v3:DeepseekV3ForCausalLM",
+    "Gemma3ForCausalLM": "kvserve.model.gemma3:Gemma3ForCausalLM",
 }
 
 

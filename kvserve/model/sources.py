@@ -26,7 +26,6 @@ import torch
 from safetensors import safe_open
 
 from kvserve.distributed.parallel_state import get_tp_size
-from kvserve.layers.int4.merged import Int4MergedLinear
 from kvserve.layers.linear import Linear
 from kvserve.model import gguf, registry
 from kvserve.model.gguf import GGUFCheckpoint, GGUFQuant
@@ -63,9 +62,10 @@ class CheckpointSource(Protocol):
         """Parameter count from the file headers (no weight read), or None if unknown."""
         ...
 
-    def prepare(self, model: CausalLM, act_terms: int) -> QuantConfig | GGUFQuant | None:
+    def prepare(self, model: CausalLM, act_terms: int) -> QuantConfig | None:
         """Which linear modules load as INT4 (None: all dense), for ``model`` as built on the
-        meta device (before any module is swapped)."""
+        meta device (before any module is swapped). A GGUF source swaps its packed modules in
+        itself and returns None."""
         ...
 
     def weights(self, model: CausalLM) -> Iterator[tuple[str, TensorReader]]:
@@ -74,6 +74,10 @@ class CheckpointSource(Protocol):
 
     def finish(self, model: CausalLM, dtype: torch.dtype, device: str, act_terms: int) -> None:
         """After every tensor is in: what the source changes on the loaded model."""
+        ...
+
+    def loaded(self, model: CausalLM, resident: int) -> None:
+        """The model is ready (``resident``: its weight bytes): the source's start-up log."""
         ...
 
     def files(self) -> tuple[str, ...]:
@@ -183,6 +187,9 @@ class SafetensorsSource:
     def finish(self, model: CausalLM, dtype: torch.dtype, device: str, act_terms: int) -> None:
         return None
 
+    def loaded(self, model: CausalLM, resident: int) -> None:
+        return None
+
     def files(self) -> tuple[str, ...]:
         return tuple(safetensors_files(self.folder))
 
@@ -208,7 +215,8 @@ class WholeTensor:
 
 class GGUFSource:
     """A ``.gguf`` file. Its tensor names map to the HF names the model expects (``prepare``);
-    Q4_0 / Q4_1 weights whose every fused sibling has that type load packed (``GGUFQuant``)."""
+    linear modules whose every shard has a packed type (``GGML_TYPES``) keep their blocks
+    (``GGUFQuant`` swaps in ``GGUFLinear``); the rest load dense."""
 
     def __init__(self, ckpt: GGUFCheckpoint) -> None:
         self.ckpt = ckpt
@@ -223,11 +231,17 @@ class GGUFSource:
     def n_params(self) -> int | None:
         return None
 
-    def prepare(self, model: CausalLM, act_terms: int) -> GGUFQuant:
+    def prepare(self, model: CausalLM, act_terms: int) -> None:
+        """Swaps the packed modules in itself (``GGUFLinear``); nothing for the INT4 pass."""
         dense = expected_tensors(model, dict(model.named_parameters(remove_duplicate=False)))
         self.name_map = self.ckpt.name_map(list(dense.values()),
                                            self.hf_config.num_hidden_layers)
-        return GGUFQuant(self.ckpt, self.name_map, model.packed_modules, act_terms)
+        quant = GGUFQuant(self.ckpt, self.name_map, act_terms)
+        n = quant.swap(model)
+        if n:
+            logger.info("%s: %d linear module(s) keep their blocks (%s)",
+                        os.path.basename(self.ckpt.path), n, quant.describe())
+        return None
 
     def weights(self, model: CausalLM) -> Iterator[tuple[str, TensorReader]]:
         packed = set(ggml_packed_modules(model))
@@ -235,11 +249,12 @@ class GGUFSource:
             yield name, WholeTensor(tensor)
 
     def finish(self, model: CausalLM, dtype: torch.dtype, device: str, act_terms: int) -> None:
+        self.kept_q8: set[str] = set()
         if torch.device(device).type == "cpu":
-            kept = keep_q8_tables(model, self.ckpt, self.name_map, dtype, act_terms)
-            if kept:
-                logger.info("GGUF: %d Q8_0 table(s) (token embedding / LM head) kept 8-bit",
-                            kept)
+            self.kept_q8 = keep_q8_tables(model, self.ckpt, self.name_map, dtype, act_terms)
+
+    def loaded(self, model: CausalLM, resident: int) -> None:
+        self.ckpt.log_types(resident, getattr(self, "kept_q8", set()))
 
     def files(self) -> tuple[str, ...]:
         return (self.ckpt.path,)
@@ -286,20 +301,22 @@ def expected_tensors(model: CausalLM, params) -> dict[tuple[str, str | None], st
 
 def ggml_packed_modules(model: CausalLM) -> list[str]:
     """Checkpoint module names (``model.layers.0.self_attn.q_proj``) whose weight the model
-    holds as raw GGUF Q4 blocks (shards of an ``Int4MergedLinear`` of format "gguf")."""
+    holds as raw GGUF blocks (shards of a ``GGUFLinear``)."""
+    from kvserve.layers.int4.gguf_linear import GGUFLinear
+
     out = []
     for module in model.modules():
-        if isinstance(module, Int4MergedLinear) and module.scheme.format == "gguf":
+        if isinstance(module, GGUFLinear):
             out.extend(module.shard_names.values())
     return out
 
 
 def keep_q8_tables(model: torch.nn.Module, ckpt: GGUFCheckpoint, name_map: dict[str, str],
-                   dtype: torch.dtype, act_terms: int = 2) -> int:
+                   dtype: torch.dtype, act_terms: int = 2) -> set[str]:
     """A Q8_0 token embedding (and a Q8_0 ``output`` LM head) stays 8-bit after loading: the
     dense weights just loaded are replaced by ``Q8Embedding`` / ``Q8LMHead`` over the file's
     own blocks (the same values: d * q is exact in fp32, checked here for fp32 models). A
-    tied LM head reads the embedding's tensors. Returns how many tables were kept."""
+    tied LM head reads the embedding's tensors. Returns the GGUF names of the tables kept."""
     from kvserve.layers.q8_embedding import Q8Embedding, Q8LMHead
     from kvserve.quant.gguf_q8 import dequantize_q8, unpack_q8_0
 
@@ -314,22 +331,22 @@ def keep_q8_tables(model: torch.nn.Module, ckpt: GGUFCheckpoint, name_map: dict[
             assert torch.equal(dequantize_q8(q, d), dense), hf_name  # exact, as documented
         return Q8Embedding(q, d, dense.dtype, act_terms)
 
-    n = 0
+    kept: set[str] = set()
     embed = getattr(getattr(model, "model", None), "embed_tokens", None)
     head = getattr(model, "lm_head", None)
     weight = getattr(embed, "weight", None)
     if get_tp_size() > 1 or not isinstance(weight, torch.Tensor) or weight.dim() != 2:
-        return 0  # vocabulary-parallel shards (tp > 1): left as loaded
+        return set()  # vocabulary-parallel shards (tp > 1): left as loaded
     tied = isinstance(head, Linear) and head.weight is weight
     emb = table("model.embed_tokens.weight", weight.detach())
     if emb is not None:
         model.model.embed_tokens = emb
-        n += 1
+        kept.add(by_hf["model.embed_tokens.weight"])
         if tied:
             model.lm_head = Q8LMHead(emb)
     if not tied and isinstance(head, Linear):  # an INT4 head stays as it is
         out = table("lm_head.weight", head.weight.detach())
         if out is not None and head.bias is None:
             model.lm_head = Q8LMHead(out)
-            n += 1
-    return n
+            kept.add(by_hf["lm_head.weight"])
+    return kept

@@ -89,7 +89,7 @@ class RouterState:
     """What ``DrainingServer`` drives (draining, in-flight count, end_all) plus the pool."""
 
     def __init__(self, settings: RouterSettings, api_key: str | None, tokenizer: Any,
-                 tokenizer_workers: int = 2) -> None:
+                 tokenizer_workers: int = 2, tracing: Any = None) -> None:
         self.settings = settings
         self.index = PrefixIndex()
         self.ring = HashRing()
@@ -121,6 +121,7 @@ class RouterState:
         self.ending = asyncio.Event()
         self.dead_error: BaseException | None = None  # the router has no engine to lose
         self._rr = 0
+        self.tracing = tracing  # kvserve.server.tracing.Tracing, only when tracing is on
 
     def _membership(self, r: Replica, joined: bool) -> None:
         (self.ring.add if joined else self.ring.remove)(r.name)
@@ -142,6 +143,8 @@ class RouterState:
             await self.client.aclose()
         if self.tokenizers is not None:
             self.tokenizers.close()
+        if self.tracing is not None:
+            self.tracing.shutdown()
 
     def end_all(self) -> None:
         self.ending.set()
@@ -216,13 +219,44 @@ def _response_headers(up: httpx.Response, r: Replica) -> dict[str, str]:
 
 
 async def proxy(state: RouterState, request: Request, path: str) -> Response:
+    if state.tracing is None:
+        return await _proxy(state, request, path, None)
+    from kvserve.server.tracing import RouterTrace
+
+    trace = RouterTrace(state.tracing, request.headers, path)
+    try:
+        resp = await _proxy(state, request, path, trace)
+    except BaseException as e:
+        trace.end(None, type(e).__name__)
+        raise
+    route = request.scope.get(ROUTE_KEY) or {}
+    trace.set({"kvserve.replica": route.get("replica"), "kvserve.route.reason":
+               route.get("reason"), "kvserve.route.attempts": route.get("attempts")})
+    if isinstance(resp, StreamingResponse):
+        resp.body_iterator = _traced(resp.body_iterator, trace, resp.status_code, route)
+    else:
+        trace.end(resp.status_code)
+    return resp
+
+
+async def _traced(body: AsyncIterator, trace: Any, status: int,
+                  route: dict) -> AsyncIterator:
+    """A relayed stream whose trace ends with it."""
+    try:
+        async for chunk in body:
+            yield chunk
+    finally:
+        trace.end(status, "stream_error" if route.get("stream_error") else None)
+
+
+async def _proxy(state: RouterState, request: Request, path: str, trace: Any) -> Response:
     s = state.settings
     route: dict = {"replica": "-", "reason": "-", "attempts": 0}
     request.scope[ROUTE_KEY] = route
     if state.draining:
         return error_response(503, "the router is shutting down", type="server_error",
                               code="draining", headers={"Retry-After": "1"})
-    body = await request.body()
+    body = request_body = await request.body()
     try:
         payload = json.loads(body)
     except ValueError:
@@ -246,7 +280,8 @@ async def proxy(state: RouterState, request: Request, path: str) -> Response:
     assert state.client is not None
     routing = s.routing
     if state.prefill_pool is not None:
-        leg = await _prefill_leg(state, path, payload, headers, matches) if split else None
+        leg = (await _prefill_leg(state, path, payload, headers, matches, trace) if split
+               else None)
         state.metrics.disaggregated.labels("split" if leg is not None else "whole").inc()
         if leg is not None:
             body = json.dumps({**payload, "kv_transfer": {"role": "decode", **leg}}).encode()
@@ -271,14 +306,21 @@ async def proxy(state: RouterState, request: Request, path: str) -> Response:
         r.inflight += 1
         handed_over = False
         up: httpx.Response | None = None
+        span, hdrs = None, headers
+        if trace is not None:
+            span, carry = trace.forward("decode" if body is not request_body else "whole",
+                                        r.name, r.url, path)
+            hdrs = {**headers, **carry}
         try:
             req = state.client.build_request("POST", f"{r.url}{path}", content=body,
-                                              headers=headers)
+                                              headers=hdrs)
             up = await _race(state.client.send(req, stream=True), r.down, state.ending)
             if up.status_code in (429, 502, 503, 504):
                 content = await _race(up.aread(), r.down, state.ending)
                 last = (up.status_code, content, _response_headers(up, r))
                 state.metrics.retries.labels(r.name, str(up.status_code)).inc()
+                if span is not None:
+                    trace.forwarded(span, up.status_code)
                 continue
             if stream and up.headers.get("content-type", "").startswith("text/event-stream"):
                 handed_over = True
@@ -286,9 +328,13 @@ async def proxy(state: RouterState, request: Request, path: str) -> Response:
                                          status_code=up.status_code,
                                          headers=_response_headers(up, r))
             content = await _race(up.aread(), r.down, state.ending)
+            if span is not None:
+                trace.forwarded(span, up.status_code)
             return Response(content, status_code=up.status_code,
                             headers=_response_headers(up, r))
         except (_Gone, httpx.HTTPError, OSError) as e:
+            if span is not None:
+                trace.forwarded(span, None, type(e).__name__)
             if state.ending.is_set():
                 return error_response(503, "the router is shutting down", type="server_error",
                                       code="shutdown", headers={"Retry-After": "1"})
@@ -323,7 +369,7 @@ def _splittable(payload: object) -> bool:
 
 
 async def _prefill_leg(state: RouterState, path: str, payload: dict, headers: dict[str, str],
-                       matches: dict[str, int]) -> dict | None:
+                       matches: dict[str, int], trace: Any = None) -> dict | None:
     """Run the prompt on a prefill replica (by prefix hits and load); its ``kv_transfer``
     answer (handle + first token), or None: the decode replica then takes the request whole
     (no prefill replica answered, the request was refused there, or its first token ended
@@ -346,9 +392,15 @@ async def _prefill_leg(state: RouterState, path: str, payload: dict, headers: di
         tried.add(r.name)
         state.metrics.decisions.labels(r.name, d.reason).inc()
         r.inflight += 1
+        span, sent = None, hdrs
+        if trace is not None:
+            span, carry = trace.forward("prefill", r.name, r.url, path)
+            sent = {**hdrs, **carry}
         try:
-            up = await _race(state.client.post(f"{r.url}{path}", content=body, headers=hdrs),
+            up = await _race(state.client.post(f"{r.url}{path}", content=body, headers=sent),
                              r.down, state.ending)
+            if span is not None:
+                trace.forwarded(span, up.status_code)
             if up.status_code in (429, 502, 503, 504):
                 state.metrics.retries.labels(r.name, str(up.status_code)).inc()
                 continue
@@ -357,6 +409,8 @@ async def _prefill_leg(state: RouterState, path: str, payload: dict, headers: di
             out = up.json().get("kv_transfer")
             return out if isinstance(out, dict) else None
         except (_Gone, httpx.HTTPError, OSError, ValueError) as e:
+            if span is not None:
+                trace.forwarded(span, None, type(e).__name__)
             if state.ending.is_set():
                 return None
             logger.warning("prefill replica %s failed (%s); trying another", r.name,

@@ -54,7 +54,13 @@ def run_router(router: RouterSettings, launch: LaunchSettings, server: ServerSet
     tokenizer = None
     if router.uses_tokenizer:
         tokenizer = load_tokenizer(resolve_model(router.prefix_tokenizer))
-    state = RouterState(router, server.api_key, tokenizer, server.tokenizer_workers)
+    tracing = None
+    if server.otlp_traces_endpoint is not None:
+        from kvserve.server.tracing import Tracing
+
+        tracing = Tracing(server.otlp_traces_endpoint, server.otlp_traces_protocol,
+                          "kvserve-router")
+    state = RouterState(router, server.api_key, tokenizer, server.tokenizer_workers, tracing)
     app = build_router_app(state, api_key=server.api_key,
                            max_body_bytes=server.max_body_bytes, access_log=server.access_log)
     port = bound_port(sock)

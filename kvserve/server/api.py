@@ -20,13 +20,14 @@ from kvserve.server.chat import ChatHandler
 from kvserve.server.completions import CompletionHandler
 from kvserve.server.errors import (
     APIError,
+    SafeJSONResponse,
     api_error_handler,
     http_error_handler,
     validation_error_handler,
 )
 from kvserve.server.lora import add_lora_routes
 from kvserve.server.middleware import AccessLog, APIKeyAuth, BodyLimit, ErrorCounter
-from kvserve.server.prompts import check_request
+from kvserve.server.prompts import check_model, check_request
 from kvserve.server.protocol import (
     ChatCompletionRequest,
     ChatCompletionResponse,
@@ -37,6 +38,8 @@ from kvserve.server.protocol import (
     ModelList,
     dump,
 )
+from kvserve.server.responses import ResponsesHandler, not_found
+from kvserve.server.responses_protocol import DeletedResponse, ResponseObject, ResponsesRequest
 from kvserve.server.settings import ServerSettings
 from kvserve.server.state import ServerState
 
@@ -91,6 +94,29 @@ def _routes(app: FastAPI, state: ServerState) -> None:
         """Chat completion with the model's chat template; `stream: true` answers with SSE."""
         check_request(body, state.settings, state.loras.adapters)
         return await ChatHandler(body, state).answer(request)
+
+    @app.post("/v1/responses", response_model=ResponseObject,
+              responses=_GENERATION_RESPONSES)
+    async def create_response(body: ResponsesRequest, request: Request) -> Response:
+        """OpenAI's Responses API (text): `stream: true` answers with its SSE events;
+        `store` keeps the answer for GET and `previous_response_id` (docs/server.md)."""
+        check_model(body.model, state.settings)
+        return await ResponsesHandler(body, state).answer(request)
+
+    @app.get("/v1/responses/{response_id}", response_model=ResponseObject, responses=_ERRORS)
+    async def get_response(response_id: str) -> Response:
+        """A stored response (404 once deleted or evicted)."""
+        entry = state.responses.get(response_id)
+        if entry is None:
+            raise not_found(response_id)
+        return SafeJSONResponse(entry.response)
+
+    @app.delete("/v1/responses/{response_id}", response_model=DeletedResponse,
+                responses=_ERRORS)
+    async def delete_response(response_id: str) -> dict:
+        if not state.responses.delete(response_id):
+            raise not_found(response_id)
+        return dump(DeletedResponse(id=response_id, deleted=True))
 
     @app.get("/v1/models", response_model=ModelList)
     async def models() -> dict:

@@ -3,6 +3,7 @@ OpenAI response, with the tool calls the parser reads out of the answer."""
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import AsyncIterator
 
 from kvserve.outputs import CompletionOutput
@@ -14,6 +15,7 @@ from kvserve.server.prompts import (
     Prompt,
     chat_conversation,
     check_lengths,
+    check_template_kwargs,
     sampling_params,
     tokenize_chat,
 )
@@ -33,6 +35,7 @@ from kvserve.server.protocol import (
     UsageInfo,
     dump,
 )
+from kvserve.server.reasoning import ReasoningStream
 from kvserve.server.state import ServerState
 from kvserve.server.streaming import Handler, Update, full_response, include_usage, stream_choices
 from kvserve.server.structured import output_constraint, tool_plan
@@ -46,6 +49,7 @@ class ChatHandler(Handler):
 
     req: ChatCompletionRequest
     id_prefix = "chatcmpl"
+    operation = "chat"
 
     def __init__(self, req: ChatCompletionRequest, state: ServerState) -> None:
         super().__init__(req, state)
@@ -63,21 +67,39 @@ class ChatHandler(Handler):
         self.constraint = constraint or self.plan.constraint
         self.parser = self.plan.parser
         self.top = req.top_logprobs or 0
+        self.template_kwargs = check_template_kwargs(req.chat_template_kwargs)
+        self.reasoning = state.reasoning
+        self.answer_state = "content"  # where the answer starts (set once the prompt is known)
 
     async def prepare(self) -> tuple[list[Prompt], SamplingParams]:
         req, state = self.req, self.state
         prompt = await state.pool.run(tokenize_chat, self.conversation,
                                       req.add_generation_prompt, state.limits,
-                                      self.plan.template_tools)
+                                      self.plan.template_tools, self.template_kwargs)
         if req.max_completion_tokens is not None:
             max_tokens, max_param = req.max_completion_tokens, "max_completion_tokens"
         else:
             max_tokens, max_param = req.max_tokens, "max_tokens"
         check_lengths([prompt], max_tokens, state.limits, "messages", max_param)
         logprobs = (req.top_logprobs or 0) if req.logprobs else None
-        return [prompt], sampling_params(
+        params = sampling_params(
             req, max_tokens=max_tokens, max_tokens_param=max_param, logprobs=logprobs,
             prompt_logprobs=None, limits=state.limits)
+        if self.reasoning is not None:
+            self.answer_state = self.reasoning.initial_state(prompt.token_ids)
+            gate = self.reasoning.grammar_state(self.answer_state)
+            if self.constraint is not None and gate is not None:  # the grammar after reasoning
+                params = params.clone(structured_outputs=dataclasses.replace(
+                    self.constraint.params, reasoning_state=gate,
+                    reasoning_start_token_id=self.reasoning.start_token_id,
+                    reasoning_end_token_id=self.reasoning.end_token_id))
+        return [prompt], params
+
+    def split(self, text: str) -> tuple[str | None, str]:
+        """(reasoning_content, content) of a whole answer."""
+        if self.reasoning is None:
+            return None, text
+        return self.reasoning.split(text, self.answer_state)
 
     def _logprobs(self, token_ids, logprobs) -> ChoiceLogprobs | None:
         if not self.req.logprobs or logprobs is None:
@@ -90,11 +112,13 @@ class ChatHandler(Handler):
         for i in range(self.req.n):
             comp = gen.completion(0, i)
             reason = gen.finish_reason(comp)
-            message = AssistantMessage(content=comp.text if comp else "")
+            reasoning, text = self.split(comp.text) if comp else (None, "")
+            message = AssistantMessage(content=text, reasoning_content=reasoning)
             if self.parser is not None and comp is not None:
-                content, calls = self.parser.extract(comp.text)
+                content, calls = self.parser.extract(text)
                 if calls:
-                    message = AssistantMessage(content=content, tool_calls=[
+                    message = AssistantMessage(content=content, reasoning_content=reasoning,
+                                               tool_calls=[
                         ToolCallOut(id=new_call_id(), function=FunctionCallOut(
                             name=c.name, arguments=c.arguments)) for c in calls])
                     reason = "tool_calls" if reason == "stop" else reason
@@ -120,17 +144,25 @@ class ChatHandler(Handler):
 
         calls = [StreamingToolCalls(self.parser) if self.parser else None
                  for _ in range(self.req.n)]
+        thinking = [ReasoningStream(self.answer_state) if self.reasoning else None
+                    for _ in range(self.req.n)]
 
         def choice_chunk(k: int, _: int, comp: CompletionOutput | None,
                          reason: str | None) -> dict | None:
-            stream = calls[k]
+            stream, think = calls[k], thinking[k]
             if comp is None:  # cut short: what a tool parser held goes out as content
-                held = stream.finish()[0] if stream is not None else ""
-                return chunk(ChatChunkChoice(index=k, delta=DeltaMessage(content=held),
-                                             finish_reason=reason))
-            delta = DeltaMessage(content=comp.text)
+                r, text = think.finish() if think is not None else ("", "")
+                if stream is not None:
+                    text = stream.feed(text) + stream.finish()[0]
+                return chunk(ChatChunkChoice(index=k, delta=DeltaMessage(
+                    content=text, reasoning_content=r or None), finish_reason=reason))
+            r, text = think.feed(comp.text) if think is not None else ("", comp.text)
+            if think is not None and reason is not None:
+                r2, t2 = think.finish()
+                r, text = r + r2, text + t2
+            delta = DeltaMessage(content=text, reasoning_content=r or None)
             if stream is not None:  # content before a call goes out; a call is held
-                delta.content = stream.feed(comp.text)
+                delta.content = stream.feed(text)
                 if reason is not None:
                     rest, found = stream.finish()
                     delta.content += rest
@@ -141,7 +173,7 @@ class ChatHandler(Handler):
                             for j, c in enumerate(found)]
                         reason = "tool_calls" if reason == "stop" else reason
             if not delta.content and not delta.tool_calls and reason is None and \
-                    not (self.req.logprobs and comp.token_ids):
+                    not delta.reasoning_content and not (self.req.logprobs and comp.token_ids):
                 return None
             return chunk(ChatChunkChoice(
                 index=k, delta=delta, finish_reason=reason,

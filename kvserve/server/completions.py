@@ -38,6 +38,7 @@ class CompletionHandler(Handler):
 
     req: CompletionRequest
     id_prefix = "cmpl"
+    operation = "text_completion"
 
     def __init__(self, req: CompletionRequest, state: ServerState) -> None:
         super().__init__(req, state)

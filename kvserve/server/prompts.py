@@ -173,13 +173,36 @@ def chat_conversation(req: ChatCompletionRequest, tokenizer, limits: Limits) -> 
     return conversation
 
 
+# apply_chat_template's own arguments: not template variables a request may set
+_RESERVED_TEMPLATE_KWARGS = frozenset({
+    "conversation", "tools", "documents", "chat_template", "add_generation_prompt",
+    "continue_final_message", "tokenize", "padding", "truncation", "max_length",
+    "return_tensors", "return_dict", "return_assistant_tokens_mask", "tokenizer_kwargs",
+    "messages"})
+
+
+def check_template_kwargs(kwargs: dict | None) -> dict:
+    """``chat_template_kwargs``: variables for the template; apply_chat_template's own
+    arguments are refused (a 400 naming the key)."""
+    kwargs = kwargs or {}
+    for key in kwargs:
+        if key in _RESERVED_TEMPLATE_KWARGS:
+            raise bad_request(f"chat_template_kwargs may not set {key!r} (an argument of the "
+                              "template call, not a template variable)",
+                              "chat_template_kwargs")
+    return kwargs
+
+
 def tokenize_chat(tokenizer, conversation: list[dict], add_generation_prompt: bool,
-                  limits: Limits, tools: list[dict] | None = None) -> Prompt:
+                  limits: Limits, tools: list[dict] | None = None,
+                  template_kwargs: dict | None = None) -> Prompt:
     """Worker-thread side of ``chat_conversation``: the chat template (given the tools, as
-    transformers passes them), then token ids."""
+    transformers passes them, and ``template_kwargs`` as template variables), then token
+    ids."""
     try:
         ids = tokenizer.apply_chat_template(conversation, tools=tools, tokenize=True,
-                                            add_generation_prompt=add_generation_prompt)
+                                            add_generation_prompt=add_generation_prompt,
+                                            **(template_kwargs or {}))
     except Exception as e:  # noqa: BLE001 - jinja templates raise anything on bad input
         raise bad_request(f"messages could not be rendered with the chat template: {e}",
                           "messages") from e

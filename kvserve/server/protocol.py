@@ -138,6 +138,8 @@ class KVTransferLeg(_Request):
     role: Literal["prefill", "decode"]
     handle: dict[str, Any] | None = None  # kvserve.cache.kv_transfer.TransferHandle.to_dict()
     first_token: FirstTokenIn | None = None
+    # the prefill leg's trace context (W3C traceparent), when it was traced
+    traceparent: str | None = Field(None, max_length=64)
     # prompt tokens the prefill replica's prefix cache served (the decode leg's usage reports it)
     cached_tokens: int | None = Field(None, ge=0)
 
@@ -318,6 +320,9 @@ class ChatCompletionRequest(SamplingRequest):
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     add_generation_prompt: bool = Field(True, description="kvserve.")
+    chat_template_kwargs: dict[str, Any] | None = Field(
+        None, description="kvserve (as vLLM): extra variables for the chat template, e.g. "
+                          "{\"enable_thinking\": false}.")
 
 
 # ---- responses --------------------------------------------------------------------------------
@@ -406,6 +411,7 @@ class ToolCallOut(_Response):
 class AssistantMessage(_Response):
     role: Literal["assistant"] = "assistant"
     content: str | None = None
+    reasoning_content: str | None = None  # --reasoning-parser: the model's reasoning
     tool_calls: list[ToolCallOut] | None = None
 
 
@@ -433,6 +439,7 @@ class ChatCompletionResponse(_Completion[ChatChoice]):
 class DeltaMessage(_Response):
     role: Literal["assistant"] | None = None
     content: str | None = None
+    reasoning_content: str | None = None
     tool_calls: list[DeltaToolCall] | None = None
 
 

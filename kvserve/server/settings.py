@@ -16,6 +16,8 @@ from kvserve.config_cli import arg
 SERVER = "server"
 LAUNCH = "launch (listener, shutdown)"
 DATA_PARALLEL = "data parallel (docs/replicas.md)"
+TRACING = "tracing (OpenTelemetry; docs/server.md)"
+OTLP_PROTOCOLS = ("http/protobuf", "grpc")
 
 
 def _no_limit_if_zero(seconds: float) -> float | None:
@@ -23,6 +25,7 @@ def _no_limit_if_zero(seconds: float) -> float | None:
 
 
 TOOL_CALL_PARSERS = ("hermes", "llama3_json", "pythonic")  # kvserve.server.tool_parsers
+REASONING_PARSERS = ("deepseek_r1", "qwen3")  # kvserve.server.reasoning
 TEMPLATES_DIR = os.path.join(os.path.dirname(__file__), "templates")
 
 
@@ -36,6 +39,20 @@ def chat_template_path(name: str) -> str:
     names = sorted(f.removesuffix(".jinja") for f in os.listdir(TEMPLATES_DIR))
     raise ValueError(f"chat_template {name!r} is neither a file nor a shipped template "
                      f"({', '.join(names)})")
+
+
+def _require_otel(protocol: str) -> None:
+    """The OpenTelemetry SDK and the protocol's exporter are installed (not imported)."""
+    import importlib.util
+
+    exporter = "grpc" if protocol == "grpc" else "http"
+    for mod in ("opentelemetry.sdk", f"opentelemetry.exporter.otlp.proto.{exporter}"):
+        try:
+            found = importlib.util.find_spec(mod) is not None
+        except ModuleNotFoundError:
+            found = False
+        if not found:
+            raise ValueError(f"otlp_traces_endpoint needs {mod}: pip install 'kvserve[otel]'")
 
 
 @dataclass(frozen=True, slots=True)
@@ -75,6 +92,25 @@ class ServerSettings:
         None, "read tool calls out of answers in this format (needed for tools with "
         "tool_choice auto / required / named; docs/structured-outputs.md)",
         choices=list(TOOL_CALL_PARSERS), group=SERVER)
+    responses_max_stored: int = arg(
+        1000, "stored /v1/responses answers (store: true) kept for GET and "
+        "previous_response_id; the oldest are evicted (0: none kept)", type=int, group=SERVER)
+    responses_max_bytes: int = arg(
+        64 * 2**20, "bytes of stored /v1/responses answers (their JSON, conversations "
+        "included); the oldest are evicted", type=int, group=SERVER)
+    reasoning_parser: str | None = arg(
+        None, "a reasoning model's <think>...</think> becomes reasoning_content, kept out of "
+        "content, structured outputs and tool calls (docs/server.md)",
+        choices=list(REASONING_PARSERS), group=SERVER)
+
+    # OpenTelemetry traces (kvserve/server/tracing.py, imported only when this is set).
+    otlp_traces_endpoint: str | None = arg(
+        None, "export a trace of each request over OTLP to this URL, e.g. "
+        "http://127.0.0.1:4318/v1/traces (needs kvserve[otel]; a client's traceparent is "
+        "honoured; default: no tracing, at no cost)", metavar="URL", group=TRACING)
+    otlp_traces_protocol: str = arg(
+        "http/protobuf", "OTLP transport of --otlp-traces-endpoint",
+        choices=list(OTLP_PROTOCOLS), group=TRACING)
 
     lora_runtime_updates: bool = arg(  # POST /v1/load_lora_adapter, /v1/unload_lora_adapter
         True, "with LoRA on: no runtime adapter loads / unloads over HTTP (default: allowed; "
@@ -111,9 +147,26 @@ class ServerSettings:
             raise ValueError(f"max_prompts must be >= 1, got {self.max_prompts}")
         if self.chat_template is not None:
             chat_template_path(self.chat_template)
+        if self.otlp_traces_protocol not in OTLP_PROTOCOLS:
+            raise ValueError(f"otlp_traces_protocol must be one of {', '.join(OTLP_PROTOCOLS)}, "
+                             f"got {self.otlp_traces_protocol!r}")
+        if self.otlp_traces_endpoint is not None and not self.otlp_traces_endpoint.startswith(
+                ("http://", "https://", "grpc://")):
+            raise ValueError(f"otlp_traces_endpoint must be an http(s):// or grpc:// URL, got "
+                             f"{self.otlp_traces_endpoint!r}")
+        if self.otlp_traces_endpoint is not None:  # before the model loads, not after
+            _require_otel(self.otlp_traces_protocol)
         if self.tool_call_parser is not None and self.tool_call_parser not in TOOL_CALL_PARSERS:
             raise ValueError(f"tool_call_parser must be one of {', '.join(TOOL_CALL_PARSERS)}, "
                              f"got {self.tool_call_parser!r}")
+        if self.responses_max_stored < 0:
+            raise ValueError(f"responses_max_stored must be >= 0, got "
+                             f"{self.responses_max_stored}")
+        if self.responses_max_bytes < 0:
+            raise ValueError(f"responses_max_bytes must be >= 0, got {self.responses_max_bytes}")
+        if self.reasoning_parser is not None and self.reasoning_parser not in REASONING_PARSERS:
+            raise ValueError(f"reasoning_parser must be one of {', '.join(REASONING_PARSERS)}, "
+                             f"got {self.reasoning_parser!r}")
 
 
 @dataclass(frozen=True, slots=True)

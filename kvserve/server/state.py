@@ -14,6 +14,8 @@ from kvserve.server.logprobs import TokenText
 from kvserve.server.lora import ServedAdapters
 from kvserve.server.metrics import ServerMetrics
 from kvserve.server.prompts import Limits, max_prompt_chars
+from kvserve.server.reasoning import ReasoningParser, get_reasoning_parser
+from kvserve.server.response_store import ResponseStore
 from kvserve.server.settings import ServerSettings
 from kvserve.server.workers import TokenizerPool
 
@@ -32,8 +34,14 @@ class ServerState:
         self.tokenizer = tokenizer  # the front end's own instance; event loop only
         self.text = TokenText(tokenizer)
         self.pool = TokenizerPool(tokenizer, settings.tokenizer_workers)
-        self.metrics = ServerMetrics(engine.snapshot)
+        self.responses = ResponseStore(settings.responses_max_stored,
+                                       settings.responses_max_bytes)
+        self.reasoning: ReasoningParser | None = (
+            get_reasoning_parser(settings.reasoning_parser, tokenizer)
+            if settings.reasoning_parser else None)
         mc = engine.model_config
+        self.metrics = ServerMetrics(engine.snapshot, settings.served_model_name,
+                                     mc.max_model_len)
         self.limits = Limits(vocab_size=mc.vocab_size, max_model_len=mc.max_model_len,
                              capacity_tokens=engine.capacity_tokens,
                              max_prompt_chars=max_prompt_chars(tokenizer, mc.max_model_len))
@@ -47,6 +55,13 @@ class ServerState:
         self.force_ended = False  # a forced shutdown ended every generation
         self._ids = itertools.count()
         self._salt = uuid.uuid4().hex[:8]
+        self.tracing = None  # kvserve.server.tracing.Tracing, only when tracing is on
+        if settings.otlp_traces_endpoint is not None:
+            from kvserve.server.tracing import Tracing
+
+            self.tracing = Tracing(settings.otlp_traces_endpoint, settings.otlp_traces_protocol,
+                                   "kvserve", {"kvserve.role": settings.role,
+                                               "kvserve.model": settings.served_model_name})
 
     @property
     def max_sequences(self) -> int:
@@ -92,3 +107,5 @@ class ServerState:
 
     def close(self) -> None:
         self.pool.close()
+        if self.tracing is not None:
+            self.tracing.shutdown()

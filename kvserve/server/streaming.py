@@ -85,6 +85,8 @@ def full_response(gen: Generation, response: type[CompletionResponse | ChatCompl
                       usage=usage(gen)))
     if gen.kv_result is not None:
         d["kv_transfer"] = gen.kv_result
+        if gen.trace is not None:  # the decode replica's transfer span links to this one
+            d["kv_transfer"] = {**gen.kv_result, "traceparent": gen.trace.traceparent()}
     return d
 
 
@@ -140,8 +142,15 @@ async def _events(gen: Generation, first: Update | None, chunks: ChunkSource
     yield sse("[DONE]")
 
 
+# (generation, its first update, the chunk source) -> the stream's SSE text
+EventSource = Callable[[Generation, Update | None, ChunkSource], AsyncIterator[str]]
+
+
 async def respond(gen: Generation, request: Request, stream: bool,
-                  full: Callable[[Generation], dict], chunks: ChunkSource) -> Response:
+                  full: Callable[[Generation], dict], chunks: ChunkSource,
+                  events: EventSource | None = None) -> Response:
+    """``events``: how chunks become SSE text (default: ``data: {chunk}`` lines ending with
+    ``data: [DONE]``, the completions' framing)."""
     request.scope[GENERATION_KEY] = gen
     handed_over = False
     try:
@@ -149,7 +158,7 @@ async def respond(gen: Generation, request: Request, stream: bool,
         if stream:
             gen.stop_watching()
             handed_over = True
-            return GenerationStream(_events(gen, first, chunks), gen)
+            return GenerationStream((events or _events)(gen, first, chunks), gen)
         await gen.drain()
         gen.check_timeout_before_output()
         return SafeJSONResponse(full(gen))
@@ -168,6 +177,8 @@ class Handler:
     ``Generation`` as one JSON response and ``chunks`` as a stream's."""
 
     id_prefix: str  # of the request id ("cmpl" -> "cmpl-...")
+    events: EventSource | None = None  # a stream's framing (None: data: lines and [DONE])
+    operation: str  # gen_ai.operation.name ("chat", "text_completion")
     num_prompts = 1
     constraint: Constraint | None = None
 
@@ -188,6 +199,19 @@ class Handler:
         raise NotImplementedError
 
     async def answer(self, request: Request) -> Response:
-        gen = await new_generation(self.state, self.req, self.id_prefix, self.num_prompts,
-                                   self.constraint, self.prepare)
-        return await respond(gen, request, self.req.stream, self.full, self.chunks)
+        trace = None
+        if self.state.tracing is not None:
+            from kvserve.server.tracing import RequestTrace
+
+            trace = RequestTrace(self.state.tracing, request.headers, self.operation,
+                                 self.model, self.state.settings.role, self.req)
+        try:
+            gen = await new_generation(self.state, self.req, self.id_prefix, self.num_prompts,
+                                       self.constraint, self.prepare)
+        except BaseException as e:
+            if trace is not None:
+                trace.fail(e)
+            raise
+        gen.trace = trace
+        return await respond(gen, request, self.req.stream, self.full, self.chunks,
+                             self.events)

@@ -131,6 +131,28 @@ def test_wq_gemm_tiny(tmp_path):
     assert r["read_bandwidth"]["read_gbs"] > 0 and r["env"]["cpu"]
 
 
+def test_kq_gemm_tiny(tmp_path):
+    """The K-quant GEMM benchmark times every type it is given against the 16-bit GEMM and the
+    memory floor, and records env.cpu."""
+    from kvserve.kernels.cpu import graph
+    from kvserve.kernels.cpu import kq_gemm as kq_cpu
+
+    if kq_cpu.kq_library() is None or not graph.available():
+        pytest.skip("no C compiler")
+    kg = _script("kq_gemm")
+    out = tmp_path / "k.json"
+    assert kg.main(["--threads", "1", "--rounds", "1", "--rows", "1,3", "--layers", "1",
+                    "--hidden", "256", "--inter", "512", "--types", "Q4_K,Q6_K,Q5_0",
+                    "--bandwidth-mib", "64", "--json", str(out)]) == 0
+    r = json.loads(out.read_text())
+    assert [(x["type"], x["rows"]) for x in r["results"]] == [
+        ("Q4_K", 1), ("Q4_K", 3), ("Q6_K", 1), ("Q6_K", 3), ("Q5_0", 1), ("Q5_0", 3)]
+    for x in r["results"]:
+        assert x["ms"] > 0 and x["over_floor"] > 0 and x["vs_w16"] > 0
+        assert 1.0 <= x["resident_over_file"] <= 1.1
+    assert r["read_bandwidth"]["read_gbs"] > 0 and r["env"]["cpu"]
+
+
 def test_kv_tiers_tiny(tmp_path):
     kt = _script("kv_tiers")
     out, png = tmp_path / "t.json", tmp_path / "t.png"

@@ -128,7 +128,7 @@ def test_engine_on_emulated_avx512_kernels_matches_native(cases):
 
 def test_opt_in_bf16_dot_products_in_the_engine(cases):
     """``cpu_bf16_dot_rows=4`` on an AVX512-BF16 CPU (flags simulated, the bf16_emu build): the
-    log names the path, the tables stay row-major (the dot products read rows), and the
+    log names the path, the tables are packed (the dot products read the tiles), and the
     prompts' GEMMs (>= 4 rows) take bf16-rounded activations: logprobs move off the fp32
     ones, by about bf16's rounding, not more."""
     folder = [c for c in cases if c[0] == "bf16"]

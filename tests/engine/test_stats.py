@@ -23,3 +23,38 @@ def test_num_prefilling_counts_prompts_not_yet_computed(tiny_llama, make_llm):
     assert 1 <= steps <= 3 and eng.stats().num_running == 2
     while eng.has_unfinished_requests():
         eng.step()
+
+
+def test_bucket_counts_read_exactly_under_any_subset_of_bounds():
+    from kvserve.engine.stats import BucketCounts
+
+    acc = BucketCounts((0.1, 0.5, 1.0, 5.0))
+    for v in (0.05, 0.1, 0.3, 0.7, 2.0, 9.0):
+        acc.observe(v)
+    acc.observe(0.2, n=3)
+    assert acc.count == 9 and abs(acc.sum - 12.75) < 1e-9
+    inf = float("inf")
+    assert acc.cumulative() == [(0.1, 2), (0.5, 6), (1.0, 7), (5.0, 8), (inf, 9)]
+    assert acc.cumulative((0.5, 5.0)) == [(0.5, 6), (5.0, 8), (inf, 9)]
+    try:
+        acc.cumulative((0.3,))
+    except AssertionError:
+        pass
+    else:
+        raise AssertionError("a bound that was not recorded must be refused")
+
+
+def test_iteration_tokens_and_prefix_counters_in_stats(tiny_llama, make_llm):
+    eng = make_llm(tiny_llama, dtype="float32", num_blocks=32, max_model_len=64).engine
+    sp = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
+    ids = list(range(3, 23))  # 20 tokens: one whole block can be a hit
+    for rid in ("a", "b"):
+        eng.add_request(rid, {"prompt_token_ids": ids}, sp)
+        while eng.has_unfinished_requests():
+            eng.step()
+    s = eng.stats()
+    assert s.counters["prefix_cache_queries"] == 40 and s.counters["prefix_cache_hits"] == 16
+    it = s.iteration_tokens
+    assert it.count == s.counters["steps"] == 6
+    assert it.sum == 20 + 2 + (20 - 16) + 2  # prefill, 2 decodes, the uncached tail, 2 decodes
+    assert s.cache_config["block_size"] == "16" and s.block_size == 16

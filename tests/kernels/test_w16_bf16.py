@@ -115,6 +115,26 @@ def test_bf16_dot_matches_twin(bf16_lib, m, n, k):
     assert (y - exact).abs().max() * 4 < (fp32 - exact).abs().max()
 
 
+@pytest.mark.parametrize("m", [1, 3, 4, 5, 17, 130])
+@pytest.mark.parametrize("n,k", [(4, 32), (7, 48), (33, 576), (130, 1008), (9, 4112), (5, 16)])
+def test_bf16_dot_packed_equals_row_major(bf16_lib, m, n, k):
+    """The bf16 dot products on the packed tiles (what the engine holds: kvserve.quant.w16)
+    equal the row-major ones bit for bit (K % 32 == 16 tails included), hence the twin within
+    fp32 summation error; and they are the bf16-dot result, not the fp32 one."""
+    from kvserve.quant.w16 import pack
+
+    x, w = _case(m, n, k, m * 7 + n + k)
+    packed, tiles = pack(w, *bf16_lib.packing)
+    packed.w16_tiles = tiles
+    y = w16.w16_gemm(bf16_lib, x, packed, bf16_rows=1)
+    assert torch.equal(y, w16.w16_gemm(bf16_lib, x, w, bf16_rows=1))
+    torch.testing.assert_close(y, ref.w16_linear_bf16_dot(x, w), rtol=1e-5, atol=1e-5)
+    assert torch.equal(w16.w16_gemm(bf16_lib, x, packed, bf16_rows=m + 1),
+                       w16.w16_gemm(bf16_lib, x, w))  # below the threshold: fp32, as row-major
+    if k >= 32:
+        assert not torch.equal(y, w16.w16_gemm(bf16_lib, x, packed))
+
+
 def test_threshold_fp16_and_threads(bf16_lib):
     """Below bf16_rows, and for fp16 weights, the fp32 path runs (equal to bf16_rows=0); the
     row order of sums does not depend on the thread count; strided x rows work."""

@@ -109,3 +109,15 @@ def test_rotate_heads_matches_twin_and_is_batch_invariant(lib, t, h, d):
     assert cpu_ops.rotate_heads(q.bfloat16(), r) is None
     assert cpu_ops.rotate_heads(qkv.view(t, h + 2, d)[:, ::2], r) is None
     assert cpu_ops.rotate_heads(q, torch.randn(d, d + 1)) is None
+
+
+@pytest.mark.parametrize("t,ns", [(1, (32, 16)), (5, (64, 8, 24)), (3, (16, 16, 16, 40))])
+def test_concat_cols_matches_torch_cat(lib, t, ns):
+    """GGUF fused modules of mixed types: parts side by side, one of them a strided view (a
+    padded part's [:, :n]), exactly torch.cat."""
+    parts = [torch.randn(t, n + 5)[:, :n] if i == 0 else torch.randn(t, n)
+             for i, n in enumerate(ns)]
+    got = cpu_ops.concat_cols(parts)
+    assert got is not None and torch.equal(got, torch.cat(parts, -1))
+    assert cpu_ops.concat_cols([p.double() for p in parts]) is None  # not fp32: the twin
+    assert cpu_ops.concat_cols([parts[0]] * 5) is None  # more than 4 parts

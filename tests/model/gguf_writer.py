@@ -4,7 +4,8 @@
 ``tests.conftest.make_tiny_model`` and writes it as GGUF: arch metadata, a byte-level BPE
 tokenizer (trained here on a few sentences; tokens, merges, token types, BOS/EOS ids, a chat
 template), and every tensor under its GGUF name in the ggml type ``types`` picks (Q4_0, Q4_1,
-Q8_0, F16, F32). Llama / Mistral q/k rows are permuted as ``convert_hf_to_gguf.py`` does.
+Q8_0, F16, F32). Llama / Mistral q/k rows are permuted as ``convert_hf_to_gguf.py`` does;
+Gemma 3's norms are stored as (1 + w), its local window as ``gemma3.attention.sliding_window``.
 """
 
 from __future__ import annotations
@@ -52,15 +53,19 @@ def _tokenizer(vocab_size: int):
     return tokens, merges
 
 
-def write_gguf(hf_folder: str, out: str, types: Callable[[str], str]) -> str:
-    """Write ``hf_folder``'s model as GGUF to ``out``; ``types(gguf_name)`` -> ggml type name."""
+def write_gguf(hf_folder: str, out: str, types: Callable[[str], str],
+               data: Callable[[str, np.ndarray, str], np.ndarray] | None = None) -> str:
+    """Write ``hf_folder``'s model as GGUF to ``out``; ``types(gguf_name)`` -> ggml type name.
+    ``data(gguf_name, fp32 array, type name)`` -> the tensor's bytes (raw blocks, or the
+    float array for F32 / F16): replaces ``gguf.quants.quantize`` (hand-packed blocks)."""
     import gguf
     from gguf.quants import quantize
     from safetensors.torch import load_file
 
     with open(os.path.join(hf_folder, "config.json")) as f:
         cfg = json.load(f)
-    arch = {"mistral": "llama"}.get(cfg["model_type"], cfg["model_type"])  # as llama.cpp does
+    arch = {"mistral": "llama", "gemma3_text": "gemma3"}.get(cfg["model_type"],
+                                                              cfg["model_type"])  # llama.cpp's
     n_layers = cfg["num_hidden_layers"]
     heads, kv_heads = cfg["num_attention_heads"], cfg["num_key_value_heads"]
     head_dim = cfg.get("head_dim") or cfg["hidden_size"] // heads
@@ -74,10 +79,13 @@ def write_gguf(hf_folder: str, out: str, types: Callable[[str], str]) -> str:
     w.add_key_length(head_dim)
     w.add_value_length(head_dim)
     w.add_rope_dimension_count(head_dim)
-    w.add_rope_freq_base(float(cfg.get("rope_theta")
-                               or cfg.get("rope_parameters", {}).get("rope_theta", 10000.0)))
+    rope = cfg.get("rope_parameters") or {}
+    rope = rope.get("full_attention", rope)  # gemma3: the global layers' (llama.cpp's base)
+    w.add_rope_freq_base(float(cfg.get("rope_theta") or rope.get("rope_theta", 10000.0)))
     w.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
     w.add_vocab_size(cfg["vocab_size"])
+    if arch == "gemma3":
+        w.add_sliding_window(cfg["sliding_window"])
     w.add_file_type(gguf.LlamaFileType.MOSTLY_Q4_1)
     tokens, merges = _tokenizer(cfg["vocab_size"])
     w.add_tokenizer_model("gpt2")
@@ -103,9 +111,17 @@ def write_gguf(hf_folder: str, out: str, types: Callable[[str], str]) -> str:
             arr = _permute(arr, heads)
         elif arch in ("llama", "mistral") and base.endswith("k_proj"):
             arr = _permute(arr, kv_heads)
+        if arch == "gemma3" and name.endswith("norm.weight"):
+            arr = arr + 1  # convert_hf_to_gguf.py's Gemma3Model stores (1 + w)
         kind = types(gname) if arr.ndim == 2 else "F32"
         qtype = gguf.GGMLQuantizationType[kind]
-        if kind == "F32":
+        if data is not None and arr.ndim == 2:
+            raw = data(gname, arr, kind)
+            if kind in ("F32", "F16"):
+                w.add_tensor(gname, raw)
+            else:
+                w.add_tensor(gname, raw, raw_dtype=qtype)
+        elif kind == "F32":
             w.add_tensor(gname, arr.astype(np.float32))
         elif kind == "F16":
             w.add_tensor(gname, arr.astype(np.float16))

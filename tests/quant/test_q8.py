@@ -12,6 +12,7 @@ from kvserve.kernels.cpu import q8_gemv
 from kvserve.layers import q8_embedding
 from kvserve.layers.q8_embedding import Q8Embedding, Q8LMHead
 from kvserve.quant.gguf_q8 import dequantize_q8, unpack_q8_0
+from tests.conftest import isa_variants
 
 gguf = pytest.importorskip("gguf")
 from gguf import GGMLQuantizationType as QT  # noqa: E402
@@ -88,3 +89,46 @@ def test_bad_shapes_are_refused():
         Q8Embedding(torch.zeros(4, 32), torch.zeros(4, 1, dtype=torch.float16), torch.float32)
     with pytest.raises(ValueError, match="whole blocks"):
         unpack_q8_0(np.zeros(34, np.uint8), (1, 31))
+
+
+# ---- Q8_0 linears kept packed (kvserve/layers/int4/q8_linear.py), every wq_gemm.c build
+
+
+@pytest.fixture(scope="module", params=isa_variants("avx512_emu"))
+def wq_build(request, tmp_path_factory):
+    from kvserve.kernels.cpu import wq_gemm as wq_cpu
+    from tests.conftest import variant_library
+
+    if request.param == "native":
+        dll = wq_cpu.wq_library()
+        if dll is None:
+            pytest.skip("C kernel unavailable")
+        return dll
+    return wq_cpu.bind(variant_library("wq_gemm", request.param,
+                                       str(tmp_path_factory.mktemp("wq8"))))
+
+
+@pytest.mark.parametrize("n,k", [(1, 32), (17, 64), (48, 96), (100, 576)])
+@pytest.mark.parametrize("terms", [0, 1, 2])
+def test_q8_linear_matches_gguf_dequantize(wq_build, n, k, terms, monkeypatch):
+    """Q8Linear from gguf-quantized blocks: dequantize() is gguf.quants.dequantize bit for
+    bit; forward is the twin's product (int8-quantized x, or fp32 x for terms 0) within fp32
+    rounding, for 1 .. 33 rows, on every build of the kernel."""
+    from kvserve.kernels import reference
+    from kvserve.kernels.cpu import wq_gemm as wq_cpu
+    from kvserve.layers.int4.q8_linear import Q8Linear
+
+    monkeypatch.setattr(wq_cpu, "wq_library", lambda: wq_build)
+    g = torch.Generator().manual_seed(n * k + terms)
+    w = (torch.randn(n, k, generator=g) * 0.05).numpy()
+    raw = torch.from_numpy(quantize(w, QT.Q8_0))
+    lin = Q8Linear.from_blocks(raw, (n, k), terms)
+    want_w = torch.from_numpy(dequantize(raw.numpy(), QT.Q8_0))
+    assert torch.equal(lin.dequantize(), want_w)
+    # 36 bytes per 32 weights (codes, s and m in fp16) vs the file's 34; rows padded to 16
+    assert lin.weight_bytes() <= 16 * -(-n // 16) * k // 32 * 36
+    for m in (1, 4, 33):
+        x = torch.randn(m, k, generator=g)
+        xr = reference.wq_fake_quant_act(x, terms) if terms else x
+        want = (xr.double() @ want_w.double().t()).float()
+        torch.testing.assert_close(lin(x), want, rtol=1e-5, atol=1e-5)

@@ -21,8 +21,10 @@ pytestmark = pytest.mark.slow
 
 OPERATIONS = [("POST", "/v1/completions"), ("POST", "/v1/chat/completions"),
               ("GET", "/v1/models"), ("GET", "/health"), ("GET", "/ready"),
-              ("GET", "/version"), ("GET", "/metrics"), ("GET", "/kv_events")]
-MAX_EXAMPLES = {"POST": 30, "GET": 5}
+              ("GET", "/version"), ("GET", "/metrics"), ("GET", "/kv_events"),
+              ("POST", "/v1/responses"), ("GET", "/v1/responses/{response_id}"),
+              ("DELETE", "/v1/responses/{response_id}")]
+MAX_EXAMPLES = {"POST": 30, "GET": 5, "DELETE": 5}
 
 
 @pytest.fixture(scope="module")

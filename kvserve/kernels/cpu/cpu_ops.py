@@ -33,6 +33,8 @@ def ops_library() -> ctypes.CDLL | None:
     dll.kvs_gather_q8.restype = c_int
     dll.kvs_rotate_heads.argtypes = [p, i64, i64, i64, i64, p, p, c_int]
     dll.kvs_rotate_heads.restype = None
+    dll.kvs_concat_cols.argtypes = [p, i64] + [p, i64, i64] * 4
+    dll.kvs_concat_cols.restype = None
     return dll
 
 # kvs_gather_rows' table kinds
@@ -136,4 +138,23 @@ def rotate_heads(x: torch.Tensor, r: torch.Tensor) -> torch.Tensor | None:
     out = torch.empty(t, h, d, dtype=torch.float32)
     launch(lib, "kvs_rotate_heads", x, Rows(t), x.stride(0), h, d, r, out,
            torch.get_num_threads())
+    return out
+
+
+def concat_cols(parts: list[torch.Tensor]) -> torch.Tensor | None:
+    """fp32 parts [T, n_i] (rows may be strided; columns contiguous), at most 4 -> fp32
+    [T, sum n_i] side by side; None if the C op does not apply (the twin: ``torch.cat(parts,
+    -1)``)."""
+    lib = ops_library()
+    if lib is None or not 1 <= len(parts) <= 4 or not _fp32_cpu(*parts) \
+            or any(p.dim() != 2 or p.stride(1) != 1 for p in parts) \
+            or len({p.shape[0] for p in parts}) != 1:
+        return None
+    t = parts[0].shape[0]
+    out = torch.empty(t, sum(p.shape[1] for p in parts), dtype=torch.float32)
+    args: list = []
+    for i in range(4):
+        p = parts[i] if i < len(parts) else None
+        args += [p, p.stride(0), p.shape[1]] if p is not None else [None, 0, 0]
+    launch(lib, "kvs_concat_cols", out, Rows(t), *args)
     return out

@@ -25,7 +25,7 @@ DTYPE_CODES = {
 
 SIGNATURES = {
     "kvs_paged_attention": ([PTR, PTR, INT, PTR, INT64, PTR, PTR, PTR, INT, INT, INT, INT,
-                             INT, INT, FLOAT, INT, INT, PTR], None),
+                             INT, INT, FLOAT, INT, INT, PTR, INT], None),
     "kvs_attention_simd": ([], INT),
     "kvs_write_kv": ([PTR, INT64, PTR, INT64, INT64, INT64, INT64, INT, PTR, PTR, PTR], INT),
     "kvs_int8_scale_table": ([PTR], None),
@@ -57,9 +57,11 @@ def simd() -> bool:
 def paged_attention(kv_layer: torch.Tensor, scales_layer: torch.Tensor | None, q: torch.Tensor,
                     block_tables: torch.Tensor, row_seq: torch.Tensor | None,
                     lens: torch.Tensor, sm_scale: float, out: torch.Tensor, *,
-                    force_scalar: bool = False, dll: ctypes.CDLL | None = None) -> torch.Tensor:
+                    window: int = 0, force_scalar: bool = False,
+                    dll: ctypes.CDLL | None = None) -> torch.Tensor:
     """Each query row r attends tokens [0, lens[r]) of sequence ``row_seq[r]`` (row r itself
-    when ``row_seq`` is None).
+    when ``row_seq`` is None); with ``window`` > 0 (a sliding-window layer) only the last
+    ``window`` of them, [lens[r] - window, lens[r]): blocks before that are never read.
 
     kv_layer [NB+1, 2, bs, H, D]; scales_layer [NB+1, 2, bs, H]: bf16 (FP8), int8 log-scale
     codes (INT8, kvserve/quant/int8.py), else None;
@@ -83,7 +85,8 @@ def paged_attention(kv_layer: torch.Tensor, scales_layer: torch.Tensor | None, q
         assert scales_layer.dtype == want and scales_layer.is_contiguous()
     launch(dll, "kvs_paged_attention", kv_layer, scales_layer, DTYPE_CODES[kv_layer.dtype], q,
            q.stride(0), block_tables, row_seq, lens, Rows(n), block_tables.shape[1], bs, h,
-           hq // h, d, float(sm_scale), torch.get_num_threads(), int(force_scalar), out)
+           hq // h, d, float(sm_scale), torch.get_num_threads(), int(force_scalar), out,
+           int(window))
     return out
 
 

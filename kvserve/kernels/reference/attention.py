@@ -39,8 +39,11 @@ def paged_attention(
     seq_lens: torch.Tensor,
     query_start_loc: torch.Tensor,
     sm_scale: float,
+    window: int = 0,
 ) -> torch.Tensor:
-    """Ragged causal attention over the paged cache: ``q[T, Hq, D] -> out[T, Hq, D]``.
+    """Ragged causal attention over the paged cache: ``q[T, Hq, D] -> out[T, Hq, D]``;
+    ``window`` > 0 (a sliding-window layer): the query at position p sees keys
+    (p - window, p] only.
 
     Sequence b owns queries ``q[qsl[b]:qsl[b+1]]`` (q_len of them), which are its LAST q_len
     tokens, and its seq_len tokens are already in the cache::
@@ -73,7 +76,10 @@ def paged_attention(
         ctx = seq_len - q_len
         qpos = ctx + torch.arange(q_len, device=q.device)
         kpos = torch.arange(seq_len, device=q.device)
-        scores = scores.masked_fill(kpos[None, None, :] > qpos[None, :, None], float("-inf"))
+        hidden = kpos[None, None, :] > qpos[None, :, None]
+        if window:
+            hidden |= kpos[None, None, :] <= qpos[None, :, None] - window
+        scores = scores.masked_fill(hidden, float("-inf"))
         out[q0:q1] = torch.einsum("hqk,khd->qhd", scores.softmax(dim=-1), v)
     return out.to(q.dtype)
 
@@ -81,10 +87,11 @@ def paged_attention(
 def paged_decode_attention(q: torch.Tensor, kv_data: torch.Tensor,
                            kv_scales: torch.Tensor | None, layer: int,
                            block_tables: torch.Tensor, seq_lens: torch.Tensor,
-                           sm_scale: float) -> torch.Tensor:
+                           sm_scale: float, window: int = 0) -> torch.Tensor:
     """Decode (one query per sequence, ``q[B, Hq, D]``): :func:`paged_attention` with q_len=1."""
     qsl = torch.arange(q.shape[0] + 1, dtype=torch.int32, device=q.device)
-    return paged_attention(q, kv_data, kv_scales, layer, block_tables, seq_lens, qsl, sm_scale)
+    return paged_attention(q, kv_data, kv_scales, layer, block_tables, seq_lens, qsl, sm_scale,
+                           window)
 
 
 def mla_decode(

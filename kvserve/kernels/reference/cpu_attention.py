@@ -108,9 +108,10 @@ def decode(ws: Workspace, data: torch.Tensor, scales: torch.Tensor | None, q: to
 
 
 def prefill(ws: Workspace, data: torch.Tensor, scales: torch.Tensor | None, q: torch.Tensor,
-            ids: torch.Tensor, seq_len: int, sm_scale: float) -> torch.Tensor:
+            ids: torch.Tensor, seq_len: int, sm_scale: float, window: int = 0) -> torch.Tensor:
     """The last ``q_len`` query tokens ``q`` [q_len, Hq, D] of one sequence of ``seq_len``
-    tokens (blocks ``ids``), causal -> fp32 [q_len, Hq, D]."""
+    tokens (blocks ``ids``), causal -> fp32 [q_len, Hq, D]; ``window`` > 0: the query at
+    position p sees keys (p - window, p] only (a sliding-window layer)."""
     qlen = q.shape[0]
     mb = ids.numel()
     gqa = q.shape[1] > data.shape[3]
@@ -121,13 +122,15 @@ def prefill(ws: Workspace, data: torch.Tensor, scales: torch.Tensor | None, q: t
     k = kvf[0, :, :seq_len].unsqueeze(0)
     v = kvf[1, :, :seq_len].unsqueeze(0)
     qh = q.float().transpose(0, 1).unsqueeze(0)  # [1, Hq, qlen, D]
-    if qlen == seq_len:
+    if qlen == seq_len and not window:
         o = F.scaled_dot_product_attention(qh, k, v, is_causal=True, scale=sm_scale,
                                            enable_gqa=gqa)
     else:
         start = seq_len - qlen
-        allowed = (torch.arange(seq_len).unsqueeze(0)
-                   <= (torch.arange(qlen) + start).unsqueeze(1))
+        kpos, qpos = torch.arange(seq_len).unsqueeze(0), (torch.arange(qlen) + start).unsqueeze(1)
+        allowed = kpos <= qpos
+        if window:
+            allowed &= kpos > qpos - window
         o = F.scaled_dot_product_attention(qh, k, v, attn_mask=allowed, scale=sm_scale,
                                            enable_gqa=gqa)
     return o[0].transpose(0, 1)

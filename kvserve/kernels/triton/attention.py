@@ -164,10 +164,13 @@ def _row_offsets(
 def _online_softmax(s, m_i, l_i):
     """One tile of the online softmax (log2 units). s [M, N] scores with masked entries -inf,
     m_i / l_i [M] the running max and sum. Returns p [M, N] (unnormalised), alpha [M] (the
-    factor rescaling what was accumulated so far), the new max and the new sum."""
+    factor rescaling what was accumulated so far), the new max and the new sum. A row with
+    nothing visible yet (every score so far -inf: a sliding window's rows past the first tile)
+    keeps max -inf and gets p = 0, alpha = 0 (not exp2(-inf + inf) = NaN)."""
     m_new = tl.maximum(m_i, tl.max(s, axis=1))
-    alpha = tl.exp2(m_i - m_new)
-    p = tl.exp2(s - m_new[:, None])
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.exp2(m_i - m_safe)
+    p = tl.exp2(s - m_safe[:, None])
     return p, alpha, m_new, l_i * alpha + tl.sum(p, axis=1)
 
 
@@ -231,7 +234,9 @@ def _decode_split_kernel(
     qk_scale,  # sm_scale * log2(e)
     stride_qb, stride_qh, stride_kvb, stride_kvc, stride_kvt, stride_kvh, stride_scb,
     stride_scc, stride_sct, stride_sch, stride_btb, stride_mob, stride_moh, stride_mos,
-    stride_mlb, stride_mlh, tokens_per_split, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
+    stride_mlb, stride_mlh, tokens_per_split,
+    window,  # > 0: a sliding-window layer, keys [seq_len - window, seq_len) only
+    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_N: tl.constexpr, IS_SCALED: tl.constexpr,
     LOG8_SCALES: tl.constexpr,  # INT8 cache: scales are 1-byte codes e, 2^(e/8)
@@ -240,6 +245,8 @@ def _decode_split_kernel(
 ):
     b, split, seq_len, start, end = _split_bounds(SEQ_LENS, tokens_per_split)
     kvh = tl.program_id(1)
+    # a window's splits start at its first key (splits wholly before it stay empty: lse -inf)
+    start = tl.maximum(start, tl.where(window > 0, tl.maximum(seq_len - window, 0), 0))
 
     offs_h = tl.arange(0, BLOCK_H)
     offs_d = tl.arange(0, BLOCK_D)
@@ -395,9 +402,10 @@ def _check_common(
 def paged_decode_attention(
     q: torch.Tensor, kv_data: torch.Tensor, kv_scales: torch.Tensor | None, layer: int,
     block_tables: torch.Tensor, seq_lens: torch.Tensor, sm_scale: float,
-    num_splits: int | None = None, max_seq_len: int | None = None,
+    num_splits: int | None = None, max_seq_len: int | None = None, window: int = 0,
 ) -> torch.Tensor:
-    """Split-K paged decode: ``q[B, Hq, D] -> out[B, Hq, D]`` (twin: paged_decode_attention).
+    """Split-K paged decode: ``q[B, Hq, D] -> out[B, Hq, D]`` (twin: paged_decode_attention;
+    ``window`` > 0: a sliding-window layer, the last ``window`` keys only).
 
     ``max_seq_len`` (>= every seq_len) sizes the splits; without it the wrapper reads
     ``seq_lens.max()`` (one host sync: pass it on the hot path and under CUDA-graph capture,
@@ -421,7 +429,7 @@ def paged_decode_attention(
     _decode_split_kernel[(B, n_kvh, sp.num)](
         q, kv_l, sc, block_tables, seq_lens, sp.mid_o, sp.mid_lse, sm_scale * _LOG2E,
         *_strides(q, 0, 1), *_strides(kv_l, 0, 1, 2, 3), *_strides(sc, 0, 1, 2, 3),
-        *sp.kernel_args(block_tables),
+        *sp.kernel_args(block_tables), int(window),
         GROUP=group, HEAD_DIM=D, BLOCK_SIZE=bs, BLOCK_H=_pow2(group), BLOCK_D=_pow2(D),
         BLOCK_N=block_n, DEQUANT_V=q.dtype == torch.float16, **_kv_flags(kv_data, dot_dtype),
         num_warps=DECODE_CONFIG["num_warps"], num_stages=DECODE_CONFIG["num_stages"],
@@ -442,7 +450,9 @@ def _prefill_kernel(
     QSL,  # int32 [B + 1]
     OUT,  # [T, Hq, D]
     qk_scale, stride_qt, stride_qh, stride_kvb, stride_kvc, stride_kvt, stride_kvh, stride_scb,
-    stride_scc, stride_sct, stride_sch, stride_btb, stride_ot, stride_oh, GROUP: tl.constexpr,
+    stride_scc, stride_sct, stride_sch, stride_btb, stride_ot, stride_oh,
+    window,  # > 0: a sliding-window layer, the query at p sees keys (p - window, p] only
+    GROUP: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, IS_SCALED: tl.constexpr,
     LOG8_SCALES: tl.constexpr,  # INT8 cache: scales are 1-byte codes e, 2^(e/8)
@@ -476,14 +486,18 @@ def _prefill_kernel(
     # keys this tile needs: [0, hi); an idle tile (mt past q_len) gets hi = 0
     hi = tl.minimum(seq_len, ctx + (mt + 1) * BLOCK_M)
     hi = tl.where(mt * BLOCK_M < q_len, hi, 0)
+    # ... from the first key of the tile's first row's window (earlier blocks are never read)
+    lo = tl.where(window > 0, tl.maximum(ctx + mt * BLOCK_M - window + 1, 0), 0)
 
     m_i, l_i, acc = _softmax_state(BLOCK_M, BLOCK_D)
     BT_row, kv_head, sc_head = _kv_bases(BT, KV, SC, b, kvh, stride_btb, stride_kvh, stride_sch)
-    for n0 in range(0, hi, BLOCK_N):
+    for n0 in range(lo, hi, BLOCK_N):
         offs_n = n0 + tl.arange(0, BLOCK_N)
         mask_n = offs_n < hi
         keep = mask_n[None, :] & (offs_n[None, :] <= pos_m[:, None])  # causal
-        # key 0 is in the first tile and visible to every row, so the max is finite from there
+        keep = keep & ((window == 0) | (offs_n[None, :] > pos_m[:, None] - window))
+        # without a window key 0 is in the first tile and visible to every row, so the max is
+        # finite from there; with one a row may see nothing yet (``_online_softmax``)
         m_i, l_i, acc = _attend_kv_tile(
             q, m_i, l_i, acc, kv_head, sc_head, BT_row, offs_n, mask_n, keep, offs_d, mask_d,
             qk_scale, stride_kvb, stride_kvc, stride_kvt, stride_scb, stride_scc, stride_sct,
@@ -498,9 +512,10 @@ def _prefill_kernel(
 def paged_attention(
     q: torch.Tensor, kv_data: torch.Tensor, kv_scales: torch.Tensor | None, layer: int,
     block_tables: torch.Tensor, seq_lens: torch.Tensor, query_start_loc: torch.Tensor,
-    sm_scale: float, max_query_len: int | None = None,
+    sm_scale: float, max_query_len: int | None = None, window: int = 0,
 ) -> torch.Tensor:
-    """Ragged causal paged attention ``q[T, Hq, D] -> out[T, Hq, D]`` (twin: paged_attention).
+    """Ragged causal paged attention ``q[T, Hq, D] -> out[T, Hq, D]`` (twin: paged_attention;
+    ``window`` > 0: a sliding-window layer).
 
     ``max_query_len`` (the largest q_len) sizes the grid; without it the wrapper reads it from
     ``query_start_loc`` (one host sync).
@@ -529,7 +544,7 @@ def paged_attention(
     _prefill_kernel[grid](
         q, kv_l, sc, block_tables, seq_lens, query_start_loc, out, sm_scale * _LOG2E,
         *_strides(q, 0, 1), *_strides(kv_l, 0, 1, 2, 3), *_strides(sc, 0, 1, 2, 3),
-        block_tables.stride(0), *_strides(out, 0, 1),
+        block_tables.stride(0), *_strides(out, 0, 1), int(window),
         GROUP=n_qh // n_kvh, HEAD_DIM=D, BLOCK_SIZE=bs, BLOCK_M=block_m, BLOCK_D=_pow2(D),
         BLOCK_N=block_n, DEQUANT_V=q.dtype == torch.float16, **_kv_flags(kv_data, dot_dtype),
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],

@@ -16,6 +16,13 @@ GPTQ and GGUF Q4 tensors, the per-module ``Int4Scheme``, RTN / AWQ) and the offl
     moe.py       Int4FusedMoE: an INT4 checkpoint's MoE experts as per-expert ``Linear`` /
                  ``MergedLinear`` modules that ``loading.swap_int4_modules`` swaps like any
                  other (routing and dispatch: ``kvserve.layers.moe``)
+    kq_linear.py KqLinear: a GGUF Q5_0 / Q5_1 / Q4_K / Q5_K / Q6_K linear kept packed for the
+                 integer-dot kernel kvserve/csrc/kq_gemm.c (format: ``kvserve/quant/kq.py``)
     loading.py   the loader's passes: swap the quantized modules in on the meta model,
                  dequantize those read as a dense matrix, pack for the device
+    gguf_types.py   GGML_TYPES: how each ggml type of a GGUF file loads (packed: which builder;
+                 else dequantized), the one table the GGUF loader reads
+    gguf_linear.py  GGUFLinear: a linear module whose GGUF blocks stay packed (one part per run
+                 of shards of one type)
+    q8_linear.py    Q8_0 linears kept 8-bit (integer-dot 8-bit tiles)
 """

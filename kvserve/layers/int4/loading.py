@@ -15,6 +15,7 @@ from typing import Protocol
 import torch
 from torch import nn
 
+from kvserve.layers.int4.gguf_linear import GGUFLinear
 from kvserve.layers.int4.linear import Int4Linear
 from kvserve.layers.int4.merged import Int4MergedLinear
 from kvserve.layers.int4.moe import Int4FusedMoE
@@ -116,10 +117,14 @@ def finish_int4_modules(model: nn.Module, dtype: torch.dtype, device: str,
     as a dense matrix are dequantized (``densify_int4_modules``), every other INT4 module is
     built (``finish_loading``: those still waiting for optional tensors) and, off the CPU,
     repacked once for the GPU ``kernel`` ("triton" or "tinygemm"; the CPU layout dropped) and
-    moved to ``device``."""
+    moved to ``device``. Packed GGUF modules (``GGUFLinear``) are finished the same way."""
     densify_int4_modules(model, dtype, device)
     for module in model.modules():
-        if isinstance(module, Int4MergedLinear):
+        if isinstance(module, GGUFLinear):  # packed GGUF blocks
+            module.finish_loading()
+            if torch.device(device).type != "cpu":
+                module.to_device(kernel, device)
+        elif isinstance(module, Int4MergedLinear):
             module.finish_loading()
             if torch.device(device).type != "cpu":
                 # packed on the CPU from the checkpoint; repacked once for the GPU kernel

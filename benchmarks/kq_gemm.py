@@ -1,0 +1,137 @@
+"""The integer-dot GEMM for GGUF Q5_0 / Q5_1 / Q4_K / Q5_K / Q6_K weights kept packed
+(kvserve/csrc/kq_gemm.c) over a decode step's weight stream, per type and batch, against the
+16-bit GEMM (kvserve/csrc/w16_gemm.c, bf16 weights) and this machine's read bandwidth; one
+run, JSON out.
+
+    .venv/bin/python benchmarks/kq_gemm.py [--threads 2] [--rounds 5] [--rows 1,16,64]
+        [--types Q4_K,Q5_K,Q6_K,Q5_0,Q5_1] [--layers 2] [--hidden 2048] [--inter 8192]
+        [--terms 2] [--json docs/bench/kq_gemm.json]
+
+The stream: ``layers`` transformer layers of a Llama-shaped model (fused qkv 3 h x h, o h x h,
+fused gate_up 2 i x h, down h x i; h = 2048, i = 8192 by default: ~61 M weights a layer, ~35 MB
+in Q4_K), random codes and scales, in each type. Every build's calls are recorded into a CPU
+graph (kvserve.kernels.cpu.graph) and replayed, as the engine replays them. Per type and number
+of rows M, median of ``rounds``: milliseconds, GB/s of the packed bytes read, ``over_floor``
+(time x read bandwidth / bytes: 1.0 is the memory floor; ``read_gbs`` is torch.sum's streaming
+rate on the same threads) and ``vs_w16`` (the 16-bit GEMM's time on the same shapes / this
+one's). ``resident_over_file`` is the packed bytes over the GGUF file's bytes of the same
+weights.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+
+from kvserve.bench.common import env_info, log, read_bandwidth, write_json
+from kvserve.kernels.cpu import graph
+from kvserve.kernels.cpu import kq_gemm as kq_cpu
+from kvserve.kernels.cpu import w16_gemm as w16_cpu
+from kvserve.quant import kq
+
+
+def shapes(hidden: int, inter: int) -> list[tuple[str, int, int]]:
+    return [("qkv", 3 * hidden, hidden), ("o", hidden, hidden), ("gate_up", 2 * inter, hidden),
+            ("down", hidden, inter)]
+
+
+def random_parts(qtype: int, n: int, k: int, g: torch.Generator) -> kq.KqParts:
+    """Random codes and sane scales of ``qtype`` (timing only: any bytes run the same)."""
+    _, block, _, bits, _ = kq.TYPES[qtype]
+    u = torch.randint(0, 1 << bits, (n, k), dtype=torch.uint8, generator=g)
+    d = (torch.rand(n, k // block, generator=g) * 1e-3).half()
+    dm = (torch.rand(n, k // block, generator=g) * 1e-3).half() if qtype in (7, 12, 13) else None
+    sc = mn = None
+    if qtype in (12, 13):
+        sc = torch.randint(0, 64, (n, k // 32), dtype=torch.uint8, generator=g)
+        mn = torch.randint(0, 64, (n, k // 32), dtype=torch.uint8, generator=g)
+    elif qtype == 14:
+        sc = torch.randint(-128, 128, (n, k // 16), dtype=torch.int8, generator=g)
+    return kq.KqParts(qtype, u, d, dm, sc, mn)
+
+
+def timed(tape: graph.Tape, m: int, rounds: int) -> float:
+    ts = []
+    for r in range(rounds + 1):  # round 0 warms up
+        t0 = time.perf_counter()
+        tape.replay(m)
+        if r:
+            ts.append(time.perf_counter() - t0)
+    return statistics.median(ts)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--rows", default="1,16,64")
+    ap.add_argument("--types", default="Q4_K,Q5_K,Q6_K,Q5_0,Q5_1")
+    ap.add_argument("--layers", type=int, default=2)
+    ap.add_argument("--hidden", type=int, default=2048)
+    ap.add_argument("--inter", type=int, default=8192)
+    ap.add_argument("--terms", type=int, choices=(1, 2), default=2,
+                    help="int8 passes per activation (2: the engine's default int8x2)")
+    ap.add_argument("--bandwidth-mib", type=int, default=0,
+                    help="read-bandwidth probe buffer (0: max(512 MiB, 8x the last-level cache))")
+    ap.add_argument("--json", default=None)
+    a = ap.parse_args(argv)
+    if a.threads < 1 or a.rounds < 1 or a.layers < 1:
+        raise SystemExit("--threads, --rounds and --layers must be >= 1")
+    if a.hidden % 256 or a.inter % 256:
+        raise SystemExit("--hidden and --inter must be multiples of 256 (K-quant blocks)")
+    types = [kq.type_id(t) for t in a.types.split(",")]
+    rows = [int(v) for v in a.rows.split(",")]
+    torch.set_num_threads(a.threads)
+    lib, w16 = kq_cpu.kq_library(), w16_cpu.w16_library()
+    if lib is None or w16 is None or not graph.available():
+        raise SystemExit("the C kernels did not build here (no compiler?)")
+    g = torch.Generator().manual_seed(0)
+    shp = shapes(a.hidden, a.inter) * a.layers
+    bw = read_bandwidth(a.bandwidth_mib)
+    log(f"kq_gemm: {a.layers} layers of h={a.hidden}, i={a.inter}; read bandwidth "
+        f"{bw['read_gbs']:.1f} GB/s ({a.threads} threads)")
+    xs = {m: {k: torch.randn(m, k, generator=g) for k in {a.hidden, a.inter}} for m in rows}
+    # the 16-bit baseline: bf16 weights of the same shapes
+    w16s = [torch.randn(n, k, generator=g).bfloat16() for _, n, k in shp]
+    w16_bytes = sum(w.numel() * 2 for w in w16s)
+    w16_ms = {}
+    for m in rows:
+        with graph.recording() as tape:
+            for w in w16s:
+                w16_cpu.w16_gemm(w16, xs[m][w.shape[1]], w, w16_cpu.bf16_dot_rows(w16))
+        w16_ms[m] = timed(tape, m, a.rounds) * 1e3
+        log(f"w16 M={m:3d}: {w16_ms[m]:.2f} ms ({w16_bytes / w16_ms[m] / 1e6:.1f} GB/s)")
+    del w16s
+    results = []
+    for t in types:
+        name = kq.TYPES[t][0]
+        packed = [(kq.pack(random_parts(t, n, k, g)), n, k) for _, n, k in shp]
+        tables = [kq_cpu.shard_table([(t, n, p)]) for p, n, _ in packed]
+        nbytes = sum(p.numel() for p, _, _ in packed)
+        fbytes = sum(kq.file_bytes(t, n, k) for _, n, k in shp)
+        for m in rows:
+            with graph.recording() as tape:
+                for (_, n, k), table in zip(packed, tables, strict=True):
+                    kq_cpu.kq_linear(lib, xs[m][k], table, n, a.terms)
+            ms = timed(tape, m, a.rounds) * 1e3
+            row = {"type": name, "rows": m, "ms": ms, "gbs": nbytes / ms / 1e6,
+                   "over_floor": ms * 1e-3 * bw["read_gbs"] * 1e9 / nbytes,
+                   "w16_ms": w16_ms[m], "vs_w16": w16_ms[m] / ms,
+                   "packed_bytes": nbytes, "file_bytes": fbytes,
+                   "resident_over_file": nbytes / fbytes}
+            results.append(row)
+            log(f"{name} M={m:3d}: {ms:.2f} ms ({row['gbs']:.1f} GB/s, "
+                f"{row['over_floor']:.2f}x floor, {row['vs_w16']:.2f}x w16)")
+    write_json(a.json, {"bench": "kq_gemm", "threads": a.threads, "rounds": a.rounds,
+                        "layers": a.layers, "hidden": a.hidden, "inter": a.inter,
+                        "terms": a.terms, "shape_list": shapes(a.hidden, a.inter),
+                        "w16_bytes": w16_bytes, "read_bandwidth": bw, "results": results,
+                        "env": env_info()})
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,179 @@
+"""``POST /v1/responses`` request models (OpenAI's Responses API, text models): pydantic 2,
+typed strictly as ``kvserve.server.protocol``'s requests are. What a text model cannot serve
+(images, files, hosted tools) is refused with a 400 naming the field; fields that change
+nothing here (``reasoning``, ``include``, ``truncation``) are accepted."""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from pydantic import Discriminator, Field, Tag
+
+from kvserve.server.protocol import (
+    MAX_SEED,
+    JsonSchema,
+    Text,
+    ToolName,
+    _Request,
+    _Response,
+)
+
+
+class InputContentPart(_Request):
+    """``input_text`` / ``output_text`` parts are served; other types get a 400."""
+
+    type: Text = Field(..., max_length=64)
+    text: Text | None = None
+
+
+class InputMessage(_Request):
+    """A message item (``type`` "message" or absent: OpenAI's EasyInputMessage)."""
+
+    type: Literal["message"] = "message"
+    role: Literal["user", "assistant", "system", "developer"]
+    content: Text | list[InputContentPart]
+    id: Text | None = None
+    status: Text | None = None
+
+
+class FunctionCallItem(_Request):
+    """A call the model made (an earlier response's ``function_call`` output item)."""
+
+    type: Literal["function_call"]
+    call_id: Text = Field(..., min_length=1, max_length=256)
+    name: ToolName
+    arguments: Text
+    id: Text | None = None
+    status: Text | None = None
+
+
+class FunctionCallOutputItem(_Request):
+    """A tool's result for ``call_id``."""
+
+    type: Literal["function_call_output"]
+    call_id: Text = Field(..., min_length=1, max_length=256)
+    output: Text
+    id: Text | None = None
+    status: Text | None = None
+
+
+class ReasoningItem(_Request):
+    """An earlier response's reasoning item: accepted and not rendered (as chat templates
+    drop earlier turns' reasoning)."""
+
+    type: Literal["reasoning"]
+    id: Text | None = None
+
+
+def _item_tag(value: Any) -> str | None:
+    kind = value.get("type", "message") if isinstance(value, dict) else getattr(value, "type",
+                                                                                None)
+    return {"message": "Message", "function_call": "FunctionCall",
+            "function_call_output": "FunctionCallOutput", "reasoning": "Reasoning"}.get(kind)
+
+
+InputItem = Annotated[
+    Annotated[InputMessage, Tag("Message")]
+    | Annotated[FunctionCallItem, Tag("FunctionCall")]
+    | Annotated[FunctionCallOutputItem, Tag("FunctionCallOutput")]
+    | Annotated[ReasoningItem, Tag("Reasoning")],
+    Discriminator(_item_tag, custom_error_type="input_item_type",
+                  custom_error_message="type must be 'message', 'function_call', "
+                                       "'function_call_output' or 'reasoning'")]
+
+
+class FunctionTool(_Request):
+    type: Literal["function"]
+    name: ToolName
+    description: Text | None = None
+    parameters: JsonSchema | None = Field(None, description="A JSON schema (an object's).")
+    strict: bool | None = Field(None, description="Default true (as OpenAI's Responses API): "
+                                                  "the arguments follow the schema, every "
+                                                  "object closed.")
+
+
+class FunctionToolChoice(_Request):
+    type: Literal["function"]
+    name: ToolName
+
+
+class TextFormatText(_Request):
+    type: Literal["text"]
+
+
+class TextFormatJSONObject(_Request):
+    type: Literal["json_object"]
+
+
+class TextFormatJSONSchema(_Request):
+    type: Literal["json_schema"]
+    name: ToolName
+    schema_: JsonSchema = Field(..., alias="schema", description="A JSON schema.")
+    description: Text | None = None
+    strict: bool | None = None
+
+
+def _format_tag(value: Any) -> str | None:
+    kind = value.get("type") if isinstance(value, dict) else getattr(value, "type", None)
+    return {"text": "Text", "json_object": "JSONObject", "json_schema": "JSONSchema"}.get(kind)
+
+
+TextFormat = Annotated[
+    Annotated[TextFormatText, Tag("Text")]
+    | Annotated[TextFormatJSONObject, Tag("JSONObject")]
+    | Annotated[TextFormatJSONSchema, Tag("JSONSchema")],
+    Discriminator(_format_tag, custom_error_type="response_format_type",
+                  custom_error_message="type must be 'text', 'json_object' or 'json_schema'")]
+
+
+class TextConfig(_Request):
+    format: TextFormat | None = None
+
+
+class ResponsesRequest(_Request):
+    model: Text | None = Field(None, description="Must name the served model when given.")
+    input: Text | Annotated[list[InputItem], Field(min_length=1)] = Field(
+        ..., description="A user message's text, or input items (messages, function_call, "
+                         "function_call_output).")
+    instructions: Text | None = Field(None, description="A system message before the input "
+                                                        "(not carried to continuations).")
+    previous_response_id: Text | None = Field(None, description="Continue a stored response's "
+                                                                "conversation.")
+    max_output_tokens: int | None = Field(None, ge=1)
+    temperature: float | None = Field(None, ge=0, le=2)
+    top_p: float | None = Field(None, gt=0, le=1)
+    tools: list[FunctionTool] | None = Field(None, max_length=128)
+    tool_choice: Literal["none", "auto", "required"] | FunctionToolChoice | None = None
+    parallel_tool_calls: bool = True
+    text: TextConfig | None = None
+    stream: bool = False
+    store: bool = Field(True, description="Keep the response for GET and continuations "
+                                          "(bounded: --responses-max-stored / -bytes).")
+    metadata: dict[str, Text] | None = Field(None, max_length=16)
+    user: Text | None = None
+    reasoning: dict[str, Any] | None = Field(None, description="Accepted and ignored.")
+    truncation: Literal["auto", "disabled"] | None = None
+    include: list[Text] | None = Field(None, description="Accepted and ignored.")
+    # kvserve extensions
+    seed: int | None = Field(None, ge=0, le=MAX_SEED, description="kvserve.")
+    chat_template_kwargs: dict[str, Any] | None = Field(None, description="kvserve.")
+
+
+# ---- responses (for the OpenAPI schema; the handler builds them as dicts) --------------------
+class ResponseObject(_Response):
+    """OpenAI's ``response`` object: ``output`` holds ``reasoning``, ``message`` and
+    ``function_call`` items."""
+
+    id: str
+    object: Literal["response"] = "response"
+    created_at: int
+    status: Literal["completed", "incomplete", "in_progress", "failed"]
+    model: str
+    output: list[dict[str, Any]]
+    usage: dict[str, Any] | None = None
+
+
+class DeletedResponse(_Response):
+    id: str
+    object: Literal["response"] = "response"
+    deleted: bool

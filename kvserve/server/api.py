@@ -100,7 +100,7 @@ def _routes(app: FastAPI, state: ServerState) -> None:
     async def create_response(body: ResponsesRequest, request: Request) -> Response:
         """OpenAI's Responses API (text): `stream: true` answers with its SSE events;
         `store` keeps the answer for GET and `previous_response_id` (docs/server.md)."""
-        check_model(body.model, state.settings)
+        check_model(body.model, state.settings, state.loras.adapters)
         return await ResponsesHandler(body, state).answer(request)
 
     @app.get("/v1/responses/{response_id}", response_model=ResponseObject, responses=_ERRORS)

@@ -80,6 +80,8 @@ def test_models_and_requests_by_adapter(client, adapters, tiny_llama):
     chat = client.chat.completions.create(model="sql", max_tokens=4,
                                           messages=[{"role": "user", "content": "w1 w2"}])
     assert chat.model == "sql" and chat.choices[0].message.content is not None
+    resp = client.responses.create(model="sql", input="w1 w2", max_output_tokens=4)
+    assert resp.model == "sql" and resp.status in ("completed", "incomplete")
     with pytest.raises(openai.NotFoundError):
         client.completions.create(model="nope", prompt="w1", max_tokens=2)
 

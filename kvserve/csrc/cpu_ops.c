@@ -13,6 +13,11 @@
  *                     (twin: kvserve.layers.q8_embedding.Q8Embedding's torch path)
  *   kvs_rotate_heads  every head of every row times the KV rotation R (or R^T) of the
  *                     rotated 8-bit KV modes (twin: kvserve.kernels.reference.rotate_heads)
+ *   kvs_gelu_tanh_mul gelu_tanh(gate) * up from the fused gate_up output (Gemma's GeGLU;
+ *                     twin: F.gelu(g, approximate="tanh") * u)
+ *   kvs_head_rms_norm per-head RMSNorm in place in the fused qkv output (q / k norms; twin:
+ *                     kvserve.layers.norm.RMSNorm over [T, H, D])
+ *   kvs_scale         x *= s in place (Gemma's sqrt(hidden) embedding scale; twin: x * s)
  *   kvs_concat_cols   up to 4 row-major parts side by side (a GGUF fused module whose shards
  *                     differ in type; twin: torch.cat(parts, dim=-1))
  *
@@ -79,6 +84,58 @@ void kvs_silu_mul(const float *gu, int64_t T, int64_t I, float *out, int num_thr
 #endif
         for (; j < I; j++) o[j] = g[j] / (1.0f + expf(-g[j])) * u[j];
     }
+}
+
+/* gu fp32 [T, 2I] (gate | up) -> out fp32 [T, I] = gelu_tanh(gate) * up, with
+ * gelu_tanh(g) = 0.5 g (1 + tanh(z)) = g * sigmoid(2 z), z = sqrt(2/pi) (g + 0.044715 g^3). */
+void kvs_gelu_tanh_mul(const float *gu, int64_t T, int64_t I, float *out, int num_threads) {
+    const float c0 = 0.7978845608028654f, c1 = 0.044715f;
+#pragma omp parallel for schedule(static) num_threads(num_threads) if (T * I > 65536)
+    for (int64_t t = 0; t < T; t++) {
+        const float *g = gu + t * 2 * I, *u = g + I;
+        float *o = out + t * I;
+        int64_t j = 0;
+#if defined(__AVX2__) && defined(__FMA__)
+        /* sigmoid(2z) from e = exp(-|2z|) <= 1 (never overflows), as kvs_silu_mul */
+        const __m256 one = _mm256_set1_ps(1.0f), sign = _mm256_set1_ps(-0.0f);
+        const __m256 k0 = _mm256_set1_ps(2.0f * c0), k1 = _mm256_set1_ps(c1);
+        for (; j + 8 <= I; j += 8) {
+            const __m256 gv = _mm256_loadu_ps(g + j);
+            const __m256 g2 = _mm256_mul_ps(gv, gv);
+            const __m256 z2 = _mm256_mul_ps(_mm256_mul_ps(k0, gv),
+                                            _mm256_fmadd_ps(k1, g2, one)); /* 2z */
+            const __m256 e = exp8(_mm256_or_ps(z2, sign)); /* exp(-|2z|) */
+            const __m256 r = _mm256_div_ps(one, _mm256_add_ps(one, e));
+            const __m256 neg = _mm256_cmp_ps(z2, _mm256_setzero_ps(), _CMP_LT_OQ);
+            const __m256 sig = _mm256_blendv_ps(r, _mm256_mul_ps(e, r), neg);
+            _mm256_storeu_ps(o + j, _mm256_mul_ps(_mm256_mul_ps(gv, sig), _mm256_loadu_ps(u + j)));
+        }
+#endif
+        for (; j < I; j++) {
+            const float z2 = 2.0f * c0 * g[j] * (1.0f + c1 * g[j] * g[j]);
+            const float e = expf(-fabsf(z2)), r = 1.0f / (1.0f + e);
+            o[j] = g[j] * (z2 < 0.0f ? e * r : r) * u[j];
+        }
+    }
+}
+
+/* x fp32 rows of `stride` floats; heads 0 .. nheads-1 of each row (D floats each, contiguous
+ * from x) become head * rsqrt(mean(head^2) + eps) * w, in place. */
+void kvs_head_rms_norm(float *x, int64_t T, int64_t stride, int64_t nheads, int64_t D,
+                       const float *w, float eps, int num_threads) {
+#pragma omp parallel for schedule(static) num_threads(num_threads) if (T * nheads * D > 65536)
+    for (int64_t i = 0; i < T * nheads; i++) {
+        float *v = x + (i / nheads) * stride + (i % nheads) * D;
+        float ss = 0.0f;
+        for (int64_t j = 0; j < D; j++) ss += v[j] * v[j];
+        const float inv = 1.0f / sqrtf(ss / (float)D + eps);
+        for (int64_t j = 0; j < D; j++) v[j] = v[j] * inv * w[j];
+    }
+}
+
+/* x fp32 [T, D] (rows contiguous) *= s, in place. */
+void kvs_scale(float *x, int64_t T, int64_t D, float s) {
+    for (int64_t i = 0; i < T * D; i++) x[i] *= s;
 }
 
 /* residual fp32 [T, D] += x [T, D]; out [T, D] = residual * rsqrt(mean(residual^2) + eps) * w.
@@ -250,6 +307,21 @@ int kvs_gather_rows_op(const int64_t *a) {
 
 int kvs_rotate_heads_op(const int64_t *a) {
     kvs_rotate_heads(OP_P(0), a[1], a[2], a[3], a[4], OP_P(5), OP_P(6), (int)a[7]);
+    return 0;
+}
+
+int kvs_gelu_tanh_mul_op(const int64_t *a) {
+    kvs_gelu_tanh_mul(OP_P(0), a[1], a[2], OP_P(3), (int)a[4]);
+    return 0;
+}
+
+int kvs_head_rms_norm_op(const int64_t *a) {
+    kvs_head_rms_norm(OP_P(0), a[1], a[2], a[3], a[4], OP_P(5), OP_F(6), (int)a[7]);
+    return 0;
+}
+
+int kvs_scale_op(const int64_t *a) {
+    kvs_scale(OP_P(0), a[1], a[2], OP_F(3));
     return 0;
 }
 

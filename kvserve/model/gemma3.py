@@ -25,6 +25,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kvserve.kernels.cpu import cpu_ops
+from kvserve.layers.lora import LoRAStep, with_lora
 from kvserve.layers.norm import RMSNorm
 from kvserve.layers.rotary import RotaryEmbedding
 from kvserve.layers.vocab_parallel import ParallelLMHead, VocabParallelEmbedding
@@ -50,6 +52,11 @@ class GemmaRMSNorm(RMSNorm):
     def __init__(self, dim: int, eps: float = 1e-6) -> None:
         super().__init__(dim, eps)
         self.weight.weight_loader = _load_one_plus  # type: ignore[attr-defined]
+
+    def norm(self, x: torch.Tensor) -> torch.Tensor:
+        """norm(x) without a residual: the fused C op where it applies (fp32 [T, D] on CPU,
+        recordable in a CPU decode graph), else ``forward``."""
+        return self.add_norm(x, None)[0] if x.dim() == 2 else self(x)
 
 
 def layer_types(config) -> list[str]:
@@ -79,13 +86,37 @@ class Gemma3Attention(LlamaAttention):
         self.q_norm = GemmaRMSNorm(self.head_dim, config.rms_norm_eps)
         self.k_norm = GemmaRMSNorm(self.head_dim, config.rms_norm_eps)
 
+    def forward(self, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+        t, h, hk, d = x.shape[0], self.num_heads, self.num_kv_heads, self.head_dim
+        qkv = with_lora(self.qkv_proj, x, batch.lora)
+        # fp32 on CPU: q / k heads normed, then rotated, in place in qkv (C calls a CPU decode
+        # graph records); else the torch twin below
+        fused = cpu_ops.head_rms_norm_applies(qkv, self.q_norm.weight)
+        if fused:
+            cpu_ops.head_rms_norm_(qkv, 0, h, d, self.q_norm.weight, self.q_norm.eps)
+            cpu_ops.head_rms_norm_(qkv, h, hk, d, self.k_norm.weight, self.k_norm.eps)
+            fused = self.rotary.rotate_qk_(batch.positions, qkv, h + hk, d)
+        q, k, v = qkv.split((h * d, hk * d, hk * d), dim=-1)
+        q, k, v = q.view(t, h, d), k.view(t, hk, d), v.view(t, hk, d)
+        if not fused:
+            if not cpu_ops.head_rms_norm_applies(qkv, self.q_norm.weight):
+                q, k = self.q_norm(q), self.k_norm(k)
+            qk = self.rotary(batch.positions, torch.cat((q, k), dim=1))
+            q, k = qk[:, :h], qk[:, h:]
+        o = batch.attn.forward(self.layer_idx, q, k, v, batch.meta)  # fp32 [T, H, D]
+        return with_lora(self.o_proj, o.reshape(t, h * d).to(x.dtype), batch.lora)
+
 
 class Gemma3MLP(LlamaMLP):
     """GeGLU: down(gelu_tanh(gate) * up)."""
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).split(self.intermediate, dim=-1)
-        return self.down_proj(F.gelu(gate, approximate="tanh") * up)
+    def forward(self, x: torch.Tensor, lora: LoRAStep | None = None) -> torch.Tensor:
+        gate_up = with_lora(self.gate_up_proj, x, lora)
+        act = cpu_ops.gelu_tanh_mul(gate_up)  # fp32 on CPU: one C call
+        if act is None:
+            gate, up = gate_up.split(self.intermediate, dim=-1)
+            act = F.gelu(gate, approximate="tanh") * up
+        return with_lora(self.down_proj, act, lora)
 
 
 class Gemma3DecoderLayer(nn.Module):
@@ -104,9 +135,9 @@ class Gemma3DecoderLayer(nn.Module):
         """(this layer's normed MLP output, the residual stream before it): the stream is
         their sum, added by the next fused add + RMSNorm (as in the Llama decoder)."""
         h, residual = self.input_layernorm.add_norm(x, residual)
-        attn = self.post_attention_layernorm(self.self_attn(h, batch))
+        attn = self.post_attention_layernorm.norm(self.self_attn(h, batch))
         h, residual = self.pre_feedforward_layernorm.add_norm(attn, residual)
-        return self.post_feedforward_layernorm(self.mlp(h)), residual
+        return self.post_feedforward_layernorm.norm(self.mlp(h, batch.lora)), residual
 
 
 class Gemma3Model(nn.Module):
@@ -126,8 +157,9 @@ class Gemma3Model(nn.Module):
 
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
         x = self.embed_tokens(batch.input_ids)
-        # sqrt(hidden) in the activations' dtype, as HF rounds it
-        x = x * torch.tensor(self.embed_scale, dtype=x.dtype)
+        # sqrt(hidden) in the activations' dtype, as HF rounds it (fp32: in place, one C call)
+        if not cpu_ops.scale_(x, self.embed_scale):
+            x = x * torch.tensor(self.embed_scale, dtype=x.dtype)
         residual = None
         for layer in self.layers:
             x, residual = layer(x, batch, residual)

@@ -111,6 +111,42 @@ def test_rotate_heads_matches_twin_and_is_batch_invariant(lib, t, h, d):
     assert cpu_ops.rotate_heads(q, torch.randn(d, d + 1)) is None
 
 
+@pytest.mark.parametrize("t,i", [(1, 2048), (7, 37), (64, 256)])
+def test_gelu_tanh_mul_matches_twin(lib, t, i):
+    gu = torch.randn(t, 2 * i) * 4  # both signs, the cubic term large
+    gu[0, 0], gu[0, 1] = -100.0, 100.0
+    got = cpu_ops.gelu_tanh_mul(gu)
+    want = F.gelu(gu[:, :i], approximate="tanh") * gu[:, i:]
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    assert cpu_ops.gelu_tanh_mul(gu.bfloat16()) is None
+
+
+@pytest.mark.parametrize("t,h,hk,d", [(1, 4, 1, 256), (5, 8, 2, 64), (3, 2, 2, 20)])
+def test_head_rms_norm_in_place_matches_twin(lib, t, h, hk, d):
+    """q's heads and then k's, in place inside a fused qkv row; v untouched."""
+    qkv = torch.randn(t, (h + 2 * hk) * d) * 3
+    wq, wk = torch.randn(d), torch.randn(d)
+    want_q = F.rms_norm(qkv[:, : h * d].view(t, h, d), (d,), wq, 1e-6)
+    want_k = F.rms_norm(qkv[:, h * d : (h + hk) * d].view(t, hk, d), (d,), wk, 1e-6)
+    got = qkv.clone()
+    assert cpu_ops.head_rms_norm_applies(got, wq)
+    cpu_ops.head_rms_norm_(got, 0, h, d, wq, 1e-6)
+    cpu_ops.head_rms_norm_(got, h, hk, d, wk, 1e-6)
+    torch.testing.assert_close(got[:, : h * d].view(t, h, d), want_q, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(got[:, h * d : (h + hk) * d].view(t, hk, d), want_k, rtol=1e-5,
+                               atol=1e-5)
+    assert torch.equal(got[:, (h + hk) * d :], qkv[:, (h + hk) * d :])
+    assert not cpu_ops.head_rms_norm_applies(qkv.bfloat16(), wq)
+
+
+def test_scale_in_place_matches_twin(lib):
+    x = torch.randn(5, 640)
+    want = x * torch.tensor(640**0.5)
+    assert cpu_ops.scale_(x, 640**0.5)
+    torch.testing.assert_close(x, want, rtol=1e-7, atol=0)
+    assert not cpu_ops.scale_(x.bfloat16(), 2.0)
+
+
 @pytest.mark.parametrize("t,ns", [(1, (32, 16)), (5, (64, 8, 24)), (3, (16, 16, 16, 40))])
 def test_concat_cols_matches_torch_cat(lib, t, ns):
     """GGUF fused modules of mixed types: parts side by side, one of them a strided view (a

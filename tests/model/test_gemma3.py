@@ -135,3 +135,27 @@ def test_8bit_kv_with_windows(tiny_gemma3, hf_gemma3, make_llm, kv):
                        max_num_batched_tokens=5)
     chunked.generate([_p(PROMPTS[0][:30])], GREEDY)  # and a prefix hit for prompt 0
     assert _toks(chunked.generate([_p(p) for p in PROMPTS], GREEDY)) == base
+
+
+@pytest.mark.slow  # engines recorded and replayed against eager ones
+def test_decode_graph_records_and_equals_eager(tmp_path, make_llm):
+    """bf16 weights on CPU: the Gemma 3 decode step (q / k norms, two ropes, GeGLU, the
+    embedding scale, windowed attention) is recorded as C calls and replayed; its tokens and
+    logprobs equal the eager forward's exactly."""
+    from tests.conftest import make_tiny_model
+
+    path = make_tiny_model(str(tmp_path / "g3bf16"), "gemma3", save_dtype=torch.bfloat16,
+                           **GEMMA3)
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=2)
+    eager = make_llm(path, enforce_eager=True, block_size=4)
+    fast = make_llm(path, block_size=4)
+    g = fast.engine.runner.graphs
+    assert g is not None and g.refused is None and len(g.tape) > 0
+    assert g.tape.names.count("kvs_gelu_tanh_mul") == 4
+    assert g.tape.names.count("kvs_head_rms_norm") == 8
+    want = [(o.outputs[0].token_ids, o.outputs[0].logprobs)
+            for o in eager.generate([_p(p) for p in PROMPTS], params)]
+    got = [(o.outputs[0].token_ids, o.outputs[0].logprobs)
+           for o in fast.generate([_p(p) for p in PROMPTS], params)]
+    assert got == want
+    assert g.runs > 0

@@ -90,13 +90,22 @@ def _readable(path: str) -> bool:
 @pytest.mark.slow
 @pytest.mark.skipif(_real_file() is None, reason="Gemma 3 270M Q4_K_M GGUF not present")
 def test_real_gemma3_270m_generates(make_llm):
-    """The public 270M base model: loads, local layers get window 512, completes text (no
-    chat template in the file: plain completion)."""
+    """The public 270M base model: loads, its 15 local layers get window 512 (3 global), and it
+    completes text (no chat template in the file: plain completion). Its greedy tokens against
+    transformers are benchmarks/gguf_parity.py's (docs/benchmarks.md)."""
     if not _readable(_real_file()):
         pytest.skip("this build cannot read the file's GGUF types yet")
+    from transformers import AutoConfig
+
+    from kvserve.model.gemma3 import Gemma3ForCausalLM
+    from kvserve.model.gguf import GGUFCheckpoint
+
+    config = AutoConfig.from_pretrained(GGUFCheckpoint(_real_file()).metadata_dir)
+    windows = Gemma3ForCausalLM.spec_for(config).layer_windows
+    assert windows == tuple(0 if (i + 1) % 6 == 0 else 512 for i in range(18))
     llm = make_llm(_real_file(), kv_cache_memory="64MiB")
-    tok = llm.get_tokenizer()
-    assert not getattr(tok, "chat_template", None)
-    out = llm.generate(["The capital of France is"],
-                       SamplingParams(temperature=0, max_tokens=8))[0]
-    assert "Paris" in out.outputs[0].text
+    assert not getattr(llm.get_tokenizer(), "chat_template", None)
+    out = llm.generate(["def fibonacci(n):"], SamplingParams(temperature=0, max_tokens=8))[0]
+    text = out.outputs[0].text
+    assert len(out.outputs[0].token_ids) == 8
+    assert "if n" in text or "return" in text, text  # greedy: "\n    if n == 0:\n ..."

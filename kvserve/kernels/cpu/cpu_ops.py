@@ -33,6 +33,12 @@ def ops_library() -> ctypes.CDLL | None:
     dll.kvs_gather_q8.restype = c_int
     dll.kvs_rotate_heads.argtypes = [p, i64, i64, i64, i64, p, p, c_int]
     dll.kvs_rotate_heads.restype = None
+    dll.kvs_gelu_tanh_mul.argtypes = [p, i64, i64, p, c_int]
+    dll.kvs_gelu_tanh_mul.restype = None
+    dll.kvs_head_rms_norm.argtypes = [p, i64, i64, i64, i64, p, ctypes.c_float, c_int]
+    dll.kvs_head_rms_norm.restype = None
+    dll.kvs_scale.argtypes = [p, i64, i64, ctypes.c_float]
+    dll.kvs_scale.restype = None
     dll.kvs_concat_cols.argtypes = [p, i64] + [p, i64, i64] * 4
     dll.kvs_concat_cols.restype = None
     return dll
@@ -69,6 +75,43 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor | None:
     out = torch.empty(t, i2 // 2, dtype=torch.float32)
     launch(lib, "kvs_silu_mul", gate_up, Rows(t), i2 // 2, out, torch.get_num_threads())
     return out
+
+
+def gelu_tanh_mul(gate_up: torch.Tensor) -> torch.Tensor | None:
+    """fp32 [T, 2I] (gate | up, contiguous) -> [T, I] = gelu_tanh(gate) * up (GeGLU)."""
+    lib = ops_library()
+    if lib is None or not _fp32_cpu(gate_up) or gate_up.dim() != 2 \
+            or not gate_up.is_contiguous():
+        return None
+    t, i2 = gate_up.shape
+    out = torch.empty(t, i2 // 2, dtype=torch.float32)
+    launch(lib, "kvs_gelu_tanh_mul", gate_up, Rows(t), i2 // 2, out, torch.get_num_threads())
+    return out
+
+
+def head_rms_norm_applies(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether :func:`head_rms_norm_` takes x (fp32 [T, W] on CPU, unit column stride)."""
+    return ops_library() is not None and _fp32_cpu(x, weight) and x.dim() == 2 \
+        and x.stride(1) == 1 and weight.is_contiguous()
+
+
+def head_rms_norm_(x: torch.Tensor, first: int, nheads: int, head_dim: int,
+                   weight: torch.Tensor, eps: float) -> None:
+    """Heads [first, first + nheads) of every row of x (fp32 [T, W], see
+    ``head_rms_norm_applies``) RMS-normed per head with ``weight`` [head_dim], in place."""
+    assert (first + nheads) * head_dim <= x.shape[1] and weight.numel() == head_dim
+    launch(ops_library(), "kvs_head_rms_norm", x[:, first * head_dim:], Rows(x.shape[0]),
+           x.stride(0), nheads, head_dim, weight, float(eps), torch.get_num_threads())
+
+
+def scale_(x: torch.Tensor, s: float) -> bool:
+    """x (fp32 [T, D] contiguous, CPU) *= s in place; False, nothing done, where the C op
+    does not apply."""
+    lib = ops_library()
+    if lib is None or not _fp32_cpu(x) or x.dim() != 2 or not x.is_contiguous():
+        return False
+    launch(lib, "kvs_scale", x, Rows(x.shape[0]), x.shape[1], float(s))
+    return True
 
 
 def add_rms_norm(x: torch.Tensor | None, residual: torch.Tensor, weight: torch.Tensor,

@@ -248,3 +248,40 @@ def test_grammar_gate_states(models):
     assert m.accept(THINK_ID) and len(allowed(m)) == 512
     assert m.accept(w6) and m.accept(end) and not m.reasoning
     assert allowed(m) == {w5} and m.accept(w5) and m.accept(w6) and m.is_terminated
+
+
+def test_responses_reasoning_item(models):
+    """/v1/responses: the reasoning is a reasoning item before the message (whole and
+    streamed), and its tokens are counted in output_tokens_details.reasoning_tokens."""
+    from openai import AsyncOpenAI
+
+    deepseek, _, out, k = models
+    srv = _serve(deepseek, "deepseek_r1")
+    try:
+        tok = srv.state.tokenizer
+
+        async def go():
+            async with srv.client() as http:
+                client = AsyncOpenAI(base_url="http://test/v1", api_key="none",
+                                     max_retries=0, http_client=http)
+                r = await client.responses.create(model=MODEL_NAME, input="w1 w2 w3",
+                                                  max_output_tokens=12, temperature=0)
+                kinds, reasoning = [], ""
+                async with client.responses.stream(model=MODEL_NAME, input="w1 w2 w3",
+                                                   max_output_tokens=12,
+                                                   temperature=0) as stream:
+                    async for event in stream:
+                        kinds.append(event.type)
+                        if event.type == "response.reasoning_text.delta":
+                            reasoning += event.delta
+                return r, kinds, reasoning, event.response
+        r, kinds, reasoning, streamed = srv.run(go())
+        assert [o.type for o in r.output] == ["reasoning", "message"]
+        assert r.output[0].content[0].text == reasoning == tok.decode(out[:k])
+        assert r.output_text == streamed.output_text == tok.decode(out[k + 1:]).lstrip()
+        assert r.usage.output_tokens_details.reasoning_tokens == k + 1
+        assert [o.type for o in streamed.output] == ["reasoning", "message"]
+        assert kinds.index("response.reasoning_text.done") < \
+            kinds.index("response.content_part.added")
+    finally:
+        srv.close()

@@ -435,3 +435,103 @@ class EngineConfig:
     @property
     def capacity_tokens(self) -> int:
         return self.num_blocks * self.cache.block_size
+
+
+# ---- speculative decoding (kvserve/engine/spec/, docs/speculative.md) -------------------------
+SPEC_METHODS = ("ngram", "suffix", "draft_model")
+_SPEC_KEYS = {
+    "method", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max", "model",
+    "suffix_decoding_max_tree_depth", "suffix_decoding_max_cached_requests",
+    "suffix_decoding_max_spec_factor", "suffix_decoding_min_token_prob", "adaptive",
+}
+
+
+@dataclass(frozen=True, slots=True)
+class SpeculativeConfig:
+    """``--speculative-config`` with vLLM's keys. ngram: prompt lookup of the longest n-gram
+    (prompt_lookup_max down to prompt_lookup_min tokens) ending the sequence; suffix: suffix
+    trees over the request and recent outputs (SuffixDecoding), drafts up to
+    max_spec_factor x the match length; draft_model: a smaller model with the same tokenizer.
+    ``adaptive`` (kvserve's): per step, draft only where the measured step-time curve says the
+    expected accepted tokens pay for the extra rows."""
+
+    method: str
+    num_speculative_tokens: int
+    prompt_lookup_min: int = 2
+    prompt_lookup_max: int = 5
+    model: str | None = None
+    suffix_decoding_max_tree_depth: int = 24
+    suffix_decoding_max_cached_requests: int = 1000
+    suffix_decoding_max_spec_factor: float = 1.0
+    suffix_decoding_min_token_prob: float = 0.1
+    adaptive: bool = True
+
+    def __post_init__(self) -> None:
+        def positive_int(key: str, low: int = 1) -> None:
+            v = getattr(self, key)
+            if isinstance(v, bool) or not isinstance(v, int) or v < low:
+                raise ValueError(f"speculative_config: {key} must be an integer >= {low}, "
+                                 f"got {v!r}")
+
+        if self.method not in SPEC_METHODS:
+            raise ValueError(f"speculative_config: method must be one of "
+                             f"{', '.join(SPEC_METHODS)}, got {self.method!r}")
+        positive_int("num_speculative_tokens")
+        if self.num_speculative_tokens > 64:
+            raise ValueError(f"speculative_config: num_speculative_tokens must be <= 64, got "
+                             f"{self.num_speculative_tokens}")
+        positive_int("prompt_lookup_min")
+        positive_int("prompt_lookup_max")
+        if self.prompt_lookup_min > self.prompt_lookup_max:
+            raise ValueError(f"speculative_config: prompt_lookup_min ({self.prompt_lookup_min})"
+                             f" must be <= prompt_lookup_max ({self.prompt_lookup_max})")
+        positive_int("suffix_decoding_max_tree_depth")
+        positive_int("suffix_decoding_max_cached_requests", 0)
+        for key in ("suffix_decoding_max_spec_factor", "suffix_decoding_min_token_prob"):
+            v = getattr(self, key)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or v < 0:
+                raise ValueError(f"speculative_config: {key} must be a number >= 0, got {v!r}")
+        if self.suffix_decoding_min_token_prob > 1:
+            raise ValueError("speculative_config: suffix_decoding_min_token_prob must be <= 1, "
+                             f"got {self.suffix_decoding_min_token_prob}")
+        if not isinstance(self.adaptive, bool):
+            raise ValueError(f"speculative_config: adaptive must be true or false, got "
+                             f"{self.adaptive!r}")
+        if self.method == "draft_model":
+            if not isinstance(self.model, str) or not self.model:
+                raise ValueError("speculative_config: method draft_model needs model (a GGUF "
+                                 "file or HF folder)")
+        elif self.model is not None:
+            raise ValueError(f"speculative_config: model is only for method draft_model, not "
+                             f"{self.method!r}")
+
+
+def parse_speculative_config(value: str | dict | None) -> SpeculativeConfig | None:
+    """``--speculative-config`` (a JSON object) or ``LLM(speculative_config={...})`` -> the
+    frozen config; None stays None. ValueError naming the key for anything wrong."""
+    if value is None or isinstance(value, SpeculativeConfig):
+        return value
+    if isinstance(value, str):
+        import json
+
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"speculative_config: not valid JSON ({e})") from None
+    if not isinstance(value, dict):
+        raise ValueError(f"speculative_config must be a JSON object, got {type(value).__name__}")
+    unknown = sorted(set(value) - _SPEC_KEYS)
+    if unknown:
+        raise ValueError(f"speculative_config: unknown key {unknown[0]!r} (known: "
+                         f"{', '.join(sorted(_SPEC_KEYS))})")
+    if "method" not in value:
+        raise ValueError("speculative_config: method is required (ngram, suffix, draft_model)")
+    d = dict(value)
+    if "num_speculative_tokens" not in d:
+        if d["method"] != "suffix":
+            raise ValueError("speculative_config: num_speculative_tokens is required for "
+                             f"method {d['method']!r}")
+        d["num_speculative_tokens"] = 16  # suffix: an upper bound; the match sets the length
+    if d.get("method") == "ngram" and "prompt_lookup_max" in d and "prompt_lookup_min" not in d:
+        d["prompt_lookup_min"] = min(2, d["prompt_lookup_max"])
+    return SpeculativeConfig(**d)

@@ -112,6 +112,9 @@ class Request:
     kv_export: bool = False
     kv_handle: dict | None = None
     kv_import: dict | None = None
+    # Speculative decoding (kvserve/engine/spec/): the draft tokens the next step verifies,
+    # set by the drafter after each step (empty: none). Never part of the token ids.
+    spec_token_ids: list[int] = field(default_factory=list)
     metrics: RequestMetrics = field(init=False)
     # Detokenizer state lives in the engine's output processor, keyed by request_id.
 

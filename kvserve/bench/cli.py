@@ -10,6 +10,8 @@
     kvserve bench quality --model PATH [--kv-cache-dtype fp8] \\
         [--quantization int4 --candidate-model PATH2] [--text FILE] --json OUT.json
     kvserve bench integrity --model PATH --json OUT.json --plot OUT.png
+    kvserve bench spec [--model PATH] --workloads edit,rag,json,chat --batch-sizes 1,4,16 \\
+        --methods off,ngram,suffix,draft_model [--peer llamacpp --peer-python PATH] --json OUT
     kvserve bench serve --url http://127.0.0.1:8000 --concurrency 16 --requests 256 \\
         --max-tokens 128 [--chat] [--api-key KEY] --json OUT.json   (against a running server)
 
@@ -28,6 +30,7 @@ from kvserve.bench.settings import (
     BenchOutput,
     LatencyConfig,
     QualityConfig,
+    SpecBenchConfig,
     ThroughputConfig,
 )
 from kvserve.config_cli import add_cli_args, cli_values, from_cli_args
@@ -52,7 +55,7 @@ def _serve_bench(ns) -> int:
 
 def register(subparsers) -> None:
     bench = subparsers.add_parser("bench", help="benchmarks: throughput, integrity, latency, "
-                                  "quality, serve", description=__doc__)
+                                  "spec, quality, serve", description=__doc__)
     sub = bench.add_subparsers(dest="bench_cmd", required=True)
 
     t = sub.add_parser("throughput", help="closed-loop tokens/s vs concurrency per KV dtype")
@@ -72,6 +75,11 @@ def register(subparsers) -> None:
                        "agreement, KL")
     _add(q, QualityConfig, replaces=QUALITY_REPLACES, plot=False)
     q.set_defaults(func=_quality)
+
+    spec = sub.add_parser("spec", help="speculative decoding off vs on: output tokens/s per "
+                          "workload, batch and method")
+    _add(spec, SpecBenchConfig, plot=False)
+    spec.set_defaults(func=_spec)
 
     srv = sub.add_parser("serve", add_help=False,
                          help="HTTP load generator against a running server (streaming); "
@@ -140,4 +148,17 @@ def _quality(ns: argparse.Namespace) -> int:
     for kv, result in zip(cands, ql.run_quality_many(qc, cands), strict=True):
         write_json(out.json.replace("{kv}", kv) if out.json else out.json, result)
         log(ql.format_summary(result))
+    return 0
+
+
+def _spec(ns: argparse.Namespace) -> int:
+    from kvserve.bench import spec_bench as sb
+    from kvserve.bench.common import log, write_json
+
+    out = _output(ns)
+    base = EngineArgs.from_cli_args(ns)
+    sc = from_cli_args(SpecBenchConfig, ns, base=base, threads=out.threads)
+    result = sb.run_spec(sc)
+    write_json(out.json, result)
+    log(sb.format_table(result))
     return 0

@@ -200,3 +200,44 @@ class QualityConfig:
     def candidates(self) -> list[str]:
         """The candidate KV dtypes: ``kv_cache_dtype`` read as a comma list."""
         return parse_list(self.candidate_kv_dtype, str, "--kv-cache-dtype")
+
+
+@dataclass
+class SpecBenchConfig:
+    """``kvserve bench spec`` (kvserve/bench/spec_bench.py)."""
+
+    base: EngineArgs = field(default_factory=EngineArgs)
+    workloads: list[str] = arg(["edit", "rag", "json", "chat"], "comma list of edit, rag, "
+                               "json, chat", cli_default="edit,rag,json,chat",
+                               parse=_strs("--workloads"))
+    methods: list[str] = arg(["off", "ngram", "suffix"], "comma list of off, ngram, suffix, "
+                             "draft_model (one engine each)", cli_default="off,ngram,suffix",
+                             parse=_strs("--methods"))
+    batch_sizes: list[int] = arg([1, 4, 16], "comma list of batch sizes", cli_default="1,4,16",
+                                 parse=_positive("--batch-sizes"))
+    output_len: int = arg(128, "max generated tokens per request (greedy)", type=int)
+    rounds: int = arg(3, "timed rounds (after one warm-up), engines rotated; medians",
+                      type=int)
+    num_speculative_tokens: int = arg(5, "draft tokens per step (ngram, draft_model; suffix: "
+                                      "at least 8, an upper bound)", type=int)
+    draft_model: str | None = arg(None, "draft_model: the draft (default: the model itself, "
+                                  "a plumbing check)", metavar="PATH")
+    peer: str | None = arg(None, "also run llama-cpp-python plain and with "
+                           "LlamaPromptLookupDecoding at batch 1", choices=["llamacpp"])
+    peer_python: str | None = arg(None, "interpreter with llama-cpp-python", metavar="PATH")
+    peer_model: str | None = arg(None, "the GGUF llama.cpp runs (default: --model)",
+                                 metavar="GGUF")
+    peer_timeout: float = arg(3600.0, "seconds before the peer run is stopped", type=float)
+    threads: int | None = arg(None, "", cli=False)
+
+    def __post_init__(self) -> None:
+        from kvserve.bench.spec_workloads import WORKLOADS
+
+        bad = [w for w in self.workloads if w not in WORKLOADS]
+        if bad:
+            raise ValueError(f"--workloads: unknown {bad[0]!r} (known: {', '.join(WORKLOADS)})")
+        bad = [m for m in self.methods if m not in ("off", "ngram", "suffix", "draft_model")]
+        if bad:
+            raise ValueError(f"--methods: unknown {bad[0]!r}")
+        if self.rounds < 1 or self.output_len < 1:
+            raise ValueError("--rounds and --output-len must be >= 1")

@@ -546,3 +546,60 @@ int kvs_kq_linear(const float *x, int64_t M, int64_t K, const int64_t *shards, i
 int kvs_kq_linear_op(const int64_t *a) {
     return kvs_kq_linear(OP_P(0), a[1], a[2], OP_P(3), a[4], (int)a[5], (int)a[6], OP_P(7));
 }
+
+/* ---------------------------------------------------------------- dequantize */
+
+/*
+ * Rows [r0, r1) of the weight (r0 a multiple of 16) as fp32 w [r1 - r0, K], exactly
+ * gguf.quants.dequantize's values (its fp32 operations in its order: Q5_0 d (u - 16); Q5_1
+ * d u + m; Q4_K / Q5_K (d sc) u - (dmin mn); Q6_K (d sc) (u - 32)). For fp32 activations
+ * (--gguf-activations fp32) and dequantize(). Returns 0, -2 for an unknown type or K.
+ */
+int kvs_kq_dequant(int type, const uint8_t *w, int64_t n, int64_t K, int64_t r0, int64_t r1,
+                   int num_threads, float *out) {
+    kq_fmt f = {0, 1, 0, 0, 0};
+    if (kq_format(type, &f) || K % (32 * f.sb) || r0 % 16 || r1 > n || r0 > r1) return -2;
+    const int64_t nsb = K / (32 * f.sb), hb = hdr_bytes(f), bb = blk_bytes(f), sbb = sb_bytes(f);
+    const int64_t tile_bytes = nsb * sbb;
+#pragma omp parallel for schedule(static) num_threads(num_threads)
+    for (int64_t row = r0; row < r1; row++) {
+        const int r = (int)(row % 16);
+        const uint8_t *wt = w + (row / 16) * tile_bytes;
+        float *o = out + (row - r0) * K;
+        for (int64_t s = 0; s < nsb; s++) {
+            const uint16_t *h = (const uint16_t *)(wt + s * sbb);
+            const float d = kvs_f16f(h[r]), dm = f.dm ? kvs_f16f(h[16 + r]) : 0.0f;
+            for (int bi = 0; bi < f.sb; bi++) {
+                const uint8_t *blk = wt + s * sbb + hb + bi * bb;
+                const uint8_t *lo = blk + (f.subsc ? 32 : 0);
+                float *ob = o + (s * f.sb + bi) * 32;
+                for (int kk = 0; kk < 32; kk++) {
+                    const int t = kk / 8, nib = (kk % 8) / 4, j = kk % 4, lane = 4 * r + j;
+                    const uint8_t byte = lo[64 * t + 4 * r + j];
+                    int u = nib ? byte >> 4 : byte & 15;
+                    for (int p = 0; p + 4 < f.bits; p++) {
+                        uint64_t m;
+                        memcpy(&m, lo + 256 + 64 * p + 8 * (2 * t + nib), 8);
+                        u |= (int)((m >> lane) & 1) << (4 + p);
+                    }
+                    float v;
+                    if (type == 6) {
+                        v = d * (float)(u - 16);
+                    } else if (type == 7) {
+                        const float du = d * (float)u;
+                        v = du + dm;
+                    } else if (type == 14) {
+                        const float ds = d * (float)(int8_t)blk[16 * (kk / 16) + r];
+                        v = ds * (float)(u - 32);
+                    } else {
+                        const float ds = d * (float)blk[r], dmn = dm * (float)blk[16 + r];
+                        const float du = ds * (float)u;
+                        v = du - dmn;
+                    }
+                    ob[kk] = v;
+                }
+            }
+        }
+    }
+    return 0;
+}

@@ -125,6 +125,14 @@ class EngineArgs:
         "products (faster from ~16 rows, KL ~2e-4 vs fp32; docs/cpu.md; the tables then stay "
         "row-major, not packed: batch-1 decode reads them ~1.2x slower); 0 = never (exact fp32 "
         "dots); default: KVSERVE_CPU_BF16_ROWS, else 0", type=int)
+    # Speculative decoding (kvserve/engine/spec/, docs/speculative.md), vLLM's keys: a JSON
+    # object (the command line) or a dict (LLM(speculative_config={...})); parsed and checked
+    # once here into kvserve.config.SpeculativeConfig.
+    speculative_config: Any = arg(
+        None, 'speculative decoding, a JSON object with vLLM\'s keys: {"method": "ngram", '
+        '"num_speculative_tokens": 5, "prompt_lookup_min": 2, "prompt_lookup_max": 5}, '
+        '{"method": "suffix"} or {"method": "draft_model", "model": PATH, '
+        '"num_speculative_tokens": 4} (docs/speculative.md)', metavar="JSON")
     # INT4 checkpoints on CUDA (kvserve/layers/int4/methods.py): the kernel each INT4 layer is
     # repacked for at load; tinygemm wants bf16 activations and sm80+.
     int4_cuda_kernel: str = arg(
@@ -184,6 +192,11 @@ class EngineArgs:
         from kvserve.quant.wq import activation_terms  # torch: not at import (--help)
 
         activation_terms(self.gguf_activations)  # ValueError naming gguf_activations
+        from kvserve.config import parse_speculative_config
+
+        # frozen: parsed once (ValueError naming the key), every reader sees the config object
+        object.__setattr__(self, "speculative_config",
+                           parse_speculative_config(self.speculative_config))
         if self.cpu_bf16_dot_rows is not None and self.cpu_bf16_dot_rows < 0:
             raise ValueError(f"cpu_bf16_dot_rows must be a row count >= 0 (0 = never), got "
                              f"{self.cpu_bf16_dot_rows}")

@@ -26,6 +26,7 @@ from kvserve.engine.input_processor import PromptType, check_prompt_room, tokeni
 from kvserve.engine.output_processor import OutputProcessor
 from kvserve.engine.runner_output import ModelRunnerOutput
 from kvserve.engine.scheduler import ScheduledRequest, SchedulerOutput
+from kvserve.engine.spec.drafter import make_drafter
 from kvserve.engine.stats import (
     ITERATION_TOKEN_BOUNDS,
     BucketCounts,
@@ -68,7 +69,9 @@ class LLMEngine:
         self.iteration_tokens = BucketCounts(ITERATION_TOKEN_BOUNDS)  # tokens per step
         # Hooks for the metrics: speculative decoding records its drafts here (None: off);
         # LoRA serving sets ``lora_info`` to a callable giving EngineStats.lora (None: off).
-        self.spec_decode: SpecDecodeCounters | None = None
+        self.drafter = make_drafter(self.args, self.tokenizer, self.model_config.vocab_size)
+        self.spec_decode: SpecDecodeCounters | None = (
+            self.drafter.counters if self.drafter is not None else None)
         self.lora_info: Callable[[], dict[str, Any]] | None = None
         cc = self.cache_config
         self._cache_info = {"block_size": str(cc.block_size),
@@ -85,7 +88,9 @@ class LLMEngine:
 
     def shutdown(self) -> None:
         """Write the KV tiers down and stop them; stop the tensor-parallel workers and the KV
-        event publisher."""
+        event publisher (and a draft model's engine)."""
+        if self.drafter is not None and self.drafter.draft_model is not None:
+            self.drafter.draft_model.shutdown()
         self.kv.close()
         self.executor.shutdown()
         if self.kv_events is not None:
@@ -167,8 +172,8 @@ class LLMEngine:
         scheduler's one apply step, with nothing computed): logprobs, text, stop checks."""
         assert first is not None
         sched = SchedulerOutput(new=[ScheduledRequest(req, 0, 0, ())])
-        out = ModelRunnerOutput([req.request_id], [first.token_id], [first.logprobs],
-                                [first.logprob], [])
+        out = ModelRunnerOutput([req.request_id], [[first.token_id]], [[first.logprobs]],
+                                [[first.logprob]], [])
         self.scheduler.update_from_output(sched, out, self.output_processor)
         if req.is_finished:
             self.output_processor.pop(req.parent_id)
@@ -229,16 +234,33 @@ class LLMEngine:
             return []
         if self.debug.on_schedule is not None:
             self.debug.on_schedule(sched, len(self.scheduler.running))
+        t0 = time.perf_counter()
         out = self.runner.execute_model(sched)
+        seconds = time.perf_counter() - t0
         self.counters["steps"] += 1
         self.iteration_tokens.observe(sum(x.num_new_tokens for x in sched.scheduled))
         sampled = self.scheduler.update_from_output(sched, out, self.output_processor)
         if self.integrity is not None:
             self.integrity.end_step()
-        self.counters["generation_tokens"] += len(sampled)
+        self.counters["generation_tokens"] += sum(map(len, out.sampled_token_ids))
+        if self.drafter is not None:
+            self._draft(sched, out, seconds)
         outs = self.output_processor.make_outputs(dict.fromkeys(r.parent_id for r in sampled))
         self.counters["finished"] += sum(o.finished for o in outs)
         return outs
+
+    def _draft(self, sched: SchedulerOutput, out: ModelRunnerOutput, seconds: float) -> None:
+        """Speculative decoding: account the step's drafts, then draft for the next step."""
+        assert self.drafter is not None
+        drafts = {s.req.request_id: len(s.draft) for s in sched.scheduled if s.draft}
+        accepted = {rid: len(t) - 1 for rid, t in zip(out.req_ids, out.sampled_token_ids,
+                                                      strict=True) if rid in drafts}
+        self.drafter.observe(drafts, accepted, sched.num_batched_tokens, seconds)
+        sched_ = self.scheduler
+        self.drafter.sweep({r.request_id for r in sched_.running}
+                           | {r.request_id for r in sched_.waiting})
+        base = sum(r.num_tokens - r.num_computed_tokens for r in sched_.running)
+        self.drafter.propose(sched_.running, min(base, sched_.config.max_num_batched_tokens))
 
     @torch.inference_mode()
     def prompt_logits(self, token_ids: list[int]) -> torch.Tensor:

@@ -12,12 +12,15 @@ from kvserve.outputs import Logprobs
 
 @dataclass(frozen=True, slots=True)
 class ModelRunnerOutput:
-    """One step's result, per request id (the rows sampled are in batch order)."""
+    """One step's result, per request id (the rows sampled are in batch order).
+
+    Each sampled request gets one or more tokens: with speculative decoding, the draft tokens
+    the step verified and accepted, then the token sampled after the last accepted one."""
 
     req_ids: list[str]  # requests whose step ended at their last known token: sampled
-    sampled_token_ids: list[int]  # [len(req_ids)]
-    logprobs: list[Logprobs | None]  # [len(req_ids)]: top-N + the sampled token, or None
-    sampled_logprobs: list[float]  # [len(req_ids)]: the sampled token's (0.0 when not asked)
+    sampled_token_ids: list[list[int]]  # [len(req_ids)][>= 1]
+    logprobs: list[list[Logprobs | None]]  # like sampled_token_ids: top-N + the token, or None
+    sampled_logprobs: list[list[float]]  # like sampled_token_ids (0.0 when not asked)
     # (request id, first target position, logprobs [n, V] fp32 of targets start .. start+n-1)
     prompt_logprobs: list[tuple[str, int, torch.Tensor]]
 

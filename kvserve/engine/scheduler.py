@@ -37,12 +37,16 @@ logger = logging.getLogger("kvserve.scheduler")
 
 @dataclass(frozen=True, slots=True)
 class ScheduledRequest:
-    """One request's share of a step: tokens [num_computed_tokens, + num_new_tokens)."""
+    """One request's share of a step: tokens [num_computed_tokens, + num_new_tokens).
+
+    With draft tokens (speculative decoding) a decoding request's share is its last token and
+    the drafts: num_new_tokens = 1 + len(draft), every row sampled and verified."""
 
     req: Request
     num_new_tokens: int
     num_computed_tokens: int  # already in the cache when the step starts
     block_ids: tuple[int, ...]  # its block table with this step's blocks allocated
+    draft: tuple[int, ...] = ()  # draft tokens verified this step (positions after the last)
 
 
 @dataclass(slots=True)
@@ -106,6 +110,13 @@ class Scheduler:
         while i < len(self.running) and budget > 0:
             req = self.running[i]
             n = min(req.num_tokens - req.num_computed_tokens, budget)
+            draft = tuple(req.spec_token_ids[: budget - 1]) if n == 1 else ()
+            # drafts only where their blocks are free: never preempt for a draft
+            if draft and self.kv.allocate_slots(req, 1 + len(draft)):
+                out.continuing.append(self._scheduled(req, 1 + len(draft), draft))
+                budget -= 1 + len(draft)
+                i += 1
+                continue
             while not self.kv.allocate_slots(req, n):
                 victim = max(self.running[i:], key=self._key)
                 self._preempt(victim, out)
@@ -167,14 +178,15 @@ class Scheduler:
         running = {r.lora.lora_id for r in self.running if r.lora is not None}
         return req.lora.lora_id in running or len(running) < self.max_loras
 
-    def _scheduled(self, req: Request, n: int) -> ScheduledRequest:
+    def _scheduled(self, req: Request, n: int, draft: tuple[int, ...] = ()) -> ScheduledRequest:
         return ScheduledRequest(req, n, req.num_computed_tokens,
-                                tuple(self.kv.get_block_ids(req)))
+                                tuple(self.kv.get_block_ids(req)), draft)
 
     def _preempt(self, req: Request, out: SchedulerOutput) -> None:
         self.running.remove(req)
         self.kv.free(req)
         req.num_computed_tokens = 0
+        req.spec_token_ids = []
         req.status = RequestStatus.WAITING
         req.metrics.num_preemptions += 1
         self.num_preemptions += 1
@@ -187,26 +199,46 @@ class Scheduler:
         """The one place a step advances requests: the scheduled tokens are now in the cache
         (their newly full blocks sealed and cached before anything is freed), each sampled
         token is appended, and a request that stops is finished here. Returns the requests
-        that got a token, in batch order."""
+        that got a token, in batch order.
+
+        A verified draft (speculative decoding): of the step's 1 + k rows only the last token
+        and the accepted drafts are computed KV; the accepted drafts join the output before
+        the commit, so blocks are sealed over accepted tokens only. The rejected rows' slots
+        are overwritten by later steps."""
         reqs = {s.req.request_id: s.req for s in sched.scheduled}
+        tokens = dict(zip(out.req_ids, out.sampled_token_ids, strict=True))
         for rid, start, lps in out.prompt_logprobs:
             checker.record_prompt_logprobs(reqs[rid], start, lps)
         for s in sched.scheduled:
-            s.req.num_computed_tokens += s.num_new_tokens
+            if s.draft:  # accepted drafts: all sampled tokens but the last
+                accepted = tokens[s.req.request_id][:-1]
+                s.req.num_computed_tokens += 1 + len(accepted)
+                s.req.output_token_ids.extend(accepted)
+            else:
+                s.req.num_computed_tokens += s.num_new_tokens
             self.kv.commit(s.req)
         self.kv.flush_commits()
         now = time.monotonic()
         sampled = []
+        drafted = {s.req.request_id for s in sched.scheduled if s.draft}
         for i, rid in enumerate(out.req_ids):
-            req, token = reqs[rid], out.sampled_token_ids[i]
-            # structured outputs: a token the grammar refuses (a dead end) is not added
-            accepted = req.grammar is None or req.grammar.accept(token)
-            if accepted:
-                req.output_token_ids.append(token)
-            status = checker.check_token(req, token, accepted, out.logprobs[i],
-                                         out.sampled_logprobs[i], now)
-            if status is not None:
-                self.finish(req, status)
+            req, toks = reqs[rid], out.sampled_token_ids[i]
+            n_in = len(toks) - 1 if rid in drafted else 0  # already appended (accepted drafts)
+            base = req.num_output_tokens - n_in
+            for j, token in enumerate(toks):
+                # structured outputs: a token the grammar refuses (a dead end) is not added
+                # (a draft is accepted only where its row's mask allowed it)
+                accepted = req.grammar is None or req.grammar.accept(token)
+                if accepted and j >= n_in:
+                    req.output_token_ids.append(token)
+                status = checker.check_token(req, token, accepted, out.logprobs[i][j],
+                                             out.sampled_logprobs[i][j], now)
+                if status is not None:
+                    if j < n_in:  # stopped inside the accepted drafts: drop the rest
+                        del req.output_token_ids[base + j + 1 :]
+                        req.num_computed_tokens = min(req.num_computed_tokens, req.num_tokens)
+                    self.finish(req, status)
+                    break
             sampled.append(req)
         return sampled
 

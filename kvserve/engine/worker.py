@@ -253,9 +253,13 @@ class Worker:
             return None
         if self.kv_cache.data.is_cuda:
             return self._cuda_graphs(backend)
+        rows = self.config.scheduler.max_num_seqs
+        spec = self.args.speculative_config
+        if spec is not None:  # verify steps: 1 + k decode rows per request
+            rows = min(rows * (1 + spec.num_speculative_tokens),
+                       max(rows, self.config.scheduler.max_num_batched_tokens))
         graphs = CpuGraphRunner(self.model, backend, self.kv_cache, self.kv_cache.block_size,
-                                self.spec.components, self.config.scheduler.max_num_seqs,
-                                self.config.model.max_model_len)
+                                self.spec.components, rows, self.config.model.max_model_len)
         return graphs if graphs.capture() else None
 
     def _cuda_graphs(self, backend) -> CudaGraphRunner | None:

@@ -127,6 +127,36 @@ class GrammarMatcher:
             self.num_accepted += 1
         return bool(ok) and not self._m.is_error()
 
+    def validate(self, tokens: list[int] | tuple[int, ...]) -> int:
+        """How many of ``tokens`` (a draft) the grammar accepts in a row from here; the state
+        does not move."""
+        if self._m.is_error():
+            return 0
+        return int(self._m.validate_tokens(list(tokens)))
+
+    def masks_along(self, draft: tuple[int, ...], vocab_size: int) -> list[_FixedMask]:
+        """Speculative decoding: the allowed-token masks at each of the 1 + k positions of a
+        verified draft (position j: the state after d_1..d_j), each as a one-use grammar for
+        the sampler's row. The state itself does not move (rolled back afterwards)."""
+        n = (vocab_size + 31) // 32
+        out: list[_FixedMask] = []
+        done = 0
+        try:
+            for j in range(len(draft) + 1):
+                words = np.zeros(n, np.int32)
+                out.append(_FixedMask(words, self.fill_bitmask(words)))
+                if j == len(draft):
+                    break
+                if not self._m.consume_token(draft[j]):  # unreachable rows: dead ends
+                    out.extend(_FixedMask(np.zeros(n, np.int32), False)
+                               for _ in range(len(draft) - j))
+                    break
+                done += 1
+        finally:
+            if done:
+                self._m.rollback(done)
+        return out
+
     @property
     def is_terminated(self) -> bool:
         """The grammar has ended (only EOS could follow)."""
@@ -135,6 +165,20 @@ class GrammarMatcher:
     @property
     def error(self) -> str | None:
         return self._m.get_error() if self._m.is_error() else None
+
+
+class _FixedMask:
+    """A mask computed ahead (``GrammarMatcher.masks_along``), served to the sampler like a
+    grammar's ``fill_bitmask``."""
+
+    __slots__ = ("words", "ok")
+
+    def __init__(self, words: np.ndarray, ok: bool) -> None:
+        self.words, self.ok = words, ok
+
+    def fill_bitmask(self, words: np.ndarray) -> bool:
+        words[:] = self.words
+        return self.ok
 
 
 class GrammarCompiler:

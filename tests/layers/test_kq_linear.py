@@ -33,6 +33,11 @@ def test_forward_matches_twin_and_bytes_stay_near_the_file(name, terms):
     # rows pad to 16 (40 -> 48): per padded row the file's bytes within 10%
     assert 1.0 <= layer.weight_bytes() / (raw.numel() * 48 / 40) <= 1.1
     assert name in repr(layer)
+    # the layer's weight is gguf.quants.dequantize's, bit for bit
+    from gguf import GGMLQuantizationType
+    from gguf.quants import dequantize
+
+    assert torch.equal(w, torch.from_numpy(dequantize(raw.numpy(), GGMLQuantizationType[name])))
 
 
 @pytest.mark.skipif(not graph.available(), reason="no C compiler")

@@ -145,3 +145,18 @@ def test_parts_errors():
         kq.type_id("Q4_0")
     with pytest.raises(ValueError, match="bytes"):
         kq.from_blocks("Q6_K", torch.zeros(100, dtype=torch.uint8), (1, 256))
+
+
+@pytest.mark.parametrize("name", TYPES)
+def test_c_dequantize_equals_gguf_exactly(lib, name):
+    """kvs_kq_dequant (fp32 activations, dequantize()): gguf.quants' values bit for bit, on
+    any 16-aligned row range."""
+    n, k = 40, 512
+    p, raw = parts_of(name, n, k, 9)
+    want = torch.from_numpy(gguf.quants.dequantize(raw, T[name]))
+    packed = kq.pack(p)
+    t = kq.type_id(name)
+    assert torch.equal(kq_cpu.kq_dequant(lib, t, packed, n, k, 0, n), want)
+    assert torch.equal(kq_cpu.kq_dequant(lib, t, packed, n, k, 16, 37), want[16:37])
+    with pytest.raises(ValueError, match="rows"):
+        kq_cpu.kq_dequant(lib, t, packed, n, k, 8, 20)

@@ -28,7 +28,21 @@ def bind(dll: ctypes.CDLL) -> ctypes.CDLL:
     dll.kvs_kq_linear.restype = c_int
     dll.kvs_kq_bytes.argtypes = [c_int, i64, i64]
     dll.kvs_kq_bytes.restype = i64
+    dll.kvs_kq_dequant.argtypes = [c_int, p, i64, i64, i64, i64, c_int, p]
+    dll.kvs_kq_dequant.restype = c_int
     return dll
+
+
+def kq_dequant(lib: ctypes.CDLL, qtype: int, packed: torch.Tensor, n: int, k: int, r0: int,
+               r1: int) -> torch.Tensor:
+    """fp32 [r1 - r0, k]: rows [r0, r1) of the packed weight (r0 % 16 == 0), exactly
+    gguf.quants.dequantize's values."""
+    out = torch.empty(r1 - r0, k, dtype=torch.float32)
+    if launch(lib, "kvs_kq_dequant", qtype, packed, n, k, r0, r1, torch.get_num_threads(),
+              out):
+        raise ValueError(f"kvs_kq_dequant: type {qtype}, in_features={k} or rows [{r0}, {r1}) "
+                         "do not fit")
+    return out
 
 
 def shard_table(shards: list[tuple[int, int, torch.Tensor]]) -> torch.Tensor:

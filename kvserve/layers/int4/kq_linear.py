@@ -7,8 +7,8 @@ not kept). ``forward`` quantizes the activations per 32 columns to ``act_terms``
 (1: llama.cpp's Q8 blocks; 2: ~15-bit, the default) and runs the integer-dot kernel (AVX-512
 VNNI / AVX2 / portable C builds, one C call, recorded in CPU decode graphs); without the C
 library, its twin (``kernels.reference.kq_matmul``'s arithmetic). ``act_terms`` 0 (fp32
-activations) has no integer kernel: the weight is dequantized per call in row chunks and
-multiplied in fp32 (slow; for checks, not serving).
+activations) has no integer kernel: the weight is dequantized per call in row chunks (C
+``kvs_kq_dequant``, exact) and multiplied in fp32 (for checks, not serving).
 
 ``dequantize()`` equals ``gguf.quants.dequantize`` bit for bit.
 """
@@ -73,13 +73,20 @@ class KqLinear(nn.Module):
                 return kq_cpu.kq_linear(lib, xf, self.table, self.out_features,
                                         self.act_terms).to(x2.dtype)
             xf = reference.wq_fake_quant_act(xf, self.act_terms)  # the kernel's arithmetic
-        p = self.parts()
-        y = torch.cat([xf @ reference.kq_dequantize(kq.slice_rows(p, r, _CHUNK_ROWS)).t()
+        y = torch.cat([xf @ self._rows(r, min(r + _CHUNK_ROWS, self.out_features)).t()
                        for r in range(0, self.out_features, _CHUNK_ROWS)], -1)
         return y.to(x2.dtype)
 
+    def _rows(self, r0: int, r1: int) -> torch.Tensor:
+        """fp32 [r1 - r0, K]: rows of the exact weight (C, else the twin)."""
+        lib = kq_cpu.kq_library() if self.packed.device.type == "cpu" else None
+        if lib is not None:
+            return kq_cpu.kq_dequant(lib, self.qtype, self.packed, self.out_features,
+                                     self.in_features, r0, r1)
+        return reference.kq_dequantize(kq.slice_rows(self.parts(), r0, r1 - r0))
+
     def dequantize(self) -> torch.Tensor:
-        return reference.kq_dequantize(self.parts())
+        return self._rows(0, self.out_features)
 
     def weight_bytes(self) -> int:
         return sum(b.numel() * b.element_size() for b in self.buffers())

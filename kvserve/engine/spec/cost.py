@@ -1,0 +1,47 @@
+"""The step-time curve the adaptive policy reads: t(T) ~ a + b T seconds for a step of T rows,
+fitted by exponentially weighted least squares over recent steps.
+
+On CPU a step's cost grows with its rows almost from the first extra row (the GEMMs turn
+compute-bound within a few rows), so whether a draft token pays depends on the batch: at batch
+1 one extra row costs a fraction of the step, at batch 16 about a whole row's share.
+"""
+
+from __future__ import annotations
+
+
+class StepCost:
+    __slots__ = ("decay", "_s0", "_s1", "_s2", "_sy", "_sxy")
+
+    def __init__(self, decay: float = 0.97) -> None:
+        self.decay = decay
+        self._s0 = self._s1 = self._s2 = self._sy = self._sxy = 0.0
+
+    def observe(self, rows: int, seconds: float) -> None:
+        d = self.decay
+        self._s0 = self._s0 * d + 1.0
+        self._s1 = self._s1 * d + rows
+        self._s2 = self._s2 * d + rows * rows
+        self._sy = self._sy * d + seconds
+        self._sxy = self._sxy * d + rows * seconds
+
+    @property
+    def known(self) -> bool:
+        return self._s0 > 0.5
+
+    def line(self) -> tuple[float, float]:
+        """(a, b): seconds at 0 rows and per row. With too little spread in the rows seen, the
+        slope is a prior (a row = 1/4 of the mean step's time per row), corrected as soon as
+        steps of other sizes are measured."""
+        s0, s1, s2 = self._s0, self._s1, self._s2
+        mean_t, mean_x = self._sy / s0, s1 / s0
+        var = s2 / s0 - mean_x * mean_x
+        if var > 0.25:
+            b = (self._sxy / s0 - mean_x * mean_t) / var
+            b = max(b, 0.02 * mean_t / max(mean_x, 1.0))  # noise: never free, never negative
+        else:
+            b = 0.25 * mean_t / max(mean_x, 1.0)
+        return max(mean_t - b * mean_x, 0.0), b
+
+    def __call__(self, rows: int) -> float:
+        a, b = self.line()
+        return a + b * rows

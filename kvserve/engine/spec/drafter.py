@@ -1,0 +1,193 @@
+"""The drafter: after each step, draft tokens for the requests that decode next, and decide how
+many each gets.
+
+Proposals come from the configured method (``ngram``: prompt lookup, ``suffix``: suffix trees,
+``draft_model``: a smaller model). With ``adaptive`` (the default) the draft tokens of all
+requests compete for rows of the next step: token j of a request is expected to be accepted
+with probability alpha^j (alpha: the request's recent per-token acceptance), and one more row
+costs the fitted slope of the step-time curve (``StepCost``). Tokens are taken in order of
+that probability while the step's expected tokens per second still rises, so a request whose
+drafts keep failing stops drafting (its alpha drifts back to the prior while it does not
+draft, so it is tried again later), and a large batch, where a row costs a whole token's share,
+drafts only near-certain tokens.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+from kvserve.config import SpeculativeConfig
+from kvserve.engine.spec.cost import StepCost
+from kvserve.engine.spec.ngram import NgramIndex
+from kvserve.engine.spec.suffix import GlobalSuffixCache, SuffixTree
+from kvserve.engine.stats import SpecDecodeCounters
+from kvserve.request import Request, RequestStatus
+
+PRIOR = 0.5  # acceptance prior of a request that has no history yet
+_PRIOR_WEIGHT = 2.0  # in trials
+_DECAY = 0.8  # per verification: older outcomes count less
+_IDLE_DECAY = 0.95  # per step without drafts: back towards the prior
+
+
+class DraftModel(Protocol):
+    """A draft model's proposer (kvserve/engine/spec/draft_model.py)."""
+
+    def propose(self, reqs: list[Request], k: list[int]) -> list[list[int]]: ...
+
+    def forget(self, request_id: str) -> None: ...
+
+    def shutdown(self) -> None: ...
+
+
+class _State:
+    __slots__ = ("req", "ngram", "tree", "fed", "acc", "trials")
+
+    def __init__(self, req: Request) -> None:
+        self.req = req
+        self.ngram: NgramIndex | None = None
+        self.tree: SuffixTree | None = None
+        self.fed = 0  # tokens of req.all_token_ids appended to the tree
+        self.acc = self.trials = 0.0
+
+    @property
+    def alpha(self) -> float:
+        return (self.acc + PRIOR * _PRIOR_WEIGHT) / (self.trials + _PRIOR_WEIGHT)
+
+
+class Drafter:
+    def __init__(self, config: SpeculativeConfig, draft_model: DraftModel | None = None) -> None:
+        self.config = config
+        self.k = config.num_speculative_tokens
+        self.draft_model = draft_model
+        assert (config.method == "draft_model") == (draft_model is not None)
+        self.cost = StepCost()
+        self.counters = SpecDecodeCounters(accepted_per_pos=[0] * self.k)
+        self._states: dict[str, _State] = {}
+        self.global_tree = (GlobalSuffixCache(config.suffix_decoding_max_tree_depth,
+                                              config.suffix_decoding_max_cached_requests)
+                            if config.method == "suffix" else None)
+
+    # ---- after a step ---------------------------------------------------------------------
+    def observe(self, drafts: dict[str, int], accepted: dict[str, int], rows: int,
+                seconds: float) -> None:
+        """A step's outcome: per request with drafts, how many it drafted and how many were
+        accepted; the step's rows and wall time (the cost curve)."""
+        self.cost.observe(rows, seconds)
+        for rid, k in drafts.items():
+            a = accepted.get(rid, 0)
+            self.counters.record(k, a)
+            st = self._states.get(rid)
+            if st is not None:  # positions reached: the accepted ones and the first rejected
+                st.trials = st.trials * _DECAY + min(k, a + 1)
+                st.acc = st.acc * _DECAY + a
+
+    def sweep(self, live: set[str]) -> None:
+        """Forget the requests that are gone; a finished request's output joins the global
+        suffix tree."""
+        for rid in [r for r in self._states if r not in live]:
+            st = self._states.pop(rid)
+            if self.global_tree is not None and st.req.status.finished \
+                    and st.req.status is not RequestStatus.FINISHED_ABORTED:
+                self.global_tree.add(st.req.output_token_ids)
+            if self.draft_model is not None:
+                self.draft_model.forget(rid)
+
+    # ---- before the next step ------------------------------------------------------------
+    def propose(self, running: list[Request], base_rows: int) -> None:
+        """Set ``spec_token_ids`` of every running request: its drafts for the next step
+        (empty: none). ``base_rows``: the rows the next step has without drafts."""
+        cands: list[tuple[Request, list[int], list[float]]] = []
+        decoding = []
+        for req in running:
+            req.spec_token_ids = []
+            room = req.max_tokens - req.num_output_tokens - 1
+            if req.num_tokens - req.num_computed_tokens != 1 or room < 1 or req.is_finished:
+                continue
+            decoding.append((req, min(self.k, room)))
+        if not decoding:
+            return
+        if self.draft_model is not None:
+            drafts = self.draft_model.propose([r for r, _ in decoding], [k for _, k in decoding])
+        else:
+            drafts = [self._propose_one(req, k) for req, k in decoding]
+        for (req, _), d in zip(decoding, drafts, strict=True):
+            st = self._state(req)
+            if req.grammar is not None and d:
+                d = d[: req.grammar.validate(d)]  # only drafts the grammar allows
+            if not d:
+                st.acc *= _IDLE_DECAY
+                st.trials *= _IDLE_DECAY
+                continue
+            a = st.alpha
+            cands.append((req, d, [a ** (j + 1) for j in range(len(d))]))
+        if not self.config.adaptive:
+            for req, d, _ in cands:
+                req.spec_token_ids = d
+            return
+        self._choose(cands, len(decoding), base_rows)
+
+    def _choose(self, cands: list[tuple[Request, list[int], list[float]]], n_decode: int,
+                base_rows: int) -> None:
+        """Take draft tokens by expected acceptance while expected tokens per second rises."""
+        order = sorted(((p, i, j) for i, (_, _, ps) in enumerate(cands)
+                        for j, p in enumerate(ps)), key=lambda t: -t[0])
+        take = [0] * len(cands)
+        gain, rows = float(n_decode), base_rows
+        t = self.cost(rows) if self.cost.known else None
+        for p, i, j in order:
+            if j != take[i]:  # a later token of a request whose earlier one was not taken
+                continue
+            if t is not None:
+                t_next = self.cost(rows + 1)
+                if (gain + p) * t <= gain * t_next:
+                    break
+                t = t_next
+            take[i] += 1
+            gain += p
+            rows += 1
+        for (req, d, _), n in zip(cands, take, strict=True):
+            req.spec_token_ids = d[:n]
+            if not n:
+                st = self._states[req.request_id]
+                st.acc *= _IDLE_DECAY
+                st.trials *= _IDLE_DECAY
+
+    def _state(self, req: Request) -> _State:
+        st = self._states.get(req.request_id)
+        if st is None or st.req is not req:
+            st = self._states[req.request_id] = _State(req)
+        return st
+
+    def _propose_one(self, req: Request, k: int) -> list[int]:
+        cfg, st = self.config, self._state(req)
+        seq = req.all_token_ids
+        if cfg.method == "ngram":
+            if st.ngram is None:
+                st.ngram = NgramIndex(cfg.prompt_lookup_min, cfg.prompt_lookup_max)
+            return st.ngram.propose(seq, k)[0]
+        if st.tree is None:
+            st.tree = SuffixTree(cfg.suffix_decoding_max_tree_depth)
+        for t in seq[st.fed:]:
+            st.tree.append(t)
+        st.fed = len(seq)
+        ctx = seq[-cfg.suffix_decoding_max_tree_depth:]
+        args = (k, cfg.suffix_decoding_max_spec_factor, cfg.suffix_decoding_min_token_prob)
+        best, score = st.tree.draft(ctx, *args)
+        if self.global_tree is not None:
+            other, s2 = self.global_tree.tree.draft(ctx, *args)
+            if s2 > score:
+                best = other
+        return best
+
+
+def make_drafter(args, tokenizer, vocab_size: int) -> Drafter | None:
+    """The engine's drafter for ``args.speculative_config`` (None: speculation off)."""
+    cfg = args.speculative_config
+    if cfg is None:
+        return None
+    draft = None
+    if cfg.method == "draft_model":
+        from kvserve.engine.spec.draft_model import DraftModelProposer
+
+        draft = DraftModelProposer.build(args, cfg.model, tokenizer, vocab_size)
+    return Drafter(cfg, draft)

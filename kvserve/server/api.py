@@ -1,7 +1,7 @@
 """``build_app(engine_client, settings)``: the FastAPI application.
 
 The app owns no threads and needs no lifespan: the caller starts the ``AsyncLLMEngine`` and
-stops it after the server exits (see ``kvserve.server.cli``). ``app.state.server`` is the
+stops it after the server exits (see ``kvserve.serve_cli``). ``app.state.server`` is the
 ``ServerState`` (admission, draining flag, metrics).
 """
 
@@ -13,20 +13,19 @@ from fastapi.responses import JSONResponse, Response
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-import kvserve
 from kvserve.engine.async_engine import AsyncLLMEngine
-from kvserve.model.loader import load_tokenizer
-from kvserve.server.chat import ChatHandler
-from kvserve.server.completions import CompletionHandler
-from kvserve.server.errors import (
+from kvserve.http.errors import (
     APIError,
     SafeJSONResponse,
     api_error_handler,
     http_error_handler,
     validation_error_handler,
 )
+from kvserve.http.middleware import AccessLog, APIKeyAuth, BodyLimit, ErrorCounter
+from kvserve.model.loader import load_tokenizer
+from kvserve.server.chat import ChatHandler
+from kvserve.server.completions import CompletionHandler
 from kvserve.server.lora import add_lora_routes
-from kvserve.server.middleware import AccessLog, APIKeyAuth, BodyLimit, ErrorCounter
 from kvserve.server.prompts import check_model, check_request
 from kvserve.server.protocol import (
     ChatCompletionRequest,
@@ -42,6 +41,7 @@ from kvserve.server.responses import ResponsesHandler, not_found
 from kvserve.server.responses_protocol import DeletedResponse, ResponseObject, ResponsesRequest
 from kvserve.server.settings import ServerSettings
 from kvserve.server.state import ServerState
+from kvserve.version import __version__
 
 _ERRORS = {code: {"model": ErrorResponse} for code in (400, 401, 404, 413, 429, 500, 503)}
 # 200 is JSON, or with "stream": true server-sent events (data: {chunk} ... data: [DONE]).
@@ -63,7 +63,7 @@ def build_app(engine_client: AsyncLLMEngine, settings: ServerSettings,
     if template is not None:  # --chat-template replaces the model's (e.g. one with tools)
         tokenizer.chat_template = template
     state = ServerState(engine_client, settings, tokenizer)
-    app = FastAPI(title="kvserve", version=kvserve.__version__,
+    app = FastAPI(title="kvserve", version=__version__,
                   description="OpenAI-compatible LLM inference server")
     app.state.server = state
     app.add_exception_handler(RequestValidationError, validation_error_handler)
@@ -162,4 +162,4 @@ def _routes(app: FastAPI, state: ServerState) -> None:
 
     @app.get("/version")
     async def version() -> dict:
-        return {"version": kvserve.__version__}
+        return {"version": __version__}

@@ -26,19 +26,19 @@ from kvserve.engine.async_engine import (
     EngineShutdown,
     RequestFailure,
 )
+from kvserve.http.errors import APIError, bad_request
 from kvserve.outputs import CompletionOutput, Logprobs, RequestMetrics, RequestOutput
 from kvserve.request import LoRARequest
 from kvserve.sampling_params import SamplingParams
 from kvserve.server.admission import Ticket
 from kvserve.server.disagg import kv_leg, prefill_result
-from kvserve.server.errors import APIError, bad_request
 from kvserve.server.prompts import Prompt
 from kvserve.server.protocol import SamplingRequest
 from kvserve.server.state import ServerState
 from kvserve.server.structured import Constraint, compile_constraint
 
 if TYPE_CHECKING:  # imported only when tracing is on
-    from kvserve.server.tracing import RequestTrace
+    from kvserve.http.tracing import RequestTrace
 
 _DISCONNECTED = object()
 _FORCE_END = object()
@@ -150,7 +150,7 @@ class Generation:
         self._closed = False
         self._last_token_time: float | None = None
         self._seen_tokens = 0  # choice 0 of prompt 0: tokens seen by the latency metrics
-        # tracing on: kvserve.server.tracing.RequestTrace, and each prompt's engine metrics
+        # tracing on: kvserve.http.tracing.RequestTrace, and each prompt's engine metrics
         self.trace: RequestTrace | None = None
         self.engine_metrics: list[RequestMetrics | None] = [None] * len(prompts)
 

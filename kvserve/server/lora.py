@@ -12,7 +12,7 @@ from fastapi.responses import PlainTextResponse
 
 from kvserve.engine.async_engine import AsyncLLMEngine
 from kvserve.request import LoRARequest
-from kvserve.server.errors import APIError, bad_request
+from kvserve.http.errors import APIError, bad_request
 from kvserve.server.protocol import LoadLoRAAdapterRequest, ModelCard, UnloadLoRAAdapterRequest
 
 

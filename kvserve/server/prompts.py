@@ -15,8 +15,8 @@ from collections.abc import Collection
 from dataclasses import dataclass
 
 from kvserve.engine.input_processor import check_prompt_ids, check_prompt_room
+from kvserve.http.errors import APIError, bad_request
 from kvserve.sampling_params import ParamError, RequestOutputKind, SamplingParams
-from kvserve.server.errors import APIError, bad_request
 from kvserve.server.protocol import (
     MAX_STOP_SEQUENCES,
     AssistantMessageIn,

@@ -104,7 +104,7 @@ def _format_tag(value: Any) -> str | None:
 
 
 # {"type": "text"}, {"type": "json_object"} or {"type": "json_schema", "json_schema": {...}};
-# the tags are class-like so that error locations skip them (kvserve.server.errors)
+# the tags are class-like so that error locations skip them (kvserve.http.errors)
 ResponseFormat = Annotated[
     Annotated[ResponseFormatText, Tag("Text")]
     | Annotated[ResponseFormatJSONObject, Tag("JSONObject")]

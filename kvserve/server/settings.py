@@ -103,7 +103,7 @@ class ServerSettings:
         "content, structured outputs and tool calls (docs/server.md)",
         choices=list(REASONING_PARSERS), group=SERVER)
 
-    # OpenTelemetry traces (kvserve/server/tracing.py, imported only when this is set).
+    # OpenTelemetry traces (kvserve/http/tracing.py, imported only when this is set).
     otlp_traces_endpoint: str | None = arg(
         None, "export a trace of each request over OTLP to this URL, e.g. "
         "http://127.0.0.1:4318/v1/traces (needs kvserve[otel]; a client's traceparent is "

@@ -11,8 +11,8 @@ from fastapi import FastAPI
 from fastapi.responses import PlainTextResponse
 
 from kvserve.engine.async_engine import AsyncLLMEngine
-from kvserve.request import LoRARequest
 from kvserve.http.errors import APIError, bad_request
+from kvserve.request import LoRARequest
 from kvserve.server.protocol import LoadLoRAAdapterRequest, ModelCard, UnloadLoRAAdapterRequest
 
 

@@ -72,7 +72,8 @@ class LLMEngine:
         self.drafter = make_drafter(self.args, self.tokenizer, self.model_config.vocab_size)
         self.spec_decode: SpecDecodeCounters | None = (
             self.drafter.counters if self.drafter is not None else None)
-        self.lora_info: Callable[[], dict[str, Any]] | None = None
+        self.lora_info: Callable[[], dict[str, Any]] | None = (
+            self._lora_info if self.runner.lora is not None else None)
         cc = self.cache_config
         self._cache_info = {"block_size": str(cc.block_size),
                             "num_gpu_blocks": str(self.pool.num_blocks),
@@ -302,6 +303,17 @@ class LLMEngine:
             lora=self.lora_info() if self.lora_info is not None else None,
             timestamp=time.monotonic(),
         )
+
+    def _lora_info(self) -> dict[str, Any]:
+        """EngineStats.lora: the adapter slots and the adapters of running / waiting
+        sequences (vllm:lora_requests_info)."""
+        assert self.runner.lora is not None
+
+        def names(reqs: list[Request]) -> list[str]:
+            return sorted({r.lora.lora_name for r in reqs if r.lora is not None})
+
+        return {"max_lora": self.runner.lora.max_loras, "running": names(self.scheduler.running),
+                "waiting": names(self.scheduler.waiting)}
 
     def reset_integrity_timers(self) -> None:
         """Start the integrity checker's wall-time counters afresh (benchmarks)."""

@@ -30,15 +30,15 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-import kvserve
+from kvserve.http.errors import error_body, error_response, http_error_handler
+from kvserve.http.middleware import AccessLog, APIKeyAuth, BodyLimit, ErrorCounter
 from kvserve.router.hashing import HashRing
 from kvserve.router.metrics import RouterMetrics
 from kvserve.router.policy import Candidate, decide
 from kvserve.router.prefix_index import PrefixIndex
 from kvserve.router.replicas import Replica, ReplicaPool
 from kvserve.router.settings import RouterSettings
-from kvserve.server.errors import error_body, error_response, http_error_handler
-from kvserve.server.middleware import AccessLog, APIKeyAuth, BodyLimit, ErrorCounter
+from kvserve.version import __version__
 
 logger = logging.getLogger("kvserve.router")
 ROUTE_KEY = "kvserve.route"  # in the ASGI scope: {"replica", "reason", "attempts"}
@@ -112,7 +112,7 @@ class RouterState:
                 prefix="p")
         self.tokenizers = None
         if tokenizer is not None and settings.uses_tokenizer:
-            from kvserve.server.workers import TokenizerPool
+            from kvserve.http.tokenizer_pool import TokenizerPool
 
             self.tokenizers = TokenizerPool(tokenizer, tokenizer_workers)
         self.client: httpx.AsyncClient | None = None
@@ -121,7 +121,7 @@ class RouterState:
         self.ending = asyncio.Event()
         self.dead_error: BaseException | None = None  # the router has no engine to lose
         self._rr = 0
-        self.tracing = tracing  # kvserve.server.tracing.Tracing, only when tracing is on
+        self.tracing = tracing  # kvserve.http.tracing.Tracing, only when tracing is on
 
     def _membership(self, r: Replica, joined: bool) -> None:
         (self.ring.add if joined else self.ring.remove)(r.name)
@@ -221,7 +221,7 @@ def _response_headers(up: httpx.Response, r: Replica) -> dict[str, str]:
 async def proxy(state: RouterState, request: Request, path: str) -> Response:
     if state.tracing is None:
         return await _proxy(state, request, path, None)
-    from kvserve.server.tracing import RouterTrace
+    from kvserve.http.tracing import RouterTrace
 
     trace = RouterTrace(state.tracing, request.headers, path)
     try:
@@ -465,7 +465,7 @@ def build_router_app(state: RouterState, *, api_key: str | None,
         finally:
             await state.stop()
 
-    app = FastAPI(title="kvserve router", version=kvserve.__version__, lifespan=lifespan,
+    app = FastAPI(title="kvserve router", version=__version__, lifespan=lifespan,
                   description="OpenAI-compatible endpoint in front of kvserve replicas")
     app.state.server = state
     app.add_exception_handler(StarletteHTTPException, http_error_handler)
@@ -532,7 +532,7 @@ def build_router_app(state: RouterState, *, api_key: str | None,
 
     @app.get("/version")
     async def version() -> dict:
-        return {"version": kvserve.__version__}
+        return {"version": __version__}
 
     app.add_middleware(BodyLimit, max_bytes=max_body_bytes)
     if api_key is not None:

@@ -1,7 +1,7 @@
 """``build_app(engine_client, settings)``: the FastAPI application.
 
 The app owns no threads and needs no lifespan: the caller starts the ``AsyncLLMEngine`` and
-stops it after the server exits (see ``kvserve.server.cli``). ``app.state.server`` is the
+stops it after the server exits (see ``kvserve.serve_cli``). ``app.state.server`` is the
 ``ServerState`` (admission, draining flag, metrics).
 """
 
@@ -13,19 +13,19 @@ from fastapi.responses import JSONResponse, Response
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-import kvserve
 from kvserve.engine.async_engine import AsyncLLMEngine
-from kvserve.model.loader import load_tokenizer
-from kvserve.server.chat import ChatHandler
-from kvserve.server.completions import CompletionHandler
-from kvserve.server.errors import (
+from kvserve.http.errors import (
     APIError,
     SafeJSONResponse,
     api_error_handler,
     http_error_handler,
     validation_error_handler,
 )
-from kvserve.server.middleware import AccessLog, APIKeyAuth, BodyLimit, ErrorCounter
+from kvserve.http.middleware import AccessLog, APIKeyAuth, BodyLimit, ErrorCounter
+from kvserve.model.loader import load_tokenizer
+from kvserve.server.chat import ChatHandler
+from kvserve.server.completions import CompletionHandler
+from kvserve.server.lora import add_lora_routes
 from kvserve.server.prompts import check_model, check_request
 from kvserve.server.protocol import (
     ChatCompletionRequest,
@@ -41,6 +41,7 @@ from kvserve.server.responses import ResponsesHandler, not_found
 from kvserve.server.responses_protocol import DeletedResponse, ResponseObject, ResponsesRequest
 from kvserve.server.settings import ServerSettings
 from kvserve.server.state import ServerState
+from kvserve.version import __version__
 
 _ERRORS = {code: {"model": ErrorResponse} for code in (400, 401, 404, 413, 429, 500, 503)}
 # 200 is JSON, or with "stream": true server-sent events (data: {chunk} ... data: [DONE]).
@@ -62,7 +63,7 @@ def build_app(engine_client: AsyncLLMEngine, settings: ServerSettings,
     if template is not None:  # --chat-template replaces the model's (e.g. one with tools)
         tokenizer.chat_template = template
     state = ServerState(engine_client, settings, tokenizer)
-    app = FastAPI(title="kvserve", version=kvserve.__version__,
+    app = FastAPI(title="kvserve", version=__version__,
                   description="OpenAI-compatible LLM inference server")
     app.state.server = state
     app.add_exception_handler(RequestValidationError, validation_error_handler)
@@ -84,14 +85,14 @@ def _routes(app: FastAPI, state: ServerState) -> None:
               responses=_GENERATION_RESPONSES)
     async def completions(body: CompletionRequest, request: Request) -> Response:
         """Text completion; `stream: true` answers with server-sent events."""
-        check_request(body, state.settings)
+        check_request(body, state.settings, state.loras.adapters)
         return await CompletionHandler(body, state).answer(request)
 
     @app.post("/v1/chat/completions", response_model=ChatCompletionResponse,
               responses=_GENERATION_RESPONSES)
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
         """Chat completion with the model's chat template; `stream: true` answers with SSE."""
-        check_request(body, state.settings)
+        check_request(body, state.settings, state.loras.adapters)
         return await ChatHandler(body, state).answer(request)
 
     @app.post("/v1/responses", response_model=ResponseObject,
@@ -99,7 +100,7 @@ def _routes(app: FastAPI, state: ServerState) -> None:
     async def create_response(body: ResponsesRequest, request: Request) -> Response:
         """OpenAI's Responses API (text): `stream: true` answers with its SSE events;
         `store` keeps the answer for GET and `previous_response_id` (docs/server.md)."""
-        check_model(body.model, state.settings)
+        check_model(body.model, state.settings, state.loras.adapters)
         return await ResponsesHandler(body, state).answer(request)
 
     @app.get("/v1/responses/{response_id}", response_model=ResponseObject, responses=_ERRORS)
@@ -119,9 +120,12 @@ def _routes(app: FastAPI, state: ServerState) -> None:
 
     @app.get("/v1/models", response_model=ModelList)
     async def models() -> dict:
-        card = ModelCard(id=state.settings.served_model_name,
-                         max_model_len=state.limits.max_model_len)
-        return dump(ModelList(data=[card]))
+        name, max_len = state.settings.served_model_name, state.limits.max_model_len
+        card = ModelCard(id=name, max_model_len=max_len)
+        return dump(ModelList(data=[card, *state.loras.cards(name, max_len)]))
+
+    add_lora_routes(app, state.loras, state.settings.served_model_name,
+                    state.settings.lora_runtime_updates and state.loras.enabled)
 
     @app.get("/health")
     async def health() -> JSONResponse:
@@ -158,4 +162,4 @@ def _routes(app: FastAPI, state: ServerState) -> None:
 
     @app.get("/version")
     async def version() -> dict:
-        return {"version": kvserve.__version__}
+        return {"version": __version__}

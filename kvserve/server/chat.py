@@ -6,9 +6,9 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import AsyncIterator
 
+from kvserve.http.errors import bad_request
 from kvserve.outputs import CompletionOutput
 from kvserve.sampling_params import SamplingParams
-from kvserve.server.errors import bad_request
 from kvserve.server.generation import Generation
 from kvserve.server.logprobs import chat_logprobs
 from kvserve.server.prompts import (

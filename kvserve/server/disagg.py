@@ -14,10 +14,10 @@ from __future__ import annotations
 
 from typing import Any
 
+from kvserve.http.errors import bad_request
 from kvserve.outputs import RequestOutput
 from kvserve.request import FirstToken
 from kvserve.sampling_params import SamplingParams
-from kvserve.server.errors import bad_request
 from kvserve.server.protocol import KVTransferLeg
 
 ROLES = ("both", "prefill", "decode")

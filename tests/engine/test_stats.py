@@ -58,3 +58,31 @@ def test_iteration_tokens_and_prefix_counters_in_stats(tiny_llama, make_llm):
     assert it.count == s.counters["steps"] == 6
     assert it.sum == 20 + 2 + (20 - 16) + 2  # prefill, 2 decodes, the uncached tail, 2 decodes
     assert s.cache_config["block_size"] == "16" and s.block_size == 16
+
+
+def test_lora_info_names_running_and_waiting_adapters(tmp_path, make_llm):
+    """With LoRA on, EngineStats.lora (vllm:lora_requests_info) has the slots and the
+    adapters of running and waiting sequences; without LoRA it is None."""
+    import pytest
+
+    pytest.importorskip("peft")
+    from kvserve import LoRARequest
+    from tests.conftest import make_tiny_model
+    from tests.lora_util import make_adapter
+
+    base = make_tiny_model(str(tmp_path / "base"))
+    ads = {n: make_adapter(base, str(tmp_path / n), r=4, alpha=8, seed=i)
+           for i, n in enumerate(("a1", "a2"), 1)}
+    assert make_llm(base, dtype="fp32").engine.stats().lora is None
+    eng = make_llm(base, dtype="fp32", kv_cache_dtype="fp32", enable_lora=True,
+                   max_loras=1).engine
+    assert eng.stats().lora == {"max_lora": 1, "running": [], "waiting": []}
+    sp = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
+    for n in ads:  # one slot: the second adapter waits while the first runs
+        eng.add_request(n, {"prompt_token_ids": [1, 5, 9, 33]}, sp,
+                        lora_request=LoRARequest(n, 0, ads[n]))
+    eng.step()
+    assert eng.stats().lora == {"max_lora": 1, "running": ["a1"], "waiting": ["a2"]}
+    while eng.has_unfinished_requests():
+        eng.step()
+    assert eng.stats().lora == {"max_lora": 1, "running": [], "waiting": []}

@@ -191,3 +191,39 @@ def test_unreadable_type_names_type_and_tensor(tmp_path):
     w.close()
     with pytest.raises(ValueError, match=r"blk\.0\.attn_q\.weight.*Q8_K"):
         GGUFCheckpoint(str(tmp_path / "m.gguf"))
+
+
+@pytest.mark.parametrize("dim", [0, 1])
+def test_gguf_linear_slices_blocks_for_tensor_parallel(dim):
+    """A rank's part of a packed GGUF module: rows (column parallel) or whole blocks of columns
+    (row parallel) of each shard's raw blocks, the same weights as the dequantized slice; a
+    split inside a block is refused."""
+    from gguf.quants import quantize
+
+    from kvserve.layers.int4.gguf_linear import GGUFLinear
+    from kvserve.layers.linear import ShardSlice
+
+    g = torch.Generator().manual_seed(dim)
+    full = {"q": torch.randn(32, 128, generator=g), "v": torch.randn(16, 128, generator=g)}
+    kinds = {"q": QT.Q4_0, "v": QT.Q8_0}
+    raw = {s: torch.from_numpy(quantize(w.numpy(), kinds[s])) for s, w in full.items()}
+    dense = {s: torch.from_numpy(dequantize(raw[s].numpy(), kinds[s])) for s in full}
+    if dim == 0:
+        plan = {"q": ShardSlice(0, 16, 16, 32), "v": ShardSlice(0, 8, 8, 16)}
+        sizes, k = (16, 8), 128
+        want = torch.cat([dense["q"][16:], dense["v"][8:]])
+    else:
+        plan = {s: ShardSlice(1, 64, 64, 128) for s in full}
+        sizes, k = (32, 16), 64
+        want = torch.cat([dense["q"][:, 64:], dense["v"][:, 64:]])
+    mod = GGUFLinear(k, sizes, ("q", "v"), kinds, {"q": "m.q", "v": "m.v"}, act_terms=0,
+                     tp_plan=plan, full_in=128, full_out_sizes=(32, 16))
+    for s in ("q", "v"):
+        mod.gguf_blocks.weight_loader(mod.gguf_blocks, raw[s], s)
+    assert torch.equal(mod.dequantize(), want)
+    x = torch.randn(3, k, generator=g)
+    torch.testing.assert_close(mod(x), x @ want.t(), rtol=1e-5, atol=1e-5)
+    bad = GGUFLinear(48, (32,), (None,), {None: QT.Q8_0}, {None: "m.o"}, act_terms=0,
+                     tp_plan={None: ShardSlice(1, 16, 48, 128)}, full_in=128)
+    with pytest.raises(ValueError, match="not whole Q8_0 blocks of 32"):
+        bad.gguf_blocks.weight_loader(bad.gguf_blocks, raw["q"].new_zeros(32, 4 * 34), None)

@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import functools
 import re
-from urllib.parse import urlparse
 from dataclasses import dataclass
+from urllib.parse import urlparse
 
 import torch
 

@@ -87,7 +87,8 @@ def describe_cpu_path(compute: torch.dtype, storage: torch.dtype) -> str:
                 "(asked for: no C GEMM, no decode graph)")
     if storage in w16_gemm.KINDS:
         rows = w16_gemm.bf16_dot_rows(lib) if storage == torch.bfloat16 else 0
-        dot = (f"bf16 dot products (vdpbf16ps) for GEMMs of >= {rows} rows, fp32 below"
+        unit = "AMX tiles" if w16_gemm.has_amx(lib) else "vdpbf16ps"
+        dot = (f"bf16 dot products ({unit}) for GEMMs of >= {rows} rows, fp32 below"
                if rows else "fp32 dot products")
         if not rows and storage == torch.bfloat16 and w16_gemm.has_bf16_dot(lib):
             dot += " (bf16 dot products available: --cpu-bf16-dot-rows N, docs/cpu.md)"

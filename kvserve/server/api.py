@@ -25,6 +25,7 @@ from kvserve.http.middleware import AccessLog, APIKeyAuth, BodyLimit, ErrorCount
 from kvserve.model.loader import load_tokenizer
 from kvserve.server.chat import ChatHandler
 from kvserve.server.completions import CompletionHandler
+from kvserve.server.lora import add_lora_routes
 from kvserve.server.prompts import check_model, check_request
 from kvserve.server.protocol import (
     ChatCompletionRequest,
@@ -84,14 +85,14 @@ def _routes(app: FastAPI, state: ServerState) -> None:
               responses=_GENERATION_RESPONSES)
     async def completions(body: CompletionRequest, request: Request) -> Response:
         """Text completion; `stream: true` answers with server-sent events."""
-        check_request(body, state.settings)
+        check_request(body, state.settings, state.loras.adapters)
         return await CompletionHandler(body, state).answer(request)
 
     @app.post("/v1/chat/completions", response_model=ChatCompletionResponse,
               responses=_GENERATION_RESPONSES)
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
         """Chat completion with the model's chat template; `stream: true` answers with SSE."""
-        check_request(body, state.settings)
+        check_request(body, state.settings, state.loras.adapters)
         return await ChatHandler(body, state).answer(request)
 
     @app.post("/v1/responses", response_model=ResponseObject,
@@ -99,7 +100,7 @@ def _routes(app: FastAPI, state: ServerState) -> None:
     async def create_response(body: ResponsesRequest, request: Request) -> Response:
         """OpenAI's Responses API (text): `stream: true` answers with its SSE events;
         `store` keeps the answer for GET and `previous_response_id` (docs/server.md)."""
-        check_model(body.model, state.settings)
+        check_model(body.model, state.settings, state.loras.adapters)
         return await ResponsesHandler(body, state).answer(request)
 
     @app.get("/v1/responses/{response_id}", response_model=ResponseObject, responses=_ERRORS)
@@ -119,9 +120,12 @@ def _routes(app: FastAPI, state: ServerState) -> None:
 
     @app.get("/v1/models", response_model=ModelList)
     async def models() -> dict:
-        card = ModelCard(id=state.settings.served_model_name,
-                         max_model_len=state.limits.max_model_len)
-        return dump(ModelList(data=[card]))
+        name, max_len = state.settings.served_model_name, state.limits.max_model_len
+        card = ModelCard(id=name, max_model_len=max_len)
+        return dump(ModelList(data=[card, *state.loras.cards(name, max_len)]))
+
+    add_lora_routes(app, state.loras, state.settings.served_model_name,
+                    state.settings.lora_runtime_updates and state.loras.enabled)
 
     @app.get("/health")
     async def health() -> JSONResponse:

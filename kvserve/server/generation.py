@@ -28,6 +28,7 @@ from kvserve.engine.async_engine import (
 )
 from kvserve.http.errors import APIError, bad_request
 from kvserve.outputs import CompletionOutput, Logprobs, RequestMetrics, RequestOutput
+from kvserve.request import LoRARequest
 from kvserve.sampling_params import SamplingParams
 from kvserve.server.admission import Ticket
 from kvserve.server.disagg import kv_leg, prefill_result
@@ -112,8 +113,10 @@ class Generation:
     def __init__(self, state: ServerState, request_id: str, prompts: list[Prompt],
                  params: SamplingParams, ticket: Ticket, *, priority: int = 0,
                  cache_salt: str | None = None, kv: dict | None = None,
-                 prefill_cached_tokens: int | None = None) -> None:
+                 prefill_cached_tokens: int | None = None,
+                 lora: LoRARequest | None = None) -> None:
         self.state = state
+        self.lora = lora  # the LoRA adapter the request's model names (None: the base)
         self.kv = kv or {}  # disaggregation leg: LLMEngine.add_request's kv_* arguments
         self.kv_result: dict | None = None  # a prefill leg's handle + first token
         # a decode leg: the prefill replica's cached prompt tokens (its usage reports them)
@@ -192,7 +195,8 @@ class Generation:
             await self.state.engine.add_request(
                 rid, {"prompt_token_ids": prompt.token_ids, "prompt": prompt.text},
                 self.params, sink=self._sink, priority=self.priority,
-                cache_salt=self.cache_salt, deadline=self._deadline, kv=self.kv)
+                cache_salt=self.cache_salt, deadline=self._deadline, kv=self.kv,
+                lora_request=self.lora)
         except Exception as e:  # noqa: BLE001 - every failure is reported through the sink
             self._sink.put_nowait(RequestFailure(rid, e))
 
@@ -413,7 +417,8 @@ async def new_generation(
         return Generation(state, state.new_id(id_prefix), prompts, params, ticket,
                           priority=req.priority, cache_salt=req.cache_salt, kv=kv,
                           prefill_cached_tokens=leg.cached_tokens if leg is not None
-                          and leg.role == "decode" else None)
+                          and leg.role == "decode" else None,
+                          lora=state.loras.request_for(req.model))
     except BaseException:
         ticket.release()
         raise

@@ -112,6 +112,11 @@ class ServerSettings:
         "http/protobuf", "OTLP transport of --otlp-traces-endpoint",
         choices=list(OTLP_PROTOCOLS), group=TRACING)
 
+    lora_runtime_updates: bool = arg(  # POST /v1/load_lora_adapter, /v1/unload_lora_adapter
+        True, "with LoRA on: no runtime adapter loads / unloads over HTTP (default: allowed; "
+        "they read PEFT folders on the server's disk, safetensors only)",
+        flags=("--no-lora-runtime-updates",), action="store_false", group=SERVER)
+
     def chat_template_text(self) -> str | None:
         if self.chat_template is None:
             return None

@@ -12,6 +12,7 @@ from kvserve.http.errors import APIError
 from kvserve.http.tokenizer_pool import TokenizerPool
 from kvserve.server.admission import Admission, FairQueue, Ticket
 from kvserve.server.logprobs import TokenText
+from kvserve.server.lora import ServedAdapters
 from kvserve.server.metrics import ServerMetrics
 from kvserve.server.prompts import Limits, max_prompt_chars
 from kvserve.server.reasoning import ReasoningParser, get_reasoning_parser
@@ -49,6 +50,7 @@ class ServerState:
         self.queue = FairQueue(2 * args.max_num_seqs,
                                by_priority=args.scheduling_policy == "priority")
         self.generations: set[LiveGeneration] = set()  # started, not closed
+        self.loras = ServedAdapters(engine)  # LoRA adapters a request's model may name
         self.draining = False
         self.force_ended = False  # a forced shutdown ended every generation
         self._ids = itertools.count()

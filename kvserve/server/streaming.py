@@ -184,7 +184,9 @@ class Handler:
     def __init__(self, req: SamplingRequest, state: ServerState) -> None:
         self.req = req
         self.state = state
-        self.model = state.settings.served_model_name
+        # the answer names what ran: a LoRA adapter the request picked, else the served model
+        self.model = (req.model if req.model in state.loras.adapters
+                      else state.settings.served_model_name)
 
     async def prepare(self) -> tuple[list[Prompt], SamplingParams]:
         raise NotImplementedError

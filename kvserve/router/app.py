@@ -536,6 +536,7 @@ def build_router_app(state: RouterState, *, api_key: str | None,
                      "waiting": r.waiting, "kv_usage": r.kv_usage,
                      "prefix_cache_hit_rate": r.hit_rate,
                      "indexed_blocks": index.num_blocks(r.name),
+                     "indexed_by_medium": index.blocks_by_medium(r.name),
                      "events_endpoint": r.events_endpoint, "event_gaps": r.gaps,
                      "next_event_seq": r.next_seq}
                     for r in pool.replicas.values()]

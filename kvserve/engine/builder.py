@@ -171,6 +171,8 @@ def build_engine(args: EngineArgs) -> EngineParts:
         integrity = IntegrityChecker(kv_cache, pool, config.fingerprint, cache_cfg.kv_integrity,
                                      cache_cfg.scrub_blocks_per_step, peers=peers)
     tiers = worker.build_tiers(cache_cfg)  # each rank builds its own (executor.worker_main)
+    if tiers is not None:
+        tiers.events = kv_events  # rank 0 announces what its tiers hold (docs/kv-tiers.md)
     kv = KVCacheManager(pool, block_size, cache_cfg.enable_prefix_caching,
                         config.fingerprint, integrity, tiers,
                         executor if isinstance(executor, MultiprocExecutor) else None,

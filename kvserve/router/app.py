@@ -32,6 +32,19 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from kvserve.http.errors import error_body, error_response, http_error_handler
 from kvserve.http.middleware import AccessLog, APIKeyAuth, BodyLimit, ErrorCounter
+from kvserve.http.openapi import (
+    ERRORS,
+    GENERATION_RESPONSES,
+    METRICS_RESPONSES,
+    publish,
+)
+from kvserve.http.protocol import (
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    CompletionRequest,
+    CompletionResponse,
+    ModelList,
+)
 from kvserve.router.hashing import HashRing
 from kvserve.router.metrics import RouterMetrics
 from kvserve.router.policy import Candidate, decide
@@ -469,16 +482,24 @@ def build_router_app(state: RouterState, *, api_key: str | None,
                   description="OpenAI-compatible endpoint in front of kvserve replicas")
     app.state.server = state
     app.add_exception_handler(StarletteHTTPException, http_error_handler)
+    publish(app, {"/v1/completions": CompletionRequest,
+                  "/v1/chat/completions": ChatCompletionRequest})
 
-    @app.post("/v1/completions")
+    # The replicas' API, published as they publish it; the body goes on to a replica
+    # untouched, which validates it (the same models: the same 400s).
+    @app.post("/v1/completions", response_model=CompletionResponse,
+              responses=GENERATION_RESPONSES)
     async def completions(request: Request) -> Response:
+        """Text completion on a replica; `stream: true` answers with server-sent events."""
         return await proxy(state, request, "/v1/completions")
 
-    @app.post("/v1/chat/completions")
+    @app.post("/v1/chat/completions", response_model=ChatCompletionResponse,
+              responses=GENERATION_RESPONSES)
     async def chat_completions(request: Request) -> Response:
+        """Chat completion on a replica; `stream: true` answers with server-sent events."""
         return await proxy(state, request, "/v1/chat/completions")
 
-    @app.get("/v1/models")
+    @app.get("/v1/models", response_model=ModelList, responses=ERRORS)
     async def models() -> Response:
         assert state.client is not None
         for r in state.pool.healthy():
@@ -515,6 +536,7 @@ def build_router_app(state: RouterState, *, api_key: str | None,
                      "waiting": r.waiting, "kv_usage": r.kv_usage,
                      "prefix_cache_hit_rate": r.hit_rate,
                      "indexed_blocks": index.num_blocks(r.name),
+                     "indexed_by_medium": index.blocks_by_medium(r.name),
                      "events_endpoint": r.events_endpoint, "event_gaps": r.gaps,
                      "next_event_seq": r.next_seq}
                     for r in pool.replicas.values()]
@@ -525,7 +547,7 @@ def build_router_app(state: RouterState, *, api_key: str | None,
             out["prefill_replicas"] = rows(state.prefill_pool, state.prefill_index)
         return out
 
-    @app.get("/metrics")
+    @app.get("/metrics", response_class=Response, responses=METRICS_RESPONSES)
     async def metrics() -> Response:
         body, content_type = state.metrics.render()
         return Response(body, media_type=content_type)

@@ -27,13 +27,13 @@ from kvserve.engine.async_engine import (
     RequestFailure,
 )
 from kvserve.http.errors import APIError, bad_request
+from kvserve.http.protocol import SamplingRequest
 from kvserve.outputs import CompletionOutput, Logprobs, RequestMetrics, RequestOutput
 from kvserve.request import LoRARequest
 from kvserve.sampling_params import SamplingParams
 from kvserve.server.admission import Ticket
 from kvserve.server.disagg import kv_leg, prefill_result
 from kvserve.server.prompts import Prompt
-from kvserve.server.protocol import SamplingRequest
 from kvserve.server.state import ServerState
 from kvserve.server.structured import Constraint, compile_constraint
 

@@ -12,8 +12,8 @@ from fastapi.responses import PlainTextResponse
 
 from kvserve.engine.async_engine import AsyncLLMEngine
 from kvserve.http.errors import APIError, bad_request
+from kvserve.http.protocol import LoadLoRAAdapterRequest, ModelCard, UnloadLoRAAdapterRequest
 from kvserve.request import LoRARequest
-from kvserve.server.protocol import LoadLoRAAdapterRequest, ModelCard, UnloadLoRAAdapterRequest
 
 
 class ServedAdapters:

@@ -16,8 +16,7 @@ from dataclasses import dataclass
 
 from kvserve.engine.input_processor import check_prompt_ids, check_prompt_room
 from kvserve.http.errors import APIError, bad_request
-from kvserve.sampling_params import ParamError, RequestOutputKind, SamplingParams
-from kvserve.server.protocol import (
+from kvserve.http.protocol import (
     MAX_STOP_SEQUENCES,
     AssistantMessageIn,
     ChatCompletionRequest,
@@ -25,6 +24,7 @@ from kvserve.server.protocol import (
     SamplingRequest,
     ToolMessage,
 )
+from kvserve.sampling_params import ParamError, RequestOutputKind, SamplingParams
 from kvserve.server.settings import ServerSettings
 
 

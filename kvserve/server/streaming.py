@@ -19,6 +19,14 @@ from starlette.types import Receive, Scope, Send
 
 from kvserve.http.errors import APIError, SafeJSONResponse, error_body
 from kvserve.http.middleware import CLIENT_CLOSED, GENERATION_KEY
+from kvserve.http.protocol import (
+    ChatCompletionResponse,
+    CompletionResponse,
+    PromptTokensDetails,
+    SamplingRequest,
+    UsageInfo,
+    dump,
+)
 from kvserve.outputs import CompletionOutput, RequestOutput
 from kvserve.sampling_params import SamplingParams
 from kvserve.server.generation import (
@@ -28,14 +36,6 @@ from kvserve.server.generation import (
     run_to_first,
 )
 from kvserve.server.prompts import Prompt
-from kvserve.server.protocol import (
-    ChatCompletionResponse,
-    CompletionResponse,
-    PromptTokensDetails,
-    SamplingRequest,
-    UsageInfo,
-    dump,
-)
 from kvserve.server.state import ServerState
 from kvserve.server.structured import Constraint
 

@@ -24,8 +24,8 @@ import asyncio
 from dataclasses import dataclass
 
 from kvserve.http.errors import bad_request
+from kvserve.http.protocol import ChatCompletionRequest, SamplingRequest
 from kvserve.sampling_params import StructuredOutputsParams
-from kvserve.server.protocol import ChatCompletionRequest, SamplingRequest
 from kvserve.server.settings import ServerSettings
 from kvserve.server.tool_parsers import ToolParser, ToolSpec, get_parser
 

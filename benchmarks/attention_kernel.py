@@ -2,7 +2,7 @@
 
     .venv/bin/python benchmarks/attention_kernel.py [--batch 32] [--context 192] [--layers 4]
         [--kv-heads 2] [--group 2] [--head-dim 64] [--budget-mib 16] [--repeats 30]
-        [--threads 2] [--baseline-source OLD.c] [--json OUT]
+        [--threads 2] [--baseline-source OLD.c] [--window W] [--json OUT]
 
 Shapes default to the demo model's decode step at the throughput benchmark's KV limit: B
 sequences of ``context`` tokens in blocks of 16, scattered at random over a cache of
@@ -13,6 +13,8 @@ kernel's best job on this CPU (AVX-512 / AVX2, else the portable one), the porta
 the twin (gather into a workspace, widen FP8 with the integer trick, fp32 matmuls) and, with
 ``--baseline-source``, the kernel built from another source file; interleaved, medians.
 Reported: ms per step (all layers), KV bytes read per step and the effective GB/s.
+``--window W``: every layer a sliding-window layer (Gemma 3's local layers) reading the last W
+keys of each sequence only (the KV bytes counted are then those of the blocks it reads).
 """
 
 from __future__ import annotations
@@ -89,6 +91,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--dtypes", default="bf16,fp8_e4m3,fp8_e5m2,int8,fp32")
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--json", default=None)
+    ap.add_argument("--window", type=int, default=0,
+                    help="sliding window of every layer (0: full causal attention)")
     ap.add_argument("--baseline-source", default=None,
                     help="also time the kernel built from this paged_attention.c (e.g. the "
                          "version before a change: git show REV:kvserve/csrc/paged_attention.c)")
@@ -107,7 +111,8 @@ def main(argv: list[str] | None = None) -> int:
     for name in a.dtypes.split(","):
         kv, meta, q = setup(MODES[name], a)
         be = CpuAttentionBackend(kv, a.kv_heads * a.group, a.kv_heads, a.head_dim,
-                                   a.head_dim**-0.5, 4096)
+                                   a.head_dim**-0.5, 4096,
+                                   layer_windows=(a.window,) * a.layers if a.window else ())
         plan = be._plan(meta).kernel
         out = torch.empty_like(q)
 
@@ -116,7 +121,8 @@ def main(argv: list[str] | None = None) -> int:
                 cpu_kernel.paged_attention(kv.data[layer],
                                            kv.scales[layer] if kv.has_scales else None, q,
                                            plan[1], plan[0], plan[2], a.head_dim**-0.5, out,
-                                           force_scalar=force_scalar, dll=dll)
+                                           window=a.window, force_scalar=force_scalar,
+                                           dll=dll)
 
         def twin(be=be, meta=meta, q=q) -> None:
             be.use_kernel = False
@@ -136,7 +142,10 @@ def main(argv: list[str] | None = None) -> int:
                 t0 = time.perf_counter()
                 paths[k]()
                 times[k].append(time.perf_counter() - t0)
-        kv_bytes = a.batch * a.context * kv.bytes_per_token
+        bs = kv.block_size  # a window reads the blocks holding its keys
+        read = a.context if not a.window or a.window >= a.context else min(
+            a.context, (a.context - 1) // bs * bs + bs - (a.context - a.window) // bs * bs)
+        kv_bytes = a.batch * read * kv.bytes_per_token
         row = {"kv_cache_dtype": name, "kv_bytes_per_token": kv.bytes_per_token,
                "kv_bytes_per_step": kv_bytes, "simd": cpu_kernel.simd_level(),
                "evicted_bytes_before_each_call": evict.numel() * 4,

@@ -10,7 +10,8 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
-__version__ = "0.1.0"
+from kvserve.version import __version__
+
 __all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput", "LoRARequest",
            "__version__"]
 

@@ -87,7 +87,7 @@ def main(argv: list[str] | None = None) -> int:
                    help="one JSON object per completion (text, token_ids, finish_reason)")
     g.set_defaults(func=_generate)
 
-    for _name, module in (("serve", "kvserve.server.cli"), ("router", "kvserve.router.cli"),
+    for _name, module in (("serve", "kvserve.serve_cli"), ("router", "kvserve.router_cli"),
                          ("bench", "kvserve.bench.cli"), ("quantize", "kvserve.quantize_cli")):
         try:
             mod = __import__(module, fromlist=["register"])

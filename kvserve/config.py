@@ -9,6 +9,7 @@ from __future__ import annotations
 import functools
 import re
 from dataclasses import dataclass
+from urllib.parse import urlparse
 
 import torch
 
@@ -303,6 +304,22 @@ def dtype_name(dtype: torch.dtype) -> str:
     }[dtype]
 
 
+def check_kv_offload_url(url: str) -> str:
+    """The URL, checked (ValueError naming kv_offload_url); valkey:// reads as redis://."""
+    u = urlparse(url)
+    if u.scheme not in ("redis", "rediss", "valkey", "valkeys") or not u.hostname:
+        raise ValueError(f"kv_offload_url must be redis://HOST:PORT/DB (or rediss://, "
+                         f"valkey://), got {url!r}")
+    try:
+        u.port  # noqa: B018 - raises on a bad port
+        db = u.path.strip("/")
+        if db and not db.isdigit():
+            raise ValueError
+    except ValueError:
+        raise ValueError(f"kv_offload_url: bad port or database number in {url!r}") from None
+    return url.replace("valkey", "redis", 1) if u.scheme.startswith("valkey") else url
+
+
 @dataclass(frozen=True, slots=True)
 class CacheConfig:
     block_size: int = 16
@@ -322,10 +339,14 @@ class CacheConfig:
     kv_offload_dir: str | None = None
     kv_offload_disk_bytes: int = 0
     kv_offload_queue_blocks: int = 256
+    # a shared remote store (Redis / Valkey, kvserve/cache/remote_tier.py); None: off
+    kv_offload_url: str | None = None
+    kv_offload_timeout_s: float = 0.2  # per remote call; a failure marks the store down
 
     @property
     def kv_offload_enabled(self) -> bool:
-        return self.kv_offload_memory_bytes > 0 or self.kv_offload_dir is not None
+        return (self.kv_offload_memory_bytes > 0 or self.kv_offload_dir is not None
+                or self.kv_offload_url is not None)
 
     def __post_init__(self) -> None:
         if self.kv_offload_memory_bytes < 0:
@@ -337,9 +358,13 @@ class CacheConfig:
             raise ValueError("kv_offload_disk needs kv_offload_dir (the directory)")
         if self.kv_offload_queue_blocks < 1:
             raise ValueError(f"kv_offload_queue must be >= 1, got {self.kv_offload_queue_blocks}")
+        if self.kv_offload_url is not None:
+            check_kv_offload_url(self.kv_offload_url)
+        if not self.kv_offload_timeout_s > 0:
+            raise ValueError(f"kv_offload_timeout must be > 0, got {self.kv_offload_timeout_s}")
         if self.kv_offload_enabled and not self.enable_prefix_caching:
-            raise ValueError("kv_offload_memory / kv_offload_dir need prefix caching (drop "
-                             "--no-prefix-caching)")
+            raise ValueError("kv_offload_memory / kv_offload_dir / kv_offload_url need prefix "
+                             "caching (drop --no-prefix-caching)")
         if not isinstance(self.block_size, int) or not 1 <= self.block_size <= 1024:
             raise ValueError(f"block_size must be an int in [1, 1024], got {self.block_size!r}")
         parse_kv_mode(self.kv_cache_dtype)

@@ -12,12 +12,18 @@ import ast
 import pathlib
 import re
 
+import pytest
+
 import kvserve
 
 LAYERS: list[tuple[str, ...]] = [
-    # entry points: the command line, the offline API, the HTTP server, benchmarks
-    ("kvserve", "kvserve.cli", "kvserve.quantize_cli", "kvserve.llm", "kvserve.server",
-     "kvserve.bench", "kvserve.router"),
+    # entry points: the command line (``serve`` launches replicas and their router), the
+    # offline API, benchmarks
+    ("kvserve", "kvserve.cli", "kvserve.serve_cli", "kvserve.router_cli", "kvserve.quantize_cli",
+     "kvserve.llm", "kvserve.bench"),
+    # the replica's HTTP server and the router in front of replicas: siblings (SIBLINGS)
+    ("kvserve.server", "kvserve.router"),
+    ("kvserve.http",),  # the HTTP plumbing both stand on: errors, middleware, listen, tracing
     ("kvserve.engine",),  # scheduler, executor / workers, step loop
     ("kvserve.model",),  # architectures, checkpoint loading
     ("kvserve.layers", "kvserve.attention"),  # nn building blocks, attention backends
@@ -27,8 +33,11 @@ LAYERS: list[tuple[str, ...]] = [
     ("kvserve.kernels", "kvserve.quant", "kvserve.distributed"),
     # plain data and build helpers
     ("kvserve.config", "kvserve.request", "kvserve.sampling_params", "kvserve.outputs",
-     "kvserve.cbuild", "kvserve.cli_help", "kvserve.config_cli"),
+     "kvserve.cbuild", "kvserve.cli_help", "kvserve.config_cli", "kvserve.version"),
 ]
+# Packages that share a layer but stand apart: none of them imports another (what they share
+# lives in a layer below them).
+SIBLINGS: list[tuple[str, ...]] = [("kvserve.server", "kvserve.router")]
 
 ROOT = pathlib.Path(kvserve.__file__).parent
 
@@ -92,6 +101,32 @@ def test_no_upward_import():
            for m, targets in sorted(_graph().items()) for t in sorted(targets)
            if _layer(t) < _layer(m)]
     assert not bad, "imports against the layer order:\n" + "\n".join(bad)
+
+
+def _sibling(name: str, group: tuple[str, ...]) -> str | None:
+    return next((p for p in group if name == p or name.startswith(p + ".")), None)
+
+
+def test_no_sideways_import():
+    bad = [f"{m} imports its sibling {t}"
+           for group in SIBLINGS for m, targets in sorted(_graph().items())
+           for t in sorted(targets)
+           if _sibling(m, group) is not None and _sibling(t, group) not in (None,
+                                                                             _sibling(m, group))]
+    assert not bad, "imports between sibling packages:\n" + "\n".join(bad)
+
+
+def test_checks_catch_a_bad_import(monkeypatch):
+    """The checks can fail: a router module importing the server (sideways) or the HTTP
+    plumbing importing the server (upward) is reported."""
+    graph = dict(_graph())
+    graph["kvserve.router.app"] = graph["kvserve.router.app"] | {"kvserve.server.api"}
+    graph["kvserve.http.errors"] = graph["kvserve.http.errors"] | {"kvserve.server.state"}
+    monkeypatch.setitem(globals(), "_graph", lambda: graph)
+    with pytest.raises(AssertionError, match="kvserve.router.app imports its sibling"):
+        test_no_sideways_import()
+    with pytest.raises(AssertionError, match="kvserve.http.errors .layer 2. imports"):
+        test_no_upward_import()
 
 
 def test_no_import_cycle():

@@ -9,13 +9,13 @@ import dataclasses
 
 import pytest
 
+from kvserve import serve_cli as server_cli
 from kvserve.bench import cli as bench_cli
 from kvserve.bench.serve_bench import ServeBenchConfig
 from kvserve.bench.settings import LatencyConfig, ThroughputConfig
 from kvserve.cli_help import HelpParser
 from kvserve.config_cli import add_cli_args, arg, cli_values, from_cli_args, parse_list
 from kvserve.engine.arg_utils import EngineArgs
-from kvserve.server import cli as server_cli
 from kvserve.server.settings import LaunchSettings, ServerSettings
 
 

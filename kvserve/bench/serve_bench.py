@@ -8,6 +8,10 @@ Every request streams (SSE) from ``/v1/completions`` (or ``/v1/chat/completions`
 TTFT = send -> first content chunk, ITL = gaps between content chunks, E2E = send -> [DONE].
 Output tokens come from the final ``usage`` chunk (``stream_options.include_usage``).
 Reports throughput, TTFT / ITL / E2E mean and p50/p90/p99 in ms, and errors by kind.
+
+``--lora-mix`` spreads the requests over LoRA adapters (request i asks for adapter i mod N as
+its ``model``): a comma list of adapter names, or ``all`` for every adapter ``/v1/models``
+lists (the entries with a ``parent``); the report counts completed requests per model.
 """
 
 from __future__ import annotations
@@ -45,6 +49,9 @@ class ServeBenchConfig:
     input_words: int = arg(32, "words per synthetic prompt", type=int)
     chat: bool = arg(False, "use /v1/chat/completions", action="store_true")
     model: str | None = arg(None, "default: the first of /v1/models")
+    lora_mix: str | None = arg(
+        None, "spread requests over LoRA adapters (request i -> adapter i mod N): NAME,NAME,... "
+        "or all (every adapter /v1/models lists)", metavar="NAMES")
     api_key: str | None = arg(None, "sent as 'Authorization: Bearer KEY'")
     temperature: float = arg(1.0, "sampling temperature", type=float)
     seed: int = arg(0, "seed of request i is seed + i", type=int)
@@ -147,11 +154,26 @@ async def _model_id(client: httpx.AsyncClient) -> str:
     return r.json()["data"][0]["id"]
 
 
+async def lora_models(client: httpx.AsyncClient, lora_mix: str) -> list[str]:
+    """The adapter names ``lora_mix`` stands for (ValueError: none, or one not served)."""
+    r = await client.get("/v1/models")
+    r.raise_for_status()
+    served = [m["id"] for m in r.json()["data"] if m.get("parent")]
+    names = served if lora_mix == "all" else [n.strip() for n in lora_mix.split(",")
+                                              if n.strip()]
+    missing = [n for n in names if n not in served]
+    if not names or missing:
+        raise ValueError(f"lora_mix: the server serves adapters {served}, not "
+                         f"{missing or lora_mix!r}")
+    return names
+
+
 async def serve_bench(url: str, concurrency: int, requests: int, *, max_tokens: int = 64,
                       prompt: str | None = None, input_words: int = 32, chat: bool = False,
                       model: str | None = None, api_key: str | None = None,
                       temperature: float = 1.0, seed: int = 0, timeout: float = 600.0,
-                      traceparent: bool = False) -> dict[str, Any]:
+                      traceparent: bool = False, lora_mix: str | None = None
+                      ) -> dict[str, Any]:
     """Async core of ``run_serve_bench`` (same arguments, returns the report)."""
     if concurrency < 1:
         raise ValueError(f"concurrency must be >= 1, got {concurrency}")
@@ -167,12 +189,13 @@ async def serve_bench(url: str, concurrency: int, requests: int, *, max_tokens: 
     async with httpx.AsyncClient(base_url=url.rstrip("/"), headers=headers, limits=limits,
                                  timeout=httpx.Timeout(timeout)) as client:
         model = model or await _model_id(client)
+        models = [model] if lora_mix is None else await lora_models(client, lora_mix)
         payloads = []
         for i in range(requests):
             text = prompt if prompt is not None else synthetic_prompt(rng, input_words)
             body: dict[str, Any] = {
-                "model": model, "max_tokens": max_tokens, "temperature": temperature,
-                "seed": seed + i, "stream": True, "ignore_eos": True,
+                "model": models[i % len(models)], "max_tokens": max_tokens,
+                "temperature": temperature, "seed": seed + i, "stream": True, "ignore_eos": True,
                 "stream_options": {"include_usage": True},
             }
             if chat:
@@ -195,7 +218,10 @@ async def serve_bench(url: str, concurrency: int, requests: int, *, max_tokens: 
         results = await asyncio.gather(*(bounded(b, h) for b, h in zip(payloads, traced,
                                                                          strict=True)))
         duration = time.perf_counter() - start
-    return _report(url, path, concurrency, results, duration)
+    report = _report(url, path, concurrency, results, duration)
+    report["models"] = {m: sum(r.ok for r, b in zip(results, payloads, strict=True)
+                               if b["model"] == m) for m in models}
+    return report
 
 
 def _report(url: str, path: str, concurrency: int, results: list[_Result],
@@ -223,12 +249,14 @@ def run_serve_bench(url: str, concurrency: int, requests: int, *, max_tokens: in
                     prompt: str | None = None, input_words: int = 32, chat: bool = False,
                     model: str | None = None, api_key: str | None = None,
                     temperature: float = 1.0, seed: int = 0, timeout: float = 600.0,
-                    json_out: str | None = None, traceparent: bool = False) -> dict[str, Any]:
+                    json_out: str | None = None, traceparent: bool = False,
+                    lora_mix: str | None = None) -> dict[str, Any]:
     """Run the load and return the report; also write it to ``json_out`` when given."""
     report = asyncio.run(serve_bench(
         url, concurrency, requests, max_tokens=max_tokens, prompt=prompt,
         input_words=input_words, chat=chat, model=model, api_key=api_key,
-        temperature=temperature, seed=seed, timeout=timeout, traceparent=traceparent))
+        temperature=temperature, seed=seed, timeout=timeout, traceparent=traceparent,
+        lora_mix=lora_mix))
     if json_out:
         with open(json_out, "w") as f:
             json.dump(report, f, indent=2)
@@ -248,6 +276,8 @@ def format_report(r: dict[str, Any]) -> str:
         f"{r['request_throughput']:.2f} req/s ({r['total_output_tokens']} tokens)",
         row("TTFT ms", r["ttft_ms"]), row("ITL ms", r["itl_ms"]), row("E2E ms", r["e2e_ms"]),
     ]
+    if len(r.get("models", ())) > 1:
+        lines.append("per model: " + ", ".join(f"{m} {n}" for m, n in r["models"].items()))
     if r["errors"]:
         lines.append("errors: " + ", ".join(f"{k} x{v}" for k, v in sorted(r["errors"].items())))
     return "\n".join(lines)

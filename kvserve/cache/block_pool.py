@@ -21,6 +21,10 @@ if TYPE_CHECKING:
     from kvserve.request import AdapterRef
 
 
+# A cached block as ``on_evict`` reports it: (block id, chain hash, token ids, parent hash).
+Cached = tuple[int, bytes, tuple[int, ...], bytes | None]
+
+
 class NoFreeBlocksError(RuntimeError):
     pass
 
@@ -37,6 +41,7 @@ class Block:
     block_hash: bytes | None = None
     # Token ids the block holds when registered: a hit compares them, not only the hash.
     token_ids: tuple[int, ...] | None = None
+    parent_hash: bytes | None = None  # the chain block before it (the tiers' KV events)
     quarantined: bool = False
 
 
@@ -60,8 +65,8 @@ class BlockPool:
         self.num_quarantined = 0
         self.num_evictions = 0
         # Called with the cached blocks an ``allocate`` takes for reuse, as (block id, hash,
-        # token ids), while their bytes are still intact (the KV tiers copy them out).
-        self.on_evict: Callable[[list[tuple[int, bytes, tuple[int, ...]]]], None] | None = None
+        # token ids, parent hash), while their bytes are still intact (the KV tiers copy them).
+        self.on_evict: Callable[[list[Cached]], None] | None = None
         self.event_sink = event_sink
 
     # ---- queries -------------------------------------------------------------------------
@@ -96,7 +101,8 @@ class BlockPool:
             if block.block_hash is not None:
                 if self.on_evict is not None:
                     assert block.token_ids is not None
-                    evicted.append((block_id, block.block_hash, block.token_ids))
+                    evicted.append((block_id, block.block_hash, block.token_ids,
+                                    block.parent_hash))
                 self._uncache(block)
                 self.num_evictions += 1
             block.generation += 1
@@ -106,13 +112,13 @@ class BlockPool:
             self.on_evict(evicted)  # type: ignore[misc]
         return ids
 
-    def cached_free_blocks(self) -> list[tuple[int, bytes, tuple[int, ...]]]:
+    def cached_free_blocks(self) -> list[Cached]:
         """Cached blocks in the free list, as ``on_evict`` reports them (shutdown write-down)."""
         out = []
         for block_id in self._free:
             block = self.blocks[block_id]
             if block.block_hash is not None and block.token_ids is not None:
-                out.append((block_id, block.block_hash, block.token_ids))
+                out.append((block_id, block.block_hash, block.token_ids, block.parent_hash))
         return out
 
     def touch(self, block_ids: list[int]) -> None:
@@ -161,6 +167,7 @@ class BlockPool:
             return False
         block.block_hash = block_hash
         block.token_ids = token_ids
+        block.parent_hash = parent_hash
         self._cached[block_hash] = block_id
         if self.event_sink is not None:
             if lora is None:
@@ -177,6 +184,7 @@ class BlockPool:
                 self.event_sink.removed(block.block_hash)
         block.block_hash = None
         block.token_ids = None
+        block.parent_hash = None
 
     def reset_prefix_cache(self) -> None:
         for block in self.blocks:

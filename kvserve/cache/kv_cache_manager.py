@@ -27,7 +27,7 @@ from typing import Protocol
 
 import numpy as np
 
-from kvserve.cache.block_pool import BlockPool
+from kvserve.cache.block_pool import BlockPool, Cached
 from kvserve.cache.kv_tiers import Evicted, KVTiers, TierPeers
 from kvserve.cache.kv_transfer import Expected, KVTransfer, TransferHandle
 from kvserve.outputs import KVMove
@@ -161,12 +161,11 @@ class KVCacheManager:
         return hits
 
     # ---- KV tiers ------------------------------------------------------------------------
-    def _write_down(self, evicted: list[tuple[int, bytes, tuple[int, ...]]]) -> None:
+    def _write_down(self, evicted: list[Cached]) -> None:
         """BlockPool.on_evict: hand the evicted blocks (bytes still intact) to the tiers."""
         self._write_down_blocks(evicted, block=False)
 
-    def _write_down_blocks(self, blocks: list[tuple[int, bytes, tuple[int, ...]]],
-                           block: bool) -> None:
+    def _write_down_blocks(self, blocks: list[Cached], block: bool) -> None:
         assert self.tiers is not None
         sums = [None if self.integrity is None else self.integrity.sealed_sums(e[0])
                 for e in blocks]
@@ -336,13 +335,13 @@ class KVCacheManager:
         return len(cached)
 
     def close(self) -> None:
-        """Shutdown: write the pool's cached blocks to disk (a restart finds them there) and
-        stop the tiers' threads (and the transfer's)."""
+        """Shutdown: write the pool's cached blocks to disk / the remote store (a restart, or
+        another engine, finds them there) and stop the tiers' threads (and the transfer's)."""
         if self.transfer is not None:
             self.transfer.close()
         if self.tiers is None:
             return
-        if self.tiers.disk is not None:
+        if self.tiers.disk is not None or self.tiers.remote is not None:
             self.write_down_cached()
         self.tiers.close()
 

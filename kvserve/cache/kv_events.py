@@ -21,6 +21,11 @@ lora_id, medium, lora_name)``; ``BlockRemoved = ("BlockRemoved", block_hashes, m
 ``"type"`` key for the tag (newer vLLM). Fields at their default (``extra_keys``,
 ``group_idx``, ...) are omitted, as msgspec's ``omit_defaults`` does.
 
+The pool's blocks carry ``medium`` "GPU" / "CPU" (the device of the KV cache); blocks the KV
+tiers hold (``kv_tiers.py``) are announced by the tiers with ``medium`` "cpu" (host memory),
+"disk" or "remote" (``TIER_MEDIA``), a ``BlockRemoved`` of that medium when a tier drops them.
+A block can be held by several media at once; each announces and removes its own copy.
+
 Block hashes on the wire are ``ExternalBlockHash`` integers: the first 8 bytes of kvserve's
 16-byte chain hash, big-endian unsigned. ``token_ids`` of a ``BlockStored`` are the tokens of
 all its blocks in order, so a consumer can rebuild the chain with its own hash function.
@@ -44,6 +49,9 @@ if TYPE_CHECKING:
 logger = logging.getLogger("kvserve")
 
 FORMATS = ("array", "map")
+# The ``medium`` of blocks held by the KV tiers below the pool (host memory, disk, a remote
+# store); the pool's own blocks are "GPU" or "CPU" (where its tensors live), as in vLLM.
+TIER_MEDIA = ("cpu", "disk", "remote")
 END_SEQ = (-1).to_bytes(8, "big", signed=True)
 
 
@@ -211,17 +219,21 @@ class KVEventPublisher:
             raise ValueError(f"{param}: cannot bind {endpoint!r}: {e}") from e
 
     # ---- the pool's sink (engine thread) ----------------------------------------------------
+    # Also the KV tiers' sink (``kvserve.cache.kv_tiers``), from their writer and restore
+    # threads, with ``medium`` one of TIER_MEDIA: the queue is thread safe.
     def stored(self, block_hash: bytes, parent_hash: bytes | None,
-               token_ids: tuple[int, ...], lora: AdapterRef | None = None) -> None:
+               token_ids: tuple[int, ...], lora: AdapterRef | None = None,
+               medium: str | None = None) -> None:
         self._queue.put(BlockStored(
             (external_hash(block_hash),),
             None if parent_hash is None else external_hash(parent_hash),
-            tuple(token_ids), self.block_size, medium=self.medium,
+            tuple(token_ids), self.block_size, medium=medium or self.medium,
             lora_id=None if lora is None else lora.lora_id,
             lora_name=None if lora is None else lora.lora_name))
 
-    def removed(self, block_hash: bytes) -> None:
-        self._queue.put(BlockRemoved((external_hash(block_hash),), medium=self.medium))
+    def removed(self, block_hash: bytes, medium: str | None = None) -> None:
+        self._queue.put(BlockRemoved((external_hash(block_hash),),
+                                     medium=medium or self.medium))
 
     def cleared(self) -> None:
         self._queue.put(AllBlocksCleared())
@@ -239,12 +251,13 @@ class KVEventPublisher:
             prev = out[-1] if out else None
             if (isinstance(ev, BlockStored) and isinstance(prev, BlockStored)
                     and ev.parent_block_hash == prev.block_hashes[-1]
-                    and ev.lora_id == prev.lora_id):
+                    and ev.lora_id == prev.lora_id and ev.medium == prev.medium):
                 out[-1] = BlockStored(prev.block_hashes + ev.block_hashes,
                                       prev.parent_block_hash, prev.token_ids + ev.token_ids,
                                       prev.block_size, medium=prev.medium,
                                       lora_id=prev.lora_id, lora_name=prev.lora_name)
-            elif isinstance(ev, BlockRemoved) and isinstance(prev, BlockRemoved):
+            elif (isinstance(ev, BlockRemoved) and isinstance(prev, BlockRemoved)
+                  and ev.medium == prev.medium):
                 out[-1] = BlockRemoved(prev.block_hashes + ev.block_hashes, medium=prev.medium)
             else:
                 out.append(ev)

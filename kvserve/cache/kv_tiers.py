@@ -13,6 +13,12 @@ Flow (docs/kv-tiers.md)::
     next schedule: the manager installs them in fresh pool blocks (seal + register) and they
         count as a prefix hit.
 
+KV events (``kv_events.py``, docs/kv-tiers.md): with an ``events`` sink, each block a tier
+newly holds is announced as ``BlockStored`` with ``medium`` "cpu" (memory tier), "disk" or
+"remote", and each entry a tier loses (LRU eviction, disk trim, a refused entry, a file another
+process deleted, noticed at the next scan) as ``BlockRemoved`` of that medium. Only entries this
+process stored are announced; the sink is called on the writer and restore threads.
+
 A block that fails ``verify`` is a miss: its entry is dropped and counted by reason; the
 request recomputes those tokens. Nothing here changes what is computed, only what is reused.
 
@@ -43,6 +49,7 @@ import torch
 from kvserve.cache import block_store, jobs
 from kvserve.cache.block_store import Reason, Rejected, StoredBlock, StoreSpec
 from kvserve.cache.kv_cache import PagedKVCache
+from kvserve.cache.remote_tier import RemoteTier
 
 logger = logging.getLogger("kvserve.kv_tiers")
 
@@ -60,10 +67,12 @@ class TierConfig:
     disk_dir: str | None = None  # None: no disk tier
     disk_bytes: int = 0
     queue_blocks: int = 256  # write-down queue bound (blocks)
+    remote_url: str | None = None  # None: no remote store (kvserve/cache/remote_tier.py)
+    remote_timeout_s: float = 0.2
 
     @property
     def enabled(self) -> bool:
-        return self.memory_bytes > 0 or self.disk_dir is not None
+        return self.memory_bytes > 0 or self.disk_dir is not None or self.remote_url is not None
 
 
 @dataclass(frozen=True, slots=True)
@@ -73,6 +82,7 @@ class Evicted:
     block_id: int
     chain_hash: bytes
     token_ids: tuple[int, ...]
+    parent_hash: bytes | None = None  # the chain block before it (KV events only)
 
 
 class TierPeers(Protocol):
@@ -88,6 +98,20 @@ class TierPeers(Protocol):
         """Every other rank reads, verifies and installs its slice of each block into
         ``block_ids``; per block, whether it failed on any rank."""
         ...
+
+
+class TierEvents(Protocol):
+    """Told which blocks a tier gains and loses (``kvserve.cache.kv_events.KVEventPublisher``);
+    called from the tiers' threads, so it must be thread safe."""
+
+    def stored(self, block_hash: bytes, parent_hash: bytes | None,
+               token_ids: tuple[int, ...], lora: None = None, medium: str | None = None
+               ) -> None: ...
+    def removed(self, block_hash: bytes, medium: str | None = None) -> None: ...
+
+
+# A tier's ``name`` -> the ``medium`` of its KV events (kv_events.TIER_MEDIA).
+MEDIUM = {"memory": "cpu", "disk": "disk", "remote": "remote"}
 
 
 def entry_key(spec: StoreSpec, chain_hash: bytes) -> str:
@@ -108,19 +132,23 @@ class MemoryTier:
         self.bytes = 0
         self.evictions = 0
 
-    def put(self, key: str, blob: bytes) -> None:
+    def put(self, key: str, blob: bytes) -> list[str]:
+        """Store ``blob``; the keys evicted to make room."""
+        gone = []
         with self._lock:
             if key in self._d:
                 self._d.move_to_end(key)
-                return
+                return gone
             if len(blob) > self.cap:
-                return
+                return gone
             self._d[key] = blob
             self.bytes += len(blob)
             while self.bytes > self.cap:
-                _, old = self._d.popitem(last=False)
+                old_key, old = self._d.popitem(last=False)
                 self.bytes -= len(old)
                 self.evictions += 1
+                gone.append(old_key)
+        return gone
 
     def get(self, key: str) -> bytes | None:
         with self._lock:
@@ -170,11 +198,12 @@ class DiskTier:
     def path(self, key: str) -> str:
         return os.path.join(self.dir, key + SUFFIX)
 
-    def put(self, key: str, blob: bytes) -> None:
+    def put(self, key: str, blob: bytes) -> list[str] | None:
+        """Write ``blob``; after a scan, the keys present before it (None: no scan ran)."""
         path = self.path(key)
         if os.path.exists(path):
             self._bump(path)
-            return
+            return None
         tmp = os.path.join(self.dir, f"{TMP_PREFIX}{os.getpid()}-{threading.get_ident()}-{key}")
         try:
             with open(tmp, "wb") as f:
@@ -184,13 +213,12 @@ class DiskTier:
             logger.warning("kv disk tier: cannot write %s: %s", path, e)
             with contextlib.suppress(OSError):
                 os.unlink(tmp)
-            return
+            return None
         with self._lock:
             self.bytes += len(blob)
             self._since_scan += len(blob)
             scan = self._since_scan >= max(1, self.cap // 16) or self.bytes > self.cap
-        if scan:
-            self.trim()
+        return self.trim() if scan else None
 
     def get(self, key: str) -> bytes | None:
         """The file's bytes, None when absent (also: deleted concurrently). OSError: unreadable."""
@@ -238,10 +266,12 @@ class DiskTier:
                 out.append((st.st_mtime, st.st_size, e.path))
         return out
 
-    def trim(self) -> None:
-        """Delete the least recently used files until the directory is under its cap."""
+    def trim(self) -> list[str]:
+        """Delete the least recently used files until the directory is under its cap; the keys
+        of the files left."""
         files = self.scan()
         total = sum(f[1] for f in files)
+        files_left = {f[2] for f in files}
         if total > self.cap:
             files.sort()
             target = int(self.cap * LOW_WATER)
@@ -254,9 +284,11 @@ class DiskTier:
                 except FileNotFoundError:
                     pass  # another writer took it
                 total -= size
+                files_left.discard(path)
         with self._lock:
             self.bytes = total
             self._since_scan = 0
+        return [os.path.basename(p)[: -len(SUFFIX)] for p in files_left]
 
     def __len__(self) -> int:
         return len(self.scan())
@@ -266,6 +298,7 @@ class DiskTier:
 class _Write:
     chain_hash: bytes
     token_ids: tuple[int, ...]
+    parent_hash: bytes | None
     payload: torch.Tensor  # [L, C, bs, H, D] CPU copy
     scales: torch.Tensor | None
     sealed_sums: np.ndarray | None  # [L, 4] the pool's seal, when integrity is on
@@ -292,8 +325,10 @@ class KVTiers:
         self.cfg, self.spec, self.kv = cfg, spec, kv
         self.memory = MemoryTier(cfg.memory_bytes) if cfg.memory_bytes > 0 else None
         self.disk = DiskTier(cfg.disk_dir, cfg.disk_bytes) if cfg.disk_dir is not None else None
-        self.tiers: list[MemoryTier | DiskTier] = [
-            t for t in (self.memory, self.disk) if t is not None]
+        self.remote = (RemoteTier(cfg.remote_url, cfg.remote_timeout_s)
+                       if cfg.remote_url is not None else None)
+        self.tiers: list[MemoryTier | DiskTier | RemoteTier] = [
+            t for t in (self.memory, self.disk, self.remote) if t is not None]
         self.hits: Counter[str] = Counter()  # blocks restored, by tier
         self.misses: Counter[str] = Counter()  # chain blocks looked for and absent, by tier
         self.writes: Counter[str] = Counter()  # blocks written, by tier
@@ -302,6 +337,11 @@ class KVTiers:
         self.corrupt_in_pool = 0  # evicted blocks whose bytes no longer matched their seal
         self.restore_hist = np.zeros(len(RESTORE_BUCKETS) + 1, dtype=np.int64)
         self.restore_seconds = 0.0
+        # KV events: the sink (set by the engine builder before any write) and, per tier,
+        # the entries announced as stored: key -> (chain hash, parent hash, token ids).
+        self.events: TierEvents | None = None
+        self._events_lock = threading.Lock()
+        self._announced: dict[str, dict[str, tuple[bytes, bytes | None, tuple[int, ...]]]] = {}
         self._writes: queue.Queue[_Write | None] = queue.Queue(maxsize=cfg.queue_blocks)
         self._jobs: jobs.JobBoard[_Restore] = jobs.JobBoard()
         self._writer = threading.Thread(target=self._write_loop, name="kv-tier-writer",
@@ -319,6 +359,8 @@ class KVTiers:
         if self.disk is not None:
             parts.append(f"disk {self.disk.dir} {self.disk.cap / 2**30:.2f} GiB "
                          f"({len(self.disk)} blocks found there)")
+        if self.remote is not None:
+            parts.append(f"remote {self.remote.url}")
         return (f"KV tiers: {', '.join(parts)}; {self.spec.block_bytes / 1024:.1f} KiB per "
                 f"block; write queue {self.cfg.queue_blocks} blocks")
 
@@ -351,7 +393,7 @@ class KVTiers:
             scales = self.kv.scales.view(torch.uint8).index_select(1, idx).cpu().view(
                 self.kv.scales.dtype)
         for i, (e, s) in enumerate(todo):
-            w = _Write(e.chain_hash, e.token_ids, payload[:, i],
+            w = _Write(e.chain_hash, e.token_ids, e.parent_hash, payload[:, i],
                        None if scales is None else scales[:, i], s)
             try:
                 self._writes.put(w, block=block)
@@ -381,8 +423,43 @@ class KVTiers:
             self.spec, StoredBlock(w.chain_hash, w.token_ids, w.payload, w.scales, sums))
         key = entry_key(self.spec, w.chain_hash)
         for tier in self.tiers:
-            tier.put(key, blob)
+            after = tier.put(key, blob)
             self.writes[tier.name] += 1
+            if self.events is not None:
+                self._announce(tier, key, (w.chain_hash, w.parent_hash, w.token_ids), after)
+
+    # ---- KV events (writer / restore thread) ----------------------------------------------
+    def _announce(self, tier: MemoryTier | DiskTier, key: str,
+                  block: tuple[bytes, bytes | None, tuple[int, ...]] | None,
+                  after: list[str] | None) -> None:
+        """After ``tier.put(key)``: announce ``block`` if the tier now holds it newly, and the
+        removal of every announced entry it lost (``after``: the memory tier's evicted keys,
+        the disk tier's keys left after a scan, None: no news)."""
+        assert self.events is not None
+        medium = MEDIUM.get(tier.name, tier.name)
+        with self._events_lock:
+            mine = self._announced.setdefault(tier.name, {})
+            if after is not None:
+                if isinstance(tier, DiskTier):
+                    left = set(after)
+                    gone = [k for k in mine if k not in left]
+                else:
+                    gone = after
+                for k in gone:
+                    old = mine.pop(k, None)
+                    if old is not None:
+                        self.events.removed(old[0], medium=medium)
+            if block is not None and key not in mine and tier.contains(key):
+                mine[key] = block
+                self.events.stored(block[0], block[1], block[2], medium=medium)
+
+    def _announce_removed(self, tier: MemoryTier | DiskTier, key: str) -> None:
+        if self.events is None:
+            return
+        with self._events_lock:
+            old = self._announced.get(tier.name, {}).pop(key, None)
+            if old is not None:
+                self.events.removed(old[0], medium=MEDIUM.get(tier.name, tier.name))
 
     def flush(self, timeout: float = 30.0) -> None:
         """Wait until every queued write-down is stored (tests, shutdown)."""
@@ -392,13 +469,22 @@ class KVTiers:
 
     # ---- restore ------------------------------------------------------------------------
     def available(self, items: list[tuple[bytes, tuple[int, ...]]]) -> int:
-        """How many of ``items`` (the chain's next blocks, in order) some tier holds."""
+        """How many of ``items`` (the chain's next blocks, in order) some tier holds. The
+        remote store is asked once, for every block the local tiers lack (one round trip)."""
         n = 0
-        for chain_hash, _ in items:
-            key = entry_key(self.spec, chain_hash)
+        keys = [entry_key(self.spec, h) for h, _ in items]
+        remote: dict[str, bool] | None = None
+        for key in keys:
             found = False
             for tier in self.tiers:
-                if tier.contains(key):
+                if tier is self.remote:
+                    if remote is None:
+                        rest = keys[n:]
+                        remote = dict(zip(rest, self.remote.contains_many(rest), strict=True))
+                    has = remote[key]
+                else:
+                    has = tier.contains(key)
+                if has:
                     found = True
                     break
                 self.misses[tier.name] += 1
@@ -482,16 +568,21 @@ class KVTiers:
                 self._reject(tier, key, res)
                 continue
             self.hits[tier.name] += 1
-            if tier is self.disk and self.memory is not None:
-                self.memory.put(key, blob)  # promote
+            if tier is not self.memory and self.memory is not None:
+                evicted = self.memory.put(key, blob)  # promote
+                if self.events is not None:
+                    with self._events_lock:
+                        block = self._announced.get(tier.name, {}).get(key)
+                    self._announce(self.memory, key, block, evicted)
             return res
         return None
 
-    def _reject(self, tier: MemoryTier | DiskTier, key: str, why: Rejected) -> None:
+    def _reject(self, tier: MemoryTier | DiskTier | RemoteTier, key: str, why: Rejected) -> None:
         self.rejected[(tier.name, why.reason.value)] += 1
         logger.warning("kv tiers: %s entry %s refused: %s %s", tier.name, key, why.reason.value,
                        why.detail)
         tier.drop(key)
+        self._announce_removed(tier, key)
 
     def install(self, block_ids: list[int], blocks: list[StoredBlock]) -> None:
         """Copy verified blocks into freshly allocated pool blocks (``block_store.install``)."""
@@ -510,6 +601,8 @@ class KVTiers:
         self._reader.join(timeout=10)
         if self.disk is not None:
             self.disk.trim()
+        if self.remote is not None:
+            self.remote.close()
 
     def stats(self) -> dict:
         tiers = {}
@@ -520,6 +613,8 @@ class KVTiers:
                 "evictions": t.evictions,
                 "rejected": {r: n for (name, r), n in self.rejected.items() if name == t.name},
             }
+            if t is self.remote:  # calls that failed / were skipped while it was down
+                tiers[t.name].update(failures=t.failures, skipped=t.skipped, up=t.up)
         return {
             "tiers": tiers, "queue_depth": self._writes.qsize(),
             "queue_capacity": self._writes.maxsize, "dropped_writes": self.dropped_writes,

@@ -354,6 +354,196 @@ static int w16_gemm_bf16_dot(const float *x, int64_t M, int64_t K, int64_t ldx,
 }
 #endif
 
+#if defined(KVS_BF16_DOT) && defined(__AMX_TILE__) && defined(__AMX_BF16__) && !defined(KVS_SIMDE)
+#define KVS_AMX 1
+#include <cpuid.h>
+#include <sys/syscall.h>
+long syscall(long number, ...); /* <unistd.h> declares it only with _GNU_SOURCE */
+/* AMX (Sapphire Rapids and later): the bf16 dot products as tile products (TDPBF16PS).
+ *
+ * Roles: A = one packed tile's NR = 4 weight rows x 16 columns (32 contiguous bytes a row: the
+ * packed layout is read in place, no copy), B = 16 rows of x as the tile's VNNI pairs
+ * (B[r][2m + p] = x[m][16s + 2r + p], 8 pair rows), C[n][m] = y[m][n] (4 x 16 fp32). Per
+ * 16-column step two weight tiles meet two 16-row blocks of x: 2 A + 2 B loads, 4 products.
+ * Row-major tables are first copied, two tiles at a time, into that layout.
+ *
+ * Every element of C accumulates its 16-column steps in k order, one TDPBF16PS each, and no
+ * element mixes with another: a row of x gets the same sums whatever the other rows are (zero
+ * rows pad a block), so the path is batch-invariant on its own. The tile shape is part of the
+ * arithmetic (measured: 16 x 32-column tiles round differently from 4 x 16 ones), so this one
+ * shape serves every M, and on an AMX CPU the path serves every GEMM the bf16-dot threshold
+ * sends to the bf16 dots (M = 1 included), never beside vdpbf16ps. Its sums run in another
+ * order than vdpbf16ps's: the twin's tolerance, not bit equality, relates the two.
+ *
+ * x is rounded to bf16 and laid out as B tiles once per call (xt: [Mp / 16][Kp / 32][16][16]
+ * dwords: the pair rows of two 16-column steps). x rows are walked in chunks of ~AMX_XT_BYTES
+ * of xt (L2-resident while every weight tile pair meets them). */
+#ifndef AMX_XT_BYTES
+#define AMX_XT_BYTES 524288
+#endif
+#define ARCH_REQ_XCOMP_PERM 0x1023
+#define XFEATURE_XTILEDATA 18
+
+static int amx_state = -1; /* -1: not asked yet, 0: off / unavailable, 1: on */
+
+/* the CPU has AMX-TILE + AMX-BF16 and Linux grants this process the tile data state */
+static int amx_available(void) {
+    unsigned a, b, c, d;
+    if (!__get_cpuid_count(7, 0, &a, &b, &c, &d)) return 0;
+    if (!((d >> 24) & 1) || !((d >> 22) & 1)) return 0; /* AMX-TILE, AMX-BF16 */
+    return syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0;
+}
+
+typedef struct {
+    uint8_t palette, start_row, reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+} __attribute__((packed, aligned(64))) amx_cfg;
+
+static void amx_config(void) {
+    amx_cfg cfg;
+    memset(&cfg, 0, sizeof(cfg));
+    cfg.palette = 1;
+    for (int t = 0; t < 4; t++) { /* tmm0-3 C: NR weight rows x 16 rows of x, fp32 */
+        cfg.rows[t] = NR;
+        cfg.colsb[t] = 64;
+    }
+    for (int t = 4; t < 6; t++) { /* tmm4-5 A: NR weight rows x 16 columns, bf16 */
+        cfg.rows[t] = NR;
+        cfg.colsb[t] = 32;
+    }
+    for (int t = 6; t < 8; t++) { /* tmm6-7 B: 8 column pairs x 16 rows of x */
+        cfg.rows[t] = 8;
+        cfg.colsb[t] = 64;
+    }
+    _tile_loadconfig(&cfg);
+}
+
+static int w16_gemm_amx(const float *x, int64_t M, int64_t K, int64_t ldx, const uint16_t *w,
+                        int64_t N, int64_t ldw, int num_threads, float *y, int64_t ldy,
+                        int packed) {
+    const int64_t Kp = (K + 31) / 32 * 32, S = Kp / 32, Mp = (M + 15) / 16 * 16;
+    const int64_t K16 = (K + 15) / 16; /* 16-column steps */
+    uint32_t *xt = aligned_alloc(64, sizeof(uint32_t) * (size_t)(Mp * Kp / 2));
+    if (xt == NULL) return 1;
+    /* rows of x per chunk: ~AMX_XT_BYTES of xt, a multiple of 32 */
+    int64_t mc = (int64_t)(AMX_XT_BYTES / (2 * Kp)) / 32 * 32;
+    if (mc < 32) mc = 32;
+    const int64_t npairs = (N + 2 * NR - 1) / (2 * NR); /* pairs of packed tiles */
+    int failed = 0;
+#pragma omp parallel num_threads(num_threads) if (N * K * (M < 4 ? M : 4) > 65536)
+    {
+        uint16_t row[Kp];
+#pragma omp for schedule(static)
+        for (int64_t m = 0; m < Mp; m++) {
+            if (m < M)
+                bf16_row(x + m * ldx, K, Kp, row);
+            else
+                memset(row, 0, sizeof(row));
+            uint32_t *dst = xt + (m / 16) * S * 256 + m % 16;
+            for (int64_t s = 0; s < S; s++)
+                for (int r = 0; r < 16; r++) /* the pair (32s + 2r, +1) */
+                    memcpy(dst + s * 256 + r * 16, row + s * 32 + 2 * r, 4);
+        }
+        /* row-major weights: each pair of tiles copied into the packed layout (zero rows past
+         * N, zero columns past K) */
+        uint16_t *ws = packed ? NULL : aligned_alloc(64, sizeof(uint16_t) * 2 * NR * 16 *
+                                                         (size_t)K16);
+        if (!packed && ws == NULL) {
+#pragma omp atomic write
+            failed = 1;
+        }
+        if (packed || ws != NULL) amx_config();
+        float cbuf[4][NR * 16];
+        for (int64_t c0 = 0; c0 < Mp && (packed || ws != NULL); c0 += mc) {
+            const int64_t c1 = c0 + mc < Mp ? c0 + mc : Mp;
+#pragma omp for schedule(static) nowait
+            for (int64_t tp = 0; tp < npairs; tp++) {
+                const int two_n = (tp * 2 + 1) * NR < N; /* a second tile of weight rows */
+                const uint16_t *a0, *a1;
+                int64_t as; /* bytes between a tile's 16-column steps */
+                if (packed) {
+                    a0 = w + tp * 2 * NR * K;
+                    a1 = a0 + NR * K;
+                    as = NR * 16;
+                } else {
+                    memset(ws, 0, sizeof(uint16_t) * 2 * NR * 16 * (size_t)K16);
+                    for (int j = 0; j < 2 * NR; j++) {
+                        const int64_t n = tp * 2 * NR + j;
+                        if (n >= N) break;
+                        for (int64_t k = 0; k < K; k++)
+                            ws[(j / NR) * NR * 16 * K16 + (k / 16) * NR * 16 + (j % NR) * 16 +
+                               k % 16] = w[n * ldw + k];
+                    }
+                    a0 = ws;
+                    a1 = ws + NR * 16 * K16;
+                    as = NR * 16;
+                }
+                const int nv = N - tp * 2 * NR < 2 * NR ? (int)(N - tp * 2 * NR) : 2 * NR;
+                for (int64_t m0 = c0; m0 < c1; m0 += 32) {
+                    const int two = m0 + 16 < Mp; /* a second 16-row block of x */
+                    const uint32_t *b0 = xt + (m0 / 16) * S * 256;
+                    const uint32_t *b1 = b0 + S * 256;
+                    _tile_zero(0);
+                    _tile_zero(1);
+                    _tile_zero(2);
+                    _tile_zero(3);
+                    for (int64_t s = 0; s < K16; s++) {
+                        /* B: the 8 pairs of columns 16s.., rows r = 8 (s % 2).. of block s/2 */
+                        const int64_t bo = (s / 2) * 256 + (s % 2) * 128;
+                        _tile_loadd(4, a0 + s * as, 32);
+                        _tile_loadd(6, b0 + bo, 64);
+                        _tile_dpbf16ps(0, 4, 6);
+                        if (two_n) {
+                            _tile_loadd(5, a1 + s * as, 32);
+                            _tile_dpbf16ps(2, 5, 6);
+                        }
+                        if (two) {
+                            _tile_loadd(7, b1 + bo, 64);
+                            _tile_dpbf16ps(1, 4, 7);
+                            if (two_n) _tile_dpbf16ps(3, 5, 7);
+                        }
+                    }
+                    _tile_stored(0, cbuf[0], 64);
+                    if (two_n) _tile_stored(2, cbuf[2], 64);
+                    if (two) _tile_stored(1, cbuf[1], 64);
+                    if (two && two_n) _tile_stored(3, cbuf[3], 64);
+                    /* cbuf[2 * nh + mh][n][m] -> y[m0 + 16 mh + m][tp * 2NR + NR nh + n] */
+                    for (int mh = 0; mh < 1 + two; mh++)
+                        for (int m = 0; m < 16 && m0 + 16 * mh + m < M; m++) {
+                            float *yr = y + (m0 + 16 * mh + m) * ldy + tp * 2 * NR;
+                            for (int n = 0; n < nv; n++)
+                                yr[n] = cbuf[2 * (n / NR) + mh][(n % NR) * 16 + m];
+                        }
+                }
+            }
+        }
+        if (packed || ws != NULL) _tile_release();
+        free(ws);
+    }
+    free(xt);
+    return failed;
+}
+#endif
+
+/* AMX for the bf16 dot products: request 1 turns it on where the build and the CPU have it
+ * (asking Linux for the tile state once), 0 turns it off (vdpbf16ps then), -1 only asks.
+ * Returns whether it is on. */
+int kvs_w16_amx(int request) {
+#ifdef KVS_AMX
+    int s = __atomic_load_n(&amx_state, __ATOMIC_ACQUIRE);
+    if (request == 0)
+        s = 0;
+    else if (request == 1 || s < 0)
+        s = amx_available();
+    __atomic_store_n(&amx_state, s, __ATOMIC_RELEASE);
+    return s;
+#else
+    (void)request;
+    return 0;
+#endif
+}
+
 /* 1 when this build has the bf16-dot path and the CPU running it has AVX512-BF16 */
 int kvs_w16_bf16_dot(void) {
 #if defined(KVS_BF16_DOT) && defined(KVS_SIMDE)
@@ -424,8 +614,13 @@ int kvs_w16_gemm(const float *x, int64_t M, int64_t K, int64_t ldx, const uint16
                  int64_t bf16_rows, int packed) {
     if (packed && K % PK) return 2;
 #ifdef KVS_BF16_DOT
-    if (kind == 0 && bf16_rows > 0 && M >= bf16_rows && kvs_w16_bf16_dot())
+    if (kind == 0 && bf16_rows > 0 && M >= bf16_rows && kvs_w16_bf16_dot()) {
+#ifdef KVS_AMX
+        if (__atomic_load_n(&amx_state, __ATOMIC_ACQUIRE) == 1)
+            return w16_gemm_amx(x, M, K, ldx, w, N, ldw, num_threads, y, ldy, packed);
+#endif
         return w16_gemm_bf16_dot(x, M, K, ldx, w, N, ldw, num_threads, y, ldy, packed);
+    }
 #else
     (void)bf16_rows;
 #endif

@@ -84,6 +84,12 @@ class EngineArgs:
         "processes)", metavar="PATH")
     kv_offload_disk: float = arg(
         4.0, "disk KV tier size in GiB (with --kv-offload-dir)", metavar="GIB", type=float)
+    kv_offload_url: str | None = arg(
+        None, "a shared remote KV tier: redis://HOST:PORT/DB (Redis or Valkey; engines on "
+        "several machines share prefixes through it)", metavar="URL")
+    kv_offload_timeout: float = arg(
+        0.2, "seconds per remote KV tier call; a failed call makes the store a miss for 5 s",
+        type=float)
     kv_offload_queue: int = arg(
         256, "KV tiers: most evicted blocks waiting to be written down (more are dropped)",
         metavar="N", type=int)
@@ -119,12 +125,12 @@ class EngineArgs:
         "arithmetic, fastest); fp32: the dequantized weights' exact product (slowest)",
         choices=["int8x2", "int8", "fp32"])
     # bf16 weights on an AVX512-BF16 CPU (kvserve/kernels/cpu/w16_gemm.py, docs/cpu.md): GEMMs of
-    # at least this many rows round x to bf16 and use vdpbf16ps; None = KVSERVE_CPU_BF16_ROWS.
+    # at least this many rows round x to bf16 (AMX tiles, vdpbf16ps); None = KVSERVE_CPU_BF16_ROWS.
     cpu_bf16_dot_rows: int | None = arg(
         None, "bf16 weights on an AVX512-BF16 CPU: GEMMs of at least this many rows use bf16 dot "
-        "products (faster from ~16 rows, KL ~2e-4 vs fp32; docs/cpu.md; the tables then stay "
-        "row-major, not packed: batch-1 decode reads them ~1.2x slower); 0 = never (exact fp32 "
-        "dots); default: KVSERVE_CPU_BF16_ROWS, else 0", type=int)
+        "products (AMX tiles where the CPU has AMX, else vdpbf16ps; KL ~2e-4 vs fp32; 1 = every "
+        "row, batch-invariant; docs/cpu.md); 0 = never (exact fp32 dots); default: "
+        "KVSERVE_CPU_BF16_ROWS, else 0", type=int)
     # Speculative decoding (kvserve/engine/spec/, docs/speculative.md), vLLM's keys: a JSON
     # object (the command line) or a dict (LLM(speculative_config={...})); parsed and checked
     # once here into kvserve.config.SpeculativeConfig.
@@ -284,6 +290,7 @@ class EngineArgs:
             kv_offload_disk_bytes=(_gib(self.kv_offload_disk, "kv_offload_disk")
                                    if self.kv_offload_dir is not None else 0),
             kv_offload_queue_blocks=self.kv_offload_queue,
+            kv_offload_url=self.kv_offload_url, kv_offload_timeout_s=self.kv_offload_timeout,
         )
 
     def transfer_config(self):  # -> kvserve.cache.kv_transfer.TransferConfig | None

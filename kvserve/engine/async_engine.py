@@ -27,6 +27,7 @@ import queue
 import threading
 import time
 from collections import defaultdict
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -34,6 +35,7 @@ from kvserve.engine.arg_utils import EngineArgs
 from kvserve.engine.llm_engine import LLMEngine, PromptType
 from kvserve.engine.stats import EngineStats
 from kvserve.outputs import RequestOutput
+from kvserve.request import LoRARequest
 from kvserve.sampling_params import SamplingParams
 
 logger = logging.getLogger("kvserve.async")
@@ -82,6 +84,17 @@ class _Add:
     loop: asyncio.AbstractEventLoop
     ack: asyncio.Future
     kv: dict  # disaggregation: kv_export / kv_transfer + first_token (LLMEngine.add_request)
+    lora: LoRARequest | None = None  # the request's LoRA adapter (None: the base model)
+
+
+@dataclass(slots=True)
+class _Call:
+    """Run ``fn(engine)`` on the engine thread (LoRA adapter loads / unloads); its result or
+    its ValueError resolves ``ack``."""
+
+    fn: Callable[[LLMEngine], object]
+    loop: asyncio.AbstractEventLoop
+    ack: asyncio.Future
 
 
 @dataclass(slots=True)
@@ -101,6 +114,15 @@ def _resolve(fut: asyncio.Future, error: BaseException | None) -> None:
         return
     if error is None:
         fut.set_result(None)
+    else:
+        fut.set_exception(error)
+
+
+def _resolve_value(fut: asyncio.Future, value: object, error: BaseException | None) -> None:
+    if fut.done():
+        return
+    if error is None:
+        fut.set_result(value)
     else:
         fut.set_exception(error)
 
@@ -168,7 +190,8 @@ class AsyncLLMEngine:
     # ---- requests (event-loop side) -------------------------------------------------------
     async def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams, *,
                           sink: asyncio.Queue, priority: int = 0, cache_salt: str | None = None,
-                          deadline: float | None = None, kv: dict | None = None) -> None:
+                          deadline: float | None = None, kv: dict | None = None,
+                          lora_request: LoRARequest | None = None) -> None:
         """Queue a request; returns once the engine accepted it.
 
         Raises ``ValueError`` (from ``LLMEngine.add_request``) when the engine rejects it, and
@@ -180,8 +203,22 @@ class AsyncLLMEngine:
         with self._lock:  # the engine thread closes under this lock: no add gets lost
             self._check_serving()
             self._commands.put(_Add(request_id, prompt, params, priority, cache_salt,
-                                    deadline, sink, loop, ack, kv or {}))
+                                    deadline, sink, loop, ack, kv or {}, lora_request))
         await ack
+
+    async def call(self, fn: Callable[[LLMEngine], object]) -> object:
+        """``fn(engine)`` run on the engine thread between steps (its ValueError re-raised
+        here): what changes the engine's own state, e.g. ``LLMEngine.add_lora``."""
+        loop = asyncio.get_running_loop()
+        ack = loop.create_future()
+        with self._lock:
+            self._check_serving()
+            self._commands.put(_Call(fn, loop, ack))
+        return await ack
+
+    def list_loras(self) -> list[tuple[str, int]]:
+        """The adapters the engine had at start (read before its thread runs)."""
+        return self._engine.list_loras()
 
     def compile_grammar(self, params) -> None:
         """Compile a ``StructuredOutputsParams`` into the engine's grammar cache (any thread:
@@ -240,6 +277,11 @@ class AsyncLLMEngine:
                 return False
             if isinstance(cmd, _Add):
                 self._apply_add(cmd)
+            elif isinstance(cmd, _Call):
+                try:
+                    self._call(cmd.loop, _resolve_value, cmd.ack, cmd.fn(self._engine), None)
+                except ValueError as e:
+                    self._call(cmd.loop, _resolve_value, cmd.ack, None, e)
             elif isinstance(cmd, _Abort):
                 self._engine.abort_request(cmd.request_ids)
                 for rid in cmd.request_ids:
@@ -257,7 +299,7 @@ class AsyncLLMEngine:
             try:
                 self._engine.add_request(cmd.request_id, cmd.prompt, cmd.params,
                                          priority=cmd.priority, cache_salt=cmd.cache_salt,
-                                         **cmd.kv)
+                                         lora_request=cmd.lora, **cmd.kv)
             except ValueError as e:
                 error = e
         if error is None:
@@ -317,7 +359,7 @@ class AsyncLLMEngine:
             batches[entry.loop].append((entry.sink, RequestFailure(rid, error)))
         self._send(batches)
         for cmd in pending:  # adds that will never be applied
-            if isinstance(cmd, _Add):
+            if isinstance(cmd, (_Add, _Call)):
                 self._call(cmd.loop, _resolve, cmd.ack, error)
 
     @staticmethod

@@ -87,7 +87,8 @@ def describe_cpu_path(compute: torch.dtype, storage: torch.dtype) -> str:
                 "(asked for: no C GEMM, no decode graph)")
     if storage in w16_gemm.KINDS:
         rows = w16_gemm.bf16_dot_rows(lib) if storage == torch.bfloat16 else 0
-        dot = (f"bf16 dot products (vdpbf16ps) for GEMMs of >= {rows} rows, fp32 below"
+        unit = "AMX tiles" if w16_gemm.has_amx(lib) else "vdpbf16ps"
+        dot = (f"bf16 dot products ({unit}) for GEMMs of >= {rows} rows, fp32 below"
                if rows else "fp32 dot products")
         if not rows and storage == torch.bfloat16 and w16_gemm.has_bf16_dot(lib):
             dot += " (bf16 dot products available: --cpu-bf16-dot-rows N, docs/cpu.md)"
@@ -170,6 +171,8 @@ def build_engine(args: EngineArgs) -> EngineParts:
         integrity = IntegrityChecker(kv_cache, pool, config.fingerprint, cache_cfg.kv_integrity,
                                      cache_cfg.scrub_blocks_per_step, peers=peers)
     tiers = worker.build_tiers(cache_cfg)  # each rank builds its own (executor.worker_main)
+    if tiers is not None:
+        tiers.events = kv_events  # rank 0 announces what its tiers hold (docs/kv-tiers.md)
     kv = KVCacheManager(pool, block_size, cache_cfg.enable_prefix_caching,
                         config.fingerprint, integrity, tiers,
                         executor if isinstance(executor, MultiprocExecutor) else None,

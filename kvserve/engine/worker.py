@@ -193,7 +193,8 @@ class Worker:
         if not cache_cfg.kv_offload_enabled:
             return None
         cfg = TierConfig(cache_cfg.kv_offload_memory_bytes, cache_cfg.kv_offload_dir,
-                         cache_cfg.kv_offload_disk_bytes, cache_cfg.kv_offload_queue_blocks)
+                         cache_cfg.kv_offload_disk_bytes, cache_cfg.kv_offload_queue_blocks,
+                         cache_cfg.kv_offload_url, cache_cfg.kv_offload_timeout_s)
         return KVTiers(cfg, self.store_spec(), self.kv_cache)
 
     def build_transfer(self, peers: TransferPeers | None = None) -> KVTransfer | None:

@@ -30,15 +30,28 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-import kvserve
+from kvserve.http.errors import error_body, error_response, http_error_handler
+from kvserve.http.middleware import AccessLog, APIKeyAuth, BodyLimit, ErrorCounter
+from kvserve.http.openapi import (
+    ERRORS,
+    GENERATION_RESPONSES,
+    METRICS_RESPONSES,
+    publish,
+)
+from kvserve.http.protocol import (
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    CompletionRequest,
+    CompletionResponse,
+    ModelList,
+)
 from kvserve.router.hashing import HashRing
 from kvserve.router.metrics import RouterMetrics
 from kvserve.router.policy import Candidate, decide
 from kvserve.router.prefix_index import PrefixIndex
 from kvserve.router.replicas import Replica, ReplicaPool
 from kvserve.router.settings import RouterSettings
-from kvserve.server.errors import error_body, error_response, http_error_handler
-from kvserve.server.middleware import AccessLog, APIKeyAuth, BodyLimit, ErrorCounter
+from kvserve.version import __version__
 
 logger = logging.getLogger("kvserve.router")
 ROUTE_KEY = "kvserve.route"  # in the ASGI scope: {"replica", "reason", "attempts"}
@@ -112,7 +125,7 @@ class RouterState:
                 prefix="p")
         self.tokenizers = None
         if tokenizer is not None and settings.uses_tokenizer:
-            from kvserve.server.workers import TokenizerPool
+            from kvserve.http.tokenizer_pool import TokenizerPool
 
             self.tokenizers = TokenizerPool(tokenizer, tokenizer_workers)
         self.client: httpx.AsyncClient | None = None
@@ -121,7 +134,7 @@ class RouterState:
         self.ending = asyncio.Event()
         self.dead_error: BaseException | None = None  # the router has no engine to lose
         self._rr = 0
-        self.tracing = tracing  # kvserve.server.tracing.Tracing, only when tracing is on
+        self.tracing = tracing  # kvserve.http.tracing.Tracing, only when tracing is on
 
     def _membership(self, r: Replica, joined: bool) -> None:
         (self.ring.add if joined else self.ring.remove)(r.name)
@@ -221,7 +234,7 @@ def _response_headers(up: httpx.Response, r: Replica) -> dict[str, str]:
 async def proxy(state: RouterState, request: Request, path: str) -> Response:
     if state.tracing is None:
         return await _proxy(state, request, path, None)
-    from kvserve.server.tracing import RouterTrace
+    from kvserve.http.tracing import RouterTrace
 
     trace = RouterTrace(state.tracing, request.headers, path)
     try:
@@ -465,20 +478,28 @@ def build_router_app(state: RouterState, *, api_key: str | None,
         finally:
             await state.stop()
 
-    app = FastAPI(title="kvserve router", version=kvserve.__version__, lifespan=lifespan,
+    app = FastAPI(title="kvserve router", version=__version__, lifespan=lifespan,
                   description="OpenAI-compatible endpoint in front of kvserve replicas")
     app.state.server = state
     app.add_exception_handler(StarletteHTTPException, http_error_handler)
+    publish(app, {"/v1/completions": CompletionRequest,
+                  "/v1/chat/completions": ChatCompletionRequest})
 
-    @app.post("/v1/completions")
+    # The replicas' API, published as they publish it; the body goes on to a replica
+    # untouched, which validates it (the same models: the same 400s).
+    @app.post("/v1/completions", response_model=CompletionResponse,
+              responses=GENERATION_RESPONSES)
     async def completions(request: Request) -> Response:
+        """Text completion on a replica; `stream: true` answers with server-sent events."""
         return await proxy(state, request, "/v1/completions")
 
-    @app.post("/v1/chat/completions")
+    @app.post("/v1/chat/completions", response_model=ChatCompletionResponse,
+              responses=GENERATION_RESPONSES)
     async def chat_completions(request: Request) -> Response:
+        """Chat completion on a replica; `stream: true` answers with server-sent events."""
         return await proxy(state, request, "/v1/chat/completions")
 
-    @app.get("/v1/models")
+    @app.get("/v1/models", response_model=ModelList, responses=ERRORS)
     async def models() -> Response:
         assert state.client is not None
         for r in state.pool.healthy():
@@ -515,6 +536,7 @@ def build_router_app(state: RouterState, *, api_key: str | None,
                      "waiting": r.waiting, "kv_usage": r.kv_usage,
                      "prefix_cache_hit_rate": r.hit_rate,
                      "indexed_blocks": index.num_blocks(r.name),
+                     "indexed_by_medium": index.blocks_by_medium(r.name),
                      "events_endpoint": r.events_endpoint, "event_gaps": r.gaps,
                      "next_event_seq": r.next_seq}
                     for r in pool.replicas.values()]
@@ -525,14 +547,14 @@ def build_router_app(state: RouterState, *, api_key: str | None,
             out["prefill_replicas"] = rows(state.prefill_pool, state.prefill_index)
         return out
 
-    @app.get("/metrics")
+    @app.get("/metrics", response_class=Response, responses=METRICS_RESPONSES)
     async def metrics() -> Response:
         body, content_type = state.metrics.render()
         return Response(body, media_type=content_type)
 
     @app.get("/version")
     async def version() -> dict:
-        return {"version": kvserve.__version__}
+        return {"version": __version__}
 
     app.add_middleware(BodyLimit, max_bytes=max_body_bytes)
     if api_key is not None:

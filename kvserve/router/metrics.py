@@ -1,11 +1,12 @@
 """The router's Prometheus metrics (``kvserve_router_``-prefixed, a per-app registry):
 requests and routing decisions per replica and reason, re-routes, streams ended by a failed
 replica, and per replica (read at scrape time) health, load, KV usage, prefix-cache hit rate,
-indexed blocks, KV-event lag and gaps."""
+indexed blocks, KV-event lag and gaps; and each replica's own KV tier / offload / restore /
+transfer families (``kvserve_kv_tier_*``, ...) from its last scrape, with a ``replica`` label."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, generate_latest
@@ -51,6 +52,22 @@ class _ReplicaCollector:
                     value = index.num_blocks(r.name) if attr is None else getattr(r, attr)
                     fam.add_metric([r.name, r.url, role], float(value))
             yield fam
+        yield from fleet_families([r for _, p in pools for r in p.replicas.values()])
+
+
+def fleet_families(replicas: Iterable[Any]) -> Iterator[Metric]:
+    """Each replica's KV tier / transfer families from its last scrape, one family per name
+    with a ``replica`` label added to every sample: one scrape of the router covers the
+    fleet."""
+    merged: dict[str, Metric] = {}
+    for r in replicas:
+        for fam in r.fleet:
+            out = merged.get(fam.name)
+            if out is None:
+                out = merged[fam.name] = Metric(fam.name, fam.documentation, fam.type)
+            for smp in fam.samples:
+                out.add_sample(smp.name, {**smp.labels, "replica": r.name}, smp.value)
+    yield from merged.values()
 
 
 class RouterMetrics:

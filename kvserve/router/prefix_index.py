@@ -1,4 +1,4 @@
-"""Which replica holds which prompt prefix, rebuilt from the replicas' KV events.
+"""Which replica holds which prompt prefix, and where, rebuilt from the replicas' KV events.
 
 The events name blocks by the engine's hashes (salted with the model fingerprint and any
 ``cache_salt``, which the router does not know) but carry their token ids, so the index keeps
@@ -7,59 +7,110 @@ its own chain over the same function the engine uses (``kvserve.cache.kv_cache_m
 
     key_0 = hash_block(ROOT, tokens[0:b])      key_i = hash_block(key_{i-1}, tokens[i*b:(i+1)*b])
 
-and maps each replica's engine hash to its key, so a later ``BlockRemoved`` finds it. A
-prompt's match on a replica is the number of leading keys that replica holds (counted: two
-tenants' salted copies of the same tokens are two holdings of one key). A store whose parent the
-index never saw is dropped (it cannot be placed in the chain); ``clear`` forgets a replica.
+and maps each replica's engine hash to its key, so a later ``BlockRemoved`` finds it. A stored
+block is held per ``medium``: the pool ("GPU" / "CPU" / none) or a KV tier ("cpu" host memory,
+"disk", "remote": ``kv_events.TIER_MEDIA``); a ``BlockRemoved`` drops that medium's copy only.
+A store whose parent the index never saw is dropped (it cannot be placed in the chain); a parent
+no medium holds any more is still found among the replica's last ``GHOSTS`` removed blocks (a
+tier announces a block after the pool's removal of its parent, as its writer thread stores a
+request's blocks tail first). ``clear`` (and ``AllBlocksCleared``) forgets a replica.
+
+A prompt's match on a replica runs over the leading keys it holds in any medium; each block
+counts ``block_size * weight`` tokens, the weight of the best medium holding it
+(``MEDIUM_WEIGHTS``: a pool hit is free, a tier hit costs a restore, still far cheaper than
+recomputing). Copies are counted: two tenants' salted copies of the same tokens are two
+holdings of one key.
 """
 
 from __future__ import annotations
 
+from collections import Counter, OrderedDict
 from collections.abc import Sequence
 
 from kvserve.cache.kv_cache_manager import hash_block
 from kvserve.cache.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
 
 ROOT = b"kvserve-router"
+POOL = "pool"  # the medium class of every medium that is not a tier's
+# Tokens a block is worth per medium, relative to a pool hit (docs/replicas.md). llm-d's
+# precise prefix-cache scorer counts a CPU-tier hit at 0.8; disk and remote reads cost more.
+MEDIUM_WEIGHTS = {POOL: 1.0, "cpu": 0.8, "disk": 0.5, "remote": 0.5}
+GHOSTS = 8192  # per replica: engine hash -> key of blocks no medium holds any more
+
+
+def medium_class(medium: str | None) -> str:
+    return medium if medium in MEDIUM_WEIGHTS and medium != POOL else POOL
 
 
 class PrefixIndex:
     def __init__(self) -> None:
         self.block_size: int | None = None  # learned from the first store
-        self._holders: dict[bytes, dict[str, int]] = {}  # key -> {replica: copies}
-        self._keys: dict[str, dict[int, bytes]] = {}  # replica -> {engine hash: key}
+        # key -> {replica: {medium class: copies}}
+        self._holders: dict[bytes, dict[str, Counter[str]]] = {}
+        # replica -> {(engine hash, medium class): key}
+        self._keys: dict[str, dict[tuple[int, str], bytes]] = {}
+        # replica -> {engine hash: (key, media holding it)}: places a child in the chain
+        self._chain: dict[str, dict[int, tuple[bytes, int]]] = {}
+        self._ghosts: dict[str, OrderedDict[int, bytes]] = {}
         self.dropped = 0  # stores that could not be placed (unknown parent, other block size)
 
     def num_blocks(self, replica: str) -> int:
-        return len(self._keys.get(replica, ()))
+        """Distinct blocks (engine hashes) the replica holds in any medium."""
+        return len(self._chain.get(replica, ()))
+
+    def blocks_by_medium(self, replica: str) -> dict[str, int]:
+        return dict(Counter(m for _, m in self._keys.get(replica, {})))
 
     def keys_of(self, replica: str) -> set[bytes]:
         return set(self._keys.get(replica, {}).values())
 
     def clear(self, replica: str) -> None:
-        for key in self._keys.pop(replica, {}).values():
-            self._drop(replica, key)
+        self._chain.pop(replica, None)
+        self._ghosts.pop(replica, None)
+        for (_, m), key in self._keys.pop(replica, {}).items():
+            self._drop(replica, key, m)
 
-    def _drop(self, replica: str, key: bytes) -> None:
+    def _drop(self, replica: str, key: bytes, medium: str) -> None:
         holders = self._holders.get(key)
-        if holders is None:
+        if holders is None or replica not in holders:
             return
-        holders[replica] -= 1
-        if holders[replica] <= 0:
-            del holders[replica]
-            if not holders:
-                del self._holders[key]
+        media = holders[replica]
+        media[medium] -= 1
+        if media[medium] <= 0:
+            del media[medium]
+            if not media:
+                del holders[replica]
+                if not holders:
+                    del self._holders[key]
+
+    def _remove(self, replica: str, h: int, medium: str) -> None:
+        key = self._keys.get(replica, {}).pop((h, medium), None)
+        if key is None:
+            return
+        self._drop(replica, key, medium)
+        chain = self._chain[replica]
+        k, n = chain[h]
+        if n <= 1:
+            del chain[h]
+            ghosts = self._ghosts.setdefault(replica, OrderedDict())
+            ghosts[h] = k
+            ghosts.move_to_end(h)
+            if len(ghosts) > GHOSTS:
+                ghosts.popitem(last=False)
+        else:
+            chain[h] = (k, n - 1)
 
     def apply(self, replica: str, event: KVEvent) -> None:
         mine = self._keys.setdefault(replica, {})
+        chain = self._chain.setdefault(replica, {})
         if isinstance(event, AllBlocksCleared):
             self.clear(replica)
         elif isinstance(event, BlockRemoved):
+            m = medium_class(event.medium)
             for h in event.block_hashes:
-                key = mine.pop(h, None)
-                if key is not None:
-                    self._drop(replica, key)
+                self._remove(replica, h, m)
         elif isinstance(event, BlockStored):
+            m = medium_class(event.medium)
             b = event.block_size
             if self.block_size is None:
                 self.block_size = b
@@ -69,18 +120,22 @@ class PrefixIndex:
                 return
             if event.parent_block_hash is None:
                 parent = ROOT
-            elif event.parent_block_hash in mine:
-                parent = mine[event.parent_block_hash]
+            elif event.parent_block_hash in chain:
+                parent = chain[event.parent_block_hash][0]
+            elif event.parent_block_hash in self._ghosts.get(replica, {}):
+                parent = self._ghosts[replica][event.parent_block_hash]
             else:
                 self.dropped += n
                 return
             for i, h in enumerate(event.block_hashes):
                 parent = hash_block(parent, tuple(event.token_ids[i * b:(i + 1) * b]))
-                if h in mine:  # a store the index already has (replayed): same key
+                if (h, m) in mine:  # a store the index already has (replayed): same key
                     continue
-                mine[h] = parent
-                holders = self._holders.setdefault(parent, {})
-                holders[replica] = holders.get(replica, 0) + 1
+                mine[(h, m)] = parent
+                held = chain.get(h)
+                chain[h] = (parent, 1 if held is None else held[1] + 1)
+                media = self._holders.setdefault(parent, {}).setdefault(replica, Counter())
+                media[m] += 1
 
     def prompt_keys(self, token_ids: Sequence[int]) -> list[bytes]:
         """The chain keys of a prompt's blocks that an engine could hit (it always computes at
@@ -95,15 +150,17 @@ class PrefixIndex:
         return keys
 
     def match(self, token_ids: Sequence[int]) -> dict[str, int]:
-        """Replica -> matched prompt tokens (only replicas with a match > 0)."""
+        """Replica -> matched prompt tokens weighted by where each block lives (rounded; only
+        replicas with a match > 0)."""
         keys = self.prompt_keys(token_ids)
-        out: dict[str, int] = {}
+        score: dict[str, float] = {}
         alive: set[str] | None = None
-        for i, key in enumerate(keys):
-            holders = set(self._holders.get(key, ()))
-            alive = holders if alive is None else alive & holders
+        for key in keys:
+            holders = self._holders.get(key, {})
+            alive = set(holders) if alive is None else alive & set(holders)
             if not alive:
                 break
             for r in alive:
-                out[r] = (i + 1) * self.block_size  # type: ignore[operator]
-        return out
+                w = max(MEDIUM_WEIGHTS[m] for m in holders[r])
+                score[r] = score.get(r, 0.0) + w * self.block_size  # type: ignore[operator]
+        return {r: round(s) for r, s in score.items() if round(s) > 0}

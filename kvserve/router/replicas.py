@@ -48,6 +48,9 @@ class Replica:
     gaps: int = 0
     replayed: tuple[int, int] = (0, 0)  # [lo, hi) of the batches the last replay applied
     down: asyncio.Event = field(default_factory=asyncio.Event)  # set while out of the pool
+    # its KV tier / transfer metric families from its last /metrics scrape (FLEET_PREFIXES),
+    # which the router's /metrics shows again labelled by replica
+    fleet: list = field(default_factory=list)
 
     @property
     def load(self) -> int:
@@ -63,15 +66,28 @@ def _endpoint_for(url: str, endpoint: str) -> str:
     return endpoint
 
 
+# A replica's metric families the router's /metrics repeats with a ``replica`` label.
+FLEET_PREFIXES = ("kvserve_kv_tier_", "kvserve_kv_offload_", "kvserve_kv_restore_",
+                  "kvserve_kv_transfer_")
+
+
 def parse_metrics(text: str) -> dict[str, float]:
+    return scrape(text)[0]
+
+
+def scrape(text: str) -> tuple[dict[str, float], list]:
+    """A replica's /metrics text: its unlabelled samples by name, and its families named by
+    ``FLEET_PREFIXES`` (prometheus_client ``Metric``s)."""
     from prometheus_client.parser import text_string_to_metric_families
 
-    out = {}
+    out, fleet = {}, []
     for fam in text_string_to_metric_families(text):
+        if fam.name.startswith(FLEET_PREFIXES):
+            fleet.append(fam)
         for s in fam.samples:
             if not s.labels:
                 out[s.name] = s.value
-    return out
+    return out, fleet
 
 
 class ReplicaPool:
@@ -150,7 +166,7 @@ class ReplicaPool:
             return
         r.failures = 0
         with contextlib.suppress(httpx.HTTPError, OSError, ValueError):
-            m = parse_metrics((await self._client.get(f"{r.url}/metrics")).text)
+            m, r.fleet = scrape((await self._client.get(f"{r.url}/metrics")).text)
             r.running = int(m.get("kvserve_num_requests_running", 0))
             r.waiting = int(m.get("kvserve_num_requests_waiting", 0))
             r.kv_usage = m.get("kvserve_kv_cache_usage_percent", 0.0) / 100.0

@@ -18,7 +18,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from typing import Protocol
 
-from kvserve.server.errors import APIError, bad_request
+from kvserve.http.errors import APIError, bad_request
 
 
 class Dispatchable(Protocol):

@@ -1,7 +1,7 @@
 """``build_app(engine_client, settings)``: the FastAPI application.
 
 The app owns no threads and needs no lifespan: the caller starts the ``AsyncLLMEngine`` and
-stops it after the server exits (see ``kvserve.server.cli``). ``app.state.server`` is the
+stops it after the server exits (see ``kvserve.serve_cli``). ``app.state.server`` is the
 ``ServerState`` (admission, draining flag, metrics).
 """
 
@@ -10,44 +10,37 @@ from __future__ import annotations
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
-from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-import kvserve
 from kvserve.engine.async_engine import AsyncLLMEngine
-from kvserve.model.loader import load_tokenizer
-from kvserve.server.chat import ChatHandler
-from kvserve.server.completions import CompletionHandler
-from kvserve.server.errors import (
+from kvserve.http.errors import (
     APIError,
     SafeJSONResponse,
     api_error_handler,
     http_error_handler,
     validation_error_handler,
 )
-from kvserve.server.middleware import AccessLog, APIKeyAuth, BodyLimit, ErrorCounter
-from kvserve.server.prompts import check_model, check_request
-from kvserve.server.protocol import (
+from kvserve.http.middleware import AccessLog, APIKeyAuth, BodyLimit, ErrorCounter
+from kvserve.http.openapi import ERRORS, GENERATION_RESPONSES, METRICS_RESPONSES, publish
+from kvserve.http.protocol import (
     ChatCompletionRequest,
     ChatCompletionResponse,
     CompletionRequest,
     CompletionResponse,
-    ErrorResponse,
     ModelCard,
     ModelList,
     dump,
 )
+from kvserve.model.loader import load_tokenizer
+from kvserve.server.chat import ChatHandler
+from kvserve.server.completions import CompletionHandler
+from kvserve.server.lora import add_lora_routes
+from kvserve.server.prompts import check_model, check_request
 from kvserve.server.responses import ResponsesHandler, not_found
 from kvserve.server.responses_protocol import DeletedResponse, ResponseObject, ResponsesRequest
 from kvserve.server.settings import ServerSettings
 from kvserve.server.state import ServerState
-
-_ERRORS = {code: {"model": ErrorResponse} for code in (400, 401, 404, 413, 429, 500, 503)}
-# 200 is JSON, or with "stream": true server-sent events (data: {chunk} ... data: [DONE]).
-_GENERATION_RESPONSES = {200: {"content": {"text/event-stream": {"schema": {"type": "string"}}}},
-                         **_ERRORS}
-_METRICS_RESPONSES = {200: {"description": "Prometheus text exposition format",
-                            "content": {CONTENT_TYPE_LATEST: {"schema": {"type": "string"}}}}}
+from kvserve.version import __version__
 
 
 def build_app(engine_client: AsyncLLMEngine, settings: ServerSettings,
@@ -62,13 +55,14 @@ def build_app(engine_client: AsyncLLMEngine, settings: ServerSettings,
     if template is not None:  # --chat-template replaces the model's (e.g. one with tools)
         tokenizer.chat_template = template
     state = ServerState(engine_client, settings, tokenizer)
-    app = FastAPI(title="kvserve", version=kvserve.__version__,
+    app = FastAPI(title="kvserve", version=__version__,
                   description="OpenAI-compatible LLM inference server")
     app.state.server = state
     app.add_exception_handler(RequestValidationError, validation_error_handler)
     app.add_exception_handler(APIError, api_error_handler)
     app.add_exception_handler(StarletteHTTPException, http_error_handler)
     _routes(app, state)
+    publish(app)
     # add_middleware prepends: the last added is the outermost.
     app.add_middleware(BodyLimit, max_bytes=settings.max_body_bytes)
     if settings.api_key is not None:
@@ -81,28 +75,28 @@ def build_app(engine_client: AsyncLLMEngine, settings: ServerSettings,
 
 def _routes(app: FastAPI, state: ServerState) -> None:
     @app.post("/v1/completions", response_model=CompletionResponse,
-              responses=_GENERATION_RESPONSES)
+              responses=GENERATION_RESPONSES)
     async def completions(body: CompletionRequest, request: Request) -> Response:
         """Text completion; `stream: true` answers with server-sent events."""
-        check_request(body, state.settings)
+        check_request(body, state.settings, state.loras.adapters)
         return await CompletionHandler(body, state).answer(request)
 
     @app.post("/v1/chat/completions", response_model=ChatCompletionResponse,
-              responses=_GENERATION_RESPONSES)
+              responses=GENERATION_RESPONSES)
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
         """Chat completion with the model's chat template; `stream: true` answers with SSE."""
-        check_request(body, state.settings)
+        check_request(body, state.settings, state.loras.adapters)
         return await ChatHandler(body, state).answer(request)
 
     @app.post("/v1/responses", response_model=ResponseObject,
-              responses=_GENERATION_RESPONSES)
+              responses=GENERATION_RESPONSES)
     async def create_response(body: ResponsesRequest, request: Request) -> Response:
         """OpenAI's Responses API (text): `stream: true` answers with its SSE events;
         `store` keeps the answer for GET and `previous_response_id` (docs/server.md)."""
-        check_model(body.model, state.settings)
+        check_model(body.model, state.settings, state.loras.adapters)
         return await ResponsesHandler(body, state).answer(request)
 
-    @app.get("/v1/responses/{response_id}", response_model=ResponseObject, responses=_ERRORS)
+    @app.get("/v1/responses/{response_id}", response_model=ResponseObject, responses=ERRORS)
     async def get_response(response_id: str) -> Response:
         """A stored response (404 once deleted or evicted)."""
         entry = state.responses.get(response_id)
@@ -111,17 +105,20 @@ def _routes(app: FastAPI, state: ServerState) -> None:
         return SafeJSONResponse(entry.response)
 
     @app.delete("/v1/responses/{response_id}", response_model=DeletedResponse,
-                responses=_ERRORS)
+                responses=ERRORS)
     async def delete_response(response_id: str) -> dict:
         if not state.responses.delete(response_id):
             raise not_found(response_id)
         return dump(DeletedResponse(id=response_id, deleted=True))
 
-    @app.get("/v1/models", response_model=ModelList)
+    @app.get("/v1/models", response_model=ModelList, responses=ERRORS)
     async def models() -> dict:
-        card = ModelCard(id=state.settings.served_model_name,
-                         max_model_len=state.limits.max_model_len)
-        return dump(ModelList(data=[card]))
+        name, max_len = state.settings.served_model_name, state.limits.max_model_len
+        card = ModelCard(id=name, max_model_len=max_len)
+        return dump(ModelList(data=[card, *state.loras.cards(name, max_len)]))
+
+    add_lora_routes(app, state.loras, state.settings.served_model_name,
+                    state.settings.lora_runtime_updates and state.loras.enabled)
 
     @app.get("/health")
     async def health() -> JSONResponse:
@@ -140,7 +137,7 @@ def _routes(app: FastAPI, state: ServerState) -> None:
             return JSONResponse({"status": "engine_dead"}, status_code=503)
         return JSONResponse({"status": "ready", "in_flight": state.inflight})
 
-    @app.get("/metrics", response_class=Response, responses=_METRICS_RESPONSES)
+    @app.get("/metrics", response_class=Response, responses=METRICS_RESPONSES)
     async def metrics() -> Response:
         """Prometheus metrics (text exposition format)."""
         body, content_type = state.metrics.render()
@@ -158,4 +155,4 @@ def _routes(app: FastAPI, state: ServerState) -> None:
 
     @app.get("/version")
     async def version() -> dict:
-        return {"version": kvserve.__version__}
+        return {"version": __version__}

@@ -6,20 +6,8 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import AsyncIterator
 
-from kvserve.outputs import CompletionOutput
-from kvserve.sampling_params import SamplingParams
-from kvserve.server.errors import bad_request
-from kvserve.server.generation import Generation
-from kvserve.server.logprobs import chat_logprobs
-from kvserve.server.prompts import (
-    Prompt,
-    chat_conversation,
-    check_lengths,
-    check_template_kwargs,
-    sampling_params,
-    tokenize_chat,
-)
-from kvserve.server.protocol import (
+from kvserve.http.errors import bad_request
+from kvserve.http.protocol import (
     AssistantMessage,
     ChatChoice,
     ChatChunkChoice,
@@ -34,6 +22,18 @@ from kvserve.server.protocol import (
     ToolCallOut,
     UsageInfo,
     dump,
+)
+from kvserve.outputs import CompletionOutput
+from kvserve.sampling_params import SamplingParams
+from kvserve.server.generation import Generation
+from kvserve.server.logprobs import chat_logprobs
+from kvserve.server.prompts import (
+    Prompt,
+    chat_conversation,
+    check_lengths,
+    check_template_kwargs,
+    sampling_params,
+    tokenize_chat,
 )
 from kvserve.server.reasoning import ReasoningStream
 from kvserve.server.state import ServerState

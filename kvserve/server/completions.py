@@ -8,6 +8,14 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator
 
+from kvserve.http.protocol import (
+    CompletionChoice,
+    CompletionLogprobs,
+    CompletionRequest,
+    CompletionResponse,
+    UsageInfo,
+    dump,
+)
 from kvserve.outputs import CompletionOutput
 from kvserve.sampling_params import SamplingParams
 from kvserve.server.generation import Generation
@@ -18,14 +26,6 @@ from kvserve.server.prompts import (
     completion_items,
     sampling_params,
     tokenize_prompts,
-)
-from kvserve.server.protocol import (
-    CompletionChoice,
-    CompletionLogprobs,
-    CompletionRequest,
-    CompletionResponse,
-    UsageInfo,
-    dump,
 )
 from kvserve.server.state import ServerState
 from kvserve.server.streaming import Handler, Update, full_response, include_usage, stream_choices

@@ -14,11 +14,11 @@ from __future__ import annotations
 
 from typing import Any
 
+from kvserve.http.errors import bad_request
+from kvserve.http.protocol import KVTransferLeg
 from kvserve.outputs import RequestOutput
 from kvserve.request import FirstToken
 from kvserve.sampling_params import SamplingParams
-from kvserve.server.errors import bad_request
-from kvserve.server.protocol import KVTransferLeg
 
 ROLES = ("both", "prefill", "decode")
 

@@ -26,18 +26,19 @@ from kvserve.engine.async_engine import (
     EngineShutdown,
     RequestFailure,
 )
+from kvserve.http.errors import APIError, bad_request
+from kvserve.http.protocol import SamplingRequest
 from kvserve.outputs import CompletionOutput, Logprobs, RequestMetrics, RequestOutput
+from kvserve.request import LoRARequest
 from kvserve.sampling_params import SamplingParams
 from kvserve.server.admission import Ticket
 from kvserve.server.disagg import kv_leg, prefill_result
-from kvserve.server.errors import APIError, bad_request
 from kvserve.server.prompts import Prompt
-from kvserve.server.protocol import SamplingRequest
 from kvserve.server.state import ServerState
 from kvserve.server.structured import Constraint, compile_constraint
 
 if TYPE_CHECKING:  # imported only when tracing is on
-    from kvserve.server.tracing import RequestTrace
+    from kvserve.http.tracing import RequestTrace
 
 _DISCONNECTED = object()
 _FORCE_END = object()
@@ -112,8 +113,10 @@ class Generation:
     def __init__(self, state: ServerState, request_id: str, prompts: list[Prompt],
                  params: SamplingParams, ticket: Ticket, *, priority: int = 0,
                  cache_salt: str | None = None, kv: dict | None = None,
-                 prefill_cached_tokens: int | None = None) -> None:
+                 prefill_cached_tokens: int | None = None,
+                 lora: LoRARequest | None = None) -> None:
         self.state = state
+        self.lora = lora  # the LoRA adapter the request's model names (None: the base)
         self.kv = kv or {}  # disaggregation leg: LLMEngine.add_request's kv_* arguments
         self.kv_result: dict | None = None  # a prefill leg's handle + first token
         # a decode leg: the prefill replica's cached prompt tokens (its usage reports them)
@@ -147,7 +150,7 @@ class Generation:
         self._closed = False
         self._last_token_time: float | None = None
         self._seen_tokens = 0  # choice 0 of prompt 0: tokens seen by the latency metrics
-        # tracing on: kvserve.server.tracing.RequestTrace, and each prompt's engine metrics
+        # tracing on: kvserve.http.tracing.RequestTrace, and each prompt's engine metrics
         self.trace: RequestTrace | None = None
         self.engine_metrics: list[RequestMetrics | None] = [None] * len(prompts)
 
@@ -192,7 +195,8 @@ class Generation:
             await self.state.engine.add_request(
                 rid, {"prompt_token_ids": prompt.token_ids, "prompt": prompt.text},
                 self.params, sink=self._sink, priority=self.priority,
-                cache_salt=self.cache_salt, deadline=self._deadline, kv=self.kv)
+                cache_salt=self.cache_salt, deadline=self._deadline, kv=self.kv,
+                lora_request=self.lora)
         except Exception as e:  # noqa: BLE001 - every failure is reported through the sink
             self._sink.put_nowait(RequestFailure(rid, e))
 
@@ -413,7 +417,8 @@ async def new_generation(
         return Generation(state, state.new_id(id_prefix), prompts, params, ticket,
                           priority=req.priority, cache_salt=req.cache_salt, kv=kv,
                           prefill_cached_tokens=leg.cached_tokens if leg is not None
-                          and leg.role == "decode" else None)
+                          and leg.role == "decode" else None,
+                          lora=state.loras.request_for(req.model))
     except BaseException:
         ticket.release()
         raise

@@ -7,8 +7,8 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 
+from kvserve.http.protocol import CompletionLogprobs, TokenLogprob, TopLogprob
 from kvserve.outputs import Logprobs
-from kvserve.server.protocol import CompletionLogprobs, TokenLogprob, TopLogprob
 
 _FLOOR = -9999.0  # JSON has no -inf; OpenAI and vLLM clamp the same way
 _CACHE_LIMIT = 1 << 18

@@ -11,12 +11,12 @@ its own tokenizer copy (``tokenize_prompts``, ``tokenize_chat``). Text longer th
 from __future__ import annotations
 
 import json
+from collections.abc import Collection
 from dataclasses import dataclass
 
 from kvserve.engine.input_processor import check_prompt_ids, check_prompt_room
-from kvserve.sampling_params import ParamError, RequestOutputKind, SamplingParams
-from kvserve.server.errors import APIError, bad_request
-from kvserve.server.protocol import (
+from kvserve.http.errors import APIError, bad_request
+from kvserve.http.protocol import (
     MAX_STOP_SEQUENCES,
     AssistantMessageIn,
     ChatCompletionRequest,
@@ -24,6 +24,7 @@ from kvserve.server.protocol import (
     SamplingRequest,
     ToolMessage,
 )
+from kvserve.sampling_params import ParamError, RequestOutputKind, SamplingParams
 from kvserve.server.settings import ServerSettings
 
 
@@ -51,8 +52,10 @@ class Prompt:
     token_ids: list[int]
 
 
-def check_model(model: str | None, settings: ServerSettings) -> None:
-    if model is not None and model != settings.served_model_name:
+def check_model(model: str | None, settings: ServerSettings,
+                adapters: Collection[str] = ()) -> None:
+    """``model`` names the served model or one of its LoRA ``adapters`` (else a 404)."""
+    if model is not None and model != settings.served_model_name and model not in adapters:
         raise APIError(404, f"The model `{model}` does not exist; this server serves "
                        f"`{settings.served_model_name}`.", param="model", code="model_not_found")
 
@@ -62,9 +65,10 @@ def check_n(n: int, settings: ServerSettings) -> None:
         raise bad_request(f"n must be at most {settings.max_n} on this server, got {n}", "n")
 
 
-def check_request(req: SamplingRequest, settings: ServerSettings) -> None:
+def check_request(req: SamplingRequest, settings: ServerSettings,
+                  adapters: Collection[str] = ()) -> None:
     """What every generation request is checked for first: the model it names (a 404), then n."""
-    check_model(req.model, settings)
+    check_model(req.model, settings, adapters)
     check_n(req.n, settings)
 
 

@@ -25,10 +25,10 @@ from collections.abc import AsyncIterator
 
 from pydantic import ValidationError
 
+from kvserve.http.errors import APIError, bad_request, loc_to_param
+from kvserve.http.protocol import ChatCompletionRequest
 from kvserve.server.chat import ChatHandler
-from kvserve.server.errors import APIError, bad_request, loc_to_param
 from kvserve.server.generation import ClientDisconnected, Generation
-from kvserve.server.protocol import ChatCompletionRequest
 from kvserve.server.responses_protocol import (
     FunctionCallItem,
     FunctionCallOutputItem,

@@ -1,5 +1,5 @@
 """``POST /v1/responses`` request models (OpenAI's Responses API, text models): pydantic 2,
-typed strictly as ``kvserve.server.protocol``'s requests are. What a text model cannot serve
+typed strictly as ``kvserve.http.protocol``'s requests are. What a text model cannot serve
 (images, files, hosted tools) is refused with a 400 naming the field; fields that change
 nothing here (``reasoning``, ``include``, ``truncation``) are accepted."""
 
@@ -9,7 +9,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import Discriminator, Field, Tag
 
-from kvserve.server.protocol import (
+from kvserve.http.protocol import (
     MAX_SEED,
     JsonSchema,
     Text,

@@ -103,7 +103,7 @@ class ServerSettings:
         "content, structured outputs and tool calls (docs/server.md)",
         choices=list(REASONING_PARSERS), group=SERVER)
 
-    # OpenTelemetry traces (kvserve/server/tracing.py, imported only when this is set).
+    # OpenTelemetry traces (kvserve/http/tracing.py, imported only when this is set).
     otlp_traces_endpoint: str | None = arg(
         None, "export a trace of each request over OTLP to this URL, e.g. "
         "http://127.0.0.1:4318/v1/traces (needs kvserve[otel]; a client's traceparent is "
@@ -111,6 +111,11 @@ class ServerSettings:
     otlp_traces_protocol: str = arg(
         "http/protobuf", "OTLP transport of --otlp-traces-endpoint",
         choices=list(OTLP_PROTOCOLS), group=TRACING)
+
+    lora_runtime_updates: bool = arg(  # POST /v1/load_lora_adapter, /v1/unload_lora_adapter
+        True, "with LoRA on: no runtime adapter loads / unloads over HTTP (default: allowed; "
+        "they read PEFT folders on the server's disk, safetensors only)",
+        flags=("--no-lora-runtime-updates",), action="store_false", group=SERVER)
 
     def chat_template_text(self) -> str | None:
         if self.chat_template is None:

@@ -8,15 +8,16 @@ import uuid
 from typing import Protocol
 
 from kvserve.engine.async_engine import AsyncLLMEngine
+from kvserve.http.errors import APIError
+from kvserve.http.tokenizer_pool import TokenizerPool
 from kvserve.server.admission import Admission, FairQueue, Ticket
-from kvserve.server.errors import APIError
 from kvserve.server.logprobs import TokenText
+from kvserve.server.lora import ServedAdapters
 from kvserve.server.metrics import ServerMetrics
 from kvserve.server.prompts import Limits, max_prompt_chars
 from kvserve.server.reasoning import ReasoningParser, get_reasoning_parser
 from kvserve.server.response_store import ResponseStore
 from kvserve.server.settings import ServerSettings
-from kvserve.server.workers import TokenizerPool
 
 
 class LiveGeneration(Protocol):
@@ -49,13 +50,14 @@ class ServerState:
         self.queue = FairQueue(2 * args.max_num_seqs,
                                by_priority=args.scheduling_policy == "priority")
         self.generations: set[LiveGeneration] = set()  # started, not closed
+        self.loras = ServedAdapters(engine)  # LoRA adapters a request's model may name
         self.draining = False
         self.force_ended = False  # a forced shutdown ended every generation
         self._ids = itertools.count()
         self._salt = uuid.uuid4().hex[:8]
-        self.tracing = None  # kvserve.server.tracing.Tracing, only when tracing is on
+        self.tracing = None  # kvserve.http.tracing.Tracing, only when tracing is on
         if settings.otlp_traces_endpoint is not None:
-            from kvserve.server.tracing import Tracing
+            from kvserve.http.tracing import Tracing
 
             self.tracing = Tracing(settings.otlp_traces_endpoint, settings.otlp_traces_protocol,
                                    "kvserve", {"kvserve.role": settings.role,

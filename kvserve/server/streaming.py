@@ -17,17 +17,9 @@ from fastapi import Request
 from fastapi.responses import Response, StreamingResponse
 from starlette.types import Receive, Scope, Send
 
-from kvserve.outputs import CompletionOutput, RequestOutput
-from kvserve.sampling_params import SamplingParams
-from kvserve.server.errors import APIError, SafeJSONResponse, error_body
-from kvserve.server.generation import (
-    ClientDisconnected,
-    Generation,
-    new_generation,
-    run_to_first,
-)
-from kvserve.server.prompts import Prompt
-from kvserve.server.protocol import (
+from kvserve.http.errors import APIError, SafeJSONResponse, error_body
+from kvserve.http.middleware import CLIENT_CLOSED, GENERATION_KEY
+from kvserve.http.protocol import (
     ChatCompletionResponse,
     CompletionResponse,
     PromptTokensDetails,
@@ -35,6 +27,15 @@ from kvserve.server.protocol import (
     UsageInfo,
     dump,
 )
+from kvserve.outputs import CompletionOutput, RequestOutput
+from kvserve.sampling_params import SamplingParams
+from kvserve.server.generation import (
+    ClientDisconnected,
+    Generation,
+    new_generation,
+    run_to_first,
+)
+from kvserve.server.prompts import Prompt
 from kvserve.server.state import ServerState
 from kvserve.server.structured import Constraint
 
@@ -45,8 +46,6 @@ ChunkSource = Callable[[Generation, Update | None], AsyncIterator[dict]]
 ChoiceChunk = Callable[[int, int, CompletionOutput | None, str | None], dict | None]
 
 _SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
-CLIENT_CLOSED = 499  # nginx's "client closed request"; nobody reads it
-GENERATION_KEY = "kvserve.generation"  # in the ASGI scope, for the access log
 
 logger = logging.getLogger("kvserve.server")
 
@@ -185,7 +184,9 @@ class Handler:
     def __init__(self, req: SamplingRequest, state: ServerState) -> None:
         self.req = req
         self.state = state
-        self.model = state.settings.served_model_name
+        # the answer names what ran: a LoRA adapter the request picked, else the served model
+        self.model = (req.model if req.model in state.loras.adapters
+                      else state.settings.served_model_name)
 
     async def prepare(self) -> tuple[list[Prompt], SamplingParams]:
         raise NotImplementedError
@@ -199,7 +200,7 @@ class Handler:
     async def answer(self, request: Request) -> Response:
         trace = None
         if self.state.tracing is not None:
-            from kvserve.server.tracing import RequestTrace
+            from kvserve.http.tracing import RequestTrace
 
             trace = RequestTrace(self.state.tracing, request.headers, self.operation,
                                  self.model, self.state.settings.role, self.req)

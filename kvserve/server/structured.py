@@ -23,9 +23,9 @@ from __future__ import annotations
 import asyncio
 from dataclasses import dataclass
 
+from kvserve.http.errors import bad_request
+from kvserve.http.protocol import ChatCompletionRequest, SamplingRequest
 from kvserve.sampling_params import StructuredOutputsParams
-from kvserve.server.errors import bad_request
-from kvserve.server.protocol import ChatCompletionRequest, SamplingRequest
 from kvserve.server.settings import ServerSettings
 from kvserve.server.tool_parsers import ToolParser, ToolSpec, get_parser
 

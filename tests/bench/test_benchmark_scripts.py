@@ -202,6 +202,34 @@ def test_bf16_dot_kl_tiny(tmp_path):
                         "twin (this CPU lacks AVX512-BF16)")
 
 
+def test_prefill_profile_tiny(tmp_path):
+    """The prefill breakdown on a tiny bf16 folder: one row per (rows, budget) config, its
+    parts within its total, the GEMMs' rate and both ceilings positive, and the engine's
+    bf16-dot setting put back afterwards."""
+    from kvserve.kernels.cpu import w16_gemm as w16
+    from tests.conftest import make_tiny_model
+
+    if w16.w16_library() is None:
+        pytest.skip("no C compiler")
+    import torch
+
+    model = make_tiny_model(str(tmp_path / "m"), "llama", save_dtype=torch.bfloat16)
+    pp = _script("prefill_profile")
+    out = tmp_path / "p.json"
+    assert pp.main(["--model", model, "--batch", "2", "--input-len", "16", "--budgets", "16,64",
+                    "--rows", "0,1", "--repeats", "1", "--threads", "1", "--clock", "cpu",
+                    "--json", str(out)]) == 0
+    assert w16._engine_rows is None
+    r = json.loads(out.read_text())
+    assert [(x["bf16_dot_rows"], x["budget"]) for x in r["results"]] == [
+        (0, 16), (0, 64), (1, 16), (1, 64)]
+    for x in r["results"]:
+        assert x["total_s"] > 0 and x["gemm_gflops"] > 0
+        assert 0 <= x["gemm_s"] + x["attention_s"] <= x["total_s"]
+    assert r["ceiling_gflops_torch_fp32"] > 0 and r["ceiling_gflops_torch_bf16"] > 0
+    assert r["env"]["cpu"]["kind"]
+
+
 def test_structured_outputs_tiny(tmp_path):
     so = _script("structured_outputs")
     out = tmp_path / "so.json"

@@ -1,5 +1,5 @@
 """What the engine records on a request's ``RequestMetrics`` for the server's trace spans
-(kvserve/server/tracing.py): a KV-tier restore (its blocks per tier, its time), an integrity
+(kvserve/http/tracing.py): a KV-tier restore (its blocks per tier, its time), an integrity
 rollback (a repair), and nothing of either on a plain request."""
 
 from __future__ import annotations

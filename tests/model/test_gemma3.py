@@ -159,3 +159,14 @@ def test_decode_graph_records_and_equals_eager(tmp_path, make_llm):
            for o in fast.generate([_p(p) for p in PROMPTS], params)]
     assert got == want
     assert g.runs > 0
+
+
+@pytest.mark.slow  # engine runs compared pairwise
+def test_integrity_and_host_tier_with_windows(tiny_gemma3, make_llm, plain):
+    """Paranoid integrity (every read block verified) and a host-memory KV tier under a pool
+    too small to keep the prompts: same tokens as the plain engine."""
+    llm = make_llm(tiny_gemma3, dtype="float32", block_size=4, num_blocks=24,
+                   kv_integrity="paranoid", kv_offload_memory=0.01)
+    first = _toks(llm.generate([_p(p) for p in PROMPTS], GREEDY))
+    again = _toks(llm.generate([_p(p) for p in PROMPTS], GREEDY))  # hits: pool or tier
+    assert first == plain and again == plain

@@ -57,7 +57,7 @@ def test_index_matches_the_engines_pool() -> None:
         def check() -> None:
             cached = {external_hash(h) for h in pool._cached}
             assert cached, "nothing cached"
-            assert set(idx._keys["r0"]) == cached
+            assert set(idx._chain["r0"]) == cached  # engine hashes held in any medium
 
         check()
         ids = tok.encode(prompts[0] + " more", add_special_tokens=True)
@@ -72,6 +72,40 @@ def test_index_matches_the_engines_pool() -> None:
         _drain(sub, idx, schema, seqs)
         assert idx.num_blocks("r0") == 0 and not pool._cached
         assert seqs == list(range(seqs[0], seqs[0] + len(seqs)))  # no gap
+    finally:
+        sub.close(0)
+        llm.engine.shutdown()
+
+
+def test_tier_events_keep_an_evicted_prefix_routable(tmp_path) -> None:
+    """With a disk tier, a document the pool evicted stays in the index as "disk" (announced by
+    the tiers' writer thread, in vLLM's schema), so the replica still matches it."""
+    args = EngineArgs(model="demo", num_blocks=24, block_size=16, progress=False,
+                      kv_events_endpoint="tcp://127.0.0.1:0", kv_offload_dir=str(tmp_path),
+                      kv_offload_disk=0.01)
+    llm = LLM.from_engine_args(args)
+    sub = zmq.Context.instance().socket(zmq.SUB)
+    sub.setsockopt(zmq.LINGER, 0)
+    sub.setsockopt(zmq.SUBSCRIBE, b"")
+    sub.connect(llm.engine.kv_events.endpoint)
+    schema = _vllm_schema(array_like=True)[0]
+    idx, seqs = PrefixIndex(), []
+    try:
+        time.sleep(0.3)
+        doc = " ".join(f"line {i} of the shared document." for i in range(20))
+        params = SamplingParams(temperature=0, max_tokens=4)
+        llm.generate([doc + " First question?"], params)
+        others = [" ".join(f"{w} {i}" for i in range(60)) for w in ("alpha", "beta", "gamma")]
+        llm.generate(others, params)  # evicts the document from the 24-block pool
+        llm.engine.kv.tiers.flush()
+        _drain(sub, idx, schema, seqs)
+        ids = llm.get_tokenizer().encode(doc + " Second question?", add_special_tokens=True)
+        pool_keys = {external_hash(h) for h in llm.engine.pool._cached}
+        assert llm.engine.pool.num_evictions > 0 and idx.blocks_by_medium("r0").get("disk")
+        doc_blocks = len(llm.get_tokenizer().encode(doc)) // 16 - 1
+        # the document's blocks are no longer in the pool, but held on disk at weight 0.5
+        assert set(idx._chain["r0"]) - pool_keys
+        assert idx.match(ids)["r0"] >= 0.5 * 16 * doc_blocks
     finally:
         sub.close(0)
         llm.engine.shutdown()

@@ -9,8 +9,8 @@ import sys
 
 import pytest
 
+from kvserve.http.launch import listen_socket
 from kvserve.router.launch import PortReservation
-from kvserve.server.launch import listen_socket
 
 
 def test_port_zero_binds_never_take_a_reserved_port():
@@ -44,7 +44,7 @@ def test_the_child_listens_on_it_and_connections_are_refused_when_it_is_gone():
         # another process (the replica) binds and listens on it, as `kvserve serve` does
         child = subprocess.run(
             [sys.executable, "-c",
-             "import sys; from kvserve.server.launch import listen_socket, bound_port; "
+             "import sys; from kvserve.http.launch import listen_socket, bound_port; "
              f"s = listen_socket('127.0.0.1', {res.port}); print(bound_port(s))"],
             capture_output=True, text=True, timeout=60)
         assert child.returncode == 0, child.stderr

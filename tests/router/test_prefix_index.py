@@ -45,3 +45,60 @@ def test_unplaceable_stores_are_dropped_and_copies_counted() -> None:
     assert idx.match([1, 2, 3, 4, 0]) == {"r0": 4}
     idx.apply("r0", BlockRemoved((8,)))
     assert idx.match([1, 2, 3, 4, 0]) == {}
+
+
+def test_tier_copies_keep_a_prefix_routable_weighted_by_medium() -> None:
+    """A replica whose pool evicted a prefix that its disk still holds wins over one that never
+    saw it; a pool copy outranks host memory ("cpu"), which outranks disk."""
+    from kvserve.router.hashing import HashRing
+    from kvserve.router.policy import Candidate, decide
+
+    idx = PrefixIndex()
+    doc = list(range(100, 112))  # 3 blocks
+    prompt = doc + [5]
+    idx.apply("other", _store([50], None, [9, 9, 9, 9]))  # never saw the doc
+    # "disk": the pool stored the doc, the tiers wrote it down, the pool evicted it
+    idx.apply("disk", _store([1, 2, 3], None, doc))
+    idx.apply("disk", BlockStored((1, 2, 3), None, tuple(doc), B, medium="disk"))
+    idx.apply("disk", BlockRemoved((1, 2, 3), medium="CPU"))
+    assert idx.num_blocks("disk") == 3 and idx.blocks_by_medium("disk") == {"disk": 3}
+    assert idx.match(prompt) == {"disk": 6}  # 3 blocks * 4 tokens * 0.5
+    ring = HashRing()
+    cands = [Candidate("other", 0), Candidate("disk", 0)]
+    for turn in range(2):  # whichever replica the idle rotation favours
+        d = decide("auto", cands, session=None, matches=idx.match(prompt), ring=ring,
+                   rr_turn=turn, load_factor=1.25, load_cost_tokens=0.0)
+        assert (d.replica, d.reason) == ("disk", "prefix")
+    # a host-memory copy stored block by block (each parent known from the chain)
+    idx.apply("host", _store([7], None, doc[:4]))
+    idx.apply("host", BlockStored((8,), 7, tuple(doc[4:8]), B, medium="cpu"))
+    idx.apply("host", BlockStored((9,), 8, tuple(doc[8:12]), B, medium="cpu"))
+    idx.apply("pool", _store([4, 5, 6], None, doc))
+    m = idx.match(prompt)
+    assert m["pool"] == 12 and m["host"] == round(4 + 2 * 4 * 0.8) and m["disk"] == 6
+    assert m["pool"] > m["host"] > m["disk"]
+    # a copy in two media counts the better one; removing one medium leaves the other
+    idx.apply("disk", BlockStored((1,), None, tuple(doc[:4]), B, medium="cpu"))
+    assert idx.match(prompt)["disk"] == round(4 * 0.8 + 8 * 0.5)
+    idx.apply("disk", BlockRemoved((1,), medium="disk"))
+    assert idx.match(prompt)["disk"] == round(4 * 0.8 + 8 * 0.5)
+    idx.apply("disk", BlockRemoved((1,), medium="cpu"))  # the chain's first block is gone
+    assert "disk" not in idx.match(prompt) and idx.num_blocks("disk") == 2
+    idx.apply("host", AllBlocksCleared())
+    assert "host" not in idx.match(prompt) and idx.blocks_by_medium("host") == {}
+
+
+def test_tier_store_after_its_parent_left_the_pool_is_placed() -> None:
+    """The tiers' writer announces a block after the pool's removal of its parent (a request's
+    blocks are evicted tail first): the parent is found among the removed blocks."""
+    idx = PrefixIndex()
+    doc = list(range(100, 108))  # 2 blocks
+    idx.apply("r", _store([1, 2], None, doc))
+    idx.apply("r", BlockRemoved((2, 1), medium="CPU"))
+    assert idx.match(doc + [5]) == {} and idx.num_blocks("r") == 0
+    idx.apply("r", BlockStored((2,), 1, tuple(doc[4:]), B, medium="disk"))  # child first
+    idx.apply("r", BlockStored((1,), None, tuple(doc[:4]), B, medium="disk"))
+    assert idx.dropped == 0 and idx.match(doc + [5]) == {"r": 4}  # 2 blocks * 4 * 0.5
+    idx.clear("r")
+    idx.apply("r", BlockStored((2,), 1, tuple(doc[4:]), B, medium="disk"))
+    assert idx.dropped == 1  # a cleared replica's removed blocks are forgotten too

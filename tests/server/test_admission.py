@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
+from kvserve.http.errors import APIError
 from kvserve.server.admission import Admission, FairQueue
-from kvserve.server.errors import APIError
 
 
 class Item:

@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from kvserve.server.launch import bound_port, listen_socket
+from kvserve.http.launch import bound_port, listen_socket
 
 
 def test_listen_socket_binds_and_names_the_port():

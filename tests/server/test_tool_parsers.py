@@ -153,7 +153,7 @@ def test_auto_grammar_output_is_text_or_valid_calls(llm):
 
 
 def test_auto_has_a_grammar_only_with_strict_tools():
-    from kvserve.server.protocol import ChatCompletionRequest
+    from kvserve.http.protocol import ChatCompletionRequest
     from kvserve.server.settings import ServerSettings
     from kvserve.server.structured import tool_plan
 

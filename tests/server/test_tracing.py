@@ -1,4 +1,4 @@
-"""OpenTelemetry tracing of one replica (kvserve/server/tracing.py), in process: an OTLP
+"""OpenTelemetry tracing of one replica (kvserve/http/tracing.py), in process: an OTLP
 receiver on loopback (kvserve/bench/otlp_receiver.py, decoding with opentelemetry-proto) gets
 the span of a request that continues the client's ``traceparent``, with gen_ai attributes
 equal to the response's and a child span per engine phase; a prefill leg and a decode leg join
@@ -179,7 +179,7 @@ def test_prefill_and_decode_legs_join_one_trace(inprocess, rx, tmp_path) -> None
 def test_no_cost_when_off(inprocess, monkeypatch) -> None:
     """Tracing off: a request runs with the tracing module and the SDK unimportable (an
     import would raise), and no generation holds a trace."""
-    for name in ("kvserve.server.tracing", "opentelemetry.sdk", "opentelemetry.sdk.trace"):
+    for name in ("kvserve.http.tracing", "opentelemetry.sdk", "opentelemetry.sdk.trace"):
         monkeypatch.setitem(sys.modules, name, None)
     srv = inprocess()
     assert srv.state.tracing is None
@@ -230,8 +230,8 @@ def test_phases_from_recorded_metrics() -> None:
     with its blocks per tier, an integrity repair, a failed import's fallback reason."""
     from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
+    from kvserve.http.tracing import RequestTrace, Tracing
     from kvserve.outputs import KVMove, RequestMetrics
-    from kvserve.server.tracing import RequestTrace, Tracing
 
     mem = InMemorySpanExporter()
     tr = Tracing("http://127.0.0.1:9/v1/traces", "http/protobuf", "kvserve", exporter=mem)

@@ -279,3 +279,42 @@ def test_gateway_api_inference_extension_metrics(inprocess):
     assert labels == {"max_lora", "running_lora_adapters", "waiting_lora_adapters"}
     assert value(fams, "vllm:lora_requests_info", running_lora_adapters="sql",
                  max_lora="4") > 0
+
+
+def test_spec_decode_metrics_with_speculation_on(inprocess):
+    """``--speculative-config``: the vllm:spec_decode_* counters appear, consistent with each
+    other (accepted <= draft tokens; per position, drafts that accepted position k are
+    non-increasing in k and add up to the accepted tokens)."""
+    srv = inprocess(engine_kw={"speculative_config": {
+        "method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1,
+        "prompt_lookup_max": 3}})
+    prompt = " ".join(["w11 w12 w13 w14"] * 8)  # repetitive: the n-gram drafter proposes
+
+    async def go():
+        async with srv.client() as c:
+            r = await c.post("/v1/completions", json={
+                "model": MODEL_NAME, "prompt": prompt, "max_tokens": 24, "temperature": 0,
+                "ignore_eos": True})
+            assert r.status_code == 200, r.text
+            deadline = time.monotonic() + 10
+            while True:
+                fams = exported((await c.get("/metrics")).text)
+                if value(fams, "vllm:generation_tokens_total") >= 24 or \
+                        time.monotonic() > deadline:
+                    return fams
+                await asyncio.sleep(0.05)
+
+    fams = srv.run(go())
+    rows = doc_table()
+    for name in [n for n in rows if n.startswith("vllm:spec_decode_")]:
+        typ, labels, _ = rows[name]
+        assert fams[name][0] == typ and fams[name][1] == labels, name
+    drafts = value(fams, "vllm:spec_decode_num_drafts_total")
+    proposed = value(fams, "vllm:spec_decode_num_draft_tokens_total")
+    accepted = value(fams, "vllm:spec_decode_num_accepted_tokens_total")
+    assert drafts >= 1 and 0 <= accepted <= proposed <= 3 * drafts
+    per_pos = [v for (n, _), v in sorted(
+        fams["vllm:spec_decode_num_accepted_tokens_per_pos_total"][2].items(),
+        key=lambda kv: int(dict(kv[0][1])["position"])) if n.endswith("_total")]
+    assert sum(per_pos) == accepted
+    assert all(a >= b for a, b in zip(per_pos, per_pos[1:], strict=False))

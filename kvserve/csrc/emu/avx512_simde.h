@@ -69,6 +69,12 @@ static inline simde__m512i kvs_emu_cvtepi8_epi32(simde__m128i b) {
 }
 #define _mm512_cvtepi8_epi32 kvs_emu_cvtepi8_epi32
 
+#undef _mm512_cvtepu8_epi32
+static inline simde__m512i kvs_emu_cvtepu8_epi32(simde__m128i b) {
+    return kvs_emu_si(_mm256_cvtepu8_epi32(b), _mm256_cvtepu8_epi32(_mm_srli_si128(b, 8)));
+}
+#define _mm512_cvtepu8_epi32 kvs_emu_cvtepu8_epi32
+
 #undef _mm512_cvtepi32_ps
 static inline simde__m512 kvs_emu_cvtepi32_ps(simde__m512i v) {
     return kvs_emu_ps(_mm256_cvtepi32_ps(kvs_emu_halfi(v, 0)),

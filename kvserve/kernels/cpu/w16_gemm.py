@@ -2,7 +2,8 @@
 as 16-bit (twin: kvserve.kernels.reference.w16_linear).
 
 On a CPU with AVX512-BF16 whose build has the path, bf16-weight GEMMs of at least
-``bf16_dot_rows`` rows can round x to bf16 and use vdpbf16ps (twin:
+``bf16_dot_rows`` rows can round x to bf16 and use vdpbf16ps -- or, where the CPU has AMX
+(Sapphire Rapids and later), AMX tile products (TDPBF16PS) for all of them (twin:
 kvserve.kernels.reference.w16_linear_bf16_dot). Off unless ``KVSERVE_CPU_BF16_ROWS`` names the
 threshold (e.g. 128, above the default ``max_num_seqs`` of 64: prompt chunks, not decode
 batches), as ``KVSERVE_CPU_KERNEL=0`` turns the C kernels off: rounding the activations costs
@@ -52,7 +53,25 @@ def bind(dll: ctypes.CDLL) -> ctypes.CDLL:
     if hasattr(dll, "kvs_w16_bf16_dot"):  # (an older source built by a benchmark lacks it)
         dll.kvs_w16_bf16_dot.argtypes, dll.kvs_w16_bf16_dot.restype = [], c_int
         dll.bf16_dot_built = bool(launch(dll, "kvs_w16_bf16_dot"))
+    dll.amx = False  # its bf16 dot products run as AMX tile products (w16_gemm.c)
+    if hasattr(dll, "kvs_w16_amx"):
+        dll.kvs_w16_amx.argtypes, dll.kvs_w16_amx.restype = [c_int], c_int
+        dll.amx = bool(launch(dll, "kvs_w16_amx", -1))  # asks Linux for the tile state once
     return dll
+
+
+def has_amx(lib: ctypes.CDLL) -> bool:
+    """``lib``'s bf16 dot products run on AMX tiles (built with AMX, the CPU has AMX-BF16 and
+    Linux granted the tile state); else, with AVX512-BF16, on vdpbf16ps."""
+    return bool(getattr(lib, "amx", False)) and has_bf16_dot(lib)
+
+
+def set_amx(lib: ctypes.CDLL, on: bool) -> bool:
+    """Turn ``lib``'s AMX path on (where available) or off (vdpbf16ps); returns whether it is
+    on. For tests and benchmarks that compare the two: the engine leaves it as bound."""
+    lib.amx = bool(launch(lib, "kvs_w16_amx", int(on))) if hasattr(lib, "kvs_w16_amx") \
+        else False
+    return lib.amx
 
 
 # KVSERVE_CPU_BF16_ROWS unset: no bf16 dot products (the exact fp32 path); the threshold the

@@ -1,4 +1,6 @@
-"""``kvserve serve [MODEL]``: run the OpenAI-compatible server with uvicorn.
+"""``kvserve serve [MODEL]``: run the OpenAI-compatible server with uvicorn; with
+``--data-parallel-size N``, N replica processes and the router in front of them
+(``kvserve.router_cli``). It sits above both ``kvserve.server`` and ``kvserve.router``.
 
 Shutdown: the first SIGTERM (or SIGINT) starts draining: ``/ready`` turns 503 and new
 generation requests get 503 while in-flight ones finish; once none is left uvicorn closes the
@@ -55,8 +57,8 @@ def _served_name(ns: argparse.Namespace, model: str | None) -> str:
 
 def serve(ns: argparse.Namespace, engine_args: EngineArgs) -> int:
     from kvserve.engine.async_engine import AsyncLLMEngine
+    from kvserve.http.launch import DrainingServer
     from kvserve.server.api import build_app
-    from kvserve.server.launch import DrainingServer
 
     settings = from_cli_args(ServerSettings, ns,
                              served_model_name=_served_name(ns, engine_args.model))
@@ -64,14 +66,14 @@ def serve(ns: argparse.Namespace, engine_args: EngineArgs) -> int:
     if launch.data_parallel_size > 1:
         import sys
 
-        from kvserve.router.cli import serve_replicas
+        from kvserve.router_cli import serve_replicas
 
         argv = list(getattr(ns, "argv", None) or sys.argv[1:])
         if "serve" in argv:
             argv = argv[argv.index("serve") + 1:]
         return serve_replicas(ns, engine_args, settings, launch, argv)
+    from kvserve.http.launch import bound_port, listen_socket
     from kvserve.router.launch import watch_parent
-    from kvserve.server.launch import bound_port, listen_socket
 
     watch_parent()  # a replica of `serve --data-parallel-size` ends with its router
     sock = listen_socket(launch.host, launch.port)  # before the model loads (see launch.py)

@@ -44,10 +44,10 @@ def _router_main(ns: argparse.Namespace) -> int:
 def run_router(router: RouterSettings, launch: LaunchSettings, server: ServerSettings,
                sock: socket.socket | None = None) -> int:
     """Serve the router app; ``sock``: its port, already bound (``listen_socket``)."""
+    from kvserve.http.launch import DrainingServer, bound_port, listen_socket
     from kvserve.model.default_model import resolve_model
     from kvserve.model.loader import load_tokenizer
     from kvserve.router.app import RouterState, build_router_app
-    from kvserve.server.launch import DrainingServer, bound_port, listen_socket
 
     sock = sock or listen_socket(launch.host, launch.port)
     logging.getLogger("httpx").setLevel(logging.WARNING)  # not a line per proxied request
@@ -56,7 +56,7 @@ def run_router(router: RouterSettings, launch: LaunchSettings, server: ServerSet
         tokenizer = load_tokenizer(resolve_model(router.prefix_tokenizer))
     tracing = None
     if server.otlp_traces_endpoint is not None:
-        from kvserve.server.tracing import Tracing
+        from kvserve.http.tracing import Tracing
 
         tracing = Tracing(server.otlp_traces_endpoint, server.otlp_traces_protocol,
                           "kvserve-router")
@@ -78,8 +78,8 @@ def run_router(router: RouterSettings, launch: LaunchSettings, server: ServerSet
 def serve_replicas(ns: argparse.Namespace, engine_args, server: ServerSettings,
                    launch: LaunchSettings, argv: list[str]) -> int:
     """``kvserve serve --data-parallel-size N``: the replica processes, then the router."""
+    from kvserve.http.launch import listen_socket
     from kvserve.router.launch import ReplicaProcesses
-    from kvserve.server.launch import listen_socket
 
     sock = listen_socket(launch.host, launch.port)  # before any replica can take the port
     procs = ReplicaProcesses(argv, launch.data_parallel_size, threads=launch.replica_threads,

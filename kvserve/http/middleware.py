@@ -18,11 +18,12 @@ from urllib.parse import unquote
 from prometheus_client import Counter
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from kvserve.server.errors import error_body
-from kvserve.server.streaming import CLIENT_CLOSED, GENERATION_KEY
+from kvserve.http.errors import error_body
 
-logger = logging.getLogger("kvserve.server")
+logger = logging.getLogger("kvserve.http")
 access_logger = logging.getLogger("kvserve.access")
+CLIENT_CLOSED = 499  # nginx's "client closed request"; nobody reads it
+GENERATION_KEY = "kvserve.generation"  # in the ASGI scope: the request's Generation, for the log
 # Paths that stay open when an API key is set; everything else needs the key.
 OPEN_PATHS = frozenset({"/health", "/ready", "/version", "/metrics"})
 

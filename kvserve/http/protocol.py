@@ -104,7 +104,7 @@ def _format_tag(value: Any) -> str | None:
 
 
 # {"type": "text"}, {"type": "json_object"} or {"type": "json_schema", "json_schema": {...}};
-# the tags are class-like so that error locations skip them (kvserve.server.errors)
+# the tags are class-like so that error locations skip them (kvserve.http.errors)
 ResponseFormat = Annotated[
     Annotated[ResponseFormatText, Tag("Text")]
     | Annotated[ResponseFormatJSONObject, Tag("JSONObject")]
@@ -458,6 +458,8 @@ class ModelCard(_Response):
     created: int = Field(default_factory=lambda: int(time.time()))
     owned_by: str = "kvserve"
     max_model_len: int | None = None
+    root: str | None = None  # a LoRA adapter: the folder it was loaded from
+    parent: str | None = None  # a LoRA adapter: the served base model
 
 
 class ModelList(_Response):
@@ -474,6 +476,21 @@ class ErrorInfo(_Response):
 
 class ErrorResponse(_Response):
     error: ErrorInfo
+
+
+class LoadLoRAAdapterRequest(_Request):
+    """``POST /v1/load_lora_adapter`` (vLLM's body)."""
+
+    lora_name: Text = Field(min_length=1, max_length=256)
+    lora_path: Text = Field(min_length=1, max_length=4096,
+                            description="a PEFT LoRA folder on the server's disk")
+
+
+class UnloadLoRAAdapterRequest(_Request):
+    """``POST /v1/unload_lora_adapter`` (vLLM's body; ``lora_int_id`` is accepted, unused)."""
+
+    lora_name: Text = Field(min_length=1, max_length=256)
+    lora_int_id: int | None = None
 
 
 def dump(model: BaseModel) -> dict[str, Any]:

@@ -10,6 +10,13 @@ import torch
 
 torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
 
+# Without CUDA the Triton kernel tests run under triton's interpreter, which must be switched on
+# BEFORE triton is first imported. Test modules imported while collecting (transformers, peft and
+# kvserve's LoRA layer among them) may import it, so the switch is here, in the first conftest
+# pytest loads (tests/kernels/conftest.py repeats it for a run of that folder alone).
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
 _ENGINES: list = []
 
 

@@ -106,6 +106,12 @@ class Drafter:
             decoding.append((req, min(self.k, room)))
         if not decoding:
             return
+        if self.config.adaptive and self.cost.known and not self._may_pay(decoding, base_rows):
+            for req, _ in decoding:  # nothing drafted: back towards the prior
+                st = self._state(req)
+                st.acc *= _IDLE_DECAY
+                st.trials *= _IDLE_DECAY
+            return
         if self.draft_model is not None:
             drafts = self.draft_model.propose([r for r, _ in decoding], [k for _, k in decoding])
         else:
@@ -125,6 +131,14 @@ class Drafter:
                 req.spec_token_ids = d
             return
         self._choose(cands, len(decoding), base_rows)
+
+    def _may_pay(self, decoding: list[tuple[Request, int]], base_rows: int) -> bool:
+        """Whether even the likeliest first draft token (probability: the best alpha) would
+        raise the step's expected tokens per second; if not, no proposal is computed at all
+        (a large batch then pays nothing for speculation being on)."""
+        best = max(self._state(req).alpha for req, _ in decoding)
+        n, t = len(decoding), self.cost(base_rows)
+        return (n + best) * t > n * self.cost(base_rows + 1)
 
     def _choose(self, cands: list[tuple[Request, list[int], list[float]]], n_decode: int,
                 base_rows: int) -> None:

@@ -2,7 +2,7 @@
 way llama.cpp's converter does ((1 + w) norms, the window in the metadata, tied head), then read
 by kvserve: logits and greedy tokens equal transformers' fp32 model of the folder, the local
 layers get their window, and the file's chat template is used. The real Gemma 3 270M Q4_K_M
-file is checked when it is present (KVSERVE_GEMMA3_GGUF or /work/peers/models)."""
+file is checked when it is present (KVSERVE_GEMMA3_GGUF or $KVSERVE_REAL_GGUF_DIR)."""
 
 from __future__ import annotations
 
@@ -66,8 +66,10 @@ def test_gguf_chat_template_is_used(f32_gguf, make_llm):
 
 
 def _real_file() -> str | None:
+    real_dir = os.environ.get("KVSERVE_REAL_GGUF_DIR",
+                              os.path.expanduser("~/.cache/kvserve/real-gguf"))
     for p in (os.environ.get("KVSERVE_GEMMA3_GGUF"),
-              "/work/peers/models/gemma-3-270m-q4_k_m.gguf"):
+              os.path.join(real_dir, "gemma-3-270m-q4_k_m.gguf")):
         if p and os.path.isfile(p):
             return p
     return None

@@ -43,14 +43,17 @@ from kvserve import LLM, LoRARequest, SamplingParams  # noqa: E402
 from kvserve.bench.common import env_info, log  # noqa: E402
 
 
-def _median_ms(fn, repeats: int) -> float:
-    fn()  # warm
-    times = []
+def _interleaved_ms(fns: dict, repeats: int) -> dict[str, float]:
+    """Median ms of each callable, timed round-robin (a busy host slows them alike)."""
+    for fn in fns.values():
+        fn()  # warm
+    times: dict[str, list[float]] = {k: [] for k in fns}
     for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times) * 1e3
+        for k, fn in fns.items():
+            t0 = time.perf_counter()
+            fn()
+            times[k].append(time.perf_counter() - t0)
+    return {k: statistics.median(v) * 1e3 for k, v in times.items()}
 
 
 def _generate_tok_s(llm: LLM, a, loras) -> float:
@@ -81,34 +84,37 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(a.threads)
     config = _config(a.model)
     kw = dict(max_num_seqs=a.batch, kv_cache_memory="256MiB", progress=False)
-    out: dict = {"generate_tok_s": {}, "replay_ms": {}}
+    out: dict = {"generate_tok_s": {}}
     with tempfile.TemporaryDirectory() as tmp:
         names = [f"a{i}" for i in range(a.adapters)]
         mods = [f"{n}={write_adapter(os.path.join(tmp, n), config, a.rank, i)}"
                 for i, n in enumerate(names)]
         base = LLM(a.model, **kw)
-        out["generate_tok_s"]["base"] = _generate_tok_s(base, a, None)
-        tape = base.engine.runner.graphs.tape
-        out["replay_ms"]["base"] = _median_ms(lambda: tape.replay(a.batch), a.repeats)
-        del base, tape
         lora = LLM(a.model, lora_modules=mods, max_loras=a.adapters, max_lora_rank=a.rank,
                    **kw)
         g = lora.engine.runner.graphs
-        assert g is not None and g.refused is None, f"LoRA decode graph refused: {g}"
+        assert g is not None and g.refused is None, "the LoRA engine's decode graph was refused"
         mixed = [LoRARequest(names[i % len(names)]) for i in range(a.batch)]
+        out["generate_tok_s"]["base"] = _generate_tok_s(base, a, None)
         out["generate_tok_s"]["lora_base_rows"] = _generate_tok_s(lora, a, None)
         out["generate_tok_s"]["lora_mixed"] = _generate_tok_s(lora, a, mixed)
         slots = lora.engine.runner.lora.slots
-        gemm = g.tape.only({"kvs_lora_gemm"})
+        mixed_idx = torch.tensor([slots.index(names[i % len(names)]) for i in range(a.batch)])
+        base_tape, gemm = base.engine.runner.graphs.tape, g.tape.only({"kvs_lora_gemm"})
         out["lora_calls"] = len(gemm)
-        g.lora_idx.fill_(-1)
-        out["replay_ms"]["lora_base_rows"] = _median_ms(lambda: g.tape.replay(a.batch),
-                                                        a.repeats)
-        for i in range(a.batch):
-            g.lora_idx[i] = slots.index(names[i % len(names)])
-        out["replay_ms"]["lora_mixed"] = _median_ms(lambda: g.tape.replay(a.batch), a.repeats)
-        out["replay_ms"]["lora_gemm_mixed"] = _median_ms(lambda: gemm.replay(a.batch),
-                                                         a.repeats)
+
+        def lora_replay(idx: torch.Tensor | None, tape) -> None:
+            if idx is None:
+                g.lora_idx.fill_(-1)
+            else:
+                g.lora_idx[:a.batch].copy_(idx)
+            tape.replay(a.batch)
+
+        out["replay_ms"] = _interleaved_ms({
+            "base": lambda: base_tape.replay(a.batch),
+            "lora_base_rows": lambda: lora_replay(None, g.tape),
+            "lora_mixed": lambda: lora_replay(mixed_idx, g.tape),
+            "lora_gemm_mixed": lambda: lora_replay(mixed_idx, gemm)}, a.repeats)
     gen, rep = out["generate_tok_s"], out["replay_ms"]
     out["mixed_over_base"] = {"generate": gen["lora_mixed"] / gen["base"],
                               "replay": rep["base"] / rep["lora_mixed"]}

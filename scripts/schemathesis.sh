@@ -30,8 +30,11 @@ wait_ready() {  # wait_ready PORT REPLICAS: until /ready says 200 (and that many
     for _ in $(seq 600); do
         if "$PY" - "$1" "$2" <<'EOF'
 import sys, httpx
-r = httpx.get(f"http://127.0.0.1:{sys.argv[1]}/ready", timeout=2)
-sys.exit(r.status_code != 200 or r.json().get("replicas", 0) < int(sys.argv[2]))
+try:
+    r = httpx.get(f"http://127.0.0.1:{sys.argv[1]}/ready", timeout=2)
+    sys.exit(r.status_code != 200 or r.json().get("replicas", 0) < int(sys.argv[2]))
+except (httpx.HTTPError, ValueError):
+    sys.exit(1)
 EOF
         then return 0; fi
         sleep 0.5

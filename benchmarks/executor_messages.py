@@ -46,9 +46,9 @@ def _old_step(step):
 def _new_step(step):
     from kvserve.engine import executor_messages as em
 
-    f = em.encode(em.Step(step))
+    f = em.encode_message(em.Step(step))
     em.frame_sizes(f.header)
-    return em.decode(f.header, f.spill, f.body).step
+    return em.decode_message(f.header, f.spill, f.body).step
 
 
 def _old_seal(ids, gens, hashes):
@@ -67,9 +67,9 @@ def _old_seal(ids, gens, hashes):
 def _new_seal(ids, gens, hashes):
     from kvserve.engine import executor_messages as em
 
-    f = em.encode(em.Seal(tuple(ids), tuple(gens), tuple(hashes)))
+    f = em.encode_message(em.Seal(tuple(ids), tuple(gens), tuple(hashes)))
     em.frame_sizes(f.header)
-    m = em.decode(f.header, f.spill, f.body)
+    m = em.decode_message(f.header, f.spill, f.body)
     return list(m.block_ids), list(m.generations), list(m.token_hashes)
 
 

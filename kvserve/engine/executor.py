@@ -63,8 +63,8 @@ from kvserve.engine.executor_messages import (
     TransferExport,
     TransferImport,
     Verify,
-    decode,
-    encode,
+    decode_message,
+    encode_message,
     frame_sizes,
 )
 from kvserve.engine.step_input import StepInput
@@ -108,7 +108,7 @@ def make_executor(config: WorkerConfig) -> UniProcExecutor | MultiprocExecutor:
 
 # ---- messages (kvserve.engine.executor_messages) ------------------------------------------
 def _send(msg: Message) -> None:
-    frame = encode(msg)
+    frame = encode_message(msg)
     ps.cpu_broadcast(frame.header, idle=True)
     if frame.spill is not None:
         ps.cpu_broadcast(frame.spill)
@@ -121,7 +121,7 @@ def _recv() -> Message:
     n_spill, n_body = frame_sizes(header)
     spill = ps.cpu_broadcast(torch.empty(n_spill, dtype=torch.int64)) if n_spill else None
     body = ps.cpu_broadcast(torch.empty(n_body, dtype=torch.int64)) if n_body else None
-    return decode(header, spill, body)
+    return decode_message(header, spill, body)
 
 
 def _block_items(expected: list[Expected]) -> dict:

@@ -2,10 +2,11 @@
 
 Each message is a frozen, slotted dataclass registered under a type tag (``@message("tag")``);
 ``MESSAGE_TYPES`` lists them all and the worker has exactly one handler per type
-(``executor.HANDLERS``, checked by a test). On the wire (``encode`` / ``decode``) a message is
-one msgpack envelope ``[PROTOCOL_VERSION, tag, {field: value}]`` plus at most one int64 tensor
-``body`` for a field whose type serializes itself as a tensor (``StepInput``: a step's token ids
-stay a tensor, no per-token msgpack). Everything travels as int64 tensors, in this order:
+(``executor.HANDLERS``, checked by a test). On the wire (``encode_message`` /
+``decode_message``) a message is one msgpack envelope ``[PROTOCOL_VERSION, tag, {field:
+value}]`` plus at most one int64 tensor ``body`` for a field whose type serializes itself as a
+tensor (``StepInput``: a step's token ids stay a tensor, no per-token msgpack). Everything
+travels as int64 tensors, in this order:
 
     header int64[HEADER_WORDS] = (envelope bytes, body words, the envelope inline when it
            fits in the remaining (HEADER_WORDS - 2) * 8 bytes, zero-padded)
@@ -15,9 +16,10 @@ stay a tensor, no per-token msgpack). Everything travels as int64 tensors, in th
 so the hot decode step (``Step``: envelope inline, the ``StepInput`` as body) costs the same
 two broadcasts as the integer-kind protocol before it. Field types allowed: int, bool, str,
 bytes, tuple[X, ...] of those, a class with ``to_dict`` / ``from_dict`` (carried in the
-envelope) and one class with ``to_tensor`` / ``from_tensor`` (the body). ``decode`` checks the
-version, the tag, the field names and every value's type before building the message, and
-raises ``MessageError`` naming what is wrong. No pickle: msgpack carries only plain values.
+envelope) and one class with ``to_tensor`` / ``from_tensor`` (the body). ``decode_message``
+checks the version, the tag, the field names and every value's type before building the
+message, and raises ``MessageError`` naming what is wrong. No pickle: msgpack carries only
+plain values.
 """
 
 from __future__ import annotations
@@ -266,7 +268,7 @@ class Frame:
     body: torch.Tensor | None  # int64: the tensor field
 
 
-def encode(msg: Message) -> Frame:
+def encode_message(msg: Message) -> Frame:
     schema = _BY_TYPE.get(type(msg))
     if schema is None:
         raise MessageError(f"{type(msg).__name__} is not a registered executor message")
@@ -298,7 +300,7 @@ def frame_sizes(header: torch.Tensor) -> tuple[int, int]:
     return (0 if n_env <= _INLINE_BYTES else -(-n_env // 8)), n_body
 
 
-def decode(header: torch.Tensor, spill: torch.Tensor | None = None,
+def decode_message(header: torch.Tensor, spill: torch.Tensor | None = None,
            body: torch.Tensor | None = None) -> Message:
     """The message a frame carries, every field checked (``MessageError`` otherwise)."""
     n_spill, n_body = frame_sizes(header)

@@ -23,7 +23,7 @@ def _messages() -> list:
 def _frames(msg) -> list:
     from kvserve.engine import executor_messages as em
 
-    f = em.encode(msg)
+    f = em.encode_message(msg)
     return [type(msg).__name__, f.header, f.spill, f.body]
 
 

@@ -46,8 +46,8 @@ SAMPLES = {
 
 
 def _roundtrip(msg):
-    f = em.encode(msg)
-    return em.decode(f.header, f.spill, f.body)
+    f = em.encode_message(msg)
+    return em.decode_message(f.header, f.spill, f.body)
 
 
 def _same(a, b) -> bool:
@@ -75,7 +75,7 @@ def test_every_message_type_round_trips(kind):
 
 def test_the_step_is_the_tensor_body_and_the_envelope_stays_in_the_header():
     step = _step()
-    f = em.encode(em.Step(step))
+    f = em.encode_message(em.Step(step))
     assert f.spill is None and f.header.numel() == em.HEADER_WORDS
     assert torch.equal(f.body, step.to_tensor())
     assert em.frame_sizes(f.header) == (0, step.to_tensor().numel())
@@ -84,11 +84,11 @@ def test_the_step_is_the_tensor_body_and_the_envelope_stays_in_the_header():
 def test_a_long_message_spills_its_envelope():
     n = 300
     msg = em.Seal(tuple(range(n)), tuple(range(n)), tuple(bytes([i % 256]) * 16 for i in range(n)))
-    f = em.encode(msg)
+    f = em.encode_message(msg)
     assert f.spill is not None and f.body is None
     assert em.frame_sizes(f.header)[0] == f.spill.numel()
     assert _same(_roundtrip(msg), msg)
-    assert em.encode(em.Verify((1,), (2,))).spill is None  # short ones: the header alone
+    assert em.encode_message(em.Verify((1,), (2,))).spill is None  # short ones: the header alone
 
 
 def _frame(envelope: object, body: torch.Tensor | None = None) -> em.Frame:
@@ -102,7 +102,7 @@ def _frame(envelope: object, body: torch.Tensor | None = None) -> em.Frame:
 
 def _decode(envelope: object, body: torch.Tensor | None = None):
     f = _frame(envelope, body)
-    return em.decode(f.header, f.spill, f.body)
+    return em.decode_message(f.header, f.spill, f.body)
 
 
 def test_a_hand_made_frame_decodes():
@@ -174,20 +174,20 @@ def test_malformed_envelopes_and_bodies_are_refused():
     garbage[0] = 5
     garbage.numpy().view(np.uint8)[16:21] = np.frombuffer(b"\xc1\xc1\xc1\xc1\xc1", np.uint8)
     with pytest.raises(em.MessageError, match="envelope is not msgpack"):
-        em.decode(garbage)
+        em.decode_message(garbage)
 
 
 def test_header_sizes_out_of_range_are_refused():
-    h = em.encode(em.Shutdown()).header.clone()
+    h = em.encode_message(em.Shutdown()).header.clone()
     for env, body in ((0, 0), (-1, 0), (em.MAX_ENVELOPE_BYTES + 1, 0), (5, -2)):
         h[0], h[1] = env, body
         with pytest.raises(em.MessageError, match="header sizes out of range"):
             em.frame_sizes(h)
     with pytest.raises(em.MessageError, match=r"header must be int64\[32\]"):
         em.frame_sizes(torch.zeros(2, dtype=torch.int64))
-    f = em.encode(em.Seal(tuple(range(99)), tuple(range(99)), (H1,) * 99))
+    f = em.encode_message(em.Seal(tuple(range(99)), tuple(range(99)), (H1,) * 99))
     with pytest.raises(em.MessageError, match="envelope of .* bytes missing"):
-        em.decode(f.header)
+        em.decode_message(f.header)
 
 
 def test_only_registered_messages_are_sent():
@@ -196,7 +196,7 @@ def test_only_registered_messages_are_sent():
         pass
 
     with pytest.raises(em.MessageError, match="Reboot is not a registered executor message"):
-        em.encode(Reboot())
+        em.encode_message(Reboot())
 
 
 def test_a_tag_cannot_be_registered_twice():

@@ -29,16 +29,14 @@ Control messages (all rank 0 -> every rank, on the gloo CPU group):
     VERIFY   n, block ids[n], generations[n]   then all_reduce(MAX) of the bad mask [n]
     INJECT   target rank, block, layer, kind code, index, bit, other_index
     DUMP_KV  (tests: engine.debug.gather_kv) gather of every rank's KV bytes to rank 0
-    TIER_WRITE   n, wait flag, block ids[n], chain hashes[n, 2], token ids[n, bs]: each rank
-             copies its slice of the evicted blocks now and queues them for its KV tiers
-    TIER_RESTORE n, block ids[n], chain hashes[n, 2], token ids[n, bs]: each rank reads,
-             verifies and installs its slice, then all_reduce(MAX) of the bad mask [n]
-    TRANSFER_EXPORT  msgpack {id, blocks, hashes, tokens} as bytes (``_pack``): each rank
-             offers its slice of the prompt's blocks (disaggregation), then a gather to rank 0
-             of each rank's bytes (the handle is issued only after every slice is offered)
-    TRANSFER_IMPORT  msgpack {handle, blocks, hashes, tokens}: each rank fetches, verifies and
-             installs its slice, then a gather to rank 0 of (bytes, a code per block)
-    SHUTDOWN (each rank writes its tiers down and stops them first)
+    KV_SAVE  msgpack {connector, blocks, hashes, tokens, arg, wait} as bytes (``_pack``): each
+             rank's connector of that name saves its slice of the blocks (``save_slice``: the
+             tiers queue evicted blocks, the transfer offers a prompt's), then a gather to
+             rank 0 of each rank's bytes (a PD handle is issued only after every slice is)
+    KV_LOAD  msgpack {connector, blocks, hashes, tokens, arg}: each rank's connector loads,
+             verifies and installs its slice (``load_slice``), then a gather to rank 0 of
+             (bytes, a code per block)
+    SHUTDOWN (each rank stops its KV connectors first)
 """
 
 from __future__ import annotations
@@ -57,7 +55,7 @@ import numpy as np
 import torch
 
 from kvserve.cache.integrity import content_hashes
-from kvserve.cache.kv_transfer import PEER_REASONS, Expected, TransferHandle
+from kvserve.cache.kv_connector import PEER_REASONS, BlockRef
 from kvserve.distributed import parallel_state as ps
 from kvserve.engine.arg_utils import EngineArgs
 from kvserve.engine.step_input import StepInput
@@ -65,8 +63,7 @@ from kvserve.engine.worker import Worker, WorkerConfig
 
 logger = logging.getLogger("kvserve")
 
-(STEP, SEAL, VERIFY, INJECT, DUMP_KV, SHUTDOWN, TIER_WRITE, TIER_RESTORE, TRANSFER_EXPORT,
- TRANSFER_IMPORT) = range(1, 11)
+STEP, SEAL, VERIFY, INJECT, DUMP_KV, SHUTDOWN, KV_SAVE, KV_LOAD = range(1, 9)
 _EXIT_GRACE_S = 1.0  # after a failed collective: how long a dying worker's exit may take
 _FAULT_KINDS = ("bitflip", "scale", "swap")
 
@@ -126,21 +123,6 @@ def _tensor_to_hashes(t: torch.Tensor) -> list[bytes]:
     return [raw[i : i + 16] for i in range(0, len(raw), 16)]
 
 
-def _tier_message(block_ids: list[int], items: list[tuple[bytes, tuple[int, ...]]]
-                  ) -> torch.Tensor:
-    """block ids[n], chain hashes[n, 2], token ids[n, bs] as one int64 tensor."""
-    return torch.cat([torch.tensor(block_ids, dtype=torch.int64),
-                      _hashes_to_tensor([h for h, _ in items]),
-                      torch.tensor([t for _, toks in items for t in toks], dtype=torch.int64)])
-
-
-def _tier_items(x: torch.Tensor, n: int) -> tuple[list[int], list[tuple[bytes, tuple[int, ...]]]]:
-    ids = x[:n].tolist()
-    hashes = _tensor_to_hashes(x[n: 3 * n])
-    toks = x[3 * n:].view(n, -1).tolist() if n else []
-    return ids, [(h, tuple(t)) for h, t in zip(hashes, toks, strict=True)]
-
-
 def _pack(obj: dict) -> torch.Tensor:
     """A msgpack message as int64: byte length, then the bytes zero-padded to 8."""
     raw = msgpack.packb(obj)
@@ -154,14 +136,15 @@ def _unpack(x: torch.Tensor) -> dict:
     return msgpack.unpackb(x[1:].numpy().astype(np.int64).tobytes()[:n])
 
 
-def _transfer_message(block_ids: list[int], expected: list[Expected], **extra) -> torch.Tensor:
-    return _pack({"blocks": block_ids, "hashes": [e.chain_hash for e in expected],
-                  "tokens": [list(e.token_ids) for e in expected], **extra})
+def _kv_message(connector: str, refs: list[BlockRef], **extra) -> torch.Tensor:
+    return _pack({"connector": connector, "blocks": [r.block_id for r in refs],
+                  "hashes": [r.chain_hash for r in refs],
+                  "tokens": [list(r.token_ids) for r in refs], **extra})
 
 
-def _transfer_items(msg: dict) -> tuple[list[int], list[Expected]]:
-    return msg["blocks"], [Expected(bytes(h), tuple(t))
-                           for h, t in zip(msg["hashes"], msg["tokens"], strict=True)]
+def _kv_refs(msg: dict) -> list[BlockRef]:
+    return [BlockRef(b, bytes(h), tuple(t))
+            for b, h, t in zip(msg["blocks"], msg["hashes"], msg["tokens"], strict=True)]
 
 
 def _replica_message(key: int, sums: np.ndarray) -> torch.Tensor:
@@ -319,35 +302,11 @@ class MultiprocExecutor:
             raise self._failed(e) from e
         return [bool(x) for x in mask.tolist()]
 
-    # ---- KV tiers across ranks (kvserve.cache.kv_tiers.TierPeers) ---------------------------
-    def tier_write_down(self, evicted: list, block: bool) -> None:
-        """Every other rank copies its slice of the evicted blocks now (before the next STEP
-        overwrites them) and queues them for its own tiers."""
-        if not evicted:
-            return
-        items = [(e.chain_hash, e.token_ids) for e in evicted]
-        self._send(TIER_WRITE, torch.cat([torch.tensor([len(evicted), int(block)]),
-                                          _tier_message([e.block_id for e in evicted], items)]))
-
-    def tier_restore(self, block_ids: list[int], items: list[tuple[bytes, tuple[int, ...]]]
-                     ) -> list[bool]:
-        """Every other rank reads, verifies and installs its slice of the blocks (synchronous:
-        the driver's own slice was read in the background); a block is bad if it is missing or
-        refused on any rank."""
-        n = len(block_ids)
-        self._send(TIER_RESTORE, torch.cat([torch.tensor([n]), _tier_message(block_ids, items)]))
-        try:
-            mask = ps.cpu_all_reduce_max(torch.zeros(n, dtype=torch.int64))
-        except ps.DistributedError as e:
-            raise self._failed(e) from e
-        return [bool(x) for x in mask.tolist()]
-
-    # ---- disaggregation across ranks (kvserve.cache.kv_transfer.TransferPeers) ---------------
-    def transfer_export(self, transfer_id: str, block_ids: list[int],
-                        expected: list[Expected]) -> int:
-        """Every other rank offers its slice under ``slice_id(transfer_id, rank)``; waits until
-        all have (the gather), returns their bytes."""
-        self._send(TRANSFER_EXPORT, _transfer_message(block_ids, expected, id=transfer_id))
+    # ---- KV connectors across ranks (kvserve.cache.kv_connector.KVPeers) -------------------
+    def kv_save(self, connector: str, refs: list[BlockRef], arg: str | None, wait: bool) -> int:
+        """Every other rank's ``connector`` saves its slice of the blocks now (before the next
+        STEP overwrites them); waits until all have (the gather), returns their bytes."""
+        self._send(KV_SAVE, _kv_message(connector, refs, arg=arg, wait=wait))
         try:
             parts = ps.cpu_gather(torch.zeros(1, dtype=torch.int64))
         except ps.DistributedError as e:
@@ -355,14 +314,13 @@ class MultiprocExecutor:
         assert parts is not None
         return sum(int(p[0]) for p in parts[1:])
 
-    def transfer_import(self, handle: TransferHandle, block_ids: list[int],
-                        expected: list[Expected]) -> tuple[list[str | None], int]:
-        """Every other rank fetches, verifies and installs its slice of ``block_ids``; per
-        block the reason some rank refused it (None: verified on every rank), and the other
-        ranks' bytes."""
-        n = len(block_ids)
-        self._send(TRANSFER_IMPORT, _transfer_message(block_ids, expected,
-                                                      handle=handle.to_dict()))
+    def kv_load(self, connector: str, refs: list[BlockRef], arg: dict | None
+                ) -> tuple[list[str | None], int]:
+        """Every other rank's ``connector`` loads, verifies and installs its slice of the
+        blocks (synchronous: the driver's own slice was loaded in the background); per block
+        the reason some rank refused it (None: verified on every rank), and their bytes."""
+        n = len(refs)
+        self._send(KV_LOAD, _kv_message(connector, refs, arg=arg))
         try:
             parts = ps.cpu_gather(torch.zeros(1 + n, dtype=torch.int64))
         except ps.DistributedError as e:
@@ -496,7 +454,6 @@ def worker_main(config: WorkerConfig, rank: int, world_size: int, init_method: s
     """A worker rank: load this rank's shards, then serve the driver's messages until
     SHUTDOWN. Any failure (a dead driver, a timed-out collective) exits non-zero."""
     from kvserve.cache.integrity import SliceSeals, inject_fault
-    from kvserve.cache.kv_tiers import Evicted
 
     args = config.args
     torch.set_num_threads(threads)
@@ -509,8 +466,7 @@ def worker_main(config: WorkerConfig, rank: int, world_size: int, init_method: s
         worker = Worker(config, rank, world_size)
         worker.init_runner()
         seals = SliceSeals(worker.kv_cache, worker.fingerprint)
-        tiers = worker.build_tiers(config.cache)
-        transfer = worker.build_transfer()
+        connectors = worker.build_connectors()
         with torch.inference_mode():
             while True:
                 kind, x = _recv()
@@ -535,32 +491,19 @@ def worker_main(config: WorkerConfig, rank: int, world_size: int, init_method: s
                                      index=index, bit=bit, other_index=other)
                 elif kind == DUMP_KV:
                     ps.cpu_gather(kv_bytes(worker))
-                elif kind == TIER_WRITE and tiers is not None:
-                    n, wait = int(x[0]), bool(x[1])
-                    ids, items = _tier_items(x[2:], n)
-                    tiers.write_down([Evicted(b, h, t) for b, (h, t) in zip(ids, items,
-                                                                             strict=True)],
-                                     [None] * n, block=wait)
-                elif kind == TIER_RESTORE and tiers is not None:
-                    n = int(x[0])
-                    ids, items = _tier_items(x[1:], n)
-                    bad = torch.tensor(tiers.restore_now(ids, items), dtype=torch.int64)
-                    ps.cpu_all_reduce_max(bad)
-                elif kind == TRANSFER_EXPORT and transfer is not None:
+                elif kind == KV_SAVE:
                     msg = _unpack(x)
-                    nbytes = transfer.export_slice(msg["id"], *_transfer_items(msg))
+                    nbytes = connectors[msg["connector"]].save_slice(_kv_refs(msg), msg["arg"],
+                                                                     msg["wait"])
                     ps.cpu_gather(torch.tensor([nbytes]))
-                elif kind == TRANSFER_IMPORT and transfer is not None:
+                elif kind == KV_LOAD:
                     msg = _unpack(x)
-                    ids, expected = _transfer_items(msg)
-                    codes, nbytes = transfer.import_slice(
-                        TransferHandle.from_dict(msg["handle"]), ids, expected)
+                    codes, nbytes = connectors[msg["connector"]].load_slice(_kv_refs(msg),
+                                                                          msg["arg"])
                     ps.cpu_gather(torch.tensor([nbytes, *codes], dtype=torch.int64))
                 elif kind == SHUTDOWN:
-                    if tiers is not None:
-                        tiers.close()
-                    if transfer is not None:
-                        transfer.close()
+                    for c in connectors.values():
+                        c.close()
                     break
                 else:
                     raise ps.DistributedError(f"rank {rank}: unknown message kind {kind}")

@@ -35,7 +35,7 @@ from kvserve.engine.stats import (
 )
 from kvserve.engine.worker import DEFAULT_MAX_KV_BYTES  # noqa: F401 - re-exported
 from kvserve.layers.grammar import GrammarCompiler
-from kvserve.outputs import RequestOutput
+from kvserve.outputs import RequestOutput, SpecDecodeUsage
 from kvserve.request import FirstToken, LoRARequest, Request, RequestStatus
 from kvserve.sampling_params import SamplingParams
 
@@ -256,6 +256,14 @@ class LLMEngine:
         drafts = {s.req.request_id: len(s.draft) for s in sched.scheduled if s.draft}
         accepted = {rid: len(t) - 1 for rid, t in zip(out.req_ids, out.sampled_token_ids,
                                                       strict=True) if rid in drafts}
+        for s in sched.scheduled:  # the request's own counts (trace attributes)
+            use = s.req.metrics.spec_decode
+            if use is None:
+                use = s.req.metrics.spec_decode = SpecDecodeUsage()
+            if s.draft:
+                use.num_drafts += 1
+                use.num_draft_tokens += len(s.draft)
+                use.num_accepted_tokens += accepted.get(s.req.request_id, 0)
         self.drafter.observe(drafts, accepted, sched.num_batched_tokens, seconds)
         sched_ = self.scheduler
         self.drafter.sweep({r.request_id for r in sched_.running}

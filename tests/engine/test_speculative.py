@@ -386,7 +386,7 @@ def test_decode_side_of_disaggregation_identical(spec_model, reference, tmp_path
         assert st.spec_decode["num_accepted_tokens"] > 0
         for e in (pre, dec):
             e.debug.check_no_leaks()
-            assert e.kv.transfer.transport.outstanding() == 0
+            assert e.kv.connectors["transfer"].transport.outstanding() == 0
     finally:
         pre.shutdown()
         dec.shutdown()

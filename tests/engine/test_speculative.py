@@ -78,12 +78,12 @@ def _brute_match(tree: SuffixTree, context: list[int]):
     """The quadratic definition: the longest suffix (<= D - 1) walked from the root that has
     a continuation."""
     for m in range(min(tree.depth - 1, len(context)), 0, -1):
-        node = tree.root
+        node = 0  # the root
         for t in context[len(context) - m :]:
-            node = node.children.get(t)
+            node = (tree.kids[node] or {}).get(t)
             if node is None:
                 break
-        if node is not None and node.children:
+        if node is not None and tree.kids[node]:
             return node, m
     return None, 0
 
@@ -94,13 +94,13 @@ def _brute_draft(tree: SuffixTree, context: list[int], k: int, factor: float, mi
         return [], 0.0
     out, ctx, prob, score = [], list(context[-tree.depth:]), 1.0, 0.0
     while len(out) < min(k, max(1, int(factor * m))):
-        if not node.children:
+        if not tree.kids[node]:
             node, _ = _brute_match(tree, ctx)
             if node is None:
                 break
-        total = sum(c.count for c in node.children.values())
-        tok, child = max(node.children.items(), key=lambda kv: kv[1].count)
-        prob *= child.count / total
+        total = sum(tree.count[c] for c in tree.kids[node].values())
+        tok, child = max(tree.kids[node].items(), key=lambda kv: tree.count[kv[1]])
+        prob *= tree.count[child] / total
         if prob < min_prob:
             break
         out.append(tok)
@@ -134,6 +134,11 @@ def test_suffix_links_match_the_quadratic_definition(depth):
                     got, want = (tree.draft(ctx, k, factor, 0.05),
                                  _brute_draft(tree, ctx, k, factor, 0.05))
                     assert got[0] == want[0] and got[1] == pytest.approx(want[1])
+    # nodes are ints and children dicts of ints: nothing the garbage collector tracks
+    import gc
+
+    for tree in (own, glob.tree):
+        assert not any(gc.is_tracked(k) for k in tree.kids if k is not None)
 
 
 def test_global_suffix_cache_evicts_the_oldest():
@@ -386,7 +391,7 @@ def test_decode_side_of_disaggregation_identical(spec_model, reference, tmp_path
         assert st.spec_decode["num_accepted_tokens"] > 0
         for e in (pre, dec):
             e.debug.check_no_leaks()
-            assert e.kv.transfer.transport.outstanding() == 0
+            assert e.kv.connectors["transfer"].transport.outstanding() == 0
     finally:
         pre.shutdown()
         dec.shutdown()
@@ -398,7 +403,7 @@ def test_verification_follows_the_target_distribution():
     iff it is the token drawn: the emitted first token follows p exactly, and d_1 is accepted
     with probability p(d_1) (rejection sampling for a deterministic draft). Chi-square over
     20000 draws on a vocabulary of 8."""
-    from kvserve.layers.sampler import Sampler, SampleRow
+    from kvserve.engine.sampler import Sampler, SampleRow
 
     torch.manual_seed(0)
     logits = torch.tensor([2.0, 1.0, 0.5, 0.0, -0.5, 1.5, -1.0, 0.2])

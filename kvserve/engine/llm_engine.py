@@ -34,10 +34,10 @@ from kvserve.engine.stats import (
     SpecDecodeCounters,
 )
 from kvserve.engine.worker import DEFAULT_MAX_KV_BYTES  # noqa: F401 - re-exported
-from kvserve.layers.grammar import GrammarCompiler
 from kvserve.outputs import RequestOutput, SpecDecodeUsage
 from kvserve.request import FirstToken, LoRARequest, Request, RequestStatus
 from kvserve.sampling_params import SamplingParams
+from kvserve.structured_output.compiler import GrammarCompiler
 
 __all__ = ["LLMEngine", "PromptType"]
 

@@ -403,7 +403,7 @@ def test_verification_follows_the_target_distribution():
     iff it is the token drawn: the emitted first token follows p exactly, and d_1 is accepted
     with probability p(d_1) (rejection sampling for a deterministic draft). Chi-square over
     20000 draws on a vocabulary of 8."""
-    from kvserve.layers.sampler import Sampler, SampleRow
+    from kvserve.engine.sampler import Sampler, SampleRow
 
     torch.manual_seed(0)
     logits = torch.tensor([2.0, 1.0, 0.5, 0.0, -0.5, 1.5, -1.0, 0.2])

@@ -97,8 +97,10 @@ class Worker:
         self.lora_linears = None  # LoRA: the wrapped linears, by (layer, name)
         if args.enable_lora:
             check_lora_model(self.model, world_size)
+            lora_dtype = (self.loaded.dtype if args.lora_dtype == "auto"
+                          else getattr(torch, args.lora_dtype))
             self.lora_linears = wrap_for_lora(self.model, args.max_loras, args.max_lora_rank,
-                                              self.loaded.dtype, args.device)
+                                              lora_dtype, args.device)
         self.spec = self.model.kv_spec()  # this rank's heads
         self._check_settled()
         self.budget = self._measure_kv_budget()

@@ -391,7 +391,7 @@ def test_decode_side_of_disaggregation_identical(spec_model, reference, tmp_path
         assert st.spec_decode["num_accepted_tokens"] > 0
         for e in (pre, dec):
             e.debug.check_no_leaks()
-            assert e.kv.transfer.transport.outstanding() == 0
+            assert e.kv.connectors["transfer"].transport.outstanding() == 0
     finally:
         pre.shutdown()
         dec.shutdown()
@@ -403,7 +403,7 @@ def test_verification_follows_the_target_distribution():
     iff it is the token drawn: the emitted first token follows p exactly, and d_1 is accepted
     with probability p(d_1) (rejection sampling for a deterministic draft). Chi-square over
     20000 draws on a vocabulary of 8."""
-    from kvserve.layers.sampler import Sampler, SampleRow
+    from kvserve.engine.sampler import Sampler, SampleRow
 
     torch.manual_seed(0)
     logits = torch.tensor([2.0, 1.0, 0.5, 0.0, -0.5, 1.5, -1.0, 0.2])

@@ -342,6 +342,8 @@ class CacheConfig:
     # a shared remote store (Redis / Valkey, kvserve/cache/remote_tier.py); None: off
     kv_offload_url: str | None = None
     kv_offload_timeout_s: float = 0.2  # per remote call; a failure marks the store down
+    # a third-party KV connector, module:Class (kvserve/cache/kv_connector.py); None: none
+    kv_connector: str | None = None
 
     @property
     def kv_offload_enabled(self) -> bool:
@@ -365,6 +367,10 @@ class CacheConfig:
         if self.kv_offload_enabled and not self.enable_prefix_caching:
             raise ValueError("kv_offload_memory / kv_offload_dir / kv_offload_url need prefix "
                              "caching (drop --no-prefix-caching)")
+        if self.kv_connector is not None and (
+                not isinstance(self.kv_connector, str) or self.kv_connector.count(":") != 1
+                or not all(self.kv_connector.split(":"))):
+            raise ValueError(f"kv_connector must be module:Class, got {self.kv_connector!r}")
         if not isinstance(self.block_size, int) or not 1 <= self.block_size <= 1024:
             raise ValueError(f"block_size must be an int in [1, 1024], got {self.block_size!r}")
         parse_kv_mode(self.kv_cache_dtype)

@@ -87,11 +87,11 @@ def test_the_engine_neither_samples_nor_advances():
 
 
 def test_only_the_runner_samples():
-    """The sampler is used by engine/model_runner.py only (and defined in layers/)."""
+    """The sampler is used by engine/model_runner.py only (and defined in engine/sampler.py)."""
     users = sorted(path for path, tree in _sources().items()
                    if any(isinstance(n, ast.Name) and n.id in ("Sampler", "SampleRow")
                           for n in ast.walk(tree)))
-    assert users == ["engine/model_runner.py", "layers/sampler.py"], users
+    assert users == ["engine/model_runner.py", "engine/sampler.py"], users
 
 
 def test_kv_mode_names_say_their_rotation():

@@ -34,10 +34,10 @@ from kvserve.engine.stats import (
     SpecDecodeCounters,
 )
 from kvserve.engine.worker import DEFAULT_MAX_KV_BYTES  # noqa: F401 - re-exported
-from kvserve.layers.grammar import GrammarCompiler
-from kvserve.outputs import RequestOutput
+from kvserve.outputs import RequestOutput, SpecDecodeUsage
 from kvserve.request import FirstToken, LoRARequest, Request, RequestStatus
 from kvserve.sampling_params import SamplingParams
+from kvserve.structured_output.compiler import GrammarCompiler
 
 __all__ = ["LLMEngine", "PromptType"]
 
@@ -130,7 +130,7 @@ class LLMEngine:
         room = min(max_len, self.capacity_tokens) - len(ids)
         # Like vLLM/OpenAI: generation stops at the context limit with finish_reason=length.
         max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
-        if (kv_export or kv_transfer is not None) and self.kv.transfer is None:
+        if (kv_export or kv_transfer is not None) and "transfer" not in self.kv.connectors:
             raise ValueError("kv_transfer: this engine has no KV transfer (--kv-transfer)")
         if (kv_export or kv_transfer is not None) and params.n != 1:
             raise ValueError("n must be 1 with a KV transfer (send n requests)")
@@ -231,7 +231,7 @@ class LLMEngine:
                 self.integrity.record_rollbacks(len(self.scheduler.rollback(bad)))
         sched = self.scheduler.schedule()
         if sched.is_empty:
-            self.kv.wait_for_restores()  # nothing to run but restores in flight: no spinning
+            self.kv.wait_for_loads()  # nothing to run but KV loads in flight: no spinning
             return []
         if self.debug.on_schedule is not None:
             self.debug.on_schedule(sched, len(self.scheduler.running))
@@ -256,6 +256,14 @@ class LLMEngine:
         drafts = {s.req.request_id: len(s.draft) for s in sched.scheduled if s.draft}
         accepted = {rid: len(t) - 1 for rid, t in zip(out.req_ids, out.sampled_token_ids,
                                                       strict=True) if rid in drafts}
+        for s in sched.scheduled:  # the request's own counts (trace attributes)
+            use = s.req.metrics.spec_decode
+            if use is None:
+                use = s.req.metrics.spec_decode = SpecDecodeUsage()
+            if s.draft:
+                use.num_drafts += 1
+                use.num_draft_tokens += len(s.draft)
+                use.num_accepted_tokens += accepted.get(s.req.request_id, 0)
         self.drafter.observe(drafts, accepted, sched.num_batched_tokens, seconds)
         sched_ = self.scheduler
         self.drafter.sweep({r.request_id for r in sched_.running}
@@ -285,6 +293,7 @@ class LLMEngine:
     def stats(self) -> EngineStats:
         pool, sched = self.pool, self.scheduler
         prefilling = sum(r.num_computed_tokens < r.num_prompt_tokens for r in sched.running)
+        kv_stats = {name: c.stats() for name, c in self.kv.connectors.items()}
         return EngineStats(
             num_running=len(sched.running), num_waiting=len(sched.waiting),
             num_prefilling=prefilling + len(sched.waiting),
@@ -297,8 +306,7 @@ class LLMEngine:
                       "prefix_cache_hits": self.kv.num_hit_tokens},
             iteration_tokens=self.iteration_tokens.copy(), cache_config=self._cache_info,
             integrity=self.integrity.stats() if self.integrity is not None else None,
-            kv_tiers=self.kv.tiers.stats() if self.kv.tiers is not None else None,
-            kv_transfer=self.kv.transfer.stats() if self.kv.transfer is not None else None,
+            kv_tiers=kv_stats.get("tiers"), kv_transfer=kv_stats.get("transfer"),
             spec_decode=self.spec_decode.as_dict() if self.spec_decode is not None else None,
             lora=self.lora_info() if self.lora_info is not None else None,
             timestamp=time.monotonic(),

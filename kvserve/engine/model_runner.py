@@ -26,9 +26,9 @@ import torch
 from kvserve.engine.executor import Executor
 from kvserve.engine.lora_manager import LoRAManager
 from kvserve.engine.runner_output import ModelRunnerOutput
+from kvserve.engine.sampler import Sampler, SampleRow
 from kvserve.engine.scheduler import ScheduledRequest, SchedulerOutput
 from kvserve.engine.step_input import StepInput
-from kvserve.layers.sampler import Sampler, SampleRow
 
 
 @dataclass(frozen=True, slots=True)

@@ -174,25 +174,25 @@ class Drafter:
 
     def _propose_one(self, req: Request, k: int) -> list[int]:
         cfg, st = self.config, self._state(req)
-        seq = req.all_token_ids
         if cfg.method == "ngram":
             if st.ngram is None:
                 st.ngram = NgramIndex(cfg.prompt_lookup_min, cfg.prompt_lookup_max)
-            return st.ngram.propose(seq, k)[0]
+            return st.ngram.propose(req.all_token_ids, k)[0]
         if st.tree is None:
             st.tree = SuffixTree(cfg.suffix_decoding_max_tree_depth)
-        for t in seq[st.fed:]:
+        n = req.num_tokens
+        for t in req.token_range(st.fed, n):
             st.tree.append(t)
-        st.fed = len(seq)
-        ctx = seq[-cfg.suffix_decoding_max_tree_depth:]
+        st.fed = n
         args = (k, cfg.suffix_decoding_max_spec_factor, cfg.suffix_decoding_min_token_prob)
-        best, score = st.tree.draft(ctx, *args)
+        # the request's own tree follows the sequence: its match needs no walk
+        best, score = st.tree.draft([], *args, match=st.tree.match_end())
         if self.global_tree is not None:
+            ctx = req.token_range(max(0, n - cfg.suffix_decoding_max_tree_depth), n)
             other, s2 = self.global_tree.tree.draft(ctx, *args)
             if s2 > score:
                 best = other
         return best
-
 
 def make_drafter(args, tokenizer, vocab_size: int) -> Drafter | None:
     """The engine's drafter for ``args.speculative_config`` (None: speculation off)."""

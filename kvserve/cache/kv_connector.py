@@ -50,7 +50,6 @@ class Load:
 
     refs: list[BlockRef]
     handle: dict | None = None  # PD: the prefill replica's transfer handle
-    started: float = field(default_factory=time.perf_counter)
     start_monotonic: float = field(default_factory=time.monotonic)
     done: threading.Event = field(default_factory=threading.Event)
     blocks: list[StoredBlock] = field(default_factory=list)  # the verified prefix
@@ -225,7 +224,7 @@ class KVConnector:
                 logger.exception("kv %s: load failed", self.name)
                 if not job.blocks:
                     job.failed = job.failed or f"error:{type(e).__name__}"
-            job.seconds = dt = time.perf_counter() - job.started
+            job.seconds = dt = time.monotonic() - job.start_monotonic
             with self._lock:
                 self.load_seconds += dt
                 self.load_hist[int(np.searchsorted(self.buckets, dt))] += 1

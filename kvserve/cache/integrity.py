@@ -24,10 +24,10 @@ Where the sums of a seal come from: on the CPU/torch path ``seal`` recomputes th
 bytes (``block_sums``). With a Triton backend the fused write kernel accumulates each written
 token's contribution into ``csum_state[l, b]`` of the cache (reference.write_kv /
 token_checksum_contrib); ``on_allocate`` zeroes a block's row whenever the block is
-(re)allocated (preemption, reuse, rollback repair all go through allocation), and a block is sealed only once full, i.e. after
-each of its rows was written exactly once since that reset, so the state equals the recomputed
-sums exactly and sealing reads 32 B per block and layer instead of the block. Verification
-always recomputes from the bytes: that is the check.
+(re)allocated (preemption, reuse, rollback repair all go through allocation), and a block is
+sealed only once full, i.e. after each of its rows was written exactly once since that reset,
+so the state equals the recomputed sums exactly and sealing reads 32 B per block and layer
+instead of the block. Verification always recomputes from the bytes: that is the check.
 The sealed record is blake2b(fingerprint, block id, allocation generation, token-chain hash,
 per-layer sums): a block that was freed and reused (new generation), or holds other tokens, or
 belongs to another model/KV dtype, fails verification even if its bytes are intact.

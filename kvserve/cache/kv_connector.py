@@ -50,7 +50,6 @@ class Load:
 
     refs: list[BlockRef]
     handle: dict | None = None  # PD: the prefill replica's transfer handle
-    started: float = field(default_factory=time.perf_counter)
     start_monotonic: float = field(default_factory=time.monotonic)
     done: threading.Event = field(default_factory=threading.Event)
     blocks: list[StoredBlock] = field(default_factory=list)  # the verified prefix
@@ -193,20 +192,17 @@ class KVConnector:
         (FP8 has few CPU kernels); ``last_filled``: the last block's filled rows, the rest
         zeroed (unfilled rows hold stale bytes of an earlier owner)."""
         idx = torch.tensor(block_ids, dtype=torch.int64, device=self.kv.data.device)
-        out = []
-        for t in (self.kv.data, self.kv.scales):
-            if t is None:
-                out.append(None)
-                continue
+
+        def copy(t: torch.Tensor) -> torch.Tensor:
             b = t.view(torch.uint8).index_select(1, idx).cpu()
             if last_filled is not None and last_filled < self.spec.block_size:
                 b[:, -1, :, last_filled:] = 0  # dim 3: the block's token rows
-            out.append(b.view(t.dtype))
-        return out[0], out[1]
+            return b.view(t.dtype)
+
+        return copy(self.kv.data), None if self.kv.scales is None else copy(self.kv.scales)
 
     def serialize(self, ref: BlockRef, payload: torch.Tensor, scales: torch.Tensor | None,
-                  sums: np.ndarray) -> bytes:
-        """One block's stored form (``block_store.serialize``); payload [L, C, bs, H, D]."""
+                  sums: np.ndarray) -> bytes:  # payload [L, C, bs, H, D]
         return block_store.serialize(self.spec, StoredBlock(ref.chain_hash, ref.token_ids,
                                                             payload, scales, sums))
 
@@ -228,14 +224,14 @@ class KVConnector:
                 logger.exception("kv %s: load failed", self.name)
                 if not job.blocks:
                     job.failed = job.failed or f"error:{type(e).__name__}"
-            job.seconds = dt = time.perf_counter() - job.started
+            job.seconds = dt = time.monotonic() - job.start_monotonic
             with self._lock:
                 self.load_seconds += dt
                 self.load_hist[int(np.searchsorted(self.buckets, dt))] += 1
             job.done.set()
 
-    def flush(self) -> None:
-        """Wait until every save queued so far is stored (tests, shutdown)."""
+    def flush(self) -> None:  # wait until every save queued so far is stored (tests, shutdown)
+        pass
 
     def close(self) -> None:
         for _ in self._threads:  # each ends once it took the jobs queued before
@@ -255,13 +251,11 @@ class KVConnector:
 
 def load_connector(path: str) -> type[KVConnector]:
     """The class named by ``--kv-connector module:Class``; ValueError naming the parameter."""
-    mod, sep, attr = path.partition(":")
-    if not sep or not mod or not attr:
-        raise ValueError(f"kv_connector must be module:Class, got {path!r}")
+    mod, _, attr = path.partition(":")
     try:
         cls = getattr(importlib.import_module(mod), attr)
-    except (ImportError, AttributeError) as e:
-        raise ValueError(f"kv_connector {path!r} cannot be loaded: {e}") from None
+    except (ImportError, AttributeError, ValueError) as e:  # ValueError: no module name
+        raise ValueError(f"kv_connector {path!r} (module:Class) cannot be loaded: {e}") from None
     if not (isinstance(cls, type) and issubclass(cls, KVConnector)):
         raise ValueError(f"kv_connector {path!r} is not a subclass of "
                          "kvserve.cache.kv_connector.KVConnector")

@@ -266,10 +266,6 @@ class _Write:
     scales: torch.Tensor | None
     sealed_sums: np.ndarray | None  # [L, 4] the pool's seal, when integrity is on
 
-    @property
-    def chain_hash(self) -> bytes:
-        return self.ref.chain_hash
-
 
 class KVTiers(KVConnector):
     """The tiers of one engine rank as a connector: blocks the pool evicts are written down
@@ -374,7 +370,7 @@ class KVTiers(KVConnector):
             logger.error("kv tiers: an evicted block no longer matches its seal; not stored")
             return
         blob = self.serialize(w.ref, w.payload, w.scales, sums)
-        key = entry_key(self.spec, w.chain_hash)
+        key = entry_key(self.spec, w.ref.chain_hash)
         for tier in self.tiers:
             after = tier.put(key, blob)
             self.writes[tier.name] += 1

@@ -494,26 +494,20 @@ class KVTransfer(KVConnector):
             with self._lock:
                 self.fallbacks[job.failed] += 1
             return
-        job.nbytes = sum(map(len, blobs))
-        with self._lock:
-            self.imported += 1
-            self.bytes_received += job.nbytes
-        if len(blobs) < len(job.refs):
-            job.rejected += len(job.refs) - len(blobs)
-            with self._lock:
-                self.rejected["missing"] += len(job.refs) - len(blobs)
-        ok = True
+        reasons = ["missing"] * max(len(job.refs) - len(blobs), 0)
         for i, (blob, r) in enumerate(zip(blobs, job.refs, strict=False)):
             res = self.verify(blob, r)
             if isinstance(res, Rejected):
-                job.rejected += 1
-                with self._lock:
-                    self.rejected[res.reason.value] += 1
+                reasons.append(res.reason.value)
                 logger.warning("kv transfer %s: block %d refused: %s %s", h.transfer_id, i,
                                res.reason.value, res.detail)
-                ok = False
-            elif ok:
+            elif len(job.blocks) == i:  # the verified prefix
                 job.blocks.append(res)
+        job.nbytes, job.rejected = sum(map(len, blobs)), len(reasons)
+        with self._lock:
+            self.imported += 1
+            self.bytes_received += job.nbytes
+            self.rejected.update(reasons)
 
     def install(self, block_ids: list[int], blocks: list[StoredBlock]) -> None:
         super().install(block_ids, blocks)

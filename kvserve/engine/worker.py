@@ -250,10 +250,10 @@ class Worker:
         none under ``enforce_eager`` or tensor parallelism."""
         if self.args.enforce_eager or self.world_size > 1:
             return None
-        if self.lora_linears is not None:
-            logger.info("decode graphs off: LoRA steps pick adapter slots per row (eager)")
-            return None
         if self.kv_cache.data.is_cuda:
+            if self.lora_linears is not None:
+                logger.info("CUDA graphs off: LoRA steps pick adapter slots per row (eager)")
+                return None
             return self._cuda_graphs(backend)
         rows = self.config.scheduler.max_num_seqs
         spec = self.args.speculative_config
@@ -261,7 +261,8 @@ class Worker:
             rows = min(rows * (1 + spec.num_speculative_tokens),
                        max(rows, self.config.scheduler.max_num_batched_tokens))
         graphs = CpuGraphRunner(self.model, backend, self.kv_cache, self.kv_cache.block_size,
-                                self.spec.components, rows, self.config.model.max_model_len)
+                                self.spec.components, rows, self.config.model.max_model_len,
+                                lora=self.lora_linears is not None)
         return graphs if graphs.capture() else None
 
     def _cuda_graphs(self, backend) -> CudaGraphRunner | None:

@@ -53,6 +53,7 @@ class RequestLimits:
     max_prompt_chars: int
     max_n: int
     max_prompts: int
+    tool_calls: bool  # a --tool-call-parser reads tool calls (else tools need tool_choice none)
 
     @classmethod
     def from_dict(cls, value: Any) -> RequestLimits | None:
@@ -63,7 +64,8 @@ class RequestLimits:
             out = cls(**{f: value[f] for f in cls.__slots__})  # type: ignore[arg-type]
         except (KeyError, TypeError):
             return None
-        ok = all(type(getattr(out, f)) is int and getattr(out, f) >= 1 for f in cls.__slots__)
+        ints = [getattr(out, f) for f in cls.__slots__ if f != "tool_calls"]
+        ok = all(type(v) is int and v >= 1 for v in ints) and type(out.tool_calls) is bool
         return out if ok and out.max_model_len >= 2 else None
 
 
@@ -72,16 +74,26 @@ def _integer(node: dict[str, Any]) -> dict[str, Any]:
     return next((b for b in node.get("anyOf", ()) if b.get("type") == "integer"), node)
 
 
+# without a tool-call parser, tools come with tool_choice "none" (kvserve/server/structured.py)
+_NO_TOOL_CALLS = {"if": {"required": ["tools"],
+                         "properties": {"tools": {"type": "array", "minItems": 1}}},
+                  "then": {"required": ["tool_choice"],
+                           "properties": {"tool_choice": {"const": "none"}}}}
+
+
 def _state_limits(schema: dict[str, Any], lim: RequestLimits) -> None:
     """Put ``lim`` into the request bodies' component schemas, exactly as the server checks
-    them (kvserve/server/prompts.py): ``n``, the token budget, and a completion's prompt
+    them (kvserve/server/prompts.py): ``n``, the token budget, a completion's prompt
     (characters, token ids in the vocabulary, token-id prompts shorter than the context,
-    prompts per batch)."""
+    prompts per batch), and tools without a tool-call parser."""
     schema.setdefault("info", {})[LIMITS_KEY] = {f: getattr(lim, f) for f in lim.__slots__}
     components = schema.get("components", {}).get("schemas", {})
     new_tokens = ("max_tokens", "max_completion_tokens", "max_output_tokens")
     for name in ("CompletionRequest", "ChatCompletionRequest", "ResponsesRequest"):
-        props = components.get(name, {}).get("properties", {})
+        component = components.get(name, {})
+        props = component.get("properties", {})
+        if "tools" in props and not lim.tool_calls:  # tools are only shown to the template
+            component.setdefault("allOf", []).append(_NO_TOOL_CALLS)
         if "n" in props:
             props["n"]["maximum"] = lim.max_n
         for field in new_tokens:  # the prompt takes at least one token of the context

@@ -350,10 +350,15 @@ ChatMessage = Annotated[SystemMessage | UserMessage | AssistantMessageIn | ToolM
                         Field(discriminator="role")]
 
 
+# a function's parameters: an object's JSON schema (``type`` "object" or left out)
+OBJECT_SCHEMA = {"properties": {"type": {"const": "object"}}}
+
+
 class FunctionDefinition(_Request):
     name: ToolName
     description: Text | None = None
-    parameters: JsonSchema | None = Field(None, description="A JSON schema (an object's).")
+    parameters: JsonSchema | None = Field(None, description="A JSON schema (an object's).",
+                                          json_schema_extra=OBJECT_SCHEMA)
     strict: bool | None = Field(None, description="tool_choice auto: this tool's arguments "
                                                   "follow its parameters schema (a grammar); "
                                                   "required / named always do.")
@@ -373,12 +378,25 @@ class NamedToolChoice(_Request):
     function: NamedFunction
 
 
-def _chat_schema(schema: dict[str, Any], cls: Any = None) -> None:
+# a tool_choice other than "none" needs tools (kvserve/server/structured.py ``tool_plan``)
+TOOLS_NEEDED = {"if": {"required": ["tool_choice"],
+                       "properties": {"tool_choice": {"not": {"enum": ["none", None]}}}},
+                "then": {"required": ["tools"],
+                         "properties": {"tools": {"type": "array", "minItems": 1}}}}
+
+
+def _tool_schema(schema: dict[str, Any], cls: Any = None) -> None:
     _standard_bounds(schema)
+    schema.setdefault("allOf", []).append(TOOLS_NEEDED)
+
+
+def _chat_schema(schema: dict[str, Any], cls: Any = None) -> None:
+    _tool_schema(schema)
     # top_logprobs needs logprobs: true (kvserve/server/chat.py refuses it without)
-    schema["if"] = {"required": ["top_logprobs"],
-                    "properties": {"top_logprobs": {"type": "integer"}}}
-    schema["then"] = {"required": ["logprobs"], "properties": {"logprobs": {"const": True}}}
+    schema["allOf"].append({
+        "if": {"required": ["top_logprobs"],
+               "properties": {"top_logprobs": {"type": "integer"}}},
+        "then": {"required": ["logprobs"], "properties": {"logprobs": {"const": True}}}})
 
 
 class ChatCompletionRequest(SamplingRequest):

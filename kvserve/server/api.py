@@ -72,7 +72,7 @@ def build_app(engine_client: AsyncLLMEngine, settings: ServerSettings,
     publish(app, limits=lambda: RequestLimits(
         vocab_size=lim.vocab_size, max_model_len=lim.max_model_len,
         max_prompt_chars=lim.max_prompt_chars, max_n=settings.max_n,
-        max_prompts=settings.max_prompts))
+        max_prompts=settings.max_prompts, tool_calls=settings.tool_call_parser is not None))
     # add_middleware prepends: the last added is the outermost.
     app.add_middleware(BodyLimit, max_bytes=settings.max_body_bytes)
     if settings.api_key is not None:

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import Discriminator, Field, Tag
+from pydantic import ConfigDict, Discriminator, Field, Tag
 
 from kvserve.http.protocol import (
     MAX_SEED,
@@ -20,6 +20,7 @@ from kvserve.http.protocol import (
     ToolName,
     _Request,
     _Response,
+    _tool_schema,
     output_format,
     type_tag,
 )
@@ -117,6 +118,8 @@ class TextConfig(_Request):
 
 
 class ResponsesRequest(_Request):
+    model_config = ConfigDict(json_schema_extra=_tool_schema)
+
     model: Text | None = Field(None, description="Must name the served model when given.")
     input: Text | Annotated[list[InputItem], Field(min_length=1)] = Field(
         ..., description="A user message's text, or input items (messages, function_call, "

@@ -211,7 +211,7 @@ def test_mla_latent_cache(tmp_path):
     orig_write = tiers._write_one
 
     def spy(w):
-        written[w.chain_hash] = (w.payload.clone(), w.scales.clone())
+        written[w.ref.chain_hash] = (w.payload.clone(), w.scales.clone())
         orig_write(w)
 
     tiers._write_one = spy

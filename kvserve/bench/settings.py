@@ -219,7 +219,7 @@ class SpecBenchConfig:
     rounds: int = arg(3, "timed rounds (after one warm-up), engines rotated; medians",
                       type=int)
     num_speculative_tokens: int = arg(5, "draft tokens per step (ngram, draft_model; suffix: "
-                                      "at least 8, an upper bound)", type=int)
+                                      "at least 16, its default, an upper bound)", type=int)
     draft_model: str | None = arg(None, "draft_model: the draft (default: the model itself, "
                                   "a plumbing check)", metavar="PATH")
     peer: str | None = arg(None, "also run llama-cpp-python plain and with "

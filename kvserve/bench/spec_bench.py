@@ -34,7 +34,7 @@ def method_config(method: str, sc: SpecBenchConfig) -> dict | None:
         return {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_min": 2,
                 "prompt_lookup_max": 5}
     if method == "suffix":
-        return {"method": "suffix", "num_speculative_tokens": max(k, 8)}
+        return {"method": "suffix", "num_speculative_tokens": max(k, 16)}
     if method == "draft_model":
         return {"method": "draft_model", "num_speculative_tokens": k,
                 "model": sc.draft_model or resolve_model_path(sc.base.model)}

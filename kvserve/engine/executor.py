@@ -19,9 +19,9 @@ for logprobs. Workers never need the sampled tokens: the next ``StepInput`` carr
 
 Control messages (all rank 0 -> every rank, on the gloo CPU group) are typed: one frozen
 dataclass per kind in ``executor_messages`` (``Step``, ``Seal``, ``Verify``, ``Inject``,
-``DumpKV``, ``Shutdown``, ``TierWrite``, ``TierRestore``, ``TransferExport``,
-``TransferImport``), sent as a versioned msgpack envelope with a type tag (plus the
-``StepInput`` as an int64 tensor body) and checked field by field on arrival. The header goes
+``DumpKV``, ``Shutdown``, and the KV connectors' ``KVSave`` / ``KVLoad``), sent as a
+versioned msgpack envelope with a type tag (plus the ``StepInput`` as an int64 tensor body)
+and checked field by field on arrival. The header goes
 on a group without a timeout on the workers (they wait for it however long the engine idles);
 everything after it is bounded by the collective timeout. A worker runs exactly one handler
 per message type (``HANDLERS``); the replies that follow some messages are collectives
@@ -41,27 +41,25 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+import msgpack
 import numpy as np
 import torch
 
 from kvserve.cache.integrity import SliceSeals, content_hashes, inject_fault
-from kvserve.cache.kv_tiers import Evicted, KVTiers
-from kvserve.cache.kv_transfer import PEER_REASONS, Expected, KVTransfer, TransferHandle
+from kvserve.cache.kv_connector import PEER_REASONS, BlockRef, KVConnector
 from kvserve.distributed import parallel_state as ps
 from kvserve.engine.arg_utils import EngineArgs
 from kvserve.engine.executor_messages import (
     HEADER_WORDS,
     DumpKV,
     Inject,
+    KVLoad,
+    KVSave,
     Message,
     MessageError,
     Seal,
     Shutdown,
     Step,
-    TierRestore,
-    TierWrite,
-    TransferExport,
-    TransferImport,
     Verify,
     decode_message,
     encode_message,
@@ -124,14 +122,16 @@ def _recv() -> Message:
     return decode_message(header, spill, body)
 
 
-def _block_items(expected: list[Expected]) -> dict:
-    """The (chain hashes, token ids) fields of the tier and transfer messages."""
-    return {"chain_hashes": tuple(e.chain_hash for e in expected),
-            "token_ids": tuple(tuple(e.token_ids) for e in expected)}
+def _block_fields(refs: list[BlockRef]) -> dict:
+    """The block fields of ``KVSave`` / ``KVLoad``."""
+    return {"block_ids": tuple(r.block_id for r in refs),
+            "chain_hashes": tuple(r.chain_hash for r in refs),
+            "token_ids": tuple(tuple(r.token_ids) for r in refs)}
 
 
-def _expected(msg: TierWrite | TierRestore | TransferExport | TransferImport) -> list[Expected]:
-    return [Expected(h, t) for h, t in zip(msg.chain_hashes, msg.token_ids, strict=True)]
+def _refs(msg: KVSave | KVLoad) -> list[BlockRef]:
+    return [BlockRef(b, h, t)
+            for b, h, t in zip(msg.block_ids, msg.chain_hashes, msg.token_ids, strict=True)]
 
 
 def _replica_message(key: int, sums: np.ndarray) -> torch.Tensor:
@@ -286,36 +286,11 @@ class MultiprocExecutor:
             raise self._failed(e) from e
         return [bool(x) for x in mask.tolist()]
 
-    # ---- KV tiers across ranks (kvserve.cache.kv_tiers.TierPeers) ---------------------------
-    def tier_write_down(self, evicted: list, block: bool) -> None:
-        """Every other rank copies its slice of the evicted blocks now (before the next step
-        overwrites them) and queues them for its own tiers."""
-        if not evicted:
-            return
-        self._send(TierWrite(tuple(e.block_id for e in evicted),
-                             tuple(e.chain_hash for e in evicted),
-                             tuple(tuple(e.token_ids) for e in evicted), block))
-
-    def tier_restore(self, block_ids: list[int], items: list[tuple[bytes, tuple[int, ...]]]
-                     ) -> list[bool]:
-        """Every other rank reads, verifies and installs its slice of the blocks (synchronous:
-        the driver's own slice was read in the background); a block is bad if it is missing or
-        refused on any rank."""
-        n = len(block_ids)
-        self._send(TierRestore(tuple(block_ids), tuple(h for h, _ in items),
-                               tuple(tuple(t) for _, t in items)))
-        try:
-            mask = ps.cpu_all_reduce_max(torch.zeros(n, dtype=torch.int64))
-        except ps.DistributedError as e:
-            raise self._failed(e) from e
-        return [bool(x) for x in mask.tolist()]
-
-    # ---- disaggregation across ranks (kvserve.cache.kv_transfer.TransferPeers) ---------------
-    def transfer_export(self, transfer_id: str, block_ids: list[int],
-                        expected: list[Expected]) -> int:
-        """Every other rank offers its slice under ``slice_id(transfer_id, rank)``; waits until
-        all have (the gather), returns their bytes."""
-        self._send(TransferExport(transfer_id, tuple(block_ids), **_block_items(expected)))
+    # ---- KV connectors across ranks (kvserve.cache.kv_connector.KVPeers) -------------------
+    def kv_save(self, connector: str, refs: list[BlockRef], arg: str | None, wait: bool) -> int:
+        """Every other rank's ``connector`` saves its slice of the blocks now (before the next
+        step overwrites them); waits until all have (the gather), returns their bytes."""
+        self._send(KVSave(connector, arg=msgpack.packb(arg), wait=wait, **_block_fields(refs)))
         try:
             parts = ps.cpu_gather(torch.zeros(1, dtype=torch.int64))
         except ps.DistributedError as e:
@@ -323,13 +298,13 @@ class MultiprocExecutor:
         assert parts is not None
         return sum(int(p[0]) for p in parts[1:])
 
-    def transfer_import(self, handle: TransferHandle, block_ids: list[int],
-                        expected: list[Expected]) -> tuple[list[str | None], int]:
-        """Every other rank fetches, verifies and installs its slice of ``block_ids``; per
-        block the reason some rank refused it (None: verified on every rank), and the other
-        ranks' bytes."""
-        n = len(block_ids)
-        self._send(TransferImport(handle, tuple(block_ids), **_block_items(expected)))
+    def kv_load(self, connector: str, refs: list[BlockRef], arg: dict | None
+                ) -> tuple[list[str | None], int]:
+        """Every other rank's ``connector`` loads, verifies and installs its slice of the
+        blocks (synchronous: the driver's own slice was loaded in the background); per block
+        the reason some rank refused it (None: verified on every rank), and their bytes."""
+        n = len(refs)
+        self._send(KVLoad(connector, arg=msgpack.packb(arg), **_block_fields(refs)))
         try:
             parts = ps.cpu_gather(torch.zeros(1 + n, dtype=torch.int64))
         except ps.DistributedError as e:
@@ -473,7 +448,7 @@ def worker_main(config: WorkerConfig, rank: int, world_size: int, init_method: s
         worker = Worker(config, rank, world_size)
         worker.init_runner()
         state = WorkerRank(worker, SliceSeals(worker.kv_cache, worker.fingerprint),
-                           worker.build_tiers(config.cache), worker.build_transfer())
+                           worker.build_connectors())
         with torch.inference_mode():
             while not dispatch(state, _recv()):
                 pass
@@ -483,28 +458,23 @@ def worker_main(config: WorkerConfig, rank: int, world_size: int, init_method: s
 
 @dataclass(frozen=True, slots=True)
 class WorkerRank:
-    """What a worker rank's handlers act on: its worker, seals, KV tiers and transfer."""
+    """What a worker rank's handlers act on: its worker, seals and KV connectors."""
 
     worker: Worker
     seals: SliceSeals
-    tiers: KVTiers | None
-    transfer: KVTransfer | None
+    connectors: dict[str, KVConnector]
 
     @property
     def rank(self) -> int:
         return self.worker.rank
 
-    def need_tiers(self, msg: Message) -> KVTiers:
-        if self.tiers is None:
-            raise MessageError(f"rank {self.rank}: {type(msg).__name__} but this rank has no "
-                               "KV tiers (the driver and workers disagree on the config)")
-        return self.tiers
-
-    def need_transfer(self, msg: Message) -> KVTransfer:
-        if self.transfer is None:
-            raise MessageError(f"rank {self.rank}: {type(msg).__name__} but this rank has no "
-                               "KV transfer (the driver and workers disagree on the config)")
-        return self.transfer
+    def connector(self, msg: KVSave | KVLoad) -> KVConnector:
+        c = self.connectors.get(msg.connector)
+        if c is None:
+            raise MessageError(f"rank {self.rank}: {type(msg).__name__} for KV connector "
+                               f"{msg.connector!r}, which this rank lacks (the driver and "
+                               "workers disagree on the config)")
+        return c
 
 
 # ---- one handler per message type: (rank state, message) -> True to leave the loop ----------
@@ -535,41 +505,25 @@ def _on_dump_kv(w: WorkerRank, m: DumpKV) -> None:
     ps.cpu_gather(kv_bytes(w.worker))
 
 
-def _on_tier_write(w: WorkerRank, m: TierWrite) -> None:
-    evicted = [Evicted(b, h, t) for b, h, t in zip(m.block_ids, m.chain_hashes, m.token_ids,
-                                                   strict=True)]
-    w.need_tiers(m).write_down(evicted, [None] * len(evicted), block=m.wait)
-
-
-def _on_tier_restore(w: WorkerRank, m: TierRestore) -> None:
-    items = list(zip(m.chain_hashes, m.token_ids, strict=True))
-    bad = w.need_tiers(m).restore_now(list(m.block_ids), items)
-    ps.cpu_all_reduce_max(torch.tensor(bad, dtype=torch.int64))
-
-
-def _on_transfer_export(w: WorkerRank, m: TransferExport) -> None:
-    nbytes = w.need_transfer(m).export_slice(m.transfer_id, list(m.block_ids), _expected(m))
+def _on_kv_save(w: WorkerRank, m: KVSave) -> None:
+    nbytes = w.connector(m).save_slice(_refs(m), msgpack.unpackb(m.arg), m.wait)
     ps.cpu_gather(torch.tensor([nbytes]))
 
 
-def _on_transfer_import(w: WorkerRank, m: TransferImport) -> None:
-    codes, nbytes = w.need_transfer(m).import_slice(m.handle, list(m.block_ids), _expected(m))
+def _on_kv_load(w: WorkerRank, m: KVLoad) -> None:
+    codes, nbytes = w.connector(m).load_slice(_refs(m), msgpack.unpackb(m.arg))
     ps.cpu_gather(torch.tensor([nbytes, *codes], dtype=torch.int64))
 
 
 def _on_shutdown(w: WorkerRank, m: Shutdown) -> bool:
-    if w.tiers is not None:
-        w.tiers.close()
-    if w.transfer is not None:
-        w.transfer.close()
+    for c in w.connectors.values():
+        c.close()
     return True
 
 
 HANDLERS: dict[type, Callable[[WorkerRank, Any], bool | None]] = {
     Step: _on_step, Seal: _on_seal, Verify: _on_verify, Inject: _on_inject,
-    DumpKV: _on_dump_kv, Shutdown: _on_shutdown, TierWrite: _on_tier_write,
-    TierRestore: _on_tier_restore, TransferExport: _on_transfer_export,
-    TransferImport: _on_transfer_import,
+    DumpKV: _on_dump_kv, Shutdown: _on_shutdown, KVSave: _on_kv_save, KVLoad: _on_kv_load,
 }
 
 

@@ -32,7 +32,6 @@ import msgpack
 import numpy as np
 import torch
 
-from kvserve.cache.kv_transfer import TransferHandle
 from kvserve.engine.step_input import StepInput
 
 PROTOCOL_VERSION = 1
@@ -191,69 +190,47 @@ class DumpKV:
 @message("shutdown")
 @dataclass(frozen=True, slots=True)
 class Shutdown:
-    """Write the tiers down, stop them and the transfer, leave the loop (exit 0)."""
+    """Stop the KV connectors (the tiers write down first), leave the loop (exit 0)."""
 
 
-@message("tier_write")
+@message("kv_save")
 @dataclass(frozen=True, slots=True)
-class TierWrite:
-    """Copy each rank's slice of the evicted blocks now (before the next step overwrites
-    them) and queue them for its KV tiers; ``wait``: block on a full queue (shutdown)."""
+class KVSave:
+    """Each rank's KV connector ``connector`` saves its slice of the blocks now, before the
+    next step overwrites them (``KVConnector.save_slice``: the tiers queue evicted blocks, the
+    PD transfer offers a prompt's), then a gather to rank 0 of each rank's bytes (a PD handle
+    is issued only after every slice is offered). ``arg``: the connector's argument as
+    msgpack (the transfer id, or nil); ``wait``: do not drop (shutdown)."""
 
+    connector: str
     block_ids: tuple[int, ...]
     chain_hashes: tuple[bytes, ...]
     token_ids: tuple[tuple[int, ...], ...]
+    arg: bytes
     wait: bool
 
     def __post_init__(self) -> None:
         _same_length(self, "block_ids", "chain_hashes", "token_ids")
 
 
-@message("tier_restore")
+@message("kv_load")
 @dataclass(frozen=True, slots=True)
-class TierRestore:
-    """Read, verify and install each rank's slice, then all_reduce(MAX) of the bad mask [n]."""
+class KVLoad:
+    """Each rank's KV connector ``connector`` loads, verifies and installs its slice of the
+    blocks (``KVConnector.load_slice``), then a gather to rank 0 of (bytes, a ``PEER_REASONS``
+    code per block). ``arg``: the connector's argument as msgpack (a PD handle, or nil)."""
 
+    connector: str
     block_ids: tuple[int, ...]
     chain_hashes: tuple[bytes, ...]
     token_ids: tuple[tuple[int, ...], ...]
+    arg: bytes
 
     def __post_init__(self) -> None:
         _same_length(self, "block_ids", "chain_hashes", "token_ids")
 
 
-@message("transfer_export")
-@dataclass(frozen=True, slots=True)
-class TransferExport:
-    """Offer each rank's slice of a prompt's blocks (disaggregation), then a gather to rank 0
-    of each rank's bytes (the handle is issued only after every slice is offered)."""
-
-    transfer_id: str
-    block_ids: tuple[int, ...]
-    chain_hashes: tuple[bytes, ...]
-    token_ids: tuple[tuple[int, ...], ...]
-
-    def __post_init__(self) -> None:
-        _same_length(self, "block_ids", "chain_hashes", "token_ids")
-
-
-@message("transfer_import")
-@dataclass(frozen=True, slots=True)
-class TransferImport:
-    """Fetch, verify and install each rank's slice, then a gather to rank 0 of (bytes, a
-    ``PEER_REASONS`` code per block)."""
-
-    handle: TransferHandle
-    block_ids: tuple[int, ...]
-    chain_hashes: tuple[bytes, ...]
-    token_ids: tuple[tuple[int, ...], ...]
-
-    def __post_init__(self) -> None:
-        _same_length(self, "block_ids", "chain_hashes", "token_ids")
-
-
-Message = (Step | Seal | Verify | Inject | DumpKV | Shutdown | TierWrite | TierRestore
-           | TransferExport | TransferImport)
+Message = Step | Seal | Verify | Inject | DumpKV | Shutdown | KVSave | KVLoad
 MESSAGE_TYPES: tuple[type, ...] = tuple(s.cls for s in _BY_TAG.values())
 assert set(MESSAGE_TYPES) == set(typing.get_args(Message)), "Message and the registry differ"
 

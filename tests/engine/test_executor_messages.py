@@ -12,7 +12,6 @@ import numpy as np
 import pytest
 import torch
 
-from kvserve.cache.kv_transfer import PROTOCOL_VERSION as TRANSFER_VERSION
 from kvserve.cache.kv_transfer import TransferHandle
 from kvserve.engine import executor
 from kvserve.engine import executor_messages as em
@@ -38,10 +37,10 @@ SAMPLES = {
     em.Inject: em.Inject(1, 5, 0, "swap", 2, 7, 3),
     em.DumpKV: em.DumpKV(),
     em.Shutdown: em.Shutdown(),
-    em.TierWrite: em.TierWrite((3, 4), (H1, H2), ((1, 2), (3, 4)), True),
-    em.TierRestore: em.TierRestore((3,), (H1,), ((1, 2, 3),)),
-    em.TransferExport: em.TransferExport("t-1", (3, 4), (H1, H2), ((1,), (2, 3))),
-    em.TransferImport: em.TransferImport(_handle(), (7, 8), (H2, H1), ((4,), (5, 6))),
+    em.KVSave: em.KVSave("tiers", (3, 4), (H1, H2), ((1, 2), (3, 4)), msgpack.packb("t-1"),
+                         True),
+    em.KVLoad: em.KVLoad("transfer", (7, 8), (H2, H1), ((4,), (5, 6)),
+                         msgpack.packb(_handle().to_dict())),
 }
 
 
@@ -138,15 +137,16 @@ def test_unknown_type_is_refused():
                 "other_index": 1}, "field kind must be str, got int"),
     ("inject", {"rank": 1.0, "block_id": 2, "layer": 0, "kind": "swap", "index": 0, "bit": 0,
                 "other_index": 1}, "field rank must be int, got float"),
-    ("tier_write", {"block_ids": [1], "chain_hashes": [H1], "token_ids": [[1, "2"]],
-                    "wait": False}, r"token_ids\[0\] items must be int"),
-    ("tier_write", {"block_ids": [1], "chain_hashes": [H1], "token_ids": [[1]], "wait": 0},
+    ("kv_save", {"connector": "tiers", "block_ids": [1], "chain_hashes": [H1],
+                 "token_ids": [[1, "2"]], "arg": b"\xc0", "wait": False},
+     r"token_ids\[0\] items must be int"),
+    ("kv_save", {"connector": "tiers", "block_ids": [1], "chain_hashes": [H1],
+                 "token_ids": [[1]], "arg": b"\xc0", "wait": 0},
      "field wait must be bool, got int"),
-    ("transfer_import", {"handle": {"version": TRANSFER_VERSION}, "block_ids": [],
-                         "chain_hashes": [], "token_ids": []},
-     "field handle: kv_transfer.transfer_id must be"),
-    ("transfer_import", {"handle": "x", "block_ids": [], "chain_hashes": [], "token_ids": []},
-     "field handle: kv_transfer must be an object"),
+    ("kv_load", {"connector": 1, "block_ids": [], "chain_hashes": [], "token_ids": [],
+                 "arg": b"\xc0"}, "field connector must be str, got int"),
+    ("kv_load", {"connector": "transfer", "block_ids": [], "chain_hashes": [],
+                 "token_ids": [], "arg": "x"}, "field arg must be bytes, got str"),
     ("verify", [1, 2], "fields must be a map"),
 ])
 def test_malformed_fields_are_refused(tag, fields, match):
@@ -160,10 +160,10 @@ def test_malformed_envelopes_and_bodies_are_refused():
     with pytest.raises(em.MessageError, match=r"must be \[version, type, fields\]"):
         _decode([em.PROTOCOL_VERSION, "shutdown"])
     # an extension type (what a pickle-style sender might smuggle) is not a field value
-    with pytest.raises(em.MessageError, match="handle: kv_transfer must be an object"):
-        _decode([em.PROTOCOL_VERSION, "transfer_import",
-                 {"handle": msgpack.ExtType(1, b"x"), "block_ids": [], "chain_hashes": [],
-                  "token_ids": []}])
+    with pytest.raises(em.MessageError, match="field arg must be bytes, got ExtType"):
+        _decode([em.PROTOCOL_VERSION, "kv_load",
+                 {"connector": "transfer", "arg": msgpack.ExtType(1, b"x"), "block_ids": [],
+                  "chain_hashes": [], "token_ids": []}])
     with pytest.raises(em.MessageError, match="carries no tensor, got 3 words"):
         _decode([em.PROTOCOL_VERSION, "shutdown", {}], torch.zeros(3, dtype=torch.int64))
     with pytest.raises(em.MessageError, match="field step: malformed step input"):
@@ -211,7 +211,7 @@ def test_every_message_type_has_exactly_one_handler():
 
 
 class _Rank:
-    """Stands for a worker rank's worker, seals, tiers and transfer: records every call."""
+    """Stands for a worker rank's worker, seals and KV connectors: records every call."""
 
     def __init__(self) -> None:
         self.calls: list[tuple] = []
@@ -222,8 +222,7 @@ class _Rank:
             self.calls.append((name, args, kw))
             if name == "verify":  # every other block bad
                 return [i % 2 == 1 for i in range(len(args[0]))]
-            return {"restore_now": [True], "export_slice": 11,
-                    "import_slice": ([0, 2], 22)}.get(name)
+            return {"save_slice": 11, "load_slice": ([0, 2], 22)}.get(name)
         return record
 
 
@@ -235,10 +234,8 @@ EXPECTED = {
     em.Inject: ("inject_fault", None),
     em.DumpKV: ("kv_bytes", "gather"),
     em.Shutdown: ("close", None),
-    em.TierWrite: ("write_down", None),
-    em.TierRestore: ("restore_now", "all_reduce"),
-    em.TransferExport: ("export_slice", "gather"),
-    em.TransferImport: ("import_slice", "gather"),
+    em.KVSave: ("save_slice", "gather"),
+    em.KVLoad: ("load_slice", "gather"),
 }
 
 
@@ -257,7 +254,7 @@ def rank(monkeypatch):
 @pytest.mark.parametrize("kind", em.MESSAGE_TYPES, ids=lambda t: t.__name__)
 def test_each_handler_reaches_its_part_of_the_rank(rank, kind):
     assert set(EXPECTED) == set(em.MESSAGE_TYPES)
-    state = executor.WorkerRank(rank, rank, rank, rank)
+    state = executor.WorkerRank(rank, rank, {"tiers": rank, "transfer": rank})
     stop = executor.dispatch(state, _roundtrip(SAMPLES[kind]))
     assert stop is (kind is em.Shutdown)
     call, collective = EXPECTED[kind]
@@ -267,12 +264,13 @@ def test_each_handler_reaches_its_part_of_the_rank(rank, kind):
 
 
 def test_handlers_pass_the_fields_through(rank):
-    state = executor.WorkerRank(rank, rank, rank, rank)
-    executor.dispatch(state, SAMPLES[em.TierWrite])
-    name, (evicted, sums), kw = rank.calls[-1]
-    assert name == "write_down" and kw == {"block": True} and sums == [None, None]
-    assert [(e.block_id, e.chain_hash, e.token_ids) for e in evicted] == \
+    state = executor.WorkerRank(rank, rank, {"tiers": rank, "transfer": rank})
+    executor.dispatch(state, SAMPLES[em.KVSave])
+    name, (refs, arg, wait), _ = rank.calls[-2]
+    assert name == "save_slice" and arg == "t-1" and wait is True
+    assert [(r.block_id, r.chain_hash, r.token_ids) for r in refs] == \
         [(3, H1, (1, 2)), (4, H2, (3, 4))]
+    assert torch.equal(rank.calls[-1][1], torch.tensor([11]))
     executor.dispatch(state, SAMPLES[em.Inject])
     assert rank.calls[-1] == ("inject_fault", ("kv", 5, 0, "swap"),
                               {"index": 2, "bit": 7, "other_index": 3})
@@ -283,17 +281,17 @@ def test_handlers_pass_the_fields_through(rank):
     assert [c[0] for c in rank.calls] == ["verify", "all_reduce", "drop"]
     assert rank.calls[-1][1] == ([4],)
     rank.calls.clear()
-    executor.dispatch(state, SAMPLES[em.TransferImport])
-    name, (handle, ids, expected), _ = rank.calls[0]
-    assert handle == _handle() and ids == [7, 8]
-    assert [(e.chain_hash, e.token_ids) for e in expected] == [(H2, (4,)), (H1, (5, 6))]
+    executor.dispatch(state, SAMPLES[em.KVLoad])
+    name, (refs, handle), _ = rank.calls[0]
+    assert name == "load_slice" and TransferHandle.from_dict(handle) == _handle()
+    assert [(r.block_id, r.chain_hash, r.token_ids) for r in refs] == \
+        [(7, H2, (4,)), (8, H1, (5, 6))]
     assert torch.equal(rank.calls[1][1], torch.tensor([22, 0, 2]))
 
 
-def test_a_rank_without_tiers_refuses_tier_messages(rank):
-    state = executor.WorkerRank(rank, rank, None, None)
-    with pytest.raises(em.MessageError, match="TierRestore but this rank has no KV tiers"):
-        executor.dispatch(state, SAMPLES[em.TierRestore])
-    with pytest.raises(em.MessageError, match="TransferExport but this rank has no KV transfer"):
-        executor.dispatch(state, SAMPLES[em.TransferExport])
-    assert executor.dispatch(state, em.Shutdown()) is True  # nothing to close: still stops
+def test_a_rank_without_the_connector_refuses_its_messages(rank):
+    state = executor.WorkerRank(rank, rank, {"tiers": rank})
+    with pytest.raises(em.MessageError, match="KVLoad for KV connector 'transfer', which this "
+                                              "rank lacks"):
+        executor.dispatch(state, SAMPLES[em.KVLoad])
+    assert executor.dispatch(state, em.Shutdown()) is True

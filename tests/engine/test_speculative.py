@@ -78,12 +78,12 @@ def _brute_match(tree: SuffixTree, context: list[int]):
     """The quadratic definition: the longest suffix (<= D - 1) walked from the root that has
     a continuation."""
     for m in range(min(tree.depth - 1, len(context)), 0, -1):
-        node = tree.root
+        node = 0  # the root
         for t in context[len(context) - m :]:
-            node = node.children.get(t)
+            node = (tree.kids[node] or {}).get(t)
             if node is None:
                 break
-        if node is not None and node.children:
+        if node is not None and tree.kids[node]:
             return node, m
     return None, 0
 
@@ -94,13 +94,13 @@ def _brute_draft(tree: SuffixTree, context: list[int], k: int, factor: float, mi
         return [], 0.0
     out, ctx, prob, score = [], list(context[-tree.depth:]), 1.0, 0.0
     while len(out) < min(k, max(1, int(factor * m))):
-        if not node.children:
+        if not tree.kids[node]:
             node, _ = _brute_match(tree, ctx)
             if node is None:
                 break
-        total = sum(c.count for c in node.children.values())
-        tok, child = max(node.children.items(), key=lambda kv: kv[1].count)
-        prob *= child.count / total
+        total = sum(tree.count[c] for c in tree.kids[node].values())
+        tok, child = max(tree.kids[node].items(), key=lambda kv: tree.count[kv[1]])
+        prob *= tree.count[child] / total
         if prob < min_prob:
             break
         out.append(tok)
@@ -134,6 +134,11 @@ def test_suffix_links_match_the_quadratic_definition(depth):
                     got, want = (tree.draft(ctx, k, factor, 0.05),
                                  _brute_draft(tree, ctx, k, factor, 0.05))
                     assert got[0] == want[0] and got[1] == pytest.approx(want[1])
+    # nodes are ints and children dicts of ints: nothing the garbage collector tracks
+    import gc
+
+    for tree in (own, glob.tree):
+        assert not any(gc.is_tracked(k) for k in tree.kids if k is not None)
 
 
 def test_global_suffix_cache_evicts_the_oldest():
@@ -154,6 +159,25 @@ def test_step_cost_fits_the_rows():
     flat = StepCost()
     flat.observe(1, 0.004)
     assert flat.line()[1] == pytest.approx(0.001)  # the prior: a row = 1/4 of the mean step
+
+
+def test_new_requests_start_from_the_recent_acceptance():
+    """A request without history gets all requests' recent acceptance as its prior (a
+    workload whose drafts are accepted drafts long from a request's first step); while
+    nothing is drafted that prior drifts back to 0.5, so drafting is tried again."""
+    from kvserve.engine.spec.drafter import Drafter, _State
+
+    d = Drafter(parse_speculative_config(NGRAM))
+    assert d._alpha(_State(None)) == pytest.approx(0.5)
+    for _ in range(20):
+        d.observe({"a": 4}, {"a": 4}, 5, 0.01)
+    assert d._alpha(_State(None)) > 0.9
+    for _ in range(150):
+        d.observe({"a": 4}, {"a": 0}, 5, 0.01)
+    assert d._alpha(_State(None)) < 0.1
+    for _ in range(200):
+        d.observe({}, {}, 1, 0.01)
+    assert d._alpha(_State(None)) == pytest.approx(0.5, abs=0.01)
 
 
 # ---- configuration -----------------------------------------------------------------------
@@ -386,7 +410,7 @@ def test_decode_side_of_disaggregation_identical(spec_model, reference, tmp_path
         assert st.spec_decode["num_accepted_tokens"] > 0
         for e in (pre, dec):
             e.debug.check_no_leaks()
-            assert e.kv.transfer.transport.outstanding() == 0
+            assert e.kv.connectors["transfer"].transport.outstanding() == 0
     finally:
         pre.shutdown()
         dec.shutdown()
@@ -398,7 +422,7 @@ def test_verification_follows_the_target_distribution():
     iff it is the token drawn: the emitted first token follows p exactly, and d_1 is accepted
     with probability p(d_1) (rejection sampling for a deterministic draft). Chi-square over
     20000 draws on a vocabulary of 8."""
-    from kvserve.layers.sampler import Sampler, SampleRow
+    from kvserve.engine.sampler import Sampler, SampleRow
 
     torch.manual_seed(0)
     logits = torch.tensor([2.0, 1.0, 0.5, 0.0, -0.5, 1.5, -1.0, 0.2])

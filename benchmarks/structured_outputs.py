@@ -27,8 +27,8 @@ import torch
 from kvserve.bench.common import env_info
 from kvserve.engine.arg_utils import EngineArgs
 from kvserve.engine.llm_engine import LLMEngine
-from kvserve.layers.grammar import GrammarCompiler
 from kvserve.sampling_params import SamplingParams, StructuredOutputsParams
+from kvserve.structured_output.compiler import GrammarCompiler
 
 SCHEMA = {
     "type": "object",

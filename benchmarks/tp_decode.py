@@ -60,11 +60,13 @@ def main() -> None:
     p.add_argument("--batches", default="1,16,64")
     p.add_argument("--steps", type=int, default=8)
     p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--tps", default="1,2", help="tensor-parallel sizes to run, in order")
     p.add_argument("--json", default=None)
     a = p.parse_args()
     batches = [int(x) for x in a.batches.split(",")]
     load0 = os.getloadavg()
-    runs = [_bench(a.model, tp, batches, a.steps, a.repeats) for tp in (1, 2)]
+    tps = [int(x) for x in a.tps.split(",")]
+    runs = [_bench(a.model, tp, batches, a.steps, a.repeats) for tp in tps]
     from kvserve.bench.common import env_info
 
     res = {"model": a.model, "cpus": os.cpu_count(), "threads_per_rank": 1,

@@ -39,6 +39,16 @@ class KVMove:
 
 
 @dataclass(slots=True)
+class SpecDecodeUsage:
+    """One sequence's speculative decoding (kvserve/engine/spec/): verify steps that carried
+    drafts, draft tokens verified, and of those accepted. Counted by the engine as it steps."""
+
+    num_drafts: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+
+
+@dataclass(slots=True)
 class RequestMetrics:
     arrival_time: float  # every time here is time.monotonic()
     first_scheduled_time: float | None = None
@@ -52,6 +62,7 @@ class RequestMetrics:
     kv_import: KVMove | None = None  # decode role: fetched, verified, installed
     kv_restores: list[KVMove] | None = None  # prefix blocks read back from KV tiers
     integrity_repairs: int = 0  # rollbacks to recompute from a corrupt block
+    spec_decode: SpecDecodeUsage | None = None  # set when the engine speculates
 
 
 @dataclass(slots=True)

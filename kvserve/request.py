@@ -9,10 +9,13 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import TYPE_CHECKING
 
 from kvserve.outputs import Logprobs, RequestMetrics
 from kvserve.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from kvserve.structured_output.matcher import GrammarMatcher
 
 
 class RequestStatus(enum.Enum):
@@ -32,12 +35,6 @@ class RequestStatus(enum.Enum):
             RequestStatus.FINISHED_ABORTED,
             RequestStatus.FINISHED_GRAMMAR,
         )
-
-
-class Grammar(Protocol):
-    """A sequence's grammar state (kvserve.layers.grammar.GrammarMatcher)."""
-
-    def accept(self, token: int) -> bool: ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -104,7 +101,7 @@ class Request:
     prefill_leader: Request | None = None
     # Structured outputs: the grammar state, advanced by each accepted output token. Output
     # tokens survive preemption and integrity rollback, so it never moves back.
-    grammar: Grammar | None = None
+    grammar: GrammarMatcher | None = None
     # Disaggregation (kvserve/cache/kv_transfer.py, docs/disaggregation.md). Prefill role:
     # ``kv_export`` -- when the request finishes by length its prompt's KV is offered to a
     # decode engine and ``kv_handle`` (TransferHandle.to_dict()) tells the caller where.

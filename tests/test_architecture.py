@@ -31,9 +31,11 @@ LAYERS: list[tuple[str, ...]] = [
     # math (kernels/cpu: the ctypes bindings, kernels/triton: the Triton kernels, reference/:
     # their twins), number formats, collectives
     ("kvserve.kernels", "kvserve.quant", "kvserve.distributed"),
-    # plain data and build helpers
+    # plain data and build helpers; structured outputs (the params SamplingParams holds, the
+    # grammars, their bitmasks: self-contained, used from the sampler up to the server)
     ("kvserve.config", "kvserve.request", "kvserve.sampling_params", "kvserve.outputs",
-     "kvserve.cbuild", "kvserve.cli_help", "kvserve.config_cli", "kvserve.version"),
+     "kvserve.cbuild", "kvserve.cli_help", "kvserve.config_cli", "kvserve.version",
+     "kvserve.structured_output"),
 ]
 # Packages that share a layer but stand apart: none of them imports another (what they share
 # lives in a layer below them).
@@ -127,6 +129,15 @@ def test_checks_catch_a_bad_import(monkeypatch):
         test_no_sideways_import()
     with pytest.raises(AssertionError, match="kvserve.http.errors .layer 2. imports"):
         test_no_upward_import()
+
+
+def test_structured_output_is_self_contained():
+    """kvserve/structured_output imports nothing of kvserve's outside itself, so any layer may
+    use it (issue 41: structured outputs in one package)."""
+    bad = [f"{m} imports {t}" for m, targets in sorted(_graph().items())
+           if m.startswith("kvserve.structured_output") for t in sorted(targets)
+           if not t.startswith("kvserve.structured_output")]
+    assert not bad, bad
 
 
 def test_no_import_cycle():

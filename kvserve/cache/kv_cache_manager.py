@@ -12,11 +12,13 @@ blocks (and, since tier entries, transfers and integrity seals are keyed by thes
 restore or verify each other's either). A hit additionally compares the stored token
 ids, so even a forced hash collision cannot return another prompt's KV.
 
-With KV tiers (``kvserve.cache.kv_tiers``) the manager also writes blocks the pool evicts down
-to host memory / disk, and continues a prefix lookup past the pool's hits into the tiers: the
-request waits (``KVCacheBlocks.restoring``) while a background thread reads and verifies the
-blocks, then they are installed into fresh pool blocks (sealed and registered like computed
-ones) and counted as hits.
+With KV connectors (``kvserve.cache.kv_connector``: the tiers, a PD transfer, a third-party
+store) the manager hands them the blocks the pool evicts and the prompts of finished requests,
+and continues a prefix lookup past the pool's hits into them: the request waits
+(``KVCacheBlocks.loading``) while a connector's thread reads and verifies the blocks, then
+they are installed into fresh pool blocks (sealed and registered like computed ones) and
+counted as hits. A PD decode request (``kv_import``) loads its prompt's blocks the same way,
+into blocks of its own.
 """
 
 from __future__ import annotations
@@ -28,8 +30,8 @@ from typing import Protocol
 import numpy as np
 
 from kvserve.cache.block_pool import BlockPool, Cached
-from kvserve.cache.kv_tiers import Evicted, KVTiers, TierPeers
-from kvserve.cache.kv_transfer import Expected, KVTransfer, TransferHandle
+from kvserve.cache.block_store import StoredBlock
+from kvserve.cache.kv_connector import BlockRef, KVConnector, Load
 from kvserve.outputs import KVMove
 from kvserve.request import AdapterRef, Request
 
@@ -59,14 +61,16 @@ class BlockIntegrity(Protocol):
 class KVCacheBlocks:
     block_ids: tuple[int, ...]
     num_tokens: int  # tokens covered (a multiple of block_size for hits)
-    # The request's next blocks are being restored from a KV tier: schedule it later.
-    restoring: bool = False
+    # The request's next blocks are being loaded by a KV connector: schedule it later.
+    loading: bool = False
+    # PD decode role: the tokens are in the request's own blocks, received by transfer.
+    imported: bool = False
 
 
 EMPTY = KVCacheBlocks((), 0)
-RESTORING = KVCacheBlocks((), 0, restoring=True)
-# Restore jobs one request may start (a pool that changed under a job can waste one).
-MAX_RESTORES_PER_REQUEST = 4
+LOADING = KVCacheBlocks((), 0, loading=True)
+# Loads one request may start (a pool that changed under a load can waste one).
+MAX_LOADS_PER_REQUEST = 4
 
 
 class KVCacheManager:
@@ -77,9 +81,7 @@ class KVCacheManager:
         enable_prefix_caching: bool,
         salt: bytes,
         integrity: BlockIntegrity | None = None,
-        tiers: KVTiers | None = None,
-        tier_peers: TierPeers | None = None,
-        transfer: KVTransfer | None = None,
+        connectors: list[KVConnector] = (),
     ) -> None:
         self.pool = pool
         self.block_size = block_size
@@ -95,14 +97,14 @@ class KVCacheManager:
         # Prefix-cache statistics (queried tokens / hit tokens).
         self.num_queried_tokens = 0
         self.num_hit_tokens = 0
-        self.tiers = tiers
-        self.tier_peers = tier_peers  # tensor parallel: the other ranks' tiers
-        self.num_restored_tokens = 0  # hit tokens that came from a tier
-        self._restore_from: dict[str, list[int]] = {}  # request -> chain index of each job
-        self._probed: dict[str, int] = {}  # request -> chain index the tiers lacked last time
-        if tiers is not None:
-            pool.on_evict = self._write_down
-        self.transfer = transfer  # disaggregation: export / import of a prompt's KV
+        self.connectors = {c.name: c for c in connectors}
+        assert len(self.connectors) == len(connectors), "connector names must differ"
+        self.num_restored_tokens = 0  # hit tokens that came from a connector's load
+        self._loading: dict[str, KVConnector] = {}  # request -> the connector loading for it
+        self._load_from: dict[str, list[int]] = {}  # request -> chain index of each load
+        self._probed: dict[str, int] = {}  # request -> chain index no connector had last time
+        if self.connectors:
+            pool.on_evict = self._evicted
 
     # ---- hashing -------------------------------------------------------------------------
     def _salt_for(self, req: Request) -> bytes:
@@ -128,7 +130,17 @@ class KVCacheManager:
 
     # ---- scheduling API ------------------------------------------------------------------
     def get_computed_blocks(self, req: Request) -> KVCacheBlocks:
-        """Longest verified prefix-cache hit; at least one prompt token is left to compute."""
+        """A waiting request's KV, the one entry point: its imported blocks (PD decode role,
+        ``kv_import``: loaded by the transfer), else the longest verified prefix-cache hit,
+        continued by a connector's load; at least one prompt token is left to compute."""
+        held = self.req_blocks.get(req.request_id)
+        if held:  # imported, then no room to schedule it
+            return KVCacheBlocks((), min(len(held) * self.block_size, req.num_prompt_tokens),
+                                 imported=True)
+        if req.kv_import is not None:
+            got = self._import(req)
+            if got.loading or got.num_tokens:
+                return got  # (nothing imported: a plain prefill, from the prefix cache too)
         if not self.enable_prefix_caching or req.sampling_params.prompt_logprobs is not None:
             return EMPTY
         b = self.block_size
@@ -139,10 +151,10 @@ class KVCacheManager:
             if bad:
                 first_bad = min(hits.index(x) for x in bad)
                 hits = hits[:first_bad]
-        if self.tiers is not None and len(hits) < max_blocks:
-            more = self._restore(req, hits, max_blocks)
+        if self.connectors and len(hits) < max_blocks:
+            more = self._load_prefix(req, hits, max_blocks)
             if more is None:
-                return RESTORING  # not counted as a query yet: it is asked again
+                return LOADING  # not counted as a query yet: it is asked again
             hits += more
         self.num_queried_tokens += req.num_tokens
         self.num_hit_tokens += len(hits) * b
@@ -160,152 +172,46 @@ class KVCacheManager:
             hits.append(block_id)
         return hits
 
-    # ---- KV tiers ------------------------------------------------------------------------
-    def _write_down(self, evicted: list[Cached]) -> None:
-        """BlockPool.on_evict: hand the evicted blocks (bytes still intact) to the tiers."""
-        self._write_down_blocks(evicted, block=False)
+    # ---- KV connectors (kvserve/cache/kv_connector.py) -----------------------------------
+    def _refs(self, req: Request, start: int, stop: int, ids: list[int] = ()
+              ) -> list[BlockRef]:
+        """Chain blocks start..stop-1 of the request (in pool blocks ``ids[i]``, if given)."""
+        hashes, tokens, b = self.block_hashes(req), req.all_token_ids, self.block_size
+        return [BlockRef(ids[i] if i < len(ids) else -1, hashes[i],
+                         tuple(tokens[i * b: (i + 1) * b])) for i in range(start, stop)]
 
-    def _write_down_blocks(self, blocks: list[Cached], block: bool) -> None:
-        assert self.tiers is not None
+    def _evicted(self, blocks: list[Cached], wait: bool = False) -> None:
+        """BlockPool.on_evict: hand the evicted blocks (bytes still intact) to the connectors."""
         sums = [None if self.integrity is None else self.integrity.sealed_sums(e[0])
                 for e in blocks]
-        evicted = [Evicted(*e) for e in blocks]
-        self.tiers.write_down(evicted, sums, block=block)
-        if self.tier_peers is not None:  # before any rank's next step overwrites them
-            self.tier_peers.tier_write_down(evicted, block)
+        refs = [BlockRef(*e) for e in blocks]
+        for c in self.connectors.values():
+            c.on_evict(refs, sums, wait)
 
-    def _restore(self, req: Request, hits: list[int], max_blocks: int) -> list[int] | None:
-        """Pool blocks for the chain blocks after ``hits`` restored from a tier: [] when the
-        tiers have none, None while a restore job runs (the request waits)."""
-        assert self.tiers is not None
-        rid, start, b = req.request_id, len(hits), self.block_size
-        job = self.tiers.take_restore_job(rid)
-        blocks = None if job is None else job.blocks
-        if job is not None:
-            if req.metrics.kv_restores is None:
-                req.metrics.kv_restores = []
-            req.metrics.kv_restores.append(KVMove(
-                job.start_monotonic, job.seconds, blocks=len(job.blocks), by_tier=job.by_tier))
-        if blocks is None:
-            if self.tiers.restoring(rid):
-                return None
-            starts = self._restore_from.setdefault(rid, [])
-            if (start in starts or len(starts) >= MAX_RESTORES_PER_REQUEST
-                    or self._probed.get(rid) == start):
-                return []
-            hashes, tokens = self.block_hashes(req), req.all_token_ids
-            items = [(hashes[i], tuple(tokens[i * b: (i + 1) * b]))
-                     for i in range(start, max_blocks)]
-            n = self.tiers.available(items)
-            if n == 0:
-                # a request waiting for room asks every step: look again only once its
-                # pool hits change
-                self._probed[rid] = start
-                return []
-            starts.append(start)
-            self.tiers.start_restore(rid, items[:n])
-            return None
-        first = self._restore_from[rid][-1]
-        if start < first:
-            return []  # the pool lost blocks before the restored ones meanwhile
-        todo = blocks[start - first:]
-        if not todo:
-            return []
-        # Install into fresh blocks, sealed and registered, then freed as cached blocks: the
-        # hits are pinned meanwhile so the allocation cannot evict them.
-        self.pool.touch(hits)
-        try:
-            n = min(len(todo), self.pool.num_free_blocks)
-            ids = self.pool.allocate(n)
-            if self.integrity is not None:
-                self.integrity.on_allocate(ids)
-            todo = todo[:n]
-            if ids:
-                self.tiers.install(ids, todo)
-                if self.tier_peers is not None:
-                    # every rank installs its slice; a block missing or refused on any rank
-                    # ends the restored run there (the rest is freed unregistered)
-                    bad = self.tier_peers.tier_restore(
-                        ids, [(t.chain_hash, t.token_ids) for t in todo])
-                    n = bad.index(True) if True in bad else len(ids)
-                    self.pool.free(ids[n:][::-1])
-                    ids, todo = ids[:n], todo[:n]
-                if self.integrity is not None:
-                    self.integrity.seal(ids, [t.chain_hash for t in todo])
-                parent = self.block_hashes(req)[start - 1] if start else None
-                for block_id, t in zip(ids, todo, strict=True):
-                    if not self.pool.blocks[block_id].quarantined:
-                        self.pool.register(block_id, t.chain_hash, t.token_ids, parent,
-                                           req.lora)
-                    parent = t.chain_hash
-                self.pool.free(ids[::-1])
-        finally:
-            self.pool.free(hits[::-1])
-        more = self._pool_hits(req, start, max_blocks)
-        self.num_restored_tokens += min(len(more), n) * b
-        return more
+    def _finished(self, rid: str) -> tuple[KVConnector, Load] | None:
+        c = self._loading.get(rid)
+        job = c.finished(rid) if c is not None else None
+        return None if job is None else (c, job)
 
-    def wait_for_restores(self, timeout: float = 0.005) -> None:
-        """An empty step while requests wait for restores or imports sleeps here instead of
-        spinning."""
-        if self.tiers is not None:
-            self.tiers.wait_any(timeout)
-        if self.transfer is not None:
-            self.transfer.wait_any(timeout)
+    def _start(self, req: Request, refs: list[BlockRef], handle: dict | None) -> bool:
+        """Start a load with the first connector that can load some of ``refs``."""
+        for c in self.connectors.values():
+            n = c.num_loadable(refs, handle)
+            if n > 0:
+                c.start_load(req.request_id, refs[:n], handle)
+                self._loading[req.request_id] = c
+                return True
+        return False
 
-    # ---- disaggregation (kvserve/cache/kv_transfer.py) ----------------------------------
-    def _prompt_blocks(self, req: Request) -> list[Expected]:
-        """The identity of the prompt's blocks: full ones by the chain hash, then the partly
-        filled last one (hashed the same way over its fewer tokens)."""
-        b, p = self.block_size, req.num_prompt_tokens
-        hashes, tokens = self.block_hashes(req), req.prompt_token_ids
-        n_full = p // b
-        out = [Expected(hashes[i], tuple(tokens[i * b: (i + 1) * b])) for i in range(n_full)]
-        if p % b:
-            parent = hashes[n_full - 1] if n_full else self._salt_for(req)
-            rest = tuple(tokens[n_full * b: p])
-            out.append(Expected(BLOCK_HASH_FN(parent, rest), rest))
-        return out
-
-    def export(self, req: Request) -> TransferHandle:
-        """Prefill role: offer the request's prompt KV (it was computed: the request sampled
-        a token after it). The pool blocks stay the request's until ``free``."""
-        assert self.transfer is not None
-        assert req.num_computed_tokens >= req.num_prompt_tokens
-        expected = self._prompt_blocks(req)
-        ids = self.req_blocks[req.request_id][: len(expected)]
-        sealed = [self.integrity.sealed_sums(x) if self.integrity is not None
-                  and len(e.token_ids) == self.block_size else None
-                  for x, e in zip(ids, expected, strict=True)]
-        return self.transfer.export(ids, expected, sealed)
-
-    def take_import(self, req: Request) -> int | None:
-        """Decode role, for a waiting request with ``kv_import``: start the fetch (None), wait
-        for it (None), then install the verified blocks into the request's own fresh blocks
-        and return the prompt tokens they hold (0 after a fallback). None also while the pool
-        has no room for them."""
-        assert self.transfer is not None and req.kv_import is not None
-        rid = req.request_id
-        if not self.transfer.importing(rid):
-            handle = TransferHandle.from_dict(req.kv_import)
-            self.transfer.start_import(rid, handle, self._prompt_blocks(req))
-            return None
-        job = self.transfer.finished(rid)
-        if job is None:
-            return None
-        blocks = job.blocks
-        if len(blocks) > self.pool.num_free_blocks:
-            return None  # kept; retried when blocks are free
-        self.transfer.cancel(rid)
-        if job.failed is not None:
-            self.transfer.fallbacks[job.failed] += 1
-        assert not self.req_blocks.get(rid), "an import is only installed into a new request"
+    def _install(self, req: Request, c: KVConnector, job: Load, blocks: list[StoredBlock],
+                 start: int) -> list[int]:
+        """Install verified ``blocks`` (chain blocks start, start+1, ...) into fresh pool
+        blocks (every rank its slice), seal and register the full ones; the blocks that every
+        rank verified (the rest is freed unregistered)."""
         ids = self.pool.allocate(len(blocks))
         if self.integrity is not None:
             self.integrity.on_allocate(ids)
-        # under TP every rank installs its slice; a block refused on any rank and all after it
-        # are recomputed (freed here, unregistered)
-        n = self.transfer.install_import(ids, job)
+        n = c.commit_load(job, ids, blocks)
         self.pool.free(ids[n:][::-1])
         ids, blocks = ids[:n], blocks[:n]
         full = [(x, blk) for x, blk in zip(ids, blocks, strict=True)
@@ -313,37 +219,139 @@ class KVCacheManager:
         if full and self.integrity is not None:
             self.integrity.seal([x for x, _ in full], [blk.chain_hash for _, blk in full])
         if self.enable_prefix_caching:
-            parent = None  # the chain hash before each block (KV events)
+            parent = self.block_hashes(req)[start - 1] if start else None
             for x, blk in full:
                 if not self.pool.blocks[x].quarantined:
                     self.pool.register(x, blk.chain_hash, blk.token_ids, parent, req.lora)
                 parent = blk.chain_hash
+        return ids
+
+    def _done(self, rid: str) -> None:
+        c = self._loading.pop(rid, None)
+        if c is not None:
+            c.cancel(rid)
+
+    def _load_prefix(self, req: Request, hits: list[int], max_blocks: int) -> list[int] | None:
+        """Pool blocks for the chain blocks after ``hits`` loaded by a connector: [] when none
+        has them, None while a load runs (the request waits)."""
+        rid, start, b = req.request_id, len(hits), self.block_size
+        got = self._finished(rid)
+        if got is None:
+            if rid in self._loading:
+                return None
+            starts = self._load_from.setdefault(rid, [])
+            if (start in starts or len(starts) >= MAX_LOADS_PER_REQUEST
+                    or self._probed.get(rid) == start):
+                return []
+            if not self._start(req, self._refs(req, start, max_blocks), None):
+                # a request waiting for room asks every step: look again only once its pool
+                # hits change
+                self._probed[rid] = start
+                return []
+            starts.append(start)
+            return None
+        c, job = got
+        self._done(rid)
+        if req.metrics.kv_restores is None:
+            req.metrics.kv_restores = []
+        req.metrics.kv_restores.append(KVMove(
+            job.start_monotonic, job.seconds, blocks=len(job.blocks), by_tier=job.by_tier))
+        first = self._load_from[rid][-1]
+        todo = job.blocks[start - first:]
+        if start < first or not todo:
+            return []  # (start < first: the pool lost blocks before the loaded ones meanwhile)
+        # Install into fresh blocks, sealed and registered, then freed as cached blocks: the
+        # hits are pinned meanwhile so the allocation cannot evict them.
+        self.pool.touch(hits)
+        try:
+            ids = self._install(req, c, job, todo[: self.pool.num_free_blocks], start)
+            self.pool.free(ids[::-1])
+        finally:
+            self.pool.free(hits[::-1])
+        more = self._pool_hits(req, start, max_blocks)
+        self.num_restored_tokens += min(len(more), len(ids)) * b
+        return more
+
+    def wait_for_loads(self, timeout: float = 0.005) -> None:
+        """An empty step while requests wait for loads sleeps here instead of spinning."""
+        for c in self.connectors.values():
+            c.wait_any(timeout)
+
+    def _prompt_refs(self, req: Request, computed: int) -> list[BlockRef]:
+        """The prompt's blocks within ``computed`` tokens: full ones by the chain hash, then
+        the partly filled last one (hashed the same way over its fewer tokens) once the whole
+        prompt is in."""
+        b, p = self.block_size, req.num_prompt_tokens
+        ids = self.req_blocks.get(req.request_id, [])
+        n_full = min(p, computed) // b
+        out = self._refs(req, 0, n_full, ids)
+        if computed >= p and p % b:
+            parent = out[-1].chain_hash if out else self._salt_for(req)
+            rest = tuple(req.prompt_token_ids[n_full * b: p])
+            out.append(BlockRef(ids[n_full] if n_full < len(ids) else -1,
+                                BLOCK_HASH_FN(parent, rest), rest))
+        return out
+
+    def request_finished(self, req: Request, export: bool) -> dict | None:
+        """A request finished (before ``free``): the connectors that keep finished requests'
+        KV save its prompt blocks; ``export`` (prefill role, the prompt computed): a PD
+        transfer handle comes back."""
+        savers = [c for c in self.connectors.values() if c.saves_finished]
+        if not savers:
+            return None
+        refs = self._prompt_refs(req, req.num_computed_tokens)
+        sums = [self.integrity.sealed_sums(r.block_id) if self.integrity is not None
+                and len(r.token_ids) == self.block_size else None for r in refs]
+        handles = [c.request_finished(refs, sums, export) for c in savers] if refs else []
+        return next((h for h in handles if h is not None), None)
+
+    def _import(self, req: Request) -> KVCacheBlocks:
+        """Decode role, a waiting request with ``kv_import``: start the fetch, wait for it,
+        then install the verified blocks into the request's own fresh blocks (LOADING
+        meanwhile, also while the pool has no room for them); the prompt tokens they hold
+        come back (IMPORTED; 0 after a fallback)."""
+        rid = req.request_id
+        got = self._finished(rid)
+        if got is None:
+            if rid not in self._loading:
+                started = self._start(req, self._prompt_refs(req, req.num_prompt_tokens),
+                                      req.kv_import)
+                assert started, "a handle is only accepted with a KV transfer"
+            return LOADING
+        c, job = got
+        if len(job.blocks) > self.pool.num_free_blocks:
+            return LOADING  # kept; retried when blocks are free
+        self._done(rid)
+        assert not self.req_blocks.get(rid), "an import is only installed into a new request"
+        ids = self._install(req, c, job, job.blocks, 0)
+        n = len(ids)
         self.req_blocks[rid] = ids
-        self._req_committed[rid] = len(full)
+        self._req_committed[rid] = sum(len(b.token_ids) == self.block_size
+                                       for b in job.blocks[:n])
         req.metrics.kv_import = KVMove(job.start_monotonic, job.seconds, job.nbytes, n,
                                        job.rejected + len(job.blocks) - n, job.failed)
-        return sum(len(blk.token_ids) for blk in blocks)
+        req.kv_import = None
+        return KVCacheBlocks((), sum(len(b.token_ids) for b in job.blocks[:n]), imported=True)
 
     def write_down_cached(self) -> int:
-        """Queue every cached block the pool holds free for write-down (waiting for room, not
-        dropping) and wait until it is stored; returns the number of blocks."""
-        if self.tiers is None:
+        """Hand every cached block the pool holds free to the connectors (waiting for room,
+        not dropping) and wait until they are stored; returns the number of blocks."""
+        if not self.connectors:
             return 0
         cached = self.pool.cached_free_blocks()
-        self._write_down_blocks(cached, block=True)
-        self.tiers.flush()
+        self._evicted(cached, wait=True)
+        for c in self.connectors.values():
+            c.flush()
         return len(cached)
 
     def close(self) -> None:
-        """Shutdown: write the pool's cached blocks to disk / the remote store (a restart, or
-        another engine, finds them there) and stop the tiers' threads (and the transfer's)."""
-        if self.transfer is not None:
-            self.transfer.close()
-        if self.tiers is None:
-            return
-        if self.tiers.disk is not None or self.tiers.remote is not None:
+        """Shutdown: save the pool's cached blocks into the connectors whose saves outlive the
+        process (disk, a remote store: a restart, or another engine, finds them there), then
+        stop the connectors' threads."""
+        if any(c.persistent for c in self.connectors.values()):
             self.write_down_cached()
-        self.tiers.close()
+        for c in self.connectors.values():
+            c.close()
 
     def allocate_slots(
         self, req: Request, num_new_tokens: int, hit: KVCacheBlocks = EMPTY
@@ -415,12 +423,9 @@ class KVCacheManager:
     def forget(self, req: Request) -> None:
         """Drop per-request hash state (request finished for good)."""
         self._req_hashes.pop(req.request_id, None)
-        self._restore_from.pop(req.request_id, None)
+        self._load_from.pop(req.request_id, None)
         self._probed.pop(req.request_id, None)
-        if self.tiers is not None:
-            self.tiers.cancel(req.request_id)
-        if self.transfer is not None:
-            self.transfer.cancel(req.request_id)
+        self._done(req.request_id)
 
     def truncate(self, req: Request, num_blocks: int) -> None:
         """Keep only the first ``num_blocks`` blocks (integrity rollback)."""

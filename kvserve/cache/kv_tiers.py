@@ -1,5 +1,6 @@
-"""KV tiers below the pool: a bounded host-memory tier and a bounded disk tier that keep sealed
-blocks after the pool reuses them, and give them back, verified, on a later prefix hit.
+"""KV tiers below the pool, a ``KVConnector`` (``kv_connector.py``): a bounded host-memory
+tier, a bounded disk tier and a remote store (``remote_tier.py``) that keep sealed blocks after
+the pool reuses them, and give them back, verified, on a later prefix hit.
 
 Flow (docs/kv-tiers.md)::
 
@@ -8,8 +9,9 @@ Flow (docs/kv-tiers.md)::
     writer thread: serialize (block_store) -> memory tier (LRU, byte cap)
                                            -> disk tier (write-through; tmp file + os.replace)
     prefix lookup past the pool's hits: which of the next chain blocks a tier holds (dict
-        lookup / one stat per block) -> a restore job for the request (it waits, others run)
-    restore thread: read memory, else disk -> block_store.verify -> StoredBlocks
+        lookup / one stat per block; ``num_loadable``) -> a load job for the request (it
+        waits, others run)
+    load thread: read memory, else disk, else remote -> block_store.verify -> StoredBlocks
     next schedule: the manager installs them in fresh pool blocks (seal + register) and they
         count as a prefix hit.
 
@@ -41,14 +43,14 @@ import threading
 import time
 from collections import Counter, OrderedDict
 from dataclasses import dataclass
-from typing import Protocol
 
 import numpy as np
 import torch
 
-from kvserve.cache import block_store, jobs
+from kvserve.cache import block_store
 from kvserve.cache.block_store import Reason, Rejected, StoredBlock, StoreSpec
 from kvserve.cache.kv_cache import PagedKVCache
+from kvserve.cache.kv_connector import MISSING, BlockRef, KVConnector, KVPeers, Load
 from kvserve.cache.remote_tier import RemoteTier
 
 logger = logging.getLogger("kvserve.kv_tiers")
@@ -57,8 +59,6 @@ LOW_WATER = 0.9  # a disk trim deletes the oldest files down to this share of th
 SUFFIX = ".kvb"
 TMP_PREFIX = ".tmp-"
 STALE_TMP_S = 600.0  # temporary files older than this were left by a dead writer
-# Restore latency histogram bucket bounds (seconds), exported as kvserve_kv_restore_seconds.
-RESTORE_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
 
 
 @dataclass(frozen=True, slots=True)
@@ -73,41 +73,6 @@ class TierConfig:
     @property
     def enabled(self) -> bool:
         return self.memory_bytes > 0 or self.disk_dir is not None or self.remote_url is not None
-
-
-@dataclass(frozen=True, slots=True)
-class Evicted:
-    """A cached block leaving the pool: its identity (the bytes are copied by the manager)."""
-
-    block_id: int
-    chain_hash: bytes
-    token_ids: tuple[int, ...]
-    parent_hash: bytes | None = None  # the chain block before it (KV events only)
-
-
-class TierPeers(Protocol):
-    """The other tensor-parallel ranks (kvserve.engine.executor.MultiprocExecutor): each keeps
-    its own slice of every block in its own tier entries."""
-
-    def tier_write_down(self, evicted: list[Evicted], block: bool) -> None:
-        """Every other rank copies its slice of the blocks now and queues them."""
-        ...
-
-    def tier_restore(self, block_ids: list[int], items: list[tuple[bytes, tuple[int, ...]]]
-                     ) -> list[bool]:
-        """Every other rank reads, verifies and installs its slice of each block into
-        ``block_ids``; per block, whether it failed on any rank."""
-        ...
-
-
-class TierEvents(Protocol):
-    """Told which blocks a tier gains and loses (``kvserve.cache.kv_events.KVEventPublisher``);
-    called from the tiers' threads, so it must be thread safe."""
-
-    def stored(self, block_hash: bytes, parent_hash: bytes | None,
-               token_ids: tuple[int, ...], lora: None = None, medium: str | None = None
-               ) -> None: ...
-    def removed(self, block_hash: bytes, medium: str | None = None) -> None: ...
 
 
 # A tier's ``name`` -> the ``medium`` of its KV events (kv_events.TIER_MEDIA).
@@ -296,60 +261,44 @@ class DiskTier:
 
 @dataclass(slots=True)
 class _Write:
-    chain_hash: bytes
-    token_ids: tuple[int, ...]
-    parent_hash: bytes | None
+    ref: BlockRef
     payload: torch.Tensor  # [L, C, bs, H, D] CPU copy
     scales: torch.Tensor | None
     sealed_sums: np.ndarray | None  # [L, 4] the pool's seal, when integrity is on
 
 
-@dataclass(slots=True)
-class _Restore:
-    items: list[tuple[bytes, tuple[int, ...]]]  # (chain hash, token ids) in chain order
-    started: float
-    done: threading.Event
-    blocks: list[StoredBlock]
-    start_monotonic: float = 0.0
-    seconds: float = 0.0
-    by_tier: tuple[tuple[str, int], ...] = ()  # blocks read back, per tier
+class KVTiers(KVConnector):
+    """The tiers of one engine rank as a connector: blocks the pool evicts are written down
+    (``on_evict``: copied on the step loop, stored by the writer thread); a prefix lookup past
+    the pool's hits asks ``num_loadable`` and the load thread reads them back, verified."""
 
+    name = "tiers"
 
-class KVTiers:
-    """The tiers of one engine rank, their writer and restore threads, and their counters.
-    Owned by ``KVCacheManager``; the step loop calls ``write_down`` (on eviction),
-    ``available`` / ``start_restore`` / ``take_restore`` (on prefix lookups) and ``install``."""
-
-    def __init__(self, cfg: TierConfig, spec: StoreSpec, kv: PagedKVCache) -> None:
+    def __init__(self, cfg: TierConfig, spec: StoreSpec, kv: PagedKVCache,
+                 peers: KVPeers | None = None, threads: int = 1) -> None:
         assert cfg.enabled
-        self.cfg, self.spec, self.kv = cfg, spec, kv
+        super().__init__(spec, kv, peers, threads)
+        self.cfg = cfg
         self.memory = MemoryTier(cfg.memory_bytes) if cfg.memory_bytes > 0 else None
         self.disk = DiskTier(cfg.disk_dir, cfg.disk_bytes) if cfg.disk_dir is not None else None
         self.remote = (RemoteTier(cfg.remote_url, cfg.remote_timeout_s)
                        if cfg.remote_url is not None else None)
         self.tiers: list[MemoryTier | DiskTier | RemoteTier] = [
             t for t in (self.memory, self.disk, self.remote) if t is not None]
+        self.persistent = self.disk is not None or self.remote is not None
         self.hits: Counter[str] = Counter()  # blocks restored, by tier
         self.misses: Counter[str] = Counter()  # chain blocks looked for and absent, by tier
         self.writes: Counter[str] = Counter()  # blocks written, by tier
         self.rejected: Counter[tuple[str, str]] = Counter()  # (tier, reason)
         self.dropped_writes = 0  # write-downs refused by a full queue
         self.corrupt_in_pool = 0  # evicted blocks whose bytes no longer matched their seal
-        self.restore_hist = np.zeros(len(RESTORE_BUCKETS) + 1, dtype=np.int64)
-        self.restore_seconds = 0.0
-        # KV events: the sink (set by the engine builder before any write) and, per tier,
-        # the entries announced as stored: key -> (chain hash, parent hash, token ids).
-        self.events: TierEvents | None = None
+        # KV events: per tier, the entries announced as stored: key -> (hash, parent, tokens).
         self._events_lock = threading.Lock()
         self._announced: dict[str, dict[str, tuple[bytes, bytes | None, tuple[int, ...]]]] = {}
         self._writes: queue.Queue[_Write | None] = queue.Queue(maxsize=cfg.queue_blocks)
-        self._jobs: jobs.JobBoard[_Restore] = jobs.JobBoard()
         self._writer = threading.Thread(target=self._write_loop, name="kv-tier-writer",
                                         daemon=True)
-        self._reader = threading.Thread(target=self._jobs.serve, args=(self._run_restore,),
-                                        name="kv-tier-restore", daemon=True)
         self._writer.start()
-        self._reader.start()
         self._closed = False
 
     def describe(self) -> str:
@@ -365,7 +314,17 @@ class KVTiers:
                 f"block; write queue {self.cfg.queue_blocks} blocks")
 
     # ---- write-down (step loop: copy and enqueue; writer thread: the rest) ------------------
-    def write_down(self, evicted: list[Evicted], sealed_sums: list[np.ndarray | None],
+    def on_evict(self, refs: list[BlockRef], sums: list[np.ndarray | None],
+                 wait: bool) -> None:
+        self.write_down(refs, sums, wait)
+        if self.peers is not None and refs:  # before any rank's next step overwrites them
+            self.peers.kv_save(self.name, refs, None, wait)
+
+    def save_slice(self, refs: list[BlockRef], arg: str | None, wait: bool) -> int:
+        self.write_down(refs, [None] * len(refs), wait)
+        return 0
+
+    def write_down(self, evicted: list[BlockRef], sealed_sums: list[np.ndarray | None],
                    block: bool = False) -> None:
         """Copy the evicted blocks' bytes now (before the pool reuses them) and queue them.
         A full queue drops the write (``dropped_writes``) unless ``block`` (shutdown)."""
@@ -383,18 +342,9 @@ class KVTiers:
                 todo = todo[: max(room, 0)]
         if not todo:
             return
-        idx = torch.tensor([e.block_id for e, _ in todo], dtype=torch.int64,
-                           device=self.kv.data.device)
-        # [L, n, C, bs, H, D] (copied as bytes: FP8 has few CPU kernels)
-        payload = self.kv.data.view(torch.uint8).index_select(1, idx).cpu().view(
-            self.kv.data.dtype)
-        scales = None
-        if self.kv.scales is not None:
-            scales = self.kv.scales.view(torch.uint8).index_select(1, idx).cpu().view(
-                self.kv.scales.dtype)
+        payload, scales = self.copy_out([e.block_id for e, _ in todo])
         for i, (e, s) in enumerate(todo):
-            w = _Write(e.chain_hash, e.token_ids, e.parent_hash, payload[:, i],
-                       None if scales is None else scales[:, i], s)
+            w = _Write(e, payload[:, i], None if scales is None else scales[:, i], s)
             try:
                 self._writes.put(w, block=block)
             except queue.Full:
@@ -419,14 +369,14 @@ class KVTiers:
             self.corrupt_in_pool += 1  # the pool's scrubber / next verify will find it too
             logger.error("kv tiers: an evicted block no longer matches its seal; not stored")
             return
-        blob = block_store.serialize(
-            self.spec, StoredBlock(w.chain_hash, w.token_ids, w.payload, w.scales, sums))
-        key = entry_key(self.spec, w.chain_hash)
+        blob = self.serialize(w.ref, w.payload, w.scales, sums)
+        key = entry_key(self.spec, w.ref.chain_hash)
         for tier in self.tiers:
             after = tier.put(key, blob)
             self.writes[tier.name] += 1
             if self.events is not None:
-                self._announce(tier, key, (w.chain_hash, w.parent_hash, w.token_ids), after)
+                r = w.ref
+                self._announce(tier, key, (r.chain_hash, r.parent_hash, r.token_ids), after)
 
     # ---- KV events (writer / restore thread) ----------------------------------------------
     def _announce(self, tier: MemoryTier | DiskTier, key: str,
@@ -468,11 +418,13 @@ class KVTiers:
             time.sleep(0.001)
 
     # ---- restore ------------------------------------------------------------------------
-    def available(self, items: list[tuple[bytes, tuple[int, ...]]]) -> int:
-        """How many of ``items`` (the chain's next blocks, in order) some tier holds. The
+    def num_loadable(self, refs: list[BlockRef], handle: dict | None) -> int:
+        """How many of ``refs`` (the chain's next blocks, in order) some tier holds. The
         remote store is asked once, for every block the local tiers lack (one round trip)."""
+        if handle is not None:
+            return 0
         n = 0
-        keys = [entry_key(self.spec, h) for h, _ in items]
+        keys = [entry_key(self.spec, r.chain_hash) for r in refs]
         remote: dict[str, bool] | None = None
         for key in keys:
             found = False
@@ -493,65 +445,30 @@ class KVTiers:
             n += 1
         return n
 
-    def start_restore(self, req_id: str, items: list[tuple[bytes, tuple[int, ...]]]) -> None:
-        self._jobs.submit(req_id, _Restore(items, time.perf_counter(), threading.Event(), [],
-                                           time.monotonic()))
-
-    def restoring(self, req_id: str) -> bool:
-        job = self._jobs.get(req_id)
-        return job is not None and not job.done.is_set()
-
-    def take_restore(self, req_id: str) -> list[StoredBlock] | None:
-        """The verified blocks of a finished restore job (consumed), None if none finished."""
-        job = self.take_restore_job(req_id)
-        return None if job is None else job.blocks
-
-    def take_restore_job(self, req_id: str) -> _Restore | None:
-        """``take_restore`` with the job's timing and blocks per tier."""
-        job = self._jobs.finished(req_id)
-        if job is not None:
-            self._jobs.cancel(req_id)
-        return job
-
-    def cancel(self, req_id: str) -> None:
-        """Forget a request's restore (its result, if it comes, is dropped)."""
-        self._jobs.cancel(req_id)
-
-    def wait_any(self, timeout: float) -> None:
-        """Sleep until some restore job finished (or ``timeout``)."""
-        self._jobs.wait_any(timeout)
-
-    def restore_now(self, block_ids: list[int], items: list[tuple[bytes, tuple[int, ...]]]
-                    ) -> list[bool]:
-        """Read, verify and install each block synchronously (a tensor-parallel worker rank,
-        told by the driver); per block, whether it was missing or refused."""
-        bad = []
-        for block_id, (chain_hash, tokens) in zip(block_ids, items, strict=True):
-            blk = self._read_one(chain_hash, tokens)
-            if blk is not None:
-                self.install([block_id], [blk])
-            bad.append(blk is None)
-        return bad
-
-    def _run_restore(self, job: _Restore) -> None:
-        # Only this thread reads the tiers in this process (restore_now runs in TP worker
+    def load(self, job: Load) -> None:
+        # Only this thread reads the tiers in this process (load_slice runs in TP worker
         # ranks, other processes): the hits it adds are this job's.
         before = dict(self.hits)
         try:
-            for chain_hash, tokens in job.items:
-                blk = self._read_one(chain_hash, tokens)
+            for r in job.refs:
+                blk = self._read_one(r.chain_hash, r.token_ids)
                 if blk is None:
                     break
                 job.blocks.append(blk)
-        except Exception:  # noqa: BLE001 - a failed restore is a miss
-            logger.exception("kv tiers: restore failed")
-        dt = time.perf_counter() - job.started
-        job.seconds = dt
-        job.by_tier = tuple((t, n - before.get(t, 0)) for t, n in self.hits.items()
-                            if n > before.get(t, 0))
-        self.restore_seconds += dt
-        self.restore_hist[int(np.searchsorted(RESTORE_BUCKETS, dt))] += 1
-        job.done.set()
+        finally:
+            job.by_tier = tuple((t, n - before.get(t, 0)) for t, n in self.hits.items()
+                                if n > before.get(t, 0))
+
+    def load_slice(self, refs: list[BlockRef], arg: dict | None) -> tuple[list[int], int]:
+        """Read, verify and install each block synchronously (a tensor-parallel worker rank,
+        told by the driver)."""
+        codes = []
+        for r in refs:
+            blk = self._read_one(r.chain_hash, r.token_ids)
+            if blk is not None:
+                self.install([r.block_id], [blk])
+            codes.append(0 if blk is not None else MISSING)
+        return codes, 0
 
     def _read_one(self, chain_hash: bytes, tokens: tuple[int, ...]) -> StoredBlock | None:
         key = entry_key(self.spec, chain_hash)
@@ -563,7 +480,7 @@ class KVTiers:
                 self._reject(tier, key, Rejected(Reason.UNREADABLE, str(e)))
             if blob is None:
                 continue
-            res = block_store.verify(self.spec, blob, chain_hash, tokens)
+            res = self.verify(blob, BlockRef(-1, chain_hash, tokens))
             if isinstance(res, Rejected):
                 self._reject(tier, key, res)
                 continue
@@ -584,10 +501,6 @@ class KVTiers:
         tier.drop(key)
         self._announce_removed(tier, key)
 
-    def install(self, block_ids: list[int], blocks: list[StoredBlock]) -> None:
-        """Copy verified blocks into freshly allocated pool blocks (``block_store.install``)."""
-        block_store.install(self.kv, block_ids, blocks)
-
     # ---- lifecycle / stats --------------------------------------------------------------
     def close(self) -> None:
         if self._closed:
@@ -596,9 +509,8 @@ class KVTiers:
         self._closed = True
         with contextlib.suppress(queue.Full):
             self._writes.put(None, timeout=5)  # (full only if flush timed out)
-        self._jobs.stop()
+        super().close()
         self._writer.join(timeout=10)
-        self._reader.join(timeout=10)
         if self.disk is not None:
             self.disk.trim()
         if self.remote is not None:
@@ -619,7 +531,7 @@ class KVTiers:
             "tiers": tiers, "queue_depth": self._writes.qsize(),
             "queue_capacity": self._writes.maxsize, "dropped_writes": self.dropped_writes,
             "corrupt_in_pool": self.corrupt_in_pool,
-            "restore_buckets": list(RESTORE_BUCKETS),
-            "restore_counts": [int(x) for x in self.restore_hist],
-            "restore_seconds": self.restore_seconds,
+            "restore_buckets": list(self.buckets),
+            "restore_counts": [int(x) for x in self.load_hist],
+            "restore_seconds": self.load_seconds,
         }

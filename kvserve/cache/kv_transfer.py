@@ -1,9 +1,10 @@
-"""Prefill/decode disaggregation: a prompt's KV blocks leave a prefill engine and enter a
-decode engine, every block verified on arrival (docs/disaggregation.md).
+"""Prefill/decode disaggregation, a ``KVConnector`` (``kv_connector.py``): a prompt's KV blocks
+leave a prefill engine and enter a decode engine, every block verified on arrival
+(docs/disaggregation.md).
 
 Flow::
 
-    prefill engine, request finished after its first token (Scheduler.finish -> export):
+    prefill engine, request finished after its first token (``request_finished`` -> export):
         copy the prompt's blocks out of the pool (the last, partly filled one too: its unfilled
         rows zeroed) -> block_store.serialize each (sums: the pool's seal for full blocks,
         taken now for the partial one) -> transport.offer(transfer id, blobs) -> a handle
@@ -11,7 +12,7 @@ Flow::
         The pool blocks are freed at once (cached, as after any request); the serialized copy
         waits in the sender's outbox until the decode side confirms, or ``timeout_s`` passes.
     decode engine, request added with the handle and the first token (Scheduler, waiting):
-        importer thread: transport.fetch (bounded in bytes and time) -> confirm -> verify
+        load thread: transport.fetch (bounded in bytes and time) -> confirm -> verify
         every block (block_store.verify: digest over payload, scales, sums and identity;
         model, KV mode, rotation, fingerprint, token-chain hash, token ids; sums recomputed)
         -> the verified prefix (up to the first refused block).
@@ -31,7 +32,7 @@ Transports (both: nothing pickled; the bytes are block_store's, the control mess
 Tensor parallelism (rank to rank, the directory transport only): every rank exports its own
 slice (its KV heads) under its own id (``slice_id``: the handle's id, ``-<rank>`` after it on
 ranks > 0) and the handle names the number of ranks; on the decode side rank 0 fetches and
-verifies its slice in the background as above, then (``TransferPeers.transfer_import``) every
+verifies its slice in the background as above, then (``KVPeers.kv_load``) every
 other rank fetches, verifies and installs its own slice of those blocks. The rank and world
 size are part of every block's identity, so a slice of another rank is refused. A block is
 used only when every rank verified its slice; the first block refused on any rank and all
@@ -49,29 +50,34 @@ import threading
 import time
 import uuid
 from collections import Counter
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from typing import Protocol
 
 import msgpack
 import numpy as np
-import torch
 import zmq
 
-from kvserve.cache import block_store, jobs
 from kvserve.cache.block_store import Rejected, StoredBlock, StoreSpec
 from kvserve.cache.kv_cache import PagedKVCache
+from kvserve.cache.kv_connector import (
+    MISSING,
+    PEER_REASONS,
+    BlockRef,
+    KVConnector,
+    KVPeers,
+    Load,
+)
 
 logger = logging.getLogger("kvserve.kv_transfer")
 
 PROTOCOL_VERSION = 1
 TRANSPORTS = ("dir", "zmq")
-# Transfer latency histogram bucket bounds (seconds): kvserve_kv_transfer_seconds.
+# Fetches at once: one slow / dead prefill replica does not hold up the others.
 IMPORT_THREADS = 4
 # Ranks > 0 fetch their slice on the step thread after rank 0 verified its own; the files were
 # written before the handle was issued, so this only waits when the sender is gone.
 PEER_FETCH_TIMEOUT_S = 0.5
-# A peer rank's per-block verdict crosses ranks as a code: 0 = verified, i = PEER_REASONS[i-1].
-PEER_REASONS = (*(r.value for r in block_store.Reason), "missing")
+# Transfer latency histogram bucket bounds (seconds): kvserve_kv_transfer_seconds.
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
 
 
@@ -148,24 +154,6 @@ def slice_id(transfer_id: str, rank: int) -> str:
     return transfer_id if rank == 0 else f"{transfer_id}-{rank}"
 
 
-class TransferPeers(Protocol):
-    """The other tensor-parallel ranks (kvserve.engine.executor.MultiprocExecutor): each
-    exports and installs its own slice of a transfer's blocks."""
-
-    def transfer_export(self, transfer_id: str, block_ids: list[int],
-                        expected: list[Expected]) -> int:
-        """Every other rank offers its slice of the blocks; their bytes, summed."""
-        ...
-
-    def transfer_import(self, handle: TransferHandle, block_ids: list[int],
-                        expected: list[Expected]) -> tuple[list[str | None], int]:
-        """Every other rank fetches its slice, verifies ``expected`` (rank 0's verified
-        prefix; [] only drops the files) and installs the verified prefix into ``block_ids``;
-        per block the reason it was refused on some rank (None: verified everywhere), and the
-        bytes the other ranks received."""
-        ...
-
-
 class Transport(Protocol):
     expired: int  # offers dropped unconfirmed after their deadline
 
@@ -197,9 +185,6 @@ class DirectoryTransport:
         self._offers: dict[str, tuple[float, int]] = {}  # id -> (deadline, blocks)
         self.expired = 0
 
-    def _path(self, tid: str, i: int | None) -> str:
-        return _dir_path(self.dir, tid, i)
-
     def _write(self, path: str, data: bytes) -> None:
         tmp = os.path.join(self.dir, f".tmp-{os.getpid()}-{os.path.basename(path)}")
         with open(tmp, "wb") as f:
@@ -208,14 +193,11 @@ class DirectoryTransport:
 
     def offer(self, transfer_id: str, blobs: list[bytes]) -> str:
         for i, b in enumerate(blobs):
-            self._write(self._path(transfer_id, i), b)
-        self._write(self._path(transfer_id, None), msgpack.packb(
+            self._write(_dir_path(self.dir, transfer_id, i), b)
+        self._write(_dir_path(self.dir, transfer_id, None), msgpack.packb(
             {"version": PROTOCOL_VERSION, "n": len(blobs), "sizes": [len(b) for b in blobs]}))
         self._offers[transfer_id] = (time.monotonic() + self.ttl_s, len(blobs))
         return self.dir
-
-    def _delete(self, tid: str, n: int) -> None:
-        _dir_delete(self.dir, tid, n)
 
     def fetch(self, handle: TransferHandle, timeout_s: float, max_bytes: int) -> list[bytes]:
         if handle.nbytes > max_bytes:
@@ -252,10 +234,10 @@ class DirectoryTransport:
         """Forget confirmed offers and delete the files of those past their deadline."""
         now, n = time.monotonic(), 0
         for tid, (deadline, nb) in list(self._offers.items()):
-            if not os.path.exists(self._path(tid, None)):
+            if not os.path.exists(_dir_path(self.dir, tid, None)):
                 del self._offers[tid]  # confirmed (the receiver deleted it)
             elif now > deadline:
-                self._delete(tid, nb)
+                _dir_delete(self.dir, tid, nb)
                 del self._offers[tid]
                 n += 1
         self.expired += n
@@ -267,7 +249,7 @@ class DirectoryTransport:
 
     def close(self) -> None:
         for tid, (_, nb) in list(self._offers.items()):
-            self._delete(tid, nb)
+            _dir_delete(self.dir, tid, nb)
         self._offers.clear()
 
 
@@ -396,39 +378,21 @@ def make_transport(cfg: TransferConfig) -> Transport:
 
 
 # ---- export / import ------------------------------------------------------------------------
-@dataclass(frozen=True, slots=True)
-class Expected:
-    """What the decode side expects block i to be: its chain hash and token ids (the last one
-    may hold fewer than block_size tokens)."""
+class KVTransfer(KVConnector):
+    """One engine rank's side of disaggregation as a connector: exports when a prefill request
+    finishes (``request_finished``), imports by handle on its load threads (decode role), and
+    the counters /metrics shows."""
 
-    chain_hash: bytes
-    token_ids: tuple[int, ...]
-
-
-@dataclass(slots=True)
-class _Import:
-    handle: TransferHandle
-    expected: list[Expected]
-    started: float
-    done: threading.Event = field(default_factory=threading.Event)
-    blocks: list[StoredBlock] = field(default_factory=list)  # the verified prefix
-    failed: str | None = None  # the fallback reason: nothing usable arrived
-    start_monotonic: float = 0.0
-    seconds: float = 0.0  # fetch + verify
-    nbytes: int = 0  # fetched
-    rejected: int = 0  # blocks refused (or missing)
-
-
-class KVTransfer:
-    """One engine rank's side of disaggregation: exports (prefill role), imports with their
-    verification thread (decode role), and the counters /metrics shows. Owned by
-    ``KVCacheManager``."""
+    name = "transfer"
+    buckets = LATENCY_BUCKETS
+    saves_finished = True
 
     def __init__(self, cfg: TransferConfig, spec: StoreSpec, kv: PagedKVCache,
-                 transport: Transport | None = None, peers: TransferPeers | None = None,
-                 import_threads: int = IMPORT_THREADS) -> None:
+                 peers: KVPeers | None = None, threads: int = IMPORT_THREADS,
+                 transport: Transport | None = None) -> None:
         assert spec.world_size == 1 or cfg.transport == "dir", "refused in settle()"
-        self.cfg, self.spec, self.kv, self.peers = cfg, spec, kv, peers
+        super().__init__(spec, kv, peers, threads)
+        self.cfg = cfg
         self.transport = transport or make_transport(cfg)
         self.exported = 0  # transfers offered
         self.imported = 0  # transfers fetched (some blocks may have been refused)
@@ -437,207 +401,130 @@ class KVTransfer:
         self.blocks_installed = 0
         self.rejected: Counter[str] = Counter()  # refused blocks by reason
         self.fallbacks: Counter[str] = Counter()  # imports that became a local prefill
-        self.latency_hist = np.zeros(len(LATENCY_BUCKETS) + 1, dtype=np.int64)
-        self.latency_seconds = 0.0
-        self._jobs: jobs.JobBoard[_Import] = jobs.JobBoard()
-        self._lock = threading.Lock()  # the counters, updated by the import threads
-        # a few fetches at once: one slow / dead prefill replica does not hold up the others
-        self._threads = [threading.Thread(target=self._jobs.serve, args=(self._run_import,),
-                                          name=f"kv-transfer-recv{i}", daemon=True)
-                         for i in range(import_threads)]
-        for t in self._threads:
-            t.start()
         self._closed = False
 
     # ---- prefill side ---------------------------------------------------------------------
-    def export(self, block_ids: list[int], expected: list[Expected],
-               sealed: list[np.ndarray | None], transfer_id: str | None = None
-               ) -> TransferHandle:
-        """Serialize the prompt's blocks ``block_ids`` (the last may be partial: fewer tokens
-        in ``expected``) and offer them; ``sealed``: the pool's seal sums of full blocks.
-        Under TP rank 0 calls this; the other ranks export their slice (``export_slice``)
-        before the handle is returned."""
-        bs = self.spec.block_size
-        idx = torch.tensor(block_ids, dtype=torch.int64, device=self.kv.data.device)
-        # [L, n, C, bs, H, D], copied as bytes (FP8 has few CPU kernels)
-        payload = self.kv.data.view(torch.uint8).index_select(1, idx).cpu()
-        scales = None
-        if self.kv.scales is not None:
-            scales = self.kv.scales.view(torch.uint8).index_select(1, idx).cpu()
-        filled = len(expected[-1].token_ids)
-        if filled < bs:  # unfilled rows hold stale bytes of an earlier owner: zero them
-            payload[:, -1, :, filled:] = 0  # dim 3: the block's token rows
-            if scales is not None:
-                scales[:, -1, :, filled:] = 0
-        payload = payload.view(self.kv.data.dtype)
-        if scales is not None:
-            scales = scales.view(self.kv.scales.dtype)  # type: ignore[union-attr]
-        now_sums = block_store.block_sums(payload, scales)  # [n, L, 4]
-        blobs = []
-        for i, e in enumerate(expected):
-            sums = sealed[i] if sealed[i] is not None else now_sums[i]
-            blobs.append(block_store.serialize(self.spec, StoredBlock(
-                e.chain_hash, e.token_ids, payload[:, i],
-                None if scales is None else scales[:, i], sums)))
+    def request_finished(self, refs: list[BlockRef], sums: list[np.ndarray | None],
+                         export: bool) -> dict | None:
+        return self.export(refs, sums).to_dict() if export else None
+
+    def export(self, refs: list[BlockRef], sealed: list[np.ndarray | None],
+               transfer_id: str | None = None) -> TransferHandle:
+        """Serialize the prompt's blocks ``refs`` (the last may be partial: fewer tokens) and
+        offer them; ``sealed``: the pool's seal sums of full blocks. Under TP rank 0 calls
+        this; the other ranks export their slice (``save_slice``) before the handle is
+        returned."""
+        blobs = self.save_blobs(refs, sealed)
         tid = transfer_id or uuid.uuid4().hex
         address = self.transport.offer(slice_id(tid, self.spec.rank), blobs)
         nbytes = sum(map(len, blobs))
         self.exported += 1
         self.bytes_sent += nbytes
         if self.peers is not None:  # synchronous: every slice is offered before the handle
-            self.bytes_sent += self.peers.transfer_export(tid, block_ids, expected)
-        n_tokens = sum(len(e.token_ids) for e in expected)
+            self.bytes_sent += self.peers.kv_save(self.name, refs, tid, True)
+        n_tokens = sum(len(r.token_ids) for r in refs)
         return TransferHandle(tid, self.cfg.transport, address, n_tokens, len(blobs), nbytes,
                               self.spec.world_size)
 
-    def export_slice(self, transfer_id: str, block_ids: list[int],
-                     expected: list[Expected]) -> int:
-        """A rank > 0: offer this rank's slice (sums taken now: this rank keeps only its seals'
-        digests); returns its bytes."""
+    def save_slice(self, refs: list[BlockRef], arg: str | None, wait: bool) -> int:
+        """A rank > 0: offer this rank's slice under transfer id ``arg`` (sums taken now: this
+        rank keeps only its seals' digests); returns its bytes."""
+        assert arg is not None
         self.transport.expire()
-        return self.export(block_ids, expected, [None] * len(expected), transfer_id).nbytes
+        return self.export(refs, [None] * len(refs), arg).nbytes
 
-    def import_slice(self, handle: TransferHandle, block_ids: list[int],
-                     expected: list[Expected]) -> tuple[list[int], int]:
-        """A rank > 0: fetch this rank's slice, verify ``expected`` and install the verified
-        prefix into ``block_ids``; per block a ``PEER_REASONS`` code (0 = verified), and the
-        bytes received. Nothing expected: only drop the slice's files (rank 0's fetch failed
-        or everything was refused there)."""
+    def load_slice(self, refs: list[BlockRef], arg: dict | None) -> tuple[list[int], int]:
+        """A rank > 0: fetch this rank's slice of the transfer ``arg`` (its handle), verify
+        ``refs`` and install the verified prefix into ``block_ids``. Nothing expected: only
+        drop the slice's files (rank 0's fetch failed or everything was refused there)."""
+        handle = TransferHandle.from_dict(arg)
         h = dataclasses.replace(handle, transfer_id=slice_id(handle.transfer_id,
                                                              self.spec.rank))
-        if not expected:
+        if not refs:
             _dir_delete(h.address, h.transfer_id, h.num_blocks)
             return [], 0
-        missing = len(PEER_REASONS)
         try:
             blobs = self.transport.fetch(h, PEER_FETCH_TIMEOUT_S, self.cfg.max_bytes)
         except TransferFailed as e:
             logger.warning("kv transfer %s: rank %d fetch failed (%s)", h.transfer_id,
                            self.spec.rank, e)
-            return [missing] * len(expected), 0
+            return [MISSING] * len(refs), 0
         codes, blocks = [], []
-        for i, e in enumerate(expected):
-            res = (block_store.verify(self.spec, blobs[i], e.chain_hash, e.token_ids)
-                   if i < len(blobs) else None)
+        for i, r in enumerate(refs):
+            res = self.verify(blobs[i], r) if i < len(blobs) else None
             if isinstance(res, StoredBlock):
                 codes.append(0)
                 if len(blocks) == i:
                     blocks.append(res)
             else:
-                codes.append(missing if res is None else PEER_REASONS.index(res.reason.value) + 1)
+                codes.append(MISSING if res is None else PEER_REASONS.index(res.reason.value) + 1)
                 if res is not None:
                     logger.warning("kv transfer %s: rank %d block %d refused: %s %s",
                                    h.transfer_id, self.spec.rank, i, res.reason.value,
                                    res.detail)
         if blocks:
-            self.install(block_ids[: len(blocks)], blocks)
+            self.install([r.block_id for r in refs[: len(blocks)]], blocks)
         return codes, sum(map(len, blobs))
 
     def expire(self) -> None:
         self.transport.expire()
 
     # ---- decode side ----------------------------------------------------------------------
-    def start_import(self, req_id: str, handle: TransferHandle,
-                     expected: list[Expected]) -> None:
-        self._jobs.submit(req_id, _Import(handle, expected, time.perf_counter(),
-                                          start_monotonic=time.monotonic()))
+    def num_loadable(self, refs: list[BlockRef], handle: dict | None) -> int:
+        return 0 if handle is None else len(refs)
 
-    def finished(self, req_id: str) -> _Import | None:
-        """The request's import once it finished (``cancel`` consumes it), else None."""
-        return self._jobs.finished(req_id)
-
-    def importing(self, req_id: str) -> bool:
-        return req_id in self._jobs
-
-    def cancel(self, req_id: str) -> None:
-        self._jobs.cancel(req_id)
-
-    def wait_any(self, timeout: float) -> None:
-        self._jobs.wait_any(timeout)
-
-    def _run_import(self, job: _Import) -> None:
-        try:
-            self._import_one(job)
-        except Exception as e:  # noqa: BLE001 - a failed import is a local prefill
-            logger.exception("kv transfer: import failed")
-            job.failed, job.blocks = f"error:{type(e).__name__}", []
-        dt = time.perf_counter() - job.started
-        job.seconds = dt
-        with self._lock:
-            self.latency_seconds += dt
-            self.latency_hist[int(np.searchsorted(LATENCY_BUCKETS, dt))] += 1
-        job.done.set()
-
-    def _import_one(self, job: _Import) -> None:
-        h = job.handle
+    def load(self, job: Load) -> None:
+        assert job.handle is not None
+        h = TransferHandle.from_dict(job.handle)
         if h.transport != self.cfg.transport:
             job.failed = "wrong_transport"
-            return
-        if h.num_ranks != self.spec.world_size:
+        elif h.num_ranks != self.spec.world_size:
             job.failed = "tp_mismatch"  # one slice per rank: the layouts must match
-            return
-        if h.num_blocks != len(job.expected) or h.num_tokens != sum(
-                len(e.token_ids) for e in job.expected):
+        elif h.num_blocks != len(job.refs) or h.num_tokens != sum(
+                len(r.token_ids) for r in job.refs):
             job.failed = "wrong_prompt"  # a handle for another prompt
+        else:
+            try:
+                blobs = self.transport.fetch(h, self.cfg.timeout_s, self.cfg.max_bytes)
+            except TransferFailed as e:
+                job.failed = e.reason
+                logger.warning("kv transfer %s: fetch failed (%s); prefill locally",
+                               h.transfer_id, e)
+        if job.failed is not None:
+            with self._lock:
+                self.fallbacks[job.failed] += 1
             return
-        try:
-            blobs = self.transport.fetch(h, self.cfg.timeout_s, self.cfg.max_bytes)
-        except TransferFailed as e:
-            job.failed = e.reason
-            logger.warning("kv transfer %s: fetch failed (%s); prefill locally", h.transfer_id, e)
-            return
-        job.nbytes = sum(map(len, blobs))
+        reasons = ["missing"] * max(len(job.refs) - len(blobs), 0)
+        for i, (blob, r) in enumerate(zip(blobs, job.refs, strict=False)):
+            res = self.verify(blob, r)
+            if isinstance(res, Rejected):
+                reasons.append(res.reason.value)
+                logger.warning("kv transfer %s: block %d refused: %s %s", h.transfer_id, i,
+                               res.reason.value, res.detail)
+            elif len(job.blocks) == i:  # the verified prefix
+                job.blocks.append(res)
+        job.nbytes, job.rejected = sum(map(len, blobs)), len(reasons)
         with self._lock:
             self.imported += 1
             self.bytes_received += job.nbytes
-        ok = True
-        for i, e in enumerate(job.expected):
-            if i >= len(blobs):
-                job.rejected += len(job.expected) - i
-                with self._lock:
-                    self.rejected["missing"] += len(job.expected) - i
-                break
-            res = block_store.verify(self.spec, blobs[i], e.chain_hash, e.token_ids)
-            if isinstance(res, Rejected):
-                job.rejected += 1
-                with self._lock:
-                    self.rejected[res.reason.value] += 1
-                logger.warning("kv transfer %s: block %d refused: %s %s", h.transfer_id, i,
-                               res.reason.value, res.detail)
-                ok = False
-            elif ok:
-                job.blocks.append(res)
+            self.rejected.update(reasons)
 
-    def install_import(self, block_ids: list[int], job: _Import) -> int:
-        """Install a finished import's verified blocks into ``block_ids`` (fresh pool blocks,
-        one per block of ``job.blocks``); under TP every other rank installs its own slice
-        too. Returns how many blocks every rank verified (the caller frees the rest)."""
-        if block_ids:
-            self.install(block_ids, job.blocks)
-        if self.peers is None:
-            return len(block_ids)
-        reasons, nbytes = self.peers.transfer_import(job.handle, block_ids,
-                                                     job.expected[: len(block_ids)])
-        n = next((i for i, r in enumerate(reasons) if r is not None), len(block_ids))
+    def install(self, block_ids: list[int], blocks: list[StoredBlock]) -> None:
+        super().install(block_ids, blocks)
+        self.blocks_installed += len(blocks)
+
+    def peers_loaded(self, reasons: list[str | None], nbytes: int, dropped: int) -> None:
         with self._lock:
             self.bytes_received += nbytes
             self.rejected.update(r for r in reasons if r is not None)
-            self.blocks_installed -= len(block_ids) - n
-        return n
-
-    def install(self, block_ids: list[int], blocks: list[StoredBlock]) -> None:
-        """Copy verified blocks into freshly allocated pool blocks (``block_store.install``)."""
-        block_store.install(self.kv, block_ids, blocks)
-        self.blocks_installed += len(blocks)
+            self.blocks_installed -= dropped
 
     # ---- lifecycle / stats ----------------------------------------------------------------
     def close(self) -> None:
         if self._closed:
             return
         self._closed = True
-        self._jobs.stop(len(self._threads))
-        for t in self._threads:
-            t.join(timeout=10)
+        super().close()
         self.transport.close()
 
     def stats(self) -> dict:
@@ -648,6 +535,6 @@ class KVTransfer:
             "outstanding": self.transport.outstanding(), "expired": self.transport.expired,
             "rejected": dict(self.rejected), "fallbacks": dict(self.fallbacks),
             "latency_buckets": list(LATENCY_BUCKETS),
-            "latency_counts": [int(x) for x in self.latency_hist],
-            "latency_seconds": self.latency_seconds,
+            "latency_counts": [int(x) for x in self.load_hist],
+            "latency_seconds": self.load_seconds,
         }

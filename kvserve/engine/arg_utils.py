@@ -108,6 +108,9 @@ class EngineArgs:
         30.0, "seconds a decode engine waits for a transfer before prefilling itself (and a "
         "prefill engine keeps an unconfirmed one)", type=float)
     kv_transfer_max_mib: float = arg(4096.0, "most MiB one transfer may carry", type=float)
+    kv_connector: str | None = arg(
+        None, "a third-party KV connector: a subclass of kvserve.cache.kv_connector.KVConnector "
+        "(docs/kv-connector.md)", metavar="MODULE:CLASS")
     attention_backend: str = arg(
         "auto", "attention kernels; auto: triton on cuda, cpu (the C kernel) on cpu; torch = cpu",
         choices=["auto", "cpu", "torch", "triton", "mla_torch", "mla_triton"])
@@ -291,6 +294,7 @@ class EngineArgs:
                                    if self.kv_offload_dir is not None else 0),
             kv_offload_queue_blocks=self.kv_offload_queue,
             kv_offload_url=self.kv_offload_url, kv_offload_timeout_s=self.kv_offload_timeout,
+            kv_connector=self.kv_connector,
         )
 
     def transfer_config(self):  # -> kvserve.cache.kv_transfer.TransferConfig | None

@@ -16,10 +16,11 @@ from typing import Any
 
 import torch
 
-from kvserve import config as cfg
+from kvserve import cbuild
 from kvserve.cache.block_pool import BlockPool
 from kvserve.cache.integrity import IntegrityChecker
 from kvserve.cache.kv_cache_manager import KVCacheManager
+from kvserve.cache.kv_connector import load_connector
 from kvserve.cache.kv_events import KVEventPublisher
 from kvserve.cbuild import cpu_kind, kernel_build
 from kvserve.config import (
@@ -33,8 +34,8 @@ from kvserve.config import (
 from kvserve.engine.arg_utils import EngineArgs
 from kvserve.engine.executor import Executor, MultiprocExecutor, make_executor
 from kvserve.engine.lora_manager import LoRAManager
-from kvserve.engine.model_runner import ModelRunner
 from kvserve.engine.scheduler import Scheduler
+from kvserve.engine.step_runner import StepRunner
 from kvserve.engine.worker import WorkerConfig
 from kvserve.kernels.cpu import w16_gemm
 from kvserve.model import registry
@@ -65,7 +66,7 @@ class EngineParts:
     integrity: IntegrityChecker | None
     kv: KVCacheManager
     scheduler: Scheduler
-    runner: ModelRunner
+    runner: StepRunner
     kv_events: KVEventPublisher | None = None  # the pool's event sink (--kv-events-endpoint)
 
 
@@ -75,7 +76,7 @@ _EXTRA_FLAGS = ("avx512_vnni", "avx_vnni", "amx_int8")  # named in the CPU path'
 def describe_cpu_path(compute: torch.dtype, storage: torch.dtype) -> str:
     """The start-up log's 'CPU path: <kind> (+flags); activations <dtype>, dense weights
     <dtype>; <what computes them>' (kinds: kvserve.cbuild.CPU_KINDS)."""
-    flags = cfg.cpu_flags()
+    flags = cbuild.cpu_flags()
     extras = [f for f in _EXTRA_FLAGS if f in flags]
     head = f"CPU path: {cpu_kind(flags)}" + (f" (+{', '.join(extras)})" if extras else "")
     dtypes = f"activations {dtype_name(compute)}, dense weights {dtype_name(storage)}"
@@ -113,6 +114,8 @@ def settle(args: EngineArgs) -> WorkerConfig:
     # tensor parallelism: heads, intermediate size, INT4 groups (clear errors, no process yet)
     validate_parallel(path, args.tensor_parallel_size, args.enable_expert_parallel)
     transfer = args.transfer_config()
+    if cache_cfg.kv_connector is not None:
+        load_connector(cache_cfg.kv_connector)  # ValueError naming kv_connector
     if transfer is not None and transfer.transport != "dir" and args.tensor_parallel_size > 1:
         raise ValueError(f"kv_transfer {transfer.transport} is not supported with "
                          "tensor_parallel_size > 1: use kv_transfer dir (each rank writes and "
@@ -170,14 +173,13 @@ def build_engine(args: EngineArgs) -> EngineParts:
         peers = executor if isinstance(executor, MultiprocExecutor) else None
         integrity = IntegrityChecker(kv_cache, pool, config.fingerprint, cache_cfg.kv_integrity,
                                      cache_cfg.scrub_blocks_per_step, peers=peers)
-    tiers = worker.build_tiers(cache_cfg)  # each rank builds its own (executor.worker_main)
-    if tiers is not None:
-        tiers.events = kv_events  # rank 0 announces what its tiers hold (docs/kv-tiers.md)
+    # each rank builds its own (executor.worker_main); rank 0 announces what they hold
+    connectors = worker.build_connectors(
+        executor if isinstance(executor, MultiprocExecutor) else None)
+    for c in connectors.values():
+        c.events = kv_events
     kv = KVCacheManager(pool, block_size, cache_cfg.enable_prefix_caching,
-                        config.fingerprint, integrity, tiers,
-                        executor if isinstance(executor, MultiprocExecutor) else None,
-                        worker.build_transfer(
-                            executor if isinstance(executor, MultiprocExecutor) else None))
+                        config.fingerprint, integrity, list(connectors.values()))
     lora = None
     if worker.lora_linears is not None:
         lora = LoRAManager(worker.lora_linears, worker.model.config, args.max_loras,
@@ -186,7 +188,7 @@ def build_engine(args: EngineArgs) -> EngineParts:
             lora.add(name, path, param=f"lora_modules {name}")
     scheduler = Scheduler(sched_cfg, kv, args.max_loras if lora is not None else 0)
     worker.init_runner()
-    runner = ModelRunner(executor, block_size, model_config.kv_components,
+    runner = StepRunner(executor, block_size, model_config.kv_components,
                          model_config.vocab_size, model_config.eos_token_ids, lora)
     tp = args.tensor_parallel_size
     logger.info("model %s (%s, %s): %s%s", model_config.path, model_config.architecture,
@@ -196,8 +198,8 @@ def build_engine(args: EngineArgs) -> EngineParts:
         logger.info("%s", describe_cpu_path(model_config.dtype, settled.dtypes.storage))
     logger.info("%s; max_model_len %d; %d B/token of KV; %s", kv_cache.describe(),
                 model_config.max_model_len, kv_cache.bytes_per_token, budget.note)
-    if tiers is not None:
-        logger.info("%s", tiers.describe())
+    for c in connectors.values():
+        logger.info("%s", c.describe())
     logger.info("ready in %.1f s", time.perf_counter() - t0)
     return EngineParts(args, config, executor, tokenizer, pool, integrity, kv, scheduler,
                        runner, kv_events)

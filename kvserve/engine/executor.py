@@ -17,28 +17,15 @@ kernel were not bitwise identical across ranks, and a disagreement is a hang or 
 sampling once removes the RNG coupling and costs one [N, V] gather, which rank 0 needs anyway
 for logprobs. Workers never need the sampled tokens: the next ``StepInput`` carries them.
 
-Control messages (all rank 0 -> every rank, on the gloo CPU group):
-
-    header int64[2] = (kind, payload length), then payload int64[length]
-    (the header on a group without a timeout: workers wait for it however long the engine
-    idles; everything after it is bounded by the collective timeout)
-    STEP     StepInput.to_tensor()
-    SEAL     n, block ids[n], generations[n], token hashes[n, 2] (16 bytes as two int64);
-             with replicated KV (MLA latent, tp > KV heads) then a gather to rank 0 of
-             (replica key, content hash[n]) per rank, compared there (``replica_mismatch``)
-    VERIFY   n, block ids[n], generations[n]   then all_reduce(MAX) of the bad mask [n]
-    INJECT   target rank, block, layer, kind code, index, bit, other_index
-    DUMP_KV  (tests: engine.debug.gather_kv) gather of every rank's KV bytes to rank 0
-    TIER_WRITE   n, wait flag, block ids[n], chain hashes[n, 2], token ids[n, bs]: each rank
-             copies its slice of the evicted blocks now and queues them for its KV tiers
-    TIER_RESTORE n, block ids[n], chain hashes[n, 2], token ids[n, bs]: each rank reads,
-             verifies and installs its slice, then all_reduce(MAX) of the bad mask [n]
-    TRANSFER_EXPORT  msgpack {id, blocks, hashes, tokens} as bytes (``_pack``): each rank
-             offers its slice of the prompt's blocks (disaggregation), then a gather to rank 0
-             of each rank's bytes (the handle is issued only after every slice is offered)
-    TRANSFER_IMPORT  msgpack {handle, blocks, hashes, tokens}: each rank fetches, verifies and
-             installs its slice, then a gather to rank 0 of (bytes, a code per block)
-    SHUTDOWN (each rank writes its tiers down and stops them first)
+Control messages (all rank 0 -> every rank, on the gloo CPU group) are typed: one frozen
+dataclass per kind in ``executor_messages`` (``Step``, ``Seal``, ``Verify``, ``Inject``,
+``DumpKV``, ``Shutdown``, and the KV connectors' ``KVSave`` / ``KVLoad``), sent as a
+versioned msgpack envelope with a type tag (plus the ``StepInput`` as an int64 tensor body)
+and checked field by field on arrival. The header goes
+on a group without a timeout on the workers (they wait for it however long the engine idles);
+everything after it is bounded by the collective timeout. A worker runs exactly one handler
+per message type (``HANDLERS``); the replies that follow some messages are collectives
+(a gather or an all_reduce(MAX) to rank 0, documented on each message class).
 """
 
 from __future__ import annotations
@@ -50,23 +37,39 @@ import shutil
 import tempfile
 import time
 import weakref
-from typing import Protocol
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, Protocol
 
 import msgpack
 import numpy as np
 import torch
 
-from kvserve.cache.integrity import content_hashes
-from kvserve.cache.kv_transfer import PEER_REASONS, Expected, TransferHandle
+from kvserve.cache.integrity import SliceSeals, content_hashes, inject_fault
+from kvserve.cache.kv_connector import PEER_REASONS, BlockRef, KVConnector
 from kvserve.distributed import parallel_state as ps
 from kvserve.engine.arg_utils import EngineArgs
+from kvserve.engine.executor_messages import (
+    HEADER_WORDS,
+    DumpKV,
+    Inject,
+    KVLoad,
+    KVSave,
+    Message,
+    MessageError,
+    Seal,
+    Shutdown,
+    Step,
+    Verify,
+    decode_message,
+    encode_message,
+    frame_sizes,
+)
 from kvserve.engine.step_input import StepInput
 from kvserve.engine.worker import Worker, WorkerConfig
 
 logger = logging.getLogger("kvserve")
 
-(STEP, SEAL, VERIFY, INJECT, DUMP_KV, SHUTDOWN, TIER_WRITE, TIER_RESTORE, TRANSFER_EXPORT,
- TRANSFER_IMPORT) = range(1, 11)
 _EXIT_GRACE_S = 1.0  # after a failed collective: how long a dying worker's exit may take
 _FAULT_KINDS = ("bitflip", "scale", "swap")
 
@@ -101,67 +104,34 @@ def make_executor(config: WorkerConfig) -> UniProcExecutor | MultiprocExecutor:
     return MultiprocExecutor(config)
 
 
-# ---- messages -----------------------------------------------------------------------------
-def _send(kind: int, payload: torch.Tensor | None = None) -> None:
-    n = 0 if payload is None else payload.numel()
-    ps.cpu_broadcast(torch.tensor([kind, n], dtype=torch.int64), idle=True)
-    if n:
-        ps.cpu_broadcast(payload.to(torch.int64).contiguous())
+# ---- messages (kvserve.engine.executor_messages) ------------------------------------------
+def _send(msg: Message) -> None:
+    frame = encode_message(msg)
+    ps.cpu_broadcast(frame.header, idle=True)
+    if frame.spill is not None:
+        ps.cpu_broadcast(frame.spill)
+    if frame.body is not None and frame.body.numel():
+        ps.cpu_broadcast(frame.body)
 
 
-def _recv() -> tuple[int, torch.Tensor]:
-    head = ps.cpu_broadcast(torch.zeros(2, dtype=torch.int64), idle=True)
-    kind, n = int(head[0]), int(head[1])
-    payload = ps.cpu_broadcast(torch.empty(n, dtype=torch.int64)) if n else torch.empty(0)
-    return kind, payload
+def _recv() -> Message:
+    header = ps.cpu_broadcast(torch.zeros(HEADER_WORDS, dtype=torch.int64), idle=True)
+    n_spill, n_body = frame_sizes(header)
+    spill = ps.cpu_broadcast(torch.empty(n_spill, dtype=torch.int64)) if n_spill else None
+    body = ps.cpu_broadcast(torch.empty(n_body, dtype=torch.int64)) if n_body else None
+    return decode_message(header, spill, body)
 
 
-def _hashes_to_tensor(hashes: list[bytes]) -> torch.Tensor:
-    assert all(len(h) == 16 for h in hashes)
-    return torch.from_numpy(np.frombuffer(b"".join(hashes), dtype=np.int64).copy())
+def _block_fields(refs: list[BlockRef]) -> dict:
+    """The block fields of ``KVSave`` / ``KVLoad``."""
+    return {"block_ids": tuple(r.block_id for r in refs),
+            "chain_hashes": tuple(r.chain_hash for r in refs),
+            "token_ids": tuple(tuple(r.token_ids) for r in refs)}
 
 
-def _tensor_to_hashes(t: torch.Tensor) -> list[bytes]:
-    raw = t.numpy().astype(np.int64).tobytes()
-    return [raw[i : i + 16] for i in range(0, len(raw), 16)]
-
-
-def _tier_message(block_ids: list[int], items: list[tuple[bytes, tuple[int, ...]]]
-                  ) -> torch.Tensor:
-    """block ids[n], chain hashes[n, 2], token ids[n, bs] as one int64 tensor."""
-    return torch.cat([torch.tensor(block_ids, dtype=torch.int64),
-                      _hashes_to_tensor([h for h, _ in items]),
-                      torch.tensor([t for _, toks in items for t in toks], dtype=torch.int64)])
-
-
-def _tier_items(x: torch.Tensor, n: int) -> tuple[list[int], list[tuple[bytes, tuple[int, ...]]]]:
-    ids = x[:n].tolist()
-    hashes = _tensor_to_hashes(x[n: 3 * n])
-    toks = x[3 * n:].view(n, -1).tolist() if n else []
-    return ids, [(h, tuple(t)) for h, t in zip(hashes, toks, strict=True)]
-
-
-def _pack(obj: dict) -> torch.Tensor:
-    """A msgpack message as int64: byte length, then the bytes zero-padded to 8."""
-    raw = msgpack.packb(obj)
-    pad = raw + b"\0" * (-len(raw) % 8)
-    return torch.cat([torch.tensor([len(raw)]),
-                      torch.from_numpy(np.frombuffer(pad, dtype=np.int64).copy())])
-
-
-def _unpack(x: torch.Tensor) -> dict:
-    n = int(x[0])
-    return msgpack.unpackb(x[1:].numpy().astype(np.int64).tobytes()[:n])
-
-
-def _transfer_message(block_ids: list[int], expected: list[Expected], **extra) -> torch.Tensor:
-    return _pack({"blocks": block_ids, "hashes": [e.chain_hash for e in expected],
-                  "tokens": [list(e.token_ids) for e in expected], **extra})
-
-
-def _transfer_items(msg: dict) -> tuple[list[int], list[Expected]]:
-    return msg["blocks"], [Expected(bytes(h), tuple(t))
-                           for h, t in zip(msg["hashes"], msg["tokens"], strict=True)]
+def _refs(msg: KVSave | KVLoad) -> list[BlockRef]:
+    return [BlockRef(b, h, t)
+            for b, h, t in zip(msg.block_ids, msg.chain_hashes, msg.token_ids, strict=True)]
 
 
 def _replica_message(key: int, sums: np.ndarray) -> torch.Tensor:
@@ -272,16 +242,16 @@ class MultiprocExecutor:
         self._res.failed = f"{e}; local workers: {alive or 'none'}"
         return ps.DistributedError(f"{self._res.failed}; the engine cannot continue")
 
-    def _send(self, kind: int, payload: torch.Tensor | None = None) -> None:
+    def _send(self, msg: Message) -> None:
         self.check_health()
         try:
-            _send(kind, payload)
+            _send(msg)
         except ps.DistributedError as e:
             raise self._failed(e) from e
 
     # ---- the step ----------------------------------------------------------------------------
     def execute(self, step: StepInput) -> list[torch.Tensor | None]:
-        self._send(STEP, step.to_tensor())
+        self._send(Step(step))
         try:
             return self.driver.execute(step)
         except ps.DistributedError as e:
@@ -294,12 +264,10 @@ class MultiprocExecutor:
         replica_key``), their checksums must agree: rank 0 gathers each rank's content hashes
         and flags the blocks whose copies differ (the checker quarantines those and the
         requests holding them recompute, on every rank alike: only rank 0 schedules)."""
-        n = len(block_ids)
-        self._send(SEAL, torch.cat([torch.tensor([n, *block_ids, *generations]),
-                                    _hashes_to_tensor(token_hashes)]))
+        self._send(Seal(tuple(block_ids), tuple(generations), tuple(token_hashes)))
         key = self.driver.replica_key
         if key is None:
-            return [False] * n
+            return [False] * len(block_ids)
         try:
             parts = ps.cpu_gather(_replica_message(key, sums))
         except ps.DistributedError as e:
@@ -311,43 +279,18 @@ class MultiprocExecutor:
                local_bad: list[bool]) -> list[bool]:
         """Every rank checks its own slice of the blocks; a block is bad if it is bad on any
         rank (all_reduce MAX), and every rank learns the same verdict."""
-        n = len(block_ids)
-        self._send(VERIFY, torch.tensor([n, *block_ids, *generations]))
+        self._send(Verify(tuple(block_ids), tuple(generations)))
         try:
             mask = ps.cpu_all_reduce_max(torch.tensor(local_bad, dtype=torch.int64))
         except ps.DistributedError as e:
             raise self._failed(e) from e
         return [bool(x) for x in mask.tolist()]
 
-    # ---- KV tiers across ranks (kvserve.cache.kv_tiers.TierPeers) ---------------------------
-    def tier_write_down(self, evicted: list, block: bool) -> None:
-        """Every other rank copies its slice of the evicted blocks now (before the next STEP
-        overwrites them) and queues them for its own tiers."""
-        if not evicted:
-            return
-        items = [(e.chain_hash, e.token_ids) for e in evicted]
-        self._send(TIER_WRITE, torch.cat([torch.tensor([len(evicted), int(block)]),
-                                          _tier_message([e.block_id for e in evicted], items)]))
-
-    def tier_restore(self, block_ids: list[int], items: list[tuple[bytes, tuple[int, ...]]]
-                     ) -> list[bool]:
-        """Every other rank reads, verifies and installs its slice of the blocks (synchronous:
-        the driver's own slice was read in the background); a block is bad if it is missing or
-        refused on any rank."""
-        n = len(block_ids)
-        self._send(TIER_RESTORE, torch.cat([torch.tensor([n]), _tier_message(block_ids, items)]))
-        try:
-            mask = ps.cpu_all_reduce_max(torch.zeros(n, dtype=torch.int64))
-        except ps.DistributedError as e:
-            raise self._failed(e) from e
-        return [bool(x) for x in mask.tolist()]
-
-    # ---- disaggregation across ranks (kvserve.cache.kv_transfer.TransferPeers) ---------------
-    def transfer_export(self, transfer_id: str, block_ids: list[int],
-                        expected: list[Expected]) -> int:
-        """Every other rank offers its slice under ``slice_id(transfer_id, rank)``; waits until
-        all have (the gather), returns their bytes."""
-        self._send(TRANSFER_EXPORT, _transfer_message(block_ids, expected, id=transfer_id))
+    # ---- KV connectors across ranks (kvserve.cache.kv_connector.KVPeers) -------------------
+    def kv_save(self, connector: str, refs: list[BlockRef], arg: str | None, wait: bool) -> int:
+        """Every other rank's ``connector`` saves its slice of the blocks now (before the next
+        step overwrites them); waits until all have (the gather), returns their bytes."""
+        self._send(KVSave(connector, arg=msgpack.packb(arg), wait=wait, **_block_fields(refs)))
         try:
             parts = ps.cpu_gather(torch.zeros(1, dtype=torch.int64))
         except ps.DistributedError as e:
@@ -355,14 +298,13 @@ class MultiprocExecutor:
         assert parts is not None
         return sum(int(p[0]) for p in parts[1:])
 
-    def transfer_import(self, handle: TransferHandle, block_ids: list[int],
-                        expected: list[Expected]) -> tuple[list[str | None], int]:
-        """Every other rank fetches, verifies and installs its slice of ``block_ids``; per
-        block the reason some rank refused it (None: verified on every rank), and the other
-        ranks' bytes."""
-        n = len(block_ids)
-        self._send(TRANSFER_IMPORT, _transfer_message(block_ids, expected,
-                                                      handle=handle.to_dict()))
+    def kv_load(self, connector: str, refs: list[BlockRef], arg: dict | None
+                ) -> tuple[list[str | None], int]:
+        """Every other rank's ``connector`` loads, verifies and installs its slice of the
+        blocks (synchronous: the driver's own slice was loaded in the background); per block
+        the reason some rank refused it (None: verified on every rank), and their bytes."""
+        n = len(refs)
+        self._send(KVLoad(connector, arg=msgpack.packb(arg), **_block_fields(refs)))
         try:
             parts = ps.cpu_gather(torch.zeros(1 + n, dtype=torch.int64))
         except ps.DistributedError as e:
@@ -379,12 +321,11 @@ class MultiprocExecutor:
             raise ValueError(f"rank must be in [1, {self.world_size}), got {rank}")
         if kind not in _FAULT_KINDS:
             raise ValueError(f"kind must be one of {_FAULT_KINDS} on a worker rank, got {kind!r}")
-        self._send(INJECT, torch.tensor([rank, block_id, layer, _FAULT_KINDS.index(kind),
-                                         index, bit, other_index]))
+        self._send(Inject(rank, block_id, layer, kind, index, bit, other_index))
 
     def gather_kv(self) -> list[torch.Tensor]:
         """Every rank's KV bytes (data, then FP8 scales) as flat uint8 on rank 0 (tests)."""
-        self._send(DUMP_KV)
+        self._send(DumpKV())
         try:
             parts = ps.cpu_gather(kv_bytes(self.driver))
         except ps.DistributedError as e:
@@ -408,7 +349,7 @@ class _Resources:
         self.failed: str | None = None  # why the group is unusable (None while healthy)
 
     def close(self) -> None:
-        """A clean SHUTDOWN when every rank is healthy (workers exit 0); after a failure the
+        """A clean ``Shutdown`` when every rank is healthy (workers exit 0); after a failure the
         surviving local workers are ended at once (one may hang in a collective or be
         stopped: SIGKILL, unlike SIGTERM, ends a stopped process too)."""
         if self.closed:
@@ -417,7 +358,7 @@ class _Resources:
         healthy = self.failed is None and all(p.exitcode is None for p in self.procs)
         try:
             if healthy and ps.state() is not None:
-                _send(SHUTDOWN)
+                _send(Shutdown())
         except ps.DistributedError:
             healthy = False
         for p in self.procs:
@@ -466,7 +407,7 @@ def local_ranks(args: EngineArgs) -> tuple[bool, list[int]]:
 
 def run_headless(config: WorkerConfig, ranks: list[int]) -> int:
     """Run worker ranks on a node that is not the driver's; exit status 0 only if all of
-    them ended cleanly (the driver's SHUTDOWN), non-zero if any died or timed out."""
+    them ended cleanly (the driver's ``Shutdown``), non-zero if any died or timed out."""
     args = config.args
     tp, init = args.tensor_parallel_size, args.distributed_init_method
     assert init is not None
@@ -494,10 +435,8 @@ def run_headless(config: WorkerConfig, ranks: list[int]) -> int:
 def worker_main(config: WorkerConfig, rank: int, world_size: int, init_method: str,
                 threads: int = 1) -> None:
     """A worker rank: load this rank's shards, then serve the driver's messages until
-    SHUTDOWN. Any failure (a dead driver, a timed-out collective) exits non-zero."""
-    from kvserve.cache.integrity import SliceSeals, inject_fault
-    from kvserve.cache.kv_tiers import Evicted
-
+    ``Shutdown``. Any failure (a dead driver, a timed-out collective, a malformed message)
+    exits non-zero."""
     args = config.args
     torch.set_num_threads(threads)
     torch.manual_seed(args.seed)
@@ -508,61 +447,89 @@ def worker_main(config: WorkerConfig, rank: int, world_size: int, init_method: s
     try:
         worker = Worker(config, rank, world_size)
         worker.init_runner()
-        seals = SliceSeals(worker.kv_cache, worker.fingerprint)
-        tiers = worker.build_tiers(config.cache)
-        transfer = worker.build_transfer()
+        state = WorkerRank(worker, SliceSeals(worker.kv_cache, worker.fingerprint),
+                           worker.build_connectors())
         with torch.inference_mode():
-            while True:
-                kind, x = _recv()
-                if kind == STEP:
-                    worker.execute(StepInput.from_tensor(x))
-                elif kind == SEAL:
-                    n = int(x[0])
-                    ids, gens = x[1 : 1 + n].tolist(), x[1 + n : 1 + 2 * n].tolist()
-                    sums = seals.seal(ids, gens, _tensor_to_hashes(x[1 + 2 * n :]))
-                    if worker.replica_key is not None:
-                        ps.cpu_gather(_replica_message(worker.replica_key, sums))
-                elif kind == VERIFY:
-                    n = int(x[0])
-                    ids, gens = x[1 : 1 + n].tolist(), x[1 + n : 1 + 2 * n].tolist()
-                    mask = torch.tensor(seals.verify(ids, gens), dtype=torch.int64)
-                    agreed = ps.cpu_all_reduce_max(mask)
-                    seals.drop([b for b, bad in zip(ids, agreed.tolist(), strict=True) if bad])
-                elif kind == INJECT:
-                    target, block, layer, k, index, bit, other = x.tolist()
-                    if target == rank:
-                        inject_fault(worker.kv_cache, block, layer, _FAULT_KINDS[k],
-                                     index=index, bit=bit, other_index=other)
-                elif kind == DUMP_KV:
-                    ps.cpu_gather(kv_bytes(worker))
-                elif kind == TIER_WRITE and tiers is not None:
-                    n, wait = int(x[0]), bool(x[1])
-                    ids, items = _tier_items(x[2:], n)
-                    tiers.write_down([Evicted(b, h, t) for b, (h, t) in zip(ids, items,
-                                                                             strict=True)],
-                                     [None] * n, block=wait)
-                elif kind == TIER_RESTORE and tiers is not None:
-                    n = int(x[0])
-                    ids, items = _tier_items(x[1:], n)
-                    bad = torch.tensor(tiers.restore_now(ids, items), dtype=torch.int64)
-                    ps.cpu_all_reduce_max(bad)
-                elif kind == TRANSFER_EXPORT and transfer is not None:
-                    msg = _unpack(x)
-                    nbytes = transfer.export_slice(msg["id"], *_transfer_items(msg))
-                    ps.cpu_gather(torch.tensor([nbytes]))
-                elif kind == TRANSFER_IMPORT and transfer is not None:
-                    msg = _unpack(x)
-                    ids, expected = _transfer_items(msg)
-                    codes, nbytes = transfer.import_slice(
-                        TransferHandle.from_dict(msg["handle"]), ids, expected)
-                    ps.cpu_gather(torch.tensor([nbytes, *codes], dtype=torch.int64))
-                elif kind == SHUTDOWN:
-                    if tiers is not None:
-                        tiers.close()
-                    if transfer is not None:
-                        transfer.close()
-                    break
-                else:
-                    raise ps.DistributedError(f"rank {rank}: unknown message kind {kind}")
+            while not dispatch(state, _recv()):
+                pass
     finally:
         ps.destroy_distributed()
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerRank:
+    """What a worker rank's handlers act on: its worker, seals and KV connectors."""
+
+    worker: Worker
+    seals: SliceSeals
+    connectors: dict[str, KVConnector]
+
+    @property
+    def rank(self) -> int:
+        return self.worker.rank
+
+    def connector(self, msg: KVSave | KVLoad) -> KVConnector:
+        c = self.connectors.get(msg.connector)
+        if c is None:
+            raise MessageError(f"rank {self.rank}: {type(msg).__name__} for KV connector "
+                               f"{msg.connector!r}, which this rank lacks (the driver and "
+                               "workers disagree on the config)")
+        return c
+
+
+# ---- one handler per message type: (rank state, message) -> True to leave the loop ----------
+def _on_step(w: WorkerRank, m: Step) -> None:
+    w.worker.execute(m.step)
+
+
+def _on_seal(w: WorkerRank, m: Seal) -> None:
+    sums = w.seals.seal(list(m.block_ids), list(m.generations), list(m.token_hashes))
+    if w.worker.replica_key is not None:
+        ps.cpu_gather(_replica_message(w.worker.replica_key, sums))
+
+
+def _on_verify(w: WorkerRank, m: Verify) -> None:
+    ids = list(m.block_ids)
+    mask = torch.tensor(w.seals.verify(ids, list(m.generations)), dtype=torch.int64)
+    agreed = ps.cpu_all_reduce_max(mask)
+    w.seals.drop([b for b, bad in zip(ids, agreed.tolist(), strict=True) if bad])
+
+
+def _on_inject(w: WorkerRank, m: Inject) -> None:
+    if m.rank == w.rank:
+        inject_fault(w.worker.kv_cache, m.block_id, m.layer, m.kind, index=m.index, bit=m.bit,
+                     other_index=m.other_index)
+
+
+def _on_dump_kv(w: WorkerRank, m: DumpKV) -> None:
+    ps.cpu_gather(kv_bytes(w.worker))
+
+
+def _on_kv_save(w: WorkerRank, m: KVSave) -> None:
+    nbytes = w.connector(m).save_slice(_refs(m), msgpack.unpackb(m.arg), m.wait)
+    ps.cpu_gather(torch.tensor([nbytes]))
+
+
+def _on_kv_load(w: WorkerRank, m: KVLoad) -> None:
+    codes, nbytes = w.connector(m).load_slice(_refs(m), msgpack.unpackb(m.arg))
+    ps.cpu_gather(torch.tensor([nbytes, *codes], dtype=torch.int64))
+
+
+def _on_shutdown(w: WorkerRank, m: Shutdown) -> bool:
+    for c in w.connectors.values():
+        c.close()
+    return True
+
+
+HANDLERS: dict[type, Callable[[WorkerRank, Any], bool | None]] = {
+    Step: _on_step, Seal: _on_seal, Verify: _on_verify, Inject: _on_inject,
+    DumpKV: _on_dump_kv, Shutdown: _on_shutdown, KVSave: _on_kv_save, KVLoad: _on_kv_load,
+}
+
+
+def dispatch(state: WorkerRank, msg: Message) -> bool:
+    """Run ``msg``'s handler; True when the worker must leave its loop (``Shutdown``)."""
+    handler = HANDLERS.get(type(msg))
+    if handler is None:
+        raise MessageError(f"rank {state.rank}: no handler for {type(msg).__name__}")
+    return bool(handler(state, msg))

@@ -2,7 +2,7 @@
 
 One ``step()`` = integrity check-up (rollback of requests on bad blocks) -> the scheduler's
 ``SchedulerOutput`` -> the runner (one model forward over the mixed batch through the
-executor, then sampling) -> its ``ModelRunnerOutput`` applied by the scheduler alone (tokens
+executor, then sampling) -> its ``StepOutput`` applied by the scheduler alone (tokens
 computed, blocks committed, tokens appended, stop checks by the output processor, finished
 requests freed) -> the output processor's ``RequestOutput``s. Everything the user can get
 wrong is checked in ``add_request`` and raises ``ValueError`` naming the parameter, leaving the
@@ -24,7 +24,6 @@ from kvserve.engine.builder import build_engine
 from kvserve.engine.debug import EngineDebug
 from kvserve.engine.input_processor import PromptType, check_prompt_room, tokenize_prompt
 from kvserve.engine.output_processor import OutputProcessor
-from kvserve.engine.runner_output import ModelRunnerOutput
 from kvserve.engine.scheduler import ScheduledRequest, SchedulerOutput
 from kvserve.engine.spec.drafter import make_drafter
 from kvserve.engine.stats import (
@@ -33,11 +32,12 @@ from kvserve.engine.stats import (
     EngineStats,
     SpecDecodeCounters,
 )
+from kvserve.engine.step_output import StepOutput
 from kvserve.engine.worker import DEFAULT_MAX_KV_BYTES  # noqa: F401 - re-exported
-from kvserve.layers.grammar import GrammarCompiler
-from kvserve.outputs import RequestOutput
+from kvserve.outputs import RequestOutput, SpecDecodeUsage
 from kvserve.request import FirstToken, LoRARequest, Request, RequestStatus
 from kvserve.sampling_params import SamplingParams
+from kvserve.structured_output.compiler import GrammarCompiler
 
 __all__ = ["LLMEngine", "PromptType"]
 
@@ -130,7 +130,7 @@ class LLMEngine:
         room = min(max_len, self.capacity_tokens) - len(ids)
         # Like vLLM/OpenAI: generation stops at the context limit with finish_reason=length.
         max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
-        if (kv_export or kv_transfer is not None) and self.kv.transfer is None:
+        if (kv_export or kv_transfer is not None) and "transfer" not in self.kv.connectors:
             raise ValueError("kv_transfer: this engine has no KV transfer (--kv-transfer)")
         if (kv_export or kv_transfer is not None) and params.n != 1:
             raise ValueError("n must be 1 with a KV transfer (send n requests)")
@@ -173,7 +173,7 @@ class LLMEngine:
         scheduler's one apply step, with nothing computed): logprobs, text, stop checks."""
         assert first is not None
         sched = SchedulerOutput(new=[ScheduledRequest(req, 0, 0, ())])
-        out = ModelRunnerOutput([req.request_id], [[first.token_id]], [[first.logprobs]],
+        out = StepOutput([req.request_id], [[first.token_id]], [[first.logprobs]],
                                 [[first.logprob]], [])
         self.scheduler.update_from_output(sched, out, self.output_processor)
         if req.is_finished:
@@ -235,7 +235,7 @@ class LLMEngine:
                 self.integrity.record_rollbacks(len(self.scheduler.rollback(bad)))
         sched = self.scheduler.schedule()
         if sched.is_empty:
-            self.kv.wait_for_restores()  # nothing to run but restores in flight: no spinning
+            self.kv.wait_for_loads()  # nothing to run but KV loads in flight: no spinning
             return []
         if self.debug.on_schedule is not None:
             self.debug.on_schedule(sched, len(self.scheduler.running))
@@ -256,12 +256,20 @@ class LLMEngine:
         self.counters["finished"] += sum(o.finished for o in outs)
         return outs
 
-    def _draft(self, sched: SchedulerOutput, out: ModelRunnerOutput, seconds: float) -> None:
+    def _draft(self, sched: SchedulerOutput, out: StepOutput, seconds: float) -> None:
         """Speculative decoding: account the step's drafts, then draft for the next step."""
         assert self.drafter is not None
         drafts = {s.req.request_id: len(s.draft) for s in sched.scheduled if s.draft}
         accepted = {rid: len(t) - 1 for rid, t in zip(out.req_ids, out.sampled_token_ids,
                                                       strict=True) if rid in drafts}
+        for s in sched.scheduled:  # the request's own counts (trace attributes)
+            use = s.req.metrics.spec_decode
+            if use is None:
+                use = s.req.metrics.spec_decode = SpecDecodeUsage()
+            if s.draft:
+                use.num_drafts += 1
+                use.num_draft_tokens += len(s.draft)
+                use.num_accepted_tokens += accepted.get(s.req.request_id, 0)
         self.drafter.observe(drafts, accepted, sched.num_batched_tokens, seconds)
         sched_ = self.scheduler
         self.drafter.sweep({r.request_id for r in sched_.running}
@@ -291,6 +299,7 @@ class LLMEngine:
     def stats(self) -> EngineStats:
         pool, sched = self.pool, self.scheduler
         prefilling = sum(r.num_computed_tokens < r.num_prompt_tokens for r in sched.running)
+        kv_stats = {name: c.stats() for name, c in self.kv.connectors.items()}
         return EngineStats(
             num_running=len(sched.running), num_waiting=len(sched.waiting),
             num_prefilling=prefilling + len(sched.waiting),
@@ -303,8 +312,7 @@ class LLMEngine:
                       "prefix_cache_hits": self.kv.num_hit_tokens},
             iteration_tokens=self.iteration_tokens.copy(), cache_config=self._cache_info,
             integrity=self.integrity.stats() if self.integrity is not None else None,
-            kv_tiers=self.kv.tiers.stats() if self.kv.tiers is not None else None,
-            kv_transfer=self.kv.transfer.stats() if self.kv.transfer is not None else None,
+            kv_tiers=kv_stats.get("tiers"), kv_transfer=kv_stats.get("transfer"),
             spec_decode=self.spec_decode.as_dict() if self.spec_decode is not None else None,
             lora=self.lora_info() if self.lora_info is not None else None,
             timestamp=time.monotonic(),

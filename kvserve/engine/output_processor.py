@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import torch
 
 from kvserve.engine.detokenizer import IncrementalDetokenizer
-from kvserve.layers.sampler import top_logprobs
+from kvserve.engine.sampler import top_logprobs
 from kvserve.outputs import CompletionOutput, Logprobs, RequestOutput
 from kvserve.request import Request, RequestStatus
 from kvserve.sampling_params import RequestOutputKind

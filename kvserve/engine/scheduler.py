@@ -8,7 +8,7 @@ goes back to the waiting queue to be recomputed from its token ids (prefix cache
 that cheap); no new request is admitted in a step that preempted.
 
 The scheduler owns the requests' progress: ``schedule`` emits a ``SchedulerOutput`` (what to
-compute this step), the runner returns a ``ModelRunnerOutput`` (what was sampled), and
+compute this step), the runner returns a ``StepOutput`` (what was sampled), and
 ``update_from_output`` alone applies it: advances ``num_computed_tokens``, commits the newly
 full blocks, appends the sampled tokens, and finishes (frees) the requests that stopped.
 """
@@ -22,7 +22,7 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol
 
-from kvserve.cache.kv_cache_manager import EMPTY, KVCacheManager
+from kvserve.cache.kv_cache_manager import KVCacheManager
 from kvserve.config import SchedulerConfig
 from kvserve.outputs import KVMove, Logprobs
 from kvserve.request import Request, RequestStatus
@@ -30,7 +30,7 @@ from kvserve.request import Request, RequestStatus
 if TYPE_CHECKING:
     import torch
 
-    from kvserve.engine.runner_output import ModelRunnerOutput
+    from kvserve.engine.step_output import StepOutput
 
 logger = logging.getLogger("kvserve.scheduler")
 
@@ -136,21 +136,13 @@ class Scheduler:
             if req.waits_for_leader or not self._lora_fits(req):
                 i += 1
                 continue
-            # decode role: its prompt KV comes from a transfer (fetched and verified meanwhile)
-            if req.kv_import is not None:
-                imported = self.kv.take_import(req)
-                if imported is None:
-                    i += 1
-                    continue
-                req.num_computed_tokens, req.kv_import = imported, None
-            if self.kv.get_block_ids(req):  # the imported blocks, held already
-                hit, computed = EMPTY, req.num_computed_tokens
-            else:
-                hit = self.kv.get_computed_blocks(req)
-                if hit.restoring:  # its prefix is being read back from a KV tier
-                    i += 1
-                    continue
-                computed = hit.num_tokens
+            # prefix hits, KV a connector loads (tiers, a store; meanwhile it waits), or
+            # (decode role) its prompt's KV by transfer
+            hit = self.kv.get_computed_blocks(req)
+            if hit.loading:
+                i += 1
+                continue
+            computed = hit.num_tokens
             n = req.num_tokens - computed
             if n > budget and not self.config.enable_chunked_prefill:
                 break
@@ -165,7 +157,8 @@ class Scheduler:
                 # prompt tokens served by this engine's prefix cache (tiers included), taken
                 # once: a recompute after preemption hitting its own blocks is not a cache
                 # hit, and neither are blocks a decode engine received by transfer
-                req.metrics.num_cached_tokens = min(hit.num_tokens, req.num_prompt_tokens)
+                req.metrics.num_cached_tokens = (0 if hit.imported else
+                                                 min(hit.num_tokens, req.num_prompt_tokens))
             self.running.append(req)
             out.new.append(self._scheduled(req, n))
             budget -= n
@@ -194,7 +187,7 @@ class Scheduler:
         out.preempted.append(req)
 
     # ---- applying a step's result --------------------------------------------------------
-    def update_from_output(self, sched: SchedulerOutput, out: ModelRunnerOutput,
+    def update_from_output(self, sched: SchedulerOutput, out: StepOutput,
                            checker: TokenChecker) -> list[Request]:
         """The one place a step advances requests: the scheduled tokens are now in the cache
         (their newly full blocks sealed and cached before anything is freed), each sampled
@@ -247,17 +240,17 @@ class Scheduler:
         """Remove a request for good and free its blocks (idempotent)."""
         if req.is_finished:
             return
-        if (req.kv_export and status is RequestStatus.FINISHED_LENGTH
-                and req.num_computed_tokens >= req.num_prompt_tokens):
-            # prefill role: a decode engine continues it (a stop needs no continuation)
-            try:
-                t0 = time.monotonic()
-                handle = self.kv.export(req)
-                req.kv_handle = handle.to_dict()
-                req.metrics.kv_export = KVMove(t0, time.monotonic() - t0, handle.nbytes,
-                                               handle.num_blocks)
-            except OSError:  # no handle: the caller continues without one (a full prefill)
-                logger.exception("kv transfer: export of %s failed", req.request_id)
+        # prefill role: a decode engine continues it (a stop needs no continuation)
+        export = (req.kv_export and status is RequestStatus.FINISHED_LENGTH
+                  and req.num_computed_tokens >= req.num_prompt_tokens)
+        try:
+            t0 = time.monotonic()
+            req.kv_handle = h = self.kv.request_finished(req, export)  # KV connectors save
+            if h is not None:
+                req.metrics.kv_export = KVMove(t0, time.monotonic() - t0, h["nbytes"],
+                                               h["num_blocks"])
+        except OSError:  # no handle: the caller continues without one (a full prefill)
+            logger.exception("kv connector: saving %s failed", req.request_id)
         req.status = status
         if req in self.running:
             self.running.remove(req)

@@ -48,11 +48,18 @@ class StepInput:
 
     @classmethod
     def from_tensor(cls, x: torch.Tensor) -> StepInput:
-        t, b, nt, g, ng, nl = (int(v) for v in x[: cls.HEADER])
+        """The inverse of ``to_tensor``; ValueError if ``x`` is not one (sizes disagree)."""
+        if x.dtype != torch.int64 or x.dim() != 1 or x.numel() < cls.HEADER:
+            raise ValueError(f"malformed step input: need flat int64 of >= {cls.HEADER} words")
+        t, b, nt, g, ng, nl = x[: cls.HEADER].tolist()
         o = cls.HEADER
         ids, pos, rows = x[o : o + t], x[o + t : o + 2 * t], x[o + 2 * t : o + 3 * t]
         rest = x[o + 3 * t :].tolist()
-        assert len(rest) == 3 * b + nt + g + ng + nl and nl in (0, b), "malformed step input"
+        if min(t, b, nt, g, ng, nl) < 0 or len(rest) != 3 * b + nt + g + ng + nl \
+                or nl not in (0, b) or x.numel() < o + 3 * t:
+            raise ValueError(f"malformed step input: header (T, B, table entries, groups, "
+                             f"logits rows, LoRA slots) = {(t, b, nt, g, ng, nl)} does not "
+                             f"match {x.numel()} words")
         qlens, slens, tlens = rest[:b], rest[b : 2 * b], rest[2 * b : 3 * b]
         flat, rest = rest[3 * b : 3 * b + nt], rest[3 * b + nt :]
         tables, i = [], 0
@@ -60,6 +67,8 @@ class StepInput:
             tables.append(tuple(flat[i : i + n]))
             i += n
         glens, gflat, lora = rest[:g], rest[g : g + ng], rest[g + ng :]
+        if sum(tlens) != nt or sum(glens) != ng or min((*tlens, *glens), default=0) < 0:
+            raise ValueError("malformed step input: table / group lengths do not add up")
         groups, i = [], 0
         for n in glens:
             groups.append(tuple(gflat[i : i + n]))

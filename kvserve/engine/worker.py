@@ -25,8 +25,9 @@ import torch
 from kvserve.attention import get_backend, kv_writer
 from kvserve.cache.block_store import StoreSpec, dtype_str
 from kvserve.cache.kv_cache import PagedKVCache, bytes_per_block
+from kvserve.cache.kv_connector import KVConnector, KVPeers, load_connector
 from kvserve.cache.kv_tiers import KVTiers, TierConfig
-from kvserve.cache.kv_transfer import IMPORT_THREADS, KVTransfer, TransferConfig, TransferPeers
+from kvserve.cache.kv_transfer import IMPORT_THREADS, KVTransfer, TransferConfig
 from kvserve.config import (
     CacheConfig,
     KVMode,
@@ -186,26 +187,26 @@ class Worker:
             return None
         return kv_head_layout(kv, self.world_size, self.rank)[1]
 
-    def build_tiers(self, cache_cfg: CacheConfig) -> KVTiers | None:
-        """This rank's KV tiers (docs/kv-tiers.md), or None when both are off. Under tensor
-        parallelism every rank keeps its own entries (its slice, its fingerprint) in the same
-        directory; the driver tells the others what to write down and restore."""
-        if not cache_cfg.kv_offload_enabled:
-            return None
-        cfg = TierConfig(cache_cfg.kv_offload_memory_bytes, cache_cfg.kv_offload_dir,
-                         cache_cfg.kv_offload_disk_bytes, cache_cfg.kv_offload_queue_blocks,
-                         cache_cfg.kv_offload_url, cache_cfg.kv_offload_timeout_s)
-        return KVTiers(cfg, self.store_spec(), self.kv_cache)
-
-    def build_transfer(self, peers: TransferPeers | None = None) -> KVTransfer | None:
-        """This rank's side of disaggregation's KV transfer (docs/disaggregation.md), or None
-        when off. Under tensor parallelism every rank exports and imports its own slice; only
-        rank 0 fetches in the background (``peers``: the other ranks, on rank 0)."""
-        cfg = self.config.transfer
-        if cfg is None:
-            return None
-        return KVTransfer(cfg, self.store_spec(), self.kv_cache, peers=peers,
-                          import_threads=IMPORT_THREADS if self.rank == 0 else 0)
+    def build_connectors(self, peers: KVPeers | None = None) -> dict[str, KVConnector]:
+        """This rank's KV connectors by name (docs/kv-connector.md): the tiers
+        (docs/kv-tiers.md), the PD transfer (docs/disaggregation.md), a third-party one
+        (``--kv-connector``). Under tensor parallelism every rank keeps its own slice (its
+        fingerprint) in each; only rank 0 loads in the background (``peers``: the other
+        ranks, on rank 0) and tells the others what to save and load."""
+        c, spec, kv = self.config.cache, self.store_spec(), self.kv_cache
+        threads = 1 if self.rank == 0 else 0
+        out: list[KVConnector] = []
+        if c.kv_offload_enabled:
+            cfg = TierConfig(c.kv_offload_memory_bytes, c.kv_offload_dir,
+                             c.kv_offload_disk_bytes, c.kv_offload_queue_blocks,
+                             c.kv_offload_url, c.kv_offload_timeout_s)
+            out.append(KVTiers(cfg, spec, kv, peers, threads))
+        if self.config.transfer is not None:
+            out.append(KVTransfer(self.config.transfer, spec, kv, peers,
+                                  IMPORT_THREADS * threads))
+        if c.kv_connector is not None:
+            out.append(load_connector(c.kv_connector)(spec, kv, peers, threads))
+        return {x.name: x for x in out}
 
     def store_spec(self) -> StoreSpec:
         """The identity and layout of this rank's stored / transferred blocks (block_store)."""
@@ -249,10 +250,10 @@ class Worker:
         none under ``enforce_eager`` or tensor parallelism."""
         if self.args.enforce_eager or self.world_size > 1:
             return None
-        if self.lora_linears is not None:
-            logger.info("decode graphs off: LoRA steps pick adapter slots per row (eager)")
-            return None
         if self.kv_cache.data.is_cuda:
+            if self.lora_linears is not None:
+                logger.info("CUDA graphs off: LoRA steps pick adapter slots per row (eager)")
+                return None
             return self._cuda_graphs(backend)
         rows = self.config.scheduler.max_num_seqs
         spec = self.args.speculative_config
@@ -260,7 +261,8 @@ class Worker:
             rows = min(rows * (1 + spec.num_speculative_tokens),
                        max(rows, self.config.scheduler.max_num_batched_tokens))
         graphs = CpuGraphRunner(self.model, backend, self.kv_cache, self.kv_cache.block_size,
-                                self.spec.components, rows, self.config.model.max_model_len)
+                                self.spec.components, rows, self.config.model.max_model_len,
+                                lora=self.lora_linears is not None)
         return graphs if graphs.capture() else None
 
     def _cuda_graphs(self, backend) -> CudaGraphRunner | None:

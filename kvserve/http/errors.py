@@ -11,6 +11,7 @@ from fastapi import Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.routing import Match
 
 INVALID = "invalid_request_error"
 # pydantic puts union-branch tags into error locations ("str", "list[int]", ...): not params.
@@ -117,13 +118,25 @@ async def validation_error_handler(_: Request, exc: Exception) -> JSONResponse:
                           code="invalid_value")
 
 
-async def http_error_handler(_: Request, exc: Exception) -> JSONResponse:
+def allowed_methods(request: Request) -> str:
+    """Every method the app serves at the request's path (Starlette's 405 names only the first
+    route's, where a path has one route per method)."""
+    methods: set[str] = set()
+    for route in request.app.router.routes:
+        if route.matches(request.scope)[0] is not Match.NONE:
+            methods |= set(getattr(route, "methods", None) or ())
+    return ", ".join(sorted(methods))
+
+
+async def http_error_handler(request: Request, exc: Exception) -> JSONResponse:
     """Starlette/FastAPI ``HTTPException`` (unknown route, wrong method, unreadable body)."""
     assert isinstance(exc, StarletteHTTPException)
     message = exc.detail if isinstance(exc.detail, str) else str(exc.detail)
     kind = INVALID if exc.status_code < 500 else "server_error"
-    return error_response(exc.status_code, message, type=kind,
-                          headers=getattr(exc, "headers", None))
+    headers = dict(getattr(exc, "headers", None) or {})
+    if exc.status_code == 405:
+        headers["Allow"] = allowed_methods(request)
+    return error_response(exc.status_code, message, type=kind, headers=headers)
 
 
 async def api_error_handler(_: Request, exc: Exception) -> JSONResponse:

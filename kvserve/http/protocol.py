@@ -16,19 +16,22 @@ from typing import Annotated, Any, Generic, Literal, TypeVar
 from pydantic import (
     AfterValidator,
     BaseModel,
+    BeforeValidator,
     ConfigDict,
     Discriminator,
     Field,
-    StrictInt,
     Tag,
     ValidationError,
     field_validator,
 )
+from pydantic.json_schema import SkipJsonSchema
 
 from kvserve.sampling_params import MAX_LOGPROBS
 
 MAX_STOP_SEQUENCES = 16
-MAX_SEED = 2**63 - 1
+# the largest seed: what a float64 (which JSON schema validators and JavaScript clients read
+# numbers as) holds exactly, so no larger integer compares equal to it
+MAX_SEED = 2**53 - 1
 SURROGATE_MESSAGE = "contains an unpaired UTF-16 surrogate (not valid Unicode)"
 
 
@@ -55,10 +58,35 @@ def _valid_unicode(value: str) -> str:
 Text = Annotated[str, AfterValidator(_valid_unicode)]
 
 
+def _integral(value: Any) -> Any:
+    """JSON's ``2.0`` is the integer 2 (JSON Schema's ``integer`` admits it): a float with no
+    fraction becomes that int; anything else (a bool, a string) is left to strict validation."""
+    return int(value) if isinstance(value, float) and value.is_integer() else value
+
+
+# A request's integer: strict (no bools, no strings), but 2.0 is 2.
+Int = Annotated[int, BeforeValidator(_integral)]
+
+
+_BOUNDS = {"ge": "minimum", "le": "maximum", "gt": "exclusiveMinimum", "lt": "exclusiveMaximum"}
+
+
+def _standard_bounds(schema: dict[str, Any], _: Any = None) -> None:
+    """An ``Int | None`` field's bounds, which pydantic leaves as ``ge`` / ``le`` (the
+    before-validator hides them), spelled as JSON Schema spells them."""
+    for prop in schema.get("properties", {}).values():
+        for node in (prop, *prop.get("anyOf", ())):
+            for key, std in _BOUNDS.items():
+                if key in node:
+                    node[std] = node.pop(key)
+
+
 class _Request(BaseModel):
     # strict: types as OpenAI's API defines them ("stream": "yes", "echo": 0 or
-    # "prompt": [true] are errors, not coerced); floats still accept integers.
-    model_config = ConfigDict(extra="ignore", allow_inf_nan=False, strict=True)
+    # "prompt": [true] are errors, not coerced); floats still accept integers, and integers
+    # integral floats (Int).
+    model_config = ConfigDict(extra="ignore", allow_inf_nan=False, strict=True,
+                              json_schema_extra=_standard_bounds)
 
 
 class _Response(BaseModel):
@@ -98,19 +126,47 @@ class ResponseFormatJSONSchema(_Request):
     json_schema: JSONSchemaFormat
 
 
+def type_tag(value: Any, tags: dict[str, str], default: str | None = None) -> str | None:
+    """The union tag of a tagged-union member (a dict or a model) by its ``type``; None (no
+    member fits) when the type is not one of ``tags``, or not a string at all."""
+    kind = value.get("type", default) if isinstance(value, dict) else getattr(value, "type",
+                                                                               None)
+    return tags.get(kind) if isinstance(kind, str) else None
+
+
 def _format_tag(value: Any) -> str | None:
-    kind = value.get("type") if isinstance(value, dict) else getattr(value, "type", None)
-    return {"text": "Text", "json_object": "JSONObject", "json_schema": "JSONSchema"}.get(kind)
+    return type_tag(value, {"text": "Text", "json_object": "JSONObject",
+                            "json_schema": "JSONSchema"})
 
 
-# {"type": "text"}, {"type": "json_object"} or {"type": "json_schema", "json_schema": {...}};
-# the tags are class-like so that error locations skip them (kvserve.http.errors)
-ResponseFormat = Annotated[
-    Annotated[ResponseFormatText, Tag("Text")]
-    | Annotated[ResponseFormatJSONObject, Tag("JSONObject")]
-    | Annotated[ResponseFormatJSONSchema, Tag("JSONSchema")],
-    Discriminator(_format_tag, custom_error_type="response_format_type",
-                  custom_error_message="type must be 'text', 'json_object' or 'json_schema'")]
+def output_format(json_schema: type[BaseModel]) -> Any:
+    """The union of ``{"type": "text"}``, ``{"type": "json_object"}`` and ``json_schema``'s
+    model (typed ``"json_schema"``), told apart by ``type``; the tags are class-like so that
+    error locations skip them (kvserve.http.errors)."""
+    return Annotated[
+        Annotated[ResponseFormatText, Tag("Text")]
+        | Annotated[ResponseFormatJSONObject, Tag("JSONObject")]
+        | Annotated[json_schema, Tag("JSONSchema")],
+        Discriminator(_format_tag, custom_error_type="response_format_type",
+                      custom_error_message="type must be 'text', 'json_object' or "
+                                           "'json_schema'")]
+
+
+# chat / completions: {"type": "json_schema", "json_schema": {...}}
+ResponseFormat = output_format(ResponseFormatJSONSchema)
+
+
+def _exactly_one(schema: dict[str, Any], cls: Any = None) -> None:
+    """The schema of ``StructuredOutputsRequest``: exactly one field, not null (nor
+    ``json_object: false``), as ``kvserve.sampling_params.StructuredOutputsParams`` checks."""
+    _standard_bounds(schema)
+    for name, prop in schema["properties"].items():
+        branches = [b for b in prop.pop("anyOf", [prop]) if b.get("type") != "null"]
+        prop.pop("default", None)
+        prop.update(branches[0] if len(branches) == 1 else {"anyOf": branches})
+        if name == "json_object":
+            prop["const"] = True
+    schema["oneOf"] = [{"required": [name]} for name in schema["properties"]]
 
 
 class StructuredOutputsRequest(_Request):
@@ -121,12 +177,11 @@ class StructuredOutputsRequest(_Request):
     regex: Text | None = Field(None, min_length=1)
     choice: list[Text] | None = Field(None, min_length=1)
     grammar: Text | None = Field(None, min_length=1, description="Lark, or GBNF (::=).")
-    model_config = ConfigDict(extra="ignore", allow_inf_nan=False, strict=True,
-                              populate_by_name=True)
+    model_config = ConfigDict(populate_by_name=True, json_schema_extra=_exactly_one)
 
 
 class FirstTokenIn(_Request):
-    id: int = Field(ge=0)
+    id: Int = Field(ge=0)
     logprob: float = 0.0
     # [[token id, logprob], ...]
     top_logprobs: list[list[float]] | None = Field(None, max_length=MAX_LOGPROBS + 1)
@@ -141,17 +196,17 @@ class KVTransferLeg(_Request):
     # the prefill leg's trace context (W3C traceparent), when it was traced
     traceparent: str | None = Field(None, max_length=64)
     # prompt tokens the prefill replica's prefix cache served (the decode leg's usage reports it)
-    cached_tokens: int | None = Field(None, ge=0)
+    cached_tokens: Int | None = Field(None, ge=0)
 
 
 class SamplingRequest(_Request):
     """Fields shared by ``/v1/completions`` and ``/v1/chat/completions``."""
 
     model: Text | None = Field(None, description="Must name the served model when given.")
-    n: int = Field(1, ge=1, description="Choices per prompt (capped by the server's --max-n).")
+    n: Int = Field(1, ge=1, description="Choices per prompt (capped by the server's --max-n).")
     temperature: float | None = Field(None, ge=0, le=2, description="Default 1.0; 0 = greedy.")
     top_p: float | None = Field(None, gt=0, le=1)
-    seed: int | None = Field(None, ge=0, le=MAX_SEED)
+    seed: Int | None = Field(None, ge=0, le=MAX_SEED)
     stop: Text | list[Text] | None = Field(None, description="Up to 16 stop strings.")
     presence_penalty: float | None = Field(None, ge=-2, le=2)
     frequency_penalty: float | None = Field(None, ge=-2, le=2)
@@ -168,12 +223,12 @@ class SamplingRequest(_Request):
         except ValidationError:
             raise ValueError("stop must be a string or a list of strings") from None
     # kvserve extensions
-    top_k: int | None = Field(None, ge=-1, description="kvserve: -1 or 0 disables.")
+    top_k: Int | None = Field(None, ge=-1, description="kvserve: -1 or 0 disables.")
     min_p: float | None = Field(None, ge=0, le=1, description="kvserve.")
     repetition_penalty: float | None = Field(None, gt=0, le=2, description="kvserve.")
     ignore_eos: bool = Field(False, description="kvserve: keep generating past EOS.")
-    min_tokens: int = Field(0, ge=0, description="kvserve: no stop before this many tokens.")
-    priority: int = Field(0, description="kvserve: lower runs first (--scheduling-policy "
+    min_tokens: Int = Field(0, ge=0, description="kvserve: no stop before this many tokens.")
+    priority: Int = Field(0, description="kvserve: lower runs first (--scheduling-policy "
                                          "priority).")
     cache_salt: Text | None = Field(None, max_length=256,
                                    description="kvserve: isolates prefix-cache sharing.")
@@ -181,20 +236,22 @@ class SamplingRequest(_Request):
         None, description="Constrain the output to JSON (docs/structured-outputs.md).")
     structured_outputs: StructuredOutputsRequest | None = Field(
         None, description="kvserve (as vLLM): json / json_object / regex / choice / grammar.")
-    kv_transfer: KVTransferLeg | None = Field(
+    # the router's own leg of a disaggregated request (docs/disaggregation.md), not the API's:
+    # left out of the published schema
+    kv_transfer: SkipJsonSchema[KVTransferLeg | None] = Field(
         None, description="kvserve router: a prefill / decode leg (docs/disaggregation.md).")
 
 
 NonEmptyStr = Annotated[str, Field(min_length=1)]
-TokenIds = Annotated[list[StrictInt], Field(min_length=1)]
+TokenIds = Annotated[list[Int], Field(min_length=1)]
 
 
 class CompletionRequest(SamplingRequest):
     prompt: NonEmptyStr | Annotated[list[NonEmptyStr], Field(min_length=1)] | TokenIds | \
         Annotated[list[TokenIds], Field(min_length=1)] = Field(
             ..., description="Text, token ids, or a batch of either (nothing empty).")
-    max_tokens: int | None = Field(16, ge=1, description="None: up to the context length.")
-    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    max_tokens: Int | None = Field(16, ge=1, description="None: up to the context length.")
+    logprobs: Int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     echo: bool = False
 
     @field_validator("prompt", mode="wrap")
@@ -222,10 +279,18 @@ def _check_strings(value: Any, param: str) -> None:
             raise ValueError(f"{where} {SURROGATE_MESSAGE} at character {i}")
 
 
-class ContentPart(_Request):
-    """Only ``{"type": "text", "text": ...}`` is served; other types get a 400 saying so."""
+def _text_part(schema: dict[str, Any], cls: Any = None) -> None:
+    _standard_bounds(schema)
+    schema["properties"]["text"] = {"type": "string"}  # a text part's text: required
+    schema["required"] = ["type", "text"]
 
-    type: Text = Field(..., max_length=64)
+
+class ContentPart(_Request):
+    """Only ``"text"`` parts with their text are served (the schema says so); other types get
+    a 400 naming the type (``unsupported_content_type``)."""
+
+    model_config = ConfigDict(json_schema_extra=_text_part)
+    type: Text = Field(..., max_length=64, json_schema_extra={"enum": ["text"]})
     text: Text | None = None
 
 
@@ -285,10 +350,15 @@ ChatMessage = Annotated[SystemMessage | UserMessage | AssistantMessageIn | ToolM
                         Field(discriminator="role")]
 
 
+# a function's parameters: an object's JSON schema (``type`` "object" or left out)
+OBJECT_SCHEMA = {"properties": {"type": {"const": "object"}}}
+
+
 class FunctionDefinition(_Request):
     name: ToolName
     description: Text | None = None
-    parameters: JsonSchema | None = Field(None, description="A JSON schema (an object's).")
+    parameters: JsonSchema | None = Field(None, description="A JSON schema (an object's).",
+                                          json_schema_extra=OBJECT_SCHEMA)
     strict: bool | None = Field(None, description="tool_choice auto: this tool's arguments "
                                                   "follow its parameters schema (a grammar); "
                                                   "required / named always do.")
@@ -308,17 +378,40 @@ class NamedToolChoice(_Request):
     function: NamedFunction
 
 
+# a tool_choice other than "none" needs tools (kvserve/server/structured.py ``tool_plan``)
+TOOLS_NEEDED = {"if": {"required": ["tool_choice"],
+                       "properties": {"tool_choice": {"not": {"enum": ["none", None]}}}},
+                "then": {"required": ["tools"],
+                         "properties": {"tools": {"type": "array", "minItems": 1}}}}
+
+
+def _tool_schema(schema: dict[str, Any], cls: Any = None) -> None:
+    _standard_bounds(schema)
+    schema.setdefault("allOf", []).append(TOOLS_NEEDED)
+
+
+def _chat_schema(schema: dict[str, Any], cls: Any = None) -> None:
+    _tool_schema(schema)
+    # top_logprobs needs logprobs: true (kvserve/server/chat.py refuses it without)
+    schema["allOf"].append({
+        "if": {"required": ["top_logprobs"],
+               "properties": {"top_logprobs": {"type": "integer"}}},
+        "then": {"required": ["logprobs"], "properties": {"logprobs": {"const": True}}}})
+
+
 class ChatCompletionRequest(SamplingRequest):
+    model_config = ConfigDict(json_schema_extra=_chat_schema)
+
     messages: list[ChatMessage] = Field(..., min_length=1)
     tools: list[ChatTool] | None = Field(None, max_length=128)
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = Field(
         None, description="Default: auto with tools, none without.")
     parallel_tool_calls: bool = True
-    max_tokens: int | None = Field(None, ge=1, description="Deprecated by OpenAI; "
+    max_tokens: Int | None = Field(None, ge=1, description="Deprecated by OpenAI; "
                                                            "max_completion_tokens wins.")
-    max_completion_tokens: int | None = Field(None, ge=1)
+    max_completion_tokens: Int | None = Field(None, ge=1)
     logprobs: bool = False
-    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    top_logprobs: Int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     add_generation_prompt: bool = Field(True, description="kvserve.")
     chat_template_kwargs: dict[str, Any] | None = Field(
         None, description="kvserve (as vLLM): extra variables for the chat template, e.g. "
@@ -490,7 +583,7 @@ class UnloadLoRAAdapterRequest(_Request):
     """``POST /v1/unload_lora_adapter`` (vLLM's body; ``lora_int_id`` is accepted, unused)."""
 
     lora_name: Text = Field(min_length=1, max_length=256)
-    lora_int_id: int | None = None
+    lora_int_id: Int | None = None
 
 
 def dump(model: BaseModel) -> dict[str, Any]:

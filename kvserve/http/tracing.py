@@ -174,6 +174,7 @@ class RequestTrace:
         m0 = metrics[0] if metrics else None
         if m0 is not None:
             attrs.update(_request_attrs(m0, arrival))
+        attrs.update(_spec_attrs(metrics))
         cached = sum(m.num_cached_tokens for m in metrics if m is not None)
         attrs["gen_ai.usage.cache_read.input_tokens"] = cached
         attrs["kvserve.cached_tokens"] = cached
@@ -224,7 +225,7 @@ class RequestTrace:
             child("kvserve.kv_transfer.export", m.kv_export.start,
                   m.kv_export.start + m.kv_export.seconds, _move_attrs(m.kv_export))
         if m.finished_time is not None and m.last_token_time != m.first_token_time:
-            child("kvserve.decode", decode_from, m.finished_time, {})
+            child("kvserve.decode", decode_from, m.finished_time, _spec_attrs([m]))
 
 
 def _dt(t0: float | None, t1: float | None) -> float | None:
@@ -257,6 +258,23 @@ def _request_attrs(m: RequestMetrics, arrival: float) -> dict[str, Any]:
         out.update({f"kvserve.kv_tier.blocks_restored.{t}": n for t, n in tiers.items()})
         out["kvserve.kv_tier.restore_seconds"] = sum(mv.seconds for mv in m.kv_restores)
     return out
+
+
+def _spec_attrs(metrics: list[RequestMetrics | None]) -> dict[str, Any]:
+    """Speculative decoding's acceptance over the request's sequences (none when the engine
+    does not speculate): verify steps with drafts, draft tokens, accepted ones, their ratio and
+    the mean accepted length (1 + accepted / drafts, as ``kvserve bench spec`` reports it)."""
+    uses = [m.spec_decode for m in metrics if m is not None and m.spec_decode is not None]
+    if not uses:
+        return {}
+    drafts = sum(u.num_drafts for u in uses)
+    drafted = sum(u.num_draft_tokens for u in uses)
+    accepted = sum(u.num_accepted_tokens for u in uses)
+    p = "kvserve.spec_decode."
+    return {f"{p}num_drafts": drafts, f"{p}num_draft_tokens": drafted,
+            f"{p}num_accepted_tokens": accepted,
+            f"{p}acceptance_rate": accepted / drafted if drafted else None,
+            f"{p}mean_accepted_length": 1.0 + accepted / drafts if drafts else None}
 
 
 def _move_attrs(mv: KVMove, prefix: str = "kvserve.kv_transfer") -> dict[str, Any]:

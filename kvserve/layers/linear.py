@@ -150,8 +150,7 @@ class MergedLinear(nn.Module):
         self.in_features = in_features
         self.out_sizes = out_sizes
         self.shard_ids = shard_ids
-        self.offsets = {s: sum(out_sizes[:i]) for i, s in enumerate(shard_ids)}
-        self.sizes = dict(zip(shard_ids, out_sizes, strict=True))
+        self.offsets, self.sizes = shard_layout(out_sizes, shard_ids)
         self.full_in, self.full_out_sizes = in_features, out_sizes
         self.tp_plan = dict.fromkeys(shard_ids)
         self.weight = _param((sum(out_sizes), in_features), self._load)
@@ -171,6 +170,41 @@ class MergedLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return dense_linear(x, self.weight, self.bias)
+
+
+def shard_layout(out_sizes: tuple[int, ...], shard_ids: tuple) -> tuple[dict, dict]:
+    """Each shard's first output row and row count in a merged [sum(out_sizes), in] weight."""
+    assert len(out_sizes) == len(shard_ids)
+    offsets = {s: sum(out_sizes[:i]) for i, s in enumerate(shard_ids)}
+    return offsets, dict(zip(shard_ids, out_sizes, strict=True))
+
+
+def tp_geometry(module: nn.Module) -> dict:
+    """The tensor-parallel keyword arguments a replacement of ``module`` is built with."""
+    return dict(tp_plan=module.tp_plan, full_in=module.full_in,
+                full_out_sizes=module.full_out_sizes, reduce_results=module.reduce_results)
+
+
+def loaded_bias(bias: torch.Tensor | None, loader) -> nn.Parameter | None:
+    """An empty bias parameter shaped like ``bias`` (None stays None) filled by ``loader``."""
+    if bias is None:
+        return None
+    p = nn.Parameter(torch.empty_like(bias), requires_grad=False)
+    p.weight_loader = loader  # type: ignore[attr-defined]
+    return p
+
+
+def checkpoint_names(name: str, module: nn.Module,
+                     shard_ckpt: dict[str, dict[str, str]]) -> dict[str | None, str]:
+    """Shard id -> checkpoint tensor name of the (meta) ``Linear`` / ``MergedLinear`` at
+    ``name``; ``shard_ckpt`` maps a merged module's attribute to its shards' checkpoint names
+    (``qkv_proj`` -> {"q": "q_proj", ...}); a shard it does not name is ``{name}.{shard}``."""
+    if not isinstance(module, MergedLinear):
+        return {None: name}
+    parent_name, _, attr = name.rpartition(".")
+    ckpt = shard_ckpt.get(attr, {})
+    prefix = parent_name + "." if parent_name else ""
+    return {s: prefix + ckpt[s] if s in ckpt else f"{name}.{s}" for s in module.shard_ids}
 
 
 class MergedColumnParallelLinear(MergedLinear):

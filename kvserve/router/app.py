@@ -32,12 +32,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from kvserve.http.errors import error_body, error_response, http_error_handler
 from kvserve.http.middleware import AccessLog, APIKeyAuth, BodyLimit, ErrorCounter
-from kvserve.http.openapi import (
-    ERRORS,
-    GENERATION_RESPONSES,
-    METRICS_RESPONSES,
-    publish,
-)
+from kvserve.http.openapi import ERRORS, GENERATION_RESPONSES, add_metrics_and_version, publish
 from kvserve.http.protocol import (
     ChatCompletionRequest,
     ChatCompletionResponse,
@@ -483,7 +478,9 @@ def build_router_app(state: RouterState, *, api_key: str | None,
     app.state.server = state
     app.add_exception_handler(StarletteHTTPException, http_error_handler)
     publish(app, {"/v1/completions": CompletionRequest,
-                  "/v1/chat/completions": ChatCompletionRequest})
+                  "/v1/chat/completions": ChatCompletionRequest},
+            limits=lambda: next((r.limits for r in state.pool.replicas.values()
+                                 if r.limits is not None), None))
 
     # The replicas' API, published as they publish it; the body goes on to a replica
     # untouched, which validates it (the same models: the same 400s).
@@ -547,14 +544,7 @@ def build_router_app(state: RouterState, *, api_key: str | None,
             out["prefill_replicas"] = rows(state.prefill_pool, state.prefill_index)
         return out
 
-    @app.get("/metrics", response_class=Response, responses=METRICS_RESPONSES)
-    async def metrics() -> Response:
-        body, content_type = state.metrics.render()
-        return Response(body, media_type=content_type)
-
-    @app.get("/version")
-    async def version() -> dict:
-        return {"version": __version__}
+    add_metrics_and_version(app, state.metrics.render)
 
     app.add_middleware(BodyLimit, max_bytes=max_body_bytes)
     if api_key is not None:

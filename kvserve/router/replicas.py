@@ -24,6 +24,7 @@ from urllib.parse import urlsplit
 import httpx
 
 from kvserve.cache.kv_events import END_SEQ, decode_batch
+from kvserve.http.openapi import LIMITS_KEY, RequestLimits
 from kvserve.router.prefix_index import PrefixIndex
 
 logger = logging.getLogger("kvserve.router")
@@ -51,6 +52,8 @@ class Replica:
     # its KV tier / transfer metric families from its last /metrics scrape (FLEET_PREFIXES),
     # which the router's /metrics shows again labelled by replica
     fleet: list = field(default_factory=list)
+    # the request limits its /openapi.json states (the router's schema states them too)
+    limits: RequestLimits | None = None
 
     @property
     def load(self) -> int:
@@ -178,6 +181,9 @@ class ReplicaPool:
         assert self._client is not None
         self.index.clear(r.name)
         r.next_seq = None
+        with contextlib.suppress(httpx.HTTPError, OSError, ValueError, AttributeError):
+            info = (await self._client.get(f"{r.url}/openapi.json")).json().get("info", {})
+            r.limits = RequestLimits.from_dict(info.get(LIMITS_KEY))
         with contextlib.suppress(httpx.HTTPError, OSError, ValueError):
             info = (await self._client.get(f"{r.url}/kv_events")).json()
             ep, rep = info.get("endpoint"), info.get("replay_endpoint")

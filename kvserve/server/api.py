@@ -21,7 +21,13 @@ from kvserve.http.errors import (
     validation_error_handler,
 )
 from kvserve.http.middleware import AccessLog, APIKeyAuth, BodyLimit, ErrorCounter
-from kvserve.http.openapi import ERRORS, GENERATION_RESPONSES, METRICS_RESPONSES, publish
+from kvserve.http.openapi import (
+    ERRORS,
+    GENERATION_RESPONSES,
+    RequestLimits,
+    add_metrics_and_version,
+    publish,
+)
 from kvserve.http.protocol import (
     ChatCompletionRequest,
     ChatCompletionResponse,
@@ -62,7 +68,11 @@ def build_app(engine_client: AsyncLLMEngine, settings: ServerSettings,
     app.add_exception_handler(APIError, api_error_handler)
     app.add_exception_handler(StarletteHTTPException, http_error_handler)
     _routes(app, state)
-    publish(app)
+    lim = state.limits
+    publish(app, limits=lambda: RequestLimits(
+        vocab_size=lim.vocab_size, max_model_len=lim.max_model_len,
+        max_prompt_chars=lim.max_prompt_chars, max_n=settings.max_n,
+        max_prompts=settings.max_prompts, tool_calls=settings.tool_call_parser is not None))
     # add_middleware prepends: the last added is the outermost.
     app.add_middleware(BodyLimit, max_bytes=settings.max_body_bytes)
     if settings.api_key is not None:
@@ -137,11 +147,7 @@ def _routes(app: FastAPI, state: ServerState) -> None:
             return JSONResponse({"status": "engine_dead"}, status_code=503)
         return JSONResponse({"status": "ready", "in_flight": state.inflight})
 
-    @app.get("/metrics", response_class=Response, responses=METRICS_RESPONSES)
-    async def metrics() -> Response:
-        """Prometheus metrics (text exposition format)."""
-        body, content_type = state.metrics.render()
-        return Response(body, media_type=content_type)
+    add_metrics_and_version(app, state.metrics.render)
 
     @app.get("/kv_events")
     async def kv_events() -> dict:
@@ -152,7 +158,3 @@ def _routes(app: FastAPI, state: ServerState) -> None:
             return {"endpoint": None, "replay_endpoint": None, "block_size": None}
         return {"endpoint": pub.endpoint, "replay_endpoint": pub.replay_endpoint,
                 "block_size": pub.block_size, "format": pub.fmt}
-
-    @app.get("/version")
-    async def version() -> dict:
-        return {"version": __version__}

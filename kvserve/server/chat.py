@@ -30,6 +30,7 @@ from kvserve.server.logprobs import chat_logprobs
 from kvserve.server.prompts import (
     Prompt,
     chat_conversation,
+    check_budget,
     check_lengths,
     check_template_kwargs,
     sampling_params,
@@ -78,6 +79,7 @@ class ChatHandler(Handler):
                                       self.plan.template_tools, self.template_kwargs)
         if req.max_completion_tokens is not None:
             max_tokens, max_param = req.max_completion_tokens, "max_completion_tokens"
+            check_budget(req.max_tokens, state.limits, "max_tokens")  # overridden, yet bounded
         else:
             max_tokens, max_param = req.max_tokens, "max_tokens"
         check_lengths([prompt], max_tokens, state.limits, "messages", max_param)

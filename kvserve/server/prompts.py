@@ -211,6 +211,14 @@ def tokenize_chat(tokenizer, conversation: list[dict], add_generation_prompt: bo
     return Prompt(None, _check_ids(list(ids), limits, "messages"))
 
 
+def check_budget(max_tokens: int | None, limits: Limits, param: str) -> None:
+    """A token budget the context cannot hold whatever the prompt (the schema's maximum)."""
+    if max_tokens is not None and max_tokens >= limits.max_model_len:
+        raise bad_request(f"{param} must be less than this model's maximum context length "
+                          f"({limits.max_model_len} tokens), got {max_tokens}", param,
+                          "context_length_exceeded")
+
+
 def check_lengths(prompts: list[Prompt], max_tokens: int | None, limits: Limits,
                   prompt_param: str, max_tokens_param: str) -> None:
     """The engine's prompt-room check (run before queueing), then OpenAI's rule that prompt +

@@ -26,23 +26,22 @@ from collections.abc import AsyncIterator
 from pydantic import ValidationError
 
 from kvserve.http.errors import APIError, bad_request, loc_to_param
-from kvserve.http.protocol import ChatCompletionRequest
+from kvserve.http.protocol import ChatCompletionRequest, ResponseFormatJSONObject
 from kvserve.server.chat import ChatHandler
 from kvserve.server.generation import ClientDisconnected, Generation
 from kvserve.server.responses_protocol import (
+    TEXT_PARTS,
     FunctionCallItem,
     FunctionCallOutputItem,
     FunctionToolChoice,
     InputMessage,
     ResponsesRequest,
-    TextFormatJSONObject,
     TextFormatJSONSchema,
 )
 from kvserve.server.state import ServerState
 from kvserve.server.streaming import ChunkSource, Update
 
 logger = logging.getLogger("kvserve.server")
-_TEXT_PARTS = ("input_text", "output_text", "text")
 
 
 def _new_id(prefix: str) -> str:
@@ -84,7 +83,7 @@ def _content_text(content, index: int) -> str:
     texts = []
     for j, part in enumerate(content):
         param = f"input[{index}].content[{j}]"
-        if part.type not in _TEXT_PARTS:
+        if part.type not in TEXT_PARTS:
             raise bad_request(f"{param} has type {part.type!r}, which this text model's server "
                               "does not support; send input_text parts or a string", param,
                               "unsupported_content_type")
@@ -113,7 +112,7 @@ def to_chat_request(body: ResponsesRequest, messages: list[dict]) -> ChatComplet
     elif choice is not None:
         chat["tool_choice"] = choice
     fmt = body.text.format if body.text is not None else None
-    if isinstance(fmt, TextFormatJSONObject):
+    if isinstance(fmt, ResponseFormatJSONObject):
         chat["response_format"] = {"type": "json_object"}
     elif isinstance(fmt, TextFormatJSONSchema):
         chat["response_format"] = {"type": "json_schema", "json_schema": fmt.model_dump(
@@ -165,9 +164,10 @@ class ResponsesHandler(ChatHandler):
         if body.previous_response_id is not None:
             entry = state.responses.get(body.previous_response_id)
             if entry is None:
-                raise bad_request(f"previous response {body.previous_response_id!r} is not "
-                                  "stored on this server (never stored, deleted, or evicted)",
-                                  "previous_response_id", "previous_response_not_found")
+                raise APIError(404, f"previous response {body.previous_response_id!r} is not "
+                               "stored on this server (never stored, deleted, or evicted)",
+                               param="previous_response_id",
+                               code="previous_response_not_found")
             prior = list(entry.messages)
         self.history = prior + input_messages(body)  # what a continuation starts from
         system = [{"role": "system", "content": body.instructions}] if body.instructions else []

@@ -7,54 +7,64 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import Discriminator, Field, Tag
+from pydantic import ConfigDict, Discriminator, Field, Tag
 
 from kvserve.http.protocol import (
     MAX_SEED,
-    JsonSchema,
+    ContentPart,
+    FunctionDefinition,
+    Int,
+    JSONSchemaFormat,
+    NamedFunction,
     Text,
     ToolName,
     _Request,
     _Response,
+    _tool_schema,
+    output_format,
+    type_tag,
 )
 
 
-class InputContentPart(_Request):
-    """``input_text`` / ``output_text`` parts are served; other types get a 400."""
+class _Item(_Request):
+    """What every input item may carry (an earlier response's item echoed back)."""
 
-    type: Text = Field(..., max_length=64)
-    text: Text | None = None
+    id: Text | None = None
+    status: Text | None = None
 
 
-class InputMessage(_Request):
+TEXT_PARTS = ("input_text", "output_text", "text")
+
+
+class InputContentPart(ContentPart):
+    type: Text = Field(..., max_length=64, json_schema_extra={"enum": list(TEXT_PARTS)})
+
+
+class InputMessage(_Item):
     """A message item (``type`` "message" or absent: OpenAI's EasyInputMessage)."""
 
     type: Literal["message"] = "message"
     role: Literal["user", "assistant", "system", "developer"]
     content: Text | list[InputContentPart]
-    id: Text | None = None
-    status: Text | None = None
 
 
-class FunctionCallItem(_Request):
+class _CallItem(_Item):
+    call_id: Text = Field(..., min_length=1, max_length=256)
+
+
+class FunctionCallItem(_CallItem):
     """A call the model made (an earlier response's ``function_call`` output item)."""
 
     type: Literal["function_call"]
-    call_id: Text = Field(..., min_length=1, max_length=256)
     name: ToolName
     arguments: Text
-    id: Text | None = None
-    status: Text | None = None
 
 
-class FunctionCallOutputItem(_Request):
+class FunctionCallOutputItem(_CallItem):
     """A tool's result for ``call_id``."""
 
     type: Literal["function_call_output"]
-    call_id: Text = Field(..., min_length=1, max_length=256)
     output: Text
-    id: Text | None = None
-    status: Text | None = None
 
 
 class ReasoningItem(_Request):
@@ -66,10 +76,9 @@ class ReasoningItem(_Request):
 
 
 def _item_tag(value: Any) -> str | None:
-    kind = value.get("type", "message") if isinstance(value, dict) else getattr(value, "type",
-                                                                                None)
-    return {"message": "Message", "function_call": "FunctionCall",
-            "function_call_output": "FunctionCallOutput", "reasoning": "Reasoning"}.get(kind)
+    return type_tag(value, {"message": "Message", "function_call": "FunctionCall",
+                            "function_call_output": "FunctionCallOutput",
+                            "reasoning": "Reasoning"}, default="message")
 
 
 InputItem = Annotated[
@@ -82,48 +91,26 @@ InputItem = Annotated[
                                        "'function_call_output' or 'reasoning'")]
 
 
-class FunctionTool(_Request):
+class FunctionTool(FunctionDefinition):
+    """Chat's ``function`` object, flattened into the tool."""
+
     type: Literal["function"]
-    name: ToolName
-    description: Text | None = None
-    parameters: JsonSchema | None = Field(None, description="A JSON schema (an object's).")
     strict: bool | None = Field(None, description="Default true (as OpenAI's Responses API): "
                                                   "the arguments follow the schema, every "
                                                   "object closed.")
 
 
-class FunctionToolChoice(_Request):
+class FunctionToolChoice(NamedFunction):
     type: Literal["function"]
-    name: ToolName
 
 
-class TextFormatText(_Request):
-    type: Literal["text"]
+class TextFormatJSONSchema(JSONSchemaFormat):
+    """``text.format``'s JSON schema: chat's ``json_schema`` object, flattened."""
 
-
-class TextFormatJSONObject(_Request):
-    type: Literal["json_object"]
-
-
-class TextFormatJSONSchema(_Request):
     type: Literal["json_schema"]
-    name: ToolName
-    schema_: JsonSchema = Field(..., alias="schema", description="A JSON schema.")
-    description: Text | None = None
-    strict: bool | None = None
 
 
-def _format_tag(value: Any) -> str | None:
-    kind = value.get("type") if isinstance(value, dict) else getattr(value, "type", None)
-    return {"text": "Text", "json_object": "JSONObject", "json_schema": "JSONSchema"}.get(kind)
-
-
-TextFormat = Annotated[
-    Annotated[TextFormatText, Tag("Text")]
-    | Annotated[TextFormatJSONObject, Tag("JSONObject")]
-    | Annotated[TextFormatJSONSchema, Tag("JSONSchema")],
-    Discriminator(_format_tag, custom_error_type="response_format_type",
-                  custom_error_message="type must be 'text', 'json_object' or 'json_schema'")]
+TextFormat = output_format(TextFormatJSONSchema)
 
 
 class TextConfig(_Request):
@@ -131,6 +118,8 @@ class TextConfig(_Request):
 
 
 class ResponsesRequest(_Request):
+    model_config = ConfigDict(json_schema_extra=_tool_schema)
+
     model: Text | None = Field(None, description="Must name the served model when given.")
     input: Text | Annotated[list[InputItem], Field(min_length=1)] = Field(
         ..., description="A user message's text, or input items (messages, function_call, "
@@ -139,7 +128,7 @@ class ResponsesRequest(_Request):
                                                         "(not carried to continuations).")
     previous_response_id: Text | None = Field(None, description="Continue a stored response's "
                                                                 "conversation.")
-    max_output_tokens: int | None = Field(None, ge=1)
+    max_output_tokens: Int | None = Field(None, ge=1)
     temperature: float | None = Field(None, ge=0, le=2)
     top_p: float | None = Field(None, gt=0, le=1)
     tools: list[FunctionTool] | None = Field(None, max_length=128)
@@ -155,7 +144,7 @@ class ResponsesRequest(_Request):
     truncation: Literal["auto", "disabled"] | None = None
     include: list[Text] | None = Field(None, description="Accepted and ignored.")
     # kvserve extensions
-    seed: int | None = Field(None, ge=0, le=MAX_SEED, description="kvserve.")
+    seed: Int | None = Field(None, ge=0, le=MAX_SEED, description="kvserve.")
     chat_template_kwargs: dict[str, Any] | None = Field(None, description="kvserve.")
 
 

@@ -25,6 +25,9 @@ import uuid
 from dataclasses import dataclass
 
 from kvserve.server.settings import TOOL_CALL_PARSERS as PARSERS
+from kvserve.structured_output.backend import lark_json, lark_literal
+
+_lit = lark_literal  # the grammars below are written with many literals
 
 
 @dataclass(frozen=True, slots=True)
@@ -61,17 +64,6 @@ def _call_from_json(obj: object, args_keys: tuple[str, ...]) -> ParsedCall | Non
     args = next((obj[k] for k in args_keys if k in obj), {})
     text = _args_text(args)
     return ParsedCall(obj["name"], text) if text is not None else None
-
-
-def _lit(s: str) -> str:
-    """A Lark string literal."""
-    return json.dumps(s, ensure_ascii=False)
-
-
-def _compact(schema: dict) -> dict:
-    """A %json schema written compactly (as the JSON structured outputs are)."""
-    return {**schema, "x-guidance": {"whitespace_flexible": False, "item_separator": ", ",
-                                     "key_separator": ": "}}
 
 
 def _object_schema(tool: ToolSpec, args_key: str) -> dict:
@@ -137,12 +129,12 @@ class HermesParser(ToolParser):
         return (content if content.strip() else None), calls
 
     def calls_rules(self, tools: list[ToolSpec], parallel: bool) -> str:
-        body = _compact({"anyOf": [_object_schema(t, "arguments") for t in tools]})
+        body = lark_json({"anyOf": [_object_schema(t, "arguments") for t in tools]})
         more = f" ({_lit(chr(10))} call)*" if parallel else ""
         return (f"calls: call{more}\n"
                 f"call: {_lit(self.marker)} call_rest\n"
                 f"call_rest: {_lit(chr(10))} body {_lit(chr(10) + '</tool_call>')}\n"
-                f"body: %json {json.dumps(body)}\n")
+                f"body: {body}\n")
 
     def auto_grammar(self, tools: list[ToolSpec], parallel: bool) -> str:
         """Text without the marker (so every call goes through the grammar), or text up to
@@ -181,9 +173,9 @@ class Llama3JsonParser(ToolParser):
         return None, calls
 
     def calls_rules(self, tools: list[ToolSpec], parallel: bool) -> str:
-        body = _compact({"anyOf": [_object_schema(t, "parameters") for t in tools]})
+        body = lark_json({"anyOf": [_object_schema(t, "parameters") for t in tools]})
         more = f" ({_lit('; ')} body)*" if parallel else ""
-        return f"calls: body{more}\nbody: %json {json.dumps(body)}\n"
+        return f"calls: body{more}\nbody: {body}\n"
 
 
 _PY_CONSTANTS = {"true": True, "false": False, "null": None, "True": True, "False": False,
@@ -232,7 +224,7 @@ class PythonicParser(ToolParser):
         rules, alts = [], []
         any_kw = f"KW {_lit('=')} any"
         if not all(t.strict for t in tools):
-            rules += ["KW: /[A-Za-z_][A-Za-z0-9_]*/", f"any: %json {json.dumps(_compact({}))}"]
+            rules += ["KW: /[A-Za-z_][A-Za-z0-9_]*/", f"any: {lark_json({})}"]
         for i, t in enumerate(tools):
             alts.append(f"t{i}")
             if not t.strict:
@@ -243,7 +235,7 @@ class PythonicParser(ToolParser):
             req = [p for p in props if p in set(t.parameters.get("required") or [])]
             parts = []
             for j, p in enumerate(req):
-                rules.append(f"t{i}_a{j}: %json {json.dumps(_compact(props[p] or {}))}")
+                rules.append(f"t{i}_a{j}: {lark_json(props[p] or {})}")
                 parts.append(f"{_lit(('' if j == 0 else ', ') + p + '=')} t{i}_a{j}")
             rules.append(f"t{i}: {_lit(t.name + '(')} {' '.join(parts)} {_lit(')')}")
         more = f" ({_lit(', ')} call)*" if parallel else ""

@@ -167,7 +167,7 @@ def test_stopped_store_is_a_miss_not_an_error(tiny_bf16, cold, redis_server):
     try:
         assert _outs(llm, _prompts()) == cold
         other = _outs(llm, _prompts(4))
-        llm.engine.kv.tiers.flush()
+        llm.engine.kv.connectors["tiers"].flush()
         assert _outs(llm, _prompts()) == cold
         assert _remote(llm)["hits"] > 0  # restored from the store while it ran
         redis_server.stop()

@@ -9,8 +9,9 @@ import threading
 import torch
 
 from kvserve.cache import block_store as bs
+from kvserve.cache.kv_connector import BlockRef
 from kvserve.cache.kv_events import BlockRemoved, BlockStored, KVEventPublisher, external_hash
-from kvserve.cache.kv_tiers import Evicted, KVTiers, TierConfig, entry_key
+from kvserve.cache.kv_tiers import KVTiers, TierConfig, entry_key
 
 BS = 4
 
@@ -52,7 +53,7 @@ def test_tiers_announce_stores_and_removals_per_medium(tmp_path) -> None:
     try:
         h = [bytes([i]) * 16 for i in (1, 2, 3)]
         toks = [tuple(range(i * BS, (i + 1) * BS)) for i in range(3)]
-        ev = [Evicted(b, h[b], toks[b], None if b == 0 else h[b - 1]) for b in range(3)]
+        ev = [BlockRef(b, h[b], toks[b], None if b == 0 else h[b - 1]) for b in range(3)]
         tiers.write_down(ev, [None] * 3)
         tiers.flush()
         stored = [e for e in sink.events if e[0] == "stored"]
@@ -68,9 +69,9 @@ def test_tiers_announce_stores_and_removals_per_medium(tmp_path) -> None:
         assert len(sink.events) == n
         # a restore from disk promotes the block into memory: stored "cpu" again (and the
         # memory tier's least recently used entry leaves it)
-        tiers.start_restore("r", [(h[0], toks[0])])
+        tiers.start_load("r", ev[:1], None)
         tiers._jobs.get("r").done.wait(10)
-        assert len(tiers.take_restore("r")) == 1
+        assert len(tiers.finished("r").blocks) == 1
         assert sink.events[n:] == [("removed", "cpu", h[2]),
                                    ("stored", "cpu", h[0], None, toks[0])]
         # a refused disk entry is removed for "disk"
@@ -82,9 +83,9 @@ def test_tiers_announce_stores_and_removals_per_medium(tmp_path) -> None:
             f.write(bytes([last[0] ^ 1]))
         tiers.memory.drop(key)
         n = len(sink.events)
-        tiers.start_restore("r2", [(h[2], toks[2])])
+        tiers.start_load("r2", ev[2:], None)
         tiers._jobs.get("r2").done.wait(10)
-        assert tiers.take_restore("r2") == []
+        assert tiers.finished("r2").blocks == []
         assert sink.events[n:] == [("removed", "disk", h[2])]
     finally:
         tiers.close()

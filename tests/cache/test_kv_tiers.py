@@ -104,7 +104,7 @@ def test_restored_equals_recomputed(mode, tiny_bf16, cold, tmp_path):
                kv_offload_memory=0.002, kv_offload_dir=str(tmp_path / "kv"),
                kv_offload_disk=0.01)
     installed: list = []
-    tiers = llm.engine.kv.tiers
+    tiers = llm.engine.kv.connectors["tiers"]
     orig = tiers.install
 
     def spy(ids, blocks):
@@ -207,11 +207,11 @@ def test_mla_latent_cache(tmp_path):
     llm = _llm(path, "int8", num_blocks=5, kv_offload_dir=str(tmp_path / "kv"),
                kv_offload_disk=0.01)
     written: dict = {}
-    tiers = llm.engine.kv.tiers
+    tiers = llm.engine.kv.connectors["tiers"]
     orig_write = tiers._write_one
 
     def spy(w):
-        written[w.chain_hash] = (w.payload.clone(), w.scales.clone())
+        written[w.ref.chain_hash] = (w.payload.clone(), w.scales.clone())
         orig_write(w)
 
     tiers._write_one = spy
@@ -298,7 +298,7 @@ def test_fault_drills(tiny_bf16, cold, tmp_path):
     try:
         assert _outs(llm, p1) == ref1
         assert eng.kv.write_down_cached() > 0
-        spec = eng.kv.tiers.spec
+        spec = eng.kv.connectors["tiers"].spec
         req_hashes = _chain(eng, p1[0])
         first, second = (os.path.join(d, entry_key(spec, h) + ".kvb") for h in req_hashes[:2])
         clean = {f: _read(os.path.join(d, f)) for f in os.listdir(d)}
@@ -410,7 +410,7 @@ def test_second_process_shares_directory(tiny_bf16, cold, tmp_path):
     assert proc.exitcode == 0
     files = DiskTier(d, 2**40).scan()
     assert sum(f[1] for f in files) <= cap
-    spec = llm.engine.kv.tiers.spec
+    spec = llm.engine.kv.connectors["tiers"].spec
     for _, _, path in files:  # no torn file: each is a whole entry (ours verify entirely)
         blob = _read(path)
         hdr = bs.read_header(blob)
@@ -429,7 +429,7 @@ def test_full_queue_drops_writes_not_steps(tiny_bf16, cold):
 
     _, ref1, _, p1, _ = cold("bf16")
     llm = _llm(tiny_bf16, "bf16", num_blocks=12, kv_offload_memory=0.01, kv_offload_queue=2)
-    tiers = llm.engine.kv.tiers
+    tiers = llm.engine.kv.connectors["tiers"]
     gate = threading.Event()
     orig = tiers._write_one
 
@@ -491,19 +491,18 @@ def test_round_trip_sets_write_state(tmp_path):
     """Write-down, restore and install without an engine; where the fused (Triton) writer keeps
     per-block checksum state, install sets it to the verified sums (what sealing reads)."""
     from kvserve.cache.integrity import block_sums
-    from kvserve.cache.kv_tiers import Evicted
+    from kvserve.cache.kv_connector import BlockRef
 
     kv, tiers = _cache_and_tiers(tmp_path)
     kv.csum_state = torch.zeros((kv.num_layers, kv.num_blocks + 1, 4), dtype=torch.int64)
     try:
-        ev = [Evicted(b, bytes([b]) * 16, tuple(range(b, b + BS))) for b in (1, 2, 3)]
+        ev = [BlockRef(b, bytes([b]) * 16, tuple(range(b, b + BS))) for b in (1, 2, 3)]
         tiers.write_down(ev, [None] * 3)
         tiers.flush()
-        items = [(e.chain_hash, e.token_ids) for e in ev]
-        assert tiers.available(items) == 3
-        tiers.start_restore("r", items)
+        assert tiers.num_loadable(ev, None) == 3
+        tiers.start_load("r", ev, None)
         tiers._jobs.get("r").done.wait(10)
-        got = tiers.take_restore("r")
+        got = tiers.finished("r").blocks
         assert [b.chain_hash for b in got] == [e.chain_hash for e in ev]
         want = block_sums(kv, [1, 2, 3])
         tiers.install([5, 6, 7], got)
@@ -524,7 +523,7 @@ def test_restore_does_not_hold_up_others(tiny_bf16, cold):
     _, ref1, _, p1, _ = cold("int8")
     llm = _llm(tiny_bf16, "int8", num_blocks=12, kv_offload_memory=0.01)
     eng = llm.engine
-    tiers = eng.kv.tiers
+    tiers = eng.kv.connectors["tiers"]
     try:
         assert _outs(llm, [p1[0]]) == [ref1[0]]
         assert eng.kv.write_down_cached() > 0  # prompt 0's blocks in the memory tier ...
@@ -547,7 +546,7 @@ def test_restore_does_not_hold_up_others(tiny_bf16, cold):
             if "runs" in done:
                 break
         assert done == {"runs": ref1[3][0]}
-        assert tiers.restoring("waits")
+        assert tiers.loading("waits") and tiers.finished("waits") is None
         gate.set()
         while eng.has_unfinished_requests():
             for o in eng.step():
@@ -570,8 +569,8 @@ def test_bad_memory_entry_falls_back_to_disk(tiny_bf16, cold, tmp_path):
     try:
         assert _outs(llm, [p1[0]]) == [ref1[0]]
         assert eng.kv.write_down_cached() > 0
-        mem = eng.kv.tiers.memory
-        key = entry_key(eng.kv.tiers.spec, _chain(eng, p1[0])[0])
+        mem = eng.kv.connectors["tiers"].memory
+        key = entry_key(eng.kv.connectors["tiers"].spec, _chain(eng, p1[0])[0])
         blob = bytearray(mem._d[key])
         blob[len(blob) // 2] ^= 0x01
         mem._d[key] = bytes(blob)

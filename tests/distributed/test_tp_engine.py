@@ -432,3 +432,42 @@ def test_per_rank_weight_memory_is_half(model_factory):
     assert two["replicated"] == one["replicated"]
     assert two["held"] == (one["held"] - one["replicated"]) // 2 + one["replicated"], res
     assert 0.5 <= two["held"] / one["held"] < 0.52, res
+
+
+def _speculative(path: str) -> dict:
+    """TP=2 engines without and with speculation (bf16 weights: the batch-invariant 16-bit
+    GEMM, so a verify step's rows equal decode steps' bit for bit)."""
+    from kvserve import LLM, SamplingParams
+
+    sp = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True, logprobs=2)
+    prompts = [{"prompt_token_ids": p} for p in (*PROMPTS, [1] + [5, 9, 13, 17, 21] * 6)]
+    res: dict = {}
+    for name, spec in (("off", None),
+                       ("ngram", {"method": "ngram", "num_speculative_tokens": 4,
+                                  "prompt_lookup_min": 1, "adaptive": False}),
+                       ("suffix", {"method": "suffix", "num_speculative_tokens": 6,
+                                   "adaptive": False})):
+        llm = LLM(path, **_kw(2, dtype="bf16", kv_cache_dtype="bf16",
+                              speculative_config=spec))
+        try:
+            outs = llm.generate(prompts, sp)
+            res[name] = [(o.outputs[0].token_ids,
+                          [sorted(d.items()) for d in o.outputs[0].logprobs]) for o in outs]
+            sd = llm.engine.stats().spec_decode
+            res[f"{name}_accepted"] = sd["num_accepted_tokens"] if sd else 0
+            llm.engine.debug.check_no_leaks()
+        finally:
+            llm.engine.shutdown()
+    return res
+
+
+def test_speculation_under_tp_equals_off(tmp_path_factory):
+    """Greedy tokens and logprobs with speculation on (ngram, suffix) equal off under TP=2:
+    every rank computes the verify step's draft rows as decode rows."""
+    from tests.conftest import make_tiny_model
+
+    path = make_tiny_model(str(tmp_path_factory.mktemp("tp_spec")), "llama",
+                           save_dtype=torch.bfloat16)
+    res = run_driver(_speculative, path)
+    assert res["ngram"] == res["off"] and res["suffix"] == res["off"]
+    assert res["ngram_accepted"] > 0 and res["suffix_accepted"] > 0

@@ -182,6 +182,44 @@ def test_adapter_over_gguf_packed_weights(adapters, tmp_path, make_llm):
     assert_greedy_equal(llm, dequantized_hf(path), prompts, max_tokens=12)  # base rows too
 
 
+@pytest.mark.slow  # two engines, one recording its decode graph
+def test_decode_graphs_stay_on_with_lora(adapters, tmp_path, make_llm):
+    """With LoRA on, the CPU decode graph records the grouped LoRA GEMM (4 calls a layer, each
+    row's slot a graph input): steps mixing the base and three adapters -- one registered after
+    the recording -- replay to the eager engine's tokens and logprobs bit for bit, and each
+    sequence's greedy output equals transformers + peft merged (fp32 over the bf16 weights)."""
+    from tests.conftest import make_tiny_model
+
+    _, ads = adapters  # same shapes as this base
+    base = make_tiny_model(str(tmp_path / "bf16"), save_dtype=torch.bfloat16)
+    kw = dict(kv_cache_dtype="fp32", lora_modules=[f"a1={ads['a1']}", f"a2={ads['a2']}"],
+              max_num_batched_tokens=16, cpu_bf16_dot_rows=0)
+    fast = make_llm(base, **kw)
+    eager = make_llm(base, enforce_eager=True, **kw)
+    g = fast.engine.runner.graphs
+    assert eager.engine.runner.graphs is None
+    assert g is not None and g.refused is None, "decode graph refused (see the log)"
+    with open(os.path.join(base, "config.json")) as f:
+        layers = json.load(f)["num_hidden_layers"]
+    assert g.tape.names.count("kvs_lora_gemm") == 4 * layers
+    names = [None, "a1", "a2", "a3"]
+    prompts = [{"prompt_token_ids": p} for p in PROMPTS for _ in names]
+    loras = [None if n is None else LoRARequest(n) for _ in PROMPTS for n in names]
+    sp = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=2)
+    outs = {}
+    for label, llm in (("eager", eager), ("fast", fast)):
+        llm.engine.add_lora("a3", ads["a3"])  # after the recording: a slot filled later
+        outs[label] = [o.outputs[0] for o in llm.generate(prompts, sp, lora_request=loras)]
+    assert g.runs > 0
+    assert [o.token_ids for o in outs["fast"]] == [o.token_ids for o in outs["eager"]]
+    assert [o.logprobs for o in outs["fast"]] == [o.logprobs for o in outs["eager"]]
+    for i, ids in enumerate(PROMPTS):
+        for j, n in enumerate(names):
+            got = outs["fast"][i * len(names) + j].token_ids
+            assert got == _reference(base, ads.get(n), ids), (i, n)
+    assert len({tuple(outs["fast"][j].token_ids) for j in range(len(names))}) == 4
+
+
 def _broken(src: str, dst, edit=None, drop=None) -> str:
     shutil.copytree(src, dst)
     if drop:

@@ -5,7 +5,7 @@ import math
 import torch
 
 from kvserve import SamplingParams
-from kvserve.layers.sampler import Sampler, SampleRow, argmax_rows
+from kvserve.engine.sampler import Sampler, SampleRow, argmax_rows
 
 
 def _p(ids):

@@ -74,6 +74,73 @@ def test_suffix_tree_min_prob_cuts_uncertain_branches():
     assert t.draft([1], 1, 4.0, 0.4)[0] == [2]
 
 
+def _brute_match(tree: SuffixTree, context: list[int]):
+    """The quadratic definition: the longest suffix (<= D - 1) walked from the root that has
+    a continuation."""
+    for m in range(min(tree.depth - 1, len(context)), 0, -1):
+        node = 0  # the root
+        for t in context[len(context) - m :]:
+            node = (tree.kids[node] or {}).get(t)
+            if node is None:
+                break
+        if node is not None and tree.kids[node]:
+            return node, m
+    return None, 0
+
+
+def _brute_draft(tree: SuffixTree, context: list[int], k: int, factor: float, min_prob: float):
+    node, m = _brute_match(tree, context)
+    if node is None:
+        return [], 0.0
+    out, ctx, prob, score = [], list(context[-tree.depth:]), 1.0, 0.0
+    while len(out) < min(k, max(1, int(factor * m))):
+        if not tree.kids[node]:
+            node, _ = _brute_match(tree, ctx)
+            if node is None:
+                break
+        total = sum(tree.count[c] for c in tree.kids[node].values())
+        tok, child = max(tree.kids[node].items(), key=lambda kv: tree.count[kv[1]])
+        prob *= tree.count[child] / total
+        if prob < min_prob:
+            break
+        out.append(tok)
+        ctx.append(tok)
+        score += prob
+        node = child
+    return out, score
+
+
+@pytest.mark.parametrize("depth", [1, 2, 5, 8])
+def test_suffix_links_match_the_quadratic_definition(depth):
+    """Linear matching (suffix links) finds what walking every suffix from the root finds, in
+    a tree that follows one sequence and in the global tree as requests come and go."""
+    g = torch.Generator().manual_seed(depth)
+    seqs = [torch.randint(0, 5, (int(n),), generator=g).tolist()
+            for n in torch.randint(1, 40, (12,), generator=g)]
+    own, glob = SuffixTree(depth), GlobalSuffixCache(depth, max_requests=3)
+    followed: list[int] = []
+    for seq in seqs:
+        for t in seq:
+            own.append(t)
+            followed.append(t)
+            want = _brute_match(own, followed)
+            assert own._match(followed) == want and own.match_end() == want
+        glob.add(seq)
+        for start in range(len(followed) - 1):
+            ctx = followed[start:start + 12]
+            for tree in (own, glob.tree):
+                assert tree._match(ctx) == _brute_match(tree, ctx)
+                for k, factor in ((4, 1.0), (20, 4.0)):
+                    got, want = (tree.draft(ctx, k, factor, 0.05),
+                                 _brute_draft(tree, ctx, k, factor, 0.05))
+                    assert got[0] == want[0] and got[1] == pytest.approx(want[1])
+    # nodes are ints and children dicts of ints: nothing the garbage collector tracks
+    import gc
+
+    for tree in (own, glob.tree):
+        assert not any(gc.is_tracked(k) for k in tree.kids if k is not None)
+
+
 def test_global_suffix_cache_evicts_the_oldest():
     g = GlobalSuffixCache(depth=4, max_requests=1)
     g.add([10, 11, 12])
@@ -92,6 +159,25 @@ def test_step_cost_fits_the_rows():
     flat = StepCost()
     flat.observe(1, 0.004)
     assert flat.line()[1] == pytest.approx(0.001)  # the prior: a row = 1/4 of the mean step
+
+
+def test_new_requests_start_from_the_recent_acceptance():
+    """A request without history gets all requests' recent acceptance as its prior (a
+    workload whose drafts are accepted drafts long from a request's first step); while
+    nothing is drafted that prior drifts back to 0.5, so drafting is tried again."""
+    from kvserve.engine.spec.drafter import Drafter, _State
+
+    d = Drafter(parse_speculative_config(NGRAM))
+    assert d._alpha(_State(None)) == pytest.approx(0.5)
+    for _ in range(20):
+        d.observe({"a": 4}, {"a": 4}, 5, 0.01)
+    assert d._alpha(_State(None)) > 0.9
+    for _ in range(150):
+        d.observe({"a": 4}, {"a": 0}, 5, 0.01)
+    assert d._alpha(_State(None)) < 0.1
+    for _ in range(200):
+        d.observe({}, {}, 1, 0.01)
+    assert d._alpha(_State(None)) == pytest.approx(0.5, abs=0.01)
 
 
 # ---- configuration -----------------------------------------------------------------------
@@ -285,13 +371,58 @@ def test_structured_output_with_drafts(make_llm):
     assert _drafted(on) > 0
 
 
+def test_decode_side_of_disaggregation_identical(spec_model, reference, tmp_path):
+    """A decode engine that speculates takes a prefill engine's KV and first token (the shared
+    directory) and decodes with drafts: tokens and logprobs equal the colocated engine's
+    without speculation; the KV came over, drafts were accepted, no block or offer is left."""
+    import time
+
+    from kvserve.engine.llm_engine import LLMEngine
+    from kvserve.request import FirstToken
+
+    kw = {"kv_transfer": "dir", "kv_transfer_dir": str(tmp_path), "kv_cache_memory": "8MiB",
+          "progress": False}
+    pre = LLMEngine(model=spec_model, **kw)
+    dec = LLMEngine(model=spec_model, speculative_config={**SUFFIX, "adaptive": False}, **kw)
+
+    def drain(eng) -> dict:
+        done, deadline = {}, time.monotonic() + 60
+        while eng.has_unfinished_requests() and time.monotonic() < deadline:
+            done.update((o.request_id, o) for o in eng.step() if o.finished)
+        assert not eng.has_unfinished_requests()
+        return done
+
+    try:
+        for i, p in enumerate(_prompts()):
+            pre.add_request(f"r{i}", _p(p), GREEDY.clone(max_tokens=1), kv_export=True)
+        first = drain(pre)
+        for i, p in enumerate(_prompts()):
+            o = first[f"r{i}"]
+            tok, lps = o.outputs[0].token_ids[0], o.outputs[0].logprobs[0]
+            dec.add_request(f"r{i}", _p(p), GREEDY, kv_transfer=o.kv_transfer,
+                            first_token=FirstToken(tok, lps[tok], lps))
+        done = drain(dec)
+        got = [(done[f"r{i}"].outputs[0].token_ids, done[f"r{i}"].outputs[0].logprobs)
+               for i in range(len(_prompts()))]
+        assert got == reference
+        st = dec.stats()
+        assert st.kv_transfer["blocks_installed"] > 0 and not st.kv_transfer["fallbacks"]
+        assert st.spec_decode["num_accepted_tokens"] > 0
+        for e in (pre, dec):
+            e.debug.check_no_leaks()
+            assert e.kv.connectors["transfer"].transport.outstanding() == 0
+    finally:
+        pre.shutdown()
+        dec.shutdown()
+
+
 # ---- the draw follows the target distribution ---------------------------------------------
 def test_verification_follows_the_target_distribution():
     """Rows of a verified draft are sampled as a normal step samples them and d_1 is accepted
     iff it is the token drawn: the emitted first token follows p exactly, and d_1 is accepted
     with probability p(d_1) (rejection sampling for a deterministic draft). Chi-square over
     20000 draws on a vocabulary of 8."""
-    from kvserve.layers.sampler import Sampler, SampleRow
+    from kvserve.engine.sampler import Sampler, SampleRow
 
     torch.manual_seed(0)
     logits = torch.tensor([2.0, 1.0, 0.5, 0.0, -0.5, 1.5, -1.0, 0.2])

@@ -11,9 +11,9 @@ import jsonschema
 import numpy as np
 import pytest
 
-from kvserve.layers.grammar import GrammarCompiler
 from kvserve.sampling_params import SamplingParams
 from kvserve.sampling_params import StructuredOutputsParams as SO
+from kvserve.structured_output.compiler import GrammarCompiler
 from tests.server.conftest import demo_model
 
 SCHEMA = {

@@ -1,7 +1,8 @@
 """The grouped multi-LoRA GEMM: the C kernel (native build and every ISA variant this CPU runs)
 and the Triton kernel (interpreter without CUDA) against the twin
 ``kvserve.kernels.reference.lora_delta``, over a shape sweep: slots used by several rows, rows
-without an adapter, ranks padded with zeros, K / N / R not multiples of the vector width."""
+without an adapter, ranks padded with zeros, K / N / R not multiples of the vector width, fused
+linears' shards (garbage outside the shards' blocks of B, which no kernel may read)."""
 
 from __future__ import annotations
 
@@ -12,28 +13,72 @@ from kvserve.kernels import reference as ref
 from kvserve.kernels.cpu import lora_gemm as cl
 from tests.conftest import ISA_VARIANTS, variant_library
 
-SHAPES = [  # (T, K, N, R, S)
-    (1, 64, 48, 8, 1),
-    (7, 72, 130, 16, 3),  # K and N past a vector width, N past one 64-column block
-    (16, 576, 192, 8, 4),
-    (5, 33, 17, 5, 2),  # odd everything (masked AVX-512 tails)
-    (12, 128, 64, 64, 5),
+SHAPES = [  # (T, K, N, R, S, shards): a fused linear's H shards split N and R
+    (1, 64, 48, 8, 1, 1),
+    (7, 72, 130, 16, 3, 1),  # K and N past a vector width, N past one 64-column block
+    (16, 576, 192, 8, 4, 1),
+    (5, 33, 17, 5, 2, 1),  # odd everything (masked AVX-512 tails)
+    (12, 128, 64, 64, 5, 1),
+    (16, 96, 160, 48, 4, 3),  # q/k/v: 3 shards, boundaries inside 64-column blocks
+    (9, 40, 150, 10, 3, 2),  # gate/up: 2 shards of 75 columns, rank 5 each
 ]
 
 
-def _case(t, k, n, r, s, seed, device="cpu"):
+def _noff(n, h):
+    """H shards: the first takes half of N, the others split the rest (q/k/v-like)."""
+    if h == 1:
+        return torch.tensor([0, n], dtype=torch.int64)
+    first = n // 2
+    rest = [(n - first) // (h - 1)] * (h - 1)
+    rest[-1] += n - first - sum(rest)
+    offs = [0, first]
+    for w in rest:
+        offs.append(offs[-1] + w)
+    return torch.tensor(offs, dtype=torch.int64)
+
+
+def _case(t, k, n, r, s, h, seed, device="cpu"):
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(t, k, generator=g)
     a = torch.randn(s, r, k, generator=g) * 0.1
-    b = torch.randn(s, n, r, generator=g) * 0.1
-    if r > 2:  # slot 0 has a smaller rank: its padding is zero
-        a[0, r - 2:] = 0
-        b[0, :, r - 2:] = 0
+    # bt outside each shard's block holds garbage: the kernels must not read it
+    bt = torch.randn(s, r, n, generator=g) * 0.1
+    rh = r // h
+    if rh > 2:  # slot 0 has a smaller rank: its padding is zero
+        for i in range(h):
+            a[0, i * rh + rh - 2:(i + 1) * rh] = 0
+            bt[0, i * rh + rh - 2:(i + 1) * rh] = 0
+    noff = _noff(n, h)
     idx = torch.randint(-1, s, (t,), generator=g)
     idx[0] = s - 1  # at least one row with an adapter
     scale = torch.rand(s, generator=g) + 0.5
     y = torch.randn(t, n, generator=g)
-    return [v.to(device) for v in (y, x, a, b, idx, scale)]
+    return [v.to(device) for v in (y, x, a, bt, idx, scale, noff)]
+
+
+def _masked(bt, noff):
+    """bt with its entries outside the shards' blocks zeroed (what the full product needs)."""
+    offs = noff.tolist()
+    h = len(offs) - 1
+    rh = bt.shape[1] // h
+    out = torch.zeros_like(bt)
+    for i in range(h):
+        rows, cols = slice(i * rh, (i + 1) * rh), slice(offs[i], offs[i + 1])
+        out[:, rows, cols] = bt[:, rows, cols]
+    return out
+
+
+def test_twin_is_the_full_product_over_the_shard_blocks():
+    """The twin's delta equals scale * (x A^T) B^T with B zero outside the shards' blocks (the
+    layout LoRALinear keeps), computed densely per row."""
+    y, x, a, bt, idx, scale, noff = _case(16, 96, 160, 48, 4, 3, seed=5)
+    got = ref.lora_delta(x, a, bt, idx, scale, noff)
+    dense = _masked(bt, noff)
+    for t in range(x.shape[0]):
+        s = int(idx[t])
+        want = (torch.zeros(160) if s < 0
+                else scale[s] * ((a[s] @ x[t]) @ dense[s]))
+        assert torch.allclose(got[t], want, atol=1e-5, rtol=1e-5)
 
 
 def _lib(isa, tmp_path):
@@ -49,9 +94,9 @@ def _lib(isa, tmp_path):
 @pytest.mark.parametrize("shape", SHAPES)
 def test_c_kernel_matches_twin(isa, shape, tmp_path):
     lib = _lib(isa, tmp_path)
-    y, x, a, b, idx, scale = _case(*shape, seed=sum(shape))
-    want = y.double() + ref.lora_delta(x, a, b, idx, scale).double()
-    got = cl.lora_gemm_(lib, y.clone(), x, a, b, idx, scale)
+    y, x, a, bt, idx, scale, noff = _case(*shape, seed=sum(shape))
+    want = y.double() + ref.lora_delta(x, a, bt, idx, scale, noff).double()
+    got = cl.lora_gemm_(lib, y.clone(), x, a, bt, idx, scale, noff)
     assert (got.double() - want).abs().max() <= 1e-5 * max(1.0, float(want.abs().max()))
     none = idx < 0  # rows without an adapter are left exactly as they were
     assert torch.equal(got[none], y[none])
@@ -65,29 +110,29 @@ def test_c_kernel_paths(tmp_path):
     lib = _lib("native", tmp_path)
     kind = cpu_kind()
     assert lib.kvs_lora_simd() == {"portable": 0, "avx2": 1}.get(kind, 2)
-    y, x, a, b, idx, scale = _case(3, 64, 16, 4, 2, seed=1)
+    y, x, a, bt, idx, scale, noff = _case(3, 64, 16, 4, 2, 1, seed=1)
     idx[1] = 2
     with pytest.raises(AssertionError, match="out of range"):
-        cl.lora_gemm_(lib, y, x, a, b, idx, scale)
+        cl.lora_gemm_(lib, y, x, a, bt, idx, scale, noff)
 
 
 def test_no_adapter_rows_cost_nothing():
     lib = _lib("native", None)
-    y, x, a, b, _, scale = _case(4, 64, 16, 4, 2, seed=2)
+    y, x, a, bt, _, scale, noff = _case(4, 64, 16, 4, 2, 1, seed=2)
     idx = torch.full((4,), -1, dtype=torch.int64)
-    assert torch.equal(cl.lora_gemm_(lib, y.clone(), x, a, b, idx, scale), y)
+    assert torch.equal(cl.lora_gemm_(lib, y.clone(), x, a, bt, idx, scale, noff), y)
 
 
 @pytest.mark.slow  # Triton interpreter
-@pytest.mark.parametrize("shape", SHAPES[:4])
+@pytest.mark.parametrize("shape", [*SHAPES[:4], SHAPES[5]])
 def test_triton_kernel_matches_twin(shape):
     pytest.importorskip("triton")
     from kvserve.kernels.triton.lora import lora_gemm_
 
     dev = "cuda" if torch.cuda.is_available() else "cpu"
-    y, x, a, b, idx, scale = _case(*shape, seed=sum(shape), device=dev)
-    want = y.double() + ref.lora_delta(x, a, b, idx, scale).double()
-    got = lora_gemm_(y.clone(), x, a, b, idx, scale)
+    y, x, a, bt, idx, scale, noff = _case(*shape, seed=sum(shape), device=dev)
+    want = y.double() + ref.lora_delta(x, a, bt, idx, scale, noff).double()
+    got = lora_gemm_(y.clone(), x, a, bt, idx, scale, noff)
     assert (got.double() - want).abs().max() <= 1e-4 * max(1.0, float(want.abs().max()))
     none = idx < 0
     assert torch.equal(got[none], y[none])

@@ -15,6 +15,7 @@ import schemathesis
 from hypothesis import HealthCheck, given, settings
 from schemathesis.generation import GenerationMode
 
+from kvserve.http.openapi import LIMITS_KEY, RequestLimits
 from kvserve.router.app import RouterState, build_router_app
 from kvserve.router.settings import RouterSettings
 from tests.server.conftest import InProcess
@@ -38,7 +39,10 @@ def router(replica):
     state = RouterState(RouterSettings(replicas=("http://replica-a",)), None, None)
     state.client = httpx.AsyncClient(transport=httpx.ASGITransport(app=replica.app),
                                      timeout=60)
+    limits = RequestLimits.from_dict(replica.app.openapi()["info"][LIMITS_KEY])
+    assert limits is not None and limits.max_model_len == 48
     for r in state.pool.replicas.values():
+        r.limits = limits  # as the pool reads them from the replica's /openapi.json on join
         r.healthy = True
         r.down = asyncio.Event()
         state.ring.add(r.name)
@@ -78,6 +82,8 @@ def test_router_declares_what_a_replica_declares(replica, router, method, path):
         body = _resolve(mine["requestBody"], ours)
         assert body == _resolve(want["requestBody"], theirs)
         assert body["required"] and body["content"]["application/json"]["schema"]["properties"]
+        props = body["content"]["application/json"]["schema"]["properties"]
+        assert props["n"]["maximum"] == 4  # the replica's limits (--max-n), stated by both
 
 
 @pytest.fixture(scope="module")

@@ -80,7 +80,8 @@ CASES = [
     ("prompt-bools", CMPL, _c(prompt=[True, False]), "prompt"),
     ("prompt-bools-batch", CMPL, _c(prompt=[[1, True]]), "prompt"),
     ("max-tokens-numeric-string", CMPL, _c(max_tokens="5"), "max_tokens"),
-    ("n-float", CMPL, _c(n=2.0), "n"),
+    ("n-float", CMPL, _c(n=2.5), "n"),
+    ("token-id-float", CMPL, _c(prompt=[1, 2.5]), "prompt"),
     ("logprobs-bool", CMPL, _c(logprobs=True), "logprobs"),
     ("chat-logprobs-string", CHAT, _chat(logprobs="true"), "logprobs"),
     ("include-usage-string", CMPL, _c(stream=True, stream_options={"include_usage": "yes"}),
@@ -177,6 +178,16 @@ def test_unknown_fields_are_ignored(client):
     r = client.post(CHAT, json=_chat(frobnicate=True, tools=[], logit_bias={"1": 5},
                                      response_format={"type": "text"}))
     assert r.status_code == 200, r.text
+    assert_ok(client)
+
+
+def test_integral_floats_are_integers(client):
+    """JSON's 2.0 is the integer 2 (the schema's "integer" admits it): accepted as 2."""
+    r = client.post(CMPL, json=_c(n=2.0, max_tokens=3.0, seed=7.0, prompt=[1.0, 2],
+                                  ignore_eos=True))
+    assert r.status_code == 200, r.text
+    assert len(r.json()["choices"]) == 2 and r.json()["usage"]["completion_tokens"] == 6
+    assert r.json()["usage"]["prompt_tokens"] == 2
     assert_ok(client)
 
 

@@ -219,9 +219,9 @@ def test_grammar_gate_states(models):
     grammar's first token; the grammar starts after </think>."""
     import numpy as np
 
-    from kvserve.layers.grammar import GrammarCompiler
     from kvserve.model.loader import load_tokenizer
     from kvserve.sampling_params import StructuredOutputsParams
+    from kvserve.structured_output.compiler import GrammarCompiler
 
     deepseek, _, _, k = models
     tok = load_tokenizer(deepseek)

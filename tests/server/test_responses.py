@@ -88,7 +88,7 @@ def test_continuation_reuses_the_prefix_cache(tiny):
         second = await client.responses.create(model=MODEL_NAME, input="w7 w8",
                                                previous_response_id=first.id,
                                                max_output_tokens=4, temperature=0)
-        with pytest.raises(openai.BadRequestError) as unknown:
+        with pytest.raises(openai.NotFoundError) as unknown:
             await client.responses.create(model=MODEL_NAME, input="w1",
                                           previous_response_id="resp-nope")
         unstored = await client.responses.create(model=MODEL_NAME, input="w1", store=False,
@@ -102,7 +102,7 @@ def test_continuation_reuses_the_prefix_cache(tiny):
     cached = second.usage.input_tokens_details.cached_tokens
     assert cached >= first.usage.input_tokens - 16  # all but the last partial block
     assert second.previous_response_id == first.id
-    assert unknown.status_code == 400 and unknown.body["param"] == "previous_response_id"
+    assert unknown.status_code == 404 and unknown.body["param"] == "previous_response_id"
 
 
 def test_input_items_and_errors(tiny):

@@ -12,10 +12,10 @@ import pytest
 from openai import OpenAI
 from pydantic import BaseModel, Field
 
-from kvserve.layers.grammar import GrammarCompiler
 from kvserve.model.loader import load_tokenizer
 from kvserve.sampling_params import StructuredOutputsParams
-from kvserve.server.structured import strict_schema
+from kvserve.structured_output.compiler import GrammarCompiler
+from kvserve.structured_output.schema import strict_schema
 from tests.server.conftest import MODEL_NAME, ServerProcess, demo_model
 
 

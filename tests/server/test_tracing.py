@@ -263,3 +263,90 @@ def test_phases_from_recorded_metrics() -> None:
         "kvserve.kv_transfer.fallback"] == "timeout"
     assert all(s.parent.span_id == spans["chat m"].context.span_id
                for s in spans.values() if s.name != "chat m")
+
+
+def test_speculation_acceptance_attributes(inprocess, rx) -> None:
+    """With speculative decoding on, the server span and the decode span carry the request's
+    drafts, draft tokens and accepted tokens (equal to the engine's counters for this one
+    request), the acceptance rate and the mean accepted length; with it off, none of them."""
+    spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1,
+            "prompt_lookup_max": 2, "adaptive": False}
+    srv = inprocess(otlp_traces_endpoint=rx.endpoint, engine_kw={"speculative_config": spec})
+    # a prompt over many token ids: a one-token lookup finds nearly every sampled token in it
+    body = {"model": MODEL_NAME, "prompt": list(range(3, 200)) * 2, "max_tokens": 24,
+            "temperature": 0, "ignore_eos": True}
+
+    async def go():
+        async with srv.client() as c:
+            r = await c.post("/v1/completions", json=body)
+            assert r.status_code == 200, r.text
+
+    srv.run(go())
+    _flush(srv)
+    spans = rx.wait_for(lambda s: any(x.name == "kvserve.decode" for x in s), 10)
+    (server,) = [s for s in spans if s.kind == "SERVER"]
+    (decode,) = [s for s in spans if s.name == "kvserve.decode"]
+    counters = srv.engine._engine.stats().spec_decode
+    p = "kvserve.spec_decode."
+    for a in (server.attributes, decode.attributes):
+        assert a[f"{p}num_drafts"] == counters["num_drafts"] > 0
+        assert a[f"{p}num_draft_tokens"] == counters["num_draft_tokens"]
+        assert a[f"{p}num_accepted_tokens"] == counters["num_accepted_tokens"]
+        assert a[f"{p}acceptance_rate"] == pytest.approx(
+            counters["num_accepted_tokens"] / counters["num_draft_tokens"])
+        assert a[f"{p}mean_accepted_length"] == pytest.approx(
+            1 + counters["num_accepted_tokens"] / counters["num_drafts"])
+    assert server.attributes["gen_ai.usage.output_tokens"] == 24
+
+    off = inprocess(otlp_traces_endpoint=rx.endpoint)
+
+    async def go_off():
+        async with off.client() as c:
+            r = await c.post("/v1/completions", json=body)
+            assert r.status_code == 200, r.text
+
+    off.run(go_off())
+    _flush(off)
+    spans = rx.wait_for(lambda s: sum(x.kind == "SERVER" for x in s) >= 2, 10)
+    plain = [s for s in spans if s.kind == "SERVER" and s.span_id != server.span_id]
+    assert plain and not any(k.startswith(p) for s in plain for k in s.attributes)
+
+
+def test_speculation_attributes_from_recorded_metrics() -> None:
+    """Several sequences (n > 1): their drafts add up on the server span, each decode span has
+    its own; a request with none recorded has no such attribute."""
+    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+    from kvserve.http.tracing import RequestTrace, Tracing
+    from kvserve.outputs import RequestMetrics, SpecDecodeUsage
+
+    mem = InMemorySpanExporter()
+    tr = Tracing("http://127.0.0.1:9/v1/traces", "http/protobuf", "kvserve", exporter=mem)
+
+    def metrics(use):
+        return RequestMetrics(arrival_time=10.0, first_scheduled_time=10.1,
+                              first_token_time=10.2, last_token_time=11.0, finished_time=11.0,
+                              spec_decode=use)
+
+    class Body:
+        model, max_tokens, n, stream, kv_transfer = None, 8, 2, False, None
+
+    rt = RequestTrace(tr, {}, "text_completion", "m", "both", Body())
+    rt.finish("cmpl-1", 10.0, [metrics(SpecDecodeUsage(4, 12, 9)),
+                               metrics(SpecDecodeUsage(2, 4, 0))], 10, 30, ["length"] * 2)
+    RequestTrace(tr, {}, "text_completion", "m", "both", Body()).finish(
+        "cmpl-2", 10.0, [metrics(None)], 10, 3, ["length"])
+    tr.shutdown()
+    spans = mem.get_finished_spans()
+    one = [s for s in spans if s.name == "text_completion m"
+           and s.attributes["gen_ai.response.id"] == "cmpl-1"][0].attributes
+    assert (one["kvserve.spec_decode.num_drafts"], one["kvserve.spec_decode.num_draft_tokens"],
+            one["kvserve.spec_decode.num_accepted_tokens"]) == (6, 16, 9)
+    assert one["kvserve.spec_decode.acceptance_rate"] == pytest.approx(9 / 16)
+    assert one["kvserve.spec_decode.mean_accepted_length"] == pytest.approx(1 + 9 / 6)
+    decodes = sorted(s.attributes.get("kvserve.spec_decode.num_accepted_tokens", -1)
+                     for s in spans if s.name == "kvserve.decode")
+    assert decodes == [-1, 0, 9]  # cmpl-2's decode span has none
+    two = [s for s in spans if s.name == "text_completion m"
+           and s.attributes["gen_ai.response.id"] == "cmpl-2"][0].attributes
+    assert not any(k.startswith("kvserve.spec_decode.") for k in two)

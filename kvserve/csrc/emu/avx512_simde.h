@@ -117,6 +117,26 @@ static inline simde__m512i kvs_emu_maskz_loadu_epi16(uint32_t k, const void *p) 
 }
 #define _mm512_maskz_loadu_epi16 kvs_emu_maskz_loadu_epi16
 
+/* fp32 masked load / store: masked lanes are neither read nor written (SIMDe may blend
+ * through a full 64-byte access, which races with threads owning the neighbouring floats) */
+#undef _mm512_maskz_loadu_ps
+static inline simde__m512 kvs_emu_maskz_loadu_ps(uint32_t k, const void *p) {
+    simde__m512_private r;
+    const float *s = (const float *)p;
+    for (int l = 0; l < 16; l++) r.f32[l] = (k >> l) & 1 ? s[l] : 0.0f;
+    return simde__m512_from_private(r);
+}
+#define _mm512_maskz_loadu_ps kvs_emu_maskz_loadu_ps
+#undef _mm512_mask_storeu_ps
+static inline void kvs_emu_mask_storeu_ps(void *p, uint32_t k, simde__m512 v) {
+    const simde__m512_private r = simde__m512_to_private(v);
+    float *d = (float *)p;
+    for (int l = 0; l < 16; l++)
+        if ((k >> l) & 1)
+            d[l] = r.f32[l];
+}
+#define _mm512_mask_storeu_ps kvs_emu_mask_storeu_ps
+
 /* vcvtne2ps2bf16: lanes 0-15 from b, 16-31 from a; round to nearest even, denormal inputs
  * to signed zero, NaN quieted: per lane the rounding of w16_gemm.c's bf16_rne (its K % 32
  * tail), kept as a copy here so that the emulation does not depend on the kernel it checks */

@@ -46,7 +46,7 @@ class DraftModelProposer:
             kv_offload_memory=0.0, kv_offload_dir=None, kv_offload_disk=0.0, kv_transfer=None,
             kv_transfer_dir=None, kv_events_endpoint=None, kv_events_replay_endpoint=None,
             tensor_parallel_size=1, kv_cache_memory=None, num_blocks=None, enable_lora=False,
-            lora_modules=[],
+            lora_modules=[], kv_connector=None,
             kv_cache_memory_fraction=min(args.kv_cache_memory_fraction, 0.1), progress=False)
         parts = build_engine(dargs)
         if parts.config.model.vocab_size != vocab_size or \

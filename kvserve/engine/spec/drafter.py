@@ -4,12 +4,13 @@ many each gets.
 Proposals come from the configured method (``ngram``: prompt lookup, ``suffix``: suffix trees,
 ``draft_model``: a smaller model). With ``adaptive`` (the default) the draft tokens of all
 requests compete for rows of the next step: token j of a request is expected to be accepted
-with probability alpha^j (alpha: the request's recent per-token acceptance), and one more row
-costs the fitted slope of the step-time curve (``StepCost``). Tokens are taken in order of
-that probability while the step's expected tokens per second still rises, so a request whose
-drafts keep failing stops drafting (its alpha drifts back to the prior while it does not
-draft, so it is tried again later), and a large batch, where a row costs a whole token's share,
-drafts only near-certain tokens.
+with probability alpha^j (alpha: the request's recent per-token acceptance; before it has
+any, all requests' recent acceptance, which drifts back to 0.5 while nothing is drafted), and
+one more row costs the fitted slope of the step-time curve (``StepCost``). Tokens are taken in
+order of that probability while the step's expected tokens per second still rises, so a
+request whose drafts keep failing stops drafting (its alpha drifts back to the prior while it
+does not draft, so it is tried again later), and a large batch, where a row costs a whole
+token's share, drafts only near-certain tokens.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ PRIOR = 0.5  # acceptance prior of a request that has no history yet
 _PRIOR_WEIGHT = 2.0  # in trials
 _DECAY = 0.8  # per verification: older outcomes count less
 _IDLE_DECAY = 0.95  # per step without drafts: back towards the prior
+_GLOBAL_DECAY = 0.98  # per verification, for the prior over all requests
 
 
 class DraftModel(Protocol):
@@ -49,9 +51,8 @@ class _State:
         self.fed = 0  # tokens of req.all_token_ids appended to the tree
         self.acc = self.trials = 0.0
 
-    @property
-    def alpha(self) -> float:
-        return (self.acc + PRIOR * _PRIOR_WEIGHT) / (self.trials + _PRIOR_WEIGHT)
+    def alpha(self, prior: float = PRIOR) -> float:
+        return (self.acc + prior * _PRIOR_WEIGHT) / (self.trials + _PRIOR_WEIGHT)
 
 
 class Drafter:
@@ -63,6 +64,8 @@ class Drafter:
         self.cost = StepCost()
         self.counters = SpecDecodeCounters(accepted_per_pos=[0] * self.k)
         self._states: dict[str, _State] = {}
+        # every request's outcomes together: the prior of a request that has none yet
+        self._acc = self._trials = 0.0
         self.global_tree = (GlobalSuffixCache(config.suffix_decoding_max_tree_depth,
                                               config.suffix_decoding_max_cached_requests)
                             if config.method == "suffix" else None)
@@ -73,10 +76,15 @@ class Drafter:
         """A step's outcome: per request with drafts, how many it drafted and how many were
         accepted; the step's rows and wall time (the cost curve)."""
         self.cost.observe(rows, seconds)
+        if not drafts:  # nothing verified: back towards the prior, so drafting is tried again
+            self._acc *= _IDLE_DECAY
+            self._trials *= _IDLE_DECAY
         for rid, k in drafts.items():
             a = accepted.get(rid, 0)
             self.counters.record(k, a)
             st = self._states.get(rid)
+            self._trials = self._trials * _GLOBAL_DECAY + min(k, a + 1)
+            self._acc = self._acc * _GLOBAL_DECAY + a
             if st is not None:  # positions reached: the accepted ones and the first rejected
                 st.trials = st.trials * _DECAY + min(k, a + 1)
                 st.acc = st.acc * _DECAY + a
@@ -124,7 +132,7 @@ class Drafter:
                 st.acc *= _IDLE_DECAY
                 st.trials *= _IDLE_DECAY
                 continue
-            a = st.alpha
+            a = self._alpha(st)
             cands.append((req, d, [a ** (j + 1) for j in range(len(d))]))
         if not self.config.adaptive:
             for req, d, _ in cands:
@@ -136,7 +144,7 @@ class Drafter:
         """Whether even the likeliest first draft token (probability: the best alpha) would
         raise the step's expected tokens per second; if not, no proposal is computed at all
         (a large batch then pays nothing for speculation being on)."""
-        best = max(self._state(req).alpha for req, _ in decoding)
+        best = max(self._alpha(self._state(req)) for req, _ in decoding)
         n, t = len(decoding), self.cost(base_rows)
         return (n + best) * t > n * self.cost(base_rows + 1)
 
@@ -166,6 +174,11 @@ class Drafter:
                 st.acc *= _IDLE_DECAY
                 st.trials *= _IDLE_DECAY
 
+    def _alpha(self, st: _State) -> float:
+        """The request's per-token acceptance; its prior: all requests' recent acceptance."""
+        prior = (self._acc + PRIOR * _PRIOR_WEIGHT) / (self._trials + _PRIOR_WEIGHT)
+        return st.alpha(prior)
+
     def _state(self, req: Request) -> _State:
         st = self._states.get(req.request_id)
         if st is None or st.req is not req:
@@ -174,25 +187,25 @@ class Drafter:
 
     def _propose_one(self, req: Request, k: int) -> list[int]:
         cfg, st = self.config, self._state(req)
-        seq = req.all_token_ids
         if cfg.method == "ngram":
             if st.ngram is None:
                 st.ngram = NgramIndex(cfg.prompt_lookup_min, cfg.prompt_lookup_max)
-            return st.ngram.propose(seq, k)[0]
+            return st.ngram.propose(req.all_token_ids, k)[0]
         if st.tree is None:
             st.tree = SuffixTree(cfg.suffix_decoding_max_tree_depth)
-        for t in seq[st.fed:]:
+        n = req.num_tokens
+        for t in req.token_range(st.fed, n):
             st.tree.append(t)
-        st.fed = len(seq)
-        ctx = seq[-cfg.suffix_decoding_max_tree_depth:]
+        st.fed = n
         args = (k, cfg.suffix_decoding_max_spec_factor, cfg.suffix_decoding_min_token_prob)
-        best, score = st.tree.draft(ctx, *args)
+        # the request's own tree follows the sequence: its match needs no walk
+        best, score = st.tree.draft([], *args, match=st.tree.match_end())
         if self.global_tree is not None:
+            ctx = req.token_range(max(0, n - cfg.suffix_decoding_max_tree_depth), n)
             other, s2 = self.global_tree.tree.draft(ctx, *args)
             if s2 > score:
                 best = other
         return best
-
 
 def make_drafter(args, tokenizer, vocab_size: int) -> Drafter | None:
     """The engine's drafter for ``args.speculative_config`` (None: speculation off)."""

@@ -1,4 +1,5 @@
-"""Bindings of ``kvserve/csrc/lora_gemm.c``: the grouped multi-LoRA GEMM on CPU (fp32).
+"""Bindings of ``kvserve/csrc/lora_gemm.c``: the grouped multi-LoRA GEMM on CPU (fp32), recorded
+by the CPU decode graphs (the row count is the graph's, ``idx`` a graph input).
 Twin: ``kvserve.kernels.reference.lora_delta``."""
 
 from __future__ import annotations
@@ -9,12 +10,12 @@ import functools
 import torch
 
 from kvserve.kernels.cpu import INT, INT64, PTR, declare, load_library
-from kvserve.kernels.cpu.graph import launch
+from kvserve.kernels.cpu.graph import Rows, launch
 
-# x, a, b, idx, scale, T, K, N, R, S, threads, tmp, order, y
+# x, a, bt, idx, scale, noff, T, K, N, R, S, H, threads, tmp, order, y
 SIGNATURES = {
-    "kvs_lora_gemm": ([PTR, PTR, PTR, PTR, PTR, INT64, INT64, INT64, INT64, INT64, INT, PTR,
-                       PTR, PTR], INT64),
+    "kvs_lora_gemm": ([PTR, PTR, PTR, PTR, PTR, PTR, INT64, INT64, INT64, INT64, INT64, INT64,
+                       INT, PTR, PTR, PTR], INT64),
     "kvs_lora_simd": ([], INT),
 }
 
@@ -36,16 +37,19 @@ def applies(y: torch.Tensor, x: torch.Tensor, a: torch.Tensor) -> bool:
 
 
 def lora_gemm_(lib: ctypes.CDLL, y: torch.Tensor, x: torch.Tensor, a: torch.Tensor,
-               b: torch.Tensor, idx: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """``y += lora_delta(x, a, b, idx, scale)`` in place (shapes: the twin's)."""
+               bt: torch.Tensor, idx: torch.Tensor, scale: torch.Tensor,
+               noff: torch.Tensor) -> torch.Tensor:
+    """``y += lora_delta(x, a, bt, idx, scale, noff)`` in place (shapes: the twin's)."""
     t, k = x.shape
     s, r, _ = a.shape
-    n = b.shape[1]
-    assert y.shape == (t, n) and b.shape == (s, n, r) and idx.dtype == torch.int64
+    n = bt.shape[2]
+    h = noff.shape[0] - 1
+    assert y.shape == (t, n) and bt.shape == (s, r, n) and idx.dtype == torch.int64
+    assert noff.dtype == torch.int64 and h >= 1 and r % h == 0
     x = x.contiguous()
-    tmp = torch.empty(t, r, dtype=torch.float32)
+    tmp = torch.empty(t, r, dtype=torch.float32)  # rows-first: a replay uses the [:n] prefix
     order = torch.empty(t, dtype=torch.int64)
-    rc = launch(lib, "kvs_lora_gemm", x, a, b, idx, scale, t, k, n, r, s,
+    rc = launch(lib, "kvs_lora_gemm", x, a, bt, idx, scale, noff, Rows(t), k, n, r, s, h,
                 torch.get_num_threads(), tmp, order, y)
-    assert rc >= 0, "a row's LoRA slot is out of range"
+    assert rc >= 0, "a row's LoRA slot is out of range (or the shards do not split R / N)"
     return y

@@ -22,7 +22,16 @@ from torch import nn
 from kvserve.distributed.parallel_state import tp_all_reduce
 from kvserve.kernels.cpu import cpu_ops
 from kvserve.layers.int4.gguf_types import GGML_TYPES, block_shape
-from kvserve.layers.linear import Linear, MergedLinear, ShardSlice, TPPlan
+from kvserve.layers.linear import (
+    Linear,
+    MergedLinear,
+    ShardSlice,
+    TPPlan,
+    checkpoint_names,
+    loaded_bias,
+    shard_layout,
+    tp_geometry,
+)
 
 TENSOR = "gguf_blocks"
 
@@ -53,26 +62,20 @@ class GGUFLinear(nn.Module):
         self.full_in = full_in or in_features
         self.full_sizes = dict(zip(shard_ids, full_out_sizes or out_sizes, strict=True))
         self.reduce_results = reduce_results
-        self.offsets = {s: sum(out_sizes[:i]) for i, s in enumerate(shard_ids)}
-        self.sizes = dict(zip(shard_ids, out_sizes, strict=True))
+        self.offsets, self.sizes = shard_layout(out_sizes, shard_ids)
         self._raw: dict[str | None, torch.Tensor] | None = {}
         p = nn.Parameter(torch.empty(0, dtype=torch.uint8, device="meta"), requires_grad=False)
         p.weight_loader = self._load_part  # type: ignore[attr-defined]
         p.keep_dtype = True  # type: ignore[attr-defined]
         self.register_parameter(TENSOR, p)
-        if bias is not None:
-            self.bias = nn.Parameter(torch.empty_like(bias), requires_grad=False)
-            self.bias.weight_loader = self._load_bias  # type: ignore[attr-defined]
-        else:
-            self.bias = None
+        self.bias = loaded_bias(bias, self._load_bias)
         self.parts: nn.ModuleList | None = None
         self.part_sizes: tuple[int, ...] = ()
 
     @classmethod
     def replacing(cls, module: nn.Module, types: dict[str | None, QT],
                   shard_names: dict[str | None, str], act_terms: int) -> GGUFLinear:
-        tp = dict(tp_plan=module.tp_plan, full_in=module.full_in,
-                  full_out_sizes=module.full_out_sizes, reduce_results=module.reduce_results)
+        tp = tp_geometry(module)
         if isinstance(module, MergedLinear):
             return cls(module.in_features, module.out_sizes, module.shard_ids, types,
                        shard_names, module.bias, act_terms, **tp)
@@ -244,12 +247,7 @@ def swap_gguf_modules(model: nn.Module, type_of: Callable[[str], QT | None],
         parent_name, _, attr = name.rpartition(".")
         if (model.tie_word_embeddings and name == "lm_head") or attr in dense:
             continue
-        if isinstance(module, MergedLinear):
-            ckpt = shard_ckpt.get(attr, {})
-            prefix = parent_name + "." if parent_name else ""
-            names = {s: prefix + ckpt[s] if s in ckpt else f"{name}.{s}" for s in module.shard_ids}
-        else:
-            names = {None: name}
+        names = checkpoint_names(name, module, shard_ckpt)
         types = {s: type_of(n) for s, n in names.items()}
         if not all(t is not None and GGML_TYPES[t].packs(module.full_in)
                    for t in types.values()):

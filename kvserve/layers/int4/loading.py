@@ -19,7 +19,7 @@ from kvserve.layers.int4.gguf_linear import GGUFLinear
 from kvserve.layers.int4.linear import Int4Linear
 from kvserve.layers.int4.merged import Int4MergedLinear
 from kvserve.layers.int4.moe import Int4FusedMoE
-from kvserve.layers.linear import Linear, MergedLinear
+from kvserve.layers.linear import Linear, MergedLinear, checkpoint_names
 from kvserve.layers.moe import FusedMoE
 from kvserve.quant.int4 import Int4Scheme
 
@@ -60,13 +60,7 @@ def swap_int4_modules(model: nn.Module, quant: QuantView) -> int:
         if tied and name == "lm_head":
             continue
         parent_name, _, attr = name.rpartition(".")
-        names: dict[str | None, str]
-        if isinstance(module, MergedLinear):
-            ckpt = shard_ckpt.get(attr, {})
-            prefix = parent_name + "." if parent_name else ""
-            names = {s: prefix + ckpt[s] if s in ckpt else f"{name}.{s}" for s in module.shard_ids}
-        else:
-            names = {None: name}
+        names = checkpoint_names(name, module, shard_ckpt)
         schemes = {s: quant.scheme_for(n) for s, n in names.items()}
         if len(set(schemes.values())) > 1:
             detail = ", ".join(f"{names[s]}: {sch.describe() if sch else 'dense'}"

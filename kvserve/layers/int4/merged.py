@@ -16,7 +16,15 @@ from torch import nn
 
 from kvserve.distributed.parallel_state import tp_all_reduce
 from kvserve.layers.int4.linear import Int4Linear
-from kvserve.layers.linear import Linear, MergedLinear, ShardSlice, TPPlan
+from kvserve.layers.linear import (
+    Linear,
+    MergedLinear,
+    ShardSlice,
+    TPPlan,
+    loaded_bias,
+    shard_layout,
+    tp_geometry,
+)
 from kvserve.quant import int4
 from kvserve.quant.int4 import Int4Scheme
 
@@ -64,8 +72,7 @@ class Int4MergedLinear(nn.Module):
         self.full_sizes = dict(zip(shard_ids, full_out_sizes or out_sizes, strict=True))
         self.reduce_results = reduce_results
         self.shard_names = shard_names
-        self.offsets = {s: sum(out_sizes[:i]) for i, s in enumerate(shard_ids)}
-        self.sizes = dict(zip(shard_ids, out_sizes, strict=True))
+        self.offsets, self.sizes = shard_layout(out_sizes, shard_ids)
         required = scheme.required_tensors()
         self._eager = set(scheme.eager_tensors())
         # shard id -> tensor name -> checkpoint tensor, until built (then None)
@@ -79,19 +86,14 @@ class Int4MergedLinear(nn.Module):
             p.keep_dtype = True  # type: ignore[attr-defined]
             p.skip_expected = tname not in required  # type: ignore[attr-defined]
             self.register_parameter(tname, p)
-        if bias is not None:
-            self.bias = nn.Parameter(torch.empty_like(bias), requires_grad=False)
-            self.bias.weight_loader = self._load_bias  # type: ignore[attr-defined]
-        else:
-            self.bias = None
+        self.bias = loaded_bias(bias, self._load_bias)
         self.int4: nn.Module | None = None
 
     @classmethod
     def replacing(cls, module: nn.Module, scheme: Int4Scheme,
                   shard_names: dict[str | None, str]) -> Int4MergedLinear:
         """The INT4 module for a (meta) ``Linear`` or ``MergedLinear``."""
-        tp = dict(tp_plan=module.tp_plan, full_in=module.full_in,
-                  full_out_sizes=module.full_out_sizes, reduce_results=module.reduce_results)
+        tp = tp_geometry(module)
         if isinstance(module, MergedLinear):
             return cls(module.in_features, module.out_sizes, module.shard_ids, scheme,
                        shard_names, module.bias, **tp)

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from kvserve.layers.sampler import Sampler, SampleRow
+from kvserve.engine.sampler import Sampler, SampleRow
 from kvserve.sampling_params import SamplingParams
 
 V = 256

@@ -5,15 +5,16 @@ request's tokens do not depend on what else is in the batch, nor on preemption a
 Sampling uses the exponential race (argmax p_i / E_i, E_i ~ Exp(1)), one draw per row.
 
 Rows with a grammar (``SampleRow.grammar``, structured outputs) draw only tokens the grammar
-allows next; rows without one pay nothing. Each such row's allowed set is computed (a bitmask);
-masking a row (-inf on every other token, O(vocab)) is done lazily: a greedy row, or one drawn
-from the whole distribution (no top-k / top-p / min-p), whose unmasked draw is allowed has drawn
-exactly what the masked row would (the argmax of logits, or of p_i / E_i in the race, over the
-allowed tokens is the overall one when that is allowed), so only rows whose draw was refused
-are masked and drawn again (with the same seeded noise). Rows with top-k / top-p / min-p are
-masked before the draw, since those depend on the masked distribution. A row whose grammar
-allows no token (a dead end) is all -inf: its drawn token is then refused by
-``GrammarMatcher.accept`` and the request ends (finish reason "grammar_dead_end").
+allows next; rows without one pay nothing. Each such row's allowed set is computed (a bitmask,
+kvserve/structured_output/bitmask.py); masking a row (-inf on every other token, O(vocab)) is
+done lazily: a greedy row, or one drawn from the whole distribution (no top-k / top-p / min-p),
+whose unmasked draw is allowed has drawn exactly what the masked row would (the argmax of
+logits, or of p_i / E_i in the race, over the allowed tokens is the overall one when that is
+allowed), so only rows whose draw was refused are masked and drawn again (with the same seeded
+noise). Rows with top-k / top-p / min-p are masked before the draw, since those depend on the
+masked distribution. A row whose grammar allows no token (a dead end) is all -inf: its drawn
+token is then refused by ``GrammarMatcher.accept`` and the request ends (finish reason
+"grammar_dead_end").
 Logprobs are those of the model, before the mask (as vLLM reports them).
 """
 
@@ -24,8 +25,9 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from kvserve.layers.grammar import GrammarMatcher
 from kvserve.sampling_params import SamplingParams
+from kvserve.structured_output.bitmask import allows, grammar_bitmasks, mask_rows
+from kvserve.structured_output.matcher import GrammarMatcher
 
 _SEED_MIX = 0x9E3779B97F4A7C15
 
@@ -73,7 +75,7 @@ class Sampler:
         if words is not None:  # lazily masked rows whose draw the grammar refuses: again
             refused = [j for j, i in enumerate(grammar_rows)
                        if not _needs_masked_draw(rows[i].params)
-                       and not _allowed(words[j], int(tokens[i]))]
+                       and not allows(words[j], int(tokens[i]))]
             if refused:
                 idx = [grammar_rows[j] for j in refused]
                 mask_rows(logits, idx, words[refused])
@@ -142,39 +144,6 @@ class Sampler:
 def _needs_masked_draw(p: SamplingParams) -> bool:
     """Sampling whose candidates depend on the whole distribution: mask before drawing."""
     return not p.greedy and (p.top_k > 0 or p.top_p < 1.0 or p.min_p > 0.0)
-
-
-def _allowed(words: np.ndarray, token: int) -> bool:
-    return bool((int(words[token >> 5]) >> (token & 31)) & 1)
-
-
-def grammar_bitmasks(grammars: list, vocab: int) -> np.ndarray:
-    """int32 [k, ceil(V / 32)]: bit t % 32 of word t // 32 set iff grammar j allows token t
-    next (a dead end leaves row j all zero)."""
-    words = np.zeros((len(grammars), (vocab + 31) // 32), np.int32)
-    for j, g in enumerate(grammars):
-        g.fill_bitmask(words[j])
-    return words
-
-
-def mask_rows(logits: torch.Tensor, idx: list[int], words: np.ndarray) -> None:
-    """Set to -inf, in row idx[j] of logits [N, V], every token that words[j] does not allow.
-    The bits are unpacked for all rows in one call."""
-    vocab = logits.shape[1]
-    # [k, 32 W] uint8 0/1: bit b of word w is token 32 w + b (little-endian bytes and bits)
-    bits = np.unpackbits(words.view(np.uint8), axis=1, bitorder="little")[:, :vocab]
-    banned = torch.from_numpy(bits == 0)
-    if logits.device.type != "cpu":
-        banned = banned.to(logits.device)
-    for j, i in enumerate(idx):
-        logits[i].masked_fill_(banned[j], float("-inf"))
-
-
-def apply_grammar_masks(logits: torch.Tensor,
-                        rows: list[tuple[int, GrammarMatcher | None]]) -> None:
-    """Mask rows now: row i of logits keeps only what its grammar allows next."""
-    words = grammar_bitmasks([g for _, g in rows], logits.shape[1])
-    mask_rows(logits, [i for i, _ in rows], words)
 
 
 def argmax_rows(logits: torch.Tensor) -> torch.Tensor:

@@ -137,9 +137,13 @@ def settle(args: EngineArgs) -> WorkerConfig:
         max_model_len=resolve_max_model_len(sched_cfg.max_model_len, spec.context_len),
         eos_token_ids=eos_token_ids(folder),
     )
+    lora_dtype = None  # LoRA off
+    if args.enable_lora:  # the adapter slots' dtype: "auto" = the compute dtype
+        lora_dtype = (dtypes.compute if args.lora_dtype == "auto"
+                      else getattr(torch, args.lora_dtype))
     return WorkerConfig(args, model, dtypes, cache_cfg, sched_cfg, kv_mode,
                         cache_cfg.kv_rotation_seed if kv_mode.rotate else None,
-                        spec.context_len, transfer)
+                        spec.context_len, transfer, lora_dtype)
 
 
 def build_engine(args: EngineArgs) -> EngineParts:

@@ -72,6 +72,7 @@ class WorkerConfig:
     rotation_seed: int | None  # rotated modes: the Hadamard rotation's seed, else None
     context_len: int  # the model's (model.max_model_len <= context_len)
     transfer: TransferConfig | None = None  # disaggregation's KV transfer (None: off)
+    lora_dtype: torch.dtype | None = None  # the LoRA slots' weights (None: LoRA off)
 
 
 @dataclass(frozen=True, slots=True)
@@ -97,8 +98,9 @@ class Worker:
         self.lora_linears = None  # LoRA: the wrapped linears, by (layer, name)
         if args.enable_lora:
             check_lora_model(self.model, world_size)
+            assert config.lora_dtype is not None, "the builder settles lora_dtype"
             self.lora_linears = wrap_for_lora(self.model, args.max_loras, args.max_lora_rank,
-                                              self.loaded.dtype, args.device)
+                                              config.lora_dtype, args.device)
         self.spec = self.model.kv_spec()  # this rank's heads
         self._check_settled()
         self.budget = self._measure_kv_budget()

@@ -224,7 +224,11 @@ class LLMEngine:
 
     # ---- the step -------------------------------------------------------------------------
     @torch.inference_mode()
-    def step(self) -> list[RequestOutput]:
+    def step(self, before_forward: Callable[[], None] | None = None) -> list[RequestOutput]:
+        """One scheduler iteration. ``before_forward`` is called once the step is scheduled,
+        before its forward runs (not when nothing was scheduled): ``AsyncLLMEngine`` hands the
+        previous step's outputs to the event loop there, so the loop turns them into HTTP
+        chunks while the forward runs without the GIL."""
         if self.integrity is not None:
             bad = self.integrity.begin_step(self.scheduler.held_block_ids)
             if bad:
@@ -235,6 +239,8 @@ class LLMEngine:
             return []
         if self.debug.on_schedule is not None:
             self.debug.on_schedule(sched, len(self.scheduler.running))
+        if before_forward is not None:
+            before_forward()
         t0 = time.perf_counter()
         out = self.runner.execute_model(sched)
         seconds = time.perf_counter() - t0

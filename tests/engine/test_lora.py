@@ -130,14 +130,14 @@ def test_adapter_is_part_of_block_identity(adapters, make_llm):
     first = {}
     for n in (None, "a1", "a2"):
         lr = None if n is None else LoRARequest(n)
-        hits = llm.engine.kv.num_hit_tokens
+        hits = llm.engine.kv_manager.num_hit_tokens
         first[n] = llm.generate(ids, GREEDY, lora_request=lr)[0].outputs[0].token_ids
-        assert llm.engine.kv.num_hit_tokens == hits  # nothing shared with the others
+        assert llm.engine.kv_manager.num_hit_tokens == hits  # nothing shared with the others
     for n in (None, "a1", "a2"):  # a repeat hits its own prefix, same output
         lr = None if n is None else LoRARequest(n)
-        hits = llm.engine.kv.num_hit_tokens
+        hits = llm.engine.kv_manager.num_hit_tokens
         assert llm.generate(ids, GREEDY, lora_request=lr)[0].outputs[0].token_ids == first[n]
-        assert llm.engine.kv.num_hit_tokens > hits
+        assert llm.engine.kv_manager.num_hit_tokens > hits
     assert len(set(map(tuple, first.values()))) == 3
     refs = {r.lora_name: r for r in stored if r is not None}
     assert set(refs) == {"a1", "a2"} and None in stored

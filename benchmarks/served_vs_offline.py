@@ -212,9 +212,9 @@ def python_threads(pid: int) -> dict[int, str]:
 _CATEGORIES = (
     ("forward (C kernels)", ("kvs_graph_run", "replay (kvserve/kernels/cpu/graph",
                              "launch (kvserve/kernels/cpu/graph")),
-    ("sampler", ("kvserve/layers/sampler.py",)),
+    ("sampler", ("kvserve/engine/sampler.py",)),
     ("forward (python)", ("kvserve/model/", "kvserve/layers/", "kvserve/attention/",
-                          "forward_runner.py", "cpu_graphs.py", "model_runner.py")),
+                          "model_runner.py", "cpu_graphs.py", "step_runner.py")),
     ("detokenize / outputs", ("output_processor.py", "detokeniz", "kvserve/outputs.py")),
     ("engine -> loop handoff", ("async_engine.py",)),
     ("scheduler / engine", ("kvserve/engine/", "kvserve/cache/")),

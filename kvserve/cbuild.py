@@ -44,8 +44,6 @@ def kernel_build() -> str:
         raise ValueError(f"KVSERVE_CPU_BUILD={build!r}: expected native or one of "
                          f"{', '.join(ISA_FLAGS)}")
     if not can_run_variant(build):
-        from kvserve.config import cpu_flags
-
         lacks = sorted(ISA_CPU_FLAGS[build] - cpu_flags()) or ["x86-64"]
         raise ValueError(f"KVSERVE_CPU_BUILD={build}: this CPU cannot run that build (lacks "
                          f"{', '.join(lacks)})")
@@ -159,6 +157,22 @@ def simde_include() -> str | None:
                  if os.path.isfile(os.path.join(d, "simde", "x86", "avx512.h"))), None)
 
 
+@cache
+def cpu_flags() -> frozenset[str]:
+    """The CPU's feature flags (Linux /proc/cpuinfo; empty elsewhere). The one probe of the CPU
+    kind: the ISA variants this CPU runs (``can_run_variant``), its kind (``cpu_kind``, the
+    start-up log's CPU path) and the kernels' run-time dispatch (the 16-bit GEMM's bf16 dot
+    products) read it; ``dtype=auto`` does not depend on it."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return frozenset(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return frozenset()
+
+
 # The CPU kinds kvserve tells apart (docs/cpu.md), highest first, by the flags they need:
 #   amx          AMX-BF16 + AVX512-BF16      Sapphire Rapids and later
 #   avx512_bf16  AVX-512 + AVX512-BF16       Zen 4 / 5, Cooper Lake
@@ -180,8 +194,6 @@ CPU_KINDS: tuple[tuple[str, frozenset[str]], ...] = (
 def cpu_kind(flags: frozenset[str] | None = None) -> str:
     """amx, avx512_bf16, avx512, avx2 or portable: this CPU's kind (or that of one with
     ``flags``)."""
-    from kvserve.config import cpu_flags
-
     flags = cpu_flags() if flags is None else flags
     return next((name for name, need in CPU_KINDS if need <= flags), "portable")
 
@@ -189,8 +201,6 @@ def cpu_kind(flags: frozenset[str] | None = None) -> str:
 def can_run_variant(isa: str, flags: frozenset[str] | None = None) -> bool:
     """This CPU (or one with ``flags``) runs the ``isa`` variant (x86-64 only)."""
     import platform
-
-    from kvserve.config import cpu_flags
 
     if platform.machine() not in ("x86_64", "AMD64"):
         return False

@@ -6,7 +6,6 @@ parameter; everything downstream may then rely on the invariants.
 
 from __future__ import annotations
 
-import functools
 import re
 from dataclasses import dataclass
 from urllib.parse import urlparse
@@ -39,33 +38,7 @@ _MODEL_DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32,
     "float": torch.float32,
 }
-FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
-# Storage dtypes kept with one scale per (token, head, K-or-V) row: bf16 for FP8, a 1-byte
-# log-domain code for INT8 (kvserve/quant/int8.py).
-SCALED_KV_DTYPES = (*FP8_DTYPES, torch.int8)
-
-
-def is_fp8(dtype: torch.dtype) -> bool:
-    """The one test of "is this KV storage FP8?" (kernels, twins and the cache ask here)."""
-    return dtype in FP8_DTYPES
-
-
-def is_scaled(dtype: torch.dtype) -> bool:
-    """Stored with per-row scales: FP8 (bf16) and INT8 (1-byte log-domain codes)."""
-    return dtype in SCALED_KV_DTYPES
-
-
-def kv_scale_dtype(kv_dtype: torch.dtype) -> torch.dtype | None:
-    """The dtype of the per-row scales stored with ``kv_dtype`` (None: no scales)."""
-    if kv_dtype == torch.int8:
-        return torch.int8
-    return torch.bfloat16 if kv_dtype in FP8_DTYPES else None
-
-
-def kv_scale_bytes(kv_dtype: torch.dtype) -> int:
-    """Bytes of scale per (token, head, K-or-V) row: 2 (FP8), 1 (INT8), 0."""
-    sd = kv_scale_dtype(kv_dtype)
-    return 0 if sd is None else sd.itemsize
+_FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 
 
 # 8-bit modes with the randomized Hadamard rotation of q/k/v (kvserve/quant/rotation.py):
@@ -102,21 +75,6 @@ def parse_size(value: str | int, name: str = "kv_cache_memory") -> int:
     if size <= 0:
         raise ValueError(f"{name} must be positive, got {value!r}")
     return size
-
-
-@functools.cache
-def cpu_flags() -> frozenset[str]:
-    """The CPU's feature flags (Linux /proc/cpuinfo; empty elsewhere). The one probe of the CPU
-    kind: the start-up log's path (kvserve.kernels.cpu.isa) and the kernels' run-time dispatch
-    (the 16-bit GEMM's bf16 dot products) read it; ``dtype=auto`` does not depend on it."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("flags"):
-                    return frozenset(line.split(":", 1)[1].split())
-    except OSError:
-        pass
-    return frozenset()
 
 
 # Without the 16-bit C kernel a bf16 / fp16 checkpoint computed in fp32 needs an fp32 copy of
@@ -186,24 +144,26 @@ def resolve_attention_backend(name: str, device: str) -> str:
 
 @dataclass(frozen=True, slots=True)
 class KVStorage:
-    """What a KV storage dtype means for the layers that read and write it: the one place the
-    storage kind is derived from a torch dtype. Caches ask their ``KVMode``; kernels handed only
-    tensors ask ``KVStorage(kv_data.dtype)``."""
+    """What a KV storage dtype means for the layers that read and write it: the one home of
+    the storage facts (FP8 / INT8, scaled, the scales' dtype and bytes). Caches ask their
+    ``KVMode`` (a ``KVStorage`` with the rotation); kernels handed only tensors ask
+    ``KVStorage(kv_data.dtype)``."""
 
     dtype: torch.dtype
 
     @property
-    def scaled(self) -> bool:
-        """Stored with per-row scales (FP8: bf16, INT8: 1-byte log-domain codes)."""
-        return is_scaled(self.dtype)
-
-    @property
     def is_fp8(self) -> bool:
-        return is_fp8(self.dtype)
+        return self.dtype in _FP8_DTYPES
 
     @property
     def is_int8(self) -> bool:
         return self.dtype == torch.int8
+
+    @property
+    def scaled(self) -> bool:
+        """Stored with one scale per (token, head, K-or-V) row: FP8 (bf16 scales) and INT8
+        (1-byte log-domain codes, kvserve/quant/int8.py)."""
+        return self.is_fp8 or self.is_int8
 
     @property
     def log8_scales(self) -> bool:
@@ -212,45 +172,25 @@ class KVStorage:
 
     @property
     def scale_dtype(self) -> torch.dtype | None:
-        return kv_scale_dtype(self.dtype)
+        """The dtype of the per-row scales (None: no scales)."""
+        if self.is_int8:
+            return torch.int8
+        return torch.bfloat16 if self.is_fp8 else None
 
     @property
     def scale_bytes(self) -> int:
-        return kv_scale_bytes(self.dtype)
+        """Bytes of scale per (token, head, K-or-V) row: 2 (FP8), 1 (INT8), 0."""
+        sd = self.scale_dtype
+        return 0 if sd is None else sd.itemsize
 
 
 @dataclass(frozen=True, slots=True)
-class KVMode:
-    """What a ``kv_cache_dtype`` name means: the storage dtype and whether q/k/v are rotated.
-    Every layer reads the resolved mode (``EngineConfig.kv_mode``, ``PagedKVCache.mode``)."""
+class KVMode(KVStorage):
+    """What a ``kv_cache_dtype`` name means: the storage (its facts inherited from
+    ``KVStorage``) and whether q/k/v are rotated. Every layer reads the resolved mode
+    (``EngineConfig.kv_mode``, ``PagedKVCache.mode``)."""
 
-    dtype: torch.dtype
     rotate: bool = False
-
-    @property
-    def storage(self) -> KVStorage:
-        return KVStorage(self.dtype)
-
-    @property
-    def scaled(self) -> bool:
-        """Stored with per-row scales (FP8: bf16, INT8: 1-byte log-domain codes)."""
-        return self.storage.scaled
-
-    @property
-    def is_fp8(self) -> bool:
-        return self.storage.is_fp8
-
-    @property
-    def is_int8(self) -> bool:
-        return self.storage.is_int8
-
-    @property
-    def scale_dtype(self) -> torch.dtype | None:
-        return self.storage.scale_dtype
-
-    @property
-    def scale_bytes(self) -> int:
-        return self.storage.scale_bytes
 
     @property
     def name(self) -> str:

@@ -109,8 +109,7 @@ def variant_library(name: str, isa: str, out_dir: str):
     message in the reason)."""
     import subprocess
 
-    from kvserve.cbuild import EMULATED, ISA_CPU_FLAGS, build_variant, can_run_variant
-    from kvserve.config import cpu_flags
+    from kvserve.cbuild import EMULATED, ISA_CPU_FLAGS, build_variant, can_run_variant, cpu_flags
 
     if not can_run_variant(isa):
         lacks = sorted(ISA_CPU_FLAGS[isa] - cpu_flags()) or ["x86-64"]
@@ -132,7 +131,7 @@ def variant_library(name: str, isa: str, out_dir: str):
     return dll
 
 
-# /proc/cpuinfo flags of the CPU kinds kvserve tells apart (kvserve.kernels.cpu.isa), for tests
+# /proc/cpuinfo flags of the CPU kinds kvserve tells apart (kvserve.cbuild.CPU_KINDS), for tests
 # that simulate one: a Zen 3 (AVX2 only), a Cascade Lake (AVX-512 without BF16), a Zen 4
 # (AVX512-BF16 + VNNI) and a Sapphire Rapids (AMX).
 _AVX2 = frozenset({"sse4_2", "avx", "avx2", "fma", "f16c", "bmi2"})
@@ -147,16 +146,16 @@ SIMULATED_CPUS: dict[str, tuple[frozenset[str], str]] = {  # kind -> (flags, tor
 
 @pytest.fixture
 def simulate_cpu(monkeypatch):
-    """``simulate_cpu(kind)``: kvserve's CPU probe (kvserve.config.cpu_flags) and torch's
+    """``simulate_cpu(kind)``: kvserve's CPU probe (kvserve.cbuild.cpu_flags) and torch's
     capability string report that kind of CPU (a key of SIMULATED_CPUS) for the test. The C
     kernels still run this CPU's native build: code that would need the simulated ISA checks
     the CPU itself (cpuid) before running it."""
-    from kvserve import config
+    from kvserve import cbuild
     from kvserve.kernels.cpu import w16_gemm
 
     def simulate(kind: str) -> None:
         flags, capability = SIMULATED_CPUS[kind]
-        monkeypatch.setattr(config, "cpu_flags", lambda: flags)
+        monkeypatch.setattr(cbuild, "cpu_flags", lambda: flags)
         monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: capability)
         w16_gemm.bf16_dot_rows.cache_clear()
 

@@ -87,11 +87,11 @@ def test_the_engine_neither_samples_nor_advances():
 
 
 def test_only_the_runner_samples():
-    """The sampler is used by engine/model_runner.py only (and defined in engine/sampler.py)."""
+    """The sampler is used by engine/step_runner.py only (and defined in engine/sampler.py)."""
     users = sorted(path for path, tree in _sources().items()
                    if any(isinstance(n, ast.Name) and n.id in ("Sampler", "SampleRow")
                           for n in ast.walk(tree)))
-    assert users == ["engine/model_runner.py", "engine/sampler.py"], users
+    assert users == ["engine/sampler.py", "engine/step_runner.py"], users
 
 
 def test_kv_mode_names_say_their_rotation():
@@ -126,7 +126,8 @@ _KV_KIND_HELPERS = {"is_fp8", "is_scaled", "kv_scale_dtype", "kv_scale_bytes", "
 
 def _kv_kind_tests(node: ast.AST) -> list[str]:
     """Where ``node`` decides a KV storage kind from a dtype: a comparison with torch.int8 /
-    torch.float8_*, membership in a tuple of them, or config's dtype -> kind helpers."""
+    torch.float8_*, membership in a tuple of them, or a free dtype -> kind helper (config had
+    them once; ``KVStorage`` is now the one home of those facts)."""
     found = []
     for n in ast.walk(node):
         if isinstance(n, ast.Compare):

@@ -7,7 +7,7 @@ preallocated workspace, prefills one at a time with SDPA
 (``kvserve/kernels/reference/cpu_attention.py``, which draws the layouts). This backend plans
 the step (chunks of decode sequences keep the workspace bounded) and writes the step's K/V.
 
-Rotated modes (``kv.rotation``, e.g. ``int8``): q, k, v are multiplied by R before the write and
+Rotated modes (``rotation``, e.g. ``int8``): q, k, v are multiplied by R before the write and
 the attention, the output by R^T after (kvserve/quant/rotation.py), on both paths: the C kernel
 ``kvs_rotate_heads`` (recordable in a CPU decode graph) where it applies, else its twin.
 """
@@ -54,7 +54,7 @@ class CpuAttentionBackend(BackendBase[CpuPlan]):
         scale: float, max_model_len: int, layer_windows: tuple[int, ...] = (),
     ) -> None:
         assert kv_cache.components == 2 and num_heads % num_kv_heads == 0
-        self.kv = kv_cache
+        self.kv_cache = kv_cache
         # per layer: 0 (full causal) or the sliding window a local layer reads (KVSpec)
         self.layer_windows = layer_windows
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
@@ -73,7 +73,7 @@ class CpuAttentionBackend(BackendBase[CpuPlan]):
 
     # ---- per-step planning (shared by all layers) -------------------------------------------
     def _build_plan(self, meta: AttentionMetadata) -> CpuPlan:
-        bs, null = self.kv.block_size, self.kv.null_block
+        bs, null = self.kv_cache.block_size, self.kv_cache.null_block
         if self.use_kernel:  # every row, in step order: no workspace, padding or gather
             plan = CpuPlan(plan_rows(meta, bs, null), [], [])
         else:
@@ -97,7 +97,7 @@ class CpuAttentionBackend(BackendBase[CpuPlan]):
         self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         meta: AttentionMetadata,
     ) -> torch.Tensor:
-        rot = self.kv.rotation
+        rot = self.kv_cache.rotation
         if rot is None:
             return self._attend(layer, q, k, v, meta)
         # q . k and p . v commute with the orthogonal R: attend in the rotated basis.
@@ -116,20 +116,21 @@ class CpuAttentionBackend(BackendBase[CpuPlan]):
         self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         meta: AttentionMetadata,
     ) -> torch.Tensor:
-        self.kv.write(layer, meta.write_rows, k, v)
+        self.kv_cache.write(layer, meta.write_rows, k, v)
         plan = self._plan(meta)
         window = self.layer_windows[layer] if self.layer_windows else 0
         out = torch.empty(q.shape, dtype=torch.float32, device=q.device)
         if plan.kernel is not None:
             row_seq, tables, lens = plan.kernel
-            scales = self.kv.scales[layer] if self.kv.has_scales else None
+            scales = self.kv_cache.scales[layer] if self.kv_cache.has_scales else None
             if q.dtype != torch.float32 or q.stride(2) != 1 or q.stride(1) != q.shape[2]:
                 q = q.float().contiguous()
-            return cpu_attention.paged_attention(self.kv.data[layer], scales, q, tables,
+            return cpu_attention.paged_attention(self.kv_cache.data[layer], scales, q, tables,
                                                  row_seq, lens, self.scale, out,
                                                  window=window)
         # the kernel's pure-torch twin (kvserve/kernels/reference/cpu_attention.py)
-        data, scales = self.kv.data[layer], self.kv.scales[layer] if self.kv.has_scales else None
+        cache = self.kv_cache
+        data, scales = cache.data[layer], cache.scales[layer] if cache.has_scales else None
         for tok, ids, mb, mask, lens in plan.decode:
             if window:  # and before the window: keys [len - window, len) only
                 mask = mask | (torch.arange(mask.shape[-1]) < (lens - window)[:, None, None,

@@ -105,7 +105,7 @@ class MlaTorchAttentionBackend(BackendBase[MlaPlan]):
         if kv_cache.components != 1 or num_kv_heads != 1 or kv_cache.num_kv_heads != 1:
             raise ValueError("mla_torch needs an MLA cache layout (components=1, 1 KV head); "
                              f"got components={kv_cache.components}, kv heads={num_kv_heads}")
-        self.kv = kv_cache
+        self.kv_cache = kv_cache
         self.num_heads = num_heads
         self.row_dim = head_dim  # R + dr
         self.scale = scale
@@ -123,11 +123,11 @@ class MlaTorchAttentionBackend(BackendBase[MlaPlan]):
 
     # ---- per-step planning (shared by all layers) -------------------------------------------
     def _build_plan(self, meta: AttentionMetadata) -> MlaPlan:
-        bs, dev = self.kv.block_size, self.kv.data.device
+        bs, dev = self.kv_cache.block_size, self.kv_cache.data.device
         decode = [b for b, q in enumerate(meta.query_lens) if q == 1]
         chunks = [(c.tok.to(dev), c.block_ids.to(dev), c.max_blocks,
                    c.pad.unsqueeze(1).to(dev))  # pad [n, 1, L]
-                  for c in plan_decode_chunks(meta, decode, bs, self.kv.null_block,
+                  for c in plan_decode_chunks(meta, decode, bs, self.kv_cache.null_block,
                                               self.ws_tokens)]
         pre = self._plan_prefills(meta)
         plan = MlaPlan(chunks, pre)
@@ -137,9 +137,9 @@ class MlaTorchAttentionBackend(BackendBase[MlaPlan]):
         self, meta: AttentionMetadata
     ) -> list[tuple[int, int, int, torch.Tensor]]:
         """plan_prefills with the block ids on the cache's device (index_select needs it)."""
-        dev = self.kv.data.device
+        dev = self.kv_cache.data.device
         return [(start, qlen, slen, ids.to(dev))
-                for start, qlen, slen, ids in plan_prefills(meta, self.kv.block_size)]
+                for start, qlen, slen, ids in plan_prefills(meta, self.kv_cache.block_size)]
 
     # ---- forward --------------------------------------------------------------------------
     def forward_mla(
@@ -154,7 +154,7 @@ class MlaTorchAttentionBackend(BackendBase[MlaPlan]):
         r = kv_b_weight.shape[1]
         dv = kv_b_weight.shape[0] // h - dn
         assert h == self.num_heads and latent.shape == (t, self.row_dim)
-        rot = self.kv.rotation
+        rot = self.kv_cache.rotation
         if rot is not None:  # R_c is already in kv_b_weight (folded at load)
             latent = rot.apply(latent)
             q_pe = torch.matmul(q_pe.float(), rot.parts[1])
@@ -171,7 +171,7 @@ class MlaTorchAttentionBackend(BackendBase[MlaPlan]):
     # ---- hooks a subclass replaces (mla_triton: fused write kernel, Triton decode) ---------
     def _write(self, layer: int, rows: torch.Tensor, meta: AttentionMetadata) -> None:
         """Store this step's latent rows [T, 1, R + dr]."""
-        self.kv.write(layer, meta.write_rows, rows)
+        self.kv_cache.write(layer, meta.write_rows, rows)
 
     def _decode_all(
         self, layer: int, q_nope: torch.Tensor, q_pe: torch.Tensor, w: torch.Tensor,
@@ -183,12 +183,12 @@ class MlaTorchAttentionBackend(BackendBase[MlaPlan]):
 
     def _gather(self, layer: int, ids: torch.Tensor, n: int, mb: int) -> torch.Tensor:
         """Rows of blocks ``ids`` ([n*mb]) -> fp32 [n, mb*bs, R+dr] (FP8: unscaled)."""
-        kv, bs, d = self.kv, self.kv.block_size, self.row_dim
+        cache, bs, d = self.kv_cache, self.kv_cache.block_size, self.row_dim
         numel = n * mb * bs * d
         raw = self.ws_raw[:numel].view(n * mb, bs * d)
-        torch.index_select(kv.data[layer].view(kv.num_blocks + 1, -1), 0, ids, out=raw)
+        torch.index_select(cache.data[layer].view(cache.num_blocks + 1, -1), 0, ids, out=raw)
         src = raw
-        if kv.is_fp8:
+        if cache.is_fp8:
             src = fp8.fp8_to_half_bits(raw, self.ws_i16[:numel].view(raw.shape))
         dst = self.ws_f32[:numel].view(raw.shape)
         dst.copy_(src)
@@ -197,11 +197,11 @@ class MlaTorchAttentionBackend(BackendBase[MlaPlan]):
     def _gather_scales(self, layer: int, ids: torch.Tensor, n: int, mb: int) -> torch.Tensor:
         """FP8 / INT8 row scales of blocks ``ids`` -> fp32 [n, mb*bs] (FP8: times the
         half-bits factor; INT8: its codes through ``int8.code_to_scale``)."""
-        bs = self.kv.block_size
+        bs = self.kv_cache.block_size
         raw = self.ws_scales[: n * mb * bs].view(n * mb, bs)
-        torch.index_select(self.kv.scales[layer].view(self.kv.num_blocks + 1, -1), 0, ids,
-                           out=raw)
-        if self.kv.is_int8:
+        cache = self.kv_cache
+        torch.index_select(cache.scales[layer].view(cache.num_blocks + 1, -1), 0, ids, out=raw)
+        if self.kv_cache.is_int8:
             return int8.code_to_scale(raw.view(n, mb * bs))
         return raw.view(n, mb * bs).float().mul_(self.factor)
 
@@ -214,12 +214,12 @@ class MlaTorchAttentionBackend(BackendBase[MlaPlan]):
         rows = self._gather(layer, ids, n, mb)  # [n, L, R+dr]
         q = torch.cat((absorb_query(q_nope, w), q_pe.float()), dim=-1)  # [n, H, R+dr]
         scores = torch.bmm(q, rows.transpose(1, 2))  # [n, H, L]
-        if self.kv.has_scales:
+        if self.kv_cache.has_scales:
             s = self._gather_scales(layer, ids, n, mb).unsqueeze(1)  # [n, 1, L]
             scores.mul_(s)
         scores.mul_(self.scale).masked_fill_(pad, float("-inf"))
         probs = torch.softmax(scores, dim=-1)
-        if self.kv.has_scales:
+        if self.kv_cache.has_scales:
             probs.mul_(s)
         return up_project(torch.bmm(probs, rows[..., :r]), w, dn)  # o_lat [n, H, R]
 
@@ -230,7 +230,7 @@ class MlaTorchAttentionBackend(BackendBase[MlaPlan]):
         qlen, h, dn = q_nope.shape
         r = w.shape[2]
         rows = self._gather(layer, ids, 1, ids.numel())[0, :seq_len]  # [L, R+dr]
-        if self.kv.has_scales:
+        if self.kv_cache.has_scales:
             rows = rows * self._gather_scales(layer, ids, 1, ids.numel())[0, :seq_len, None]
         c_kv, k_pe = rows[:, :r], rows[:, r:]
         kv = F.linear(c_kv, w.view(-1, r)).view(seq_len, h, -1)  # [L, H, dn+dv]

@@ -49,11 +49,11 @@ class MlaTritonAttentionBackend(MlaTorchAttentionBackend):
 
     # ---- per-step planning (shared by all layers) -------------------------------------------
     def _build_plan(self, meta: AttentionMetadata) -> MlaPlan:
-        kv, dev = self.kv, self.kv.data.device
+        cache, dev = self.kv_cache, self.kv_cache.data.device
         decode = [b for b, q in enumerate(meta.query_lens) if q == 1]
         tri = None
         if decode:  # one launch for all decodes: the kernel needs no gather workspace
-            tok, tables, lens = plan_decode_tables(meta, decode, kv.block_size, kv.null_block)
+            tok, tables, lens = plan_decode_tables(meta, decode, cache.block_size, cache.null_block)
             tri = MlaDecodeTables(tok.to(dev), tables.to(dev, torch.int32),
                                   lens.to(dev, torch.int32), int(lens.max()))
         plan = MlaPlan([], self._plan_prefills(meta), tri, meta.slot_mapping.to(dev))
@@ -61,7 +61,7 @@ class MlaTritonAttentionBackend(MlaTorchAttentionBackend):
 
     # ---- hooks --------------------------------------------------------------------------
     def _write(self, layer: int, rows: torch.Tensor, meta: AttentionMetadata) -> None:
-        self.kv.write(layer, meta.write_rows, rows, slots=self._plan(meta).slots)
+        self.kv_cache.write(layer, meta.write_rows, rows, slots=self._plan(meta).slots)
 
     def _decode_all(
         self, layer: int, q_nope: torch.Tensor, q_pe: torch.Tensor, w: torch.Tensor,
@@ -73,11 +73,11 @@ class MlaTritonAttentionBackend(MlaTorchAttentionBackend):
         tok = p.tok
         dn, r = q_nope.shape[-1], w.shape[2]
         # bf16 tensor-core dots on CUDA for a bf16 model; fp32 otherwise (and in the interpreter)
-        qd = (torch.bfloat16 if self.kv.data.is_cuda and q_nope.dtype == torch.bfloat16
+        qd = (torch.bfloat16 if self.kv_cache.data.is_cuda and q_nope.dtype == torch.bfloat16
               else torch.float32)
         q_lat = absorb_query(q_nope[tok], w).to(qd)  # [n, H, R]
         q_rope = q_pe[tok].to(qd)  # [n, H, dr]
         o_lat = self._attn.mla_decode(
-            q_lat, q_rope, self.kv.data, self.kv.scales, layer, p.tables, p.seq_lens,
+            q_lat, q_rope, self.kv_cache.data, self.kv_cache.scales, layer, p.tables, p.seq_lens,
             self.scale, r, max_seq_len=p.max_seq_len)  # [n, H, R] in qd
         out[tok] = up_project(o_lat.float(), w, dn)

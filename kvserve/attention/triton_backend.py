@@ -43,16 +43,16 @@ class TritonAttentionBackend(BackendBase[TritonPlan]):
         if kv_cache.components != 2:
             raise ValueError("the triton backend serves K/V caches; MLA models use mla_triton")
         self._attn = triton_attention
-        self.kv = kv_cache
+        self.kv_cache = kv_cache
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
         self.scale = scale
         self.layer_windows = layer_windows  # per layer: 0 (full) or its sliding window
         self._check_writer(kv_cache)
 
     def _build_plan(self, meta: AttentionMetadata) -> TritonPlan:
-        dev = self.kv.data.device
-        _, tables, lens = plan_decode_tables(meta, range(meta.num_seqs), self.kv.block_size,
-                                             self.kv.null_block)
+        dev = self.kv_cache.data.device
+        _, tables, lens = plan_decode_tables(meta, range(meta.num_seqs), self.kv_cache.block_size,
+                                             self.kv_cache.null_block)
         plan = TritonPlan(
             tables=tables.to(dev, torch.int32, non_blocking=True),
             seq_lens=lens.to(dev, torch.int32),
@@ -73,7 +73,7 @@ class TritonAttentionBackend(BackendBase[TritonPlan]):
 
     def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 meta: AttentionMetadata) -> torch.Tensor:
-        rot = self.kv.rotation
+        rot = self.kv_cache.rotation
         if rot is None:
             return self._attend(layer, q, k, v, meta)
         # rotated modes (fp8_rot...): attend in the basis of R, rotate the output back
@@ -84,14 +84,14 @@ class TritonAttentionBackend(BackendBase[TritonPlan]):
     def _attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 meta: AttentionMetadata) -> torch.Tensor:
         p = self._plan(meta)
-        kv = self.kv
-        kv.write(layer, meta.write_rows, k, v, slots=p.slots)
+        cache = self.kv_cache
+        cache.write(layer, meta.write_rows, k, v, slots=p.slots)
         q = q.contiguous()
         window = self.layer_windows[layer] if self.layer_windows else 0
         if p.decode:
             return self._attn.paged_decode_attention(
-                q, kv.data, kv.scales, layer, p.tables, p.seq_lens, self.scale,
+                q, cache.data, cache.scales, layer, p.tables, p.seq_lens, self.scale,
                 max_seq_len=p.max_seq_len, window=window).float()
         return self._attn.paged_attention(
-            q, kv.data, kv.scales, layer, p.tables, p.seq_lens, p.qsl, self.scale,
+            q, cache.data, cache.scales, layer, p.tables, p.seq_lens, p.qsl, self.scale,
             max_query_len=p.max_query_len, window=window).float()

@@ -15,11 +15,13 @@ a decode step should come close). Numbers from a loaded, shared host do not coun
 
 Peers: ``hf`` runs ``transformers`` ``generate`` in this process on the same folder and dtype
 (batched, left padding, per-token timestamps from a stopping-criteria hook; its decode time is
-first token -> last token). ``llamacpp`` and ``vllm`` run a script in ``--peer-python`` (one
-interpreter, or ``llamacpp=PATH,vllm=PATH`` for one environment each), after
-kvserve and HF, on the very prompts kvserve decoded, with kvserve's thread count; a peer that
-does not import there is recorded as ``"not installed"``. Each reports the greedy-token agreement
-of round 0 with kvserve.
+first token -> last token). ``llamacpp`` and ``vllm`` run a script in the peer's interpreter
+(``--peer-python``: one interpreter, or ``llamacpp=PATH,vllm=PATH``; else
+``KVSERVE_LLAMACPP_PYTHON`` / ``KVSERVE_VLLM_PYTHON``, else the venvs of
+``scripts/setup_peers.sh``: ``kvserve.bench.peers.peer_python``), after kvserve and HF, on
+the very prompts kvserve decoded, with kvserve's thread count; a peer that does not import
+there is recorded as ``"not installed"``. Each reports the greedy-token agreement of round 0
+with kvserve.
 
 - ``vllm``: ``LLM`` with the engine core in process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``),
   ``enforce_eager``, no prefix caching, ``VLLM_CPU_KVCACHE_SPACE`` 1 GB unless set, one prefill
@@ -68,7 +70,7 @@ from kvserve.bench.common import (
     rotated,
     run_peer_script,
 )
-from kvserve.bench.peers import script_path
+from kvserve.bench.peers import peer_python, script_path
 from kvserve.bench.settings import PEERS, LatencyConfig  # noqa: F401
 from kvserve.config import dtype_name
 from kvserve.engine.llm_engine import LLMEngine
@@ -232,21 +234,11 @@ def convert_to_gguf(python: str, converter: str, model: str, outfile: str, outty
     return None, "placeholder"
 
 
-def peer_python_for(peer_python: str | None, name: str) -> str | None:
-    """The interpreter of peer ``name``: ``peer_python`` is one path for every peer, or
-    ``name=PATH`` pairs split by commas (``llamacpp=/a/bin/python,vllm=/b/bin/python``), each
-    peer in its own environment; None when none is given for ``name``."""
-    if not peer_python or "=" not in peer_python:
-        return peer_python or None
-    pairs = dict(part.split("=", 1) for part in peer_python.split(",") if "=" in part)
-    return pairs.get(name) or None
-
-
 def run_external_peer(name: str, lc: LatencyConfig, model: str,
                       prompts: dict[str, list[list[list[int]]]],
                       dtype: str = "bfloat16") -> dict[str, Any] | str:
     module = {"llamacpp": "llama_cpp", "vllm": "vllm"}[name]
-    python = peer_python_for(lc.peer_python, name)
+    python = peer_python(name, lc.peer_python)
     if not peer_importable(python, module):
         return "not installed"
     payload = {"model": model, "batch_sizes": lc.batch_sizes, "input_len": lc.input_len,

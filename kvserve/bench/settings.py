@@ -73,7 +73,9 @@ class ThroughputConfig:
     seed: int = arg(0, "", cli=False)  # the engine's --seed
     peer: str | None = arg(None, "also run the sweep through vLLM (kv auto and fp8) in "
                            "--peer-python", choices=["vllm"])
-    peer_python: str | None = arg(None, "interpreter with the peer installed", metavar="PATH")
+    peer_python: str | None = arg(None, "interpreter with the peer installed (default: "
+                                  "KVSERVE_VLLM_PYTHON, else scripts/setup_peers.sh's venv)",
+                                  metavar="PATH")
     peer_timeout: float = arg(3600.0, "seconds before the peer run is stopped", type=float)
     progress: bool = arg(True, "no progress bars (default: shown)", flags=("--no-progress",),
                          action="store_false")
@@ -112,7 +114,9 @@ class LatencyConfig:
         [], "also measure a peer on the same weights (repeatable)", flags=("--peer",),
         cli_default=list, action="append", choices=list(PEERS),
         parse=lambda v: list(dict.fromkeys(v)))
-    peer_python: str | None = arg(None, "interpreter for the llamacpp / vllm peers",
+    peer_python: str | None = arg(None, "interpreter for the llamacpp / vllm peers, or "
+                                  "llamacpp=PATH,vllm=PATH (default: KVSERVE_LLAMACPP_PYTHON / "
+                                  "KVSERVE_VLLM_PYTHON, else scripts/setup_peers.sh's venvs)",
                                   metavar="PATH")
     peer_model: str | None = arg(None, "llama.cpp: a GGUF of the same weights", metavar="GGUF")
     compare_model: str | None = arg(
@@ -224,7 +228,9 @@ class SpecBenchConfig:
                                   "a plumbing check)", metavar="PATH")
     peer: str | None = arg(None, "also run llama-cpp-python plain and with "
                            "LlamaPromptLookupDecoding at batch 1", choices=["llamacpp"])
-    peer_python: str | None = arg(None, "interpreter with llama-cpp-python", metavar="PATH")
+    peer_python: str | None = arg(None, "interpreter with llama-cpp-python (default: "
+                                  "KVSERVE_LLAMACPP_PYTHON, else scripts/setup_peers.sh's venv)",
+                                  metavar="PATH")
     peer_model: str | None = arg(None, "the GGUF llama.cpp runs (default: --model)",
                                  metavar="GGUF")
     peer_timeout: float = arg(3600.0, "seconds before the peer run is stopped", type=float)

@@ -20,10 +20,11 @@ from kvserve.bench.common import (
     rotated,
     run_peer_script,
 )
+from kvserve.bench.peers import peer_python, script_path
 from kvserve.bench.settings import SpecBenchConfig
 from kvserve.bench.spec_workloads import prompts
 
-PEER_SCRIPT = os.path.join(os.path.dirname(__file__), "peers", "llamacpp_spec.py")
+PEER_SCRIPT = script_path("llamacpp_spec")
 
 
 def method_config(method: str, sc: SpecBenchConfig) -> dict | None:
@@ -123,8 +124,10 @@ def _delta(a: dict, b: dict) -> dict:
 
 def run_peer(sc: SpecBenchConfig) -> dict[str, Any]:
     """llama-cpp-python, batch 1, plain and with LlamaPromptLookupDecoding, same workloads."""
-    if not peer_importable(sc.peer_python, "llama_cpp"):
-        return {"error": f"llama_cpp does not import in --peer-python {sc.peer_python!r}"}
+    python = peer_python("llamacpp", sc.peer_python)
+    if not peer_importable(python, "llama_cpp"):
+        return {"error": f"llama_cpp does not import in the peer's interpreter {python!r} "
+                         "(--peer-python, KVSERVE_LLAMACPP_PYTHON or scripts/setup_peers.sh)"}
     gguf = sc.peer_model or resolve_model_path(sc.base.model)
     if not gguf.endswith(".gguf"):
         return {"error": "--peer-model: llama.cpp needs a GGUF"}
@@ -132,7 +135,8 @@ def run_peer(sc: SpecBenchConfig) -> dict[str, Any]:
                "max_tokens": sc.output_len, "rounds": sc.rounds,
                "num_pred_tokens": sc.num_speculative_tokens,
                "workloads": {wl: prompts(wl) for wl in sc.workloads}}
-    return run_peer_script(sc.peer_python, PEER_SCRIPT, payload, sc.peer_timeout)
+    log(f"running the llamacpp peer in {python}")
+    return run_peer_script(python or "", PEER_SCRIPT, payload, sc.peer_timeout)
 
 
 def format_table(result: dict[str, Any]) -> str:

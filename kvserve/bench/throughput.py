@@ -48,7 +48,7 @@ from kvserve.bench.common import (
     run_peer_script,
     summarize_by_batch,
 )
-from kvserve.bench.peers import script_path
+from kvserve.bench.peers import peer_python, script_path
 from kvserve.bench.settings import DEFAULT_CONCURRENCY, ThroughputConfig  # noqa: F401
 from kvserve.config import dtype_name, parse_size
 from kvserve.engine.arg_utils import EngineArgs
@@ -544,7 +544,8 @@ def format_table(result: dict[str, Any]) -> str:
 
 
 def run_vllm_peer(tc: ThroughputConfig, model: str, budget: int) -> dict[str, Any] | str:
-    if not peer_importable(tc.peer_python, "vllm"):
+    python = peer_python("vllm", tc.peer_python)
+    if not peer_importable(python, "vllm"):
         return "not installed"
     # vLLM's own configuration for the checkpoint (dtype "auto": the checkpoint's, bf16 for the
     # demo model; KV "auto" = that dtype, the same bytes as our bf16 KV) and fp8, our threads.
@@ -559,6 +560,6 @@ def run_vllm_peer(tc: ThroughputConfig, model: str, budget: int) -> dict[str, An
         "input_len": tc.input_len, "output_len": tc.output_len,
         "kv_cache_memory_bytes": budget, "seed": tc.seed,
     }
-    log(f"running the vllm peer in {tc.peer_python}")
-    return run_peer_script(tc.peer_python or "", script_path("vllm_throughput"), payload,
+    log(f"running the vllm peer in {python}")
+    return run_peer_script(python or "", script_path("vllm_throughput"), payload,
                            tc.peer_timeout)

@@ -22,12 +22,12 @@ Why this and not XOR / CRC:
     contribute independently).
 Where the sums of a seal come from: on the CPU/torch path ``seal`` recomputes them from the
 bytes (``block_sums``). With a Triton backend the fused write kernel accumulates each written
-token's contribution into ``kv.csum_state[l, b]`` (reference.write_kv / token_checksum_contrib);
-``on_allocate`` zeroes a block's row whenever the block is (re)allocated (preemption, reuse,
-rollback repair all go through allocation), and a block is sealed only once full, i.e. after
-each of its rows was written exactly once since that reset, so the state equals the recomputed
-sums exactly and sealing reads 32 B per block and layer instead of the block. Verification
-always recomputes from the bytes: that is the check.
+token's contribution into ``csum_state[l, b]`` of the cache (reference.write_kv /
+token_checksum_contrib); ``on_allocate`` zeroes a block's row whenever the block is
+(re)allocated (preemption, reuse, rollback repair all go through allocation), and a block is
+sealed only once full, i.e. after each of its rows was written exactly once since that reset,
+so the state equals the recomputed sums exactly and sealing reads 32 B per block and layer
+instead of the block. Verification always recomputes from the bytes: that is the check.
 The sealed record is blake2b(fingerprint, block id, allocation generation, token-chain hash,
 per-layer sums): a block that was freed and reused (new generation), or holds other tokens, or
 belongs to another model/KV dtype, fails verification even if its bytes are intact.
@@ -73,31 +73,31 @@ class _Seal:
     sums: np.ndarray  # [L, 4] int64: S1, S2 (payload), S1, S2 (scales)
 
 
-def block_sums(kv: PagedKVCache, block_ids: list[int]) -> np.ndarray:
+def block_sums(kv_cache: PagedKVCache, block_ids: list[int]) -> np.ndarray:
     """[n, L, 4] int64 checksum sums of the given blocks, all layers (see module docstring).
     On a CPU cache this is the C kernel ``kvserve/csrc/block_sums.c`` reading the cache in
     place (one pass, ~10x the numpy reductions); its twin is ``block_sums_numpy``."""
-    if kv.data.is_cuda or c_block_sums.load() is None:
-        return block_sums_numpy(kv, block_ids)
+    if kv_cache.data.is_cuda or c_block_sums.load() is None:
+        return block_sums_numpy(kv_cache, block_ids)
     ids = np.asarray(block_ids, dtype=np.int64)
-    out = np.empty((len(ids), kv.num_layers, 4), dtype=np.int64)
-    pay = np.empty((len(ids), kv.num_layers, 2), dtype=np.int64)
-    c_block_sums.region_sums(kv.data, ids, pay)
+    out = np.empty((len(ids), kv_cache.num_layers, 4), dtype=np.int64)
+    pay = np.empty((len(ids), kv_cache.num_layers, 2), dtype=np.int64)
+    c_block_sums.region_sums(kv_cache.data, ids, pay)
     out[:, :, 0:2] = pay
-    if kv.scales is not None:
-        c_block_sums.region_sums(kv.scales, ids, pay)
+    if kv_cache.scales is not None:
+        c_block_sums.region_sums(kv_cache.scales, ids, pay)
         out[:, :, 2:4] = pay
     else:
         out[:, :, 2:4] = 0
     return out
 
 
-def block_sums_numpy(kv: PagedKVCache, block_ids: list[int]) -> np.ndarray:
+def block_sums_numpy(kv_cache: PagedKVCache, block_ids: list[int]) -> np.ndarray:
     """The twin of ``block_sums``: the reference checksum of each layer's blocks
     (:func:`kvserve.kernels.reference.block_checksum_state`, the one specification)."""
     ids = torch.tensor(block_ids, dtype=torch.int64)
-    per_layer = [ref.block_checksum_state(kv.data, kv.scales, layer, ids)
-                 for layer in range(kv.num_layers)]  # L x [n, 4]
+    per_layer = [ref.block_checksum_state(kv_cache.data, kv_cache.scales, layer, ids)
+                 for layer in range(kv_cache.num_layers)]  # L x [n, 4]
     return torch.stack(per_layer, 1).cpu().numpy()
 
 
@@ -164,15 +164,15 @@ class SliceSeals:
     this rank's fingerprint (which includes the parallel layout), so a slice is only ever
     compared with its own seal."""
 
-    def __init__(self, kv: PagedKVCache, fingerprint: bytes) -> None:
-        self.kv, self.fingerprint = kv, fingerprint
+    def __init__(self, kv_cache: PagedKVCache, fingerprint: bytes) -> None:
+        self.kv_cache, self.fingerprint = kv_cache, fingerprint
         self.seals: dict[int, tuple[bytes, bytes]] = {}  # block -> (digest, token hash)
 
     def seal(self, block_ids: list[int], generations: list[int],
              token_hashes: list[bytes]) -> np.ndarray:
         """Seal this rank's slice of the blocks; returns their sums [n, L, 4]."""
-        sums = block_sums(self.kv, block_ids) if block_ids else np.zeros(
-            (0, self.kv.num_layers, 4), dtype=np.int64)
+        sums = block_sums(self.kv_cache, block_ids) if block_ids else np.zeros(
+            (0, self.kv_cache.num_layers, 4), dtype=np.int64)
         for i, (b, g, th) in enumerate(zip(block_ids, generations, token_hashes, strict=True)):
             self.seals[b] = (_digest(self.fingerprint, b, g, th, sums[i]), th)
         return sums
@@ -183,7 +183,7 @@ class SliceSeals:
         sealed = [b for b in block_ids if b in self.seals]
         bad = {b for b in block_ids if b not in self.seals}
         if sealed:
-            sums = block_sums(self.kv, sealed)
+            sums = block_sums(self.kv_cache, sealed)
             gen = dict(zip(block_ids, generations, strict=True))
             for i, b in enumerate(sealed):
                 digest, th = self.seals[b]
@@ -197,23 +197,23 @@ class SliceSeals:
             self.seals.pop(b, None)
 
 
-def inject_fault(kv: PagedKVCache, block_id: int, layer: int = 0, kind: str = "bitflip", *,
+def inject_fault(kv_cache: PagedKVCache, block_id: int, layer: int = 0, kind: str = "bitflip", *,
                  index: int = 0, bit: int = 0, other_index: int = 1) -> None:
     """Corrupt a block's bytes on purpose (tests, drills); see ``IntegrityChecker.inject``."""
-    if not 0 <= block_id < kv.num_blocks:
-        raise ValueError(f"block_id must be in [0, {kv.num_blocks}), got {block_id}")
-    if not 0 <= layer < kv.num_layers:
-        raise ValueError(f"layer must be in [0, {kv.num_layers}), got {layer}")
+    if not 0 <= block_id < kv_cache.num_blocks:
+        raise ValueError(f"block_id must be in [0, {kv_cache.num_blocks}), got {block_id}")
+    if not 0 <= layer < kv_cache.num_layers:
+        raise ValueError(f"layer must be in [0, {kv_cache.num_layers}), got {layer}")
     if kind == "bitflip":
-        raw = kv.data[layer, block_id].view(-1).view(torch.uint8)
+        raw = kv_cache.data[layer, block_id].view(-1).view(torch.uint8)
         raw[index % raw.numel()] ^= 1 << (bit % 8)
     elif kind == "scale":
-        if kv.scales is None:
+        if kv_cache.scales is None:
             raise ValueError("kind='scale' needs an FP8 or INT8 KV cache")
-        raw = kv.scales[layer, block_id].reshape(-1).view(torch.uint8)
+        raw = kv_cache.scales[layer, block_id].reshape(-1).view(torch.uint8)
         raw[index % raw.numel()] ^= 1 << (bit % 8)
     elif kind == "swap":
-        words = kv.data[layer, block_id].view(-1).view(torch.int32)
+        words = kv_cache.data[layer, block_id].view(-1).view(torch.int32)
         i, j = index % words.numel(), other_index % words.numel()
         a, b = words[i].clone(), words[j].clone()
         words[i], words[j] = b, a
@@ -222,10 +222,10 @@ def inject_fault(kv: PagedKVCache, block_id: int, layer: int = 0, kind: str = "b
 
 
 class IntegrityChecker:
-    def __init__(self, kv: PagedKVCache, pool: BlockPool, fingerprint: bytes, mode: str,
+    def __init__(self, kv_cache: PagedKVCache, pool: BlockPool, fingerprint: bytes, mode: str,
                  scrub_blocks_per_step: int = 0, peers: IntegrityPeers | None = None) -> None:
         assert mode in ("on", "paranoid")
-        self.kv, self.pool, self.fingerprint, self.mode = kv, pool, fingerprint, mode
+        self.kv_cache, self.pool, self.fingerprint, self.mode = kv_cache, pool, fingerprint, mode
         # Tensor parallel: the other ranks' slices (sealed and verified there, verdicts agreed).
         self.peers = peers
         self.scrub_blocks_per_step = scrub_blocks_per_step
@@ -254,7 +254,7 @@ class IntegrityChecker:
     def on_allocate(self, block_ids: list[int]) -> None:
         for b in block_ids:
             self.seals.pop(b, None)
-        state = self.kv.csum_state
+        state = self.kv_cache.csum_state
         if state is not None and block_ids:
             # New owner, new contents: the write kernel accumulates from zero.
             idx = torch.tensor(block_ids, dtype=torch.int64, device=state.device)
@@ -264,12 +264,12 @@ class IntegrityChecker:
     def seal(self, block_ids: list[int], token_hashes: list[bytes]) -> None:
         if not block_ids:
             return
-        state = self.kv.csum_state
+        state = self.kv_cache.csum_state
         if state is not None:
             sums = write_state_sums(state, block_ids)
             self.seal_sources["write_state"] += len(block_ids)
         else:
-            sums = block_sums(self.kv, block_ids)
+            sums = block_sums(self.kv_cache, block_ids)
             self.seal_sources["recompute"] += len(block_ids)
         for i, (b, th) in enumerate(zip(block_ids, token_hashes, strict=True)):
             self.seals[b] = _Seal(self._digest(b, th, sums[i]), th, sums[i])
@@ -306,7 +306,7 @@ class IntegrityChecker:
         sealed = [b for b in ids if b in self.seals]
         bad = [b for b in ids if b not in self.seals]
         if sealed:
-            sums = block_sums(self.kv, sealed)
+            sums = block_sums(self.kv_cache, sealed)
             for i, b in enumerate(sealed):
                 seal = self.seals[b]
                 if self._digest(b, seal.token_hash, sums[i]) != seal.digest:
@@ -405,16 +405,16 @@ class IntegrityChecker:
         """Corrupt a block on purpose (tests, drills). ``index`` is a byte offset (bitflip,
         scale) or an int32-word offset (swap) within data[layer, block_id]."""
         if kind == "stale":
-            if not 0 <= block_id < self.kv.num_blocks:
-                raise ValueError(f"block_id must be in [0, {self.kv.num_blocks}), got "
+            if not 0 <= block_id < self.kv_cache.num_blocks:
+                raise ValueError(f"block_id must be in [0, {self.kv_cache.num_blocks}), got "
                                  f"{block_id}")
-            if not 0 <= layer < self.kv.num_layers:
-                raise ValueError(f"layer must be in [0, {self.kv.num_layers}), got {layer}")
+            if not 0 <= layer < self.kv_cache.num_layers:
+                raise ValueError(f"layer must be in [0, {self.kv_cache.num_layers}), got {layer}")
             # The block is "freed and reallocated" under its holder: new generation, new bytes.
             self.pool.blocks[block_id].generation += 1
-            self.kv.data[layer, block_id].view(-1).view(torch.uint8)[index % 64] ^= 0x10
+            self.kv_cache.data[layer, block_id].view(-1).view(torch.uint8)[index % 64] ^= 0x10
             return
-        inject_fault(self.kv, block_id, layer, kind, index=index, bit=bit,
+        inject_fault(self.kv_cache, block_id, layer, kind, index=index, bit=bit,
                      other_index=other_index)
 
     def stats(self) -> dict:

@@ -9,9 +9,10 @@ next step runs. Outputs travel back to the caller's asyncio loop with
 event loop keeps serving HTTP: torch releases the GIL inside its kernels.
 
 Every item a sink receives is either a ``RequestOutput`` (as ``SamplingParams.output_kind`` asks)
-or a ``RequestFailure`` naming the request and why it ended early (its deadline passed, the
-engine thread died, or the engine is shutting down). After a request's finished output or its
-failure nothing more arrives for it.
+or a ``RequestFailure`` naming the request and why it ended early (the engine thread died, or
+the engine is shutting down). After a request's finished output or its failure nothing more
+arrives for it. Deadlines are the caller's: it aborts what it no longer waits for (the
+server's request timeout: kvserve/server/generation.py).
 
 The engine thread also publishes an ``EngineSnapshot`` (scheduler, block pool and counter
 figures) after every iteration, so metrics never read the live engine from another thread.
@@ -43,10 +44,6 @@ logger = logging.getLogger("kvserve.async")
 _IDLE_WAIT_S = 0.25
 
 
-class DeadlineExceeded(Exception):
-    """The request's deadline passed; the engine aborted it and freed its blocks."""
-
-
 class EngineDeadError(RuntimeError):
     """The engine thread stopped on an unexpected error; no request can make progress."""
 
@@ -69,7 +66,6 @@ EngineSnapshot = EngineStats
 class _Live:
     sink: asyncio.Queue
     loop: asyncio.AbstractEventLoop
-    deadline: float | None
 
 
 @dataclass(slots=True)
@@ -79,11 +75,11 @@ class _Add:
     params: SamplingParams
     priority: int
     cache_salt: str | None
-    deadline: float | None
     sink: asyncio.Queue
     loop: asyncio.AbstractEventLoop
     ack: asyncio.Future
-    kv: dict  # disaggregation: kv_export / kv_transfer + first_token (LLMEngine.add_request)
+    # disaggregation: kv_export / kv_transfer + first_token (LLMEngine.add_request)
+    disagg_args: dict
     lora: LoRARequest | None = None  # the request's LoRA adapter (None: the base model)
 
 
@@ -109,16 +105,7 @@ class _Stop:
 _Batches = dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue, object]]]
 
 
-def _resolve(fut: asyncio.Future, error: BaseException | None) -> None:
-    if fut.done():
-        return
-    if error is None:
-        fut.set_result(None)
-    else:
-        fut.set_exception(error)
-
-
-def _resolve_value(fut: asyncio.Future, value: object, error: BaseException | None) -> None:
+def _resolve(fut: asyncio.Future, value: object, error: BaseException | None) -> None:
     if fut.done():
         return
     if error is None:
@@ -190,20 +177,21 @@ class AsyncLLMEngine:
     # ---- requests (event-loop side) -------------------------------------------------------
     async def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams, *,
                           sink: asyncio.Queue, priority: int = 0, cache_salt: str | None = None,
-                          deadline: float | None = None, kv: dict | None = None,
+                          disagg_args: dict | None = None,
                           lora_request: LoRARequest | None = None) -> None:
         """Queue a request; returns once the engine accepted it.
 
         Raises ``ValueError`` (from ``LLMEngine.add_request``) when the engine rejects it, and
-        ``EngineDeadError`` / ``EngineShutdown`` when no engine thread will serve it. ``deadline``
-        is a ``time.monotonic()`` instant after which the request is aborted.
+        ``EngineDeadError`` / ``EngineShutdown`` when no engine thread will serve it.
+        ``disagg_args``: a disaggregation leg's ``kv_export`` / ``kv_transfer`` +
+        ``first_token`` (``LLMEngine.add_request``'s arguments).
         """
         loop = asyncio.get_running_loop()
         ack = loop.create_future()
         with self._lock:  # the engine thread closes under this lock: no add gets lost
             self._check_serving()
-            self._commands.put(_Add(request_id, prompt, params, priority, cache_salt,
-                                    deadline, sink, loop, ack, kv or {}, lora_request))
+            self._commands.put(_Add(request_id, prompt, params, priority, cache_salt, sink,
+                                    loop, ack, disagg_args or {}, lora_request))
         await ack
 
     async def call(self, fn: Callable[[LLMEngine], object]) -> object:
@@ -249,11 +237,9 @@ class AsyncLLMEngine:
                     break
                 if not busy:
                     engine.check_health()  # a dead tensor-parallel worker kills us when idle too
-                expired = self._expire_deadlines()
                 outputs = engine.step() if engine.has_unfinished_requests() else None
                 # Publish first: whoever gets an item also sees the engine state after it.
                 self._publish_snapshot()
-                self._send(expired)
                 if outputs is not None:
                     self._send(self._route(outputs))
                     if self.step_delay_s:
@@ -279,9 +265,9 @@ class AsyncLLMEngine:
                 self._apply_add(cmd)
             elif isinstance(cmd, _Call):
                 try:
-                    self._call(cmd.loop, _resolve_value, cmd.ack, cmd.fn(self._engine), None)
+                    self._call(cmd.loop, _resolve, cmd.ack, cmd.fn(self._engine), None)
                 except ValueError as e:
-                    self._call(cmd.loop, _resolve_value, cmd.ack, None, e)
+                    self._call(cmd.loop, _resolve, cmd.ack, None, e)
             elif isinstance(cmd, _Abort):
                 self._engine.abort_request(cmd.request_ids)
                 for rid in cmd.request_ids:
@@ -292,33 +278,18 @@ class AsyncLLMEngine:
                 return True
 
     def _apply_add(self, cmd: _Add) -> None:
+        """The engine checks the request (a request id in use among them: the engine's
+        unfinished requests are exactly the live ones here)."""
         error: BaseException | None = None
-        if cmd.request_id in self._live:
-            error = ValueError(f"request_id {cmd.request_id!r} is already in use")
-        else:
-            try:
-                self._engine.add_request(cmd.request_id, cmd.prompt, cmd.params,
-                                         priority=cmd.priority, cache_salt=cmd.cache_salt,
-                                         lora_request=cmd.lora, **cmd.kv)
-            except ValueError as e:
-                error = e
+        try:
+            self._engine.add_request(cmd.request_id, cmd.prompt, cmd.params,
+                                     priority=cmd.priority, cache_salt=cmd.cache_salt,
+                                     lora_request=cmd.lora, **cmd.disagg_args)
+        except ValueError as e:
+            error = e
         if error is None:
-            self._live[cmd.request_id] = _Live(cmd.sink, cmd.loop, cmd.deadline)
-        self._call(cmd.loop, _resolve, cmd.ack, error)
-
-    def _expire_deadlines(self) -> _Batches:
-        now = time.monotonic()
-        expired = [rid for rid, live in self._live.items()
-                   if live.deadline is not None and now >= live.deadline]
-        batches: _Batches = defaultdict(list)
-        if not expired:
-            return batches
-        self._engine.abort_request(expired)
-        for rid in expired:
-            live = self._live.pop(rid)
-            batches[live.loop].append((live.sink, RequestFailure(
-                rid, DeadlineExceeded(f"request {rid} passed its deadline"))))
-        return batches
+            self._live[cmd.request_id] = _Live(cmd.sink, cmd.loop)
+        self._call(cmd.loop, _resolve, cmd.ack, None, error)
 
     def _route(self, outputs: list[RequestOutput]) -> _Batches:
         batches: _Batches = defaultdict(list)
@@ -360,7 +331,7 @@ class AsyncLLMEngine:
         self._send(batches)
         for cmd in pending:  # adds that will never be applied
             if isinstance(cmd, (_Add, _Call)):
-                self._call(cmd.loop, _resolve, cmd.ack, error)
+                self._call(cmd.loop, _resolve, cmd.ack, None, error)
 
     @staticmethod
     def _call(loop: asyncio.AbstractEventLoop, fn, *args) -> None:

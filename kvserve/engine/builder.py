@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from kvserve import config as cfg
+from kvserve import cbuild
 from kvserve.cache.block_pool import BlockPool
 from kvserve.cache.integrity import IntegrityChecker
 from kvserve.cache.kv_cache_manager import KVCacheManager
@@ -34,8 +34,8 @@ from kvserve.config import (
 from kvserve.engine.arg_utils import EngineArgs
 from kvserve.engine.executor import Executor, MultiprocExecutor, make_executor
 from kvserve.engine.lora_manager import LoRAManager
-from kvserve.engine.model_runner import ModelRunner
 from kvserve.engine.scheduler import Scheduler
+from kvserve.engine.step_runner import StepRunner
 from kvserve.engine.worker import WorkerConfig
 from kvserve.kernels.cpu import w16_gemm
 from kvserve.model import registry
@@ -66,7 +66,7 @@ class EngineParts:
     integrity: IntegrityChecker | None
     kv: KVCacheManager
     scheduler: Scheduler
-    runner: ModelRunner
+    runner: StepRunner
     kv_events: KVEventPublisher | None = None  # the pool's event sink (--kv-events-endpoint)
 
 
@@ -76,7 +76,7 @@ _EXTRA_FLAGS = ("avx512_vnni", "avx_vnni", "amx_int8")  # named in the CPU path'
 def describe_cpu_path(compute: torch.dtype, storage: torch.dtype) -> str:
     """The start-up log's 'CPU path: <kind> (+flags); activations <dtype>, dense weights
     <dtype>; <what computes them>' (kinds: kvserve.cbuild.CPU_KINDS)."""
-    flags = cfg.cpu_flags()
+    flags = cbuild.cpu_flags()
     extras = [f for f in _EXTRA_FLAGS if f in flags]
     head = f"CPU path: {cpu_kind(flags)}" + (f" (+{', '.join(extras)})" if extras else "")
     dtypes = f"activations {dtype_name(compute)}, dense weights {dtype_name(storage)}"
@@ -188,7 +188,7 @@ def build_engine(args: EngineArgs) -> EngineParts:
             lora.add(name, path, param=f"lora_modules {name}")
     scheduler = Scheduler(sched_cfg, kv, args.max_loras if lora is not None else 0)
     worker.init_runner()
-    runner = ModelRunner(executor, block_size, model_config.kv_components,
+    runner = StepRunner(executor, block_size, model_config.kv_components,
                          model_config.vocab_size, model_config.eos_token_ids, lora)
     tp = args.tensor_parallel_size
     logger.info("model %s (%s, %s): %s%s", model_config.path, model_config.architecture,

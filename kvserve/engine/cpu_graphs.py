@@ -48,16 +48,16 @@ logger = logging.getLogger("kvserve")
 class CpuGraphRunner:
     """``capture`` records the decode forward once; ``run`` replays it (``can_run`` batches)."""
 
-    def __init__(self, model: torch.nn.Module, backend: AttentionBackend, kv: PagedKVCache,
+    def __init__(self, model: torch.nn.Module, backend: AttentionBackend, kv_cache: PagedKVCache,
                  block_size: int, components: int, max_num_seqs: int,
                  max_model_len: int, *, lora: bool = False) -> None:
         if max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be >= 1, got {max_num_seqs}")
-        self.model, self.backend, self.kv = model, backend, kv
+        self.model, self.backend, self.kv_cache = model, backend, kv_cache
         self.block_size, self.components = block_size, components
         self.max_rows = max_num_seqs  # B
         self.max_blocks = -(-max_model_len // block_size)  # MB
-        B, MB, null, i64 = self.max_rows, self.max_blocks, kv.null_block, torch.int64
+        B, MB, null, i64 = self.max_rows, self.max_blocks, kv_cache.null_block, torch.int64
         self.input_ids = torch.full((B,), PAD_TOKEN_ID, dtype=i64)
         self.positions = torch.zeros(B, dtype=i64)
         self.write_rows = torch.full((B,), null * components * block_size, dtype=i64)
@@ -73,7 +73,7 @@ class CpuGraphRunner:
         self.runs = 0  # decode steps served by run()
 
     def _static_batch(self) -> ForwardBatch:
-        B, null = self.max_rows, self.kv.null_block
+        B, null = self.max_rows, self.kv_cache.null_block
         meta = AttentionMetadata(
             num_tokens=B, query_start_loc=list(range(B + 1)), query_lens=[1] * B,
             seq_lens=[1] * B, block_tables=[[null]] * B, write_rows=self.write_rows,
@@ -104,7 +104,7 @@ class CpuGraphRunner:
             logger.info("CPU decode graphs off (%s); decode steps run eagerly", e)
             return False
         finally:
-            clear_scratch_block(self.kv)
+            clear_scratch_block(self.kv_cache)
         self.tape, self.out = tape, out
         logger.info("CPU decode graph recorded: %d kernel calls for up to %d rows, %.1f MiB of "
                     "activation buffers", len(tape), self.max_rows, tape.alloc_bytes / 2**20)

@@ -96,15 +96,15 @@ def pad_decode_batch(batch: ForwardBatch, bucket: int, null_block: int, block_si
                         positions=ext(batch.positions, 0), meta=padded, attn=batch.attn)
 
 
-def clear_scratch_block(kv: PagedKVCache) -> None:
+def clear_scratch_block(kv_cache: PagedKVCache) -> None:
     """Re-zero ``null_block`` (payload, FP8 scales, and the write kernel's checksum state when
     integrity keeps one) after padding rows wrote to it."""
-    kv.data[:, kv.null_block].zero_()
-    if kv.scales is not None:
-        kv.scales[:, kv.null_block].zero_()
-    csum = getattr(kv, "csum_state", None)  # [L, NB+1, 4] int64 or None
+    kv_cache.data[:, kv_cache.null_block].zero_()
+    if kv_cache.scales is not None:
+        kv_cache.scales[:, kv_cache.null_block].zero_()
+    csum = getattr(kv_cache, "csum_state", None)  # [L, NB+1, 4] int64 or None
     if csum is not None:
-        csum[:, kv.null_block].zero_()
+        csum[:, kv_cache.null_block].zero_()
 
 
 class CudaGraphRunner:
@@ -118,17 +118,17 @@ class CudaGraphRunner:
     capture failures are logged and leave graphs off).
     """
 
-    def __init__(self, model: torch.nn.Module, backend: AttentionBackend, kv: PagedKVCache,
+    def __init__(self, model: torch.nn.Module, backend: AttentionBackend, kv_cache: PagedKVCache,
                  block_size: int, components: int, max_num_seqs: int,
                  max_model_len: int) -> None:
         if not backend.cuda_graphs:
             raise ValueError(f"attention backend {backend.name!r} cannot be graph-captured")
-        self.model, self.backend, self.kv = model, backend, kv
+        self.model, self.backend, self.kv_cache = model, backend, kv_cache
         self.block_size, self.components = block_size, components
         self.buckets = batch_buckets(max_num_seqs)
         self.max_blocks = -(-max_model_len // block_size)  # MB
-        dev = kv.data.device
-        B, MB, null = self.buckets[-1], self.max_blocks, kv.null_block
+        dev = kv_cache.data.device
+        B, MB, null = self.buckets[-1], self.max_blocks, kv_cache.null_block
         self.input_ids = torch.full((B,), PAD_TOKEN_ID, dtype=torch.int64, device=dev)
         self.positions = torch.zeros(B, dtype=torch.int64, device=dev)
         self.slots = torch.full((B,), null * block_size, dtype=torch.int64, device=dev)
@@ -144,7 +144,7 @@ class CudaGraphRunner:
 
     def _static_batch(self, b: int) -> ForwardBatch:
         """A ForwardBatch over the [:b] views of the static buffers (lists describe padding)."""
-        null = self.kv.null_block
+        null = self.kv_cache.null_block
         meta = AttentionMetadata(
             num_tokens=b, query_start_loc=list(range(b + 1)), query_lens=[1] * b,
             seq_lens=[1] * b, block_tables=[[null]] * b, write_rows=self.write_rows[:b],
@@ -166,12 +166,12 @@ class CudaGraphRunner:
             with torch.cuda.stream(side):  # warm-up: compiles kernels, settles allocations
                 for _ in range(2):
                     self.model(batch)
-                clear_scratch_block(self.kv)
+                clear_scratch_block(self.kv_cache)
             torch.cuda.current_stream().wait_stream(side)
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=pool):
                 out = self.model(batch)  # [b, hidden]
-                clear_scratch_block(self.kv)
+                clear_scratch_block(self.kv_cache)
             pool = graph.pool()
             self.graphs[b] = (graph, out)
             self._captured[b] = batch
@@ -190,10 +190,10 @@ class CudaGraphRunner:
         b = select_bucket(self.buckets, n)
         if b is None or not self.can_run(batch):
             raise ValueError(f"batch of {n} sequence(s) does not fit a decode graph bucket")
-        p = pad_decode_batch(batch, b, self.kv.null_block, self.block_size, self.components)
+        p = pad_decode_batch(batch, b, self.kv_cache.null_block, self.block_size, self.components)
         bs = self.block_size
         # Block tables: the blocks covering each seq_len, then null_block up to MB.
-        tables = torch.full((b, self.max_blocks), self.kv.null_block, dtype=torch.int32)
+        tables = torch.full((b, self.max_blocks), self.kv_cache.null_block, dtype=torch.int32)
         for r, (row, slen) in enumerate(zip(p.meta.block_tables, p.meta.seq_lens, strict=True)):
             nb = -(-slen // bs)
             tables[r, :nb] = torch.tensor(row[:nb], dtype=torch.int32)
@@ -219,5 +219,5 @@ class CudaGraphRunner:
             self.replays += 1
         else:
             out = self.model(self._static_batch(b))
-            clear_scratch_block(self.kv)
+            clear_scratch_block(self.kv_cache)
         return out[:n]

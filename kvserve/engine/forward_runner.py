@@ -1,6 +1,6 @@
 """One rank's forward: a ``StepInput`` -> ``ForwardBatch`` -> the model (or a decode-graph
 replay) -> logits per group. Every tensor-parallel rank runs this; only rank 0 keeps the
-logits (the driver's ``ModelRunner`` samples from them)."""
+logits (the driver's ``StepRunner`` samples from them)."""
 
 from __future__ import annotations
 

@@ -2,7 +2,7 @@
 
 One ``step()`` = integrity check-up (rollback of requests on bad blocks) -> the scheduler's
 ``SchedulerOutput`` -> the runner (one model forward over the mixed batch through the
-executor, then sampling) -> its ``ModelRunnerOutput`` applied by the scheduler alone (tokens
+executor, then sampling) -> its ``StepOutput`` applied by the scheduler alone (tokens
 computed, blocks committed, tokens appended, stop checks by the output processor, finished
 requests freed) -> the output processor's ``RequestOutput``s. Everything the user can get
 wrong is checked in ``add_request`` and raises ``ValueError`` naming the parameter, leaving the
@@ -24,7 +24,6 @@ from kvserve.engine.builder import build_engine
 from kvserve.engine.debug import EngineDebug
 from kvserve.engine.input_processor import PromptType, check_prompt_room, tokenize_prompt
 from kvserve.engine.output_processor import OutputProcessor
-from kvserve.engine.runner_output import ModelRunnerOutput
 from kvserve.engine.scheduler import ScheduledRequest, SchedulerOutput
 from kvserve.engine.spec.drafter import make_drafter
 from kvserve.engine.stats import (
@@ -33,6 +32,7 @@ from kvserve.engine.stats import (
     EngineStats,
     SpecDecodeCounters,
 )
+from kvserve.engine.step_output import StepOutput
 from kvserve.engine.worker import DEFAULT_MAX_KV_BYTES  # noqa: F401 - re-exported
 from kvserve.outputs import RequestOutput, SpecDecodeUsage
 from kvserve.request import FirstToken, LoRARequest, Request, RequestStatus
@@ -173,7 +173,7 @@ class LLMEngine:
         scheduler's one apply step, with nothing computed): logprobs, text, stop checks."""
         assert first is not None
         sched = SchedulerOutput(new=[ScheduledRequest(req, 0, 0, ())])
-        out = ModelRunnerOutput([req.request_id], [[first.token_id]], [[first.logprobs]],
+        out = StepOutput([req.request_id], [[first.token_id]], [[first.logprobs]],
                                 [[first.logprob]], [])
         self.scheduler.update_from_output(sched, out, self.output_processor)
         if req.is_finished:
@@ -250,7 +250,7 @@ class LLMEngine:
         self.counters["finished"] += sum(o.finished for o in outs)
         return outs
 
-    def _draft(self, sched: SchedulerOutput, out: ModelRunnerOutput, seconds: float) -> None:
+    def _draft(self, sched: SchedulerOutput, out: StepOutput, seconds: float) -> None:
         """Speculative decoding: account the step's drafts, then draft for the next step."""
         assert self.drafter is not None
         drafts = {s.req.request_id: len(s.draft) for s in sched.scheduled if s.draft}

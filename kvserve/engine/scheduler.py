@@ -8,7 +8,7 @@ goes back to the waiting queue to be recomputed from its token ids (prefix cache
 that cheap); no new request is admitted in a step that preempted.
 
 The scheduler owns the requests' progress: ``schedule`` emits a ``SchedulerOutput`` (what to
-compute this step), the runner returns a ``ModelRunnerOutput`` (what was sampled), and
+compute this step), the runner returns a ``StepOutput`` (what was sampled), and
 ``update_from_output`` alone applies it: advances ``num_computed_tokens``, commits the newly
 full blocks, appends the sampled tokens, and finishes (frees) the requests that stopped.
 """
@@ -30,7 +30,7 @@ from kvserve.request import Request, RequestStatus
 if TYPE_CHECKING:
     import torch
 
-    from kvserve.engine.runner_output import ModelRunnerOutput
+    from kvserve.engine.step_output import StepOutput
 
 logger = logging.getLogger("kvserve.scheduler")
 
@@ -187,7 +187,7 @@ class Scheduler:
         out.preempted.append(req)
 
     # ---- applying a step's result --------------------------------------------------------
-    def update_from_output(self, sched: SchedulerOutput, out: ModelRunnerOutput,
+    def update_from_output(self, sched: SchedulerOutput, out: StepOutput,
                            checker: TokenChecker) -> list[Request]:
         """The one place a step advances requests: the scheduled tokens are now in the cache
         (their newly full blocks sealed and cached before anything is freed), each sampled

@@ -2,7 +2,9 @@
 -> outputs consumed -> closed.
 
 ``Generation`` owns one sink queue shared by its engine requests (one per prompt), the request
-deadline, a client-disconnect watcher and the admission ticket. Its prompts reach the engine
+deadline (the one home of ``--request-timeout``: at the deadline it withdraws the prompts still
+queued and aborts the dispatched ones; the engine has no clock of its own), a client-disconnect
+watcher and the admission ticket. Its prompts reach the engine
 through the server's ``FairQueue`` (one prompt per turn); the sink tells the queue as soon as an
 engine request has finished, so its room goes to the next turn. ``close()`` is idempotent and
 always runs (handler ``finally`` or the streaming response's ``finally``): it withdraws what
@@ -20,12 +22,7 @@ from typing import TYPE_CHECKING
 
 from starlette.types import Receive
 
-from kvserve.engine.async_engine import (
-    DeadlineExceeded,
-    EngineDeadError,
-    EngineShutdown,
-    RequestFailure,
-)
+from kvserve.engine.async_engine import EngineDeadError, EngineShutdown, RequestFailure
 from kvserve.http.errors import APIError, bad_request
 from kvserve.http.protocol import SamplingRequest
 from kvserve.outputs import CompletionOutput, Logprobs, RequestMetrics, RequestOutput
@@ -46,6 +43,11 @@ _FORCE_END = object()
 
 class ClientDisconnected(Exception):
     pass
+
+
+class DeadlineExceeded(Exception):
+    """The request's deadline passed: its prompts were withdrawn or aborted (their blocks
+    freed before the engine's next step)."""
 
 
 class _Choice:
@@ -112,12 +114,13 @@ class _Sink(asyncio.Queue):
 class Generation:
     def __init__(self, state: ServerState, request_id: str, prompts: list[Prompt],
                  params: SamplingParams, ticket: Ticket, *, priority: int = 0,
-                 cache_salt: str | None = None, kv: dict | None = None,
+                 cache_salt: str | None = None, disagg_args: dict | None = None,
                  prefill_cached_tokens: int | None = None,
                  lora: LoRARequest | None = None) -> None:
         self.state = state
         self.lora = lora  # the LoRA adapter the request's model names (None: the base)
-        self.kv = kv or {}  # disaggregation leg: LLMEngine.add_request's kv_* arguments
+        # disaggregation leg: LLMEngine.add_request's kv_export / kv_transfer / first_token
+        self.disagg_args = disagg_args or {}
         self.kv_result: dict | None = None  # a prefill leg's handle + first token
         # a decode leg: the prefill replica's cached prompt tokens (its usage reports them)
         self.prefill_cached_tokens = prefill_cached_tokens
@@ -143,11 +146,11 @@ class Generation:
         self._pending: deque[int] = deque(range(len(prompts)))  # prompts not yet dispatched
         self._charged: dict[str, int] = {}  # dispatched, unfinished -> sequences charged
         self._adds: set[asyncio.Task] = set()
-        self._deadline: float | None = None
         self._timer: asyncio.TimerHandle | None = None
         self._watcher: asyncio.Task | None = None
         self._started = False
         self._closed = False
+        self._expired = False  # the deadline passed: nothing more is added to the engine
         self._last_token_time: float | None = None
         self._seen_tokens = 0  # choice 0 of prompt 0: tokens seen by the latency metrics
         # tracing on: kvserve.http.tracing.RequestTrace, and each prompt's engine metrics
@@ -166,9 +169,9 @@ class Generation:
             self._watcher = asyncio.create_task(self._watch(receive))
         timeout = self.state.settings.request_timeout
         if timeout is not None:
-            self._deadline = self.arrival + timeout
-            # loop.time() is time.monotonic(): prompts still queued here expire on time too.
-            self._timer = asyncio.get_running_loop().call_at(self._deadline, self._expire)
+            # loop.time() is time.monotonic()
+            self._timer = asyncio.get_running_loop().call_at(self.arrival + timeout,
+                                                             self._expire)
         self.state.queue.submit(self)
 
     # ---- FairQueue side ------------------------------------------------------------------
@@ -189,13 +192,13 @@ class Generation:
         task.add_done_callback(self._adds.discard)
 
     async def _add(self, i: int, rid: str, prompt: Prompt) -> None:
-        if self._closed or self.done[i]:
-            return  # closed (its abort already sent) before this task ran: never add it now
+        if self._closed or self._expired or self.done[i]:
+            return  # closed or expired (its abort already sent) before this task ran: never add
         try:
             await self.state.engine.add_request(
                 rid, {"prompt_token_ids": prompt.token_ids, "prompt": prompt.text},
                 self.params, sink=self._sink, priority=self.priority,
-                cache_salt=self.cache_salt, deadline=self._deadline, kv=self.kv,
+                cache_salt=self.cache_salt, disagg_args=self.disagg_args,
                 lora_request=self.lora)
         except Exception as e:  # noqa: BLE001 - every failure is reported through the sink
             self._sink.put_nowait(RequestFailure(rid, e))
@@ -206,12 +209,18 @@ class Generation:
             self.state.queue.release(charge)
 
     def _expire(self) -> None:
-        """The deadline passed: prompts never dispatched end like engine-side expiries."""
+        """The deadline passed: the prompts still queued are withdrawn, the dispatched ones
+        aborted (before the engine's next step), and each ends with ``DeadlineExceeded``."""
         self._timer = None
+        self._expired = True
         self.state.queue.withdraw(self)
-        while self._pending:
-            self._sink.put_nowait(RequestFailure(self.engine_ids[self._pending.popleft()],
-                                                 DeadlineExceeded()))
+        queued = [self.engine_ids[i] for i in self._pending]
+        self._pending.clear()
+        dispatched = list(self._charged)  # unfinished: a finished one has left _charged
+        self.state.engine.abort(dispatched)
+        for rid in queued + dispatched:
+            self._sink.put_nowait(RequestFailure(rid, DeadlineExceeded(
+                f"request {rid} passed its deadline")))
 
     def force_end(self) -> None:
         self._sink.put_nowait(_FORCE_END)
@@ -244,7 +253,7 @@ class Generation:
                 return None
             if isinstance(item, RequestFailure):
                 i = self._index.get(item.request_id)
-                if i is None:
+                if i is None or self.done[i]:  # (an add the engine refused after the deadline)
                     continue
                 self.done[i] = True
                 if isinstance(item.error, DeadlineExceeded):
@@ -412,10 +421,12 @@ async def new_generation(
         if constraint is not None and params.structured_outputs is None:
             # (prepare may have set it: the same grammar with a reasoning gate)
             params = params.clone(structured_outputs=constraint.params)
-        params, kv = kv_leg(req.kv_transfer, len(prompts), params, state.settings.role)
+        params, disagg_args = kv_leg(req.kv_transfer, len(prompts), params,
+                                     state.settings.role)
         leg = req.kv_transfer
         return Generation(state, state.new_id(id_prefix), prompts, params, ticket,
-                          priority=req.priority, cache_salt=req.cache_salt, kv=kv,
+                          priority=req.priority, cache_salt=req.cache_salt,
+                          disagg_args=disagg_args,
                           prefill_cached_tokens=leg.cached_tokens if leg is not None
                           and leg.role == "decode" else None,
                           lora=state.loras.request_for(req.model))

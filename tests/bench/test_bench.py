@@ -25,6 +25,17 @@ HD64 = dict(hidden_size=128, num_attention_heads=2, num_key_value_heads=2)
 
 
 @pytest.fixture(autouse=True)
+def _no_peer_installed(tmp_path, monkeypatch):
+    """No peer interpreter found by default: not this machine's KVSERVE_*_PYTHON, nor the venvs
+    of scripts/setup_peers.sh (a test asks for a peer it means to find missing)."""
+    from kvserve.bench.peers import PEER_PYTHON_ENV
+
+    for var in PEER_PYTHON_ENV.values():
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setenv("KVSERVE_PEERS_DIR", str(tmp_path / "no-peers"))
+
+
+@pytest.fixture(autouse=True)
 def _one_thread():
     """One torch thread: on a shared, oversubscribed CPU two spinning threads cost far more than
     they give (and nothing here measures speed)."""
@@ -153,7 +164,7 @@ def test_integrity_alias_overheads(tiny_llama, tmp_path):
     assert set(ov["by_concurrency"]) == {"2"}
     # input 16 = one full block per request: sealed (and timed) in the measured runs
     assert ov["seconds_by_kind"]["seal"] > 0 and 0 < ov["time_fraction"] < 1
-    assert r["peer"] == "not installed"  # no --peer-python: vllm is never installed by us
+    assert r["peer"] == "not installed"  # none given nor found (_no_peer_installed)
 
 
 def test_latency_batch_1_2_with_hf_peer(tiny_llama, tmp_path):

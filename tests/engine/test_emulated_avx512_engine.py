@@ -37,12 +37,12 @@ def _run_all(cases: list[tuple[str, str, str]], bf16_dot_rows: int | None = None
     the CPU's flags reporting AVX512-BF16 (as tests/conftest.py's simulate_cpu does)."""
     import logging
 
-    from kvserve import config
+    from kvserve import cbuild
 
     if bf16_dot_rows is not None:
         from tests.conftest import SIMULATED_CPUS
 
-        config.cpu_flags = lambda: SIMULATED_CPUS["avx512_bf16"][0]
+        cbuild.cpu_flags = lambda: SIMULATED_CPUS["avx512_bf16"][0]
     lines: list[str] = []
     handler = logging.Handler()
     handler.emit = lambda r: lines.append(r.getMessage())

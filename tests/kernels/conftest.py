@@ -17,7 +17,7 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from kvserve.config import kv_scale_dtype  # noqa: E402
+from kvserve.config import KVStorage  # noqa: E402
 from kvserve.kernels import reference as ref  # noqa: E402
 
 
@@ -39,7 +39,7 @@ class PagedCache:
 
 def _poison(kv_data: torch.Tensor, kv_scales: torch.Tensor | None) -> None:
     """NaN everywhere, so a kernel that reads a slot it should not read produces NaN."""
-    if ref.is_fp8(kv_data.dtype):
+    if KVStorage(kv_data.dtype).is_fp8:
         kv_data.view(torch.uint8).fill_(0x7F)  # NaN in both e4m3fn and e5m2
     elif kv_data.dtype == torch.int8:
         kv_data.fill_(127)  # no NaN code: 127 * the largest scale (~7.6e6) poisons INT8 reads
@@ -74,8 +74,8 @@ def build_paged_cache(
     shape = (num_layers, n_blocks, n_comp, block_size, n_kv_heads, head_dim)
     kv_data = torch.empty(shape, dtype=dtype, device=device)
     kv_scales = None
-    if ref.is_scaled(dtype):
-        kv_scales = torch.empty(shape[:-1], dtype=kv_scale_dtype(dtype), device=device)
+    if KVStorage(dtype).scaled:
+        kv_scales = torch.empty(shape[:-1], dtype=KVStorage(dtype).scale_dtype, device=device)
     _poison(kv_data, kv_scales)
     perm = torch.randperm(n_blocks, generator=gen)
     tables = torch.full((B, max_blocks), int(perm[-1]), dtype=torch.int32)  # spare = poisoned
@@ -94,7 +94,7 @@ def build_paged_cache(
             comps[0].to(device),
             comps[1].to(device) if n_comp == 2 else None,
         )
-        if ref.is_fp8(dtype):
+        if KVStorage(dtype).is_fp8:
             q8, sc = ref.quantize_fp8_rows(rows, dtype)
             dense.append(ref.dequantize_rows(q8, sc).transpose(0, 1))
         elif dtype == torch.int8:

@@ -75,7 +75,6 @@ def test_kernel_build_setting(monkeypatch):
     runs, and a clear error for a name it does not know or a build the CPU cannot run."""
     import platform
 
-    from kvserve import config
     from tests.conftest import SIMULATED_CPUS
 
     if platform.machine() not in ("x86_64", "AMD64"):
@@ -87,7 +86,7 @@ def test_kernel_build_setting(monkeypatch):
     monkeypatch.setenv("KVSERVE_CPU_BUILD", "avx9")
     with pytest.raises(ValueError, match=r"KVSERVE_CPU_BUILD='avx9': expected native or one of"):
         cbuild.kernel_build()
-    monkeypatch.setattr(config, "cpu_flags", lambda: SIMULATED_CPUS["avx2"][0])
+    monkeypatch.setattr(cbuild, "cpu_flags", lambda: SIMULATED_CPUS["avx2"][0])
     monkeypatch.setenv("KVSERVE_CPU_BUILD", "bf16")
     with pytest.raises(ValueError, match="cannot run that build .lacks avx512_bf16"):
         cbuild.kernel_build()

@@ -80,9 +80,10 @@ def test_mla_triton_backend_equals_mla_torch(kv):
         assert meta_b.cache["mla_triton"].triton_decode is not None or all(
             n > 1 for _, n in steps)
     assert n_decode_steps == 4
-    assert torch.equal(ref.kv.data.view(torch.uint8), tri.kv.data.view(torch.uint8))
-    if ref.kv.scales is not None:
-        assert torch.equal(ref.kv.scales.view(torch.int16), tri.kv.scales.view(torch.int16))
+    ca, cb = ref.kv_cache, tri.kv_cache
+    assert torch.equal(ca.data.view(torch.uint8), cb.data.view(torch.uint8))
+    if ca.scales is not None:
+        assert torch.equal(ca.scales.view(torch.int16), cb.scales.view(torch.int16))
 
 
 def test_mla_backend_family_resolution():

@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kvserve.config import kv_scale_dtype
+from kvserve.config import KVStorage
 from kvserve.kernels import reference as ref
 
 FP8 = [torch.float8_e4m3fn, torch.float8_e5m2]
@@ -129,7 +129,7 @@ def test_mla_decode_matches_unabsorbed_attention(paged_cache, dtype):
 
 def _empty_cache(dtype, n_comp=2, blocks=6, bs=4, heads=2, dim=16, layers=2):
     kv = torch.zeros(layers, blocks, n_comp, bs, heads, dim, dtype=dtype)
-    sd = kv_scale_dtype(dtype)
+    sd = KVStorage(dtype).scale_dtype
     sc = torch.zeros(kv.shape[:-1], dtype=sd) if sd is not None else None
     return kv, sc, torch.zeros(layers, blocks, 4, dtype=torch.int64)
 
@@ -151,7 +151,7 @@ def test_write_kv_round_trip(dtype):
         elif dtype == torch.int8:  # half a step; step <= 2^(1/8) amax / 127 (1-byte scale)
             amax = x.abs().amax(-1, keepdim=True)
             assert ((got - x).abs() <= amax / 254 * 2 ** (1 / 8) * (1 + 2**-20)).all()
-        elif not ref.is_fp8(dtype):
+        elif not KVStorage(dtype).is_fp8:
             assert torch.equal(got, x.to(dtype).float())
         else:
             amax = x.abs().amax(-1, keepdim=True)

@@ -17,7 +17,7 @@ import torch
 
 pytest.importorskip("triton")
 
-from kvserve.config import kv_scale_dtype  # noqa: E402
+from kvserve.config import KVStorage  # noqa: E402
 from kvserve.kernels import reference as ref  # noqa: E402
 from kvserve.kernels.triton import attention as ta  # noqa: E402
 from kvserve.kernels.triton import cache as tc  # noqa: E402
@@ -198,7 +198,7 @@ WRITE = sweep([torch.bfloat16, torch.float16, torch.float32, *SCALED], [1, 2], [
 
 def _write_case(dtype, n_comp, block_size, n_heads, head_dim, n_blocks, device):
     kv = torch.zeros(2, n_blocks, n_comp, block_size, n_heads, head_dim, dtype=dtype, device=device)
-    sc = (torch.zeros(kv.shape[:-1], dtype=kv_scale_dtype(dtype), device=device)
+    sc = (torch.zeros(kv.shape[:-1], dtype=KVStorage(dtype).scale_dtype, device=device)
           if dtype in SCALED else None)
     cs = torch.zeros(2, n_blocks, 4, dtype=torch.int64, device=device)
     return kv, sc, cs

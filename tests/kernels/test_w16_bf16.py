@@ -85,7 +85,7 @@ def test_dispatch_follows_the_cpu_flags(simulate_cpu, monkeypatch):
     native = w16.w16_library()
     if native is not None:  # this CPU's own build: the path exactly where the CPU has BF16
         w16.bf16_dot_rows.cache_clear()
-        from kvserve.config import cpu_flags
+        from kvserve.cbuild import cpu_flags
 
         has = "avx512_bf16" in cpu_flags()
         assert (w16.bf16_dot_rows(native) > 0) == (has and w16.has_bf16_dot(native))

@@ -10,7 +10,6 @@ import pytest
 from kvserve.engine.arg_utils import EngineArgs
 from kvserve.engine.async_engine import (
     AsyncLLMEngine,
-    DeadlineExceeded,
     EngineDeadError,
     EngineShutdown,
     RequestFailure,
@@ -100,23 +99,6 @@ def test_abort_frees_blocks_within_one_step(make_engine):
         assert snap.counters["steps"] <= steps_at_abort + 1
 
     asyncio.run(main())
-
-
-def test_deadline_aborts_and_reports(make_engine):
-    eng = make_engine(step_delay_s=0.01)
-
-    async def main():
-        sink: asyncio.Queue = asyncio.Queue()
-        await eng.add_request("a", "w1", LONG, sink=sink, deadline=time.monotonic() + 0.2)
-        while True:
-            item = await sink.get()
-            if isinstance(item, RequestFailure):
-                break
-            assert not item.finished
-        assert item.request_id == "a" and isinstance(item.error, DeadlineExceeded)
-
-    asyncio.run(main())
-    assert eng.snapshot().num_blocks_used == 0
 
 
 def test_engine_error_fails_every_request_and_health(make_engine):

@@ -19,7 +19,7 @@ import os
 
 import torch
 
-from kvserve import config
+from kvserve import cbuild
 from kvserve.cbuild import build_library
 from kvserve.kernels.cpu.graph import Rows, launch
 from kvserve.kernels.reference import w16_linear
@@ -83,7 +83,7 @@ BF16_DOT_SUGGESTED_ROWS = 128
 def has_bf16_dot(lib: ctypes.CDLL) -> bool:
     """``lib`` was built with the bf16-dot path, and this CPU can run it: its flags list
     avx512_bf16 and cpuid agrees (the kernel asks it too)."""
-    return "avx512_bf16" in config.cpu_flags() and getattr(lib, "bf16_dot_built", False)
+    return "avx512_bf16" in cbuild.cpu_flags() and getattr(lib, "bf16_dot_built", False)
 
 
 # The engine's settled --cpu-bf16-dot-rows (EngineArgs.cpu_bf16_dot_rows), set once per process

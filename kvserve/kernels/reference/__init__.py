@@ -57,7 +57,6 @@ re-read of the KV bytes.
 
 from __future__ import annotations
 
-from kvserve.config import FP8_DTYPES, is_fp8, is_scaled
 from kvserve.kernels.reference.attention import (
     gather_kv,
     mla_decode,
@@ -106,9 +105,6 @@ from kvserve.kernels.reference.quant import (
 )
 
 __all__ = [
-    "FP8_DTYPES",
-    "is_fp8",
-    "is_scaled",
     "fp8_max",
     "fp8_compute_scales",
     "fp8_quantize",

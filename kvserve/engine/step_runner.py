@@ -1,4 +1,5 @@
-"""The driver's runner: a ``SchedulerOutput`` in, a ``ModelRunnerOutput`` out.
+"""``StepRunner``: one engine step on the driver, a ``SchedulerOutput`` in, a ``StepOutput`` out
+(each rank's forward itself is ``forward_runner.py``).
 
 It turns the schedule into the step's ``StepInput`` (ids, positions, cache rows, block tables,
 which hidden rows need logits), runs the forward on every rank through the executor, samples
@@ -25,10 +26,10 @@ import torch
 
 from kvserve.engine.executor import Executor
 from kvserve.engine.lora_manager import LoRAManager
-from kvserve.engine.runner_output import ModelRunnerOutput
 from kvserve.engine.sampler import Sampler, SampleRow
 from kvserve.engine.scheduler import ScheduledRequest, SchedulerOutput
 from kvserve.engine.step_input import StepInput
+from kvserve.engine.step_output import StepOutput
 
 
 @dataclass(frozen=True, slots=True)
@@ -39,7 +40,7 @@ class _Plan:
     prompt_logprobs: list[tuple[str, int]]  # groups 1..: (request id, first target)
 
 
-class ModelRunner:
+class StepRunner:
     def __init__(self, executor: Executor, block_size: int, components: int, vocab_size: int,
                  eos_token_ids: tuple[int, ...], lora: LoRAManager | None = None) -> None:
         self.executor = executor
@@ -60,7 +61,7 @@ class ModelRunner:
         return self.executor.driver.runner.backend
 
     @torch.inference_mode()
-    def execute_model(self, sched: SchedulerOutput) -> ModelRunnerOutput:
+    def execute_model(self, sched: SchedulerOutput) -> StepOutput:
         step, plan = self.prepare(sched.scheduled)
         logits = self.executor.execute(step)
         req_ids = [s.req.request_id for s in plan.sample]
@@ -100,7 +101,7 @@ class ModelRunner:
                 lp.append(l2)
         plp = [(rid, start, torch.log_softmax(lg.float(), dim=-1).cpu())
                for (rid, start), lg in zip(plan.prompt_logprobs, logits[1:], strict=True)]
-        return ModelRunnerOutput(req_ids, tokens, lps, lp, plp)
+        return StepOutput(req_ids, tokens, lps, lp, plp)
 
     @torch.inference_mode()
     def prompt_logits(self, s: ScheduledRequest) -> torch.Tensor:

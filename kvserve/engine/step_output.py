@@ -1,4 +1,4 @@
-"""What the runner returns for one step (``ModelRunner.execute_model``) and the scheduler
+"""What the runner returns for one step (``StepRunner.execute_model``) and the scheduler
 applies (``Scheduler.update_from_output``)."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from kvserve.outputs import Logprobs
 
 
 @dataclass(frozen=True, slots=True)
-class ModelRunnerOutput:
+class StepOutput:
     """One step's result, per request id (the rows sampled are in batch order).
 
     Each sampled request gets one or more tokens: with speculative decoding, the draft tokens

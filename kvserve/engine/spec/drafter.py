@@ -5,7 +5,7 @@ Proposals come from the configured method (``ngram``: prompt lookup, ``suffix``:
 ``draft_model``: a smaller model). With ``adaptive`` (the default) the draft tokens of all
 requests compete for rows of the next step: token j of a request is expected to be accepted
 with probability alpha^j (alpha: the request's recent per-token acceptance; before it has
-any, all requests' recent acceptance, which drifts back to 0.5 while nothing is drafted), and
+any, all requests' recent acceptance where that is above 0.5), and
 one more row costs the fitted slope of the step-time curve (``StepCost``). Tokens are taken in
 order of that probability while the step's expected tokens per second still rises, so a
 request whose drafts keep failing stops drafting (its alpha drifts back to the prior while it
@@ -188,9 +188,11 @@ class Drafter:
                 st.trials *= _IDLE_DECAY
 
     def _alpha(self, st: _State) -> float:
-        """The request's per-token acceptance; its prior: all requests' recent acceptance."""
-        prior = (self._acc + PRIOR * _PRIOR_WEIGHT) / (self._trials + _PRIOR_WEIGHT)
-        return st.alpha(prior)
+        """The request's per-token acceptance; its prior: all requests' recent acceptance
+        where that is above PRIOR (a workload that rejects drafts still gives each new
+        request PRIOR's chance, its own outcomes turn it down)."""
+        recent = (self._acc + PRIOR * _PRIOR_WEIGHT) / (self._trials + _PRIOR_WEIGHT)
+        return st.alpha(max(PRIOR, recent))
 
     def _state(self, req: Request) -> _State:
         st = self._states.get(req.request_id)

@@ -151,7 +151,7 @@ def run_chat(args, eng: LLMEngine, docs: list[list[int]], questions: list[list[l
 def _engine_figures(eng: LLMEngine) -> dict[str, Any]:
     st = eng.stats()
     return {"prefix_hit_rate": st.prefix_cache_hit_rate,
-            "restored_tokens": eng.kv.num_restored_tokens,
+            "restored_tokens": eng.kv_manager.num_restored_tokens,
             "preemptions": st.num_preemptions, "kv_tiers": st.kv_tiers}
 
 

@@ -3,13 +3,14 @@ on the base model alone (goal: >= 0.8x), with ``kvserve bench serve --lora-mix``
 
     python benchmarks/lora_mix_serve.py [--model GGUF_OR_FOLDER] [--adapters 4] [--rank 16]
         [--concurrency 16] [--requests 64] [--max-tokens 64] [--threads 2]
-        [--out docs/bench/lora_mix_smollm2.json]
+        [--lora-dtype auto|bfloat16] [--out docs/bench/lora_mix_smollm2.json]
 
 Three runs, each on a fresh ``kvserve serve`` (default model: SmolLM2-135M-Instruct, the Q4_1
 GGUF kept packed): ``base``: a server without LoRA (decode graphs on), every request on the
 base model; ``base_lora_on``: a server with ``--lora-modules`` of ``--adapters`` random rank
-``--rank`` adapters (every attention and MLP projection), every request on the base model (what
-turning LoRA on costs by itself: eager steps); ``mixed``: the same server, request i on adapter
+``--rank`` adapters (every attention and MLP projection, weights in ``--lora-dtype``), every
+request on the base model (what turning LoRA on costs by itself: a LoRA kernel call per linear
+that only counts its rows); ``mixed``: the same server, request i on adapter
 i mod N (``--lora-mix all``), so every step mixes the adapters. Reported: output tokens/s of
 each (client side, streamed, ``ignore_eos``: fixed lengths), ``mixed / base`` (the goal's ratio)
 and ``mixed / base_lora_on``, with the machine (``env.cpu``). The adapters are written as PEFT
@@ -98,6 +99,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--threads", type=int, default=2, help="server threads")
     p.add_argument("--kv-cache-memory", default="512MiB")
     p.add_argument("--startup-timeout", type=float, default=600.0)
+    p.add_argument("--lora-dtype", default="auto",
+                   help="the adapters' weights: auto (the compute dtype, fp32 on CPU) or bfloat16")
     p.add_argument("--out", default=None, help="JSON results file")
     a = p.parse_args(argv)
     config = _config(a.model)
@@ -105,7 +108,7 @@ def main(argv: list[str] | None = None) -> int:
         mods = [f"a{i}={write_adapter(os.path.join(tmp, f'a{i}'), config, a.rank, i)}"
                 for i in range(a.adapters)]
         lora = ["--lora-modules", *mods, "--max-loras", str(a.adapters), "--max-lora-rank",
-                str(a.rank)]
+                str(a.rank), "--lora-dtype", a.lora_dtype]
         runs = [_run("base", a.model, [], a, None),
                 _run("base_lora_on", a.model, lora, a, None),
                 _run("mixed", a.model, lora, a, "all")]

@@ -3,12 +3,12 @@ one process; a short run: ~1 minute on 2 cores).
 
     python benchmarks/lora_step_profile.py [--model GGUF_OR_FOLDER] [--adapters 4] [--rank 16]
         [--batch 16] [--prompt-len 64] [--max-tokens 32] [--repeats 20] [--threads 2]
-        [--json OUT]
+        [--lora-dtype auto|bfloat16] [--json OUT]
 
 Two engines of the model (default: SmolLM2-135M-Instruct, the Q4_1 GGUF kept packed), both
 with recorded CPU decode graphs at ``--batch`` rows: ``base`` without LoRA, ``lora`` with
 ``--adapters`` random rank ``--rank`` PEFT adapters over every projection (written as in
-benchmarks/lora_mix_serve.py). Reported:
+benchmarks/lora_mix_serve.py), their weights in ``--lora-dtype``. Reported:
 
     generate_tok_s   ``--batch`` requests of ``--prompt-len`` random tokens, ``--max-tokens``
                      each (ignore_eos), through ``LLM.generate``: base; lora with every
@@ -79,6 +79,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-tokens", type=int, default=32)
     p.add_argument("--repeats", type=int, default=20)
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--lora-dtype", default="auto", help="adapter weights' dtype (auto: fp32)")
     p.add_argument("--json", default=None, help="JSON results file")
     a = p.parse_args(argv)
     torch.set_num_threads(a.threads)
@@ -91,7 +92,7 @@ def main(argv: list[str] | None = None) -> int:
                 for i, n in enumerate(names)]
         base = LLM(a.model, **kw)
         lora = LLM(a.model, lora_modules=mods, max_loras=a.adapters, max_lora_rank=a.rank,
-                   **kw)
+                   lora_dtype=a.lora_dtype, **kw)
         g = lora.engine.runner.graphs
         assert g is not None and g.refused is None, "the LoRA engine's decode graph was refused"
         mixed = [LoRARequest(names[i % len(names)]) for i in range(a.batch)]

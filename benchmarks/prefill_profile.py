@@ -76,7 +76,7 @@ def _dense_params(eng: LLMEngine) -> int:
     """Weights the prompt tokens' GEMMs multiply (dense linears, LM head excluded)."""
     from kvserve.quant.w16 import tiles_of
 
-    model = eng.executor.driver.runner.model
+    model = eng.executor.driver.model_runner.model
     n = 0
     for name, mod in model.named_modules():
         w = getattr(mod, "weight", None)

@@ -167,7 +167,7 @@ def build(args, kv: str, batch: int, timers: Timers, prompt_len: int) -> Config:
                                kv_cache_memory=max(MIN_BUDGET, need), max_num_seqs=batch,
                                seed=args.seed, enforce_eager=not args.graphs))
     eng.kv_cache.write = timers.wrap("kv_write", eng.kv_cache.write)
-    drv = eng.executor.driver.runner  # rank 0's forward runner
+    drv = eng.executor.driver.model_runner  # rank 0's forward runner
     drv.run = timers.wrap("forward", drv.run)  # model forward + LM head
     eng.runner.sampler = timers.wrap("sampling", eng.runner.sampler)
     cfg = Config(kv, batch, eng)
@@ -245,7 +245,7 @@ def graph_kernel_split(cfg: Config, repeats: int = 20) -> dict[str, Any] | None:
     """Replay the config's recorded CPU graph whole and per kernel (None without one). Run
     after the config's last window: a kernel replayed alone reruns on stale buffers (the KV
     write rewrites the last step's slot with other values)."""
-    tape = getattr(cfg.engine.executor.driver.runner.graphs, "tape", None)
+    tape = getattr(cfg.engine.executor.driver.model_runner.graphs, "tape", None)
     if not isinstance(tape, graph.Tape):
         return None
     names = list(dict.fromkeys(tape.names))

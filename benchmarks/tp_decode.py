@@ -5,9 +5,11 @@ per-rank weight memory through ``LLM``, JSON out.
 
 Per (tp, batch): B prompts of 8 tokens are prefilled, one decode step warms up, then
 ``--repeats`` windows of ``--steps`` decode steps are timed through ``LLMEngine.step``;
-tok/s = B x steps / seconds, median window reported. The engines are built one after the other
-(tp=2 spawns its worker), each with ``torch.set_num_threads(1)`` per rank. The host load
-average is recorded: on a shared machine, compare runs only at similar load.
+tok/s = B x steps / seconds, median window reported; also each step's min and p10 ms
+(robust on a busy host: compare two trees with ``--tps 2`` and PYTHONPATH at each). The
+engines are built one after the other (tp=2 spawns its worker), each with
+``torch.set_num_threads(1)`` per rank. The host load average is recorded: on a shared machine,
+compare runs only at similar load.
 """
 
 from __future__ import annotations
@@ -39,16 +41,21 @@ def _bench(model: str, tp: int, batches: list[int], steps: int, repeats: int) ->
                                                                    for j in range(8)]}, sp)
             eng.step()  # prefill
             eng.step()  # warm-up decode
-            windows = []
+            windows, step_ms = [], []
             for _ in range(repeats):
                 t0 = time.perf_counter()
                 for _ in range(steps):
+                    t1 = time.perf_counter()
                     eng.step()
+                    step_ms.append((time.perf_counter() - t1) * 1e3)
                 windows.append(b * steps / (time.perf_counter() - t0))
             eng.abort_request([f"{b}-{i}" for i in range(b)])
+            step_ms.sort()  # the fastest steps are the least disturbed by a busy host
             out["batches"][str(b)] = {"tok_s_median": statistics.median(windows),
-                                      "windows": windows}
-            print(f"tp={tp} batch={b}: {statistics.median(windows):.1f} tok/s", flush=True)
+                                      "windows": windows, "step_ms_min": step_ms[0],
+                                      "step_ms_p10": step_ms[len(step_ms) // 10]}
+            print(f"tp={tp} batch={b}: {statistics.median(windows):.1f} tok/s, step min "
+                  f"{step_ms[0]:.2f} ms, p10 {step_ms[len(step_ms) // 10]:.2f} ms", flush=True)
     finally:
         eng.shutdown()
     return out

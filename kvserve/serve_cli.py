@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import sys
 
 from kvserve.config_cli import add_cli_args, from_cli_args
 from kvserve.engine.arg_utils import EngineArgs
@@ -37,7 +38,36 @@ def register(subparsers) -> None:
     add_cli_args(p, LaunchSettings)
     add_cli_args(p, ServerSettings)
     add_cli_args(p, RouterSettings, skip=RouterSettings.REPLICA_FIELDS)  # with -dp N
-    p.set_defaults(func=lambda ns: serve(ns, EngineArgs.from_cli_args(ns)))
+    p.set_defaults(func=_serve)
+
+
+# libgomp's OpenMP workers spin after each parallel region before they sleep: by default up to
+# 300,000 pause loops, 1-17 ms depending on the core. After a step's forward that holds a core
+# through the engine's Python, the event loop's chunk writing and the client's reading, which
+# on a small CPU then wait for it; the gaps between the kernels of one forward are
+# microseconds. 10,000 loops (~0.05-0.5 ms) still cover those (docs/server.md "Served vs
+# offline").
+SERVE_GOMP_SPINCOUNT = "10000"
+
+
+def quiet_openmp_spin(environ: dict[str, str] | None = None) -> bool:
+    """Set ``GOMP_SPINCOUNT`` to ``SERVE_GOMP_SPINCOUNT`` in ``environ`` (default: this
+    process's, unless torch, and with it libgomp, which reads it once, is already loaded)
+    unless it already says how OpenMP threads wait (``GOMP_SPINCOUNT``, ``OMP_WAIT_POLICY``).
+    True if it was set."""
+    if environ is None:
+        if "torch" in sys.modules:
+            return False
+        environ = os.environ  # type: ignore[assignment]
+    if "GOMP_SPINCOUNT" in environ or "OMP_WAIT_POLICY" in environ:
+        return False
+    environ["GOMP_SPINCOUNT"] = SERVE_GOMP_SPINCOUNT
+    return True
+
+
+def _serve(ns: argparse.Namespace) -> int:
+    quiet_openmp_spin()  # before EngineArgs, which loads torch
+    return serve(ns, EngineArgs.from_cli_args(ns))
 
 
 def _served_name(ns: argparse.Namespace, model: str | None) -> str:
@@ -64,8 +94,6 @@ def serve(ns: argparse.Namespace, engine_args: EngineArgs) -> int:
                              served_model_name=_served_name(ns, engine_args.model))
     launch = from_cli_args(LaunchSettings, ns)
     if launch.data_parallel_size > 1:
-        import sys
-
         from kvserve.router_cli import serve_replicas
 
         argv = list(getattr(ns, "argv", None) or sys.argv[1:])
@@ -76,6 +104,9 @@ def serve(ns: argparse.Namespace, engine_args: EngineArgs) -> int:
     from kvserve.router.launch import watch_parent
 
     watch_parent()  # a replica of `serve --data-parallel-size` ends with its router
+    # The engine thread and the event loop share the GIL: a short interval bounds the engine's
+    # wait for it (kvserve/engine/async_engine.py; docs/server.md "Served vs offline").
+    sys.setswitchinterval(launch.switch_interval_ms / 1000)
     sock = listen_socket(launch.host, launch.port)  # before the model loads (see launch.py)
     app = engine = None
     try:

@@ -172,9 +172,11 @@ async def serve_bench(url: str, concurrency: int, requests: int, *, max_tokens: 
                       prompt: str | None = None, input_words: int = 32, chat: bool = False,
                       model: str | None = None, api_key: str | None = None,
                       temperature: float = 1.0, seed: int = 0, timeout: float = 600.0,
-                      traceparent: bool = False, lora_mix: str | None = None
-                      ) -> dict[str, Any]:
-    """Async core of ``run_serve_bench`` (same arguments, returns the report)."""
+                      traceparent: bool = False, lora_mix: str | None = None,
+                      prompt_token_ids: list[list[int]] | None = None) -> dict[str, Any]:
+    """Async core of ``run_serve_bench`` (same arguments, returns the report).
+    ``prompt_token_ids``: request i sends ``prompt_token_ids[i % len]`` as its prompt (token
+    ids, as ``/v1/completions`` accepts them) instead of text."""
     if concurrency < 1:
         raise ValueError(f"concurrency must be >= 1, got {concurrency}")
     if requests < 1:
@@ -191,8 +193,14 @@ async def serve_bench(url: str, concurrency: int, requests: int, *, max_tokens: 
         model = model or await _model_id(client)
         models = [model] if lora_mix is None else await lora_models(client, lora_mix)
         payloads = []
+        if prompt_token_ids is not None and (chat or not prompt_token_ids):
+            raise ValueError("prompt_token_ids: completions only, and at least one prompt")
         for i in range(requests):
-            text = prompt if prompt is not None else synthetic_prompt(rng, input_words)
+            text: str | list[int]
+            if prompt_token_ids is not None:
+                text = prompt_token_ids[i % len(prompt_token_ids)]
+            else:
+                text = prompt if prompt is not None else synthetic_prompt(rng, input_words)
             body: dict[str, Any] = {
                 "model": models[i % len(models)], "max_tokens": max_tokens,
                 "temperature": temperature, "seed": seed + i, "stream": True, "ignore_eos": True,
@@ -250,13 +258,14 @@ def run_serve_bench(url: str, concurrency: int, requests: int, *, max_tokens: in
                     model: str | None = None, api_key: str | None = None,
                     temperature: float = 1.0, seed: int = 0, timeout: float = 600.0,
                     json_out: str | None = None, traceparent: bool = False,
-                    lora_mix: str | None = None) -> dict[str, Any]:
+                    lora_mix: str | None = None,
+                    prompt_token_ids: list[list[int]] | None = None) -> dict[str, Any]:
     """Run the load and return the report; also write it to ``json_out`` when given."""
     report = asyncio.run(serve_bench(
         url, concurrency, requests, max_tokens=max_tokens, prompt=prompt,
         input_words=input_words, chat=chat, model=model, api_key=api_key,
         temperature=temperature, seed=seed, timeout=timeout, traceparent=traceparent,
-        lora_mix=lora_mix))
+        lora_mix=lora_mix, prompt_token_ids=prompt_token_ids))
     if json_out:
         with open(json_out, "w") as f:
             json.dump(report, f, indent=2)

@@ -284,20 +284,20 @@ def verify(spec: StoreSpec, data: bytes, chain_hash: bytes,
     return StoredBlock(chain_hash, tuple(token_ids), payload, scales, sums.astype(np.int64))
 
 
-def install(kv: PagedKVCache, block_ids: list[int], blocks: list[StoredBlock]) -> None:
+def install(kv_cache: PagedKVCache, block_ids: list[int], blocks: list[StoredBlock]) -> None:
     """Copy verified blocks into freshly allocated pool blocks ``block_ids`` (and, where the
     write kernel keeps checksum state, set it to the verified sums so sealing reads them: a
     partial block's unfilled rows are zero, so its later rows add to the state exactly as in
     the engine that sealed it)."""
-    dev = kv.data.device
+    dev = kv_cache.data.device
     idx = torch.tensor(block_ids, dtype=torch.int64, device=dev)
     # as bytes: index_copy_ has no FP8 kernel on CPU
     payload = torch.stack([b.payload for b in blocks], 1).to(dev)  # [L, C, n, bs, H, D]
-    kv.data.view(torch.uint8).index_copy_(1, idx, payload.view(torch.uint8))
-    if kv.scales is not None:
+    kv_cache.data.view(torch.uint8).index_copy_(1, idx, payload.view(torch.uint8))
+    if kv_cache.scales is not None:
         scales = torch.stack([b.scales for b in blocks], 1).to(dev)  # type: ignore[misc]
-        kv.scales.view(torch.uint8).index_copy_(1, idx, scales.view(torch.uint8))
-    state = kv.csum_state
+        kv_cache.scales.view(torch.uint8).index_copy_(1, idx, scales.view(torch.uint8))
+    state = kv_cache.csum_state
     if state is not None:
         sums = torch.from_numpy(np.stack([b.sums for b in blocks], 1)).to(state.device)
         state.index_copy_(1, idx, sums)

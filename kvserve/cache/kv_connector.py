@@ -92,9 +92,9 @@ class KVConnector:
     saves_finished = False  # request_finished is called for every finished request
     persistent = False  # its saves outlive the process: the pool is saved into it at close
 
-    def __init__(self, spec: StoreSpec, kv: PagedKVCache, peers: KVPeers | None = None,
+    def __init__(self, spec: StoreSpec, kv_cache: PagedKVCache, peers: KVPeers | None = None,
                  threads: int = 1) -> None:
-        self.spec, self.kv, self.peers = spec, kv, peers
+        self.spec, self.kv_cache, self.peers = spec, kv_cache, peers
         self.events: KVEvents | None = None  # set by the engine builder before any save
         self.load_hist = np.zeros(len(self.buckets) + 1, dtype=np.int64)
         self.load_seconds = 0.0
@@ -180,7 +180,7 @@ class KVConnector:
         return [MISSING] * len(refs), 0
 
     def install(self, block_ids: list[int], blocks: list[StoredBlock]) -> None:
-        block_store.install(self.kv, block_ids, blocks)  # into freshly allocated pool blocks
+        block_store.install(self.kv_cache, block_ids, blocks)  # into freshly allocated pool blocks
 
     def verify(self, blob: bytes, ref: BlockRef) -> StoredBlock | Rejected:
         # the one check of every block that enters the pool, wherever it comes from
@@ -191,7 +191,7 @@ class KVConnector:
         """The blocks' bytes on the CPU, [L, n, C, bs, H, D] (and scales), copied now as bytes
         (FP8 has few CPU kernels); ``last_filled``: the last block's filled rows, the rest
         zeroed (unfilled rows hold stale bytes of an earlier owner)."""
-        idx = torch.tensor(block_ids, dtype=torch.int64, device=self.kv.data.device)
+        idx = torch.tensor(block_ids, dtype=torch.int64, device=self.kv_cache.data.device)
 
         def copy(t: torch.Tensor) -> torch.Tensor:
             b = t.view(torch.uint8).index_select(1, idx).cpu()
@@ -199,7 +199,8 @@ class KVConnector:
                 b[:, -1, :, last_filled:] = 0  # dim 3: the block's token rows
             return b.view(t.dtype)
 
-        return copy(self.kv.data), None if self.kv.scales is None else copy(self.kv.scales)
+        cache = self.kv_cache
+        return copy(cache.data), None if cache.scales is None else copy(cache.scales)
 
     def serialize(self, ref: BlockRef, payload: torch.Tensor, scales: torch.Tensor | None,
                   sums: np.ndarray) -> bytes:  # payload [L, C, bs, H, D]

@@ -274,10 +274,10 @@ class KVTiers(KVConnector):
 
     name = "tiers"
 
-    def __init__(self, cfg: TierConfig, spec: StoreSpec, kv: PagedKVCache,
+    def __init__(self, cfg: TierConfig, spec: StoreSpec, kv_cache: PagedKVCache,
                  peers: KVPeers | None = None, threads: int = 1) -> None:
         assert cfg.enabled
-        super().__init__(spec, kv, peers, threads)
+        super().__init__(spec, kv_cache, peers, threads)
         self.cfg = cfg
         self.memory = MemoryTier(cfg.memory_bytes) if cfg.memory_bytes > 0 else None
         self.disk = DiskTier(cfg.disk_dir, cfg.disk_bytes) if cfg.disk_dir is not None else None

@@ -387,11 +387,11 @@ class KVTransfer(KVConnector):
     buckets = LATENCY_BUCKETS
     saves_finished = True
 
-    def __init__(self, cfg: TransferConfig, spec: StoreSpec, kv: PagedKVCache,
+    def __init__(self, cfg: TransferConfig, spec: StoreSpec, kv_cache: PagedKVCache,
                  peers: KVPeers | None = None, threads: int = IMPORT_THREADS,
                  transport: Transport | None = None) -> None:
         assert spec.world_size == 1 or cfg.transport == "dir", "refused in settle()"
-        super().__init__(spec, kv, peers, threads)
+        super().__init__(spec, kv_cache, peers, threads)
         self.cfg = cfg
         self.transport = transport or make_transport(cfg)
         self.exported = 0  # transfers offered

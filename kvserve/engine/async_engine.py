@@ -6,7 +6,16 @@ The engine is not thread-safe, so exactly one thread (the *engine thread*) ever 
 next step runs. Outputs travel back to the caller's asyncio loop with
 ``loop.call_soon_threadsafe`` (one call per loop per step) into a per-request ``asyncio.Queue``
 (the *sink*); several requests may share one sink. Model steps run in the engine thread while the
-event loop keeps serving HTTP: torch releases the GIL inside its kernels.
+event loop keeps serving HTTP: torch and the C kernels release the GIL while they compute.
+
+A step's unfinished outputs are handed over when the *next* step's forward is about to start
+(``LLMEngine.step``'s ``before_forward``), not as soon as they exist: waking the loop wakes a
+second Python thread that holds the GIL while it writes a chunk per request, and the engine
+thread, which needs the GIL between its kernels, then waited for it (up to the 5 ms switch
+interval at a time) before it could schedule and start the next forward. Handed over at the
+forward, the loop's work overlaps the kernels instead. Finished outputs (and failures) still go
+at once, so a finished request's room goes to the next one before the next step is scheduled;
+nothing is held once the engine has no work left.
 
 Every item a sink receives is either a ``RequestOutput`` (as ``SamplingParams.output_kind`` asks)
 or a ``RequestFailure`` naming the request and why it ended early (the engine thread died, or
@@ -134,6 +143,7 @@ class AsyncLLMEngine:
         self.kv_events = engine.kv_events  # KVEventPublisher (its bound endpoints) or None
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._live: dict[str, _Live] = {}
+        self._held: _Batches = {}  # unfinished outputs of the last step, for its next forward
         self._thread: threading.Thread | None = None
         self._dead: BaseException | None = None
         self._stopping = False
@@ -237,11 +247,17 @@ class AsyncLLMEngine:
                     break
                 if not busy:
                     engine.check_health()  # a dead tensor-parallel worker kills us when idle too
-                outputs = engine.step() if engine.has_unfinished_requests() else None
+                outputs = (engine.step(before_forward=self._flush)
+                           if engine.has_unfinished_requests() else None)
                 # Publish first: whoever gets an item also sees the engine state after it.
                 self._publish_snapshot()
+                self._flush()  # what no forward ran to send (nothing was scheduled)
                 if outputs is not None:
-                    self._send(self._route(outputs))
+                    finished, running = self._route(outputs)
+                    self._send(finished)
+                    self._held = running
+                    if self.step_delay_s or not engine.has_unfinished_requests():
+                        self._flush()
                     if self.step_delay_s:
                         time.sleep(self.step_delay_s)
         except BaseException as e:  # noqa: BLE001 - report any failure to every waiter
@@ -291,21 +307,32 @@ class AsyncLLMEngine:
             self._live[cmd.request_id] = _Live(cmd.sink, cmd.loop)
         self._call(cmd.loop, _resolve, cmd.ack, None, error)
 
-    def _route(self, outputs: list[RequestOutput]) -> _Batches:
-        batches: _Batches = defaultdict(list)
+    def _route(self, outputs: list[RequestOutput]) -> tuple[_Batches, _Batches]:
+        """(the finished outputs, the others) by event loop."""
+        finished: _Batches = defaultdict(list)
+        running: _Batches = defaultdict(list)
         for out in outputs:
             live = self._live.get(out.request_id)
             if live is None:
                 continue  # aborted meanwhile
             if out.metrics is not None:  # the live object keeps changing in this thread
                 out.metrics = dataclasses.replace(out.metrics)
-            batches[live.loop].append((live.sink, out))
+            (finished if out.finished else running)[live.loop].append((live.sink, out))
             if out.finished:
                 del self._live[out.request_id]
-        return batches
+        return finished, running
+
+    def _flush(self) -> None:
+        """Hand the held outputs over (a request's items stay in order: whatever is sent for
+        it later goes after them)."""
+        held, self._held = self._held, {}
+        for loop, items in held.items():
+            self._call(loop, _deliver, items)
 
     def _send(self, batches: _Batches) -> None:
-        """One ``call_soon_threadsafe`` per event loop for everything it should receive."""
+        """One ``call_soon_threadsafe`` per event loop for everything it should receive, after
+        what is held."""
+        self._flush()
         for loop, items in batches.items():
             self._call(loop, _deliver, items)
 

@@ -64,7 +64,7 @@ class EngineParts:
     tokenizer: Any  # a transformers tokenizer
     pool: BlockPool
     integrity: IntegrityChecker | None
-    kv: KVCacheManager
+    kv_manager: KVCacheManager
     scheduler: Scheduler
     runner: StepRunner
     kv_events: KVEventPublisher | None = None  # the pool's event sink (--kv-events-endpoint)
@@ -137,9 +137,13 @@ def settle(args: EngineArgs) -> WorkerConfig:
         max_model_len=resolve_max_model_len(sched_cfg.max_model_len, spec.context_len),
         eos_token_ids=eos_token_ids(folder),
     )
+    lora_dtype = None  # LoRA off
+    if args.enable_lora:  # the adapter slots' dtype: "auto" = the compute dtype
+        lora_dtype = (dtypes.compute if args.lora_dtype == "auto"
+                      else getattr(torch, args.lora_dtype))
     return WorkerConfig(args, model, dtypes, cache_cfg, sched_cfg, kv_mode,
                         cache_cfg.kv_rotation_seed if kv_mode.rotate else None,
-                        spec.context_len, transfer)
+                        spec.context_len, transfer, lora_dtype)
 
 
 def build_engine(args: EngineArgs) -> EngineParts:
@@ -178,7 +182,7 @@ def build_engine(args: EngineArgs) -> EngineParts:
         executor if isinstance(executor, MultiprocExecutor) else None)
     for c in connectors.values():
         c.events = kv_events
-    kv = KVCacheManager(pool, block_size, cache_cfg.enable_prefix_caching,
+    kv_manager = KVCacheManager(pool, block_size, cache_cfg.enable_prefix_caching,
                         config.fingerprint, integrity, list(connectors.values()))
     lora = None
     if worker.lora_linears is not None:
@@ -186,8 +190,8 @@ def build_engine(args: EngineArgs) -> EngineParts:
                            args.max_lora_rank)
         for name, path in args.lora_module_paths().items():
             lora.add(name, path, param=f"lora_modules {name}")
-    scheduler = Scheduler(sched_cfg, kv, args.max_loras if lora is not None else 0)
-    worker.init_runner()
+    scheduler = Scheduler(sched_cfg, kv_manager, args.max_loras if lora is not None else 0)
+    worker.init_model_runner()
     runner = StepRunner(executor, block_size, model_config.kv_components,
                          model_config.vocab_size, model_config.eos_token_ids, lora)
     tp = args.tensor_parallel_size
@@ -201,5 +205,5 @@ def build_engine(args: EngineArgs) -> EngineParts:
     for c in connectors.values():
         logger.info("%s", c.describe())
     logger.info("ready in %.1f s", time.perf_counter() - t0)
-    return EngineParts(args, config, executor, tokenizer, pool, integrity, kv, scheduler,
+    return EngineParts(args, config, executor, tokenizer, pool, integrity, kv_manager, scheduler,
                        runner, kv_events)

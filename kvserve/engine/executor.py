@@ -162,10 +162,10 @@ def replica_mismatch(parts: list[torch.Tensor], block_ids: list[int]) -> list[bo
 
 
 def kv_bytes(worker: Worker) -> torch.Tensor:
-    kv = worker.kv_cache
-    parts = [kv.data.reshape(-1).view(torch.uint8)]
-    if kv.scales is not None:
-        parts.append(kv.scales.reshape(-1).view(torch.uint8))
+    cache = worker.kv_cache
+    parts = [cache.data.reshape(-1).view(torch.uint8)]
+    if cache.scales is not None:
+        parts.append(cache.scales.reshape(-1).view(torch.uint8))
     return torch.cat(parts).cpu()
 
 
@@ -446,7 +446,7 @@ def worker_main(config: WorkerConfig, rank: int, world_size: int, init_method: s
                         enable_expert_parallel=args.enable_expert_parallel)
     try:
         worker = Worker(config, rank, world_size)
-        worker.init_runner()
+        worker.init_model_runner()
         state = WorkerRank(worker, SliceSeals(worker.kv_cache, worker.fingerprint),
                            worker.build_connectors())
         with torch.inference_mode():

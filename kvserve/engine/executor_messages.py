@@ -254,7 +254,9 @@ def encode_message(msg: Message) -> Frame:
     env = msgpack.packb([PROTOCOL_VERSION, schema.tag, values])
     body = None
     if schema.body is not None:
-        body = getattr(msg, schema.body).to_tensor().to(torch.int64).contiguous()
+        body = getattr(msg, schema.body).to_tensor()
+        if body.dtype != torch.int64 or not body.is_contiguous():
+            body = body.to(torch.int64).contiguous()
     header = np.zeros(HEADER_WORDS, dtype=np.int64)
     header[0], header[1] = len(env), 0 if body is None else body.numel()
     spill = None
@@ -270,7 +272,7 @@ def frame_sizes(header: torch.Tensor) -> tuple[int, int]:
     """(spill words, body words) that follow this header; MessageError if it is garbage."""
     if header.dtype != torch.int64 or header.numel() != HEADER_WORDS:
         raise MessageError(f"executor message header must be int64[{HEADER_WORDS}]")
-    n_env, n_body = int(header[0]), int(header[1])
+    n_env, n_body = header.numpy()[:2].tolist()
     if not 0 < n_env <= MAX_ENVELOPE_BYTES or not 0 <= n_body <= MAX_ENVELOPE_BYTES:
         raise MessageError(f"executor message header sizes out of range: envelope {n_env} "
                            f"bytes, body {n_body} words")
@@ -281,7 +283,7 @@ def decode_message(header: torch.Tensor, spill: torch.Tensor | None = None,
            body: torch.Tensor | None = None) -> Message:
     """The message a frame carries, every field checked (``MessageError`` otherwise)."""
     n_spill, n_body = frame_sizes(header)
-    n_env = int(header[0])
+    n_env = int(header.numpy()[0])
     if n_spill:
         if spill is None or spill.numel() != n_spill:
             raise MessageError(f"executor message: envelope of {n_env} bytes missing")

@@ -48,7 +48,7 @@ class LLMEngine:
         self.args, self.config = parts.args, parts.config
         self.executor, self.runner = parts.executor, parts.runner
         self.tokenizer = parts.tokenizer
-        self.pool, self.kv, self.scheduler = parts.pool, parts.kv, parts.scheduler
+        self.pool, self.kv_manager, self.scheduler = parts.pool, parts.kv_manager, parts.scheduler
         self.integrity = parts.integrity
         self.kv_events = parts.kv_events  # KVEventPublisher or None
         # Read-only facts (tests and the front end read them).
@@ -92,7 +92,7 @@ class LLMEngine:
         event publisher (and a draft model's engine)."""
         if self.drafter is not None and self.drafter.draft_model is not None:
             self.drafter.draft_model.shutdown()
-        self.kv.close()
+        self.kv_manager.close()
         self.executor.shutdown()
         if self.kv_events is not None:
             self.kv_events.close()
@@ -130,7 +130,7 @@ class LLMEngine:
         room = min(max_len, self.capacity_tokens) - len(ids)
         # Like vLLM/OpenAI: generation stops at the context limit with finish_reason=length.
         max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
-        if (kv_export or kv_transfer is not None) and "transfer" not in self.kv.connectors:
+        if (kv_export or kv_transfer is not None) and "transfer" not in self.kv_manager.connectors:
             raise ValueError("kv_transfer: this engine has no KV transfer (--kv-transfer)")
         if (kv_export or kv_transfer is not None) and params.n != 1:
             raise ValueError("n must be 1 with a KV transfer (send n requests)")
@@ -224,17 +224,23 @@ class LLMEngine:
 
     # ---- the step -------------------------------------------------------------------------
     @torch.inference_mode()
-    def step(self) -> list[RequestOutput]:
+    def step(self, before_forward: Callable[[], None] | None = None) -> list[RequestOutput]:
+        """One scheduler iteration. ``before_forward`` is called once the step is scheduled,
+        before its forward runs (not when nothing was scheduled): ``AsyncLLMEngine`` hands the
+        previous step's outputs to the event loop there, so the loop turns them into HTTP
+        chunks while the forward runs without the GIL."""
         if self.integrity is not None:
             bad = self.integrity.begin_step(self.scheduler.held_block_ids)
             if bad:
                 self.integrity.record_rollbacks(len(self.scheduler.rollback(bad)))
         sched = self.scheduler.schedule()
         if sched.is_empty:
-            self.kv.wait_for_loads()  # nothing to run but KV loads in flight: no spinning
+            self.kv_manager.wait_for_loads()  # nothing to run but KV loads in flight: no spinning
             return []
         if self.debug.on_schedule is not None:
             self.debug.on_schedule(sched, len(self.scheduler.running))
+        if before_forward is not None:
+            before_forward()
         t0 = time.perf_counter()
         out = self.runner.execute_model(sched)
         seconds = time.perf_counter() - t0
@@ -280,30 +286,30 @@ class LLMEngine:
             raise ValueError(f"token_ids has {len(ids)} tokens, over max_model_len "
                              f"{self.model_config.max_model_len}")
         req = Request(f"__score_{id(ids)}", "__score", 0, ids, SamplingParams(max_tokens=1), 1)
-        if not self.kv.allocate_slots(req, len(ids)):
+        if not self.kv_manager.allocate_slots(req, len(ids)):
             raise ValueError("not enough free KV blocks to score token_ids")
         try:
-            blocks = tuple(self.kv.get_block_ids(req))
+            blocks = tuple(self.kv_manager.get_block_ids(req))
             return self.runner.prompt_logits(ScheduledRequest(req, len(ids), 0, blocks))
         finally:
-            self.kv.free(req)
-            self.kv.forget(req)
+            self.kv_manager.free(req)
+            self.kv_manager.forget(req)
 
     # ---- introspection --------------------------------------------------------------------
     def stats(self) -> EngineStats:
         pool, sched = self.pool, self.scheduler
         prefilling = sum(r.num_computed_tokens < r.num_prompt_tokens for r in sched.running)
-        kv_stats = {name: c.stats() for name, c in self.kv.connectors.items()}
+        kv_stats = {name: c.stats() for name, c in self.kv_manager.connectors.items()}
         return EngineStats(
             num_running=len(sched.running), num_waiting=len(sched.waiting),
             num_prefilling=prefilling + len(sched.waiting),
             num_blocks_total=pool.num_blocks, num_blocks_used=pool.num_used_blocks,
             num_blocks_free=pool.num_free_blocks, block_size=self.cache_config.block_size,
-            prefix_cache_hit_rate=float(self.kv.hit_rate),
+            prefix_cache_hit_rate=float(self.kv_manager.hit_rate),
             num_preemptions=self.scheduler.num_preemptions,
             num_unfinished_requests=self.get_num_unfinished_requests(),
-            counters={**self.counters, "prefix_cache_queries": self.kv.num_queried_tokens,
-                      "prefix_cache_hits": self.kv.num_hit_tokens},
+            counters={**self.counters, "prefix_cache_queries": self.kv_manager.num_queried_tokens,
+                      "prefix_cache_hits": self.kv_manager.num_hit_tokens},
             iteration_tokens=self.iteration_tokens.copy(), cache_config=self._cache_info,
             integrity=self.integrity.stats() if self.integrity is not None else None,
             kv_tiers=kv_stats.get("tiers"), kv_transfer=kv_stats.get("transfer"),

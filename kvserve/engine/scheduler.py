@@ -78,11 +78,12 @@ class TokenChecker(Protocol):
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, kv: KVCacheManager, max_loras: int = 0) -> None:
+    def __init__(self, config: SchedulerConfig, kv_manager: KVCacheManager,
+                 max_loras: int = 0) -> None:
         self.config = config
         # LoRA: the most distinct adapters running at once (the adapter slots); 0: LoRA off
         self.max_loras = max_loras
-        self.kv = kv
+        self.kv_manager = kv_manager
         self.waiting: list[Request] = []  # sorted by _key
         self.running: list[Request] = []
         self._seq = itertools.count()
@@ -112,12 +113,12 @@ class Scheduler:
             n = min(req.num_tokens - req.num_computed_tokens, budget)
             draft = tuple(req.spec_token_ids[: budget - 1]) if n == 1 else ()
             # drafts only where their blocks are free: never preempt for a draft
-            if draft and self.kv.allocate_slots(req, 1 + len(draft)):
+            if draft and self.kv_manager.allocate_slots(req, 1 + len(draft)):
                 out.continuing.append(self._scheduled(req, 1 + len(draft), draft))
                 budget -= 1 + len(draft)
                 i += 1
                 continue
-            while not self.kv.allocate_slots(req, n):
+            while not self.kv_manager.allocate_slots(req, n):
                 victim = max(self.running[i:], key=self._key)
                 self._preempt(victim, out)
                 if victim is req:
@@ -138,7 +139,7 @@ class Scheduler:
                 continue
             # prefix hits, KV a connector loads (tiers, a store; meanwhile it waits), or
             # (decode role) its prompt's KV by transfer
-            hit = self.kv.get_computed_blocks(req)
+            hit = self.kv_manager.get_computed_blocks(req)
             if hit.loading:
                 i += 1
                 continue
@@ -147,7 +148,7 @@ class Scheduler:
             if n > budget and not self.config.enable_chunked_prefill:
                 break
             n = min(n, budget)
-            if not self.kv.allocate_slots(req, n, hit):
+            if not self.kv_manager.allocate_slots(req, n, hit):
                 break
             self.waiting.pop(i)
             req.num_computed_tokens = computed
@@ -173,11 +174,11 @@ class Scheduler:
 
     def _scheduled(self, req: Request, n: int, draft: tuple[int, ...] = ()) -> ScheduledRequest:
         return ScheduledRequest(req, n, req.num_computed_tokens,
-                                tuple(self.kv.get_block_ids(req)), draft)
+                                tuple(self.kv_manager.get_block_ids(req)), draft)
 
     def _preempt(self, req: Request, out: SchedulerOutput) -> None:
         self.running.remove(req)
-        self.kv.free(req)
+        self.kv_manager.free(req)
         req.num_computed_tokens = 0
         req.spec_token_ids = []
         req.status = RequestStatus.WAITING
@@ -209,8 +210,8 @@ class Scheduler:
                 s.req.output_token_ids.extend(accepted)
             else:
                 s.req.num_computed_tokens += s.num_new_tokens
-            self.kv.commit(s.req)
-        self.kv.flush_commits()
+            self.kv_manager.commit(s.req)
+        self.kv_manager.flush_commits()
         now = time.monotonic()
         sampled = []
         drafted = {s.req.request_id for s in sched.scheduled if s.draft}
@@ -245,7 +246,7 @@ class Scheduler:
                   and req.num_computed_tokens >= req.num_prompt_tokens)
         try:
             t0 = time.monotonic()
-            req.kv_handle = h = self.kv.request_finished(req, export)  # KV connectors save
+            req.kv_handle = h = self.kv_manager.request_finished(req, export)  # KV connectors save
             if h is not None:
                 req.metrics.kv_export = KVMove(t0, time.monotonic() - t0, h["nbytes"],
                                                h["num_blocks"])
@@ -258,27 +259,27 @@ class Scheduler:
             i = bisect.bisect_left(self.waiting, self._key(req), key=self._key)
             if i < len(self.waiting) and self.waiting[i] is req:
                 self.waiting.pop(i)
-        self.kv.free(req)
-        self.kv.forget(req)
+        self.kv_manager.free(req)
+        self.kv_manager.forget(req)
         self._order.pop(req.request_id, None)
 
     def held_block_ids(self) -> list[int]:
         """Every block a running request holds (paranoid integrity checks)."""
-        return [b for r in self.running for b in self.kv.get_block_ids(r)]
+        return [b for r in self.running for b in self.kv_manager.get_block_ids(r)]
 
     def rollback(self, block_ids: list[int]) -> list[Request]:
         """Integrity repair: roll every running request holding one of ``block_ids`` (bad,
         quarantined blocks) back to its last good block, to recompute from there. Returns the
         requests rolled back."""
         bad = set(block_ids)
-        bs = self.kv.block_size
+        bs = self.kv_manager.block_size
         rolled = []
         for req in list(self.running):
-            hit = [i for i, b in enumerate(self.kv.get_block_ids(req)) if b in bad]
+            hit = [i for i, b in enumerate(self.kv_manager.get_block_ids(req)) if b in bad]
             if not hit:
                 continue
             first = min(hit)
-            self.kv.truncate(req, first)
+            self.kv_manager.truncate(req, first)
             req.num_computed_tokens = min(req.num_computed_tokens, first * bs)
             req.metrics.integrity_repairs += 1
             rolled.append(req)

@@ -1,5 +1,5 @@
 """``StepRunner``: one engine step on the driver, a ``SchedulerOutput`` in, a ``StepOutput`` out
-(each rank's forward itself is ``forward_runner.py``).
+(each rank's forward itself is ``model_runner.py``).
 
 It turns the schedule into the step's ``StepInput`` (ids, positions, cache rows, block tables,
 which hidden rows need logits), runs the forward on every rank through the executor, samples
@@ -53,12 +53,12 @@ class StepRunner:
     @property
     def graphs(self):
         """Rank 0's decode graphs (None: every step eager)."""
-        return self.executor.driver.runner.graphs
+        return self.executor.driver.model_runner.graphs
 
     @property
     def backend(self):
         """Rank 0's attention backend."""
-        return self.executor.driver.runner.backend
+        return self.executor.driver.model_runner.backend
 
     @torch.inference_mode()
     def execute_model(self, sched: SchedulerOutput) -> StepOutput:

@@ -40,7 +40,7 @@ from kvserve.distributed import parallel_state as ps
 from kvserve.engine.arg_utils import EngineArgs
 from kvserve.engine.cpu_graphs import CpuGraphRunner
 from kvserve.engine.cuda_graphs import CudaGraphRunner, clear_scratch_block
-from kvserve.engine.forward_runner import DecodeGraphs, ForwardRunner
+from kvserve.engine.model_runner import DecodeGraphs, ModelRunner
 from kvserve.engine.step_input import StepInput
 from kvserve.kernels.cpu import w16_gemm
 from kvserve.layers.linear import kv_head_layout
@@ -72,6 +72,7 @@ class WorkerConfig:
     rotation_seed: int | None  # rotated modes: the Hadamard rotation's seed, else None
     context_len: int  # the model's (model.max_model_len <= context_len)
     transfer: TransferConfig | None = None  # disaggregation's KV transfer (None: off)
+    lora_dtype: torch.dtype | None = None  # the LoRA slots' weights (None: LoRA off)
 
 
 @dataclass(frozen=True, slots=True)
@@ -97,8 +98,9 @@ class Worker:
         self.lora_linears = None  # LoRA: the wrapped linears, by (layer, name)
         if args.enable_lora:
             check_lora_model(self.model, world_size)
+            assert config.lora_dtype is not None, "the builder settles lora_dtype"
             self.lora_linears = wrap_for_lora(self.model, args.max_loras, args.max_lora_rank,
-                                              self.loaded.dtype, args.device)
+                                              config.lora_dtype, args.device)
         self.spec = self.model.kv_spec()  # this rank's heads
         self._check_settled()
         self.budget = self._measure_kv_budget()
@@ -123,20 +125,20 @@ class Worker:
         self.fingerprint = self._fingerprint()
         self.replica_key = self._replica_key()
 
-    def init_runner(self) -> ForwardRunner:
+    def init_model_runner(self) -> ModelRunner:
         """The attention backend and this rank's forward runner."""
         spec, args = self.spec, self.args
         backend = get_backend(args.attention_backend, self.kv_cache, spec.num_heads,
                               spec.num_kv_heads, spec.head_dim, spec.scale,
                               self.config.model.max_model_len,
                               layer_windows=spec.layer_windows)
-        self.runner = ForwardRunner(self.model, backend, self.config.cache.block_size,
+        self.model_runner = ModelRunner(self.model, backend, self.config.cache.block_size,
                                   spec.components, args.device,
                                   graphs=self._decode_graphs(backend))
-        return self.runner
+        return self.model_runner
 
     def execute(self, step: StepInput) -> list[torch.Tensor | None]:
-        return self.runner.run(step)
+        return self.model_runner.run(step)
 
     # ---- what only a worker knows ------------------------------------------------------------
     def _check_settled(self) -> None:
@@ -182,10 +184,10 @@ class Worker:
         if self.spec.components == 1:
             return 0
         cfg = self.loaded.hf_config
-        kv = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
-        if self.world_size <= kv:
+        kv_heads = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
+        if self.world_size <= kv_heads:
             return None
-        return kv_head_layout(kv, self.world_size, self.rank)[1]
+        return kv_head_layout(kv_heads, self.world_size, self.rank)[1]
 
     def build_connectors(self, peers: KVPeers | None = None) -> dict[str, KVConnector]:
         """This rank's KV connectors by name (docs/kv-connector.md): the tiers
@@ -193,31 +195,32 @@ class Worker:
         (``--kv-connector``). Under tensor parallelism every rank keeps its own slice (its
         fingerprint) in each; only rank 0 loads in the background (``peers``: the other
         ranks, on rank 0) and tells the others what to save and load."""
-        c, spec, kv = self.config.cache, self.store_spec(), self.kv_cache
+        c, spec, cache = self.config.cache, self.store_spec(), self.kv_cache
         threads = 1 if self.rank == 0 else 0
         out: list[KVConnector] = []
         if c.kv_offload_enabled:
             cfg = TierConfig(c.kv_offload_memory_bytes, c.kv_offload_dir,
                              c.kv_offload_disk_bytes, c.kv_offload_queue_blocks,
                              c.kv_offload_url, c.kv_offload_timeout_s)
-            out.append(KVTiers(cfg, spec, kv, peers, threads))
+            out.append(KVTiers(cfg, spec, cache, peers, threads))
         if self.config.transfer is not None:
-            out.append(KVTransfer(self.config.transfer, spec, kv, peers,
+            out.append(KVTransfer(self.config.transfer, spec, cache, peers,
                                   IMPORT_THREADS * threads))
         if c.kv_connector is not None:
-            out.append(load_connector(c.kv_connector)(spec, kv, peers, threads))
+            out.append(load_connector(c.kv_connector)(spec, cache, peers, threads))
         return {x.name: x for x in out}
 
     def store_spec(self) -> StoreSpec:
         """The identity and layout of this rank's stored / transferred blocks (block_store)."""
-        kv = self.kv_cache
-        rot = kv.rotation
+        cache = self.kv_cache
+        rot = cache.rotation
         return StoreSpec(
-            model=self.model_id().hex(), kv_mode=kv.mode.name,
+            model=self.model_id().hex(), kv_mode=cache.mode.name,
             rotation="" if rot is None else rot.describe(), fingerprint=self.fingerprint.hex(),
-            block_size=kv.block_size, num_layers=kv.num_layers, components=kv.components,
-            num_kv_heads=kv.num_kv_heads, head_dim=kv.head_dim, dtype=dtype_str(kv.dtype),
-            scale_dtype="" if kv.scales is None else dtype_str(kv.scales.dtype),
+            block_size=cache.block_size, num_layers=cache.num_layers,
+            components=cache.components, num_kv_heads=cache.num_kv_heads,
+            head_dim=cache.head_dim, dtype=dtype_str(cache.dtype),
+            scale_dtype="" if cache.scales is None else dtype_str(cache.scales.dtype),
             rank=self.rank, world_size=self.world_size)
 
     def model_id(self) -> bytes:

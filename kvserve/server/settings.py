@@ -182,6 +182,10 @@ class LaunchSettings:
         group=LAUNCH)
     step_delay: float = arg(0.0, "seconds to sleep after each engine step (testing: a slower "
                             "model)", type=float, group=LAUNCH)
+    switch_interval_ms: float = arg(
+        0.2, "Python's GIL switch interval (sys.setswitchinterval), in ms: the longest the "
+        "engine thread waits for the GIL while the event loop writes chunks (Python's default "
+        "is 5)", type=float, group=LAUNCH)
     uvicorn_log_level: str = arg(
         "warning", "uvicorn's own log level", group=LAUNCH,
         choices=["critical", "error", "warning", "info", "debug", "trace"])
@@ -205,6 +209,9 @@ class LaunchSettings:
             raise ValueError(f"drain_timeout must be >= 0, got {self.drain_timeout}")
         if not self.step_delay >= 0:
             raise ValueError(f"step_delay must be >= 0, got {self.step_delay}")
+        if not 0 < self.switch_interval_ms <= 1000:
+            raise ValueError(f"switch_interval_ms must be in (0, 1000], got "
+                             f"{self.switch_interval_ms}")
         if self.data_parallel_size < 1:
             raise ValueError(f"data_parallel_size must be >= 1, got {self.data_parallel_size}")
         if self.prefill_replicas < 0 or (

@@ -285,3 +285,22 @@ def test_default_flags_parity_tiny(tmp_path):
                 assert d["reference_top2_gap_there"] >= 0
     with pytest.raises(SystemExit):
         dp.main(["--tokens", "0"])
+
+
+def test_served_vs_offline_tiny(tmp_path):
+    """The served / offline script on the demo model: both sides run the same prompts to the
+    same token count, the ratio is theirs, and the JSON records the CPU."""
+    so = _script("served_vs_offline")
+    out = tmp_path / "so.json"
+    assert so.main(["--model", "demo", "--threads", "1", "--input-len", "12", "--output-len",
+                    "5", "--num-prompts", "3", "--concurrency", "2", "--warmup", "1",
+                    "--warmup-tokens", "2", "--timeout", "300", "--json", str(out),
+                    "--engine-args", "--kv-cache-memory", "16MiB"]) == 0
+    r = json.loads(out.read_text())
+    (rd,) = r["rounds"]
+    assert rd["offline"]["total_output_tokens"] == rd["served"]["total_output_tokens"] == 3 * 5
+    assert rd["offline"]["torch_threads"] == 1
+    assert r["served_over_offline"] == pytest.approx(
+        rd["served"]["output_throughput"] / rd["offline"]["output_throughput"])
+    assert r["env"]["cpu"]["kind"] and r["config"]["engine_args"] == ["--kv-cache-memory",
+                                                                    "16MiB"]

@@ -120,7 +120,7 @@ def test_fault_in_running_request_repaired_in_paranoid_mode(tiny_llama, make_llm
     eng.add_request("r", _p(PREFIX + TAILS[0]), GREEDY)
     req = eng.output_processor.parents["r"].children[0]
     eng.step()  # prefill: blocks 0 and 1 sealed
-    eng.debug.inject_kv_fault(eng.kv.get_block_ids(req)[1], 1, "bitflip", index=100, bit=6)
+    eng.debug.inject_kv_fault(eng.kv_manager.get_block_ids(req)[1], 1, "bitflip", index=100, bit=6)
     final = None
     while eng.has_unfinished_requests():
         for out in eng.step():
@@ -155,7 +155,7 @@ def test_forced_hash_collision_gets_no_hit(tiny_llama, make_llm, monkeypatch):
     ref = make_llm(tiny_llama, dtype="float32", enable_prefix_caching=False)
     _run(llm, [a])
     assert _run(llm, [b]) == _run(ref, [b])
-    assert llm.engine.kv.num_hit_tokens == 0
+    assert llm.engine.kv_manager.num_hit_tokens == 0
 
 
 @pytest.mark.slow

@@ -79,12 +79,12 @@ def test_second_engine_loads_the_first_ones_prompt_blocks(tiny_bf16):
     try:
         ref = _outs(cold, prompts)
         assert _outs(first, prompts) == ref
-        saver = first.engine.kv.connectors["shared"]
+        saver = first.engine.kv_manager.connectors["shared"]
         assert saver.saved == len(STORE) > 0 and saver.loaded == 0
         assert _outs(second, prompts) == ref  # identical, from the first engine's blocks
-        loader = second.engine.kv.connectors["shared"]
+        loader = second.engine.kv_manager.connectors["shared"]
         assert loader.loaded > 0 and loader.refused == 0
-        assert second.engine.kv.num_restored_tokens > 0
+        assert second.engine.kv_manager.num_restored_tokens > 0
         second.engine.debug.check_no_leaks()
         # a damaged value is refused by block_store.verify: recomputed, same output
         key = next(iter(STORE))
@@ -94,7 +94,7 @@ def test_second_engine_loads_the_first_ones_prompt_blocks(tiny_bf16):
         third = _llm(tiny_bf16, "int8", kv_connector=CONNECTOR)
         try:
             assert _outs(third, prompts) == ref
-            assert third.engine.kv.connectors["shared"].refused > 0
+            assert third.engine.kv_manager.connectors["shared"].refused > 0
         finally:
             third.engine.shutdown()
     finally:

@@ -139,7 +139,7 @@ def test_two_processes_share_a_prompt(tiny_bf16, cold, redis_server):
         assert _outs(llm, _prompts()) == cold
         st = _remote(llm)
         assert st["hits"] >= 80 // 16 and not st["rejected"] and st["failures"] == 0
-        assert llm.engine.kv.num_restored_tokens > 0
+        assert llm.engine.kv_manager.num_restored_tokens > 0
     finally:
         llm.engine.shutdown()
 
@@ -167,7 +167,7 @@ def test_stopped_store_is_a_miss_not_an_error(tiny_bf16, cold, redis_server):
     try:
         assert _outs(llm, _prompts()) == cold
         other = _outs(llm, _prompts(4))
-        llm.engine.kv.connectors["tiers"].flush()
+        llm.engine.kv_manager.connectors["tiers"].flush()
         assert _outs(llm, _prompts()) == cold
         assert _remote(llm)["hits"] > 0  # restored from the store while it ran
         redis_server.stop()

@@ -104,7 +104,7 @@ def test_restored_equals_recomputed(mode, tiny_bf16, cold, tmp_path):
                kv_offload_memory=0.002, kv_offload_dir=str(tmp_path / "kv"),
                kv_offload_disk=0.01)
     installed: list = []
-    tiers = llm.engine.kv.connectors["tiers"]
+    tiers = llm.engine.kv_manager.connectors["tiers"]
     orig = tiers.install
 
     def spy(ids, blocks):
@@ -121,7 +121,7 @@ def test_restored_equals_recomputed(mode, tiny_bf16, cold, tmp_path):
         assert sum(t["hits"] for t in st.values()) > 0
         assert all(not t["rejected"] for t in st.values())
         assert _same_block_bytes(cold_llm, installed) > 0
-        assert llm.engine.kv.num_restored_tokens > 0
+        assert llm.engine.kv_manager.num_restored_tokens > 0
         llm.engine.debug.check_no_leaks()
     finally:
         llm.engine.shutdown()
@@ -207,7 +207,7 @@ def test_mla_latent_cache(tmp_path):
     llm = _llm(path, "int8", num_blocks=5, kv_offload_dir=str(tmp_path / "kv"),
                kv_offload_disk=0.01)
     written: dict = {}
-    tiers = llm.engine.kv.connectors["tiers"]
+    tiers = llm.engine.kv_manager.connectors["tiers"]
     orig_write = tiers._write_one
 
     def spy(w):
@@ -297,8 +297,8 @@ def test_fault_drills(tiny_bf16, cold, tmp_path):
     eng = llm.engine
     try:
         assert _outs(llm, p1) == ref1
-        assert eng.kv.write_down_cached() > 0
-        spec = eng.kv.connectors["tiers"].spec
+        assert eng.kv_manager.write_down_cached() > 0
+        spec = eng.kv_manager.connectors["tiers"].spec
         req_hashes = _chain(eng, p1[0])
         first, second = (os.path.join(d, entry_key(spec, h) + ".kvb") for h in req_hashes[:2])
         clean = {f: _read(os.path.join(d, f)) for f in os.listdir(d)}
@@ -354,7 +354,7 @@ def _read(path: str) -> bytes:
 def _chain(eng, prompt: list[int]) -> list[bytes]:
     from kvserve.cache.kv_cache_manager import BLOCK_HASH_FN
 
-    out, parent = [], eng.kv.salt
+    out, parent = [], eng.kv_manager.salt
     for i in range(len(prompt) // BS):
         parent = BLOCK_HASH_FN(parent, tuple(prompt[i * BS: (i + 1) * BS]))
         out.append(parent)
@@ -410,7 +410,7 @@ def test_second_process_shares_directory(tiny_bf16, cold, tmp_path):
     assert proc.exitcode == 0
     files = DiskTier(d, 2**40).scan()
     assert sum(f[1] for f in files) <= cap
-    spec = llm.engine.kv.connectors["tiers"].spec
+    spec = llm.engine.kv_manager.connectors["tiers"].spec
     for _, _, path in files:  # no torn file: each is a whole entry (ours verify entirely)
         blob = _read(path)
         hdr = bs.read_header(blob)
@@ -429,7 +429,7 @@ def test_full_queue_drops_writes_not_steps(tiny_bf16, cold):
 
     _, ref1, _, p1, _ = cold("bf16")
     llm = _llm(tiny_bf16, "bf16", num_blocks=12, kv_offload_memory=0.01, kv_offload_queue=2)
-    tiers = llm.engine.kv.connectors["tiers"]
+    tiers = llm.engine.kv_manager.connectors["tiers"]
     gate = threading.Event()
     orig = tiers._write_one
 
@@ -523,10 +523,10 @@ def test_restore_does_not_hold_up_others(tiny_bf16, cold):
     _, ref1, _, p1, _ = cold("int8")
     llm = _llm(tiny_bf16, "int8", num_blocks=12, kv_offload_memory=0.01)
     eng = llm.engine
-    tiers = eng.kv.connectors["tiers"]
+    tiers = eng.kv_manager.connectors["tiers"]
     try:
         assert _outs(llm, [p1[0]]) == [ref1[0]]
-        assert eng.kv.write_down_cached() > 0  # prompt 0's blocks in the memory tier ...
+        assert eng.kv_manager.write_down_cached() > 0  # prompt 0's blocks in the memory tier ...
         eng.pool.reset_prefix_cache()  # ... and no longer in the pool
         gate = threading.Event()
         orig = tiers._read_one
@@ -553,7 +553,7 @@ def test_restore_does_not_hold_up_others(tiny_bf16, cold):
                 if o.finished:
                     done[o.request_id] = o.outputs[0].token_ids
         assert done["waits"] == ref1[0][0]
-        assert eng.kv.num_restored_tokens > 0
+        assert eng.kv_manager.num_restored_tokens > 0
     finally:
         gate.set()
         eng.shutdown()
@@ -568,9 +568,9 @@ def test_bad_memory_entry_falls_back_to_disk(tiny_bf16, cold, tmp_path):
     eng = llm.engine
     try:
         assert _outs(llm, [p1[0]]) == [ref1[0]]
-        assert eng.kv.write_down_cached() > 0
-        mem = eng.kv.connectors["tiers"].memory
-        key = entry_key(eng.kv.connectors["tiers"].spec, _chain(eng, p1[0])[0])
+        assert eng.kv_manager.write_down_cached() > 0
+        mem = eng.kv_manager.connectors["tiers"].memory
+        key = entry_key(eng.kv_manager.connectors["tiers"].spec, _chain(eng, p1[0])[0])
         blob = bytearray(mem._d[key])
         blob[len(blob) // 2] ^= 0x01
         mem._d[key] = bytes(blob)

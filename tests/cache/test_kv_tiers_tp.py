@@ -42,7 +42,7 @@ def _tp_tiers(path: str, directory: str) -> dict:
     try:
         res["first"] = run(llm)
         res["again"] = run(llm)
-        res["restored"] = llm.engine.kv.num_restored_tokens
+        res["restored"] = llm.engine.kv_manager.num_restored_tokens
     finally:
         llm.engine.shutdown()
     ranks: dict[int, int] = {}
@@ -55,7 +55,7 @@ def _tp_tiers(path: str, directory: str) -> dict:
     llm = LLM(path, **_kw(num_blocks=64, kv_offload_dir=directory, kv_offload_disk=0.01))
     try:
         res["restart"] = run(llm)
-        res["restart_restored"] = llm.engine.kv.num_restored_tokens
+        res["restart_restored"] = llm.engine.kv_manager.num_restored_tokens
     finally:
         llm.engine.shutdown()
     # damage every rank-1 entry: rank 0's slices verify, rank 1's do not -> nothing restored
@@ -70,7 +70,7 @@ def _tp_tiers(path: str, directory: str) -> dict:
     llm = LLM(path, **_kw(num_blocks=64, kv_offload_dir=directory, kv_offload_disk=0.01))
     try:
         res["damaged"] = run(llm)
-        res["damaged_restored"] = llm.engine.kv.num_restored_tokens
+        res["damaged_restored"] = llm.engine.kv_manager.num_restored_tokens
         res["damaged_rank0_hits"] = llm.engine.stats().kv_tiers["tiers"]["disk"]["hits"]
         llm.engine.debug.check_no_leaks()
     finally:

@@ -247,7 +247,7 @@ def _replica_drill(path: str) -> dict:
         engine.step()
         req = engine.scheduler.running[0]
         assert req.num_computed_tokens == 20
-        block = engine.kv.get_block_ids(req)[1]
+        block = engine.kv_manager.get_block_ids(req)[1]
         row = engine.kv_cache.data[1, block, 0, 0].numel() * engine.kv_cache.data.element_size()
         engine.debug.inject_kv_fault(block, layer=1, kind="bitflip", rank=1, index=row, bit=0)
         out = None

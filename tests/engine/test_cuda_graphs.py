@@ -57,7 +57,7 @@ def _run_with_spy(llm, n_live: int, check) -> list:
     """Generate from n_live prompts; on the first decode-only step with n_live sequences, call
     ``check(engine, batch)`` right after the live forward (cache state of that step)."""
     eng = llm.engine
-    fwd = eng.runner.executor.driver.runner  # rank 0's ForwardRunner: the forward of each step
+    fwd = eng.runner.executor.driver.model_runner  # rank 0's ModelRunner: the forward of each step
     orig = fwd.forward
     results: list = []
 

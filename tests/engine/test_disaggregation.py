@@ -92,7 +92,7 @@ def _pd(pre, dec, prompts, sp=SP) -> list:
 def _no_leaks(*engines: LLMEngine) -> None:
     for e in engines:
         e.debug.check_no_leaks()
-        assert e.kv.connectors["transfer"].transport.outstanding() == 0
+        assert e.kv_manager.connectors["transfer"].transport.outstanding() == 0
 
 
 @pytest.fixture(scope="module")
@@ -322,7 +322,7 @@ def test_zmq_faults_recompute(tiny_bf16, colocated, fault):
     try:
         pre_out = _prefill(pre, prompts)
         tid = pre_out["r0"].kv_transfer["transfer_id"]  # 40 tokens: blocks 0, 1, partial 2
-        outbox = pre.kv.connectors["transfer"].transport._outbox
+        outbox = pre.kv_manager.connectors["transfer"].transport._outbox
         deadline, blobs = outbox[tid]
         if fault == "bitflip":
             b = bytearray(blobs[1])
@@ -371,6 +371,6 @@ def test_abort_while_importing_leaks_nothing(tiny_bf16, tmp_path):
             assert dec.step() == []  # waiting for a transfer that never comes
         dec.abort_request("a")
         dec.debug.check_no_leaks()
-        assert not dec.kv.connectors["transfer"].loading("a")
+        assert not dec.kv_manager.connectors["transfer"].loading("a")
     finally:
         dec.shutdown()

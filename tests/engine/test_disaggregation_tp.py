@@ -93,7 +93,7 @@ def _prefill_side(path: str, xdir: str, sync: str) -> dict:
                                 "logprobs": list(lps.items())})
             _put(os.path.join(sync, f"handles_{tag}.json"), handles)
             _wait(os.path.join(sync, f"decoded_{tag}.json"))
-        eng.kv.connectors["transfer"].expire()
+        eng.kv_manager.connectors["transfer"].expire()
         st = eng.stats().kv_transfer
         res["outstanding"] = st["outstanding"]
         res["exported"] = st["exported"]

@@ -69,7 +69,7 @@ def prompt_kv_rows(engine, ids):
     while req.num_computed_tokens < len(ids):
         engine.step()
     kv = engine.kv_cache
-    blocks = engine.kv.get_block_ids(req)
+    blocks = engine.kv_manager.get_block_ids(req)
     raw, vals = [], []
     for pos in range(len(ids)):
         blk, off = blocks[pos // kv.block_size], pos % kv.block_size
@@ -102,7 +102,7 @@ def test_prefix_hit_kv_bytes_equal_cold(tiny_llama, make_llm, kv, plen):
     warm = make_llm(tiny_llama, dtype="float32", kv_cache_dtype=kv, kv_integrity="on")
     warm.generate([_p(prefix + [42])], GREEDY)
     got, got_vals, hit = prompt_kv_rows(warm.engine, ids)
-    assert warm.engine.kv.num_hit_tokens >= 16 * (plen // 16)
+    assert warm.engine.kv_manager.num_hit_tokens >= 16 * (plen // 16)
     assert hit == 16 * (plen // 16)
     want, want_vals, _ = prompt_kv_rows(cold.engine, ids)
     assert got[:hit].equal(want[:hit])
@@ -157,7 +157,7 @@ def test_n_shares_prompt_blocks(tiny_llama, make_llm):
     out = llm.generate([_p(prompt)], SamplingParams(n=3, temperature=1.0, seed=1, max_tokens=8))
     assert len(out[0].outputs) == 3
     assert [c.index for c in out[0].outputs] == [0, 1, 2]
-    assert llm.engine.kv.num_hit_tokens >= 2 * 48
+    assert llm.engine.kv_manager.num_hit_tokens >= 2 * 48
 
 
 def test_priority_policy_orders_admission(tiny_llama, make_llm):

@@ -130,14 +130,14 @@ def test_adapter_is_part_of_block_identity(adapters, make_llm):
     first = {}
     for n in (None, "a1", "a2"):
         lr = None if n is None else LoRARequest(n)
-        hits = llm.engine.kv.num_hit_tokens
+        hits = llm.engine.kv_manager.num_hit_tokens
         first[n] = llm.generate(ids, GREEDY, lora_request=lr)[0].outputs[0].token_ids
-        assert llm.engine.kv.num_hit_tokens == hits  # nothing shared with the others
+        assert llm.engine.kv_manager.num_hit_tokens == hits  # nothing shared with the others
     for n in (None, "a1", "a2"):  # a repeat hits its own prefix, same output
         lr = None if n is None else LoRARequest(n)
-        hits = llm.engine.kv.num_hit_tokens
+        hits = llm.engine.kv_manager.num_hit_tokens
         assert llm.generate(ids, GREEDY, lora_request=lr)[0].outputs[0].token_ids == first[n]
-        assert llm.engine.kv.num_hit_tokens > hits
+        assert llm.engine.kv_manager.num_hit_tokens > hits
     assert len(set(map(tuple, first.values()))) == 3
     refs = {r.lora_name: r for r in stored if r is not None}
     assert set(refs) == {"a1", "a2"} and None in stored
@@ -218,6 +218,42 @@ def test_decode_graphs_stay_on_with_lora(adapters, tmp_path, make_llm):
             got = outs["fast"][i * len(names) + j].token_ids
             assert got == _reference(base, ads.get(n), ids), (i, n)
     assert len({tuple(outs["fast"][j].token_ids) for j in range(len(names))}) == 4
+
+
+def _bf16_rounded(src: str, dst) -> str:
+    """A copy of the PEFT folder ``src`` with every weight rounded to bf16 (kept fp32)."""
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(src, dst)
+    f = os.path.join(dst, "adapter_model.safetensors")
+    save_file({k: v.to(torch.bfloat16).float() for k, v in load_file(f).items()}, f)
+    return str(dst)
+
+
+@pytest.mark.slow  # an engine and peft references
+def test_bf16_adapter_weights(adapters, tmp_path, make_llm):
+    """``lora_dtype=bfloat16``: the slots hold bf16 (half the bytes a mixed step reads), the
+    decode graph still records, and each greedy output equals transformers + peft merged with
+    the adapter's weights rounded to bf16 (the C kernel widens them exactly)."""
+    from tests.conftest import make_tiny_model
+
+    _, ads = adapters
+    base = make_tiny_model(str(tmp_path / "bf16"), save_dtype=torch.bfloat16)
+    llm = make_llm(base, kv_cache_dtype="fp32", cpu_bf16_dot_rows=0, lora_dtype="bfloat16",
+                   lora_modules=[f"a1={ads['a1']}", f"a3={ads['a3']}"])
+    g = llm.engine.runner.graphs
+    assert g is not None and g.refused is None
+    lin = next(iter(llm.engine.runner.lora.wrapped.values()))
+    assert lin.lora_a.dtype == lin.lora_b.dtype == torch.bfloat16
+    names = ["a1", "a3"]
+    outs = llm.generate([{"prompt_token_ids": PROMPTS[1]}] * 2, GREEDY,
+                        lora_request=[LoRARequest(n) for n in names])
+    assert g.runs > 0
+    for out, n in zip(outs, names, strict=True):
+        rounded = _bf16_rounded(ads[n], tmp_path / f"{n}_bf16")
+        assert out.outputs[0].token_ids == _reference(base, rounded, PROMPTS[1]), n
+    with pytest.raises(ValueError, match="lora_dtype"):
+        make_llm(base, enable_lora=True, lora_dtype="int8")
 
 
 def _broken(src: str, dst, edit=None, drop=None) -> str:

@@ -32,7 +32,7 @@ def test_tier_restore_recorded_per_tier(tiny_llama, make_llm) -> None:
     try:
         first = llm.generate([{"prompt_token_ids": p}], SP)[0]
         assert first.metrics.kv_restores is None and first.metrics.integrity_repairs == 0
-        assert eng.kv.write_down_cached() > 0  # the prompt's blocks in the memory tier ...
+        assert eng.kv_manager.write_down_cached() > 0  # the prompt's blocks in the memory tier ...
         eng.pool.reset_prefix_cache()  # ... and no longer in the pool
         again = llm.generate([{"prompt_token_ids": p}], SP)[0]
         (mv,) = again.metrics.kv_restores
@@ -51,7 +51,7 @@ def test_integrity_rollback_counted_on_the_request(tiny_llama, make_llm) -> None
     eng.add_request("r", {"prompt_token_ids": _prompt(40)}, SP)
     req = eng.output_processor.parents["r"].children[0]
     eng.step()  # prefill: the prompt's full blocks sealed
-    eng.debug.inject_kv_fault(eng.kv.get_block_ids(req)[1], 1, "bitflip", index=100, bit=6)
+    eng.debug.inject_kv_fault(eng.kv_manager.get_block_ids(req)[1], 1, "bitflip", index=100, bit=6)
     final = _final(eng)
     assert final.metrics.integrity_repairs == 1
     assert eng.integrity.repairs["rollback"] == 1

@@ -344,7 +344,7 @@ def test_integrity_repair_with_speculation(spec_model, make_llm, reference):
     eng.add_request("r", _p(LOOP), GREEDY)
     req = eng.output_processor.parents["r"].children[0]
     eng.step()  # prefill: blocks 0 and 1 sealed
-    eng.debug.inject_kv_fault(eng.kv.get_block_ids(req)[1], 1, "bitflip", index=100, bit=6)
+    eng.debug.inject_kv_fault(eng.kv_manager.get_block_ids(req)[1], 1, "bitflip", index=100, bit=6)
     final = None
     while eng.has_unfinished_requests():
         for out in eng.step():
@@ -412,7 +412,7 @@ def test_decode_side_of_disaggregation_identical(spec_model, reference, tmp_path
         assert st.spec_decode["num_accepted_tokens"] > 0
         for e in (pre, dec):
             e.debug.check_no_leaks()
-            assert e.kv.connectors["transfer"].transport.outstanding() == 0
+            assert e.kv_manager.connectors["transfer"].transport.outstanding() == 0
     finally:
         pre.shutdown()
         dec.shutdown()

@@ -125,7 +125,7 @@ def test_grammar_survives_preemption_and_prefix_hits(make_llm):
     cached = make_llm(demo_model())
     first = cached.generate(long, sp1)
     again = cached.generate(long, sp1)  # prefix-cache hits on the same prompts
-    assert cached.engine.kv.hit_rate > 0
+    assert cached.engine.kv_manager.hit_rate > 0
     assert _tokens(first) == _tokens(again) == want
 
 

@@ -42,7 +42,7 @@ def test_static_padded_decode_matches_eager(model_factory, make_llm, kv):
         graphs = CudaGraphRunner(eng.model, eng.runner.backend, eng.kv_cache,
                                  eng.kv_cache.block_size, 2, max_num_seqs=4, max_model_len=64)
         # not captured: run() executes the static forward eagerly
-        eng.runner.executor.driver.runner.graphs = graphs
+        eng.runner.executor.driver.model_runner.graphs = graphs
     assert graphs.buckets == (1, 2, 4) and graphs.max_blocks == 4
     got = llm.generate(prompts, sp)
     assert graphs.runs >= 3  # 3 live rows padded to bucket 4 (prefill steps run eagerly)

@@ -160,7 +160,7 @@ def test_engine_triton_seals_from_write_state(tiny_llama, make_llm, kv):
         eng.add_request(f"r{i}", {"prompt_token_ids": p}, GREEDY)
     eng.step()  # prefill chunk(s): the first full blocks are sealed from the state
     req = eng.output_processor.parents["r1"].children[0]
-    victim = eng.kv.get_block_ids(req)[1]
+    victim = eng.kv_manager.get_block_ids(req)[1]
     assert eng.integrity.is_sealed(victim)
     eng.debug.inject_kv_fault(victim, 1, "bitflip", index=40, bit=6)
     final, steps = {}, 0

@@ -92,9 +92,12 @@ def _lib(isa, tmp_path):
 
 @pytest.mark.parametrize("isa", ISA_VARIANTS)
 @pytest.mark.parametrize("shape", SHAPES)
-def test_c_kernel_matches_twin(isa, shape, tmp_path):
+@pytest.mark.parametrize("wdtype", [torch.float32, torch.bfloat16])
+def test_c_kernel_matches_twin(isa, shape, wdtype, tmp_path):
+    """fp32 or bf16 adapter weights (--lora-dtype), fp32 activations."""
     lib = _lib(isa, tmp_path)
     y, x, a, bt, idx, scale, noff = _case(*shape, seed=sum(shape))
+    a, bt = a.to(wdtype), bt.to(wdtype)
     want = y.double() + ref.lora_delta(x, a, bt, idx, scale, noff).double()
     got = cl.lora_gemm_(lib, y.clone(), x, a, bt, idx, scale, noff)
     assert (got.double() - want).abs().max() <= 1e-5 * max(1.0, float(want.abs().max()))

@@ -97,7 +97,7 @@ def test_tier_events_keep_an_evicted_prefix_routable(tmp_path) -> None:
         llm.generate([doc + " First question?"], params)
         others = [" ".join(f"{w} {i}" for i in range(60)) for w in ("alpha", "beta", "gamma")]
         llm.generate(others, params)  # evicts the document from the 24-block pool
-        llm.engine.kv.connectors["tiers"].flush()
+        llm.engine.kv_manager.connectors["tiers"].flush()
         _drain(sub, idx, schema, seqs)
         ids = llm.get_tokenizer().encode(doc + " Second question?", add_special_tokens=True)
         pool_keys = {external_hash(h) for h in llm.engine.pool._cached}

@@ -138,3 +138,46 @@ def test_shutdown_fails_running_requests(make_engine):
 
     asyncio.run(main())
     assert eng.snapshot().num_blocks_used == 0
+
+
+def test_outputs_go_to_the_loop_when_the_next_forward_starts(make_engine):
+    """A step's unfinished outputs are handed to the event loop once the next step is
+    scheduled, right before its forward (so the loop writes them while the kernels run);
+    the finished one goes at once."""
+    eng = make_engine()
+    inner = eng._engine
+    log: list[str] = []
+    schedule, execute, call = inner.scheduler.schedule, inner.runner.execute_model, eng._call
+
+    def logged_schedule():
+        out = schedule()
+        if not out.is_empty:
+            log.append("schedule")
+        return out
+
+    def logged_execute(sched):
+        log.append("forward")
+        return execute(sched)
+
+    def logged_call(loop, fn, *args):
+        if fn.__name__ == "_deliver":
+            log.append("finished" if any(getattr(o, "finished", False) for _, o in args[0])
+                       else "deliver")
+        call(loop, fn, *args)
+
+    inner.scheduler.schedule, inner.runner.execute_model = logged_schedule, logged_execute
+    eng._call = logged_call
+
+    async def main():
+        sink: asyncio.Queue = asyncio.Queue()
+        await eng.add_request("a", "w1 w2", SamplingParams(max_tokens=4, ignore_eos=True),
+                              sink=sink)
+        outs = []
+        while not outs or not outs[-1].finished:
+            outs.append(await sink.get())
+        return outs
+
+    outs = asyncio.run(main())
+    assert [len(o.outputs[0].token_ids) for o in outs] == [1, 2, 3, 4]
+    assert log == ["schedule", "forward"] + ["schedule", "deliver", "forward"] * 3 + [
+        "finished"]

@@ -82,5 +82,5 @@ class DraftModelProposer:
         return None  # nothing is kept between calls but the prefix cache
 
     def shutdown(self) -> None:
-        self.parts.kv.close()
+        self.parts.kv_manager.close()
         self.parts.executor.shutdown()

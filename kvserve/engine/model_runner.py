@@ -23,7 +23,7 @@ class DecodeGraphs(Protocol):
     def run(self, batch: ForwardBatch) -> torch.Tensor: ...
 
 
-class ForwardRunner:
+class ModelRunner:
     def __init__(self, model: torch.nn.Module, backend: AttentionBackend, block_size: int,
                  components: int, device: str = "cpu", *,
                  graphs: DecodeGraphs | None = None) -> None:

@@ -1,0 +1,60 @@
+"""What `kvserve serve` sets up so the event loop costs the engine little (docs/server.md,
+"Served vs offline"): OpenMP workers that stop spinning soon after a forward, a short GIL
+switch interval, and the engine step's hook where the loop gets the previous step's outputs."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from kvserve.engine.arg_utils import EngineArgs
+from kvserve.engine.llm_engine import LLMEngine
+from kvserve.sampling_params import SamplingParams
+from kvserve.serve_cli import SERVE_GOMP_SPINCOUNT, quiet_openmp_spin
+from kvserve.server.settings import LaunchSettings
+
+
+def test_openmp_spin_is_shortened_unless_the_environment_says_otherwise():
+    env: dict[str, str] = {}
+    assert quiet_openmp_spin(env) and env == {"GOMP_SPINCOUNT": SERVE_GOMP_SPINCOUNT}
+    for given in ({"GOMP_SPINCOUNT": "300000"}, {"OMP_WAIT_POLICY": "active"}):
+        env = dict(given)
+        assert not quiet_openmp_spin(env) and env == given
+    # this process has torch loaded: libgomp has read its settings, nothing is changed
+    assert "torch" in sys.modules and not quiet_openmp_spin()
+
+
+def test_serve_sets_the_spin_before_torch_loads():
+    """`kvserve serve`'s entry point shortens the spin before anything loads torch."""
+    code = ("import os, sys\n"
+            "from kvserve import serve_cli\n"
+            "serve_cli.serve = lambda ns, args: print(os.environ.get('GOMP_SPINCOUNT'))\n"
+            "import argparse\n"
+            "p = argparse.ArgumentParser(); serve_cli.register(p.add_subparsers())\n"
+            "ns = p.parse_args(['serve', 'demo']); ns.func(ns)\n")
+    env = {k: v for k, v in __import__("os").environ.items()
+           if k not in ("GOMP_SPINCOUNT", "OMP_WAIT_POLICY")}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         env=env, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip() == SERVE_GOMP_SPINCOUNT
+
+
+def test_switch_interval_is_checked():
+    assert LaunchSettings().switch_interval_ms == 0.2
+    for bad in (0.0, -1.0, 5000.0):
+        with pytest.raises(ValueError, match="switch_interval_ms"):
+            LaunchSettings(switch_interval_ms=bad)
+
+
+def test_before_forward_runs_once_per_scheduled_step_before_its_forward(tiny_llama):
+    engine = LLMEngine(EngineArgs(model=tiny_llama, kv_cache_memory="16MiB", progress=False))
+    seen: list[int] = []
+    engine.add_request("a", "w1 w2", SamplingParams(max_tokens=3, ignore_eos=True))
+    while engine.has_unfinished_requests():
+        engine.step(before_forward=lambda: seen.append(engine.counters["steps"]))
+    assert seen == [0, 1, 2]  # each call came before its step was counted (the forward)
+    engine.step(before_forward=lambda: seen.append(-1))  # nothing scheduled: not called
+    assert seen == [0, 1, 2]

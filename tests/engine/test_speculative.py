@@ -277,7 +277,9 @@ def test_draft_model_of_itself_accepts_everything(spec_model, make_llm, referenc
 @pytest.mark.parametrize("kv", ["fp8", "int8", "bf16"])
 def test_quantized_kv_identical(spec_model, make_llm, kv):
     off = make_llm(spec_model, kv_cache_dtype=kv)
-    on = make_llm(spec_model, kv_cache_dtype=kv, speculative_config=NGRAM)
+    # every proposal verified: whether drafting pays (wall-clock step costs) is not the point
+    on = make_llm(spec_model, kv_cache_dtype=kv,
+                  speculative_config={**NGRAM, "adaptive": False})
     assert _run(on) == _run(off)
     assert _drafted(on) > 0
 

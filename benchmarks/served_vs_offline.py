@@ -212,9 +212,9 @@ def python_threads(pid: int) -> dict[int, str]:
 _CATEGORIES = (
     ("forward (C kernels)", ("kvs_graph_run", "replay (kvserve/kernels/cpu/graph",
                              "launch (kvserve/kernels/cpu/graph")),
-    ("sampler", ("kvserve/layers/sampler.py",)),
+    ("sampler", ("kvserve/engine/sampler.py",)),
     ("forward (python)", ("kvserve/model/", "kvserve/layers/", "kvserve/attention/",
-                          "forward_runner.py", "cpu_graphs.py", "model_runner.py")),
+                          "model_runner.py", "cpu_graphs.py", "step_runner.py")),
     ("detokenize / outputs", ("output_processor.py", "detokeniz", "kvserve/outputs.py")),
     ("engine -> loop handoff", ("async_engine.py",)),
     ("scheduler / engine", ("kvserve/engine/", "kvserve/cache/")),
@@ -286,7 +286,11 @@ def run_served(ns: argparse.Namespace, prompts: list[list[int]], warm: list[list
         if ns.client == "vllm":
             from vllm_bench_serve import run_client
 
-            res = run_client(ns, srv.url, key, "kvserve")
+            # vLLM's client reads the tokenizer from an HF folder (a GGUF's: the one kvserve
+            # reads it from)
+            tok = _model_folder(ns.model)
+            res = run_client(argparse.Namespace(**{**vars(ns), "model": tok}), srv.url, key,
+                             "kvserve")
         else:
             rep = run_serve_bench(srv.url, requests=len(prompts), max_tokens=ns.output_len,
                                   prompt_token_ids=prompts, **common)
@@ -317,12 +321,17 @@ def run_served(ns: argparse.Namespace, prompts: list[list[int]], warm: list[list
 
 
 # ---- the run -----------------------------------------------------------------------------------
-def _vocab_size(model: str | None) -> int:
+def _model_folder(model: str | None) -> str:
     from kvserve.model.default_model import resolve_model
-    from kvserve.model.sources import load_hf_config, model_source
+    from kvserve.model.sources import model_source
 
-    folder, _ = model_source(resolve_model(model))
-    return load_hf_config(folder)[0].vocab_size
+    return model_source(resolve_model(model))[0]
+
+
+def _vocab_size(model: str | None) -> int:
+    from kvserve.model.sources import load_hf_config
+
+    return load_hf_config(_model_folder(model))[0].vocab_size
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,7 +1,8 @@
 """``build_router_app``: the OpenAI endpoint in front of the replicas (an async HTTP proxy).
 
-Each generation request is routed (``kvserve.router.policy``) to one healthy replica and
-relayed as it comes back, server-sent events included. What a client sees when things fail:
+Each generation request is routed (``kvserve.router.policy``, a prefill leg first where it
+plans one) to a healthy replica and relayed as it comes back, server-sent events included.
+What a client sees when things fail:
 
   * A request is *started* once its replica answers with headers (a kvserve replica answers
     only after the first token, or with an error). Until then it is re-routed to another
@@ -19,9 +20,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import json
 import logging
-from collections.abc import AsyncIterator, Awaitable
+from collections.abc import AsyncIterator, Awaitable, Iterator
 from typing import Any
 
 import httpx
@@ -42,7 +44,7 @@ from kvserve.http.protocol import (
 )
 from kvserve.router.hashing import HashRing
 from kvserve.router.metrics import RouterMetrics
-from kvserve.router.policy import Candidate, decide
+from kvserve.router.policy import Candidate, Decision, decide, plan
 from kvserve.router.prefix_index import PrefixIndex
 from kvserve.router.replicas import Replica, ReplicaPool
 from kvserve.router.settings import RouterSettings
@@ -102,22 +104,18 @@ class RouterState:
         self.index = PrefixIndex()
         self.ring = HashRing()
         self.metrics = RouterMetrics(self)
-        self.pool = ReplicaPool(
-            list(settings.replicas) + list(settings.decode),
-            api_key=settings.replica_api_key or api_key,
-            index=self.index, health_interval_s=settings.health_interval,
-            health_timeout_s=settings.health_timeout, fail_after=settings.fail_after,
-            on_change=self._membership)
+        pool = functools.partial(
+            ReplicaPool, api_key=settings.replica_api_key or api_key,
+            health_interval_s=settings.health_interval, health_timeout_s=settings.health_timeout,
+            fail_after=settings.fail_after)
+        self.pool = pool(list(settings.replicas) + list(settings.decode), index=self.index,
+                         on_change=self._membership)
         # Disaggregation (docs/disaggregation.md): prompts run here first, then self.pool
         # (the decode replicas) continues from their KV.
         self.prefill_index = PrefixIndex()
         self.prefill_pool: ReplicaPool | None = None
         if settings.prefill:
-            self.prefill_pool = ReplicaPool(
-                list(settings.prefill), api_key=settings.replica_api_key or api_key,
-                index=self.prefill_index, health_interval_s=settings.health_interval,
-                health_timeout_s=settings.health_timeout, fail_after=settings.fail_after,
-                prefix="p")
+            self.prefill_pool = pool(list(settings.prefill), index=self.prefill_index, prefix="p")
         self.tokenizers = None
         if tokenizer is not None and settings.uses_tokenizer:
             from kvserve.http.tokenizer_pool import TokenizerPool
@@ -272,8 +270,8 @@ async def _proxy(state: RouterState, request: Request, path: str, trace: Any) ->
     stream = isinstance(payload, dict) and payload.get("stream") is True
     session = request.headers.get(s.session_header)
     matches: dict[str, int] = {}
-    split = state.prefill_pool is not None and _splittable(payload)
-    index = state.prefill_index if split else state.index
+    prefill, routing = plan(s.routing, state.prefill_pool is not None, payload)
+    index = state.prefill_index if prefill else state.index
     if state.tokenizers is not None and isinstance(payload, dict) and index.block_size:
         ids = await state.tokenizers.run(prompt_token_ids, payload)
         if ids:
@@ -286,28 +284,14 @@ async def _proxy(state: RouterState, request: Request, path: str, trace: Any) ->
     if auth:
         headers["authorization"] = auth
     assert state.client is not None
-    routing = s.routing
+    if prefill and (leg := await _prefill_leg(state, path, payload, headers, prefill, matches,
+                                              trace)) is not None:
+        body = json.dumps({**payload, "kv_transfer": {"role": "decode", **leg}}).encode()
+        headers["content-type"] = "application/json"
     if state.prefill_pool is not None:
-        leg = (await _prefill_leg(state, path, payload, headers, matches, trace) if split
-               else None)
-        state.metrics.disaggregated.labels("split" if leg is not None else "whole").inc()
-        if leg is not None:
-            body = json.dumps({**payload, "kv_transfer": {"role": "decode", **leg}}).encode()
-            headers["content-type"] = "application/json"
-        # the decode replica: by KV room and running batch (prefixes matter on prefill)
-        routing, matches, session = "least-loaded", {}, None
-    tried: set[str] = set()
+        state.metrics.disaggregated.labels("split" if body is not request_body else "whole").inc()
     last: tuple[int, bytes, dict[str, str]] | None = None  # a 429 / 503 answer to fall back on
-    for attempt in range(s.max_attempts):
-        cands = [Candidate(r.name, r.load, r.kv_usage) for r in state.pool.healthy()
-                 if r.name not in tried]
-        if not cands:
-            break
-        d = decide(routing, cands, session=session, matches=matches, ring=state.ring,
-                   rr_turn=state.next_turn(), load_factor=s.load_factor,
-                   load_cost_tokens=s.prefix_load_cost)
-        r = state.pool.replicas[d.replica]
-        tried.add(r.name)
+    for attempt, (r, d) in enumerate(_picks(state, state.pool, routing, session, matches)):
         reason = d.reason if attempt == 0 else "retry"
         route.update(replica=r.name, reason=reason, attempts=attempt + 1)
         state.metrics.decisions.labels(r.name, reason).inc()
@@ -365,39 +349,33 @@ async def _proxy(state: RouterState, request: Request, path: str, trace: Any) ->
                           headers={"Retry-After": "1"})
 
 
-def _splittable(payload: object) -> bool:
-    """Whether a request can run as a prefill leg + a decode leg: one sequence, more than one
-    token to generate (the replicas check the rest and refuse a leg they cannot take)."""
-    if not isinstance(payload, dict) or "kv_transfer" in payload:
-        return False
-    if payload.get("n", 1) != 1 or payload.get("echo"):
-        return False
-    max_tokens = payload.get("max_completion_tokens", payload.get("max_tokens"))
-    return max_tokens is None or (isinstance(max_tokens, int) and max_tokens > 1)
-
-
-async def _prefill_leg(state: RouterState, path: str, payload: dict, headers: dict[str, str],
-                       matches: dict[str, int], trace: Any = None) -> dict | None:
-    """Run the prompt on a prefill replica (by prefix hits and load); its ``kv_transfer``
-    answer (handle + first token), or None: the decode replica then takes the request whole
-    (no prefill replica answered, the request was refused there, or its first token ended
-    it)."""
-    s, pool = state.settings, state.prefill_pool
-    assert pool is not None and state.client is not None
-    leg = {k: v for k, v in payload.items() if k not in ("stream", "stream_options")}
-    body = json.dumps({**leg, "kv_transfer": {"role": "prefill"}}).encode()
-    hdrs = {**headers, "content-type": "application/json"}
-    tried: set[str] = set()
+def _picks(state: RouterState, pool: ReplicaPool, routing: str, session: str | None,
+           matches: dict[str, int]) -> Iterator[tuple[Replica, Decision]]:
+    """``decide``'s picks among ``pool``'s healthy replicas, none twice, up to max_attempts."""
+    s, tried = state.settings, set()
     for _ in range(s.max_attempts):
         cands = [Candidate(r.name, r.load, r.kv_usage) for r in pool.healthy()
                  if r.name not in tried]
         if not cands:
-            return None
-        d = decide(s.routing if s.routing != "session" else "auto", cands, session=None,
-                   matches=matches, ring=state.ring, rr_turn=state.next_turn(),
-                   load_factor=s.load_factor, load_cost_tokens=s.prefix_load_cost)
-        r = pool.replicas[d.replica]
-        tried.add(r.name)
+            return
+        d = decide(routing, cands, session=session, matches=matches, ring=state.ring,
+                   rr_turn=state.next_turn(), load_factor=s.load_factor,
+                   load_cost_tokens=s.prefix_load_cost)
+        tried.add(d.replica)
+        yield pool.replicas[d.replica], d
+
+
+async def _prefill_leg(state: RouterState, path: str, payload: dict, headers: dict[str, str],
+                       routing: str, matches: dict[str, int], trace: Any = None) -> dict | None:
+    """Run the prompt on the prefill replica ``routing`` picks; its ``kv_transfer`` answer
+    (handle + first token), or None: the decode leg then takes the request whole (no prefill
+    replica answered, the request was refused there, or its first token ended it)."""
+    pool = state.prefill_pool
+    assert pool is not None and state.client is not None
+    leg = {k: v for k, v in payload.items() if k not in ("stream", "stream_options")}
+    body = json.dumps({**leg, "kv_transfer": {"role": "prefill"}}).encode()
+    hdrs = {**headers, "content-type": "application/json"}
+    for r, d in _picks(state, pool, routing, None, matches):
         state.metrics.decisions.labels(r.name, d.reason).inc()
         r.inflight += 1
         span, sent = None, hdrs

@@ -5,7 +5,10 @@ consistent hashing with bounded load; (b) otherwise the replica with the best sc
 ``matched_prompt_tokens - load_cost_tokens * load`` among those under the bounded-load capacity,
 when some replica holds a prefix of the prompt; (c) otherwise the least loaded (KV usage, then
 a rotating turn, break ties). ``session`` / ``prefix`` use only their rule (then least loaded);
-``least-loaded`` and ``round-robin`` ignore sessions and prefixes.
+``least-loaded`` and ``round-robin`` ignore sessions and prefixes. With prefill replicas
+(docs/disaggregation.md) ``plan`` splits what it can into a prefill leg, picked by prefix hits
+against load (no session pins it: the KV moves on), and a decode leg to the least loaded decode
+replica (KV room and running batch matter there, prefixes do not).
 
 A replica's load is the larger of the requests this router has in flight on it and the
 running + waiting sequences its last ``/metrics`` scrape reported (other routers' work).
@@ -33,6 +36,25 @@ class Decision:
     replica: str
     reason: str  # session | prefix | least_loaded | round_robin
     matched_tokens: int = 0
+
+
+def splittable(payload: object) -> bool:
+    """Whether a request can run as a prefill leg + a decode leg: one sequence, more than one
+    token to generate (the replicas check the rest and refuse a leg they cannot take)."""
+    if not isinstance(payload, dict) or "kv_transfer" in payload:
+        return False
+    if payload.get("n", 1) != 1 or payload.get("echo"):
+        return False
+    max_tokens = payload.get("max_completion_tokens", payload.get("max_tokens"))
+    return max_tokens is None or (isinstance(max_tokens, int) and max_tokens > 1)
+
+
+def plan(routing: str, disaggregated: bool, payload: object) -> tuple[str | None, str]:
+    """The rules of a request's prefill leg (None: there is none) and of the leg that answers."""
+    if not disaggregated:
+        return None, routing
+    prefill = "prefix" if routing in ("auto", "session") else routing
+    return (prefill if splittable(payload) else None), "least-loaded"
 
 
 def least_loaded(cands: Sequence[Candidate], turn: int = 0) -> Candidate:

@@ -257,11 +257,15 @@ def _drafted(llm) -> int:
     return llm.engine.stats().spec_decode["num_accepted_tokens"]
 
 
-@pytest.mark.parametrize("spec", [NGRAM, SUFFIX, {**NGRAM, "adaptive": False}])
+@pytest.mark.parametrize("spec", [NGRAM, SUFFIX, {**NGRAM, "adaptive": False},
+                                  {**SUFFIX, "adaptive": False}])
 def test_greedy_tokens_and_logprobs_identical(spec_model, make_llm, reference, spec):
     llm = make_llm(spec_model, speculative_config=spec)
     assert _run(llm) == reference
-    assert _drafted(llm) > 0  # speculation really ran
+    if not spec.get("adaptive", True):
+        # adaptive drafting follows measured step times (a loaded host may draft nothing);
+        # with it off every proposal is verified
+        assert _drafted(llm) > 0  # speculation really ran
 
 
 def test_draft_model_of_itself_accepts_everything(spec_model, make_llm, reference):

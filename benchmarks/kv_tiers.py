@@ -28,6 +28,8 @@ import argparse
 import hashlib
 import os
 import shutil
+import socket
+import subprocess
 import tempfile
 import time
 from typing import Any
@@ -66,8 +68,12 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--noreuse-rounds", type=int, default=1,
                    help="no-reuse runs per configuration, alternating off / both; the figures "
                    "are the median round's")
-    p.add_argument("--configs", default="off,memory,disk,disk_restart",
-                   help="chat configurations to run (comma separated)")
+    p.add_argument("--configs", default="off,memory,disk,disk_restart,redis",
+                   help="chat configurations to run (comma separated): off, memory, disk, "
+                   "disk_restart, redis (the remote store alone)")
+    p.add_argument("--redis-url", default=None,
+                   help="Redis / Valkey for the redis configuration (default: start a private "
+                   "redis-server on a free loopback port, no persistence, stopped at the end)")
     p.add_argument("--dir", default=None, help="disk tier directory (default: a temp dir)")
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--seed", type=int, default=0)
@@ -82,10 +88,37 @@ def _engine(args, num_blocks: int, tier_gib: float, config: str, directory: str)
         kw["kv_offload_memory"] = tier_gib
     if config in ("disk", "disk_restart", "both"):
         kw.update(kv_offload_dir=directory, kv_offload_disk=tier_gib)
+    if config == "redis":
+        kw["kv_offload_url"] = args.redis_url
     return LLMEngine(EngineArgs(
         model=args.model, kv_cache_dtype=args.kv_cache_dtype, num_blocks=num_blocks,
         block_size=args.block_size, max_num_batched_tokens=args.max_num_batched_tokens,
         max_num_seqs=max(args.concurrency, 1), progress=False, seed=args.seed, **kw))
+
+
+def _start_redis() -> tuple[subprocess.Popen, str]:
+    """A private redis-server (or valkey-server) on a free loopback port and its URL."""
+    exe = shutil.which("redis-server") or shutil.which("valkey-server")
+    if exe is None:
+        raise ValueError("--configs redis needs --redis-url or redis-server on PATH "
+                         "(apt install redis-server)")
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    proc = subprocess.Popen([exe, "--port", str(port), "--bind", "127.0.0.1", "--save", "",
+                             "--appendonly", "no"], stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL)
+    import redis
+
+    url = f"redis://127.0.0.1:{port}/0"
+    for _ in range(200):
+        try:
+            redis.Redis.from_url(url).ping()
+            return proc, url
+        except redis.exceptions.ConnectionError:
+            time.sleep(0.05)
+    proc.terminate()
+    raise RuntimeError(f"{exe} did not start on port {port}")
 
 
 def _drive(eng: LLMEngine, todo: list, concurrency: int, on_done) -> dict[str, Any]:
@@ -161,7 +194,7 @@ def main(argv: list[str] | None = None) -> int:
     args.model = resolve_model_path(args.model)
     configs = [c for c in args.configs.split(",") if c]
     for c in configs:
-        if c not in ("off", "memory", "disk", "disk_restart"):
+        if c not in ("off", "memory", "disk", "disk_restart", "redis"):
             raise ValueError(f"--configs: unknown configuration {c!r}")
     if "disk_restart" in configs and "disk" not in configs[: configs.index("disk_restart")]:
         raise ValueError("--configs: disk_restart restarts on what the disk run left: list "
@@ -192,8 +225,15 @@ def main(argv: list[str] | None = None) -> int:
         "tier_gib": tier_gib, "bytes_per_token": bytes_per_token, "chat": {}, "noreuse": {},
     }
     digests = {}
+    redis_proc = None
     try:
+        if "redis" in configs and args.redis_url is None:
+            redis_proc, args.redis_url = _start_redis()
         for config in configs:
+            if config == "redis":
+                import redis
+
+                redis.Redis.from_url(args.redis_url).flushdb()  # the redis run starts empty
             if config == "disk":
                 shutil.rmtree(directory, ignore_errors=True)  # the disk run starts empty
             eng = _engine(args, num_blocks, tier_gib, config, directory)
@@ -230,6 +270,9 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         if own_dir:
             shutil.rmtree(directory, ignore_errors=True)
+        if redis_proc is not None:
+            redis_proc.terminate()
+            redis_proc.wait(timeout=10)
     write_json(args.json, out)
     if args.plot:
         _plot(out, args.plot)

@@ -15,7 +15,8 @@
  * once per group while they are hot:
  *   shrink  tmp[t, r] = scale[s] * A[s, r] . x[t], in parallel over the R ranks: one A row
  *           against four rows of the group at a time (four independent accumulators);
- *   expand  in parallel over blocks of NB output columns: each row of the group accumulates
+ *   expand  each thread owns a run of NB-column blocks, walked once per slot (one adapter's
+ *           B^T rows streamed at a time); each row of the group accumulates
  *           sum_r tmp[t, r] * bt[s, r, block] over its shard's R/H ranks only (a fused q/k/v
  *           pays the rank of one shard per column, not of all three), vectorized along N with
  *           no horizontal sums.
@@ -266,27 +267,37 @@ int64_t kvs_lora_gemm(const void *restrict a_, const void *restrict bt_, int64_t
             }
         }
     }
-    /* expand: y[t, c] += sum over c's shard h of tmp[t, r] * bt[s, r, c] */
+    /* expand: y[t, c] += sum over c's shard h of tmp[t, r] * bt[s, r, c]. Each thread owns a
+     * run of NB-column blocks and walks it once per slot: one slot's R/H rows of B^T are read
+     * as ascending streams at a time (all slots at once would be S times the streams) */
     const int64_t nblk = (N + NB - 1) / NB;
-#pragma omp parallel for schedule(static) num_threads(num_threads)
-    for (int64_t blk = 0; blk < nblk; blk++) {
-        const int64_t cend = blk * NB + NB < N ? blk * NB + NB : N;
-        int64_t h = 0;
-        for (int64_t c0 = blk * NB; c0 < cend;) {
-            while (noff[h + 1] <= c0)
-                h++;
-            const int64_t c1 = noff[h + 1] < cend ? noff[h + 1] : cend;
-            for (int64_t j = 0; j < m; j++) {
-                const int64_t t = order[j], s = idx[t];
-                const int64_t brow = (s * R + h * rh) * N + c0;
-                if (wbf16)
-                    expand_row_bf16(y + t * N + c0, tmp + t * R + h * rh, bt16 + brow, N, rh,
-                                    c1 - c0);
-                else
-                    expand_row(y + t * N + c0, tmp + t * R + h * rh, bt + brow, N, rh,
-                               c1 - c0);
+#pragma omp parallel num_threads(num_threads)
+    {
+        const int64_t nt = omp_get_num_threads(), id = omp_get_thread_num();
+        const int64_t b0 = nblk * id / nt, b1 = nblk * (id + 1) / nt;
+        for (int64_t s = 0; s < S; s++) {
+            if (start[s] == start[s + 1])
+                continue;
+            int64_t h = 0;
+            for (int64_t blk = b0; blk < b1; blk++) {
+                const int64_t cend = blk * NB + NB < N ? blk * NB + NB : N;
+                for (int64_t c0 = blk * NB; c0 < cend;) {
+                    while (noff[h + 1] <= c0)
+                        h++;
+                    const int64_t c1 = noff[h + 1] < cend ? noff[h + 1] : cend;
+                    const int64_t brow = (s * R + h * rh) * N + c0;
+                    for (int64_t j = start[s]; j < start[s + 1]; j++) {
+                        const int64_t t = order[j];
+                        if (wbf16)
+                            expand_row_bf16(y + t * N + c0, tmp + t * R + h * rh, bt16 + brow,
+                                            N, rh, c1 - c0);
+                        else
+                            expand_row(y + t * N + c0, tmp + t * R + h * rh, bt + brow, N, rh,
+                                       c1 - c0);
+                    }
+                    c0 = c1;
+                }
             }
-            c0 = c1;
         }
     }
     return m;

@@ -79,6 +79,14 @@ class GrammarMatcher:
             return 0
         return int(self._m.validate_tokens(list(tokens)))
 
+    def forced_tokens(self) -> list[int]:
+        """The tokens the grammar forces from here (llguidance's fast-forward tokens: the
+        canonical tokenization of the bytes every allowed continuation starts with); none
+        while reasoning. Speculative decoding drafts them (jump-forward)."""
+        if self._gate != _OPEN or self._m.is_error():
+            return []
+        return list(self._m.compute_ff_tokens())
+
     def masks_along(self, draft: tuple[int, ...], vocab_size: int) -> list[_FixedMask]:
         """Speculative decoding: the allowed-token masks at each of the 1 + k positions of a
         verified draft (position j: the state after d_1..d_j), each as a one-use grammar for

@@ -162,9 +162,9 @@ def test_step_cost_fits_the_rows():
 
 
 def test_new_requests_start_from_the_recent_acceptance():
-    """A request without history gets all requests' recent acceptance as its prior (a
-    workload whose drafts are accepted drafts long from a request's first step); while
-    nothing is drafted that prior drifts back to 0.5, so drafting is tried again."""
+    """A request without history gets all requests' recent acceptance as its prior when that
+    is above 0.5 (a workload whose drafts are accepted drafts long from a request's first
+    step), else 0.5; while nothing is drafted it drifts back to 0.5."""
     from kvserve.engine.spec.drafter import Drafter, _State
 
     d = Drafter(parse_speculative_config(NGRAM))
@@ -172,12 +172,14 @@ def test_new_requests_start_from_the_recent_acceptance():
     for _ in range(20):
         d.observe({"a": 4}, {"a": 4}, 5, 0.01)
     assert d._alpha(_State(None)) > 0.9
-    for _ in range(150):
-        d.observe({"a": 4}, {"a": 0}, 5, 0.01)
-    assert d._alpha(_State(None)) < 0.1
     for _ in range(200):
         d.observe({}, {}, 1, 0.01)
     assert d._alpha(_State(None)) == pytest.approx(0.5, abs=0.01)
+    for _ in range(20):
+        d.observe({"a": 4}, {"a": 4}, 5, 0.01)
+    for _ in range(150):
+        d.observe({"a": 4}, {"a": 0}, 5, 0.01)
+    assert d._alpha(_State(None)) == pytest.approx(0.5)  # never below
 
 
 # ---- configuration -----------------------------------------------------------------------
@@ -255,11 +257,15 @@ def _drafted(llm) -> int:
     return llm.engine.stats().spec_decode["num_accepted_tokens"]
 
 
-@pytest.mark.parametrize("spec", [NGRAM, SUFFIX, {**NGRAM, "adaptive": False}])
+@pytest.mark.parametrize("spec", [NGRAM, SUFFIX, {**NGRAM, "adaptive": False},
+                                  {**SUFFIX, "adaptive": False}])
 def test_greedy_tokens_and_logprobs_identical(spec_model, make_llm, reference, spec):
     llm = make_llm(spec_model, speculative_config=spec)
     assert _run(llm) == reference
-    assert _drafted(llm) > 0  # speculation really ran
+    if not spec.get("adaptive", True):
+        # adaptive drafting follows measured step times (a loaded host may draft nothing);
+        # with it off every proposal is verified
+        assert _drafted(llm) > 0  # speculation really ran
 
 
 def test_draft_model_of_itself_accepts_everything(spec_model, make_llm, reference):
@@ -275,7 +281,9 @@ def test_draft_model_of_itself_accepts_everything(spec_model, make_llm, referenc
 @pytest.mark.parametrize("kv", ["fp8", "int8", "bf16"])
 def test_quantized_kv_identical(spec_model, make_llm, kv):
     off = make_llm(spec_model, kv_cache_dtype=kv)
-    on = make_llm(spec_model, kv_cache_dtype=kv, speculative_config=NGRAM)
+    # every proposal verified: whether drafting pays (wall-clock step costs) is not the point
+    on = make_llm(spec_model, kv_cache_dtype=kv,
+                  speculative_config={**NGRAM, "adaptive": False})
     assert _run(on) == _run(off)
     assert _drafted(on) > 0
 
@@ -414,6 +422,30 @@ def test_decode_side_of_disaggregation_identical(spec_model, reference, tmp_path
     finally:
         pre.shutdown()
         dec.shutdown()
+
+
+def test_grammar_forced_tokens_are_drafted(make_llm):
+    """Jump-forward: where the grammar forces tokens (a schema's long property names) they are
+    drafted even when the method finds nothing (a prompt lookup that needs 5 matching tokens
+    on a prompt without repeats); output equals speculation off."""
+    from kvserve.engine.arg_utils import demo_model_path
+    from kvserve.sampling_params import StructuredOutputsParams
+
+    keys = ["description_of_the_first_item", "identifier_number_assigned", "final_remark"]
+    so = StructuredOutputsParams(json={
+        "type": "object", "properties": {k: {"type": "string", "maxLength": 6} for k in keys},
+        "required": keys, "additionalProperties": False})
+    sp = SamplingParams(temperature=0, max_tokens=60, structured_outputs=so)
+    prompt = "Fill in the record: "
+    lookup = {"method": "ngram", "num_speculative_tokens": 8, "prompt_lookup_min": 5,
+              "prompt_lookup_max": 5}
+    off = make_llm(demo_model_path(), kv_cache_memory="16MiB")
+    on = make_llm(demo_model_path(), kv_cache_memory="16MiB", speculative_config=lookup)
+    a, b = off.generate([prompt], sp)[0].outputs[0], on.generate([prompt], sp)[0].outputs[0]
+    assert (a.token_ids, a.text, a.finish_reason) == (b.token_ids, b.text, b.finish_reason)
+    assert all(k in b.text for k in keys)
+    c = on.engine.stats().spec_decode
+    assert c["num_accepted_tokens"] >= 10  # the long names came in a few steps
 
 
 # ---- the draw follows the target distribution ---------------------------------------------

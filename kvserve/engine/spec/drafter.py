@@ -5,7 +5,7 @@ Proposals come from the configured method (``ngram``: prompt lookup, ``suffix``:
 ``draft_model``: a smaller model). With ``adaptive`` (the default) the draft tokens of all
 requests compete for rows of the next step: token j of a request is expected to be accepted
 with probability alpha^j (alpha: the request's recent per-token acceptance; before it has
-any, all requests' recent acceptance, which drifts back to 0.5 while nothing is drafted), and
+any, all requests' recent acceptance where that is above 0.5), and
 one more row costs the fitted slope of the step-time curve (``StepCost``). Tokens are taken in
 order of that probability while the step's expected tokens per second still rises, so a
 request whose drafts keep failing stops drafting (its alpha drifts back to the prior while it
@@ -25,6 +25,8 @@ from kvserve.engine.stats import SpecDecodeCounters
 from kvserve.request import Request, RequestStatus
 
 PRIOR = 0.5  # acceptance prior of a request that has no history yet
+# a token the grammar forces is drawn unless the model spells the same bytes another way
+FORCED = 0.95
 _PRIOR_WEIGHT = 2.0  # in trials
 _DECAY = 0.8  # per verification: older outcomes count less
 _IDLE_DECAY = 0.95  # per step without drafts: back towards the prior
@@ -124,16 +126,26 @@ class Drafter:
             drafts = self.draft_model.propose([r for r, _ in decoding], [k for _, k in decoding])
         else:
             drafts = [self._propose_one(req, k) for req, k in decoding]
-        for (req, _), d in zip(decoding, drafts, strict=True):
+        for (req, k), d in zip(decoding, drafts, strict=True):
             st = self._state(req)
-            if req.grammar is not None and d:
-                d = d[: req.grammar.validate(d)]  # only drafts the grammar allows
+            forced: list[int] = []
+            if req.grammar is not None:
+                # jump-forward: what the grammar forces leads the draft, the method's draft
+                # goes on only where it agrees; then only what the grammar allows
+                forced = req.grammar.forced_tokens()[:k]
+                if forced and d[: len(forced)] != forced:
+                    d = forced
+                if d:
+                    d = d[: req.grammar.validate(d)]
             if not d:
                 st.acc *= _IDLE_DECAY
                 st.trials *= _IDLE_DECAY
                 continue
-            a = self._alpha(st)
-            cands.append((req, d, [a ** (j + 1) for j in range(len(d))]))
+            a, p, ps = self._alpha(st), 1.0, []
+            for j in range(len(d)):
+                p *= FORCED if j < len(forced) else a
+                ps.append(p)
+            cands.append((req, d, ps))
         if not self.config.adaptive:
             for req, d, _ in cands:
                 req.spec_token_ids = d
@@ -144,7 +156,8 @@ class Drafter:
         """Whether even the likeliest first draft token (probability: the best alpha) would
         raise the step's expected tokens per second; if not, no proposal is computed at all
         (a large batch then pays nothing for speculation being on)."""
-        best = max(self._alpha(self._state(req)) for req, _ in decoding)
+        best = max(FORCED if req.grammar is not None else self._alpha(self._state(req))
+                   for req, _ in decoding)
         n, t = len(decoding), self.cost(base_rows)
         return (n + best) * t > n * self.cost(base_rows + 1)
 
@@ -175,9 +188,11 @@ class Drafter:
                 st.trials *= _IDLE_DECAY
 
     def _alpha(self, st: _State) -> float:
-        """The request's per-token acceptance; its prior: all requests' recent acceptance."""
-        prior = (self._acc + PRIOR * _PRIOR_WEIGHT) / (self._trials + _PRIOR_WEIGHT)
-        return st.alpha(prior)
+        """The request's per-token acceptance; its prior: all requests' recent acceptance
+        where that is above PRIOR (a workload that rejects drafts still gives each new
+        request PRIOR's chance, its own outcomes turn it down)."""
+        recent = (self._acc + PRIOR * _PRIOR_WEIGHT) / (self._trials + _PRIOR_WEIGHT)
+        return st.alpha(max(PRIOR, recent))
 
     def _state(self, req: Request) -> _State:
         st = self._states.get(req.request_id)

@@ -234,6 +234,11 @@ class SpecBenchConfig:
     peer_model: str | None = arg(None, "the GGUF llama.cpp runs (default: --model)",
                                  metavar="GGUF")
     peer_timeout: float = arg(3600.0, "seconds before the peer run is stopped", type=float)
+    warm_global_tree: bool = arg(
+        False, "keep the suffix method's global tree across rounds (then the timed rounds "
+        "draft from the warm-up's outputs of the same prompts: an upper bound; default: the "
+        "tree is emptied before every timed run)", flags=("--warm-global-tree",),
+        action="store_true")
     threads: int | None = arg(None, "", cli=False)
 
     def __post_init__(self) -> None:

@@ -51,6 +51,15 @@ def _groups(llm, wl: str, b: int) -> list[list[str]]:
     return [allp[i : i + b] for i in range(0, len(allp), b)]
 
 
+def _cold_global_tree(llm) -> None:
+    """Empty the suffix method's global tree (the outputs of finished requests): a timed run
+    then drafts only from what this run itself produced, not from an earlier round's outputs
+    of the same prompts."""
+    drafter = llm.engine.drafter
+    if drafter is not None and drafter.global_tree is not None:
+        drafter.global_tree.clear()
+
+
 def run_spec(sc: SpecBenchConfig) -> dict[str, Any]:
     from kvserve import LLM, SamplingParams
 
@@ -69,6 +78,8 @@ def run_spec(sc: SpecBenchConfig) -> dict[str, Any]:
             for r in range(sc.rounds + 1):  # round 0: warm-up
                 for m in rotated(list(sc.methods), r):
                     llm = engines[m]
+                    if not sc.warm_global_tree:
+                        _cold_global_tree(llm)
                     n, t0 = 0, time.perf_counter()
                     for group in _groups(llm, wl, b):
                         outs = llm.generate(group, sp)
@@ -96,6 +107,7 @@ def run_spec(sc: SpecBenchConfig) -> dict[str, Any]:
                       "workloads": list(sc.workloads), "batch_sizes": list(sc.batch_sizes),
                       "output_len": sc.output_len, "rounds": sc.rounds,
                       "num_speculative_tokens": sc.num_speculative_tokens,
+                      "warm_global_tree": sc.warm_global_tree,
                       "draft_model": sc.draft_model},
            "results": results, "env": env_info()}
     if sc.peer == "llamacpp":

@@ -150,6 +150,40 @@ def test_global_suffix_cache_evicts_the_oldest():
     assert g.tree.draft([20], 2, 2.0, 0.1)[0] == [21]
 
 
+def test_global_suffix_cache_clear_forgets_everything():
+    g = GlobalSuffixCache(depth=4, max_requests=2)
+    g.add([10, 11, 12])
+    g.clear()
+    assert g.tree.draft([10], 2, 2.0, 0.1)[0] == []
+    g.add([10, 13])  # usable again, and the cleared request's counts are not removed twice
+    g.add([20])
+    g.add([21])
+    assert g.tree.draft([10], 1, 2.0, 0.1)[0] == []
+
+
+def test_bench_spec_tiny_cold_global_tree(monkeypatch):
+    """`kvserve bench spec` on the demo model: every method, a ratio against off, and the
+    global tree emptied before each timed run unless --warm-global-tree."""
+    from kvserve.bench import spec_bench
+    from kvserve.bench.settings import SpecBenchConfig
+    from kvserve.engine.arg_utils import EngineArgs, demo_model_path
+
+    cleared: list[int] = []
+    real = spec_bench._cold_global_tree
+    monkeypatch.setattr(spec_bench, "_cold_global_tree",
+                        lambda llm: (cleared.append(1), real(llm)))
+    base = EngineArgs(model=demo_model_path(), kv_cache_memory="16MiB", progress=False)
+    for warm in (False, True):
+        cleared.clear()
+        out = spec_bench.run_spec(SpecBenchConfig(
+            base=base, workloads=["json"], methods=["off", "suffix"], batch_sizes=[1],
+            output_len=6, rounds=1, warm_global_tree=warm))
+        row = out["results"]["json/b1"]
+        assert row["suffix"]["vs_off"] > 0 and row["off"]["output_tokens"] > 0
+        assert out["config"]["warm_global_tree"] is warm
+        assert len(cleared) == (0 if warm else 2 * 2)  # 2 methods x (warm-up + 1 round)
+
+
 def test_step_cost_fits_the_rows():
     c = StepCost()
     for rows in (1, 5, 9, 1, 5, 9):

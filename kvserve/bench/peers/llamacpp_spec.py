@@ -15,8 +15,11 @@ from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
 
 kw = {"model_path": cfg["gguf"], "n_ctx": 4096, "n_threads": cfg["threads"],
       "n_threads_batch": cfg["threads"], "verbose": False}
+# logits_all for the lookup engine: llama-cpp-python 0.3.36 turns it on in the context when a
+# draft model is given but sizes its score array by the argument (n_batch rows), so a verify
+# past row 512 fails ("could not broadcast ... into shape (0,)") unless it is passed here
 engines = {"plain": Llama(**kw),
-           "lookup": Llama(**kw, draft_model=LlamaPromptLookupDecoding(
+           "lookup": Llama(**kw, logits_all=True, draft_model=LlamaPromptLookupDecoding(
                num_pred_tokens=cfg["num_pred_tokens"]))}
 out = {}
 for wl, msgs in cfg["workloads"].items():

@@ -189,6 +189,11 @@ class GlobalSuffixCache:
         self.max_requests = max_requests
         self._seqs: deque[list[int]] = deque()
 
+    def clear(self) -> None:
+        """Forget every finished request's output."""
+        self.tree = SuffixTree(self.tree.depth)
+        self._seqs.clear()
+
     def add(self, output: list[int]) -> None:
         if self.max_requests == 0 or not output:
             return

@@ -276,13 +276,16 @@ def test_speculation_acceptance_attributes(inprocess, rx) -> None:
     body = {"model": MODEL_NAME, "prompt": list(range(3, 200)) * 2, "max_tokens": 24,
             "temperature": 0, "ignore_eos": True}
 
-    async def go():
-        async with srv.client() as c:
-            r = await c.post("/v1/completions", json=body)
-            assert r.status_code == 200, r.text
+    def complete(server_) -> None:
+        async def go():
+            async with server_.client() as c:
+                r = await c.post("/v1/completions", json=body)
+                assert r.status_code == 200, r.text
 
-    srv.run(go())
-    _flush(srv)
+        server_.run(go())
+        _flush(server_)
+
+    complete(srv)
     spans = rx.wait_for(lambda s: any(x.name == "kvserve.decode" for x in s), 10)
     (server,) = [s for s in spans if s.kind == "SERVER"]
     (decode,) = [s for s in spans if s.name == "kvserve.decode"]
@@ -298,15 +301,7 @@ def test_speculation_acceptance_attributes(inprocess, rx) -> None:
             1 + counters["num_accepted_tokens"] / counters["num_drafts"])
     assert server.attributes["gen_ai.usage.output_tokens"] == 24
 
-    off = inprocess(otlp_traces_endpoint=rx.endpoint)
-
-    async def go_off():
-        async with off.client() as c:
-            r = await c.post("/v1/completions", json=body)
-            assert r.status_code == 200, r.text
-
-    off.run(go_off())
-    _flush(off)
+    complete(inprocess(otlp_traces_endpoint=rx.endpoint))
     spans = rx.wait_for(lambda s: sum(x.kind == "SERVER" for x in s) >= 2, 10)
     plain = [s for s in spans if s.kind == "SERVER" and s.span_id != server.span_id]
     assert plain and not any(k.startswith(p) for s in plain for k in s.attributes)

@@ -547,7 +547,7 @@ static int w16_gemm_amx(const float *x, int64_t M, int64_t K, int64_t ldx, const
  * per call, so small M (decode) keeps w16_gemm_amx, which reads the packed tables in place:
  * kvs_w16_amx_block_rows sets from how many rows this path runs. */
 #ifndef AMX_BLOCK_ROWS
-#define AMX_BLOCK_ROWS 32
+#define AMX_BLOCK_ROWS 24
 #endif
 static int64_t amx_block_rows = AMX_BLOCK_ROWS;
 
@@ -634,19 +634,27 @@ static int w16_gemm_amx_blocked(const float *x, int64_t M, int64_t K, int64_t ld
     /* two chunk buffers: chunk i + 1 is rounded while a slower thread still multiplies
      * chunk i */
     uint16_t *xb = aligned_alloc(64, sizeof(uint16_t) * 2 * (size_t)(mc * lx));
-    uint32_t *wb = aligned_alloc(64, sizeof(uint32_t) * 256 * (size_t)(nblk * K16));
-    if (xb == NULL || wb == NULL) {
+    /* the repacked weights: one chunk of x (M <= mc, e.g. the LM head's last rows): each
+     * block repacked into a per-thread buffer just before its products (L1/L2-hot, no
+     * table-sized copy); more: every block kept for the later chunks, each repacked by the
+     * thread that the same static schedule gives it in every chunk, during the first */
+    const int one_chunk = Mp <= mc;
+    uint32_t *wb = one_chunk ? NULL
+                             : aligned_alloc(64, sizeof(uint32_t) * 256 * (size_t)(nblk * K16));
+    if (xb == NULL || (!one_chunk && wb == NULL)) {
         free(xb);
         free(wb);
         return 1;
     }
+    int failed = 0;
 #pragma omp parallel num_threads(num_threads)
     {
-        /* each thread repacks the weight blocks that the same static schedule gives it
-         * below */
-#pragma omp for schedule(static) nowait
-        for (int64_t b = 0; b < nblk; b++)
-            vnni_block(w, N, K, ldw, packed, b * 32, wb + b * K16 * 256);
+        uint32_t *own = one_chunk ? aligned_alloc(64, sizeof(uint32_t) * 256 * (size_t)K16)
+                                  : NULL;
+        if (one_chunk && own == NULL) {
+#pragma omp atomic write
+            failed = 1;
+        }
         amx_config_blocked();
         float cbuf[32][32];
         for (int64_t c0 = 0; c0 < Mp; c0 += mc) {
@@ -667,7 +675,9 @@ static int w16_gemm_amx_blocked(const float *x, int64_t M, int64_t K, int64_t ld
             for (int64_t b = 0; b < nblk; b++) {
                 const int64_t n0 = b * 32;
                 const int two_n = n0 + 16 < N; /* a second 16 weight rows */
-                const uint32_t *bb = wb + b * K16 * 256;
+                uint32_t *bb = one_chunk ? own : wb + b * K16 * 256;
+                if (bb == NULL) continue;
+                if (c0 == 0) vnni_block(w, N, K, ldw, packed, n0, bb);
                 for (int64_t m0 = c0; m0 < c1; m0 += 32) {
                     const int two_m = m0 + 16 < M; /* a second 16 rows of x */
                     const uint16_t *a0 = xc + (m0 - c0) * lx, *a1 = a0 + 16 * lx;
@@ -720,10 +730,11 @@ static int w16_gemm_amx_blocked(const float *x, int64_t M, int64_t K, int64_t ld
             }
         }
         _tile_release();
+        free(own);
     }
     free(xb);
     free(wb);
-    return 0;
+    return failed;
 }
 #endif
 

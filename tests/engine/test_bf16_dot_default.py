@@ -94,14 +94,16 @@ def _host_default() -> int:
 def test_default_rows_stay_batch_invariant(make_llm, bf16_folder, monkeypatch):
     """With the resolved default (bf16 dots for every row on an AVX512-BF16 / AMX host, fp32
     dots elsewhere) a prompt's greedy tokens and logprobs are the same bit for bit alone and
-    in a batch of other prompts, chunked prefills sharing steps with decode rows."""
+    in a batch of other prompts, chunked prefills sharing steps with decode rows: alone its
+    GEMMs have <= 7 rows, batched up to 48 (on AMX: the in-place tiles, then the blocked path
+    from 24 rows)."""
     monkeypatch.delenv("KVSERVE_CPU_BF16_ROWS", raising=False)
-    llm = make_llm(bf16_folder, enable_prefix_caching=False, max_num_batched_tokens=16)
+    llm = make_llm(bf16_folder, enable_prefix_caching=False, max_num_batched_tokens=48)
     assert llm.engine.args.cpu_bf16_dot_rows == _host_default()
     sp = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True, logprobs=0)
     mine = [5, 9, 17, 33, 100, 7, 250]
     others = [[int(t) for t in torch.randint(3, 500, (n,), generator=torch.Generator()
-                                             .manual_seed(n))] for n in (21, 3, 12)]
+                                             .manual_seed(n))] for n in (40, 3, 30)]
     alone = llm.generate([mine], sp)[0].outputs[0]
     batched = llm.generate([others[0], mine, *others[1:]], [sp] * 4)[1].outputs[0]
     assert batched.token_ids == alone.token_ids

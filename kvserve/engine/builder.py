@@ -37,7 +37,7 @@ from kvserve.engine.lora_manager import LoRAManager
 from kvserve.engine.scheduler import Scheduler
 from kvserve.engine.step_runner import StepRunner
 from kvserve.engine.worker import WorkerConfig
-from kvserve.kernels.cpu import w16_gemm
+from kvserve.kernels.cpu import w16_gemm, wq_gemm
 from kvserve.model import registry
 from kvserve.model.default_model import resolve_model
 from kvserve.model.loader import (
@@ -98,7 +98,11 @@ def describe_cpu_path(compute: torch.dtype, storage: torch.dtype) -> str:
         dense = "torch's fp32 GEMM for the fp32 weights"
     build = kernel_build()
     built = "-march=native" if build == "native" else f"KVSERVE_CPU_BUILD={build}"
-    return (f"{head}; {dtypes}; C kernels ({built}): {dense}, integer-dot GGUF GEMM, "
+    wq = wq_gemm.wq_library()
+    amx_rows = wq_gemm.amx_rows(wq) if wq is not None else 0
+    gguf = "integer-dot GGUF GEMM" + (f" (AMX-INT8 tiles from {amx_rows} rows)"
+                                      if amx_rows else "")
+    return (f"{head}; {dtypes}; C kernels ({built}): {dense}, {gguf}, "
             "fused small ops, paged attention")
 
 

@@ -57,6 +57,9 @@ def bind(dll: ctypes.CDLL) -> ctypes.CDLL:
     if hasattr(dll, "kvs_w16_amx"):
         dll.kvs_w16_amx.argtypes, dll.kvs_w16_amx.restype = [c_int], c_int
         dll.amx = bool(launch(dll, "kvs_w16_amx", -1))  # asks Linux for the tile state once
+    if hasattr(dll, "kvs_w16_amx_block_rows"):
+        dll.kvs_w16_amx_block_rows.argtypes = [i64]
+        dll.kvs_w16_amx_block_rows.restype = i64
     return dll
 
 
@@ -72,6 +75,16 @@ def set_amx(lib: ctypes.CDLL, on: bool) -> bool:
     lib.amx = bool(launch(lib, "kvs_w16_amx", int(on))) if hasattr(lib, "kvs_w16_amx") \
         else False
     return lib.amx
+
+
+def set_amx_block_rows(lib: ctypes.CDLL, rows: int) -> int:
+    """From how many rows ``lib``'s AMX bf16 dots take the cache-blocked path (16 x 16 tiles,
+    weights repacked per call) instead of reading the packed tiles in place; both give the same
+    bits. ``rows`` >= 1 sets it, 0 restores the build's default, -1 only asks; returns the
+    value in force (0: no AMX in the build). For tests and benchmarks that compare the two."""
+    if not hasattr(lib, "kvs_w16_amx_block_rows"):
+        return 0
+    return int(launch(lib, "kvs_w16_amx_block_rows", rows))
 
 
 # KVSERVE_CPU_BF16_ROWS unset: no bf16 dot products (the exact fp32 path); the threshold the

@@ -356,6 +356,8 @@ def test_served_vs_offline_tiny(tmp_path):
     (rd,) = r["rounds"]
     assert rd["offline"]["total_output_tokens"] == rd["served"]["total_output_tokens"] == 3 * 5
     assert rd["offline"]["torch_threads"] == 1
+    # every request's 5 tokens take 5 steps at least, on both sides (the server's: its metric)
+    assert rd["offline"]["steps"] >= 5 and rd["served"]["steps"] >= 5
     assert r["served_over_offline"] == pytest.approx(
         rd["served"]["output_throughput"] / rd["offline"]["output_throughput"])
     assert r["env"]["cpu"]["kind"] and r["config"]["engine_args"] == ["--kv-cache-memory",

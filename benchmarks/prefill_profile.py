@@ -21,7 +21,10 @@ Configs run round-robin per repeat (rotating who goes first); medians are report
 GEMMs' GFLOP/s (2 x dense weights x prompt tokens / gemm time) beside two ceilings measured in
 the same run: torch's fp32 GEMM and torch's bf16 GEMM (oneDNN; AMX where present) on a hot
 1024^3 problem (wall time). ``--clock cpu`` times the parts in process CPU seconds
-instead. ``rows`` 0 is the exact fp32 path; 1 is bf16 dots for every GEMM.
+instead. ``rows`` 0 is the exact fp32 path; 1 is bf16 dots for every GEMM. ``--amx-block-rows`` (AMX
+CPUs, rows > 0) adds configs with that threshold of the cache-blocked AMX GEMM (0: the build's
+default; 1000000000: the in-place 4 x 16 tiles for every GEMM, the path before it; the same
+bits either way), e.g. ``--amx-block-rows 0,1000000000`` for a before / after.
 """
 
 from __future__ import annotations
@@ -94,6 +97,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--input-len", type=int, default=128)
     ap.add_argument("--rows", default="0,1", help="--cpu-bf16-dot-rows values (0: fp32 dots)")
     ap.add_argument("--budgets", default="512,2048", help="max_num_batched_tokens values")
+    ap.add_argument("--amx-block-rows", default="0",
+                    help="AMX blocked-GEMM thresholds to compare (rows > 0 on AMX CPUs; 0: the "
+                         "build's default, 1000000000: the in-place tiles only)")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--seed", type=int, default=0)
@@ -118,9 +124,15 @@ def _run(a: argparse.Namespace, timers) -> int:
     model = resolve_model_path(a.model)
     rows = [int(v) for v in a.rows.split(",")]
     budgets = [int(v) for v in a.budgets.split(",")]
-    configs = [(r, b) for r in rows for b in budgets]
+    blocks = [int(v) for v in a.amx_block_rows.split(",")]
+    lib = w16.w16_library()
+    if lib is None or not w16.has_amx(lib):
+        blocks = blocks[:1]
+    configs = [(r, b, ab) for r in rows for b in budgets for ab in (blocks if r else blocks[:1])]
     engines = {}
-    for r, b in configs:
+    for r, b, _ in configs:
+        if (r, b) in engines:
+            continue
         eng = LLMEngine(EngineArgs(model=model, progress=False, seed=a.seed,
                                    enable_prefix_caching=False, max_num_batched_tokens=b,
                                    max_num_seqs=max(a.batch, 1), cpu_bf16_dot_rows=r,
@@ -131,9 +143,11 @@ def _run(a: argparse.Namespace, timers) -> int:
     times: dict = {c: [] for c in configs}
     for rep in range(a.repeats + 1):  # repeat 0 warms up
         order = configs[rep % len(configs):] + configs[:rep % len(configs)]
-        for r, b in order:
+        for r, b, ab in order:
             eng = engines[r, b]
             w16.set_bf16_dot_rows(r)  # what each engine's worker set at its start
+            if lib is not None:
+                w16.set_amx_block_rows(lib, ab)
             prompts = random_prompts(a.batch, a.input_len, eng.model_config.vocab_size,
                                      a.seed + 1000 * rep + r + b)
             for i, p in enumerate(prompts):
@@ -144,24 +158,27 @@ def _run(a: argparse.Namespace, timers) -> int:
                 eng.step()
             total = timers.clock() - t0
             if rep:
-                times[r, b].append({"total": total, "gemm": timers.current["linear"],
+                times[r, b, ab].append({"total": total, "gemm": timers.current["linear"],
                                     "attention": timers.current["attention"]})
     ceil32, ceil16 = _ceiling(torch.float32), _ceiling(torch.bfloat16)
     tokens = a.batch * a.input_len
-    lib = w16.w16_library()
     unit = "AMX tiles" if lib is not None and w16.has_amx(lib) else (
         "vdpbf16ps" if lib is not None and w16.has_bf16_dot(lib) else "twin/none")
     results = []
-    for r, b in configs:
-        med = {k: statistics.median(t[k] for t in times[r, b]) for k in times[r, b][0]}
+    for r, b, ab in configs:
+        med = {k: statistics.median(t[k] for t in times[r, b, ab])
+               for k in times[r, b, ab][0]}
         flops = 2 * _dense_params(engines[r, b]) * tokens
         row = {"bf16_dot_rows": r, "dots": unit if r else "fp32", "budget": b,
+               "amx_block_rows": ab if r and unit == "AMX tiles" else None,
                "total_s": med["total"], "gemm_s": med["gemm"], "attention_s": med["attention"],
                "other_s": med["total"] - med["gemm"] - med["attention"],
                "prompt_tok_per_s": tokens / med["total"],
                "gemm_gflops": flops / med["gemm"] / 1e9}
         results.append(row)
-        log(f"rows={r} ({row['dots']}) budget={b}: {row['total_s']:.3f} s "
+        log(f"rows={r} ({row['dots']}"
+            + (f", block rows {ab}" if row["amx_block_rows"] is not None else "")
+            + f") budget={b}: {row['total_s']:.3f} s "
             f"({row['prompt_tok_per_s']:.0f} tok/s): gemm {row['gemm_s']:.3f} s "
             f"({row['gemm_gflops']:.0f} GFLOP/s), attention {row['attention_s']:.3f} s, "
             f"other {row['other_s']:.3f} s")
@@ -172,6 +189,8 @@ def _run(a: argparse.Namespace, timers) -> int:
                         "repeats": a.repeats, "results": results,
                         "ceiling_gflops_torch_fp32": ceil32, "ceiling_gflops_torch_bf16": ceil16,
                         "env": env_info()})
+    if lib is not None:
+        w16.set_amx_block_rows(lib, 0)
     for eng in engines.values():
         del eng
     return 0

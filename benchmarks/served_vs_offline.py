@@ -282,6 +282,7 @@ def run_served(ns: argparse.Namespace, prompts: list[list[int]], warm: list[list
         names = python_threads(srv.proc.pid)
         if ns.py_spy:
             spy = PySpy(srv.proc.pid, f"{ns.py_spy}.round{round_}.txt", ns.py_spy_rate)
+        steps0 = _engine_steps(srv.url)
         cpu0, client0 = thread_cpu(srv.proc.pid), time.process_time()
         if ns.client == "vllm":
             from vllm_bench_serve import run_client
@@ -302,6 +303,7 @@ def run_served(ns: argparse.Namespace, prompts: list[list[int]], warm: list[list
                    "duration": rep["duration_s"], "median_ttft_ms": rep["ttft_ms"]["p50"],
                    "median_itl_ms": rep["itl_ms"]["p50"], "p99_itl_ms": rep["itl_ms"]["p99"]}
         cpu1, client1 = thread_cpu(srv.proc.pid), time.process_time()
+        res["steps"] = _engine_steps(srv.url) - steps0
         res["cpu"] = cpu_by_role(cpu0, cpu1, names, res["total_output_tokens"])
         if ns.client == "kvserve":  # vLLM's client runs in its own process: not counted
             res["cpu"]["client_ms_per_token"] = round(
@@ -318,6 +320,13 @@ def run_served(ns: argparse.Namespace, prompts: list[list[int]], warm: list[list
     if spy is not None:
         res["profile"] = {"file": spy.out, "threads": summarize_profile(spy.out)}
     return res
+
+
+def _engine_steps(url: str) -> int:
+    """The server's engine steps so far (``kvserve_engine_steps_total``)."""
+    from kvserve.bench.served import scrape
+
+    return int(scrape(url).get("kvserve_engine_steps_total", 0))
 
 
 # ---- the run -----------------------------------------------------------------------------------
@@ -378,7 +387,8 @@ def main(argv: list[str] | None = None) -> int:
             rd[side] = (run_offline(ns, prompts, warm) if side == "offline"
                         else run_served(ns, prompts, warm, key, r))
             print(f"round {r} {side}: {rd[side]['output_throughput']:.1f} output tok/s "
-                  f"({rd[side]['total_output_tokens']} tokens, {rd[side]['duration']:.1f} s)",
+                  f"({rd[side]['total_output_tokens']} tokens, {rd[side]['duration']:.1f} s, "
+                  f"{rd[side]['steps']} steps)",
                   flush=True)
         rd["served_over_offline"] = (rd["served"]["output_throughput"]
                                      / rd["offline"]["output_throughput"])

@@ -23,8 +23,13 @@ pass over the layers with
             ``--cpu-bf16-dot-rows`` turns on; ``kvserve_bf16_dot_row_major`` on row-major ones)
             and torch's own bf16 GEMM (oneDNN, AMX where present) on bf16 activations -- the
             figures that decide whether the bf16 path is worth its accuracy cost (docs/cpu.md);
+  kvserve_bf16_amx_in_place  (CPUs with AMX only) the bf16 dots on AMX tiles read in place
+            (4 weight rows x 16 columns per product) for every M: the path before the
+            cache-blocked one, which ``kvserve_bf16_dot`` takes from 32 rows (same bits);
 
-rotated per round (who goes first changes), median of ``rounds``. A compute ceiling is
+rotated per round (who goes first changes), median of ``rounds`` (``--stat min``: the fastest
+round, for a shared host; ``--clock cpu``: process CPU seconds, which on a busy host with
+``--threads 1`` is the run's own time). A compute ceiling is
 measured too: torch's fp32 GEMM on a hot 1024 x 1024 x 1024 problem.
 """
 
@@ -63,8 +68,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--evict-mib", type=int, default=0,
                     help="write this many MiB before every pass (> the L3: weights come from "
                          "DRAM as in an engine whose KV cache and weights exceed the L3)")
+    ap.add_argument("--stat", choices=["median", "min"], default="median")
+    ap.add_argument("--clock", choices=["wall", "cpu"], default="wall")
     ap.add_argument("--json", default=None)
     a = ap.parse_args(argv)
+    stat = statistics.median if a.stat == "median" else min
+    clock = time.perf_counter if a.clock == "wall" else time.process_time
     torch.set_num_threads(a.threads)
     layer_shapes, head_shape = SHAPES[a.shapes]
     lib = w16.w16_library()
@@ -93,6 +102,14 @@ def main(argv: list[str] | None = None) -> int:
         impls["kvserve_bf16_dot_row_major"] = lambda x, w, w32: w16.w16_gemm(lib, x, w,
                                                                              bf16_rows=1)
         impls["torch_bf16"] = lambda x, w, w32: (x.bfloat16() @ w.t()).float()
+    if w16.has_amx(lib):
+        def in_place(x, w, w32):
+            w16.set_amx_block_rows(lib, 10**9)
+            try:
+                return w16.w16_gemm(lib, x, packed[id(w)], bf16_rows=1)
+            finally:
+                w16.set_amx_block_rows(lib, 0)
+        impls["kvserve_bf16_amx_in_place"] = in_place
     with tempfile.TemporaryDirectory() as tmp:
         if a.baseline_source:
             base = w16.bind(build_source(a.baseline_source, tmp))
@@ -112,23 +129,23 @@ def main(argv: list[str] | None = None) -> int:
                     f = impls[name]
                     if evict is not None:
                         evict.add_(1.0)
-                    t0 = time.perf_counter()
+                    t0 = clock()
                     for ws, ws32 in zip(layers, layers32, strict=True):
                         for w, w32 in zip(ws, ws32, strict=True):
                             f(xs[w.shape[1]], w, w32)
-                    t1 = time.perf_counter()
+                    t1 = clock()
                     if m <= 64:  # prefill computes the head for the last rows only
                         f(xs[head_shape[2]], head, head32)
-                    t2 = time.perf_counter()
+                    t2 = clock()
                     if r:
                         times[name]["layers"].append(t1 - t0)
                         times[name]["head"].append(t2 - t1)
             row = {"rows": m}
             for name, t in times.items():
-                tl = statistics.median(t["layers"])
+                tl = stat(t["layers"])
                 row[name] = {"layers_ms": tl * 1e3, "layers_gflops": flops_layers / tl / 1e9}
                 if m <= 64:
-                    th = statistics.median(t["head"])
+                    th = stat(t["head"])
                     row[name].update(head_ms=th * 1e3, head_gflops=flops_head / th / 1e9)
             results.append(row)
             log(f"M={m:5d}: " + ", ".join(
@@ -146,6 +163,7 @@ def main(argv: list[str] | None = None) -> int:
     ceiling = 2 * 1024**3 / statistics.median(ts) / 1e9
     log(f"compute ceiling (torch fp32 GEMM, hot 1024^3): {ceiling:.0f} GFLOP/s")
     write_json(a.json, {"bench": "w16_gemm", "threads": a.threads, "rounds": a.rounds,
+                        "stat": a.stat, "clock": a.clock,
                         "layers": a.layers, "shapes": a.shapes,
                         "shape_list": layer_shapes + [head_shape],
                         "baseline_source": a.baseline_source,

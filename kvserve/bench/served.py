@@ -86,7 +86,7 @@ class ServeProcess(LoggedProcess):
         self.key = key
         super().__init__([sys.executable, "-m", "kvserve.cli", "serve",
                           *([model] if model else []), "--port", str(self.port),
-                          "--api-key", key, "--no-access-log", *args],
+                          f"--api-key={key}", "--no-access-log", *args],
                          log_prefix=log_prefix, env=env)
 
     def stop(self) -> None:

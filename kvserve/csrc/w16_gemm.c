@@ -526,6 +526,245 @@ static int w16_gemm_amx(const float *x, int64_t M, int64_t K, int64_t ldx, const
 }
 #endif
 
+#ifdef KVS_AMX
+/* The same tile products for prefill-sized M, cache- and register-blocked (oneDNN's shape).
+ *
+ * Roles swapped: A = 16 rows of x (bf16, row-major: 16 columns = 32 bytes a row, read in place
+ * from x's bf16 copy), B = 16 weight rows as VNNI pairs (B[r][2n + p] = w[n][16s + 2r + p],
+ * 8 pair rows), C[m][n] = y[m][n] (16 x 16 fp32, stored straight into y). Every product is
+ * still one TDPBF16PS over 16 columns per step, the steps in k order from zero: the tile shape
+ * that rounds (measured: 16 vs 32 columns per product) is unchanged, and a C element's sum
+ * does not depend on how many rows the A and B tiles have or which lane it sits in (measured:
+ * 4 x 16 weight tiles and 16 x 16 ones give the same bits, either role). So this path gives
+ * w16_gemm_amx's results bit for bit, and rows stay batch-invariant across the two (tested).
+ *
+ * Register blocking 2 x 2: per 16-column step 2 A (32 rows of x) + 2 B (32 weight rows) loads
+ * feed 4 products into tmm0-3 (a 16 x 16 tile product at 16 columns runs at half the
+ * TDPBF16PS peak: ~1.1 TFLOP/s a core here with the operands in L1). Weights are repacked into
+ * the VNNI layout once per call ([N / 32][K16][2][8][16] dwords; each thread repacks the
+ * 32-row blocks it then computes, the next one during the current one's products); x is
+ * walked in chunks of ~AMX_XT_BYTES (L2-resident while the thread's weight blocks meet them),
+ * each rounded to bf16 just before its products. The repack costs N K per call, so small M
+ * (decode) keeps w16_gemm_amx, which reads the packed tables in place (measured crossover
+ * 16-24 rows): kvs_w16_amx_block_rows sets from how many rows this path runs. */
+#ifndef AMX_BLOCK_ROWS
+#define AMX_BLOCK_ROWS 24
+#endif
+static int64_t amx_block_rows = AMX_BLOCK_ROWS;
+
+static void amx_config_blocked(void) {
+    amx_cfg cfg;
+    memset(&cfg, 0, sizeof(cfg));
+    cfg.palette = 1;
+    for (int t = 0; t < 4; t++) { /* tmm0-3 C: 16 rows of x x 16 weight rows, fp32 */
+        cfg.rows[t] = 16;
+        cfg.colsb[t] = 64;
+    }
+    for (int t = 4; t < 6; t++) { /* tmm4-5 A: 16 rows of x x 16 columns, bf16 */
+        cfg.rows[t] = 16;
+        cfg.colsb[t] = 32;
+    }
+    for (int t = 6; t < 8; t++) { /* tmm6-7 B: 8 column pairs x 16 weight rows */
+        cfg.rows[t] = 8;
+        cfg.colsb[t] = 64;
+    }
+    _tile_loadconfig(&cfg);
+}
+
+/* 16 weight rows (src[i]: row n0 + i's 16 columns of a step, NULL past N; `valid` of them
+ * inside K) -> one VNNI B tile dst[r][i] = (w[i][2r], w[i][2r + 1]): a 16 x 8 dword transpose */
+static inline void vnni_tile(const uint16_t *const *src, int valid, uint32_t *dst) {
+    const __mmask16 mk = (__mmask16)((1u << valid) - 1);
+    __m256i r[16];
+    for (int i = 0; i < 16; i++)
+        r[i] = src[i] == NULL ? _mm256_setzero_si256()
+               : valid == 16  ? _mm256_loadu_si256((const __m256i *)src[i])
+                              : _mm256_maskz_loadu_epi16(mk, src[i]);
+    __m512i z[8], t[8], u[8];
+    for (int i = 0; i < 8; i++) /* [row i | row i + 8], 8 dwords each */
+        z[i] = _mm512_inserti64x4(_mm512_castsi256_si512(r[i]), r[i + 8], 1);
+    for (int i = 0; i < 8; i += 2) {
+        t[i] = _mm512_unpacklo_epi32(z[i], z[i + 1]);
+        t[i + 1] = _mm512_unpackhi_epi32(z[i], z[i + 1]);
+    }
+    for (int i = 0; i < 8; i += 4) { /* u[i + d]: dword d (and d + 4) of rows i .. i + 3 */
+        u[i] = _mm512_unpacklo_epi64(t[i], t[i + 2]);
+        u[i + 1] = _mm512_unpackhi_epi64(t[i], t[i + 2]);
+        u[i + 2] = _mm512_unpacklo_epi64(t[i + 1], t[i + 3]);
+        u[i + 3] = _mm512_unpackhi_epi64(t[i + 1], t[i + 3]);
+    }
+    const __m512i lo = _mm512_setr_epi64(0, 1, 8, 9, 4, 5, 12, 13);
+    const __m512i hi = _mm512_setr_epi64(2, 3, 10, 11, 6, 7, 14, 15);
+    for (int d = 0; d < 4; d++) {
+        _mm512_store_si512(dst + d * 16, _mm512_permutex2var_epi64(u[d], lo, u[d + 4]));
+        _mm512_store_si512(dst + (d + 4) * 16, _mm512_permutex2var_epi64(u[d], hi, u[d + 4]));
+    }
+}
+
+/* weight rows n0 .. n0 + 31, B tile t of their [K16][2][8][16] dwords (zero past N, K): the
+ * 16-column step t / 2 of rows n0 + 16 (t % 2) .. */
+static inline void vnni_step(const uint16_t *w, int64_t N, int64_t K, int64_t ldw, int packed,
+                             int64_t n0, int64_t t, uint32_t *dst) {
+    const int64_t s = t / 2;
+    const int valid = K - 16 * s < 16 ? (int)(K - 16 * s) : 16;
+    const uint16_t *src[16];
+    for (int i = 0; i < 16; i++) {
+        const int64_t n = n0 + 16 * (t % 2) + i;
+        src[i] = n >= N   ? NULL
+                 : packed ? w + (n / NR) * NR * K + s * NR * 16 + (n % NR) * 16
+                          : w + n * ldw + 16 * s;
+    }
+    vnni_tile(src, valid, dst + t * 128);
+}
+
+static int w16_gemm_amx_blocked(const float *x, int64_t M, int64_t K, int64_t ldx,
+                                const uint16_t *w, int64_t N, int64_t ldw, int num_threads,
+                                float *y, int64_t ldy, int packed) {
+    const int64_t Kp = (K + 31) / 32 * 32, K16 = (K + 15) / 16, Mp = (M + 31) / 32 * 32;
+    /* x's bf16 rows: 32-byte aligned (a tile row never splits a line), never a multiple of
+     * 4 KB apart (16 rows of a tile in one L1 set) */
+    const int64_t lx = Kp + 16;
+    const int64_t nblk = (N + 31) / 32;
+    /* rows of x per chunk: ~AMX_XT_BYTES of bf16 x, a multiple of 32 */
+    int64_t mc = (int64_t)(AMX_XT_BYTES / (2 * lx)) / 32 * 32;
+    if (mc < 32) mc = 32;
+    if (mc > Mp) mc = Mp;
+    /* two chunk buffers: chunk i + 1 is rounded while a slower thread still multiplies
+     * chunk i */
+    uint16_t *xb = aligned_alloc(64, sizeof(uint16_t) * 2 * (size_t)(mc * lx));
+    /* the repacked weights: one chunk of x (M <= mc, e.g. the LM head's last rows): each
+     * block repacked into one of two per-thread buffers while the previous block's products
+     * run (L1/L2-hot, no table-sized copy); more: every block kept for the later chunks,
+     * repacked the same way during the first by the thread that owns it in every chunk */
+    const int one_chunk = Mp <= mc;
+    uint32_t *wb = one_chunk ? NULL
+                             : aligned_alloc(64, sizeof(uint32_t) * 256 * (size_t)(nblk * K16));
+    if (xb == NULL || (!one_chunk && wb == NULL)) {
+        free(xb);
+        free(wb);
+        return 1;
+    }
+    int failed = 0;
+#pragma omp parallel num_threads(num_threads)
+    {
+        /* this thread's 32-row weight blocks, the same in every chunk */
+        const int nt = omp_get_num_threads(), me = omp_get_thread_num();
+        const int64_t lo = nblk * me / nt, hi = nblk * (me + 1) / nt, tiles = 2 * K16;
+        uint32_t *own = one_chunk ? aligned_alloc(64, sizeof(uint32_t) * 512 * (size_t)K16)
+                                  : NULL;
+        if (one_chunk && own == NULL) {
+#pragma omp atomic write
+            failed = 1;
+        }
+        amx_config_blocked();
+        float cbuf[32][32];
+        for (int64_t c0 = 0; c0 < Mp; c0 += mc) {
+            const int64_t c1 = c0 + mc < Mp ? c0 + mc : Mp;
+            uint16_t *xc = xb + ((c0 / mc) % 2) * mc * lx;
+            /* x rounded into the chunk's buffer just before its products (L2-resident). The
+             * implicit barrier: the chunk is complete, and every thread is done with the
+             * previous chunk's products, which read the other buffer, before the next
+             * chunk's rounding writes to it */
+#pragma omp for schedule(static)
+            for (int64_t m = c0; m < c1; m++) {
+                if (m < M)
+                    bf16_row(x + m * ldx, K, Kp, xc + (m - c0) * lx);
+                else
+                    memset(xc + (m - c0) * lx, 0, sizeof(uint16_t) * (size_t)Kp);
+            }
+            if (one_chunk && own == NULL) continue;
+            /* block b's B tiles: one chunk, the two halves of own in turn; else wb's */
+#define KVS_BBUF(b) (one_chunk ? own + (((b) - lo) % 2) * K16 * 256 : wb + (b) * K16 * 256)
+            if (c0 == 0 && lo < hi)
+                for (int64_t t = 0; t < tiles; t++) vnni_step(w, N, K, ldw, packed, lo * 32, t,
+                                                              KVS_BBUF(lo));
+            /* during the first chunk, block b + 1 is repacked a few tiles a step while block
+             * b's tile products run (vector ports otherwise idle beside the tile unit) */
+            const int64_t per = (tiles * 32 + (c1 - c0) * K16 - 1) / ((c1 - c0) * K16);
+            for (int64_t b = lo; b < hi; b++) {
+                const int64_t n0 = b * 32;
+                const int two_n = n0 + 16 < N; /* a second 16 weight rows */
+                const uint32_t *bb = KVS_BBUF(b);
+                uint32_t *nb = c0 == 0 && b + 1 < hi ? KVS_BBUF(b + 1) : NULL;
+#undef KVS_BBUF
+                int64_t ti = nb != NULL ? 0 : tiles; /* next block's tiles repacked */
+                for (int64_t m0 = c0; m0 < c1; m0 += 32) {
+                    const int two_m = m0 + 16 < M; /* a second 16 rows of x */
+                    const uint16_t *a0 = xc + (m0 - c0) * lx, *a1 = a0 + 16 * lx;
+                    _tile_zero(0);
+                    _tile_zero(1);
+                    _tile_zero(2);
+                    _tile_zero(3);
+                    /* the next block's 32 rows of y (2 lines each), one row a step: without
+                     * it the stores wait on their lines (~20% of the time at M = 1,024) */
+                    const float *yn = m0 + 32 < c1 && m0 + 64 <= M && n0 + 32 <= N
+                                          ? y + (m0 + 32) * ldy + n0
+                                          : NULL;
+                    for (int64_t s = 0; s < K16; s++) {
+                        if (yn != NULL && s < 32) {
+                            __builtin_prefetch(yn + s * ldy, 1, 3);
+                            __builtin_prefetch(yn + s * ldy + 16, 1, 3);
+                        }
+                        for (int64_t i = 0; i < per && ti < tiles; i++, ti++)
+                            vnni_step(w, N, K, ldw, packed, n0 + 32, ti, nb);
+                        _tile_loadd(4, a0 + 16 * s, 2 * lx);
+                        _tile_loadd(6, bb + s * 256, 64);
+                        _tile_dpbf16ps(0, 4, 6);
+                        if (two_n) {
+                            _tile_loadd(7, bb + s * 256 + 128, 64);
+                            _tile_dpbf16ps(1, 4, 7);
+                        }
+                        if (two_m) {
+                            _tile_loadd(5, a1 + 16 * s, 2 * lx);
+                            _tile_dpbf16ps(2, 5, 6);
+                            if (two_n) _tile_dpbf16ps(3, 5, 7);
+                        }
+                    }
+                    /* C[mh][nh] -> y[m0 + 16 mh ..][n0 + 16 nh ..]: straight into y where the
+                     * whole 32 x 32 block is inside it */
+                    float *yb = y + m0 * ldy + n0;
+                    if (m0 + 32 <= M && n0 + 32 <= N) {
+                        _tile_stored(0, yb, 4 * ldy);
+                        _tile_stored(1, yb + 16, 4 * ldy);
+                        _tile_stored(2, yb + 16 * ldy, 4 * ldy);
+                        _tile_stored(3, yb + 16 * ldy + 16, 4 * ldy);
+                        continue;
+                    }
+                    _tile_stored(0, &cbuf[0][0], 128);
+                    if (two_n) _tile_stored(1, &cbuf[0][16], 128);
+                    if (two_m) _tile_stored(2, &cbuf[16][0], 128);
+                    if (two_m && two_n) _tile_stored(3, &cbuf[16][16], 128);
+                    const int mv = M - m0 < 32 ? (int)(M - m0) : 32;
+                    const int nv = N - n0 < 32 ? (int)(N - n0) : 32;
+                    for (int m = 0; m < mv; m++)
+                        memcpy(yb + m * ldy, cbuf[m], sizeof(float) * (size_t)nv);
+                }
+                for (; ti < tiles; ti++) vnni_step(w, N, K, ldw, packed, n0 + 32, ti, nb);
+            }
+        }
+        _tile_release();
+        free(own);
+    }
+    free(xb);
+    free(wb);
+    return failed;
+}
+#endif
+
+/* From how many rows the AMX bf16 dots take the blocked path (rows >= 1 sets it, 0 restores
+ * the build's default AMX_BLOCK_ROWS, -1 only asks); returns the value in force. For tests
+ * and benchmarks that compare the two paths (the same bits); 0 in builds without AMX. */
+int64_t kvs_w16_amx_block_rows(int64_t rows) {
+#ifdef KVS_AMX
+    if (rows >= 0)
+        __atomic_store_n(&amx_block_rows, rows ? rows : AMX_BLOCK_ROWS, __ATOMIC_RELEASE);
+    return __atomic_load_n(&amx_block_rows, __ATOMIC_ACQUIRE);
+#else
+    (void)rows;
+    return 0;
+#endif
+}
+
 /* AMX for the bf16 dot products: request 1 turns it on where the build and the CPU have it
  * (asking Linux for the tile state once), 0 turns it off (vdpbf16ps then), -1 only asks.
  * Returns whether it is on. */
@@ -617,7 +856,10 @@ int kvs_w16_gemm(const float *x, int64_t M, int64_t K, int64_t ldx, const uint16
     if (kind == 0 && bf16_rows > 0 && M >= bf16_rows && kvs_w16_bf16_dot()) {
 #ifdef KVS_AMX
         if (__atomic_load_n(&amx_state, __ATOMIC_ACQUIRE) == 1)
-            return w16_gemm_amx(x, M, K, ldx, w, N, ldw, num_threads, y, ldy, packed);
+            return M >= __atomic_load_n(&amx_block_rows, __ATOMIC_ACQUIRE)
+                       ? w16_gemm_amx_blocked(x, M, K, ldx, w, N, ldw, num_threads, y, ldy,
+                                              packed)
+                       : w16_gemm_amx(x, M, K, ldx, w, N, ldw, num_threads, y, ldy, packed);
 #endif
         return w16_gemm_bf16_dot(x, M, K, ldx, w, N, ldw, num_threads, y, ldy, packed);
     }

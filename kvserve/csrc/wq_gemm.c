@@ -331,12 +331,254 @@ static inline __attribute__((always_inline)) void pass_vnni(
 }
 #endif
 
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AMX_TILE__) && \
+    defined(__AMX_INT8__) && !defined(KVS_SIMDE)
+#define KVS_WQ_AMX 1
+#include "amx.h"
+/*
+ * AMX-INT8 (Sapphire Rapids and later): the VNNI pass's integer block sums as tile products
+ * (TDPBSUD: A signed int8 x B unsigned uint8 -> int32), then the VNNI pass's float updates,
+ * operation for operation, so every output is bit for bit the VNNI one (and so batch-invariant
+ * whatever the row count that picks the path). Per 32-column block b:
+ *   A = up to 16 rows of q (32 bytes each, read in place with stride K);
+ *   B = 8 k-quads x 16 outputs x 4 bytes: an 8-bit tile's block is exactly that (8 consecutive
+ *       64-byte rows, read in place); a 4-bit tile is first unpacked, once per tile and call,
+ *       into that layout (k-oct t's low nibbles -> k-quad 2t, high nibbles -> 2t + 1);
+ *   C[row][output] = sum_{k in b} q[row, k] u[output, k]: the VNNI pass's exact int32 `a`.
+ * C is stored and each (row, output) runs f = fma(cvt(a), dx[row][b], f) per block and, at its
+ * group's end, out = fma(s, f, out); out = fma(m, ms, out), with ms = sum_b dx qs in the same
+ * scalar order (once per row and group: it does not depend on the tile).
+ *
+ * One C tile (a row tile of up to 16 rows x one weight tile) runs over all of K at a time, its
+ * 16 rows' out (groups of one block: G = 32, every GGUF Q4_0 / Q4_1 / Q8_0) or f (larger
+ * groups; out then lives in memory) in registers. Two sets of tile registers alternate between
+ * blocks, so block b + 1's product is loaded, multiplied and stored while block b's floats are
+ * computed (a tile store's data reaches the vector loads only once it has left the store
+ * buffer). Rows past a multiple of 16 are covered by a last row tile that overlaps the one
+ * before it (its overlapped rows are not written), so no row is read past M; with M < 16 the
+ * tiles have M rows and the float work is rounded up to a multiple of 4 rows.
+ */
+#ifndef AMX_MIN_ROWS
+#define AMX_MIN_ROWS 6
+#endif
+static int amx_state = -1; /* -1: not asked yet, 0: off / unavailable, 1: on */
+static int amx_rows = AMX_MIN_ROWS; /* GEMMs of at least this many rows take the tiles */
+
+/* tmm0-1 C, tmm4-5 A, tmm6-7 B (two sets: even and odd blocks); ra rows per row tile */
+static void amx_config(int ra) {
+    kvs_amx_cfg cfg;
+    kvs_amx_cfg_init(&cfg);
+    for (int t = 0; t < 2; t++) {
+        cfg.rows[t] = (uint8_t)ra; /* C: ra rows x 16 int32 */
+        cfg.colsb[t] = 64;
+        cfg.rows[4 + t] = (uint8_t)ra; /* A: ra rows x 32 int8 */
+        cfg.colsb[4 + t] = 32;
+        cfg.rows[6 + t] = 8; /* B: 8 k-quads x 16 outputs x 4 */
+        cfg.colsb[6 + t] = 64;
+    }
+    _tile_loadconfig(&cfg);
+}
+
+/* block b's products on tile set P (C tile P, A tile TA, B tile TB: literals, the tile
+ * intrinsics paste them into the instruction) into cb[P] */
+#define AMX_BLOCK(P, TA, TB, b)                               \
+    do {                                                      \
+        _tile_zero(P);                                        \
+        _tile_loadd(TA, a + 32 * (b), K);                     \
+        _tile_loadd(TB, w + 512 * (b), 64);                   \
+        _tile_dpbsud(P, TA, TB);                              \
+        _tile_stored(P, cb[P], 64);                           \
+    } while (0)
+
+/* One C tile over all of K: its rows' dx and ms as dxt [nb][16], mst [ng][16] (i < nr, a
+ * multiple of 4; rows past the tile's ra are copies of its last, never written), 16 outputs
+ * of weight tile w (B layout) with scales st; rows own .. ra - 1 written to yr[i]. g1: groups
+ * of one block. */
+static inline __attribute__((always_inline)) void amx_ctile(
+    const int8_t *restrict a, int64_t K, const uint8_t *restrict w,
+    const uint16_t *restrict st, const float *restrict dxt, const float *restrict mst,
+    int64_t bpg, const int nr, const int g1, int own, int ra, float *const yr[16],
+    int32_t (*restrict cb)[16][16], float (*restrict om)[16]) {
+    const int64_t nb = K / 32;
+    __m512 acc[16]; /* g1: out; else f of the current group */
+#pragma GCC unroll 16
+    for (int i = 0; i < nr; i++) acc[i] = _mm512_setzero_ps();
+    if (!g1) memset(om, 0, sizeof(float) * 16 * 16);
+#define AMX_LOAD_SM(V, off) V = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(st + (off))))
+#define AMX_C(P, i) _mm512_cvtepi32_ps(_mm512_load_si512((const void *)cb[P][i]))
+#define AMX_FLOATS(P, b)                                                                    \
+    do {                                                                                    \
+        __m512 s, mn;                                                                       \
+        if (g1) {                                                                           \
+            AMX_LOAD_SM(s, (b) * 32);                                                       \
+            AMX_LOAD_SM(mn, (b) * 32 + 16);                                                 \
+            _Pragma("GCC unroll 16") for (int i = 0; i < nr; i++) {                         \
+                const __m512 d = _mm512_set1_ps(dxt[(b) * 16 + i]);                         \
+                const __m512 f = _mm512_fmadd_ps(AMX_C(P, i), d, _mm512_setzero_ps());     \
+                acc[i] = _mm512_fmadd_ps(s, f, acc[i]);                                     \
+                acc[i] = _mm512_fmadd_ps(mn, _mm512_set1_ps(mst[(b) * 16 + i]), acc[i]);    \
+            }                                                                               \
+        } else {                                                                            \
+            const int64_t g = (b) / bpg;                                                    \
+            if ((b) == g * bpg)                                                             \
+                _Pragma("GCC unroll 16") for (int i = 0; i < nr; i++) acc[i] =              \
+                    _mm512_setzero_ps();                                                    \
+            _Pragma("GCC unroll 16") for (int i = 0; i < nr; i++) acc[i] =                  \
+                _mm512_fmadd_ps(AMX_C(P, i), _mm512_set1_ps(dxt[(b) * 16 + i]), acc[i]);    \
+            if ((b) == (g + 1) * bpg - 1) {                                                 \
+                AMX_LOAD_SM(s, g * 32);                                                     \
+                AMX_LOAD_SM(mn, g * 32 + 16);                                               \
+                _Pragma("GCC unroll 16") for (int i = 0; i < nr; i++) {                     \
+                    __m512 o = _mm512_load_ps(om[i]);                                       \
+                    o = _mm512_fmadd_ps(s, acc[i], o);                                      \
+                    o = _mm512_fmadd_ps(mn, _mm512_set1_ps(mst[g * 16 + i]), o);            \
+                    _mm512_store_ps(om[i], o);                                              \
+                }                                                                           \
+            }                                                                               \
+        }                                                                                   \
+    } while (0)
+    AMX_BLOCK(0, 4, 6, 0);
+    for (int64_t b = 0; b < nb; b += 2) {
+        if (b + 1 < nb) AMX_BLOCK(1, 5, 7, b + 1);
+        AMX_FLOATS(0, b);
+        if (b + 1 < nb) {
+            if (b + 2 < nb) AMX_BLOCK(0, 4, 6, b + 2);
+            AMX_FLOATS(1, b + 1);
+        }
+    }
+#undef AMX_FLOATS
+#undef AMX_C
+#undef AMX_LOAD_SM
+#pragma GCC unroll 16
+    for (int i = 0; i < nr; i++)
+        if (i >= own && i < ra) {
+            if (g1)
+                _mm512_storeu_ps(yr[i], acc[i]);
+            else
+                memcpy(yr[i], om[i], 64);
+        }
+}
+
+/* scratch per thread: an unpacked 4-bit tile, two C tiles, out of one C tile */
+#define AMX_THREAD_BYTES(K) ((size_t)(K) * 16 + 2 * 1024 + 1024)
+
+/* Returns 0, or 1 if scratch could not be allocated (nothing written: the caller runs VNNI) */
+static int wq_gemm_amx(const uint8_t *restrict codes, const uint16_t *restrict sm,
+                       const int8_t *restrict q, const float *restrict dx,
+                       const int32_t *restrict qs, int64_t M, int64_t N, int64_t K, int64_t G,
+                       int bits, int num_threads, float *restrict y) {
+    const int64_t ntiles = N / 16, ng = K / G, nb = K / 32, bpg = G / 32;
+    const int64_t tile_bytes = K * 16 * bits / 8;
+    const int ra = M < 16 ? (int)M : 16;              /* rows per row tile */
+    const int64_t nrt = M < 16 ? 1 : (M + 15) / 16;   /* row tiles */
+    /* per row tile rt: dxt [nb][16] = dx of its rows, mst [ng][16] = sum_{b in g} dx qs in
+     * the VNNI pass's order (rows past ra: its last row's) */
+    const size_t t_bytes = ((size_t)(nrt * (nb + ng) * 16) * sizeof(float) + 63) & ~(size_t)63;
+    const size_t per_thread = (AMX_THREAD_BYTES(K) + 63) & ~(size_t)63;
+    char *buf = aligned_alloc(64, t_bytes + per_thread * (size_t)num_threads);
+    if (buf == NULL) return 1;
+    float *dxt_all = (float *)buf, *mst_all = dxt_all + nrt * nb * 16;
+    for (int64_t rt = 0; rt < nrt; rt++)
+        for (int i = 0; i < 16; i++) {
+            const int64_t want = 16 * rt;
+            const int64_t r0 = M < 16 ? 0 : (want + 16 <= M ? want : M - 16);
+            const int64_t m = r0 + (i < ra ? i : ra - 1);
+            for (int64_t g = 0; g < ng; g++) {
+                float ms = 0;
+                for (int64_t b = g * bpg; b < (g + 1) * bpg; b++) {
+                    ms += dx[m * nb + b] * (float)qs[m * nb + b];
+                    dxt_all[(rt * nb + b) * 16 + i] = dx[m * nb + b];
+                }
+                mst_all[(rt * ng + g) * 16 + i] = ms;
+            }
+        }
+    const int nr = (ra + 3) / 4 * 4, g1 = bpg == 1;
+#pragma omp parallel num_threads(num_threads)
+    {
+        char *mine = buf + t_bytes + per_thread * (size_t)omp_get_thread_num();
+        uint8_t *ub = (uint8_t *)mine; /* [K / 4][64] */
+        int32_t(*cb)[16][16] = (int32_t(*)[16][16])(mine + (size_t)K * 16);
+        float(*om)[16] = (float(*)[16])(mine + (size_t)K * 16 + 2048);
+        memset(cb, 0, 2048); /* rows past ra are read (and dropped) when ra % 4 != 0 */
+        amx_config(ra);
+#pragma omp for schedule(static)
+        for (int64_t tile = 0; tile < ntiles; tile++) {
+            const uint8_t *wt = codes + tile * tile_bytes, *w = wt;
+            const uint16_t *st = sm + tile * ng * 32;
+            if (bits == 4) { /* k-oct t -> k-quads 2t (low nibbles), 2t + 1 (high) */
+                const __m512i lo4 = _mm512_set1_epi8(0x0F);
+                for (int64_t t = 0; t < K / 8; t++) {
+                    const __m512i v = _mm512_loadu_si512((const void *)(wt + 64 * t));
+                    _mm512_store_si512((void *)(ub + 128 * t), _mm512_and_si512(v, lo4));
+                    _mm512_store_si512((void *)(ub + 128 * t + 64),
+                                       _mm512_and_si512(_mm512_srli_epi16(v, 4), lo4));
+                }
+                w = ub;
+            }
+            for (int64_t rt = 0; rt < nrt; rt++) {
+                const int64_t want = 16 * rt, r0 = M < 16 ? 0 : (want + 16 <= M ? want : M - 16);
+                float *yr[16];
+                for (int i = 0; i < 16; i++)
+                    yr[i] = y + (r0 + (i < ra ? i : ra - 1)) * N + tile * 16;
+                const float *dxt = dxt_all + rt * nb * 16, *mst = mst_all + rt * ng * 16;
+                const int8_t *a = q + r0 * K;
+                const int own = (int)(want - r0);
+#define AMX_CT(NR, G1) amx_ctile(a, K, w, st, dxt, mst, bpg, NR, G1, own, ra, yr, cb, om)
+                if (g1) {
+                    switch (nr) {
+                    case 4: AMX_CT(4, 1); break;
+                    case 8: AMX_CT(8, 1); break;
+                    case 12: AMX_CT(12, 1); break;
+                    default: AMX_CT(16, 1); break;
+                    }
+                } else {
+                    switch (nr) {
+                    case 4: AMX_CT(4, 0); break;
+                    case 8: AMX_CT(8, 0); break;
+                    case 12: AMX_CT(12, 0); break;
+                    default: AMX_CT(16, 0); break;
+                    }
+                }
+#undef AMX_CT
+            }
+        }
+        _tile_release();
+    }
+    free(buf);
+    return 0;
+}
+#undef AMX_BLOCK
+#endif
+
+/* AMX-INT8 for GEMMs of at least `rows` rows (rows < 1 leaves the threshold): request 1 turns
+ * it on where the build and the CPU have it (asking Linux for the tile state once), 0 turns it
+ * off (the VNNI pass for every row count), -1 only asks. Returns the threshold in force while
+ * it is on, 0 while it is off. */
+int kvs_wq_amx(int request, int rows) {
+#ifdef KVS_WQ_AMX
+    if (rows >= 1) __atomic_store_n(&amx_rows, rows, __ATOMIC_RELEASE);
+    return kvs_amx_request(&amx_state, request, KVS_AMX_INT8_BIT)
+               ? __atomic_load_n(&amx_rows, __ATOMIC_ACQUIRE)
+               : 0;
+#else
+    (void)request;
+    (void)rows;
+    return 0;
+#endif
+}
+
 /* y fp32 [M, N] (N % 16 == 0, K % G == 0, G % 32 == 0). OpenMP over weight tiles: each
  * tile's codes are read once per MT rows of x. */
 void kvs_wq_gemm(const uint8_t *restrict codes, const uint16_t *restrict sm,
                  const int8_t *restrict q, const float *restrict dx, const int32_t *restrict qs,
                  int64_t M, int64_t N, int64_t K, int64_t G, int bits, int num_threads,
                  float *restrict y) {
+#ifdef KVS_WQ_AMX
+    if (M >= __atomic_load_n(&amx_rows, __ATOMIC_ACQUIRE) &&
+        __atomic_load_n(&amx_state, __ATOMIC_ACQUIRE) == 1 &&
+        wq_gemm_amx(codes, sm, q, dx, qs, M, N, K, G, bits, num_threads, y) == 0)
+        return;
+#endif
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
     {
         const int64_t ntiles = N / 16, ng = K / G, nb = K / 32;

@@ -132,6 +132,30 @@ def test_wq_gemm_tiny(tmp_path):
     assert r["read_bandwidth"]["read_gbs"] > 0 and r["env"]["cpu"]
 
 
+def test_wq_gemm_amx_tiny(tmp_path):
+    """--amx times the VNNI pass and the AMX-INT8 tiles on the same tables (the head alone with
+    --layers 0) and finds their outputs bit for bit the same."""
+    from kvserve.kernels.cpu import graph
+    from kvserve.kernels.cpu import wq_gemm as wq_cpu
+
+    lib = wq_cpu.wq_library()
+    if lib is None or not graph.available():
+        pytest.skip("no C compiler")
+    if not wq_cpu.amx_rows(lib):
+        pytest.skip("this CPU (or its native build, or Linux) has no AMX-INT8 tiles")
+    rows = wq_cpu.amx_rows(lib)
+    out = tmp_path / "a.json"
+    assert _script("wq_gemm").main(["--threads", "1", "--rounds", "1", "--rows", "2,17",
+                                    "--layers", "0", "--head", "1024,640", "--amx",
+                                    "--bandwidth-mib", "64", "--json", str(out)]) == 0
+    assert wq_cpu.amx_rows(lib) == rows  # the kernel's threshold is back
+    r = json.loads(out.read_text())
+    assert r["shape_list"][-1] == ["lm_head", 1024, 640] and r["layer_bytes"] == 0
+    for x in r["results"]:
+        assert x["identical_amx"] is True and set(x["amx_speedup"]) == {"head"}
+        assert x["kvserve"]["head_ms"] > 0 and x["kvserve_amx"]["head_ms"] > 0
+
+
 def test_kq_gemm_tiny(tmp_path):
     """The K-quant GEMM benchmark times every type it is given against the 16-bit GEMM and the
     memory floor, and records env.cpu."""
@@ -152,6 +176,31 @@ def test_kq_gemm_tiny(tmp_path):
         assert x["ms"] > 0 and x["over_floor"] > 0 and x["vs_w16"] > 0
         assert 1.0 <= x["resident_over_file"] <= 1.1
     assert r["read_bandwidth"]["read_gbs"] > 0 and r["env"]["cpu"]
+
+
+def test_kq_gemm_amx_tiny(tmp_path):
+    """--amx times the VNNI pass and the AMX-INT8 tiles per type and finds their outputs bit for
+    bit the same; the kernel's threshold is restored."""
+    from kvserve.kernels.cpu import graph
+    from kvserve.kernels.cpu import kq_gemm as kq_cpu
+    from kvserve.kernels.cpu import wq_gemm as wq_cpu
+
+    lib = kq_cpu.kq_library()
+    if lib is None or not graph.available():
+        pytest.skip("no C compiler")
+    rows = wq_cpu.amx_rows(lib)
+    if not rows:
+        pytest.skip("this CPU (or its native build, or Linux) has no AMX-INT8 tiles")
+    out = tmp_path / "k.json"
+    assert _script("kq_gemm").main(["--threads", "1", "--rounds", "1", "--rows", "2,17",
+                                    "--layers", "1", "--hidden", "256", "--inter", "512",
+                                    "--types", "Q4_K,Q5_0", "--amx", "--bandwidth-mib", "64",
+                                    "--json", str(out)]) == 0
+    assert wq_cpu.amx_rows(lib) == rows
+    r = json.loads(out.read_text())
+    assert r["amx"] is True and r["amx_rows_default"] == rows
+    for x in r["results"]:
+        assert x["identical_amx"] is True and x["vnni_ms"] > 0 and x["amx_ms"] > 0
 
 
 def test_kv_tiers_tiny(tmp_path):
@@ -307,6 +356,8 @@ def test_served_vs_offline_tiny(tmp_path):
     (rd,) = r["rounds"]
     assert rd["offline"]["total_output_tokens"] == rd["served"]["total_output_tokens"] == 3 * 5
     assert rd["offline"]["torch_threads"] == 1
+    # every request's 5 tokens take 5 steps at least, on both sides (the server's: its metric)
+    assert rd["offline"]["steps"] >= 5 and rd["served"]["steps"] >= 5
     assert r["served_over_offline"] == pytest.approx(
         rd["served"]["output_throughput"] / rd["offline"]["output_throughput"])
     assert r["env"]["cpu"]["kind"] and r["config"]["engine_args"] == ["--kv-cache-memory",

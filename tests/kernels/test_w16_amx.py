@@ -110,3 +110,36 @@ def test_amx_threshold_threads_and_switch(amx_lib):
     assert not torch.equal(dots, tiles)
     torch.testing.assert_close(dots, tiles, rtol=1e-5, atol=1e-5)
     assert torch.equal(w16.w16_gemm(amx_lib, x, pw, bf16_rows=1), tiles)
+
+
+@pytest.mark.parametrize("n,k", [(576, 576), (192, 576), (33, 1536), (7, 48), (50, 1008)])
+def test_amx_blocked_equals_per_row_tiles(amx_lib, n, k):
+    """The cache-blocked path (16 x 16 tiles, x rows as A, weights repacked as VNNI B tiles)
+    gives the in-place 4 x 16 tile path's results bit for bit, for M = 1 .. 200 across the
+    16- and 32-row blocks, packed and row-major tables, 1 and 2 threads; a row alone (the
+    per-row path at the default threshold) == the row in its blocked batch."""
+    default = w16.set_amx_block_rows(amx_lib, -1)
+    assert default > 1
+    x, w = _case(200, n, k, n + k)
+    pw = _packed(amx_lib, w)
+    prev = torch.get_num_threads()
+    try:
+        for m in (1, 15, 16, 17, 64, 200):
+            assert w16.set_amx_block_rows(amx_lib, 10**9) == 10**9  # in-place tiles, every M
+            per_row = w16.w16_gemm(amx_lib, x[:m], pw, bf16_rows=1)
+            assert torch.equal(w16.w16_gemm(amx_lib, x[:m], w, bf16_rows=1), per_row)
+            assert w16.set_amx_block_rows(amx_lib, 1) == 1  # the blocked path for every M
+            for t in (1, 2):
+                torch.set_num_threads(t)
+                assert torch.equal(w16.w16_gemm(amx_lib, x[:m], pw, bf16_rows=1), per_row)
+                assert torch.equal(w16.w16_gemm(amx_lib, x[:m], w, bf16_rows=1), per_row)
+            w16.set_amx_block_rows(amx_lib, 0)
+            for i in {0, m // 2, m - 1}:
+                assert torch.equal(w16.w16_gemm(amx_lib, x[i:i + 1], pw, bf16_rows=1),
+                                   per_row[i:i + 1])
+        torch.testing.assert_close(per_row, ref.w16_linear_bf16_dot(x, w), rtol=1e-5,
+                                   atol=1e-5)
+    finally:
+        torch.set_num_threads(prev)
+        w16.set_amx_block_rows(amx_lib, 0)
+    assert w16.set_amx_block_rows(amx_lib, -1) == default

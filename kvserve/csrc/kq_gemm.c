@@ -282,6 +282,279 @@ static void gemm_vnni(int type, const uint8_t *w, int64_t n, int64_t K, const in
         }
     }
 }
+
+#if defined(__AMX_TILE__) && defined(__AMX_INT8__) && !defined(KVS_SIMDE)
+#define KVS_KQ_AMX 1
+#include "amx.h"
+/*
+ * AMX-INT8 (Sapphire Rapids and later), as wq_gemm.c's: the VNNI pass's exact integer sums I
+ * (per block, or per half-block for Q6_K) as TDPBSUD tile products, then the VNNI pass's float
+ * operations in its order, so every output is bit for bit the VNNI one:
+ *   T = I - zero qsum;  fa = fma(cvt(T), sc dx, fa)  (sc dx: one vmulps, as there);
+ *   K-quants per block: fm = fma(mn, dx qsum, fm);  Q5_1: ms = 0 + dx qsum;
+ *   per super-block: o = fma(D, fa, o);  o = o - Dm fm  (fnmadd) / o = fma(Dm, ms, o).
+ * A tile's codes (low nibbles + the high-bit masks) are unpacked once per call into B layout
+ * (k-quads x 16 outputs x 4 bytes: the VNNI pass's w0 / w1 vectors, stored). One C tile (up to
+ * 16 rows x 16 outputs) runs over all of K at a time: o in registers for one-block super-blocks
+ * (Q5_0 / Q5_1), fa in registers and o / fm in memory for the K-quants; two tile-register sets
+ * alternate between segments. Rows past a multiple of 16: a last row tile overlapping the one
+ * before it; M < 16: tiles of M rows, float work rounded up to a multiple of 4 rows.
+ * From 16 rows (1 thread, Gemma 3's shapes): Q5_0 / Q5_1 / Q6_K 1.5x the VNNI pass, Q4_K
+ * 1.05x, 1.3-1.9x at 64; at 8 rows Q4_K is 0.8x (its float part, sc dx and the dmin term, is
+ * most of the work), the rest ~1.1x; below that the per-call unpacking of the codes loses.
+ */
+#ifndef AMX_MIN_ROWS
+#define AMX_MIN_ROWS 16
+#endif
+static int amx_state = -1;          /* -1: not asked yet, 0: off / unavailable, 1: on */
+static int amx_rows = AMX_MIN_ROWS; /* GEMMs of at least this many rows take the tiles */
+
+/* tmm0-1 C (ra rows x 16 int32), tmm4-5 A (ra rows x segb int8), tmm6-7 B (segb / 4 k-quads x
+ * 16 outputs x 4): two sets, even and odd segments */
+static void kq_amx_config(int ra, int segb) {
+    kvs_amx_cfg cfg;
+    kvs_amx_cfg_init(&cfg);
+    for (int t = 0; t < 2; t++) {
+        cfg.rows[t] = (uint8_t)ra;
+        cfg.colsb[t] = 64;
+        cfg.rows[4 + t] = (uint8_t)ra;
+        cfg.colsb[4 + t] = (uint16_t)segb;
+        cfg.rows[6 + t] = (uint8_t)(segb / 4);
+        cfg.colsb[6 + t] = 64;
+    }
+    _tile_loadconfig(&cfg);
+}
+
+/* a tile's codes over all of K -> ub [K / 4][64]: k-quad 8b + 2t the VNNI pass's w0, 2t + 1 w1 */
+static void kq_unpack(const uint8_t *restrict wt, int64_t nsb, const kq_fmt f,
+                      uint8_t *restrict ub) {
+    const __m512i lo4 = _mm512_set1_epi8(0x0F), b16 = _mm512_set1_epi8(16),
+                  b32 = _mm512_set1_epi8(32);
+    const int64_t hb = hdr_bytes(f), bb = blk_bytes(f), sbb = sb_bytes(f);
+    for (int64_t s = 0; s < nsb; s++)
+        for (int bi = 0; bi < f.sb; bi++) {
+            const uint8_t *lo = wt + s * sbb + hb + bi * bb + (f.subsc ? 32 : 0);
+            uint8_t *u = ub + (s * f.sb + bi) * 512;
+            for (int t = 0; t < 4; t++) {
+                const __m512i v = _mm512_loadu_si512((const void *)(lo + 64 * t));
+                __m512i w0 = _mm512_and_si512(v, lo4);
+                __m512i w1 = _mm512_and_si512(_mm512_srli_epi16(v, 4), lo4);
+                for (int p = 0; p + 4 < f.bits; p++) {
+                    uint64_t m0, m1;
+                    memcpy(&m0, lo + 256 + 64 * p + 8 * (2 * t), 8);
+                    memcpy(&m1, lo + 256 + 64 * p + 8 * (2 * t + 1), 8);
+                    const __m512i add = p ? b32 : b16;
+                    w0 = _mm512_mask_add_epi8(w0, (__mmask64)m0, w0, add);
+                    w1 = _mm512_mask_add_epi8(w1, (__mmask64)m1, w1, add);
+                }
+                _mm512_store_si512((void *)(u + 128 * t), w0);
+                _mm512_store_si512((void *)(u + 128 * t + 64), w1);
+            }
+        }
+}
+
+/* segment e's products on tile set P (literal tile numbers) into cb[P] */
+#define KQ_SEG(P, TA, TB, e)                            \
+    do {                                                \
+        _tile_zero(P);                                  \
+        _tile_loadd(TA, a + segb * (e), K);             \
+        _tile_loadd(TB, ub + 16 * segb * (e), 64);      \
+        _tile_dpbsud(P, TA, TB);                        \
+        _tile_stored(P, cb[P], 64);                     \
+    } while (0)
+
+/* One C tile over all of K: per row i < nr (rows past ra: copies of its last, never written)
+ * dxt [nb][16] = dx, dqt [nb][16] = dx qsum (qsum over the block), zqt [nb nseg][16] = zero x
+ * the segment's qsum; outputs c0 .. c0 + nc of the weight (tile wt, unpacked ub); rows own ..
+ * ra - 1 written to yr[i]. */
+static inline __attribute__((always_inline)) void kq_amx_ctile(
+    const int8_t *restrict a, int64_t K, const uint8_t *restrict ub,
+    const uint8_t *restrict wt, const float *restrict dxt, const float *restrict dqt,
+    const int32_t *restrict zqt, const int bits, const int sb, const int subsc, const int dm,
+    const int zero, const int nr, int own, int ra, float *const yr[16], int nc,
+    int32_t (*restrict cb)[16][16], float (*restrict om)[16], float (*restrict fm)[16]) {
+    const kq_fmt f = {bits, sb, subsc, dm, zero};
+    const int64_t hb = hdr_bytes(f), bb = blk_bytes(f), sbb = sb_bytes(f);
+    const int nseg = subsc == 2 ? 2 : 1, segb = 32 / nseg;
+    const int64_t ne = K / 32 * nseg;
+    /* sb == 1 (Q5_0, Q5_1; dm != 2): out in registers; else fa, with out and fm in memory */
+    __m512 acc[16];
+#pragma GCC unroll 16
+    for (int i = 0; i < nr; i++) acc[i] = _mm512_setzero_ps();
+    if (sb > 1) memset(om, 0, sizeof(float) * 16 * 16);
+#define KQ_T(P, i, e)                                                                       \
+    (zero ? _mm512_sub_epi32(_mm512_load_si512((const void *)cb[P][i]),                     \
+                             _mm512_set1_epi32(zqt[(e) * 16 + i]))                          \
+          : _mm512_load_si512((const void *)cb[P][i]))
+#define KQ_FLOATS(P, e)                                                                     \
+    do {                                                                                    \
+        const int64_t b = (e) / nseg, sbi = b / sb;                                         \
+        const int seg = (int)((e) % nseg), bi = (int)(b % sb);                              \
+        const uint8_t *blk = wt + sbi * sbb + hb + bi * bb;                                 \
+        const uint16_t *h = (const uint16_t *)(wt + sbi * sbb);                             \
+        __m512 sc = _mm512_set1_ps(1.0f);                                                   \
+        if (subsc == 1)                                                                     \
+            sc = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)blk))); \
+        else if (subsc == 2)                                                                \
+            sc = _mm512_cvtepi32_ps(                                                        \
+                _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(blk + 16 * seg))));  \
+        if (sb == 1) {                                                                      \
+            const __m512 D = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)h));       \
+            __m512 Dm = _mm512_setzero_ps();                                                \
+            if (dm) Dm = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(h + 16)));    \
+            _Pragma("GCC unroll 16") for (int i = 0; i < nr; i++) {                         \
+                const __m512 dd = _mm512_set1_ps(dxt[b * 16 + i]);                          \
+                const __m512 d = subsc ? _mm512_mul_ps(sc, dd) : dd;                        \
+                const __m512 fa =                                                           \
+                    _mm512_fmadd_ps(_mm512_cvtepi32_ps(KQ_T(P, i, e)), d, _mm512_setzero_ps()); \
+                acc[i] = _mm512_fmadd_ps(D, fa, acc[i]);                                    \
+                if (dm == 1) {                                                              \
+                    float ms = 0;                                                           \
+                    ms += dqt[b * 16 + i];                                                  \
+                    acc[i] = _mm512_fmadd_ps(Dm, _mm512_set1_ps(ms), acc[i]);               \
+                }                                                                           \
+            }                                                                               \
+        } else {                                                                            \
+            if (bi == 0 && seg == 0) {                                                      \
+                _Pragma("GCC unroll 16") for (int i = 0; i < nr; i++) acc[i] =              \
+                    _mm512_setzero_ps();                                                    \
+                if (dm == 2) memset(fm, 0, sizeof(float) * 16 * 16);                        \
+            }                                                                               \
+            _Pragma("GCC unroll 16") for (int i = 0; i < nr; i++) {                         \
+                const __m512 dd = _mm512_set1_ps(dxt[b * 16 + i]);                          \
+                const __m512 d = subsc ? _mm512_mul_ps(sc, dd) : dd;                        \
+                acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(KQ_T(P, i, e)), d, acc[i]);     \
+            }                                                                               \
+            if (seg == nseg - 1) {                                                          \
+                if (dm == 2) {                                                              \
+                    const __m512 mn = _mm512_cvtepi32_ps(                                   \
+                        _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(blk + 16)))); \
+                    _Pragma("GCC unroll 16") for (int i = 0; i < nr; i++)                   \
+                        _mm512_store_ps(fm[i], _mm512_fmadd_ps(                             \
+                            mn, _mm512_set1_ps(dqt[b * 16 + i]), _mm512_load_ps(fm[i])));   \
+                }                                                                           \
+                if (bi == sb - 1) {                                                         \
+                    const __m512 D = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)h)); \
+                    __m512 Dm = _mm512_setzero_ps();                                        \
+                    if (dm) Dm = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(h + 16))); \
+                    _Pragma("GCC unroll 16") for (int i = 0; i < nr; i++) {                 \
+                        __m512 o = _mm512_fmadd_ps(D, acc[i], _mm512_load_ps(om[i]));       \
+                        if (dm == 2) o = _mm512_fnmadd_ps(Dm, _mm512_load_ps(fm[i]), o);    \
+                        _mm512_store_ps(om[i], o);                                          \
+                    }                                                                       \
+                }                                                                           \
+            }                                                                               \
+        }                                                                                   \
+    } while (0)
+    KQ_SEG(0, 4, 6, 0);
+    for (int64_t e = 0; e < ne; e += 2) {
+        if (e + 1 < ne) KQ_SEG(1, 5, 7, e + 1);
+        KQ_FLOATS(0, e);
+        if (e + 1 < ne) {
+            if (e + 2 < ne) KQ_SEG(0, 4, 6, e + 2);
+            KQ_FLOATS(1, e + 1);
+        }
+    }
+#undef KQ_FLOATS
+#undef KQ_T
+    if (sb == 1)
+#pragma GCC unroll 16
+        for (int i = 0; i < nr; i++) _mm512_store_ps(om[i], acc[i]);
+    for (int i = own; i < ra; i++) memcpy(yr[i], om[i], sizeof(float) * nc);
+}
+
+/* scratch per thread: an unpacked tile, two C tiles, out and fm of one C tile */
+#define KQ_AMX_THREAD_BYTES(K) ((size_t)(K) * 16 + 2048 + 1024 + 1024)
+
+/* y[:, 0:n] (row stride ldy) on AMX tiles; returns 0, or 1 without scratch memory (nothing
+ * written: the caller runs VNNI) */
+static int gemm_amx(int type, const uint8_t *w, int64_t n, int64_t K, const int8_t *q,
+                    const float *dx, const int32_t *qs, int64_t M, int num_threads, float *y,
+                    int64_t ldy) {
+    kq_fmt f = {0, 1, 0, 0, 0};
+    kq_format(type, &f);
+    const int64_t ntiles = (n + 15) / 16, nb = K / 32, nsb = K / (32 * f.sb);
+    const int64_t tile_bytes = nsb * sb_bytes(f);
+    const int nseg = f.subsc == 2 ? 2 : 1;
+    const int ra = M < 16 ? (int)M : 16, nr = (ra + 3) / 4 * 4;
+    const int64_t nrt = M < 16 ? 1 : (M + 15) / 16;
+    /* per row tile: dxt, dqt [nb][16] floats, zqt [nb nseg][16] int32 */
+    const size_t t_bytes =
+        ((size_t)(nrt * nb * (2 + nseg) * 16) * 4 + 63) & ~(size_t)63;
+    const size_t per_thread = (KQ_AMX_THREAD_BYTES(K) + 63) & ~(size_t)63;
+    char *buf = aligned_alloc(64, t_bytes + per_thread * (size_t)num_threads);
+    if (buf == NULL) return 1;
+    float *dxt_all = (float *)buf, *dqt_all = dxt_all + nrt * nb * 16;
+    int32_t *zqt_all = (int32_t *)(dqt_all + nrt * nb * 16);
+    for (int64_t rt = 0; rt < nrt; rt++)
+        for (int i = 0; i < 16; i++) {
+            const int64_t want = 16 * rt;
+            const int64_t r0 = M < 16 ? 0 : (want + 16 <= M ? want : M - 16);
+            const int64_t m = r0 + (i < ra ? i : ra - 1);
+            const float *dxr = dx + m * nb;
+            const int32_t *qsr = qs + m * (K / 16);
+            for (int64_t b = 0; b < nb; b++) {
+                dxt_all[(rt * nb + b) * 16 + i] = dxr[b];
+                dqt_all[(rt * nb + b) * 16 + i] = dxr[b] * (float)(qsr[2 * b] + qsr[2 * b + 1]);
+                for (int seg = 0; seg < nseg; seg++) /* the VNNI pass's zero * qsum */
+                    zqt_all[((rt * nb + b) * nseg + seg) * 16 + i] =
+                        f.zero * (nseg == 2 ? qsr[2 * b + seg] : qsr[2 * b] + qsr[2 * b + 1]);
+            }
+        }
+#pragma omp parallel num_threads(num_threads)
+    {
+        char *mine = buf + t_bytes + per_thread * (size_t)omp_get_thread_num();
+        uint8_t *ub = (uint8_t *)mine;
+        int32_t(*cb)[16][16] = (int32_t(*)[16][16])(mine + (size_t)K * 16);
+        float(*om)[16] = (float(*)[16])(mine + (size_t)K * 16 + 2048);
+        float(*fm)[16] = om + 16;
+        memset(cb, 0, 2048); /* rows past ra are read (and dropped) when ra % 4 != 0 */
+        const int segb = 32 / nseg;
+        kq_amx_config(ra, segb);
+#pragma omp for schedule(static)
+        for (int64_t tile = 0; tile < ntiles; tile++) {
+            const uint8_t *wt = w + tile * tile_bytes;
+            kq_unpack(wt, nsb, f, ub);
+            const int64_t c0 = tile * 16;
+            const int nc = n - c0 < 16 ? (int)(n - c0) : 16;
+            for (int64_t rt = 0; rt < nrt; rt++) {
+                const int64_t want = 16 * rt, r0 = M < 16 ? 0 : (want + 16 <= M ? want : M - 16);
+                float *yr[16];
+                for (int i = 0; i < 16; i++) yr[i] = y + (r0 + (i < ra ? i : ra - 1)) * ldy + c0;
+                const int8_t *a = q + r0 * K;
+                const float *dxt = dxt_all + rt * nb * 16, *dqt = dqt_all + rt * nb * 16;
+                const int32_t *zqt = zqt_all + rt * nb * nseg * 16;
+                const int own = (int)(want - r0);
+#define KQ_CT(BITS, SB, SUBSC, DM, ZERO)                                                     \
+    do {                                                                                     \
+        switch (nr) {                                                                        \
+        case 4: kq_amx_ctile(a, K, ub, wt, dxt, dqt, zqt, BITS, SB, SUBSC, DM, ZERO, 4, own, \
+                             ra, yr, nc, cb, om, fm); break;                                 \
+        case 8: kq_amx_ctile(a, K, ub, wt, dxt, dqt, zqt, BITS, SB, SUBSC, DM, ZERO, 8, own, \
+                             ra, yr, nc, cb, om, fm); break;                                 \
+        case 12: kq_amx_ctile(a, K, ub, wt, dxt, dqt, zqt, BITS, SB, SUBSC, DM, ZERO, 12,    \
+                              own, ra, yr, nc, cb, om, fm); break;                           \
+        default: kq_amx_ctile(a, K, ub, wt, dxt, dqt, zqt, BITS, SB, SUBSC, DM, ZERO, 16,    \
+                              own, ra, yr, nc, cb, om, fm); break;                           \
+        }                                                                                    \
+    } while (0)
+                switch (type) {
+                case 6: KQ_CT(5, 1, 0, 0, 16); break;
+                case 7: KQ_CT(5, 1, 0, 1, 0); break;
+                case 12: KQ_CT(4, 8, 1, 2, 0); break;
+                case 13: KQ_CT(5, 8, 1, 2, 0); break;
+                default: KQ_CT(6, 8, 2, 0, 32); break;
+                }
+#undef KQ_CT
+            }
+        }
+        _tile_release();
+    }
+    free(buf);
+    return 0;
+}
+#undef KQ_SEG
+#endif
 #elif defined(__AVX2__)
 /* ---------------------------------------------------------------- AVX2 */
 
@@ -531,6 +804,14 @@ int kvs_kq_linear(const float *x, int64_t M, int64_t K, const int64_t *shards, i
         const int type = (int)shards[3 * s];
         const int64_t n = shards[3 * s + 1];
         const uint8_t *w = (const uint8_t *)(intptr_t)shards[3 * s + 2];
+#ifdef KVS_KQ_AMX
+        if (rows >= __atomic_load_n(&amx_rows, __ATOMIC_ACQUIRE) &&
+            __atomic_load_n(&amx_state, __ATOMIC_ACQUIRE) == 1 &&
+            gemm_amx(type, w, n, K, q, dx, qs, rows, num_threads, out + c0, ntot) == 0) {
+            c0 += n;
+            continue;
+        }
+#endif
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
         gemm_vnni(type, w, n, K, q, dx, qs, rows, num_threads, out + c0, ntot);
 #else
@@ -541,6 +822,23 @@ int kvs_kq_linear(const float *x, int64_t M, int64_t K, const int64_t *shards, i
     if (terms > 1)
         for (int64_t i = 0; i < M * ntot; i++) y[i] = out[i] + out[M * ntot + i];
     return 0;
+}
+
+/* AMX-INT8 for GEMMs of at least `rows` rows (rows < 1 leaves the threshold): request 1 turns
+ * it on where the build and the CPU have it (asking Linux for the tile state once), 0 turns it
+ * off (the VNNI pass for every row count), -1 only asks. Returns the threshold in force while
+ * it is on, 0 while it is off. */
+int kvs_kq_amx(int request, int rows) {
+#ifdef KVS_KQ_AMX
+    if (rows >= 1) __atomic_store_n(&amx_rows, rows, __ATOMIC_RELEASE);
+    return kvs_amx_request(&amx_state, request, KVS_AMX_INT8_BIT)
+               ? __atomic_load_n(&amx_rows, __ATOMIC_ACQUIRE)
+               : 0;
+#else
+    (void)request;
+    (void)rows;
+    return 0;
+#endif
 }
 
 int kvs_kq_linear_op(const int64_t *a) {

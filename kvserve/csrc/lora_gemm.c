@@ -11,15 +11,24 @@
  *   tmp fp32 [T, R]         order int64 [T]: scratch the caller allocates
  *
  * Twin: kvserve.kernels.reference.lora_delta (tests/kernels/test_lora_gemm.py). The rows are
- * first grouped by slot (a counting sort into `order`), so each adapter's A and B rows are read
- * once per group while they are hot:
- *   shrink  tmp[t, r] = scale[s] * A[s, r] . x[t], in parallel over the R ranks: one A row
- *           against four rows of the group at a time (four independent accumulators);
- *   expand  each thread owns a run of NB-column blocks, walked once per slot (one adapter's
- *           B^T rows streamed at a time); each row of the group accumulates
- *           sum_r tmp[t, r] * bt[s, r, block] over its shard's R/H ranks only (a fused q/k/v
- *           pays the rank of one shard per column, not of all three), vectorized along N with
- *           no horizontal sums.
+ * first grouped by slot (a counting sort into `order`), then each used slot's adapter is
+ * streamed once, whatever the number of its rows (register blocks of MR = 4 rows):
+ *   shrink  tmp[t, r] = scale[s] * A[s, r] . x[t], in units of RQ = 4 ranks: a 4 ranks x
+ *           4 rows block of dot products in 16 accumulators (8 loads per 16 FMAs), reduced
+ *           by one transposing sum (hsum16x16 / hsum8x8, csrc/vmath.h);
+ *   expand  y[t, c] += sum_r tmp[t, r] * bt[s, r, c] over c's shard's R/H ranks only, in
+ *           units of NB = 64 columns of one shard: 4 rows x 64 columns in 16 accumulators,
+ *           each B^T line loaded once for the 4 rows (a fused q/k/v pays one shard's rank
+ *           per column, not all three).
+ * A decode step streams every used adapter's A and B^T from memory (SmolLM2, 4 rank-16
+ * adapters: 78 MB fp32, 39 MB bf16 over 30 layers), so the AVX-512 loops prefetch ahead: A
+ * rows PF elements on, B^T rows one unit (the next NB columns) on.
+ * Threads: one parallel region per call. Each thread takes an even run of the shrink units
+ * (slot-major), then of the expand units; when the used slots split evenly over the threads
+ * both runs cover the same slots and no barrier is needed (4 adapters on 2 threads), else one
+ * barrier parts the phases. A call touching under 64 KiB of adapter weights runs on one thread
+ * (a region would cost more than it saves). bf16 weights are widened to fp32 exactly as they
+ * are read (shift), so fp32 and bf16 share every loop.
  * Rank padding of a smaller adapter (zero rows of A / bt) still costs R/H: slots share one R.
  * The decode graphs record this kernel (kvs_lora_gemm_op: T is the row count, idx a graph
  * input), so a LoRA server replays decode steps like a plain one.
@@ -28,101 +37,17 @@
 #include <string.h>
 #include <omp.h>
 #include "kvs_op.h"
+#include "vmath.h"
 #if defined(__AVX2__) || defined(__AVX512F__)
 #include <immintrin.h>
 #endif
 
-/* out[k] = p . q[k] for k < 4 (n floats each): one pass over p, four accumulators */
-static inline void dot4(const float *restrict p, const float *const q[4], int64_t n,
-                        float out[4]) {
-    int64_t i = 0;
-#if defined(__AVX512F__)
-    __m512 c0 = _mm512_setzero_ps(), c1 = c0, c2 = c0, c3 = c0;
-    for (; i + 16 <= n; i += 16) {
-        const __m512 pv = _mm512_loadu_ps(p + i);
-        c0 = _mm512_fmadd_ps(pv, _mm512_loadu_ps(q[0] + i), c0);
-        c1 = _mm512_fmadd_ps(pv, _mm512_loadu_ps(q[1] + i), c1);
-        c2 = _mm512_fmadd_ps(pv, _mm512_loadu_ps(q[2] + i), c2);
-        c3 = _mm512_fmadd_ps(pv, _mm512_loadu_ps(q[3] + i), c3);
-    }
-    if (i < n) {
-        const __mmask16 m = (__mmask16)((1u << (n - i)) - 1u);
-        const __m512 pv = _mm512_maskz_loadu_ps(m, p + i);
-        c0 = _mm512_fmadd_ps(pv, _mm512_maskz_loadu_ps(m, q[0] + i), c0);
-        c1 = _mm512_fmadd_ps(pv, _mm512_maskz_loadu_ps(m, q[1] + i), c1);
-        c2 = _mm512_fmadd_ps(pv, _mm512_maskz_loadu_ps(m, q[2] + i), c2);
-        c3 = _mm512_fmadd_ps(pv, _mm512_maskz_loadu_ps(m, q[3] + i), c3);
-        i = n;
-    }
-    out[0] = _mm512_reduce_add_ps(c0);
-    out[1] = _mm512_reduce_add_ps(c1);
-    out[2] = _mm512_reduce_add_ps(c2);
-    out[3] = _mm512_reduce_add_ps(c3);
-#else
-    float s[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-#if defined(__AVX2__) && defined(__FMA__)
-    __m256 c[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(),
-                   _mm256_setzero_ps()};
-    for (; i + 8 <= n; i += 8) {
-        const __m256 pv = _mm256_loadu_ps(p + i);
-        for (int k = 0; k < 4; k++)
-            c[k] = _mm256_fmadd_ps(pv, _mm256_loadu_ps(q[k] + i), c[k]);
-    }
-    for (int k = 0; k < 4; k++) {
-        __m128 h = _mm_add_ps(_mm256_castps256_ps128(c[k]), _mm256_extractf128_ps(c[k], 1));
-        h = _mm_add_ps(h, _mm_movehl_ps(h, h));
-        h = _mm_add_ss(h, _mm_shuffle_ps(h, h, 1));
-        s[k] = _mm_cvtss_f32(h);
-    }
-#endif
-    for (; i < n; i++)
-        for (int k = 0; k < 4; k++)
-            s[k] += p[i] * q[k][i];
-    memcpy(out, s, sizeof s);
-#endif
-}
+#define RQ 4  /* ranks per shrink unit */
+#define MR 4  /* rows of a slot's group per register block */
+#define NB 64 /* output columns per expand unit (4 AVX-512 vectors) */
+#define PF 512 /* shrink: A's elements prefetched ahead of the loads (AVX-512 path) */
+#define ALWAYS_INLINE inline __attribute__((always_inline))
 
-#define NB 64 /* output columns per expand block (4 AVX-512 vectors) */
-
-/* yr[c] += sum_{r < rh} v[r] * br[r * ldb + c] for c < len (<= NB) */
-static inline void expand_row(float *restrict yr, const float *restrict v,
-                              const float *restrict br, int64_t ldb, int64_t rh, int64_t len) {
-#if defined(__AVX512F__)
-    __mmask16 m[4];
-    __m512 acc[4];
-    for (int k = 0; k < 4; k++) {
-        const int64_t left = len - 16 * k;
-        m[k] = left >= 16 ? (__mmask16)0xFFFF
-                          : left <= 0 ? (__mmask16)0 : (__mmask16)((1u << left) - 1u);
-        acc[k] = _mm512_setzero_ps();
-    }
-    for (int64_t r = 0; r < rh; r++) {
-        const __m512 vr = _mm512_set1_ps(v[r]);
-        const float *b = br + r * ldb;
-        for (int k = 0; k < 4; k++)
-            acc[k] = _mm512_fmadd_ps(vr, _mm512_maskz_loadu_ps(m[k], b + 16 * k), acc[k]);
-    }
-    for (int k = 0; k < 4; k++)
-        if (m[k])
-            _mm512_mask_storeu_ps(yr + 16 * k, m[k],
-                                  _mm512_add_ps(_mm512_maskz_loadu_ps(m[k], yr + 16 * k),
-                                                acc[k]));
-#else
-    float acc[NB];
-    for (int64_t c = 0; c < len; c++)
-        acc[c] = 0.0f;
-    for (int64_t r = 0; r < rh; r++) {
-        const float vr = v[r], *b = br + r * ldb;
-        for (int64_t c = 0; c < len; c++)
-            acc[c] += vr * b[c];
-    }
-    for (int64_t c = 0; c < len; c++)
-        yr[c] += acc[c];
-#endif
-}
-
-/* ---- bf16 adapter weights (--lora-dtype bfloat16): the same loops, A / B^T rows widened to
- * fp32 as they are read (exact), half the bytes streamed per step ---- */
 static inline float bf16f(uint16_t h) {
     const uint32_t u = (uint32_t)h << 16;
     float f;
@@ -130,79 +55,185 @@ static inline float bf16f(uint16_t h) {
     return f;
 }
 
-static inline void dot4_bf16(const uint16_t *restrict p, const float *const q[4], int64_t n,
-                             float out[4]) {
-    int64_t i = 0;
-    float s[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-#if defined(__AVX512F__)
-    __m512 c0 = _mm512_setzero_ps(), c1 = c0, c2 = c0, c3 = c0;
-    for (; i + 16 <= n; i += 16) {
-        const __m512 pv = _mm512_castsi512_ps(_mm512_slli_epi32(
-            _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(p + i))), 16));
-        c0 = _mm512_fmadd_ps(pv, _mm512_loadu_ps(q[0] + i), c0);
-        c1 = _mm512_fmadd_ps(pv, _mm512_loadu_ps(q[1] + i), c1);
-        c2 = _mm512_fmadd_ps(pv, _mm512_loadu_ps(q[2] + i), c2);
-        c3 = _mm512_fmadd_ps(pv, _mm512_loadu_ps(q[3] + i), c3);
-    }
-    s[0] = _mm512_reduce_add_ps(c0);
-    s[1] = _mm512_reduce_add_ps(c1);
-    s[2] = _mm512_reduce_add_ps(c2);
-    s[3] = _mm512_reduce_add_ps(c3);
-#elif defined(__AVX2__) && defined(__FMA__)
-    __m256 c[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(),
-                   _mm256_setzero_ps()};
-    for (; i + 8 <= n; i += 8) {
-        const __m256 pv = _mm256_castsi256_ps(_mm256_slli_epi32(
-            _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(p + i))), 16));
-        for (int k = 0; k < 4; k++)
-            c[k] = _mm256_fmadd_ps(pv, _mm256_loadu_ps(q[k] + i), c[k]);
-    }
-    for (int k = 0; k < 4; k++) {
-        __m128 h = _mm_add_ps(_mm256_castps256_ps128(c[k]), _mm256_extractf128_ps(c[k], 1));
-        h = _mm_add_ps(h, _mm_movehl_ps(h, h));
-        h = _mm_add_ss(h, _mm_shuffle_ps(h, h, 1));
-        s[k] = _mm_cvtss_f32(h);
-    }
-#endif
-    for (; i < n; i++) {
-        const float pv = bf16f(p[i]);
-        for (int k = 0; k < 4; k++)
-            s[k] += pv * q[k][i];
-    }
-    memcpy(out, s, sizeof s);
+/* element i of an fp32 (bf = 0) or bf16 (bf = 1) weight row, widened */
+static ALWAYS_INLINE float wval(const void *p, int64_t i, int bf) {
+    return bf ? bf16f(((const uint16_t *)p)[i]) : ((const float *)p)[i];
 }
 
-static inline void expand_row_bf16(float *restrict yr, const float *restrict v,
-                                   const uint16_t *restrict br, int64_t ldb, int64_t rh,
-                                   int64_t len) {
-    float acc[NB];
-    int64_t c = 0;
 #if defined(__AVX512F__)
-    __m512 av[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(),
-                    _mm512_setzero_ps()};
-    const int64_t full = len / 16; /* whole 16-column vectors; the tail below in scalar */
-    for (int64_t r = 0; r < rh; r++) {
-        const __m512 vr = _mm512_set1_ps(v[r]);
-        const uint16_t *b = br + r * ldb;
-        for (int64_t k = 0; k < full; k++)
-            av[k] = _mm512_fmadd_ps(vr, _mm512_castsi512_ps(_mm512_slli_epi32(
-                _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(b + 16 * k))), 16)),
-                av[k]);
+/* 16 weights from p + i, widened; the first n (<= 16) only, the rest zero */
+static ALWAYS_INLINE __m512 wload16(const void *p, int64_t i, int bf, int64_t n) {
+    if (!bf)
+        return n >= 16 ? _mm512_loadu_ps((const float *)p + i)
+                       : _mm512_maskz_loadu_ps((__mmask16)((1u << n) - 1u), (const float *)p + i);
+    if (n >= 16)
+        return _mm512_castsi512_ps(_mm512_slli_epi32(
+            _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)((const uint16_t *)p + i))),
+            16));
+    uint16_t buf[16] = {0};
+    memcpy(buf, (const uint16_t *)p + i, (size_t)n * sizeof *buf);
+    return _mm512_castsi512_ps(
+        _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)buf)), 16));
+}
+
+/* o[r * 4 + t] = ar[r] . xr[t] (K elements) for 4 weight rows and 4 activation rows */
+static ALWAYS_INLINE void shrink4x4(const void *const ar[RQ], int bf, const float *const xr[MR],
+                                    int64_t K, float o[RQ * MR]) {
+    __m512 acc[RQ * MR];
+    for (int i = 0; i < RQ * MR; i++)
+        acc[i] = _mm512_setzero_ps();
+    for (int64_t k = 0; k < K; k += 16) {
+        const int64_t n = K - k < 16 ? K - k : 16;
+        const __mmask16 m = (__mmask16)(n >= 16 ? 0xFFFFu : (1u << n) - 1u);
+        __m512 xv[MR];
+        for (int t = 0; t < MR; t++)
+            xv[t] = _mm512_maskz_loadu_ps(m, xr[t] + k);
+        for (int r = 0; r < RQ; r++) {
+            _mm_prefetch((const char *)ar[r] + (k + PF) * (bf ? 2 : 4), _MM_HINT_T0);
+            const __m512 av = wload16(ar[r], k, bf, n);
+            for (int t = 0; t < MR; t++)
+                acc[r * MR + t] = _mm512_fmadd_ps(av, xv[t], acc[r * MR + t]);
+        }
     }
-    for (int64_t k = 0; k < full; k++)
-        _mm512_storeu_ps(acc + 16 * k, av[k]);
-    c = 16 * full;
+    _mm512_storeu_ps(o, hsum16x16(acc));
+}
+
+/* yr[t][c] += sum_{r < rh} v[t][r] * b[r * ldb + c] for c < len (<= NB), t < rows (<= MR; the
+ * pointers of rows past it repeat the last row and are not written) */
+static ALWAYS_INLINE void expand4(float *const yr[MR], int64_t rows, const float *const v[MR],
+                                  const void *b, int bf, int64_t ldb, int64_t rh, int64_t len) {
+    __m512 acc[MR][NB / 16];
+    int64_t n[NB / 16];
+    for (int u = 0; u < NB / 16; u++) {
+        const int64_t left = len - 16 * u;
+        n[u] = left >= 16 ? 16 : left < 0 ? 0 : left;
+        for (int t = 0; t < MR; t++)
+            acc[t][u] = _mm512_setzero_ps();
+    }
+    for (int64_t r = 0; r < rh; r++) {
+        __m512 bv[NB / 16];
+        for (int u = 0; u < NB / 16; u++)
+            bv[u] = n[u] ? wload16(b, r * ldb + 16 * u, bf, n[u]) : _mm512_setzero_ps();
+        const char *next = (const char *)b + (r * ldb + NB) * (bf ? 2 : 4);
+        for (int l = 0; l < (bf ? 2 : 4); l++) /* this row's lines of the next unit */
+            _mm_prefetch(next + 64 * l, _MM_HINT_T0);
+        for (int t = 0; t < MR; t++) {
+            const __m512 vt = _mm512_set1_ps(v[t][r]);
+            for (int u = 0; u < NB / 16; u++)
+                acc[t][u] = _mm512_fmadd_ps(vt, bv[u], acc[t][u]);
+        }
+    }
+    for (int64_t t = 0; t < rows; t++)
+        for (int u = 0; u < NB / 16; u++)
+            if (n[u]) {
+                const __mmask16 m = (__mmask16)(n[u] >= 16 ? 0xFFFFu : (1u << n[u]) - 1u);
+                _mm512_mask_storeu_ps(yr[t] + 16 * u, m,
+                                      _mm512_add_ps(_mm512_maskz_loadu_ps(m, yr[t] + 16 * u),
+                                                    acc[t][u]));
+            }
+}
+#else
+static ALWAYS_INLINE void shrink4x4(const void *const ar[RQ], int bf, const float *const xr[MR],
+                                    int64_t K, float o[RQ * MR]) {
+    int64_t k = 0;
+    for (int i = 0; i < RQ * MR; i++)
+        o[i] = 0.0f;
+#if defined(__AVX2__) && defined(__FMA__)
+    /* two ranks x 4 rows at a time: 8 accumulators (AVX2 has 16 registers) */
+    const int64_t kv = K & ~(int64_t)7;
+    for (int half = 0; half < 2; half++) {
+        __m256 acc[8];
+        for (int i = 0; i < 8; i++)
+            acc[i] = _mm256_setzero_ps();
+        for (k = 0; k < kv; k += 8) {
+            __m256 xv[MR];
+            for (int t = 0; t < MR; t++)
+                xv[t] = _mm256_loadu_ps(xr[t] + k);
+            for (int r = 0; r < 2; r++) {
+                const void *p = ar[2 * half + r];
+                const __m256 av = bf ? _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(
+                                           _mm_loadu_si128((const __m128i *)((const uint16_t *)p +
+                                                                             k))), 16))
+                                     : _mm256_loadu_ps((const float *)p + k);
+                for (int t = 0; t < MR; t++)
+                    acc[r * MR + t] = _mm256_fmadd_ps(av, xv[t], acc[r * MR + t]);
+            }
+        }
+        float s[8];
+        _mm256_storeu_ps(s, hsum8x8(acc));
+        memcpy(o + 8 * half, s, sizeof s);
+    }
 #endif
-    for (int64_t j = c; j < len; j++)
-        acc[j] = 0.0f;
-    for (int64_t r = 0; r < rh; r++) {
-        const float vr = v[r];
-        const uint16_t *b = br + r * ldb;
-        for (int64_t j = c; j < len; j++)
-            acc[j] += vr * bf16f(b[j]);
+    for (; k < K; k++)
+        for (int r = 0; r < RQ; r++) {
+            const float av = wval(ar[r], k, bf);
+            for (int t = 0; t < MR; t++)
+                o[r * MR + t] += av * xr[t][k];
+        }
+}
+
+static ALWAYS_INLINE void expand4(float *const yr[MR], int64_t rows, const float *const v[MR],
+                                  const void *b, int bf, int64_t ldb, int64_t rh, int64_t len) {
+    for (int64_t t = 0; t < rows; t++) {
+        float acc[NB];
+        for (int64_t c = 0; c < len; c++)
+            acc[c] = 0.0f;
+        for (int64_t r = 0; r < rh; r++) {
+            const float vr = v[t][r];
+            if (bf) {
+                const uint16_t *br = (const uint16_t *)b + r * ldb;
+                for (int64_t c = 0; c < len; c++)
+                    acc[c] += vr * bf16f(br[c]);
+            } else {
+                const float *br = (const float *)b + r * ldb;
+                for (int64_t c = 0; c < len; c++)
+                    acc[c] += vr * br[c];
+            }
+        }
+        for (int64_t c = 0; c < len; c++)
+            yr[t][c] += acc[c];
     }
-    for (int64_t j = 0; j < len; j++)
-        yr[j] += acc[j];
+}
+#endif
+
+/* tmp[t, r0 + i] = sc * A[s, r0 + i] . x[t] for i < RQ (ranks < R) and the group's rows */
+static ALWAYS_INLINE void shrink_unit(const char *as, int bf, int64_t es, const float *x,
+                                      int64_t K, int64_t R, int64_t r0, const int64_t *rows,
+                                      int64_t m, float sc, float *tmp) {
+    const int64_t nr = R - r0 < RQ ? R - r0 : RQ;
+    const void *ar[RQ];
+    for (int64_t i = 0; i < RQ; i++)
+        ar[i] = as + (r0 + (i < nr ? i : nr - 1)) * K * es;
+    for (int64_t j = 0; j < m; j += MR) {
+        const int64_t mr = m - j < MR ? m - j : MR;
+        const float *xr[MR];
+        for (int64_t t = 0; t < MR; t++)
+            xr[t] = x + rows[j + (t < mr ? t : mr - 1)] * K;
+        float o[RQ * MR];
+        shrink4x4(ar, bf, xr, K, o);
+        for (int64_t i = 0; i < nr; i++)
+            for (int64_t t = 0; t < mr; t++)
+                tmp[rows[j + t] * R + r0 + i] = sc * o[i * MR + t];
+    }
+}
+
+/* y[t, c0 .. c0 + len) += tmp[t, shard h's ranks] . bt[s, those ranks, c0 ..] for the rows */
+static ALWAYS_INLINE void expand_unit(const char *bs, int bf, int64_t es, int64_t N, int64_t R,
+                                      int64_t rh, int64_t h, int64_t c0, int64_t len,
+                                      const int64_t *rows, int64_t m, const float *tmp,
+                                      float *y) {
+    const char *b = bs + (h * rh * N + c0) * es;
+    for (int64_t j = 0; j < m; j += MR) {
+        const int64_t mr = m - j < MR ? m - j : MR;
+        float *yr[MR];
+        const float *v[MR];
+        for (int64_t t = 0; t < MR; t++) {
+            const int64_t row = rows[j + (t < mr ? t : mr - 1)];
+            yr[t] = y + row * N + c0;
+            v[t] = tmp + row * R + h * rh;
+        }
+        expand4(yr, mr, v, b, bf, N, rh, len);
+    }
 }
 
 /* Which SIMD path this build has: 2 AVX-512, 1 AVX2, 0 plain C (tests). */
@@ -218,16 +249,18 @@ int kvs_lora_simd(void) {
 
 /* Returns the number of rows with an adapter (0: nothing was done), -1 for a slot >= S or
  * shards that do not split R / N. ``wbf16``: a and bt hold bf16 (uint16) rather than fp32. */
-int64_t kvs_lora_gemm(const void *restrict a_, const void *restrict bt_, int64_t wbf16,
+int64_t kvs_lora_gemm(const void *restrict a, const void *restrict bt, int64_t wbf16,
                       const float *restrict x, const int64_t *restrict idx,
                       const float *restrict scale, const int64_t *restrict noff, int64_t T,
                       int64_t K, int64_t N, int64_t R, int64_t S, int64_t H, int num_threads,
                       float *restrict tmp, int64_t *restrict order, float *restrict y) {
-    const float *a = (const float *)a_, *bt = (const float *)bt_;
-    const uint16_t *a16 = (const uint16_t *)a_, *bt16 = (const uint16_t *)bt_;
     if (H < 1 || R % H != 0 || noff[0] != 0 || noff[H] != N)
         return -1;
-    const int64_t rh = R / H;
+    for (int64_t h = 0; h < H; h++)
+        if (noff[h + 1] < noff[h])
+            return -1;
+    const int64_t rh = R / H, es = wbf16 ? 2 : 4;
+    const int bf = wbf16 != 0;
     /* counting sort of the rows with an adapter by slot (stable: row order kept per slot) */
     int64_t start[S + 1], fill[S];
     memset(start, 0, sizeof start);
@@ -246,58 +279,51 @@ int64_t kvs_lora_gemm(const void *restrict a_, const void *restrict bt_, int64_t
     for (int64_t t = 0; t < T; t++)
         if (idx[t] >= 0)
             order[fill[idx[t]]++] = t;
-    /* shrink: tmp[t, r] = scale[s] * A[s, r] . x[t], four rows of a slot's group at a time */
-#pragma omp parallel for schedule(static) num_threads(num_threads)
-    for (int64_t r = 0; r < R; r++) {
-        for (int64_t s = 0; s < S; s++) {
-            const int64_t arow = (s * R + r) * K;
-            const float sc = scale[s];
-            for (int64_t j = start[s]; j < start[s + 1]; j += 4) {
-                const int64_t rows = start[s + 1] - j < 4 ? start[s + 1] - j : 4;
-                const float *q[4];
-                for (int64_t k = 0; k < 4; k++)
-                    q[k] = x + order[j + (k < rows ? k : rows - 1)] * K;
-                float o[4];
-                if (wbf16)
-                    dot4_bf16(a16 + arow, q, K, o);
-                else
-                    dot4(a + arow, q, K, o);
-                for (int64_t k = 0; k < rows; k++)
-                    tmp[order[j + k] * R + r] = sc * o[k];
-            }
+    /* the used slots; the expand units of one slot: (shard, first column) of NB-column runs */
+    int64_t act[S], na = 0;
+    for (int64_t s = 0; s < S; s++)
+        if (start[s + 1] > start[s])
+            act[na++] = s;
+    int64_t nc = 0;
+    for (int64_t h = 0; h < H; h++)
+        nc += (noff[h + 1] - noff[h] + NB - 1) / NB;
+    int64_t ch_h[nc + 1], ch_c[nc + 1];
+    nc = 0;
+    for (int64_t h = 0; h < H; h++)
+        for (int64_t c = noff[h]; c < noff[h + 1]; c += NB) {
+            ch_h[nc] = h;
+            ch_c[nc++] = c;
         }
-    }
-    /* expand: y[t, c] += sum over c's shard h of tmp[t, r] * bt[s, r, c]. Each thread owns a
-     * run of NB-column blocks and walks it once per slot: one slot's R/H rows of B^T are read
-     * as ascending streams at a time (all slots at once would be S times the streams) */
-    const int64_t nblk = (N + NB - 1) / NB;
-#pragma omp parallel num_threads(num_threads)
+    const int64_t nq = (R + RQ - 1) / RQ, u1 = na * nq, u2 = na * nc;
+    const int64_t bytes = na * (R * K + rh * N) * es;
+    const int nt = num_threads > 1 && bytes >= (64 << 10) ? num_threads : 1;
+    const char *a8 = (const char *)a, *b8 = (const char *)bt;
+#pragma omp parallel num_threads(nt) if (nt > 1)
     {
-        const int64_t nt = omp_get_num_threads(), id = omp_get_thread_num();
-        const int64_t b0 = nblk * id / nt, b1 = nblk * (id + 1) / nt;
-        for (int64_t s = 0; s < S; s++) {
-            if (start[s] == start[s + 1])
-                continue;
-            int64_t h = 0;
-            for (int64_t blk = b0; blk < b1; blk++) {
-                const int64_t cend = blk * NB + NB < N ? blk * NB + NB : N;
-                for (int64_t c0 = blk * NB; c0 < cend;) {
-                    while (noff[h + 1] <= c0)
-                        h++;
-                    const int64_t c1 = noff[h + 1] < cend ? noff[h + 1] : cend;
-                    const int64_t brow = (s * R + h * rh) * N + c0;
-                    for (int64_t j = start[s]; j < start[s + 1]; j++) {
-                        const int64_t t = order[j];
-                        if (wbf16)
-                            expand_row_bf16(y + t * N + c0, tmp + t * R + h * rh, bt16 + brow,
-                                            N, rh, c1 - c0);
-                        else
-                            expand_row(y + t * N + c0, tmp + t * R + h * rh, bt + brow, N, rh,
-                                       c1 - c0);
-                    }
-                    c0 = c1;
-                }
-            }
+        const int64_t n = omp_get_num_threads(), id = omp_get_thread_num();
+        for (int64_t u = u1 * id / n; u < u1 * (id + 1) / n; u++) {
+            const int64_t s = act[u / nq];
+            const char *as = a8 + s * R * K * es;
+            if (bf)
+                shrink_unit(as, 1, es, x, K, R, (u % nq) * RQ, order + start[s],
+                            start[s + 1] - start[s], scale[s], tmp);
+            else
+                shrink_unit(as, 0, es, x, K, R, (u % nq) * RQ, order + start[s],
+                            start[s + 1] - start[s], scale[s], tmp);
+        }
+        if (na % n != 0) { /* the runs of the two phases cover different slots */
+#pragma omp barrier
+        }
+        for (int64_t u = u2 * id / n; u < u2 * (id + 1) / n; u++) {
+            const int64_t s = act[u / nc], c = u % nc, h = ch_h[c], c0 = ch_c[c];
+            const int64_t len = noff[h + 1] - c0 < NB ? noff[h + 1] - c0 : NB;
+            const char *bs = b8 + s * R * N * es;
+            if (bf)
+                expand_unit(bs, 1, es, N, R, rh, h, c0, len, order + start[s],
+                            start[s + 1] - start[s], tmp, y);
+            else
+                expand_unit(bs, 0, es, N, R, rh, h, c0, len, order + start[s],
+                            start[s + 1] - start[s], tmp, y);
         }
     }
     return m;

@@ -244,16 +244,6 @@ static inline float simd_factor(int dtype) {
     return dtype == DT_E4M3 ? 256.0f : dtype == DT_F16 ? ldexpf(1.0f, 112) : 1.0f;
 }
 
-/* [sum(v0), ..., sum(v7)] */
-static inline __m256 hsum8x8(const __m256 *v) {
-    __m256 t0 = _mm256_hadd_ps(v[0], v[1]), t1 = _mm256_hadd_ps(v[2], v[3]);
-    __m256 t2 = _mm256_hadd_ps(v[4], v[5]), t3 = _mm256_hadd_ps(v[6], v[7]);
-    t0 = _mm256_hadd_ps(t0, t1);
-    t2 = _mm256_hadd_ps(t2, t3);
-    return _mm256_add_ps(_mm256_permute2f128_ps(t0, t2, 0x20),
-                         _mm256_permute2f128_ps(t0, t2, 0x31));
-}
-
 /* Widen the rows of tokens [0, nt) x heads [h0, h0 + nh) of one component into
  * dst [bs8 * nh, D] (token-major: row i * nh + hh); rows of tokens nt..bs8-1 are zeroed (their
  * scores are computed and then ignored). With nh == H the source is one contiguous run. */
@@ -494,23 +484,6 @@ static inline __attribute__((always_inline)) __m512 widen16(const uint8_t *src, 
                            _mm256_set1_epi16((short)0xBF80))
         : _mm256_slli_epi16(_mm256_cvtepu8_epi16(b), 8);
     return _mm512_cvtph_ps(h);
-}
-
-/* [sum(a0), ..., sum(a15)]: pairs of unpacks, then 128-bit lane shuffles */
-static inline __m512 hsum16x16(const __m512 *a) {
-    __m512 s[8], g[4];
-    for (int i = 0; i < 8; i++)
-        s[i] = _mm512_add_ps(_mm512_unpacklo_ps(a[2 * i], a[2 * i + 1]),
-                             _mm512_unpackhi_ps(a[2 * i], a[2 * i + 1]));
-    for (int i = 0; i < 4; i++)
-        g[i] = _mm512_add_ps(_mm512_shuffle_ps(s[2 * i], s[2 * i + 1], _MM_SHUFFLE(1, 0, 1, 0)),
-                             _mm512_shuffle_ps(s[2 * i], s[2 * i + 1], _MM_SHUFFLE(3, 2, 3, 2)));
-    const __m512 h01 = _mm512_add_ps(_mm512_shuffle_f32x4(g[0], g[1], _MM_SHUFFLE(2, 0, 2, 0)),
-                                     _mm512_shuffle_f32x4(g[0], g[1], _MM_SHUFFLE(3, 1, 3, 1)));
-    const __m512 h23 = _mm512_add_ps(_mm512_shuffle_f32x4(g[2], g[3], _MM_SHUFFLE(2, 0, 2, 0)),
-                                     _mm512_shuffle_f32x4(g[2], g[3], _MM_SHUFFLE(3, 1, 3, 1)));
-    return _mm512_add_ps(_mm512_shuffle_f32x4(h01, h23, _MM_SHUFFLE(2, 0, 2, 0)),
-                         _mm512_shuffle_f32x4(h01, h23, _MM_SHUFFLE(3, 1, 3, 1)));
 }
 
 /* acc[0, NV*16) += sum_{t < n} p[t] * v[t * ld + 0 .. NV*16) with acc in registers */

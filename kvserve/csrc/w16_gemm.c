@@ -541,11 +541,12 @@ static int w16_gemm_amx(const float *x, int64_t M, int64_t K, int64_t ldx, const
  * Register blocking 2 x 2: per 16-column step 2 A (32 rows of x) + 2 B (32 weight rows) loads
  * feed 4 products into tmm0-3 (a 16 x 16 tile product at 16 columns runs at half the
  * TDPBF16PS peak: ~1.1 TFLOP/s a core here with the operands in L1). Weights are repacked into
- * the VNNI layout once per call (wb: [N / 32][K16][2][8][16] dwords; each thread repacks the
- * 32-row blocks it then computes), x rounded to bf16 once per call; x is walked in chunks of
- * ~AMX_XT_BYTES (L2-resident while the thread's weight blocks meet them). The repack costs N K
- * per call, so small M (decode) keeps w16_gemm_amx, which reads the packed tables in place:
- * kvs_w16_amx_block_rows sets from how many rows this path runs. */
+ * the VNNI layout once per call ([N / 32][K16][2][8][16] dwords; each thread repacks the
+ * 32-row blocks it then computes, the next one during the current one's products); x is
+ * walked in chunks of ~AMX_XT_BYTES (L2-resident while the thread's weight blocks meet them),
+ * each rounded to bf16 during the previous chunk's products. The repack costs N K per call, so small M
+ * (decode) keeps w16_gemm_amx, which reads the packed tables in place (measured crossover
+ * 16-24 rows): kvs_w16_amx_block_rows sets from how many rows this path runs. */
 #ifndef AMX_BLOCK_ROWS
 #define AMX_BLOCK_ROWS 24
 #endif
@@ -600,22 +601,39 @@ static inline void vnni_tile(const uint16_t *const *src, int valid, uint32_t *ds
     }
 }
 
-/* weight rows n0 .. n0 + 31 -> their VNNI B tiles, [K16][2][8][16] dwords (zero past N, K) */
-static void vnni_block(const uint16_t *w, int64_t N, int64_t K, int64_t ldw, int packed,
-                       int64_t n0, uint32_t *dst) {
-    const int64_t K16 = (K + 15) / 16;
-    for (int64_t s = 0; s < K16; s++) {
-        const int valid = K - 16 * s < 16 ? (int)(K - 16 * s) : 16;
-        for (int h = 0; h < 2; h++) {
-            const uint16_t *src[16];
-            for (int i = 0; i < 16; i++) {
-                const int64_t n = n0 + 16 * h + i;
-                src[i] = n >= N   ? NULL
-                         : packed ? w + (n / NR) * NR * K + s * NR * 16 + (n % NR) * 16
-                                  : w + n * ldw + 16 * s;
-            }
-            vnni_tile(src, valid, dst + (s * 2 + h) * 128);
-        }
+/* weight rows n0 .. n0 + 31, B tile t of their [K16][2][8][16] dwords (zero past N, K): the
+ * 16-column step t / 2 of rows n0 + 16 (t % 2) .. */
+static inline void vnni_step(const uint16_t *w, int64_t N, int64_t K, int64_t ldw, int packed,
+                             int64_t n0, int64_t t, uint32_t *dst) {
+    const int64_t s = t / 2;
+    const int valid = K - 16 * s < 16 ? (int)(K - 16 * s) : 16;
+    const uint16_t *src[16];
+    for (int i = 0; i < 16; i++) {
+        const int64_t n = n0 + 16 * (t % 2) + i;
+        src[i] = n >= N   ? NULL
+                 : packed ? w + (n / NR) * NR * K + s * NR * 16 + (n % NR) * 16
+                          : w + n * ldw + 16 * s;
+    }
+    vnni_tile(src, valid, dst + t * 128);
+}
+
+/* x rows r0 + u / P, columns [32 (u % P), + 32) -> bf16 at buf's row u / P (rows lx apart;
+ * P = Kp / 32 pieces a row; rows at or past M zero): bf16_row's values, a piece at a time */
+static inline void x_piece(const float *x, int64_t ldx, int64_t M, int64_t K, int64_t lx,
+                           int64_t P, int64_t r0, int64_t u, uint16_t *buf) {
+    const int64_t r = u / P, k = 32 * (u % P), m = r0 + r;
+    uint16_t *out = buf + r * lx + k;
+    if (m >= M) {
+        memset(out, 0, 64);
+        return;
+    }
+    const float *xr = x + m * ldx;
+    if (k + 32 <= K) {
+        const __m512bh b = _mm512_cvtne2ps_pbh(_mm512_loadu_ps(xr + k + 16),
+                                               _mm512_loadu_ps(xr + k));
+        _mm512_storeu_si512(out, (__m512i)b);
+    } else {
+        for (int64_t i = 0; i < 32; i++) out[i] = k + i < K ? bf16_rne(xr[k + i]) : 0;
     }
 }
 
@@ -635,9 +653,9 @@ static int w16_gemm_amx_blocked(const float *x, int64_t M, int64_t K, int64_t ld
      * chunk i */
     uint16_t *xb = aligned_alloc(64, sizeof(uint16_t) * 2 * (size_t)(mc * lx));
     /* the repacked weights: one chunk of x (M <= mc, e.g. the LM head's last rows): each
-     * block repacked into a per-thread buffer just before its products (L1/L2-hot, no
-     * table-sized copy); more: every block kept for the later chunks, each repacked by the
-     * thread that the same static schedule gives it in every chunk, during the first */
+     * block repacked into one of two per-thread buffers while the previous block's products
+     * run (L1/L2-hot, no table-sized copy); more: every block kept for the later chunks,
+     * repacked the same way during the first by the thread that owns it in every chunk */
     const int one_chunk = Mp <= mc;
     uint32_t *wb = one_chunk ? NULL
                              : aligned_alloc(64, sizeof(uint32_t) * 256 * (size_t)(nblk * K16));
@@ -649,7 +667,10 @@ static int w16_gemm_amx_blocked(const float *x, int64_t M, int64_t K, int64_t ld
     int failed = 0;
 #pragma omp parallel num_threads(num_threads)
     {
-        uint32_t *own = one_chunk ? aligned_alloc(64, sizeof(uint32_t) * 256 * (size_t)K16)
+        /* this thread's 32-row weight blocks, the same in every chunk */
+        const int nt = omp_get_num_threads(), me = omp_get_thread_num();
+        const int64_t lo = nblk * me / nt, hi = nblk * (me + 1) / nt, tiles = 2 * K16;
+        uint32_t *own = one_chunk ? aligned_alloc(64, sizeof(uint32_t) * 512 * (size_t)K16)
                                   : NULL;
         if (one_chunk && own == NULL) {
 #pragma omp atomic write
@@ -657,27 +678,44 @@ static int w16_gemm_amx_blocked(const float *x, int64_t M, int64_t K, int64_t ld
         }
         amx_config_blocked();
         float cbuf[32][32];
+        /* x rounded to bf16 into two chunk buffers in turn, each thread its share of a
+         * chunk's rows: the first chunk before any product, chunk i + 1 a few pieces a step
+         * during chunk i's products (the vector ports are idle beside the tile unit) */
+        const int64_t P = Kp / 32;
+        {
+            const int64_t e1 = mc < Mp ? mc : Mp;
+            for (int64_t u = e1 * me / nt * P; u < e1 * (me + 1) / nt * P; u++)
+                x_piece(x, ldx, M, K, lx, P, 0, u, xb);
+        }
         for (int64_t c0 = 0; c0 < Mp; c0 += mc) {
             const int64_t c1 = c0 + mc < Mp ? c0 + mc : Mp;
-            uint16_t *xc = xb + ((c0 / mc) % 2) * mc * lx;
-            /* x rounded into the chunk's buffer just before its products (L2-resident). The
-             * implicit barrier: the chunk is complete, and every thread is done with the
-             * previous chunk's products, which read the other buffer, before the next
-             * chunk's rounding writes to it */
-#pragma omp for schedule(static)
-            for (int64_t m = c0; m < c1; m++) {
-                if (m < M)
-                    bf16_row(x + m * ldx, K, Kp, xc + (m - c0) * lx);
-                else
-                    memset(xc + (m - c0) * lx, 0, sizeof(uint16_t) * (size_t)Kp);
-            }
-#pragma omp for schedule(static) nowait
-            for (int64_t b = 0; b < nblk; b++) {
+            const uint16_t *xc = xb + ((c0 / mc) % 2) * mc * lx;
+            /* the chunk is complete, and every thread is done with the previous chunk's
+             * products, which read the other buffer, before this chunk's products round the
+             * next chunk into it */
+#pragma omp barrier
+            const int64_t e1 = c1 + mc < Mp ? c1 + mc : Mp; /* the next chunk: rows c1 .. e1 */
+            uint16_t *xn = xb + ((c0 / mc + 1) % 2) * mc * lx;
+            int64_t cu = e1 > c1 ? (e1 - c1) * me / nt * P : 0;
+            const int64_t cend = e1 > c1 ? (e1 - c1) * (me + 1) / nt * P : 0;
+            const int64_t csteps = (hi - lo) * ((c1 - c0) / 32) * K16;
+            const int64_t cper = csteps > 0 ? (cend - cu + csteps - 1) / csteps : 0;
+            if (one_chunk && own == NULL) continue;
+            /* block b's B tiles: one chunk, the two halves of own in turn; else wb's */
+#define KVS_BBUF(b) (one_chunk ? own + (((b) - lo) % 2) * K16 * 256 : wb + (b) * K16 * 256)
+            if (c0 == 0 && lo < hi)
+                for (int64_t t = 0; t < tiles; t++) vnni_step(w, N, K, ldw, packed, lo * 32, t,
+                                                              KVS_BBUF(lo));
+            /* during the first chunk, block b + 1 is repacked a few tiles a step while block
+             * b's tile products run (vector ports otherwise idle beside the tile unit) */
+            const int64_t per = (tiles * 32 + (c1 - c0) * K16 - 1) / ((c1 - c0) * K16);
+            for (int64_t b = lo; b < hi; b++) {
                 const int64_t n0 = b * 32;
                 const int two_n = n0 + 16 < N; /* a second 16 weight rows */
-                uint32_t *bb = one_chunk ? own : wb + b * K16 * 256;
-                if (bb == NULL) continue;
-                if (c0 == 0) vnni_block(w, N, K, ldw, packed, n0, bb);
+                const uint32_t *bb = KVS_BBUF(b);
+                uint32_t *nb = c0 == 0 && b + 1 < hi ? KVS_BBUF(b + 1) : NULL;
+#undef KVS_BBUF
+                int64_t ti = nb != NULL ? 0 : tiles; /* next block's tiles repacked */
                 for (int64_t m0 = c0; m0 < c1; m0 += 32) {
                     const int two_m = m0 + 16 < M; /* a second 16 rows of x */
                     const uint16_t *a0 = xc + (m0 - c0) * lx, *a1 = a0 + 16 * lx;
@@ -695,6 +733,10 @@ static int w16_gemm_amx_blocked(const float *x, int64_t M, int64_t K, int64_t ld
                             __builtin_prefetch(yn + s * ldy, 1, 3);
                             __builtin_prefetch(yn + s * ldy + 16, 1, 3);
                         }
+                        for (int64_t i = 0; i < per && ti < tiles; i++, ti++)
+                            vnni_step(w, N, K, ldw, packed, n0 + 32, ti, nb);
+                        for (int64_t i = 0; i < cper && cu < cend; i++, cu++)
+                            x_piece(x, ldx, M, K, lx, P, c1, cu, xn);
                         _tile_loadd(4, a0 + 16 * s, 2 * lx);
                         _tile_loadd(6, bb + s * 256, 64);
                         _tile_dpbf16ps(0, 4, 6);
@@ -727,7 +769,9 @@ static int w16_gemm_amx_blocked(const float *x, int64_t M, int64_t K, int64_t ld
                     for (int m = 0; m < mv; m++)
                         memcpy(yb + m * ldy, cbuf[m], sizeof(float) * (size_t)nv);
                 }
+                for (; ti < tiles; ti++) vnni_step(w, N, K, ldw, packed, n0 + 32, ti, nb);
             }
+            for (; cu < cend; cu++) x_piece(x, ldx, M, K, lx, P, c1, cu, xn);
         }
         _tile_release();
         free(own);

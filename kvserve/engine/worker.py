@@ -61,7 +61,7 @@ class WorkerConfig:
     (kvserve.engine.builder.settle) from the arguments and the checkpoint's config, no weight
     read: no rank resolves an ``auto`` or rebuilds a config from ``args``."""
 
-    args: EngineArgs  # with attention_backend settled
+    args: EngineArgs  # with attention_backend and cpu_bf16_dot_rows settled
     # path: the checkpoint (None / "demo" resolved); num_kv_heads: rank 0's under TP;
     # bos_token_id: None here (the tokenizer's, filled in by the builder)
     model: ModelConfig
@@ -73,6 +73,7 @@ class WorkerConfig:
     context_len: int  # the model's (model.max_model_len <= context_len)
     transfer: TransferConfig | None = None  # disaggregation's KV transfer (None: off)
     lora_dtype: torch.dtype | None = None  # the LoRA slots' weights (None: LoRA off)
+    bf16_dot_rows_note: str = ""  # why args.cpu_bf16_dot_rows is what it is (the start-up log)
 
 
 @dataclass(frozen=True, slots=True)
@@ -89,6 +90,7 @@ class Worker:
         self.config, self.rank, self.world_size = config, rank, world_size
         self.args = args = config.args
         self.path = config.model.path
+        assert isinstance(args.cpu_bf16_dot_rows, int), "the builder settles auto"
         w16_gemm.set_bf16_dot_rows(args.cpu_bf16_dot_rows)  # this process's 16-bit GEMMs
         self.loaded: LoadedModel = load_model(self.path, config.dtypes, args.device,
                                               progress=args.progress and rank == 0,
@@ -138,6 +140,9 @@ class Worker:
         return self.model_runner
 
     def execute(self, step: StepInput) -> list[torch.Tensor | None]:
+        rows = self.args.cpu_bf16_dot_rows
+        if w16_gemm.engine_bf16_dot_rows() != rows:  # another engine of this process set its own
+            w16_gemm.set_bf16_dot_rows(rows)
         return self.model_runner.run(step)
 
     # ---- what only a worker knows ------------------------------------------------------------
@@ -233,6 +238,14 @@ class Worker:
             h.update(f"{os.path.basename(file)}:{st.st_size}:{st.st_mtime_ns}".encode())
         return h.digest()
 
+    def _bf16_dot_rows(self) -> int:
+        """From how many rows this rank's bf16-table GEMMs use bf16 dot products (0: never)."""
+        lib = w16_gemm.w16_library()
+        if lib is None or self.loaded.dtype != torch.float32 \
+                or self.loaded.storage != torch.bfloat16:
+            return 0
+        return w16_gemm.bf16_dot_rows(lib)
+
     def _fingerprint(self) -> bytes:
         """Binds seals and prefix-cache hashes to the model files, dtypes, block size and
         (tensor parallel) the layout: tp size, this rank and its KV head range."""
@@ -243,6 +256,9 @@ class Worker:
             rot += "|scale=log8"  # 1-byte 2^(e/8) scale codes (kvserve/quant/int8.py)
         h.update(f"{dtype_name(self.loaded.dtype)}|{dtype_name(self.config.kv_mode.dtype)}|"
                  f"{self.config.cache.block_size}{rot}".encode())
+        dots = self._bf16_dot_rows()
+        if dots:  # bf16 dot products compute other KV bytes than the exact fp32 path
+            h.update(f"|bf16_dot_rows={dots}".encode())
         if self.world_size > 1:
             h.update(f"|tp={self.world_size}|rank={self.rank}|kv_heads="
                      f"{self.spec.num_kv_heads}".encode())

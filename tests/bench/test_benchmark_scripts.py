@@ -178,6 +178,31 @@ def test_kq_gemm_tiny(tmp_path):
     assert r["read_bandwidth"]["read_gbs"] > 0 and r["env"]["cpu"]
 
 
+def test_kq_gemm_amx_tiny(tmp_path):
+    """--amx times the VNNI pass and the AMX-INT8 tiles per type and finds their outputs bit for
+    bit the same; the kernel's threshold is restored."""
+    from kvserve.kernels.cpu import graph
+    from kvserve.kernels.cpu import kq_gemm as kq_cpu
+    from kvserve.kernels.cpu import wq_gemm as wq_cpu
+
+    lib = kq_cpu.kq_library()
+    if lib is None or not graph.available():
+        pytest.skip("no C compiler")
+    rows = wq_cpu.amx_rows(lib)
+    if not rows:
+        pytest.skip("this CPU (or its native build, or Linux) has no AMX-INT8 tiles")
+    out = tmp_path / "k.json"
+    assert _script("kq_gemm").main(["--threads", "1", "--rounds", "1", "--rows", "2,17",
+                                    "--layers", "1", "--hidden", "256", "--inter", "512",
+                                    "--types", "Q4_K,Q5_0", "--amx", "--bandwidth-mib", "64",
+                                    "--json", str(out)]) == 0
+    assert wq_cpu.amx_rows(lib) == rows
+    r = json.loads(out.read_text())
+    assert r["amx"] is True and r["amx_rows_default"] == rows
+    for x in r["results"]:
+        assert x["identical_amx"] is True and x["vnni_ms"] > 0 and x["amx_ms"] > 0
+
+
 def test_kv_tiers_tiny(tmp_path):
     kt = _script("kv_tiers")
     out, png = tmp_path / "t.json", tmp_path / "t.png"

@@ -31,15 +31,17 @@ PROMPTS = [[5, 9, 17, 33], [100, 7, 250, 3, 8, 41, 77, 90, 11, 4, 300], [400, 40
 MAX_TOKENS = [6, 10, 14]
 
 
-def _run_all(cases: list[tuple[str, str, str]], bf16_dot_rows: int | None = None) -> dict:
+def _run_all(cases: list[tuple[str, str, str]], bf16_dot_rows: int = 0) -> dict:
     """Each (name, model, kv_cache_dtype): graph state, tokens and chosen-token logprobs, and
-    the start-up log's CPU path line. ``bf16_dot_rows``: the opt-in bf16 dot products, with
-    the CPU's flags reporting AVX512-BF16 (as tests/conftest.py's simulate_cpu does)."""
+    the start-up log's CPU path line. ``bf16_dot_rows``: 0 pins the exact fp32 dots (auto
+    would pick bf16 dots on an AVX512-BF16 / AMX host: AMX tiles natively, vdpbf16ps in the
+    emulated build, which round differently); else the bf16 dot products from that many rows,
+    with the CPU's flags reporting AVX512-BF16 (as tests/conftest.py's simulate_cpu does)."""
     import logging
 
     from kvserve import cbuild
 
-    if bf16_dot_rows is not None:
+    if bf16_dot_rows:
         from tests.conftest import SIMULATED_CPUS
 
         cbuild.cpu_flags = lambda: SIMULATED_CPUS["avx512_bf16"][0]
@@ -98,7 +100,7 @@ def cases(tmp_path_factory) -> list[tuple[str, str, str]]:
     return [("bf16", folder, "auto"), ("bf16_int8kv", folder, "int8"), ("q4", gguf, "auto")]
 
 
-def _emulated(cases, bf16_dot_rows: int | None = None) -> dict:
+def _emulated(cases, bf16_dot_rows: int = 0) -> dict:
     """_run_all in a child process on the bf16_emu build."""
     require_simde()
     code = ("import json, sys; from tests.engine.test_emulated_avx512_engine import _run_all; "

@@ -105,6 +105,36 @@ def test_c_kernel_matches_twin(isa, shape, wdtype, tmp_path):
     assert torch.equal(got[none], y[none])
 
 
+@pytest.mark.parametrize("threads", [1, 2, 3])
+@pytest.mark.parametrize("used", [1, 3, 4])
+@pytest.mark.parametrize("wdtype", [torch.float32, torch.bfloat16])
+def test_c_kernel_thread_splits(threads, used, wdtype):
+    """A decode-sized call (q/k/v of SmolLM2: K 576, shards 576 / 192 / 192, rank 16, 16 rows)
+    runs in parallel: the used slots split evenly over the threads (each thread shrinks and
+    expands its own slots), or not (one barrier between the phases), or one slot's ranks and
+    columns are shared out; every split equals the twin."""
+    lib = _lib("native", None)
+    g = torch.Generator().manual_seed(used * 10 + threads)
+    t, k, r, s = 16, 576, 48, 4
+    noff = torch.tensor([0, 576, 768, 960], dtype=torch.int64)
+    x = torch.randn(t, k, generator=g)
+    a = (torch.randn(s, r, k, generator=g) * 0.1).to(wdtype)
+    bt = (torch.randn(s, r, 960, generator=g) * 0.1).to(wdtype)
+    idx = torch.arange(t, dtype=torch.int64) % used
+    idx[5] = -1
+    scale = torch.rand(s, generator=g) + 0.5
+    y = torch.randn(t, 960, generator=g)
+    want = y.double() + ref.lora_delta(x, a, bt, idx, scale, noff).double()
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        got = cl.lora_gemm_(lib, y.clone(), x, a, bt, idx, scale, noff)
+    finally:
+        torch.set_num_threads(before)
+    assert (got.double() - want).abs().max() <= 1e-5 * max(1.0, float(want.abs().max()))
+    assert torch.equal(got[5], y[5])
+
+
 def test_c_kernel_paths(tmp_path):
     """The native build on this CPU takes its widest path; a row's slot out of range is
     refused, not read."""

@@ -173,7 +173,8 @@ def _bf16_checkpoint(path: str, **overrides) -> str:
 @pytest.mark.parametrize("tied", [False, True])
 def test_loader_keeps_bf16_weights_for_fp32_compute(tmp_path, monkeypatch, make_llm, tied):
     """``dtype=auto`` on CPU (any kind): fp32 compute with the dense weights
-    (and a tied head's shared table) held in bf16, read by the kernel; the same tokens and
+    (and a tied head's shared table) held in bf16, read by the kernel; with exact fp32 dots
+    (``cpu_bf16_dot_rows=0``, pinned: auto is 1 on AVX512-BF16 / AMX CPUs) the same tokens and
     logprobs as holding fp32 copies (``dtype=float32``)."""
     from kvserve.layers.linear import Linear, MergedLinear
     from kvserve.layers.vocab_parallel import VocabParallelEmbedding
@@ -208,7 +209,8 @@ def test_loader_keeps_bf16_weights_for_fp32_compute(tmp_path, monkeypatch, make_
 
     sp = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True, logprobs=0)
     prompts = [[5, 9, 17, 33], [100, 7, 250, 3, 8, 41]]
-    outs = [make_llm(path, dtype=d).generate(prompts, sp) for d in ("auto", "float32")]
+    outs = [make_llm(path, dtype=d, cpu_bf16_dot_rows=0).generate(prompts, sp)
+            for d in ("auto", "float32")]
     for a, b in zip(*outs, strict=True):
         assert a.outputs[0].token_ids == b.outputs[0].token_ids
         la = [next(iter(lp.values())) for lp in a.outputs[0].logprobs]

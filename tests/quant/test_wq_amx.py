@@ -157,15 +157,17 @@ def test_amx_setting_parses_the_environment(monkeypatch):
 
 
 def test_startup_log_names_the_tiles():
-    """The start-up log's CPU path line says whether the GGUF GEMM takes AMX-INT8 tiles, and
+    """The start-up log's CPU path line says whether the GGUF GEMMs take AMX-INT8 tiles, and
     from how many rows."""
     from kvserve.engine.builder import describe_cpu_path
+    from kvserve.kernels.cpu import kq_gemm as kq_cpu
 
-    lib = wq_cpu.wq_library()
-    if lib is None:
+    lib, kq = wq_cpu.wq_library(), kq_cpu.kq_library()
+    if lib is None or kq is None:
         pytest.skip("no C compiler")
     line = describe_cpu_path(torch.float32, torch.bfloat16)
-    rows = wq_cpu.amx_rows(lib)
-    assert ("AMX-INT8 tiles" in line) == bool(rows)
-    if rows:
-        assert f"integer-dot GGUF GEMM (AMX-INT8 tiles from {rows} rows)" in line
+    rows, kq_rows = wq_cpu.amx_rows(lib), wq_cpu.amx_rows(kq)
+    assert ("AMX-INT8 tiles" in line) == bool(rows or kq_rows)
+    if rows and kq_rows:
+        assert (f"integer-dot GGUF GEMM (AMX-INT8 tiles from {rows} rows, K-quants from "
+                f"{kq_rows} rows)") in line

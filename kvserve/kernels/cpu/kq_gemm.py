@@ -1,6 +1,8 @@
 """ctypes binding of kvserve/csrc/kq_gemm.c: y = x^ . [W_0; W_1; ...]^T for GGUF Q5_0 / Q5_1 /
 Q4_K / Q5_K / Q6_K weights kept packed (layout: kvserve.quant.kq; twin:
-kvserve.kernels.reference.kq_matmul)."""
+kvserve.kernels.reference.kq_matmul). On CPUs with AMX-INT8, GEMMs of at least
+``wq_gemm.amx_rows(lib)`` rows run on AMX tiles, bit for bit the VNNI results (wq_gemm's
+``set_amx`` / ``KVSERVE_CPU_AMX_INT8`` switch it)."""
 
 from __future__ import annotations
 
@@ -11,6 +13,7 @@ import torch
 
 from kvserve.cbuild import build_library
 from kvserve.kernels.cpu.graph import Rows, launch
+from kvserve.kernels.cpu.wq_gemm import bind_amx
 
 
 @functools.cache
@@ -30,7 +33,7 @@ def bind(dll: ctypes.CDLL) -> ctypes.CDLL:
     dll.kvs_kq_bytes.restype = i64
     dll.kvs_kq_dequant.argtypes = [c_int, p, i64, i64, i64, i64, c_int, p]
     dll.kvs_kq_dequant.restype = c_int
-    return dll
+    return bind_amx(dll, "kvs_kq_amx")
 
 
 def kq_dequant(lib: ctypes.CDLL, qtype: int, packed: torch.Tensor, n: int, k: int, r0: int,

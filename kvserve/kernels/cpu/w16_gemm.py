@@ -4,12 +4,13 @@ as 16-bit (twin: kvserve.kernels.reference.w16_linear).
 On a CPU with AVX512-BF16 whose build has the path, bf16-weight GEMMs of at least
 ``bf16_dot_rows`` rows can round x to bf16 and use vdpbf16ps -- or, where the CPU has AMX
 (Sapphire Rapids and later), AMX tile products (TDPBF16PS) for all of them (twin:
-kvserve.kernels.reference.w16_linear_bf16_dot). Off unless ``KVSERVE_CPU_BF16_ROWS`` names the
-threshold (e.g. 128, above the default ``max_num_seqs`` of 64: prompt chunks, not decode
-batches), as ``KVSERVE_CPU_KERNEL=0`` turns the C kernels off: rounding the activations costs
-KL 2.3e-4 / top-1 0.991 against fp32 on SmolLM2 (benchmarks/bf16_dot_kl.py), far above the
-fp32 noise floor, so the exact fp32 path stays the default. docs/cpu.md has the figures and
-what the path means for batch invariance."""
+kvserve.kernels.reference.w16_linear_bf16_dot). The engine's threshold is settled once by its
+builder (``--cpu-bf16-dot-rows``, auto: kvserve.config.resolve_bf16_dot_rows -- 1, every row,
+batch-invariant, on AVX512-BF16 / AMX CPUs for bf16 tables; 0, the exact fp32 path, elsewhere
+and with ``--dtype float32``) and set here by each worker. Without an engine (kernel tests,
+benchmarks) ``KVSERVE_CPU_BF16_ROWS`` names it, off when unset. Rounding the activations costs
+KL 1.9e-4 / top-1 0.992 against fp32 on SmolLM2 (benchmarks/bf16_dot_kl.py); docs/cpu.md has
+the figures and what the path means for batch invariance."""
 
 from __future__ import annotations
 
@@ -87,10 +88,11 @@ def set_amx_block_rows(lib: ctypes.CDLL, rows: int) -> int:
     return int(launch(lib, "kvs_w16_amx_block_rows", rows))
 
 
-# KVSERVE_CPU_BF16_ROWS unset: no bf16 dot products (the exact fp32 path); the threshold the
-# docs and benchmarks/bf16_dot_kl.py suggest when opting in
+# No engine setting and KVSERVE_CPU_BF16_ROWS unset: no bf16 dot products (the exact fp32
+# path); the threshold the engine's auto picks on AVX512-BF16 / AMX CPUs (every row), which
+# benchmarks/bf16_dot_kl.py measures by default
 BF16_DOT_DEFAULT_ROWS = 0
-BF16_DOT_SUGGESTED_ROWS = 128
+BF16_DOT_SUGGESTED_ROWS = 1
 
 
 def has_bf16_dot(lib: ctypes.CDLL) -> bool:
@@ -110,6 +112,11 @@ def set_bf16_dot_rows(rows: int | None) -> None:
     assert rows is None or rows >= 0, rows  # validated by EngineArgs
     _engine_rows = rows
     bf16_dot_rows.cache_clear()
+
+
+def engine_bf16_dot_rows() -> int | None:
+    """The setting ``set_bf16_dot_rows`` last gave this process (None: none)."""
+    return _engine_rows
 
 
 @functools.cache

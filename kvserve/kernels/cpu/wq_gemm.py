@@ -5,7 +5,7 @@ On CPUs with AMX-INT8 (Sapphire Rapids and later) whose native build has the pat
 least ``amx_rows(lib)`` rows run the integer block sums as AMX tile products; every output is
 bit for bit the AVX-512 VNNI one (docs/cpu.md), so the threshold changes speed only.
 ``KVSERVE_CPU_AMX_INT8=0`` keeps the VNNI pass for every row count (A/B runs); a number N sets
-the threshold to N rows."""
+the threshold to N rows. The same switch and helpers serve kq_gemm.c (``bind_amx``)."""
 
 from __future__ import annotations
 
@@ -38,12 +38,19 @@ def bind(dll: ctypes.CDLL) -> ctypes.CDLL:
     dll.kvs_wq_gemm.restype = None
     dll.kvs_wq_linear.argtypes = [p, i64, i64, p, p, i64, i64, c_int, c_int, c_int, p]
     dll.kvs_wq_linear.restype = c_int
-    dll.amx_rows = 0  # GEMMs of >= this many rows run on AMX tiles (0: none)
-    if hasattr(dll, "kvs_wq_amx"):  # (a benchmark's baseline source may lack it)
-        dll.kvs_wq_amx.argtypes, dll.kvs_wq_amx.restype = [c_int, c_int], c_int
+    return bind_amx(dll, "kvs_wq_amx")
+
+
+def bind_amx(dll: ctypes.CDLL, entry: str) -> ctypes.CDLL:
+    """Declare a GGUF GEMM library's AMX-INT8 switch ``entry`` (wq_gemm.c's kvs_wq_amx,
+    kq_gemm.c's kvs_kq_amx) and settle it from ``KVSERVE_CPU_AMX_INT8`` (asking Linux for the
+    tile state once; never while a graph records): ``dll.amx_rows``."""
+    dll.amx_entry, dll.amx_rows = entry, 0  # GEMMs of >= amx_rows rows run on tiles (0: none)
+    if hasattr(dll, entry):  # (a benchmark's baseline source may lack it)
+        fn = getattr(dll, entry)
+        fn.argtypes, fn.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
         setting = amx_setting()
-        # asks Linux for the tile state once (never while a graph records)
-        dll.amx_rows = int(launch(dll, "kvs_wq_amx", -1 if setting else 0, max(setting, 0)))
+        dll.amx_rows = int(launch(dll, entry, -1 if setting else 0, max(setting, 0)))
     return dll
 
 
@@ -68,8 +75,9 @@ def set_amx(lib: ctypes.CDLL, on: bool, rows: int = 0) -> int:
     """Turn ``lib``'s AMX-INT8 path on (where available; ``rows`` >= 1 also sets its row
     threshold) or off; returns ``amx_rows(lib)``. For tests and benchmarks that compare the
     two: the engine leaves it as bound."""
-    lib.amx_rows = int(launch(lib, "kvs_wq_amx", int(on), rows)) \
-        if hasattr(lib, "kvs_wq_amx") else 0
+    entry = getattr(lib, "amx_entry", "")
+    lib.amx_rows = int(launch(lib, entry, int(on), rows)) if entry and hasattr(lib, entry) \
+        else 0
     return lib.amx_rows
 
 

@@ -1,9 +1,10 @@
-"""Accuracy cost of the 16-bit GEMM's bf16 dot products (AVX512-BF16 vdpbf16ps, for GEMMs of
->= ``--cpu-bf16-dot-rows`` rows) against fp32 activations on the same bf16 weights:
+"""Accuracy cost of the 16-bit GEMM's bf16 dot products (AMX tiles or AVX512-BF16 vdpbf16ps,
+for GEMMs of >= ``--cpu-bf16-dot-rows`` rows; the default on such CPUs is 1, every row)
+against fp32 activations on the same bf16 weights:
 KL(fp32 || bf16-dot) of next-token distributions and top-1 agreement, one run, JSON out.
 
     .venv/bin/python benchmarks/bf16_dot_kl.py [--model BF16_FOLDER] [--prompts 8] [--len 256]
-        [--rows 128] [--threads 2] [--json docs/bench/bf16_dot_kl.json]
+        [--rows 1] [--threads 2] [--json docs/bench/bf16_dot_kl.json]
 
 Method: the engine samples ``--prompts`` sequences of ``--len`` tokens at temperature 1
 (seeded; fp32 activations) from its chat template's empty prompt, then teacher-forces every
@@ -17,9 +18,10 @@ directory (its weights dequantized and rounded to bf16 once: a bf16 checkpoint o
 weights). Where this CPU lacks AVX512-BF16 the kernel's pure-torch twin
 (kvserve.kernels.reference.w16_linear_bf16_dot: the same bf16-rounded activations and exact
 products, fp32 sums in another order) stands in for the kernel; ``"ran"`` in the JSON says
-which ("kernel": the engine's own ``--cpu-bf16-dot-rows`` switch drove the C kernel on the
-packed tables the engine holds, vdpbf16ps). The fp32 run is the C kernel with fp32 dot products
-either way. A bf16-dot run equal to the fp32 one is an error (the switch reached nothing).
+which ("kernel": a second engine built with ``--cpu-bf16-dot-rows ROWS`` ran the C kernel on
+the packed tables it holds, AMX tiles or vdpbf16ps). The fp32 run is an engine built with
+``--cpu-bf16-dot-rows 0``, the C kernel with fp32 dot products, either way. A bf16-dot run
+equal to the fp32 one is an error (the switch reached nothing).
 """
 
 from __future__ import annotations
@@ -44,14 +46,12 @@ _REAL = (w16.linear_w16, w16.bf16_dot_rows)  # restored when main() returns
 
 
 def _policy(rows: int, kernel: bool):
-    """Make every bf16-weight GEMM of >= rows rows (0: none) take the bf16 dot products. Where
-    the CPU has them: the engine's own switch (``--cpu-bf16-dot-rows``, which its worker sets
-    with ``set_bf16_dot_rows``), so the kernel the engine runs computes them, on the packed
-    tables it holds. Elsewhere: the twin for those GEMMs."""
+    """Where the CPU has bf16 dot products, the C kernel as the engine runs it: each engine's
+    worker sets its own ``--cpu-bf16-dot-rows`` for every step it runs. Elsewhere: the twin for
+    the bf16-weight GEMMs of >= rows rows (0: none) of the fp32 engine."""
     real = _REAL[0]
     if kernel:
         w16.linear_w16 = real
-        w16.set_bf16_dot_rows(rows)
         return
 
     def emulated(x, weight, bias=None):
@@ -62,7 +62,6 @@ def _policy(rows: int, kernel: bool):
             return y if bias is None else y + bias.float()
         return real(x, weight, bias)
 
-    w16.set_bf16_dot_rows(0)
     w16.linear_w16 = emulated
 
 
@@ -99,10 +98,13 @@ def _measure(a: argparse.Namespace, kernel: bool) -> int:
 
             log("exporting the default GGUF to a bf16 folder")
             model = export_gguf_to_hf(default_model_path(), tmp, torch.bfloat16, progress=False)
-        engine = LLMEngine(EngineArgs(model=model, progress=False, seed=a.seed,
-                                      cpu_bf16_dot_rows=0,
-                                      max_model_len=a.len + 8,
-                                      max_num_batched_tokens=max(a.len, 256)))
+        shape = dict(model=model, progress=False, seed=a.seed, max_model_len=a.len + 8,
+                     max_num_batched_tokens=max(a.len, 256))
+        engine = LLMEngine(EngineArgs(cpu_bf16_dot_rows=0, **shape))
+        # the kernel's bf16 dots: an engine of their own (each engine's worker sets its
+        # --cpu-bf16-dot-rows for its steps); the twin: the fp32 engine with linear_w16 swapped
+        dots = engine if not kernel else LLMEngine(EngineArgs(
+            cpu_bf16_dot_rows=a.rows, kv_cache_memory="256MiB", **shape))
         if engine.model_config.dtype != torch.float32:
             raise SystemExit(f"{model}: dtype=auto computes in {engine.model_config.dtype}; "
                              "this measures a bf16 checkpoint computed in fp32")
@@ -127,7 +129,7 @@ def _measure(a: argparse.Namespace, kernel: bool) -> int:
             _policy(0, kernel)
             base = engine.prompt_logits(ids)
             _policy(a.rows, kernel)
-            cand = engine.prompt_logits(ids)
+            cand = dots.prompt_logits(ids)
             kls.append(kl_rows(base, cand))
             top1 += int((base.argmax(-1) == cand.argmax(-1)).sum())
             n += base.shape[0]
@@ -147,7 +149,7 @@ def _measure(a: argparse.Namespace, kernel: bool) -> int:
             f"max {result['kl_max']:.2e}; top-1 agreement {result['top1_agreement']:.4f} "
             f"({result['ran']})")
         write_json(a.json, result)
-        del engine
+        del engine, dots
     return 0
 
 

@@ -530,7 +530,7 @@ static int w16_gemm_amx(const float *x, int64_t M, int64_t K, int64_t ldx, const
  * the VNNI layout once per call ([N / 32][K16][2][8][16] dwords; each thread repacks the
  * 32-row blocks it then computes, the next one during the current one's products); x is
  * walked in chunks of ~AMX_XT_BYTES (L2-resident while the thread's weight blocks meet them),
- * each rounded to bf16 just before its products. The repack costs N K per call, so small M
+ * each rounded to bf16 during the previous chunk's products. The repack costs N K per call, so small M
  * (decode) keeps w16_gemm_amx, which reads the packed tables in place (measured crossover
  * 16-24 rows): kvs_w16_amx_block_rows sets from how many rows this path runs. */
 #ifndef AMX_BLOCK_ROWS
@@ -603,6 +603,26 @@ static inline void vnni_step(const uint16_t *w, int64_t N, int64_t K, int64_t ld
     vnni_tile(src, valid, dst + t * 128);
 }
 
+/* x rows r0 + u / P, columns [32 (u % P), + 32) -> bf16 at buf's row u / P (rows lx apart;
+ * P = Kp / 32 pieces a row; rows at or past M zero): bf16_row's values, a piece at a time */
+static inline void x_piece(const float *x, int64_t ldx, int64_t M, int64_t K, int64_t lx,
+                           int64_t P, int64_t r0, int64_t u, uint16_t *buf) {
+    const int64_t r = u / P, k = 32 * (u % P), m = r0 + r;
+    uint16_t *out = buf + r * lx + k;
+    if (m >= M) {
+        memset(out, 0, 64);
+        return;
+    }
+    const float *xr = x + m * ldx;
+    if (k + 32 <= K) {
+        const __m512bh b = _mm512_cvtne2ps_pbh(_mm512_loadu_ps(xr + k + 16),
+                                               _mm512_loadu_ps(xr + k));
+        _mm512_storeu_si512(out, (__m512i)b);
+    } else {
+        for (int64_t i = 0; i < 32; i++) out[i] = k + i < K ? bf16_rne(xr[k + i]) : 0;
+    }
+}
+
 static int w16_gemm_amx_blocked(const float *x, int64_t M, int64_t K, int64_t ldx,
                                 const uint16_t *w, int64_t N, int64_t ldw, int num_threads,
                                 float *y, int64_t ldy, int packed) {
@@ -644,20 +664,28 @@ static int w16_gemm_amx_blocked(const float *x, int64_t M, int64_t K, int64_t ld
         }
         amx_config_blocked();
         float cbuf[32][32];
+        /* x rounded to bf16 into two chunk buffers in turn, each thread its share of a
+         * chunk's rows: the first chunk before any product, chunk i + 1 a few pieces a step
+         * during chunk i's products (the vector ports are idle beside the tile unit) */
+        const int64_t P = Kp / 32;
+        {
+            const int64_t e1 = mc < Mp ? mc : Mp;
+            for (int64_t u = e1 * me / nt * P; u < e1 * (me + 1) / nt * P; u++)
+                x_piece(x, ldx, M, K, lx, P, 0, u, xb);
+        }
         for (int64_t c0 = 0; c0 < Mp; c0 += mc) {
             const int64_t c1 = c0 + mc < Mp ? c0 + mc : Mp;
-            uint16_t *xc = xb + ((c0 / mc) % 2) * mc * lx;
-            /* x rounded into the chunk's buffer just before its products (L2-resident). The
-             * implicit barrier: the chunk is complete, and every thread is done with the
-             * previous chunk's products, which read the other buffer, before the next
-             * chunk's rounding writes to it */
-#pragma omp for schedule(static)
-            for (int64_t m = c0; m < c1; m++) {
-                if (m < M)
-                    bf16_row(x + m * ldx, K, Kp, xc + (m - c0) * lx);
-                else
-                    memset(xc + (m - c0) * lx, 0, sizeof(uint16_t) * (size_t)Kp);
-            }
+            const uint16_t *xc = xb + ((c0 / mc) % 2) * mc * lx;
+            /* the chunk is complete, and every thread is done with the previous chunk's
+             * products, which read the other buffer, before this chunk's products round the
+             * next chunk into it */
+#pragma omp barrier
+            const int64_t e1 = c1 + mc < Mp ? c1 + mc : Mp; /* the next chunk: rows c1 .. e1 */
+            uint16_t *xn = xb + ((c0 / mc + 1) % 2) * mc * lx;
+            int64_t cu = e1 > c1 ? (e1 - c1) * me / nt * P : 0;
+            const int64_t cend = e1 > c1 ? (e1 - c1) * (me + 1) / nt * P : 0;
+            const int64_t csteps = (hi - lo) * ((c1 - c0) / 32) * K16;
+            const int64_t cper = csteps > 0 ? (cend - cu + csteps - 1) / csteps : 0;
             if (one_chunk && own == NULL) continue;
             /* block b's B tiles: one chunk, the two halves of own in turn; else wb's */
 #define KVS_BBUF(b) (one_chunk ? own + (((b) - lo) % 2) * K16 * 256 : wb + (b) * K16 * 256)
@@ -693,6 +721,8 @@ static int w16_gemm_amx_blocked(const float *x, int64_t M, int64_t K, int64_t ld
                         }
                         for (int64_t i = 0; i < per && ti < tiles; i++, ti++)
                             vnni_step(w, N, K, ldw, packed, n0 + 32, ti, nb);
+                        for (int64_t i = 0; i < cper && cu < cend; i++, cu++)
+                            x_piece(x, ldx, M, K, lx, P, c1, cu, xn);
                         _tile_loadd(4, a0 + 16 * s, 2 * lx);
                         _tile_loadd(6, bb + s * 256, 64);
                         _tile_dpbf16ps(0, 4, 6);
@@ -727,6 +757,7 @@ static int w16_gemm_amx_blocked(const float *x, int64_t M, int64_t K, int64_t ld
                 }
                 for (; ti < tiles; ti++) vnni_step(w, N, K, ldw, packed, n0 + 32, ti, nb);
             }
+            for (; cu < cend; cu++) x_piece(x, ldx, M, K, lx, P, c1, cu, xn);
         }
         _tile_release();
         free(own);

@@ -157,3 +157,17 @@ def test_gather_q8_matches_the_embedding_twin(act_terms):
     with pytest.raises(IndexError, match="token id"):
         cpu_ops.gather_q8(emb.codes if tiled else emb.q, emb.sm if tiled else emb.d, tiled, V, K,
                           torch.tensor([V]))
+
+
+def test_binding_the_gguf_gemm_libraries_records_nothing():
+    """The GGUF GEMM libraries settle their AMX-INT8 switch when bound, which can happen while
+    a decode graph records (first load inside the forward): that call is not recorded, else
+    the recording is refused and every GGUF model decodes eagerly."""
+    from kvserve.kernels.cpu import kq_gemm, wq_gemm
+
+    for mod, lib in ((wq_gemm, wq_gemm.wq_library()), (kq_gemm, kq_gemm.kq_library())):
+        if lib is None:
+            pytest.skip("no C compiler")
+        with graph.recording() as tape:
+            mod.bind(lib)
+        assert len(tape) == 0

@@ -112,12 +112,15 @@ def test_amx_threshold_threads_and_switch(amx_lib):
     assert torch.equal(w16.w16_gemm(amx_lib, x, pw, bf16_rows=1), tiles)
 
 
-@pytest.mark.parametrize("n,k", [(576, 576), (192, 576), (33, 1536), (7, 48), (50, 1008)])
+@pytest.mark.parametrize("n,k", [(576, 576), (192, 576), (33, 1536), (7, 48), (50, 1008),
+                                 (5, 4112)])
 def test_amx_blocked_equals_per_row_tiles(amx_lib, n, k):
     """The cache-blocked path (16 x 16 tiles, x rows as A, weights repacked as VNNI B tiles)
     gives the in-place 4 x 16 tile path's results bit for bit, for M = 1 .. 200 across the
-    16- and 32-row blocks, packed and row-major tables, 1 and 2 threads; a row alone (the
-    per-row path at the default threshold) == the row in its blocked batch."""
+    16- and 32-row blocks, packed and row-major tables, 1 and 2 threads (K = 1,536 and 4,112:
+    several x chunks, each rounded during the previous one's products; N = 5 / 7: one weight
+    block, a thread without any); a row alone (the per-row path at the default threshold) ==
+    the row in its blocked batch."""
     default = w16.set_amx_block_rows(amx_lib, -1)
     assert default > 1
     x, w = _case(200, n, k, n + k)

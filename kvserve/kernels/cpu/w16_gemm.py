@@ -89,9 +89,10 @@ def set_amx_block_rows(lib: ctypes.CDLL, rows: int) -> int:
 
 
 # No engine setting and KVSERVE_CPU_BF16_ROWS unset: no bf16 dot products (the exact fp32
-# path); the threshold benchmarks/bf16_dot_kl.py measures by default
+# path); the threshold the engine's auto picks on AVX512-BF16 / AMX CPUs (every row), which
+# benchmarks/bf16_dot_kl.py measures by default
 BF16_DOT_DEFAULT_ROWS = 0
-BF16_DOT_SUGGESTED_ROWS = 128
+BF16_DOT_SUGGESTED_ROWS = 1
 
 
 def has_bf16_dot(lib: ctypes.CDLL) -> bool:

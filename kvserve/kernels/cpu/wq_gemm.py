@@ -50,7 +50,7 @@ def bind_amx(dll: ctypes.CDLL, entry: str) -> ctypes.CDLL:
         fn = getattr(dll, entry)
         fn.argtypes, fn.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
         setting = amx_setting()
-        dll.amx_rows = int(launch(dll, entry, -1 if setting else 0, max(setting, 0)))
+        dll.amx_rows = int(fn(-1 if setting else 0, max(setting, 0)))  # not recorded
     return dll
 
 

@@ -270,7 +270,10 @@ class LLMEngine:
                 use.num_drafts += 1
                 use.num_draft_tokens += len(s.draft)
                 use.num_accepted_tokens += accepted.get(s.req.request_id, 0)
-        self.drafter.observe(drafts, accepted, sched.num_batched_tokens, seconds)
+        # the cost curve is of decode-shaped steps (a prefill chunk's rows are far cheaper)
+        decode_only = all(s.num_new_tokens == 1 + len(s.draft) for s in sched.scheduled)
+        self.drafter.observe(drafts, accepted, sched.num_batched_tokens,
+                             seconds if decode_only else None)
         sched_ = self.scheduler
         self.drafter.sweep({r.request_id for r in sched_.running}
                            | {r.request_id for r in sched_.waiting})

@@ -38,7 +38,14 @@ from kvserve.server.prompts import (
 )
 from kvserve.server.reasoning import ReasoningStream
 from kvserve.server.state import ServerState
-from kvserve.server.streaming import Handler, Update, full_response, include_usage, stream_choices
+from kvserve.server.streaming import (
+    ChunkEnvelope,
+    Handler,
+    Update,
+    full_response,
+    include_usage,
+    stream_choices,
+)
 from kvserve.server.structured import output_constraint, tool_plan
 from kvserve.server.tool_parsers import StreamingToolCalls, new_call_id
 
@@ -134,15 +141,13 @@ class ChatHandler(Handler):
     async def chunks(self, gen: Generation, first: Update | None) -> AsyncIterator[dict]:
         with_usage = include_usage(self.req)
 
+        envelope = ChunkEnvelope(ChatCompletionChunk, gen, self.model, with_usage)
+
         def chunk(choice: ChatChunkChoice | None, usage: UsageInfo | None = None) -> dict:
-            c = ChatCompletionChunk(id=gen.request_id, created=gen.created, model=self.model,
-                                    choices=[choice] if choice else [], usage=usage)
-            d = dump(c)
-            for ch in d["choices"]:  # OpenAI omits unset delta fields
+            choices = [dump(choice)] if choice else []
+            for ch in choices:  # OpenAI omits unset delta fields
                 ch["delta"] = {k: v for k, v in ch["delta"].items() if v is not None}
-            if not with_usage:
-                d.pop("usage", None)
-            return d
+            return envelope(choices, usage)
 
         calls = [StreamingToolCalls(self.parser) if self.parser else None
                  for _ in range(self.req.n)]

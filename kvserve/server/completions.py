@@ -28,7 +28,14 @@ from kvserve.server.prompts import (
     tokenize_prompts,
 )
 from kvserve.server.state import ServerState
-from kvserve.server.streaming import Handler, Update, full_response, include_usage, stream_choices
+from kvserve.server.streaming import (
+    ChunkEnvelope,
+    Handler,
+    Update,
+    full_response,
+    include_usage,
+    stream_choices,
+)
 from kvserve.server.structured import output_constraint
 
 
@@ -99,12 +106,10 @@ class CompletionHandler(Handler):
     async def chunks(self, gen: Generation, first: Update | None) -> AsyncIterator[dict]:
         with_usage = include_usage(self.req)
 
+        envelope = ChunkEnvelope(CompletionResponse, gen, self.model, with_usage)
+
         def chunk(choices: list[CompletionChoice], usage: UsageInfo | None = None) -> dict:
-            d = dump(CompletionResponse(id=gen.request_id, created=gen.created,
-                                        model=self.model, choices=choices, usage=usage))
-            if not with_usage:
-                d.pop("usage", None)
-            return d
+            return envelope([dump(c) for c in choices], usage)
 
         total = len(gen.prompts) * self.req.n
         offsets = [TextOffsets() for _ in range(total)]

@@ -20,6 +20,7 @@ from starlette.types import Receive, Scope, Send
 from kvserve.http.errors import APIError, SafeJSONResponse, error_body
 from kvserve.http.middleware import CLIENT_CLOSED, GENERATION_KEY
 from kvserve.http.protocol import (
+    ChatCompletionChunk,
     ChatCompletionResponse,
     CompletionResponse,
     PromptTokensDetails,
@@ -48,6 +49,29 @@ ChoiceChunk = Callable[[int, int, CompletionOutput | None, str | None], dict | N
 _SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
 logger = logging.getLogger("kvserve.server")
+
+
+class ChunkEnvelope:
+    """A stream's chunks as dicts: the response's own fields (``id``, ``object``, ``created``,
+    ``model``) dumped once, then per chunk only its choices and usage. Equal to dumping
+    ``response(..., choices=choices, usage=usage)`` whole, without building and dumping that
+    model for every token on the event loop (docs/server.md "Served vs offline")."""
+
+    __slots__ = ("_base", "_with_usage")
+
+    def __init__(self, response: type[CompletionResponse | ChatCompletionChunk], gen: Generation,
+                 model: str, with_usage: bool) -> None:
+        self._base = dump(response(id=gen.request_id, created=gen.created, model=model,
+                                   choices=[]))
+        self._with_usage = with_usage
+        if not with_usage:
+            self._base.pop("usage", None)
+
+    def __call__(self, choices: list[dict], usage: UsageInfo | None = None) -> dict:
+        d = {**self._base, "choices": choices}  # "choices" keeps its place among the keys
+        if self._with_usage:
+            d["usage"] = None if usage is None else dump(usage)
+        return d
 
 
 def sse(payload: dict | str) -> str:

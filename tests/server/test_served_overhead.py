@@ -79,3 +79,39 @@ def test_serve_runs_on_uvloop_and_httptools():
         assert isinstance(loop, uvloop.Loop)
     finally:
         loop.close()
+
+
+@pytest.mark.parametrize("with_usage", [False, True])
+def test_chunk_envelope_is_the_whole_chunk_dumped(with_usage):
+    """A stream's chunk from its envelope: byte for byte the response model dumped whole (keys
+    in the same order), for text and chat chunks, with and without the usage field."""
+    import json
+    from types import SimpleNamespace
+
+    from kvserve.http.protocol import (
+        ChatChunkChoice,
+        ChatCompletionChunk,
+        CompletionChoice,
+        CompletionResponse,
+        DeltaMessage,
+        PromptTokensDetails,
+        UsageInfo,
+        dump,
+    )
+    from kvserve.server.streaming import ChunkEnvelope
+
+    gen = SimpleNamespace(request_id="cmpl-x", created=1765000000)
+    usage = UsageInfo(prompt_tokens=3, completion_tokens=2, total_tokens=5,
+                      prompt_tokens_details=PromptTokensDetails(cached_tokens=1))
+    cases = ((CompletionResponse, CompletionChoice(index=1, text=" a", finish_reason="length",
+                                                   stop_reason=7)),
+             (ChatCompletionChunk, ChatChunkChoice(index=0, delta=DeltaMessage(content="b"))))
+    for response, choice in cases:
+        envelope = ChunkEnvelope(response, gen, "m", with_usage)
+        for choices, u in (([choice], None), ([], usage if with_usage else None)):
+            whole = dump(response(id=gen.request_id, created=gen.created, model="m",
+                                  choices=choices, usage=u))
+            if not with_usage:
+                whole.pop("usage")
+            got = envelope([dump(c) for c in choices], u)
+            assert json.dumps(got) == json.dumps(whole)

@@ -4,9 +4,18 @@ fitted by exponentially weighted least squares over recent steps.
 On CPU a step's cost grows with its rows almost from the first extra row (the GEMMs turn
 compute-bound within a few rows), so whether a draft token pays depends on the batch: at batch
 1 one extra row costs a fraction of the step, at batch 16 about a whole row's share.
+
+Only decode-shaped steps are observed (every row a decode or verify row: ``observe`` is not
+called for a step with a prefill chunk): a prompt's hundreds of rows run the GEMMs at their
+prefill efficiency, and one such point set the slope of the whole fit (at batch 1 a 400-row
+prefill, far cheaper per row, pulled the slope down for the ~30 steps it weighed in). A
+step far slower than the curve predicts (the host busy elsewhere) is clipped to
+``_CLIP`` x the prediction, so one stall does not turn drafting off for the next steps.
 """
 
 from __future__ import annotations
+
+_CLIP = 3.0  # an observation counts at most this multiple of the curve's prediction
 
 
 class StepCost:
@@ -17,6 +26,9 @@ class StepCost:
         self._s0 = self._s1 = self._s2 = self._sy = self._sxy = 0.0
 
     def observe(self, rows: int, seconds: float) -> None:
+        """A decode-shaped step of ``rows`` rows took ``seconds``."""
+        if self._s0 > 2.0:
+            seconds = min(seconds, _CLIP * self(rows))
         d = self.decay
         self._s0 = self._s0 * d + 1.0
         self._s1 = self._s1 * d + rows

@@ -20,6 +20,7 @@ from typing import Protocol
 from kvserve.config import SpeculativeConfig
 from kvserve.engine.spec.cost import StepCost
 from kvserve.engine.spec.ngram import NgramIndex
+from kvserve.engine.spec.realign import MAX_SHIFT, TokenText, realign
 from kvserve.engine.spec.suffix import GlobalSuffixCache, SuffixTree
 from kvserve.engine.stats import SpecDecodeCounters
 from kvserve.request import Request, RequestStatus
@@ -44,7 +45,7 @@ class DraftModel(Protocol):
 
 
 class _State:
-    __slots__ = ("req", "ngram", "tree", "fed", "acc", "trials")
+    __slots__ = ("req", "ngram", "tree", "fed", "acc", "trials", "prop", "prop_at", "aligned")
 
     def __init__(self, req: Request) -> None:
         self.req = req
@@ -52,14 +53,23 @@ class _State:
         self.tree: SuffixTree | None = None
         self.fed = 0  # tokens of req.all_token_ids appended to the tree
         self.acc = self.trials = 0.0
+        # suffix: the last proposal (with a few tokens of lookahead) and the sequence length
+        # it continued; the aligned context (realign.py) while the output follows a source
+        # with its whitespace shifted (None: the sequence itself is the context)
+        self.prop: list[int] = []
+        self.prop_at = -1
+        self.aligned: list[int] | None = None
 
     def alpha(self, prior: float = PRIOR) -> float:
         return (self.acc + prior * _PRIOR_WEIGHT) / (self.trials + _PRIOR_WEIGHT)
 
 
 class Drafter:
-    def __init__(self, config: SpeculativeConfig, draft_model: DraftModel | None = None) -> None:
+    def __init__(self, config: SpeculativeConfig, draft_model: DraftModel | None = None,
+                 tokenizer=None) -> None:
         self.config = config
+        # token texts for realigning a copy after a whitespace shift (suffix; None: off)
+        self.text = TokenText(tokenizer) if tokenizer is not None else None
         self.k = config.num_speculative_tokens
         self.draft_model = draft_model
         assert (config.method == "draft_model") == (draft_model is not None)
@@ -74,10 +84,12 @@ class Drafter:
 
     # ---- after a step ---------------------------------------------------------------------
     def observe(self, drafts: dict[str, int], accepted: dict[str, int], rows: int,
-                seconds: float) -> None:
+                seconds: float | None) -> None:
         """A step's outcome: per request with drafts, how many it drafted and how many were
-        accepted; the step's rows and wall time (the cost curve)."""
-        self.cost.observe(rows, seconds)
+        accepted; the step's rows and wall time (the cost curve; None: a step with a prefill
+        chunk, not a point of the decode curve)."""
+        if seconds is not None:
+            self.cost.observe(rows, seconds)
         if not drafts:  # nothing verified: back towards the prior, so drafting is tried again
             self._acc *= _IDLE_DECAY
             self._trials *= _IDLE_DECAY
@@ -214,13 +226,53 @@ class Drafter:
         st.fed = n
         args = (k, cfg.suffix_decoding_max_spec_factor, cfg.suffix_decoding_min_token_prob)
         # the request's own tree follows the sequence: its match needs no walk
-        best, score = st.tree.draft([], *args, match=st.tree.match_end())
+        path, limit, score = st.tree.draft_path([], *args, match=st.tree.match_end(),
+                                                lookahead=MAX_SHIFT)
+        aligned = self._aligned(st, req, n)
+        if aligned is not None:
+            p2, l2, s2 = st.tree.draft_path(aligned, *args, lookahead=MAX_SHIFT)
+            if s2 > score:
+                path, limit, score = p2, l2, s2
+            else:
+                st.aligned = None
+        best = path[:limit]
         if self.global_tree is not None:
             ctx = req.token_range(max(0, n - cfg.suffix_decoding_max_tree_depth), n)
             other, s2 = self.global_tree.tree.draft(ctx, *args)
             if s2 > score:
-                best = other
+                best = path = other
+        st.prop, st.prop_at = path, n
         return best
+
+    def _aligned(self, st: _State, req: Request, n: int) -> list[int] | None:
+        """The aligned context (realign.py) for drafting after the tokens emitted since the
+        last proposal, or None where the sequence itself is the context: the emitted tokens
+        followed the proposal, except that the last one may have replaced a few of its tokens
+        with the same text up to whitespace (then the proposal's tokens stand in for it)."""
+        if self.text is None or st.prop_at < 0 or n <= st.prop_at:
+            return st.aligned if n == st.prop_at else None
+        new, d = req.token_range(st.prop_at, n), st.prop
+        a = 0
+        while a < len(new) and a < len(d) and new[a] == d[a]:
+            a += 1
+        if a == len(new) or a == len(d) == len(new) - 1:  # followed (then a bonus token)
+            if st.aligned is None:
+                return None
+            tail = new
+        elif a == len(new) - 1:
+            i = realign(self.text, new[a], d, a)
+            if i is None:
+                st.aligned = None
+                return None
+            tail = new[:a] + d[a : i + 1]
+        else:
+            st.aligned = None
+            return None
+        depth = self.config.suffix_decoding_max_tree_depth
+        base = st.aligned if st.aligned is not None else req.token_range(
+            max(0, st.prop_at - depth), st.prop_at)
+        st.aligned = (base + tail)[-depth:]
+        return st.aligned
 
 def make_drafter(args, tokenizer, vocab_size: int) -> Drafter | None:
     """The engine's drafter for ``args.speculative_config`` (None: speculation off)."""
@@ -232,4 +284,4 @@ def make_drafter(args, tokenizer, vocab_size: int) -> Drafter | None:
         from kvserve.engine.spec.draft_model import DraftModelProposer
 
         draft = DraftModelProposer.build(args, cfg.model, tokenizer, vocab_size)
-    return Drafter(cfg, draft)
+    return Drafter(cfg, draft, tokenizer if cfg.method == "suffix" else None)

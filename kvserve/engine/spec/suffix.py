@@ -153,15 +153,23 @@ class SuffixTree:
               ) -> tuple[list[int], float]:
         """Up to ``k`` tokens and the draft's score (expected accepted tokens: the sum of the
         path's probabilities). ``match``: ``_match(context)`` when the caller has it."""
+        path, limit, score = self.draft_path(context, k, max_spec_factor, min_prob, match)
+        return path[:limit], score
+
+    def draft_path(self, context: list[int], k: int, max_spec_factor: float,
+                   min_prob: float, match: tuple[int | None, int] | None = None,
+                   lookahead: int = 0) -> tuple[list[int], int, float]:
+        """``draft``'s path, going on for up to ``lookahead`` tokens past the draft's length
+        limit (same rules, not in the score), the limit, and the draft's score."""
         node, m = match if match is not None else self._match(context)
         if node is None:
-            return [], 0.0
+            return [], 0, 0.0
         kids, count = self.kids, self.count
         limit = min(k, max(1, int(max_spec_factor * m)))
         out: list[int] = []
         prob = 1.0
         score = 0.0
-        while len(out) < limit:
+        while len(out) < limit + lookahead:
             if not kids[node]:  # the depth bound: the longest suffix that goes on
                 node, _ = self._with_children(node)
                 if node is None:
@@ -176,9 +184,10 @@ class SuffixTree:
             if prob < min_prob:
                 break
             out.append(tok)
-            score += prob
+            if len(out) <= limit:
+                score += prob
             node = nxt
-        return out, score
+        return out, min(limit, len(out)), score
 
 
 class GlobalSuffixCache:

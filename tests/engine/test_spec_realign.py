@@ -1,0 +1,89 @@
+"""Suffix drafts after a whitespace shift (kvserve/engine/spec/realign.py): a copy whose
+whitespace differs from its source (a hard-wrapped document quoted as one line) is drafted
+again from the source's long match right after the shifted token, not from a one-token match;
+and the step-cost curve only learns from decode-shaped steps."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvserve import SamplingParams
+from kvserve.config import parse_speculative_config
+from kvserve.engine.spec.cost import StepCost
+from kvserve.engine.spec.drafter import Drafter
+from kvserve.engine.spec.realign import TokenText, realign
+from kvserve.request import Request
+
+WORDS = [" the", " cat", " sat", " on", "\n", "the", " mat", " and", " dog", " ran", " far",
+         " away", "Q", ":", "  When", " When", "\n\n", "\xe2"]
+ID = {w: i for i, w in enumerate(WORDS)}
+
+
+class _Tok:
+    def decode(self, ids):
+        return "".join("\ufffd" if WORDS[i] == "\xe2" else WORDS[i] for i in ids)
+
+
+def _ids(*words):
+    return [ID[w] for w in words]
+
+
+def test_realign_finds_the_tokens_one_emitted_token_stands_for():
+    text = TokenText(_Tok())
+    # " the" where the source has "\n" "the": it stands for both
+    assert realign(text, ID[" the"], _ids("\n", "the", " mat"), 0) == 1
+    assert realign(text, ID[" When"], _ids("  When", " the"), 0) == 0  # runs of spaces
+    assert realign(text, ID[" the"], _ids(" on", "\n", "the"), 1) == 2  # from position a
+    assert realign(text, ID[" cat"], _ids("\n", "the"), 0) is None  # other text
+    assert realign(text, ID["\n\n"], _ids("\n", "the"), 0) is None  # whitespace alone
+    assert realign(text, ID[" the"], _ids("\xe2", "the"), 0) is None  # not whole characters
+    assert realign(text, ID[" the"], _ids("\n"), 0) is None  # the draft ends first
+
+
+def _drafter():
+    return Drafter(parse_speculative_config({"method": "suffix", "num_speculative_tokens": 8}),
+                   tokenizer=_Tok())
+
+
+def test_a_whitespace_shift_drafts_from_the_source_again():
+    doc = _ids(" the", " cat", " sat", " on", "\n", "the", " mat", " and", " the", " dog",
+               " ran", " far", " away")
+    req = Request("r", "r", 0, doc + _ids("Q", ":"), SamplingParams(max_tokens=50), 50)
+    d = _drafter()
+    req.output_token_ids += _ids(" the", " cat", " sat", " on")
+    assert d._propose_one(req, 8)[:2] == _ids("\n", "the")
+    # the model reflows the line: " the" replaces "\n" "the"; the draft goes on with the
+    # source after them (an exact match would have only " the" -> " cat"), as far as the
+    # aligned match's length (6) allows
+    req.output_token_ids += _ids(" the")
+    assert d._propose_one(req, 8) == _ids(" mat", " and", " the", " dog", " ran", " far")
+    # the copy goes on as drafted: still drafted from the aligned source (the sequence's own
+    # match, " the mat ...", never occurred)
+    req.output_token_ids += _ids(" mat", " and", " the", " dog")
+    assert d._propose_one(req, 8)[:3] == _ids(" ran", " far", " away")
+    # the output leaves the source: back to the sequence's own matches
+    req.output_token_ids += _ids("Q")
+    d._propose_one(req, 8)
+    assert d._states["r"].aligned is None
+
+
+def test_without_a_tokenizer_nothing_is_realigned():
+    doc = _ids(" the", " cat", " sat", " on", "\n", "the", " mat", " and")
+    req = Request("r", "r", 0, doc, SamplingParams(max_tokens=50), 50)
+    d = Drafter(parse_speculative_config({"method": "suffix", "num_speculative_tokens": 8}))
+    req.output_token_ids += _ids(" the", " cat", " sat", " on", " the")
+    assert d._propose_one(req, 8) == _ids(" cat")  # " the" -> " cat", a 1-token match
+
+
+def test_step_cost_skips_prefill_and_clips_stalls():
+    d = _drafter()
+    for rows in (1, 5, 9, 1, 5, 9):
+        d.observe({}, {}, rows, 0.004 + 0.001 * rows)
+    d.observe({}, {}, 400, None)  # a step with a prefill chunk: not a point of the curve
+    a, b = d.cost.line()
+    assert a == pytest.approx(0.004, rel=1e-6) and b == pytest.approx(0.001, rel=1e-6)
+    c = StepCost()
+    for rows in (1, 5, 9, 1, 5, 9):
+        c.observe(rows, 0.004 + 0.001 * rows)
+    c.observe(5, 10.0)  # a stall: counted as 3x the prediction, not 1000x
+    assert c(5) < 3 * 0.009

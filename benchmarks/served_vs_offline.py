@@ -5,7 +5,8 @@ goal: served / offline >= 0.95 of the output throughput).
     .venv/bin/python benchmarks/served_vs_offline.py [--model GGUF_OR_FOLDER] --threads 2 \\
         --input-len 256 --output-len 128 --num-prompts 64 --concurrency 16 --rounds 2 \\
         [--client kvserve | --client vllm --vllm-python VLLM_VENV/bin/python] \\
-        [--py-spy OUT_PREFIX] [--engine-args --cpu-bf16-dot-rows 8 ...] \\
+        [--py-spy OUT_PREFIX] [--serve-args '--output-handoff step'] \\
+        [--engine-args --cpu-bf16-dot-rows 8 ...] \\
         --json docs/bench/served_vs_offline_smollm2_q4.json
 
 Both sides are a fresh process with ``OMP_NUM_THREADS=--threads`` and the same engine flags
@@ -36,6 +37,7 @@ import argparse
 import json
 import os
 import secrets
+import shlex
 import signal
 import statistics
 import subprocess
@@ -268,7 +270,8 @@ def run_served(ns: argparse.Namespace, prompts: list[list[int]], warm: list[list
     from kvserve.bench.serve_bench import run_serve_bench
     from kvserve.bench.served import ServeProcess
 
-    srv = ServeProcess(ns.model, ["--served-model-name", NAME, *ns.engine_args], key=key,
+    srv = ServeProcess(ns.model, ["--served-model-name", NAME, *shlex.split(ns.serve_args),
+                                  *ns.engine_args], key=key,
                        log_prefix="kvserve-served-", env={"OMP_NUM_THREADS": str(ns.threads)})
     spy = None
     try:
@@ -362,6 +365,9 @@ def main(argv: list[str] | None = None) -> int:
                    help="profile the server's measured load with py-spy into PREFIX.roundN.txt")
     p.add_argument("--py-spy-rate", type=int, default=100, help="samples per second")
     p.add_argument("--timeout", type=float, default=3600.0, help="seconds per side")
+    p.add_argument("--serve-args", default="",
+                   help="`kvserve serve` flags for the served side only, one string (e.g. "
+                        "'--output-handoff step')")
     p.add_argument("--engine-args", nargs=argparse.REMAINDER, default=[],
                    help="engine flags for both sides (last on the line)")
     p.add_argument("--json", default=None, help="results JSON")

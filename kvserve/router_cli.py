@@ -17,7 +17,8 @@ from kvserve.server.settings import LaunchSettings, ServerSettings
 
 logger = logging.getLogger("kvserve.router")
 # serve's flags that mean nothing to a router
-_NOT_ROUTER_LAUNCH = ("step_delay", "data_parallel_size", "replica_threads")
+_NOT_ROUTER_LAUNCH = ("step_delay", "output_handoff", "data_parallel_size",
+                      "replica_threads")
 _NOT_ROUTER_SERVER = ("served_model_name", "max_queue", "request_timeout", "max_n")
 
 

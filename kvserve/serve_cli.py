@@ -110,7 +110,8 @@ def serve(ns: argparse.Namespace, engine_args: EngineArgs) -> int:
     sock = listen_socket(launch.host, launch.port)  # before the model loads (see launch.py)
     app = engine = None
     try:
-        engine = AsyncLLMEngine.from_engine_args(engine_args, step_delay_s=launch.step_delay)
+        engine = AsyncLLMEngine.from_engine_args(engine_args, step_delay_s=launch.step_delay,
+                                                  output_handoff=launch.output_handoff)
         app = build_app(engine, settings)
         engine.start()
         server = DrainingServer.create(app, launch.host, bound_port(sock), launch.drain_timeout,

@@ -15,7 +15,10 @@ thread, which needs the GIL between its kernels, then waited for it (up to the 5
 interval at a time) before it could schedule and start the next forward. Handed over at the
 forward, the loop's work overlaps the kernels instead. Finished outputs (and failures) still go
 at once, so a finished request's room goes to the next one before the next step is scheduled;
-nothing is held once the engine has no work left.
+nothing is held once the engine has no work left. ``output_handoff="step"`` (`kvserve serve
+--output-handoff step`) hands every output over as soon as the step made it instead, in one
+wake-up per loop: the loop's writing then shares the GIL with the engine's scheduling, and
+the client reads on the core the OpenMP workers leave idle meanwhile (an A/B for the host).
 
 Every item a sink receives is either a ``RequestOutput`` (as ``SamplingParams.output_kind`` asks)
 or a ``RequestFailure`` naming the request and why it ended early (the engine thread died, or
@@ -131,11 +134,16 @@ def _deliver(items: list[tuple[asyncio.Queue, object]]) -> None:
 class AsyncLLMEngine:
     """Thread-hosted ``LLMEngine`` with an asyncio front door."""
 
-    def __init__(self, engine: LLMEngine, *, step_delay_s: float = 0.0) -> None:
+    def __init__(self, engine: LLMEngine, *, step_delay_s: float = 0.0,
+                 output_handoff: str = "forward") -> None:
         if step_delay_s < 0:
             raise ValueError(f"step_delay_s must be >= 0, got {step_delay_s}")
+        if output_handoff not in ("forward", "step"):
+            raise ValueError(f"output_handoff must be 'forward' or 'step', got "
+                             f"{output_handoff!r}")
         self._engine = engine
         self.step_delay_s = step_delay_s
+        self.output_handoff = output_handoff
         # Immutable facts the front end may read from any thread.
         self.model_config = engine.model_config
         self.capacity_tokens = engine.capacity_tokens
@@ -247,16 +255,22 @@ class AsyncLLMEngine:
                     break
                 if not busy:
                     engine.check_health()  # a dead tensor-parallel worker kills us when idle too
-                outputs = (engine.step(before_forward=self._flush)
+                at_forward = self.output_handoff == "forward"
+                outputs = (engine.step(before_forward=self._flush if at_forward else None)
                            if engine.has_unfinished_requests() else None)
                 # Publish first: whoever gets an item also sees the engine state after it.
                 self._publish_snapshot()
                 self._flush()  # what no forward ran to send (nothing was scheduled)
                 if outputs is not None:
                     finished, running = self._route(outputs)
+                    if not at_forward:  # everything at once, one wake-up per loop
+                        for loop, items in finished.items():
+                            running[loop].extend(items)
+                        finished = {}
                     self._send(finished)
                     self._held = running
-                    if self.step_delay_s or not engine.has_unfinished_requests():
+                    if (not at_forward or self.step_delay_s
+                            or not engine.has_unfinished_requests()):
                         self._flush()
                     if self.step_delay_s:
                         time.sleep(self.step_delay_s)

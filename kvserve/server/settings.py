@@ -182,6 +182,11 @@ class LaunchSettings:
         group=LAUNCH)
     step_delay: float = arg(0.0, "seconds to sleep after each engine step (testing: a slower "
                             "model)", type=float, group=LAUNCH)
+    output_handoff: str = arg(
+        "forward", "when the engine thread hands a step's unfinished outputs to the event loop: "
+        "'forward' (when the next step's forward starts: the loop writes while the kernels "
+        "run) or 'step' (as soon as they exist: the loop and the client work while the "
+        "engine schedules)", choices=["forward", "step"], group=LAUNCH)
     switch_interval_ms: float = arg(
         0.2, "Python's GIL switch interval (sys.setswitchinterval), in ms: the longest the "
         "engine thread waits for the GIL while the event loop writes chunks (Python's default "

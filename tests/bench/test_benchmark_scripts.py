@@ -351,6 +351,7 @@ def test_served_vs_offline_tiny(tmp_path):
     assert so.main(["--model", "demo", "--threads", "1", "--input-len", "12", "--output-len",
                     "5", "--num-prompts", "3", "--concurrency", "2", "--warmup", "1",
                     "--warmup-tokens", "2", "--timeout", "300", "--json", str(out),
+                    "--serve-args", "--output-handoff step",
                     "--engine-args", "--kv-cache-memory", "16MiB"]) == 0
     r = json.loads(out.read_text())
     (rd,) = r["rounds"]
@@ -362,3 +363,4 @@ def test_served_vs_offline_tiny(tmp_path):
         rd["served"]["output_throughput"] / rd["offline"]["output_throughput"])
     assert r["env"]["cpu"]["kind"] and r["config"]["engine_args"] == ["--kv-cache-memory",
                                                                     "16MiB"]
+    assert r["config"]["serve_args"] == "--output-handoff step"

@@ -97,6 +97,8 @@ def test_default_rows_stay_batch_invariant(make_llm, bf16_folder, monkeypatch):
     in a batch of other prompts, chunked prefills sharing steps with decode rows: alone its
     GEMMs have <= 7 rows, batched up to 48 (on AMX: the in-place tiles, then the blocked path
     from 24 rows)."""
+    if w16_gemm.w16_library() is None:
+        pytest.skip("no C compiler: torch's GEMMs make no batch-invariance promise")
     monkeypatch.delenv("KVSERVE_CPU_BF16_ROWS", raising=False)
     llm = make_llm(bf16_folder, enable_prefix_caching=False, max_num_batched_tokens=48)
     assert llm.engine.args.cpu_bf16_dot_rows == _host_default()
@@ -122,7 +124,7 @@ def test_default_against_the_exact_path(make_llm, bf16_folder, monkeypatch):
     assert exact.args.cpu_bf16_dot_rows == 0
     dots = auto.args.cpu_bf16_dot_rows
     assert dots == _host_default()
-    a, b = auto.prompt_logits(ids), exact.prompt_logits(ids)
+    a, b = auto.prompt_logits(ids).double(), exact.prompt_logits(ids).double()
     diff = (a - b).abs().max().item()
     kl = torch.nn.functional.kl_div(a.log_softmax(-1), b.log_softmax(-1), log_target=True,
                                     reduction="none").sum(-1)
@@ -131,3 +133,19 @@ def test_default_against_the_exact_path(make_llm, bf16_folder, monkeypatch):
         assert kl.mean().item() < 1e-2 and diff < 0.5
     else:
         assert diff < 1e-4 and kl.max().item() < 1e-8
+
+
+def test_log_and_fingerprint_name_the_dots(make_llm, bf16_folder, monkeypatch, caplog):
+    """The start-up log says what auto settled and why; the KV fingerprint (prefix-cache
+    hashes, KV tiers) differs between the two arithmetics exactly where bf16 dots run, so
+    neither reuses KV the other computed."""
+    monkeypatch.delenv("KVSERVE_CPU_BF16_ROWS", raising=False)
+    with caplog.at_level("INFO", logger="kvserve"):
+        auto = make_llm(bf16_folder).engine
+    line = next(r.getMessage() for r in caplog.records
+                if r.getMessage().startswith("cpu_bf16_dot_rows"))
+    assert line.startswith(f"cpu_bf16_dot_rows {_host_default()} (auto: ")
+    exact = make_llm(bf16_folder, cpu_bf16_dot_rows=0).engine
+    again = make_llm(bf16_folder, cpu_bf16_dot_rows=0).engine
+    assert exact.config.fingerprint == again.config.fingerprint
+    assert (auto.config.fingerprint != exact.config.fingerprint) == bool(_host_default())

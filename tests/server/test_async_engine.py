@@ -24,9 +24,9 @@ LONG = SamplingParams(max_tokens=300, ignore_eos=True)
 def make_engine(tiny_llama):
     made = []
 
-    def make(step_delay_s: float = 0.0) -> AsyncLLMEngine:
+    def make(step_delay_s: float = 0.0, **kw) -> AsyncLLMEngine:
         args = EngineArgs(model=tiny_llama, kv_cache_memory="16MiB", progress=False)
-        eng = AsyncLLMEngine.from_engine_args(args, step_delay_s=step_delay_s).start()
+        eng = AsyncLLMEngine.from_engine_args(args, step_delay_s=step_delay_s, **kw).start()
         made.append(eng)
         return eng
 
@@ -140,11 +140,9 @@ def test_shutdown_fails_running_requests(make_engine):
     assert eng.snapshot().num_blocks_used == 0
 
 
-def test_outputs_go_to_the_loop_when_the_next_forward_starts(make_engine):
-    """A step's unfinished outputs are handed to the event loop once the next step is
-    scheduled, right before its forward (so the loop writes them while the kernels run);
-    the finished one goes at once."""
-    eng = make_engine()
+def _handoff_log(eng: AsyncLLMEngine) -> list[str]:
+    """What the engine thread does, in order, for one request of 4 tokens: schedule, forward,
+    and each hand-over to the loop ("deliver"; "finished" when it holds the finished output)."""
     inner = eng._engine
     log: list[str] = []
     schedule, execute, call = inner.scheduler.schedule, inner.runner.execute_model, eng._call
@@ -179,8 +177,25 @@ def test_outputs_go_to_the_loop_when_the_next_forward_starts(make_engine):
 
     outs = asyncio.run(main())
     assert [len(o.outputs[0].token_ids) for o in outs] == [1, 2, 3, 4]
+    return log
+
+
+def test_outputs_go_to_the_loop_when_the_next_forward_starts(make_engine):
+    """A step's unfinished outputs are handed to the event loop once the next step is
+    scheduled, right before its forward (so the loop writes them while the kernels run);
+    the finished one goes at once."""
+    log = _handoff_log(make_engine())
     assert log == ["schedule", "forward"] + ["schedule", "deliver", "forward"] * 3 + [
         "finished"]
+
+
+def test_output_handoff_step_hands_each_step_over_at_once(make_engine):
+    """``output_handoff="step"``: every step's outputs go to the loop as soon as the step made
+    them, in one hand-over, before the next step is scheduled."""
+    log = _handoff_log(make_engine(output_handoff="step"))
+    assert log == ["schedule", "forward", "deliver"] * 3 + ["schedule", "forward", "finished"]
+    with pytest.raises(ValueError, match="output_handoff"):
+        AsyncLLMEngine(None, output_handoff="soon")  # type: ignore[arg-type]
 
 
 def test_streams_on_uvloop(make_engine):

@@ -530,11 +530,18 @@ static int w16_gemm_amx(const float *x, int64_t M, int64_t K, int64_t ldx, const
  * the VNNI layout once per call ([N / 32][K16][2][8][16] dwords; each thread repacks the
  * 32-row blocks it then computes, the next one during the current one's products); x is
  * walked in chunks of ~AMX_XT_BYTES (L2-resident while the thread's weight blocks meet them),
- * each rounded to bf16 during the previous chunk's products. The repack costs N K per call, so small M
- * (decode) keeps w16_gemm_amx, which reads the packed tables in place (measured crossover
- * 16-24 rows): kvs_w16_amx_block_rows sets from how many rows this path runs. */
+ * each rounded to bf16 during the previous chunk's products.
+ *
+ * The repack costs N K per call, yet this path serves every M by default (AMX_BLOCK_ROWS 1):
+ * an engine's weights are never L2-hot between two uses (SmolLM2's layers: 212 MB a step),
+ * and from L3 the repack's vector loads stream faster than w16_gemm_amx's tile loads of the
+ * packed table (measured, 30 SmolLM2 layers, 1 thread: M = 1 / 4 / 16: 9 / 35 / 133 GFLOP/s
+ * against 7 / 26 / 96; decode tok/s 34.4 / 130 / 460 against 29.0 / 99 / 342 at batch 1 / 4
+ * / 16). With L2-hot weights (a few small tables) the in-place tiles win below ~20 rows.
+ * w16_gemm_amx stays as the other loop over the same products (tests compare the two bit
+ * for bit); kvs_w16_amx_block_rows sets from how many rows this path runs. */
 #ifndef AMX_BLOCK_ROWS
-#define AMX_BLOCK_ROWS 24
+#define AMX_BLOCK_ROWS 1
 #endif
 static int64_t amx_block_rows = AMX_BLOCK_ROWS;
 

@@ -25,7 +25,7 @@ pass over the layers with
             figures that decide whether the bf16 path is worth its accuracy cost (docs/cpu.md);
   kvserve_bf16_amx_in_place  (CPUs with AMX only) the bf16 dots on AMX tiles read in place
             (4 weight rows x 16 columns per product) for every M: the path before the
-            cache-blocked one, which ``kvserve_bf16_dot`` takes from 32 rows (same bits);
+            cache-blocked one, which ``kvserve_bf16_dot`` takes for every M (same bits);
 
 rotated per round (who goes first changes), median of ``rounds`` (``--stat min``: the fastest
 round, for a shared host; ``--clock cpu``: process CPU seconds, which on a busy host with

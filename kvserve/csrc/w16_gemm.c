@@ -356,9 +356,7 @@ static int w16_gemm_bf16_dot(const float *x, int64_t M, int64_t K, int64_t ldx,
 
 #if defined(KVS_BF16_DOT) && defined(__AMX_TILE__) && defined(__AMX_BF16__) && !defined(KVS_SIMDE)
 #define KVS_AMX 1
-#include <cpuid.h>
-#include <sys/syscall.h>
-long syscall(long number, ...); /* <unistd.h> declares it only with _GNU_SOURCE */
+#include "amx.h"
 /* AMX (Sapphire Rapids and later): the bf16 dot products as tile products (TDPBF16PS).
  *
  * Roles: A = one packed tile's NR = 4 weight rows x 16 columns (32 contiguous bytes a row: the
@@ -381,24 +379,12 @@ long syscall(long number, ...); /* <unistd.h> declares it only with _GNU_SOURCE 
 #ifndef AMX_XT_BYTES
 #define AMX_XT_BYTES 524288
 #endif
-#define ARCH_REQ_XCOMP_PERM 0x1023
-#define XFEATURE_XTILEDATA 18
 
 static int amx_state = -1; /* -1: not asked yet, 0: off / unavailable, 1: on */
 
-/* the CPU has AMX-TILE + AMX-BF16 and Linux grants this process the tile data state */
-static int amx_available(void) {
-    unsigned a, b, c, d;
-    if (!__get_cpuid_count(7, 0, &a, &b, &c, &d)) return 0;
-    if (!((d >> 24) & 1) || !((d >> 22) & 1)) return 0; /* AMX-TILE, AMX-BF16 */
-    return syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0;
-}
-
-typedef struct {
-    uint8_t palette, start_row, reserved[14];
-    uint16_t colsb[16];
-    uint8_t rows[16];
-} __attribute__((packed, aligned(64))) amx_cfg;
+/* the tile permission, CPUID check and configuration: amx.h (shared with the GGUF GEMMs'
+ * AMX-INT8 paths) */
+typedef kvs_amx_cfg amx_cfg;
 
 static void amx_config(void) {
     amx_cfg cfg;
@@ -544,11 +530,18 @@ static int w16_gemm_amx(const float *x, int64_t M, int64_t K, int64_t ldx, const
  * the VNNI layout once per call ([N / 32][K16][2][8][16] dwords; each thread repacks the
  * 32-row blocks it then computes, the next one during the current one's products); x is
  * walked in chunks of ~AMX_XT_BYTES (L2-resident while the thread's weight blocks meet them),
- * each rounded to bf16 during the previous chunk's products. The repack costs N K per call, so small M
- * (decode) keeps w16_gemm_amx, which reads the packed tables in place (measured crossover
- * 16-24 rows): kvs_w16_amx_block_rows sets from how many rows this path runs. */
+ * each rounded to bf16 during the previous chunk's products.
+ *
+ * The repack costs N K per call, yet this path serves every M by default (AMX_BLOCK_ROWS 1):
+ * an engine's weights are never L2-hot between two uses (SmolLM2's layers: 212 MB a step),
+ * and from L3 the repack's vector loads stream faster than w16_gemm_amx's tile loads of the
+ * packed table (measured, 30 SmolLM2 layers, 1 thread: M = 1 / 4 / 16: 9 / 35 / 133 GFLOP/s
+ * against 7 / 26 / 96; decode tok/s 34.4 / 130 / 460 against 29.0 / 99 / 342 at batch 1 / 4
+ * / 16). With L2-hot weights (a few small tables) the in-place tiles win below ~20 rows.
+ * w16_gemm_amx stays as the other loop over the same products (tests compare the two bit
+ * for bit); kvs_w16_amx_block_rows sets from how many rows this path runs. */
 #ifndef AMX_BLOCK_ROWS
-#define AMX_BLOCK_ROWS 24
+#define AMX_BLOCK_ROWS 1
 #endif
 static int64_t amx_block_rows = AMX_BLOCK_ROWS;
 
@@ -801,13 +794,7 @@ int64_t kvs_w16_amx_block_rows(int64_t rows) {
  * Returns whether it is on. */
 int kvs_w16_amx(int request) {
 #ifdef KVS_AMX
-    int s = __atomic_load_n(&amx_state, __ATOMIC_ACQUIRE);
-    if (request == 0)
-        s = 0;
-    else if (request == 1 || s < 0)
-        s = amx_available();
-    __atomic_store_n(&amx_state, s, __ATOMIC_RELEASE);
-    return s;
+    return kvs_amx_request(&amx_state, request, KVS_AMX_BF16_BIT);
 #else
     (void)request;
     return 0;

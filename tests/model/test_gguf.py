@@ -367,3 +367,38 @@ def test_gguf_decode_graph_replays_eager(overrides, gguf_factory, make_llm):
     assert got == want
     g = fast.engine.runner.graphs
     assert g is not None and g.runs > 0 and eager.engine.runner.graphs is None
+
+
+def test_gguf_speculative_greedy_identical_across_amx_and_vnni(gguf_factory, make_llm):
+    """Speculative decoding on a GGUF model where the GEMMs' row counts straddle the AMX-INT8
+    threshold (a decode step of 1 prompt: 2 int8x2 rows on the VNNI pass; its verify steps of
+    k + 1 tokens: 10 rows on tiles): greedy tokens and logprobs equal speculation off, and
+    equal a run with the tiles off. Skips without AMX-INT8 (the identity itself is
+    tests/engine/test_speculative.py's)."""
+    from kvserve.kernels.cpu import wq_gemm as wq_cpu
+
+    lib = wq_cpu.wq_library()
+    if lib is None or not wq_cpu.amx_rows(lib):
+        pytest.skip("this CPU (or its native build, or Linux) has no AMX-INT8 tiles")
+    rows = wq_cpu.amx_rows(lib)
+    path = gguf_factory("llama")
+    sp = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True, logprobs=2)
+    prompt = [[5, 9, 17, 5, 9, 17, 5, 9, 17, 5, 9]]  # repeats: n-gram drafts
+
+    def run(llm):
+        return [(o.outputs[0].token_ids, o.outputs[0].logprobs)
+                for o in llm.generate(prompt, sp)]
+
+    spec = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1,
+            "prompt_lookup_max": 3, "adaptive": False}
+    try:
+        assert wq_cpu.set_amx(lib, True, 6) == 6
+        off = run(make_llm(path))
+        on_llm = make_llm(path, speculative_config=spec)
+        on = run(on_llm)
+        assert on == off
+        assert on_llm.engine.stats().spec_decode["num_draft_tokens"] > 0
+        wq_cpu.set_amx(lib, False)
+        assert run(make_llm(path, speculative_config=spec)) == off
+    finally:
+        wq_cpu.set_amx(lib, True, rows)

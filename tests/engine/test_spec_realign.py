@@ -115,3 +115,35 @@ def test_substitutions_first_tokens_are_weighed_at_their_own_rate():
     for _ in range(50):
         d.observe({"r": 4}, {"r": 4}, 5, 0.01)
     assert d._sub_acc / d._sub_trials > 0.6 and d._acc / d._trials == pytest.approx(1.0)
+
+
+def _staircase(rows: int) -> float:
+    return 0.010 + 0.001 * rows + (0.007 if rows >= 9 else 0.0)
+
+
+def test_step_cost_learns_the_staircase():
+    """The GEMMs' cost is a staircase (tiles): per-row-count factors on the fitted line."""
+    c = StepCost()
+    for _ in range(20):
+        for rows in range(1, 17):
+            c.observe(rows, _staircase(rows))
+    for rows in range(1, 17):
+        assert c(rows) == pytest.approx(_staircase(rows), rel=0.05)
+    assert c(9) - c(8) > 0.006 and c(10) - c(9) < 0.002
+
+
+def test_the_choice_weighs_whole_prefixes():
+    """A curve whose second row costs a whole step and the next ones almost nothing: one
+    draft token does not pay alone, sixteen likely ones do (a first-token break would take
+    none)."""
+    d = _drafter()
+    for _ in range(20):
+        for rows in range(1, 18):
+            d.cost.observe(rows, 0.010 if rows == 1 else 0.020 + 0.0001 * rows)
+    req = Request("r", "r", 0, [1], SamplingParams(max_tokens=50), 50)
+    d._state(req)
+    ps = [0.9 ** (j + 1) for j in range(16)]
+    d._choose([(req, list(range(16)), ps)], 1, 1)
+    assert req.spec_token_ids == list(range(16))
+    d._choose([(req, list(range(16)), [0.3 ** (j + 1) for j in range(16)])], 1, 1)
+    assert req.spec_token_ids == []  # ~0.4 tokens gained: not worth the second row

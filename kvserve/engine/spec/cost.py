@@ -16,19 +16,34 @@ step far slower than the curve predicts (the host busy elsewhere) is clipped to
 from __future__ import annotations
 
 _CLIP = 3.0  # an observation counts at most this multiple of the curve's prediction
+_ROWS = 64  # row counts 1.._ROWS keep their own shape factor
+_SHAPE_DECAY = 0.9  # per observation of that row count
+_SHAPE_PRIOR = 1.0  # weight (in observations) of the line itself (factor 1)
 
 
 class StepCost:
-    __slots__ = ("decay", "_s0", "_s1", "_s2", "_sy", "_sxy")
+    """The line a + b rows, times a per-row-count shape factor: the measured step time over
+    the line's prediction, averaged per row count (1.._ROWS) and blended with 1 (the line) by
+    how often that count was seen. The GEMMs' cost is a staircase, not a line (the AMX-INT8
+    tiles from 6 rows on, 16-row tiles, the VNNI pass's row blocks): the line carries the
+    level (it follows the host's load), the factors the steps."""
+
+    __slots__ = ("decay", "_s0", "_s1", "_s2", "_sy", "_sxy", "_shape", "_shape_w")
 
     def __init__(self, decay: float = 0.97) -> None:
         self.decay = decay
         self._s0 = self._s1 = self._s2 = self._sy = self._sxy = 0.0
+        self._shape = [1.0] * (_ROWS + 1)
+        self._shape_w = [0.0] * (_ROWS + 1)
 
     def observe(self, rows: int, seconds: float) -> None:
         """A decode-shaped step of ``rows`` rows took ``seconds``."""
         if self._s0 > 2.0:
             seconds = min(seconds, _CLIP * self(rows))
+        if self.known and rows <= _ROWS:
+            a, b = self.line()
+            w = self._shape_w[rows] = self._shape_w[rows] * _SHAPE_DECAY + 1.0
+            self._shape[rows] += (seconds / max(a + b * rows, 1e-9) - self._shape[rows]) / w
         d = self.decay
         self._s0 = self._s0 * d + 1.0
         self._s1 = self._s1 * d + rows
@@ -56,4 +71,8 @@ class StepCost:
 
     def __call__(self, rows: int) -> float:
         a, b = self.line()
-        return a + b * rows
+        t = a + b * rows
+        if rows <= _ROWS:
+            w = self._shape_w[rows]
+            t *= (w * self._shape[rows] + _SHAPE_PRIOR) / (w + _SHAPE_PRIOR)
+        return t

@@ -192,23 +192,32 @@ class Drafter:
 
     def _choose(self, cands: list[tuple[Request, list[int], list[float]]], n_decode: int,
                 base_rows: int) -> None:
-        """Take draft tokens by expected acceptance while expected tokens per second rises."""
+        """Take draft tokens by expected acceptance, as many as maximize the step's expected
+        tokens per second (the whole prefix is weighed: the measured curve has steps, so a
+        token that does not pay alone may pay with the next ones)."""
         order = sorted(((p, i, j) for i, (_, _, ps) in enumerate(cands)
                         for j, p in enumerate(ps)), key=lambda t: -t[0])
         take = [0] * len(cands)
         gain, rows = float(n_decode), base_rows
-        t = self.cost(rows) if self.cost.known else None
+        picks: list[int] = []
+        known = self.cost.known
+        best_rate = gain / self.cost(rows) if known else 0.0
+        best_n = 0
         for p, i, j in order:
             if j != take[i]:  # a later token of a request whose earlier one was not taken
                 continue
-            if t is not None:
-                t_next = self.cost(rows + 1)
-                if (gain + p) * t <= gain * t_next:
-                    break
-                t = t_next
             take[i] += 1
             gain += p
             rows += 1
+            picks.append(i)
+            if known:
+                rate = gain / self.cost(rows)
+                if rate > best_rate:
+                    best_rate, best_n = rate, len(picks)
+        if known:
+            take = [0] * len(cands)
+            for i in picks[:best_n]:
+                take[i] += 1
         for (req, d, _), n in zip(cands, take, strict=True):
             req.spec_token_ids = d[:n]
             if not n:

@@ -61,10 +61,23 @@ def test_a_whitespace_shift_drafts_from_the_source_again():
     # match, " the mat ...", never occurred)
     req.output_token_ids += _ids(" mat", " and", " the", " dog")
     assert d._propose_one(req, 8)[:3] == _ids(" ran", " far", " away")
-    # the output leaves the source: back to the sequence's own matches
-    req.output_token_ids += _ids("Q")
+    # one token differs: taken as a substitution, the source goes on after it
+    req.output_token_ids += _ids(" ran", "Q")
+    assert d._propose_one(req, 8)[:2] == _ids(" away", "Q")
+    # the next differs at once too: the output left the source, back to its own matches
+    req.output_token_ids += _ids(":")
     d._propose_one(req, 8)
     assert d._states["r"].aligned is None
+
+
+def test_a_substituted_value_drafts_the_structure_after_it():
+    line = _ids("Q", " the", ":", " cat", " and")  # Q the: cat and  (" cat": the value)
+    req = Request("r", "r", 0, line * 2 + _ids(" mat"), SamplingParams(max_tokens=50), 50)
+    d = _drafter()
+    req.output_token_ids += _ids("Q", " the", ":")
+    assert d._propose_one(req, 8)[:2] == _ids(" cat", " and")
+    req.output_token_ids += _ids(" dog")  # a new value: nothing ever followed " dog"
+    assert d._propose_one(req, 8)[:3] == _ids(" and", "Q", " the")
 
 
 def test_without_a_tokenizer_nothing_is_realigned():
@@ -87,3 +100,18 @@ def test_step_cost_skips_prefill_and_clips_stalls():
         c.observe(rows, 0.004 + 0.001 * rows)
     c.observe(5, 10.0)  # a stall: counted as 3x the prediction, not 1000x
     assert c(5) < 3 * 0.009
+
+
+def test_substitutions_first_tokens_are_weighed_at_their_own_rate():
+    """The adaptive choice weighs a substitution's first draft token at the recent rate of
+    such tokens (prior 0.5), learned apart from the request's per-token acceptance."""
+    d = _drafter()
+    st = d._state(Request("r", "r", 0, [1], SamplingParams(max_tokens=5), 5))
+    st.from_subst = True
+    for _ in range(50):
+        d.observe({"r": 4}, {"r": 0}, 5, 0.01)  # substitutions rejected at once
+    assert d._sub_acc / d._sub_trials < 0.01
+    assert d._trials == 0  # the request's and the global acceptance: untouched
+    for _ in range(50):
+        d.observe({"r": 4}, {"r": 4}, 5, 0.01)
+    assert d._sub_acc / d._sub_trials > 0.6 and d._acc / d._trials == pytest.approx(1.0)

@@ -20,7 +20,7 @@ from typing import Protocol
 from kvserve.config import SpeculativeConfig
 from kvserve.engine.spec.cost import StepCost
 from kvserve.engine.spec.ngram import NgramIndex
-from kvserve.engine.spec.realign import MAX_SHIFT, TokenText, realign
+from kvserve.engine.spec.realign import MAX_SHIFT, SUBST_WEIGHT, TokenText, realign
 from kvserve.engine.spec.suffix import GlobalSuffixCache, SuffixTree
 from kvserve.engine.stats import SpecDecodeCounters
 from kvserve.request import Request, RequestStatus
@@ -45,7 +45,8 @@ class DraftModel(Protocol):
 
 
 class _State:
-    __slots__ = ("req", "ngram", "tree", "fed", "acc", "trials", "prop", "prop_at", "aligned")
+    __slots__ = ("req", "ngram", "tree", "fed", "acc", "trials", "prop", "prop_at", "aligned",
+                 "subst", "from_subst")
 
     def __init__(self, req: Request) -> None:
         self.req = req
@@ -59,6 +60,8 @@ class _State:
         self.prop: list[int] = []
         self.prop_at = -1
         self.aligned: list[int] | None = None
+        self.subst = False  # the aligned context stands in a substituted token (realign.py)
+        self.from_subst = False  # the last proposal came from such a context
 
     def alpha(self, prior: float = PRIOR) -> float:
         return (self.acc + prior * _PRIOR_WEIGHT) / (self.trials + _PRIOR_WEIGHT)
@@ -78,6 +81,8 @@ class Drafter:
         self._states: dict[str, _State] = {}
         # every request's outcomes together: the prior of a request that has none yet
         self._acc = self._trials = 0.0
+        # how often a substitution's first draft token is accepted (realign.py)
+        self._sub_acc = self._sub_trials = 0.0
         self.global_tree = (GlobalSuffixCache(config.suffix_decoding_max_tree_depth,
                                               config.suffix_decoding_max_cached_requests)
                             if config.method == "suffix" else None)
@@ -97,6 +102,15 @@ class Drafter:
             a = accepted.get(rid, 0)
             self.counters.record(k, a)
             st = self._states.get(rid)
+            if st is not None and st.from_subst:
+                # the substitution's first token: its own rate; the rest as any draft's
+                self._sub_trials = self._sub_trials * _GLOBAL_DECAY + 1
+                self._sub_acc = self._sub_acc * _GLOBAL_DECAY + (a > 0)
+                if a == 0:
+                    continue
+                k, a = k - 1, a - 1
+                if k == 0:
+                    continue
             self._trials = self._trials * _GLOBAL_DECAY + min(k, a + 1)
             self._acc = self._acc * _GLOBAL_DECAY + a
             if st is not None:  # positions reached: the accepted ones and the first rejected
@@ -154,6 +168,9 @@ class Drafter:
                 st.trials *= _IDLE_DECAY
                 continue
             a, p, ps = self._alpha(st), 1.0, []
+            if st.from_subst and not forced:  # the first token at the substitutions' rate
+                p = ((self._sub_acc + PRIOR * _PRIOR_WEIGHT)
+                     / (self._sub_trials + _PRIOR_WEIGHT)) / a
             for j in range(len(d)):
                 p *= FORCED if j < len(forced) else a
                 ps.append(p)
@@ -231,16 +248,20 @@ class Drafter:
         aligned = self._aligned(st, req, n)
         if aligned is not None:
             p2, l2, s2 = st.tree.draft_path(aligned, *args, lookahead=MAX_SHIFT)
+            if st.subst:
+                s2 *= SUBST_WEIGHT
             if s2 > score:
                 path, limit, score = p2, l2, s2
             else:
-                st.aligned = None
+                st.aligned, st.subst = None, False
         best = path[:limit]
+        st.from_subst = aligned is not None and st.aligned is not None and st.subst
         if self.global_tree is not None:
             ctx = req.token_range(max(0, n - cfg.suffix_decoding_max_tree_depth), n)
             other, s2 = self.global_tree.tree.draft(ctx, *args)
             if s2 > score:
                 best = path = other
+                st.from_subst = False
         st.prop, st.prop_at = path, n
         return best
 
@@ -258,15 +279,21 @@ class Drafter:
         if a == len(new) or a == len(d) == len(new) - 1:  # followed (then a bonus token)
             if st.aligned is None:
                 return None
-            tail = new
+            tail, st.subst = new, False
         elif a == len(new) - 1:
             i = realign(self.text, new[a], d, a)
+            # a value that differs: the source's structure may go on after it (not twice in a
+            # row: then the output has left the source)
+            subst = i is None and a + 1 < len(d) and not (st.subst and a == 0)
+            if subst:
+                i = a
             if i is None:
-                st.aligned = None
+                st.aligned, st.subst = None, False
                 return None
             tail = new[:a] + d[a : i + 1]
+            st.subst = subst
         else:
-            st.aligned = None
+            st.aligned, st.subst = None, False
             return None
         depth = self.config.suffix_decoding_max_tree_depth
         base = st.aligned if st.aligned is not None else req.token_range(

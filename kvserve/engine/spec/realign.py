@@ -9,6 +9,12 @@ draft tokens d[a..i] (i < a + ``MAX_SHIFT``) whose text equals the emitted token
 whitespace run counted as one space. The drafter then goes on from the *aligned* context (the
 accepted tokens, then d[a..i]: the source's own tokens), where the match is as long as before
 the shift. Drafts stay proposals: whatever they say, the verify step decides what is emitted.
+
+Where no run of draft tokens has the emitted token's text, the emitted token is taken as a
+*substitution* of d[a] (a value that differs in a copied structure: JSON lines with a new id,
+an edited field): the aligned context holds d[a] in its place, so the draft goes on with what
+followed d[a] in the source (``", \"name\": \""`` after the id). Its score counts
+``SUBST_WEIGHT`` against the sequence's own match, and it lasts while the output follows.
 """
 
 from __future__ import annotations
@@ -16,6 +22,7 @@ from __future__ import annotations
 import re
 
 MAX_SHIFT = 3  # draft tokens one emitted token may stand for
+SUBST_WEIGHT = 0.5  # a substitution's draft: its score counts half against the exact match
 _WS = re.compile(r"\s+")
 
 

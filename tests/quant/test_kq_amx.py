@@ -18,20 +18,14 @@ from kvserve.kernels import reference as ref
 from kvserve.kernels.cpu import kq_gemm as kq_cpu
 from kvserve.kernels.cpu import wq_gemm as wq_cpu
 from tests.quant.test_kq import TYPES, _close, _run, parts_of
+from tests.quant.test_wq_amx import amx_int8
 
 pytest.importorskip("gguf")
 
 
 @pytest.fixture(scope="module")
 def amx_lib():
-    lib = kq_cpu.kq_library()
-    if lib is None:
-        pytest.skip("no C compiler")
-    rows = wq_cpu.amx_rows(lib)
-    if not rows:
-        pytest.skip("this CPU (or its native build, or Linux) has no AMX-INT8 tiles")
-    yield lib
-    wq_cpu.set_amx(lib, True, rows)
+    yield from amx_int8(kq_cpu.kq_library())
 
 
 def _bits_equal(a, b):

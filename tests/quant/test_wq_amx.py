@@ -24,9 +24,9 @@ from kvserve.kernels.cpu import wq_gemm as wq_cpu
 from kvserve.quant import wq
 
 
-@pytest.fixture(scope="module")
-def amx_lib():
-    lib = wq_cpu.wq_library()
+def amx_int8(lib):
+    """Yield lib (a GGUF GEMM library) where it has AMX-INT8 tiles, else skip; its tile
+    setting is restored afterwards. The fixture body of the wq and kq AMX tests."""
     if lib is None:
         pytest.skip("no C compiler")
     rows = wq_cpu.amx_rows(lib)
@@ -34,6 +34,11 @@ def amx_lib():
         pytest.skip("this CPU (or its native build, or Linux) has no AMX-INT8 tiles")
     yield lib
     wq_cpu.set_amx(lib, True, rows)
+
+
+@pytest.fixture(scope="module")
+def amx_lib():
+    yield from amx_int8(wq_cpu.wq_library())
 
 
 def _table(n, k, group, bits, seed):

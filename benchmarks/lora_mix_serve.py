@@ -3,7 +3,7 @@ on the base model alone (goal: >= 0.8x), with ``kvserve bench serve --lora-mix``
 
     python benchmarks/lora_mix_serve.py [--model GGUF_OR_FOLDER] [--adapters 4] [--rank 16]
         [--concurrency 16] [--requests 64] [--max-tokens 64] [--threads 2]
-        [--lora-dtype auto|bfloat16] [--out docs/bench/lora_mix_smollm2.json]
+        [--lora-dtype auto|float32|bfloat16] [--out docs/bench/lora_mix_smollm2.json]
 
 Three runs, each on a fresh ``kvserve serve`` (default model: SmolLM2-135M-Instruct, the Q4_1
 GGUF kept packed): ``base``: a server without LoRA (decode graphs on), every request on the
@@ -100,7 +100,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--kv-cache-memory", default="512MiB")
     p.add_argument("--startup-timeout", type=float, default=600.0)
     p.add_argument("--lora-dtype", default="auto",
-                   help="the adapters' weights: auto (the compute dtype, fp32 on CPU) or bfloat16")
+                   help="the adapters' weights: auto (bf16 on CPU), float32 or bfloat16")
     p.add_argument("--out", default=None, help="JSON results file")
     a = p.parse_args(argv)
     config = _config(a.model)

@@ -3,7 +3,7 @@ one process; a short run: ~1 minute on 2 cores).
 
     python benchmarks/lora_step_profile.py [--model GGUF_OR_FOLDER] [--adapters 4] [--rank 16]
         [--batch 16] [--prompt-len 64] [--max-tokens 32] [--repeats 20] [--threads 2]
-        [--lora-dtype auto|bfloat16] [--json OUT]
+        [--lora-dtype auto|float32|bfloat16] [--json OUT]
 
 Two engines of the model (default: SmolLM2-135M-Instruct, the Q4_1 GGUF kept packed), both
 with recorded CPU decode graphs at ``--batch`` rows: ``base`` without LoRA, ``lora`` with
@@ -79,7 +79,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-tokens", type=int, default=32)
     p.add_argument("--repeats", type=int, default=20)
     p.add_argument("--threads", type=int, default=2)
-    p.add_argument("--lora-dtype", default="auto", help="adapter weights' dtype (auto: fp32)")
+    p.add_argument("--lora-dtype", default="auto",
+                   help="adapter weights' dtype (auto: bf16 on CPU)")
     p.add_argument("--json", default=None, help="JSON results file")
     a = p.parse_args(argv)
     torch.set_num_threads(a.threads)

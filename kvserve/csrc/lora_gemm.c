@@ -26,8 +26,14 @@
  * Threads: one parallel region per call. Each thread takes an even run of the shrink units
  * (slot-major), then of the expand units; when the used slots split evenly over the threads
  * both runs cover the same slots and no barrier is needed (4 adapters on 2 threads), else one
- * barrier parts the phases. A call touching under 64 KiB of adapter weights runs on one thread
- * (a region would cost more than it saves). bf16 weights are widened to fp32 exactly as they
+ * barrier parts the phases. A call of little work runs on one thread: under PAR_MACS
+ * multiply-adds (m rows x (R*K + R/H*N)), which every decode-sized call is (SmolLM2, 16 rows:
+ * at most 1.1M, the gate/up call). A parallel region is a point where both threads must be on
+ * a core at once; on a server the event loop, the detokenizer and the clients share those cores,
+ * so a descheduled thread stalls its partner at each region's join. 120 short regions a step
+ * (4 a layer) cost a served mixed step more than the second thread saves (2-core Xeon, 4 rank-16
+ * adapters, 16 rows: the decode forward 40.9 ms with 2 threads, 34.7 ms on one; docs/server.md).
+ * Prefill-sized calls (hundreds of rows) still split over the threads. bf16 weights are widened to fp32 exactly as they
  * are read (shift), so fp32 and bf16 share every loop.
  * Rank padding of a smaller adapter (zero rows of A / bt) still costs R/H: slots share one R.
  * The decode graphs record this kernel (kvs_lora_gemm_op: T is the row count, idx a graph
@@ -46,6 +52,7 @@
 #define MR 4  /* rows of a slot's group per register block */
 #define NB 64 /* output columns per expand unit (4 AVX-512 vectors) */
 #define PF 512 /* shrink: A's elements prefetched ahead of the loads (AVX-512 path) */
+#define PAR_MACS (INT64_C(1) << 22) /* the least multiply-adds a call splits over threads */
 #define ALWAYS_INLINE inline __attribute__((always_inline))
 
 static inline float bf16f(uint16_t h) {
@@ -295,8 +302,7 @@ int64_t kvs_lora_gemm(const void *restrict a, const void *restrict bt, int64_t w
             ch_c[nc++] = c;
         }
     const int64_t nq = (R + RQ - 1) / RQ, u1 = na * nq, u2 = na * nc;
-    const int64_t bytes = na * (R * K + rh * N) * es;
-    const int nt = num_threads > 1 && bytes >= (64 << 10) ? num_threads : 1;
+    const int nt = num_threads > 1 && m * (R * K + rh * N) >= PAR_MACS ? num_threads : 1;
     const char *a8 = (const char *)a, *b8 = (const char *)bt;
 #pragma omp parallel num_threads(nt) if (nt > 1)
     {

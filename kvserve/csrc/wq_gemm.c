@@ -331,6 +331,82 @@ static inline __attribute__((always_inline)) void pass_vnni(
 }
 #endif
 
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+/*
+ * AVX-512 VNNI wide pass: one weight tile x up to WM rows of x over all of K, every row in one
+ * pass (a speculative verify step's 3-8 GEMM rows: 1-4 rows of x, two int8 terms each). Each
+ * code vector is loaded and unpacked once for all rows, each row's 4 bytes of x are broadcast
+ * from memory into the dpbusd, and a row's 16 outputs stay in a register from the first group
+ * to the last: the pass reads the weights once, as a 1-row step does, instead of once per 4
+ * rows (pass_vnni) or through AMX tile stores and a per-call unpack (from AMX_MIN_ROWS rows).
+ * A thread's tiles are consecutive: one stream, prefetched PF_WQ bytes ahead.
+ * Per row: the very operations of pass_vnni in its order (f = fma(cvt(a), dx, f) per block,
+ * ms += dx qs; at the group's end out = fma(s, f, out), out = fma(m, ms, out)), so every row is
+ * bit for bit what any other pass computes for it (batch invariance).
+ */
+#define WM 8
+#ifndef WIDE_MIN_ROWS
+#define WIDE_MIN_ROWS 3 /* fewer rows: pass_vnni's 4-tile passes (1-2 rows: memory-bound) */
+#endif
+#ifndef WIDE_MAX_ROWS
+#define WIDE_MAX_ROWS 16 /* more rows: pass_vnni's passes of 4 (or AMX-INT8 tiles) */
+#endif
+static inline __attribute__((always_inline)) void pass_vnni_wide(
+    const uint8_t *restrict wt, const uint16_t *restrict st, const int8_t *restrict q,
+    const float *restrict dx, const int32_t *restrict qs, int64_t K, int64_t G, const int bits,
+    const int vm, float *restrict y, int64_t ldy) {
+    const __m512i lo4 = _mm512_set1_epi8(0x0F);
+    const int64_t ng = K / G, bpg = G / 32, nb = K / 32, block_bytes = 32 * 16 * bits / 8;
+    __m512 out[WM];
+    for (int i = 0; i < vm; i++) out[i] = _mm512_setzero_ps();
+    for (int64_t g = 0; g < ng; g++) {
+        __m512 f[WM];
+        float ms[WM];
+        for (int i = 0; i < vm; i++) {
+            f[i] = _mm512_setzero_ps();
+            ms[i] = 0;
+        }
+        for (int64_t b = g * bpg; b < (g + 1) * bpg; b++) {
+            const uint8_t *wb = wt + b * block_bytes;
+            for (int o = 0; o < block_bytes; o += 64)
+                _mm_prefetch((const char *)(wb + PF_WQ + o), _MM_HINT_T0);
+            __m512i a[WM];
+            for (int i = 0; i < vm; i++) a[i] = _mm512_setzero_si512();
+            for (int t = 0; t < 4; t++) {
+                __m512i w0, w1;
+                if (bits == 4) {
+                    const __m512i v = _mm512_loadu_si512((const void *)(wb + 64 * t));
+                    w0 = _mm512_and_si512(v, lo4);
+                    w1 = _mm512_and_si512(_mm512_srli_epi16(v, 4), lo4);
+                } else {
+                    w0 = _mm512_loadu_si512((const void *)(wb + 128 * t));
+                    w1 = _mm512_loadu_si512((const void *)(wb + 128 * t + 64));
+                }
+                for (int i = 0; i < vm; i++) {
+                    int32_t v0, v1;
+                    memcpy(&v0, q + i * K + 32 * b + 8 * t, 4);
+                    memcpy(&v1, q + i * K + 32 * b + 8 * t + 4, 4);
+                    a[i] = _mm512_dpbusd_epi32(a[i], w0, _mm512_set1_epi32(v0));
+                    a[i] = _mm512_dpbusd_epi32(a[i], w1, _mm512_set1_epi32(v1));
+                }
+            }
+            for (int i = 0; i < vm; i++) {
+                const float d = dx[i * nb + b];
+                ms[i] += d * (float)qs[i * nb + b];
+                f[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(a[i]), _mm512_set1_ps(d), f[i]);
+            }
+        }
+        const __m512 s = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(st + g * 32)));
+        const __m512 mn = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(st + g * 32 + 16)));
+        for (int i = 0; i < vm; i++) {
+            out[i] = _mm512_fmadd_ps(s, f[i], out[i]);
+            out[i] = _mm512_fmadd_ps(mn, _mm512_set1_ps(ms[i]), out[i]);
+        }
+    }
+    for (int i = 0; i < vm; i++) _mm512_storeu_ps(y + i * ldy, out[i]);
+}
+#endif
+
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AMX_TILE__) && \
     defined(__AMX_INT8__) && !defined(KVS_SIMDE)
 #define KVS_WQ_AMX 1
@@ -358,11 +434,18 @@ static inline __attribute__((always_inline)) void pass_vnni(
  * before it (its overlapped rows are not written), so no row is read past M; with M < 16 the
  * tiles have M rows and the float work is rounded up to a multiple of 4 rows.
  */
+/* Default thresholds, measured against the wide VNNI pass (benchmarks/wq_gemm.py, 2-core
+ * Xeon, SmolLM2's shapes): an 8-bit table (read in place as B tiles) gains from the tiles from
+ * 7 rows, a 4-bit one (unpacked per call) only from 13: below, the wide pass is faster. */
 #ifndef AMX_MIN_ROWS
-#define AMX_MIN_ROWS 6
+#define AMX_MIN_ROWS 7
+#endif
+#ifndef AMX_MIN_ROWS4
+#define AMX_MIN_ROWS4 13
 #endif
 static int amx_state = -1; /* -1: not asked yet, 0: off / unavailable, 1: on */
 static int amx_rows = AMX_MIN_ROWS; /* GEMMs of at least this many rows take the tiles */
+static int amx_rows4 = AMX_MIN_ROWS4; /* the same for 4-bit tables */
 
 /* tmm0-1 C, tmm4-5 A, tmm6-7 B (two sets: even and odd blocks); ra rows per row tile */
 static void amx_config(int ra) {
@@ -550,13 +633,16 @@ static int wq_gemm_amx(const uint8_t *restrict codes, const uint16_t *restrict s
 #undef AMX_BLOCK
 #endif
 
-/* AMX-INT8 for GEMMs of at least `rows` rows (rows < 1 leaves the threshold): request 1 turns
- * it on where the build and the CPU have it (asking Linux for the tile state once), 0 turns it
- * off (the VNNI pass for every row count), -1 only asks. Returns the threshold in force while
- * it is on, 0 while it is off. */
+/* AMX-INT8 for GEMMs of at least `rows` rows (rows < 1 leaves the thresholds; rows >= 1 sets
+ * both the 8-bit and the 4-bit one): request 1 turns it on where the build and the CPU have it
+ * (asking Linux for the tile state once), 0 turns it off (the VNNI passes for every row count),
+ * -1 only asks. Returns the (8-bit, lower) threshold in force while it is on, 0 while off. */
 int kvs_wq_amx(int request, int rows) {
 #ifdef KVS_WQ_AMX
-    if (rows >= 1) __atomic_store_n(&amx_rows, rows, __ATOMIC_RELEASE);
+    if (rows >= 1) {
+        __atomic_store_n(&amx_rows, rows, __ATOMIC_RELEASE);
+        __atomic_store_n(&amx_rows4, rows, __ATOMIC_RELEASE);
+    }
     return kvs_amx_request(&amx_state, request, KVS_AMX_INT8_BIT)
                ? __atomic_load_n(&amx_rows, __ATOMIC_ACQUIRE)
                : 0;
@@ -568,18 +654,48 @@ int kvs_wq_amx(int request, int rows) {
 }
 
 /* y fp32 [M, N] (N % 16 == 0, K % G == 0, G % 32 == 0). OpenMP over weight tiles: each
- * tile's codes are read once per MT rows of x. */
+ * tile's codes are read from memory once (AMX, the wide pass) or once per 4 rows of x. */
 void kvs_wq_gemm(const uint8_t *restrict codes, const uint16_t *restrict sm,
                  const int8_t *restrict q, const float *restrict dx, const int32_t *restrict qs,
                  int64_t M, int64_t N, int64_t K, int64_t G, int bits, int num_threads,
                  float *restrict y) {
 #ifdef KVS_WQ_AMX
-    if (M >= __atomic_load_n(&amx_rows, __ATOMIC_ACQUIRE) &&
+    if (M >= __atomic_load_n(bits == 4 ? &amx_rows4 : &amx_rows, __ATOMIC_ACQUIRE) &&
         __atomic_load_n(&amx_state, __ATOMIC_ACQUIRE) == 1 &&
         wq_gemm_amx(codes, sm, q, dx, qs, M, N, K, G, bits, num_threads, y) == 0)
         return;
 #endif
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+    if (M >= WIDE_MIN_ROWS && M <= WIDE_MAX_ROWS) {
+        /* chunks of <= WM rows, as even as they come (9 rows: 5 + 4), each tile's chunks one
+         * after the other while its codes are in L1: the weights are read from memory once */
+        const int64_t ntiles = N / 16, ng = K / G, nch = (M + WM - 1) / WM;
+        const int64_t tile_bytes = K * 16 * bits / 8, nb = K / 32;
+#define KVS_WIDE(VM) \
+    pass_vnni_wide(wt, st, q + m0 * K, dx + m0 * nb, qs + m0 * nb, K, G, bits, VM, \
+                   y + m0 * N + tile * 16, N)
+#pragma omp parallel for schedule(static) num_threads(num_threads)
+        for (int64_t tile = 0; tile < ntiles; tile++) {
+            const uint8_t *wt = codes + tile * tile_bytes;
+            const uint16_t *st = sm + tile * ng * 32;
+            for (int64_t c = 0, m0 = 0; c < nch; c++) {
+                const int64_t vm = M / nch + (c < M % nch);
+                switch (vm) { /* one specialized copy per row count */
+                case 1: KVS_WIDE(1); break;
+                case 2: KVS_WIDE(2); break;
+                case 3: KVS_WIDE(3); break;
+                case 4: KVS_WIDE(4); break;
+                case 5: KVS_WIDE(5); break;
+                case 6: KVS_WIDE(6); break;
+                case 7: KVS_WIDE(7); break;
+                default: KVS_WIDE(8); break;
+                }
+                m0 += vm;
+            }
+        }
+#undef KVS_WIDE
+        return;
+    }
     {
         const int64_t ntiles = N / 16, ng = K / G, nb = K / 32;
         const int64_t tile_bytes = K * 16 * bits / 8, ngroups = (ntiles + VT - 1) / VT;

@@ -170,9 +170,10 @@ class EngineArgs:
     max_lora_rank: int = arg(16, "LoRA: the largest adapter rank accepted", group=LORA,
                              type=int)
     lora_dtype: str = arg(
-        "auto", "LoRA: the adapter weights' dtype (vLLM's flag): auto = the model's compute "
-        "dtype (fp32 on CPU: exact); bfloat16 / float16 halve the bytes a step of mixed "
-        "adapters reads (on CPU the C kernel takes bfloat16)", group=LORA,
+        "auto", "LoRA: the adapter weights' dtype (vLLM's flag): auto = bfloat16 on CPU (half "
+        "the bytes a step of mixed adapters reads; the C kernel widens it exactly), the "
+        "model's dtype on CUDA; float32 keeps the adapters exact (equal to peft in fp32)",
+        group=LORA,
         choices=list(LORA_DTYPES))
     seed: int = arg(0, "global torch seed (random draws of requests without their own seed; "
                     "see --sampling-seed)", type=int)

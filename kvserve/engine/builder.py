@@ -157,12 +157,21 @@ def settle(args: EngineArgs) -> WorkerConfig:
         eos_token_ids=eos_token_ids(folder),
     )
     lora_dtype = None  # LoRA off
-    if args.enable_lora:  # the adapter slots' dtype: "auto" = the compute dtype
-        lora_dtype = (dtypes.compute if args.lora_dtype == "auto"
-                      else getattr(torch, args.lora_dtype))
+    if args.enable_lora:
+        lora_dtype = resolve_lora_dtype(args.lora_dtype, dtypes.compute, args.device)
     return WorkerConfig(args, model, dtypes, cache_cfg, sched_cfg, kv_mode,
                         cache_cfg.kv_rotation_seed if kv_mode.rotate else None,
                         spec.context_len, transfer, lora_dtype, rows_note)
+
+
+def resolve_lora_dtype(lora_dtype: str, compute: torch.dtype, device: str) -> torch.dtype:
+    """The adapter slots' dtype. ``auto``: bfloat16 on CPU (the C kernel widens it to fp32
+    exactly as it reads it, and a mixed decode step streams half the bytes; greedy tokens and
+    logprobs against fp32 adapters in docs/server.md), the compute dtype elsewhere (vLLM's
+    auto: the model's)."""
+    if lora_dtype != "auto":
+        return getattr(torch, lora_dtype)
+    return torch.bfloat16 if torch.device(device).type == "cpu" else compute
 
 
 def build_engine(args: EngineArgs) -> EngineParts:

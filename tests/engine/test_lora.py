@@ -64,6 +64,7 @@ def _greedy_hf(hf, ids, n=12):
 def _lora_llm(make_llm, base, adapters, **kw):
     kw.setdefault("dtype", "fp32")
     kw.setdefault("kv_cache_dtype", "fp32")
+    kw.setdefault("lora_dtype", "float32")  # exact: auto is bf16 on CPU
     return make_llm(base, lora_modules=[f"{n}={p}" for n, p in adapters.items()], **kw)
 
 
@@ -96,7 +97,8 @@ def test_fewer_slots_than_adapters(adapters, make_llm):
     """max_loras=1: the scheduler runs one adapter at a time (the others wait), outputs still
     right; a LoRARequest with a path registers the adapter on first use."""
     base, ads = adapters
-    llm = make_llm(base, dtype="fp32", kv_cache_dtype="fp32", enable_lora=True, max_loras=1)
+    llm = make_llm(base, dtype="fp32", kv_cache_dtype="fp32", enable_lora=True, max_loras=1,
+                   lora_dtype="float32")
     seen = []
     llm.engine.debug.on_schedule = lambda sched, n: seen.append(
         {s.req.lora.lora_name for s in sched.scheduled if s.req.lora})
@@ -173,7 +175,7 @@ def test_adapter_over_gguf_packed_weights(adapters, tmp_path, make_llm):
     path = write_gguf(base, str(tmp_path / "m.gguf"),
                       lambda g: "Q8_0" if "attn_v" in g or g.startswith("output") else "Q4_0")
     llm = make_llm(path, dtype="float32", kv_cache_dtype="fp32", gguf_activations="fp32",
-                   lora_modules=[f"a1={ads['a1']}"])
+                   lora_dtype="float32", lora_modules=[f"a1={ads['a1']}"])
     prompts = [[1, 5, 9, 33, 40, 2, 7]]
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY,
                         lora_request=LoRARequest("a1"))
@@ -193,7 +195,7 @@ def test_decode_graphs_stay_on_with_lora(adapters, tmp_path, make_llm):
     _, ads = adapters  # same shapes as this base
     base = make_tiny_model(str(tmp_path / "bf16"), save_dtype=torch.bfloat16)
     kw = dict(kv_cache_dtype="fp32", lora_modules=[f"a1={ads['a1']}", f"a2={ads['a2']}"],
-              max_num_batched_tokens=16, cpu_bf16_dot_rows=0)
+              max_num_batched_tokens=16, cpu_bf16_dot_rows=0, lora_dtype="float32")
     fast = make_llm(base, **kw)
     eager = make_llm(base, enforce_eager=True, **kw)
     g = fast.engine.runner.graphs
@@ -232,14 +234,15 @@ def _bf16_rounded(src: str, dst) -> str:
 
 @pytest.mark.slow  # an engine and peft references
 def test_bf16_adapter_weights(adapters, tmp_path, make_llm):
-    """``lora_dtype=bfloat16``: the slots hold bf16 (half the bytes a mixed step reads), the
-    decode graph still records, and each greedy output equals transformers + peft merged with
-    the adapter's weights rounded to bf16 (the C kernel widens them exactly)."""
+    """``lora_dtype=auto`` on CPU (the default) is bfloat16: the slots hold bf16 (half the
+    bytes a mixed step reads), the decode graph still records, and each greedy output equals
+    transformers + peft merged with the adapter's weights rounded to bf16 (the C kernel widens
+    them exactly)."""
     from tests.conftest import make_tiny_model
 
     _, ads = adapters
     base = make_tiny_model(str(tmp_path / "bf16"), save_dtype=torch.bfloat16)
-    llm = make_llm(base, kv_cache_dtype="fp32", cpu_bf16_dot_rows=0, lora_dtype="bfloat16",
+    llm = make_llm(base, kv_cache_dtype="fp32", cpu_bf16_dot_rows=0,
                    lora_modules=[f"a1={ads['a1']}", f"a3={ads['a3']}"])
     g = llm.engine.runner.graphs
     assert g is not None and g.refused is None
@@ -254,6 +257,18 @@ def test_bf16_adapter_weights(adapters, tmp_path, make_llm):
         assert out.outputs[0].token_ids == _reference(base, rounded, PROMPTS[1]), n
     with pytest.raises(ValueError, match="lora_dtype"):
         make_llm(base, enable_lora=True, lora_dtype="int8")
+
+
+def test_lora_dtype_auto_resolves_per_device():
+    """auto: bf16 slots on CPU (the C kernel's half-size weights), the compute dtype on CUDA
+    (vLLM's auto); an explicit dtype is kept (float32: exact, what the peft tests pin)."""
+    from kvserve.engine.builder import resolve_lora_dtype
+
+    assert resolve_lora_dtype("auto", torch.float32, "cpu") == torch.bfloat16
+    assert resolve_lora_dtype("auto", torch.float16, "cuda") == torch.float16
+    assert resolve_lora_dtype("auto", torch.bfloat16, "cuda:0") == torch.bfloat16
+    assert resolve_lora_dtype("float32", torch.float32, "cpu") == torch.float32
+    assert resolve_lora_dtype("float16", torch.float32, "cpu") == torch.float16
 
 
 def _broken(src: str, dst, edit=None, drop=None) -> str:

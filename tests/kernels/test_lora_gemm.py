@@ -108,14 +108,16 @@ def test_c_kernel_matches_twin(isa, shape, wdtype, tmp_path):
 @pytest.mark.parametrize("threads", [1, 2, 3])
 @pytest.mark.parametrize("used", [1, 3, 4])
 @pytest.mark.parametrize("wdtype", [torch.float32, torch.bfloat16])
-def test_c_kernel_thread_splits(threads, used, wdtype):
-    """A decode-sized call (q/k/v of SmolLM2: K 576, shards 576 / 192 / 192, rank 16, 16 rows)
+@pytest.mark.parametrize("t", [16, 160])
+def test_c_kernel_thread_splits(threads, used, wdtype, t):
+    """q/k/v of SmolLM2 (K 576, shards 576 / 192 / 192, rank 16): a decode-sized call (16 rows)
+    runs on one thread whatever the threads; a prefill-sized one (160 rows, over PAR_MACS)
     runs in parallel: the used slots split evenly over the threads (each thread shrinks and
     expands its own slots), or not (one barrier between the phases), or one slot's ranks and
     columns are shared out; every split equals the twin."""
     lib = _lib("native", None)
     g = torch.Generator().manual_seed(used * 10 + threads)
-    t, k, r, s = 16, 576, 48, 4
+    k, r, s = 576, 48, 4
     noff = torch.tensor([0, 576, 768, 960], dtype=torch.int64)
     x = torch.randn(t, k, generator=g)
     a = (torch.randn(s, r, k, generator=g) * 0.1).to(wdtype)

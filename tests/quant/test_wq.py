@@ -132,14 +132,15 @@ def test_extreme_codes_and_activations(lib, bits):
 
 @pytest.mark.parametrize("bits,group", [(4, 32), (4, 64), (8, 32)])
 def test_kernel_rows_are_batch_invariant(lib, bits, group):
-    """Every ISA variant: a row's result is bit for bit the same alone, in a pass of 2 or 3
-    rows, or in a batch of 11 (passes of 4 and a remainder)."""
+    """Every ISA variant: a row's result is bit for bit the same alone, in a pass of 2, 3, 5
+    or 8 rows (AVX-512 VNNI: the wide pass) or in a batch of 11 (passes of 4 and a remainder,
+    two wide chunks of 6 and 5, or AMX tiles)."""
     u, s, mn = _weights(48, 256, group, bits, 11)
     codes, sm = wq.pack_codes(u, bits), wq.pack_scales(s, mn)
     x = torch.randn(11, 256)
     full = _gemm(lib, codes, sm, x, 48, 256, group, bits)
     for i in range(11):
-        for rows in (1, 2, 3):
+        for rows in (1, 2, 3, 5, 8):
             if i + rows <= 11:
                 part = _gemm(lib, codes, sm, x[i:i + rows].contiguous(), 48, 256, group, bits)
                 assert torch.equal(part[0], full[i])

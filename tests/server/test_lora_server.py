@@ -35,7 +35,7 @@ def adapters(tiny_llama, tmp_path_factory):
 def server(adapters, tiny_llama):
     srv = ServerProcess(tiny_llama, "--lora-modules", f"sql={adapters['sql']}",
                         "--max-loras", "2", "--max-lora-rank", "16", "--dtype", "fp32",
-                        "--kv-cache-dtype", "fp32")
+                        "--kv-cache-dtype", "fp32", "--lora-dtype", "float32")  # exact
     try:
         yield srv.wait_healthy()
     finally:

@@ -428,14 +428,14 @@ static inline __attribute__((always_inline)) void pass_vnni_wide(
  * before it (its overlapped rows are not written), so no row is read past M; with M < 16 the
  * tiles have M rows and the float work is rounded up to a multiple of 4 rows.
  */
-/* Default thresholds, measured against the wide VNNI pass (benchmarks/wq_gemm.py, 2-core
+/* Default thresholds, measured against the wide VNNI pass (benchmarks/wq_gemm.py --amx, 2-core
  * Xeon, SmolLM2's shapes): an 8-bit table (read in place as B tiles) gains from the tiles from
- * 7 rows, a 4-bit one (unpacked per call) only from 13: below, the wide pass is faster. */
+ * 10 rows, a 4-bit one (unpacked per call) only from 16: below, the wide pass is faster. */
 #ifndef AMX_MIN_ROWS
-#define AMX_MIN_ROWS 7
+#define AMX_MIN_ROWS 10
 #endif
 #ifndef AMX_MIN_ROWS4
-#define AMX_MIN_ROWS4 13
+#define AMX_MIN_ROWS4 16
 #endif
 static int amx_state = -1; /* -1: not asked yet, 0: off / unavailable, 1: on */
 static int amx_rows = AMX_MIN_ROWS; /* GEMMs of at least this many rows take the tiles */

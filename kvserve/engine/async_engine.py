@@ -26,6 +26,15 @@ the engine is shutting down). After a request's finished output or its failure n
 arrives for it. Deadlines are the caller's: it aborts what it no longer waits for (the
 server's request timeout: kvserve/server/generation.py).
 
+``from_engine_args`` builds the ``LLMEngine`` on the engine thread itself (model load, decode
+graph capture), and that thread runs its steps: the only thread of the process that runs
+OpenMP regions. libgomp keeps one worker pool per thread that starts parallel regions; with the
+engine built on the main thread and stepped on another, the process has two pools, more OpenMP
+threads than cores on a small CPU, and libgomp then throttles its workers' spin between
+parallel regions to ~100 loops (``gomp_throttled_spin_count_var``): every kernel call of a step
+wakes its workers from a futex. On the 2-core AMX Xeon that made a 16-row bf16 decode step 38
+ms instead of 26 (docs/cpu.md, "Served path").
+
 The engine thread also publishes an ``EngineSnapshot`` (scheduler, block pool and counter
 figures) after every iteration, so metrics never read the live engine from another thread.
 """
@@ -153,6 +162,9 @@ class AsyncLLMEngine:
         self._live: dict[str, _Live] = {}
         self._held: _Batches = {}  # unfinished outputs of the last step, for its next forward
         self._thread: threading.Thread | None = None
+        # from_engine_args: the thread that built the engine, parked until start() (its
+        # queue gets this object to run, or None to end)
+        self._host: tuple[threading.Thread, queue.SimpleQueue] | None = None
         self._dead: BaseException | None = None
         self._stopping = False
         self._closed = False  # set by the engine thread as it exits
@@ -162,18 +174,56 @@ class AsyncLLMEngine:
 
     @classmethod
     def from_engine_args(cls, args: EngineArgs, **kwargs: Any) -> AsyncLLMEngine:
-        return cls(LLMEngine(args), **kwargs)
+        """Build the engine on its own thread (the module docstring says why), which then
+        waits for ``start()`` to run the steps; an error building it is raised here."""
+        built: queue.SimpleQueue = queue.SimpleQueue()
+        go: queue.SimpleQueue = queue.SimpleQueue()  # the started AsyncLLMEngine, or None
+
+        def host() -> None:
+            try:
+                engine = LLMEngine(args)
+            except BaseException as e:  # noqa: BLE001 - re-raised in the caller
+                built.put(e)
+                return
+            built.put(engine)
+            owner = go.get()
+            if owner is not None:
+                owner._run()
+
+        thread = threading.Thread(target=host, name="kvserve-engine", daemon=True)
+        thread.start()
+        engine = built.get()
+        if isinstance(engine, BaseException):
+            thread.join()
+            raise engine
+        try:
+            self = cls(engine, **kwargs)
+        except BaseException:
+            go.put(None)
+            raise
+        self._host = (thread, go)
+        return self
 
     # ---- lifecycle (any thread) -----------------------------------------------------------
     def start(self) -> AsyncLLMEngine:
         if self._thread is not None:
             raise RuntimeError("the engine thread is already started")
+        if self._host is not None:  # the thread that built the engine runs it
+            self._thread, go = self._host
+            self._host = None
+            go.put(self)
+            return self
         self._thread = threading.Thread(target=self._run, name="kvserve-engine", daemon=True)
         self._thread.start()
         return self
 
     def shutdown(self, timeout: float = 10.0) -> None:
         """Stop the engine thread; running requests fail with ``EngineShutdown``."""
+        if self._host is not None:  # built, never started: the parked thread ends
+            thread, go = self._host
+            self._host = None
+            go.put(None)
+            thread.join(timeout)
         if self._thread is None or self._stopping:
             return
         self._stopping = True

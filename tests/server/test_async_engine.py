@@ -262,3 +262,52 @@ def test_a_request_added_during_a_step_joins_the_next_schedule(make_engine):
     asyncio.run(main())
     assert scheduled[:2] == [{"a"}, {"a"}]
     assert scheduled[2] == {"a", "b"}  # the step right after the one "b" arrived during
+
+
+def test_the_thread_that_builds_the_engine_steps_it(tiny_llama, monkeypatch):
+    """``from_engine_args`` loads the model on the engine thread, and that same thread runs
+    every step (one OpenMP pool in the process); the caller's thread does neither."""
+    import threading
+
+    from kvserve.engine.llm_engine import LLMEngine
+
+    seen: dict[str, set[int]] = {"init": set(), "step": set()}
+    init, step = LLMEngine.__init__, LLMEngine.step
+
+    def logged_init(self, *a, **kw):
+        seen["init"].add(threading.get_ident())
+        init(self, *a, **kw)
+
+    def logged_step(self, *a, **kw):
+        seen["step"].add(threading.get_ident())
+        return step(self, *a, **kw)
+
+    monkeypatch.setattr(LLMEngine, "__init__", logged_init)
+    monkeypatch.setattr(LLMEngine, "step", logged_step)
+    args = EngineArgs(model=tiny_llama, kv_cache_memory="16MiB", progress=False)
+    eng = AsyncLLMEngine.from_engine_args(args).start()
+    try:
+        async def main():
+            sink: asyncio.Queue = asyncio.Queue()
+            await eng.add_request("a", "w1 w2", SamplingParams(max_tokens=3, ignore_eos=True),
+                                  sink=sink)
+            while not (await sink.get()).finished:
+                pass
+
+        asyncio.run(main())
+    finally:
+        eng.shutdown()
+    assert len(seen["init"]) == 1 and seen["step"] == seen["init"]
+    assert threading.get_ident() not in seen["init"]
+
+
+def test_a_build_error_is_raised_to_the_caller_and_an_unstarted_engine_shuts_down(tiny_llama):
+    with pytest.raises(ValueError, match="max_num_seqs"):
+        AsyncLLMEngine.from_engine_args(EngineArgs(model=tiny_llama, kv_cache_memory="16MiB",
+                                                   progress=False, max_num_seqs=0))
+    eng = AsyncLLMEngine.from_engine_args(EngineArgs(model=tiny_llama, kv_cache_memory="16MiB",
+                                                     progress=False))
+    thread = eng._host[0]  # noqa: SLF001 - the parked engine thread
+    assert thread.is_alive()
+    eng.shutdown()
+    assert not thread.is_alive() and not eng.is_alive()

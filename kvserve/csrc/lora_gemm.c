@@ -34,13 +34,12 @@
  * (slot-major), then of the expand units; when the used slots split evenly over the threads
  * both runs cover the same slots and no barrier is needed (4 adapters on 2 threads), else one
  * barrier parts the phases. A call of little work runs on one thread: under PAR_MACS
- * multiply-adds (m rows x (R*K + R/H*N)), which every decode-sized call is (SmolLM2, 16 rows:
- * at most 1.1M, the gate/up call). A parallel region is a point where both threads must be on
- * a core at once; on a server the event loop, the detokenizer and the clients share those cores,
- * so a descheduled thread stalls its partner at each region's join. 120 short regions a step
- * (4 a layer) cost a served mixed step more than the second thread saves (2-core Xeon, 4 rank-16
- * adapters, 16 rows: the decode forward 40.9 ms with 2 threads, 34.7 ms on one; docs/server.md).
- * Prefill-sized calls (hundreds of rows) still split over the threads. bf16 weights are
+ * multiply-adds (m rows x (R*K + R/H*N); a decode call of SmolLM2 with 16 rows has 0.3-1.1M).
+ * A parallel region needs both threads on a core at once, and on a server the event loop and
+ * the clients share those cores; with the older loops one thread won on the served host (the
+ * 16-row mixed decode forward 34.7 vs 40.9 ms), with these loops the split wins again (22.8 -
+ * 25.7 vs 25.3 - 28.6 ms, 3 paired runs; docs/server.md), as the second core's bandwidth is
+ * what a call bound by the bytes it streams lacks. bf16 weights are
  * widened to fp32 exactly as they are read (shift), so fp32 and bf16 share every loop.
  * Rank padding of a smaller adapter (zero rows of A / bt) still costs R/H: slots share one R.
  * The decode graphs record this kernel (kvs_lora_gemm_op: T is the row count, idx a graph
@@ -61,7 +60,7 @@
 #define CW 512  /* output columns per expand unit of the streaming expand (AVX-512) */
 #define SW_ROWS 8 /* the most rows of a slot's group the streaming expand takes */
 #define PF_UNITS 2 /* prefetch distance (AVX-512 path): A's rows / B^T's columns 2 units on */
-#define PAR_MACS (INT64_C(1) << 22) /* the least multiply-adds a call splits over threads */
+#define PAR_MACS (INT64_C(1) << 16) /* the least multiply-adds a call splits over threads */
 #define ALWAYS_INLINE inline __attribute__((always_inline))
 
 static inline float bf16f(uint16_t h) {

@@ -111,11 +111,11 @@ def test_c_kernel_matches_twin(isa, shape, wdtype, tmp_path):
 @pytest.mark.parametrize("wdtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("t", [16, 160])
 def test_c_kernel_thread_splits(threads, used, wdtype, t):
-    """q/k/v of SmolLM2 (K 576, shards 576 / 192 / 192, rank 16): a decode-sized call (16 rows)
-    runs on one thread whatever the threads; a prefill-sized one (160 rows, over PAR_MACS)
-    runs in parallel: the used slots split evenly over the threads (each thread shrinks and
-    expands its own slots), or not (one barrier between the phases), or one slot's ranks and
-    columns are shared out; every split equals the twin."""
+    """q/k/v of SmolLM2 (K 576, shards 576 / 192 / 192, rank 16), a decode-sized call (16 rows:
+    the streaming expand) and a prefill-sized one (160 rows: 64-column units), in parallel:
+    the used slots split evenly over the threads (each thread shrinks and expands its own
+    slots), or not (one barrier between the phases), or one slot's ranks and columns are
+    shared out; every split equals the twin."""
     lib = _lib("native", None)
     g = torch.Generator().manual_seed(used * 10 + threads)
     k, r, s = 576, 48, 4

@@ -27,6 +27,13 @@
  * ~26 on 2 AVX2 cores (the read probe: ~35). The arithmetic is the same in both layouts (the
  * same vectors meet in the same order), so packing changes no result.
  *
+ * AMX layout (packed = 2, builds with AMX only; kvserve.kernels.cpu.w16_gemm.AMX_PACKING): bf16
+ * tables with K % 16 == 0 as [ceil(N / 16), K / 2, 16, 2], so each 16-column step of 16 weight
+ * rows is one 512-byte VNNI B tile the AMX loops read in place (no per-call repack or
+ * transpose: a batch-1 step streams ~1.3x faster than from the 4 x 16 tiles). The tile products
+ * are the same, so the bits are those of the 4 x 16 tiles. The loader packs it only where
+ * every bf16-table GEMM takes the tiles; any other path reads it through a plain C loop.
+ *
  * BF16 dot products (builds with AVX512-BF16, i.e. -march=native on Zen 4+ / Cooper Lake /
  * Sapphire Rapids+, or cbuild's "bf16" variant): bf16 weights (kind 0, row-major or packed:
  * the same sums bit for bit, see btile) times a GEMM of M >= bf16_rows rows (the caller's threshold; 0 = never) take vdpbf16ps instead -- x is
@@ -595,9 +602,9 @@ static inline void vnni_tile(const uint16_t *const *src, int valid, uint32_t *ds
 }
 
 /* weight rows n0 .. n0 + 31, B tile t of their [K16][2][8][16] dwords (zero past N, K): the
- * 16-column step t / 2 of rows n0 + 16 (t % 2) .. */
-static inline void vnni_step(const uint16_t *w, int64_t N, int64_t K, int64_t ldw, int packed,
-                             int64_t n0, int64_t t, uint32_t *dst) {
+ * 16-column step t / 2 of rows n0 + 16 (t % 2) .., written to tile (256 dwords) */
+static inline void vnni_tile_at(const uint16_t *w, int64_t N, int64_t K, int64_t ldw,
+                                int packed, int64_t n0, int64_t t, uint32_t *tile) {
     const int64_t s = t / 2;
     const int valid = K - 16 * s < 16 ? (int)(K - 16 * s) : 16;
     const uint16_t *src[16];
@@ -607,7 +614,39 @@ static inline void vnni_step(const uint16_t *w, int64_t N, int64_t K, int64_t ld
                  : packed ? w + (n / NR) * NR * K + s * NR * 16 + (n % NR) * 16
                           : w + n * ldw + 16 * s;
     }
-    vnni_tile(src, valid, dst + t * 128);
+    vnni_tile(src, valid, tile);
+}
+
+/* the same tile at its place in a block's [K16][2][8][16] buffer dst */
+static inline void vnni_step(const uint16_t *w, int64_t N, int64_t K, int64_t ldw, int packed,
+                             int64_t n0, int64_t t, uint32_t *dst) {
+    vnni_tile_at(w, N, K, ldw, packed, n0, t, dst + t * 128);
+}
+
+/* A packed table's 16 weight rows (four 4-row tiles, gs elements apart; t: the step's first
+ * tile's 16-column piece) -> one B tile with its weight rows in AMX_FEW_LANES order (lane n:
+ * row 2n for n < 8, row 2 (n - 8) + 1 above): each 64-byte load is rows (2i, 2i + 1) of a step,
+ * so no lane crossing is needed before vnni_tile's network; the caller puts C's lanes back in
+ * row order. */
+static inline void vnni_tile_packed(const uint16_t *t, int64_t gs, uint32_t *dst) {
+    __m512i z[8], u[8], v[8];
+    for (int i = 0; i < 8; i++) z[i] = _mm512_load_si512(t + (i / 2) * gs + (i % 2) * 32);
+    for (int i = 0; i < 8; i += 2) {
+        u[i] = _mm512_unpacklo_epi32(z[i], z[i + 1]);
+        u[i + 1] = _mm512_unpackhi_epi32(z[i], z[i + 1]);
+    }
+    for (int i = 0; i < 8; i += 4) {
+        v[i] = _mm512_unpacklo_epi64(u[i], u[i + 2]);
+        v[i + 1] = _mm512_unpackhi_epi64(u[i], u[i + 2]);
+        v[i + 2] = _mm512_unpacklo_epi64(u[i + 1], u[i + 3]);
+        v[i + 3] = _mm512_unpackhi_epi64(u[i + 1], u[i + 3]);
+    }
+    const __m512i lo = _mm512_setr_epi64(0, 1, 8, 9, 4, 5, 12, 13);
+    const __m512i hi = _mm512_setr_epi64(2, 3, 10, 11, 6, 7, 14, 15);
+    for (int d = 0; d < 4; d++) {
+        _mm512_store_si512(dst + d * 16, _mm512_permutex2var_epi64(v[d], lo, v[d + 4]));
+        _mm512_store_si512(dst + (d + 4) * 16, _mm512_permutex2var_epi64(v[d], hi, v[d + 4]));
+    }
 }
 
 /* x rows r0 + u / P, columns [32 (u % P), + 32) -> bf16 at buf's row u / P (rows lx apart;
@@ -649,10 +688,10 @@ static int w16_gemm_amx_blocked(const float *x, int64_t M, int64_t K, int64_t ld
      * block repacked into one of two per-thread buffers while the previous block's products
      * run (L1/L2-hot, no table-sized copy); more: every block kept for the later chunks,
      * repacked the same way during the first by the thread that owns it in every chunk */
-    const int one_chunk = Mp <= mc;
-    uint32_t *wb = one_chunk ? NULL
+    const int one_chunk = Mp <= mc, vnni = packed == 2; /* vnni: B tiles read in place */
+    uint32_t *wb = one_chunk || vnni ? NULL
                              : aligned_alloc(64, sizeof(uint32_t) * 256 * (size_t)(nblk * K16));
-    if (xb == NULL || (!one_chunk && wb == NULL)) {
+    if (xb == NULL || (!one_chunk && !vnni && wb == NULL)) {
         free(xb);
         free(wb);
         return 1;
@@ -663,9 +702,10 @@ static int w16_gemm_amx_blocked(const float *x, int64_t M, int64_t K, int64_t ld
         /* this thread's 32-row weight blocks, the same in every chunk */
         const int nt = omp_get_num_threads(), me = omp_get_thread_num();
         const int64_t lo = nblk * me / nt, hi = nblk * (me + 1) / nt, tiles = 2 * K16;
-        uint32_t *own = one_chunk ? aligned_alloc(64, sizeof(uint32_t) * 512 * (size_t)K16)
-                                  : NULL;
-        if (one_chunk && own == NULL) {
+        uint32_t *own = one_chunk && !vnni
+                            ? aligned_alloc(64, sizeof(uint32_t) * 512 * (size_t)K16)
+                            : NULL;
+        if (one_chunk && !vnni && own == NULL) {
 #pragma omp atomic write
             failed = 1;
         }
@@ -693,10 +733,10 @@ static int w16_gemm_amx_blocked(const float *x, int64_t M, int64_t K, int64_t ld
             const int64_t cend = e1 > c1 ? (e1 - c1) * (me + 1) / nt * P : 0;
             const int64_t csteps = (hi - lo) * ((c1 - c0) / 32) * K16;
             const int64_t cper = csteps > 0 ? (cend - cu + csteps - 1) / csteps : 0;
-            if (one_chunk && own == NULL) continue;
+            if (one_chunk && !vnni && own == NULL) continue;
             /* block b's B tiles: one chunk, the two halves of own in turn; else wb's */
 #define KVS_BBUF(b) (one_chunk ? own + (((b) - lo) % 2) * K16 * 256 : wb + (b) * K16 * 256)
-            if (c0 == 0 && lo < hi)
+            if (c0 == 0 && lo < hi && !vnni)
                 for (int64_t t = 0; t < tiles; t++) vnni_step(w, N, K, ldw, packed, lo * 32, t,
                                                               KVS_BBUF(lo));
             /* during the first chunk, block b + 1 is repacked a few tiles a step while block
@@ -705,8 +745,11 @@ static int w16_gemm_amx_blocked(const float *x, int64_t M, int64_t K, int64_t ld
             for (int64_t b = lo; b < hi; b++) {
                 const int64_t n0 = b * 32;
                 const int two_n = n0 + 16 < N; /* a second 16 weight rows */
-                const uint32_t *bb = KVS_BBUF(b);
-                uint32_t *nb = c0 == 0 && b + 1 < hi ? KVS_BBUF(b + 1) : NULL;
+                /* B tile (s, half h) at bb + s * bs + h * bh (dwords): the repacked block's
+                 * [K16][2][8][16], or the VNNI table's [N / 16][K / 2][16][2] in place */
+                const uint32_t *bb = vnni ? (const uint32_t *)(w + n0 * K) : KVS_BBUF(b);
+                const int64_t bs = vnni ? 128 : 256, bh = vnni ? 8 * K : 128;
+                uint32_t *nb = c0 == 0 && b + 1 < hi && !vnni ? KVS_BBUF(b + 1) : NULL;
 #undef KVS_BBUF
                 int64_t ti = nb != NULL ? 0 : tiles; /* next block's tiles repacked */
                 for (int64_t m0 = c0; m0 < c1; m0 += 32) {
@@ -731,10 +774,10 @@ static int w16_gemm_amx_blocked(const float *x, int64_t M, int64_t K, int64_t ld
                         for (int64_t i = 0; i < cper && cu < cend; i++, cu++)
                             x_piece(x, ldx, M, K, lx, P, c1, cu, xn);
                         _tile_loadd(4, a0 + 16 * s, 2 * lx);
-                        _tile_loadd(6, bb + s * 256, 64);
+                        _tile_loadd(6, bb + s * bs, 64);
                         _tile_dpbf16ps(0, 4, 6);
                         if (two_n) {
-                            _tile_loadd(7, bb + s * 256 + 128, 64);
+                            _tile_loadd(7, bb + s * bs + bh, 64);
                             _tile_dpbf16ps(1, 4, 7);
                         }
                         if (two_m) {
@@ -775,6 +818,128 @@ static int w16_gemm_amx_blocked(const float *x, int64_t M, int64_t K, int64_t ld
 }
 #endif
 
+#ifdef KVS_AMX
+/* The same tile products for a decode-sized GEMM (M <= 16 rows of x: one A tile), which
+ * streams its weights once from DRAM: the blocked loop's roles (A = x rows, B = weight rows as
+ * VNNI pairs, C[m][n] = y[m][n]), but the A and C tiles configured with exactly M rows (a
+ * product's cost follows its rows: no 15 zero rows at M = 1), x rounded to bf16 once per call
+ * by each thread (M K values, L1-resident), and each 32-weight-row block's B tiles repacked one
+ * 16-column step at a time into a small L1 ring right before their two products, the block two
+ * ahead prefetched as one linear stream (a thread's blocks are consecutive in the packed table,
+ * so its weights are one stream; without it the repack's loads wait on DRAM). Every C element
+ * is still one TDPBF16PS per 16 columns in k order from zero, and its sum does not depend on
+ * the A / B tiles' row counts (measured; see w16_gemm_amx_blocked): the bits of the blocked and
+ * in-place loops, so rows stay batch-invariant across the three (tested). */
+#ifndef AMX_FEW_ROWS
+#define AMX_FEW_ROWS 16
+#endif
+static int64_t amx_few_rows = AMX_FEW_ROWS;
+#ifndef AMX_FEW_AHEAD
+#define AMX_FEW_AHEAD 8
+#endif
+
+
+static int w16_gemm_amx_few(const float *x, int64_t M, int64_t K, int64_t ldx,
+                            const uint16_t *w, int64_t N, int64_t ldw, int num_threads,
+                            float *y, int64_t ldy, int packed) {
+    const int64_t Kp = (K + 31) / 32 * 32, K16 = (K + 15) / 16, lx = Kp + 16;
+    const int64_t nblk = (N + 31) / 32;
+    const int64_t P = Kp / 32;
+    int failed = 0;
+#pragma omp parallel num_threads(num_threads) if (N * K > 65536)
+    {
+        const int nt = omp_get_num_threads(), me = omp_get_thread_num();
+        const int64_t lo = nblk * me / nt, hi = nblk * (me + 1) / nt;
+        uint16_t *xb = aligned_alloc(64, sizeof(uint16_t) * (size_t)(M * lx));
+        if (xb == NULL) {
+#pragma omp atomic write
+            failed = 1;
+        }
+        if (xb != NULL && lo < hi) {
+            for (int64_t u = 0; u < M * P; u++) x_piece(x, ldx, M, K, lx, P, 0, u, xb);
+            amx_cfg cfg;
+            memset(&cfg, 0, sizeof(cfg));
+            cfg.palette = 1;
+            cfg.rows[0] = cfg.rows[1] = (uint8_t)M; /* tmm0-1 C: M rows x 16 weight rows */
+            cfg.colsb[0] = cfg.colsb[1] = 64;
+            cfg.rows[4] = (uint8_t)M; /* tmm4 A: M rows of x x 16 columns */
+            cfg.colsb[4] = 32;
+            cfg.rows[6] = cfg.rows[7] = 8; /* tmm6-7 B: 8 column pairs x 16 weight rows */
+            cfg.colsb[6] = cfg.colsb[7] = 64;
+            _tile_loadconfig(&cfg);
+            float cbuf[16][32] __attribute__((aligned(64)));
+            /* the B tiles of AMX_FEW_AHEAD steps: a tile load right behind the stores that
+             * wrote its bytes waits for them (measured: 3x the step's time), so each step's
+             * tiles are transposed that many steps before their products */
+            uint32_t ring[AMX_FEW_AHEAD][2][256] __attribute__((aligned(64)));
+            /* this thread's weights are one stream of the packed table: prefetched a block
+             * (32 K values) ahead, a step's share of lines per step */
+            const char *wend = (const char *)(w + hi * 32 * K);
+            const int64_t pfstep = (64 * K / K16 + 63) / 64 * 64;
+            /* y lane j <- C lane (j odd ? 8 + j / 2 : j / 2): AMX_FEW_LANES order back */
+            const __m512i back = _mm512_setr_epi32(0, 8, 1, 9, 2, 10, 3, 11, 4, 12, 5, 13, 6,
+                                                   14, 7, 15);
+            const int64_t steps = (hi - lo) * K16;
+            int64_t g = 0; /* steps transposed so far, in order */
+#define KVS_FEW_TRANSPOSE()                                                                \
+    do {                                                                                   \
+        const int64_t gn0 = (lo + g / K16) * 32, gs = g % K16;                             \
+        uint32_t(*gt)[256] = ring[g % AMX_FEW_AHEAD];                                      \
+        if (packed && gn0 + 32 <= N) {                                                     \
+            vnni_tile_packed(w + gn0 * K + gs * 64, 4 * K, gt[0]);                         \
+            vnni_tile_packed(w + (gn0 + 16) * K + gs * 64, 4 * K, gt[1]);                  \
+        } else {                                                                           \
+            vnni_tile_at(w, N, K, ldw, packed, gn0, 2 * gs, gt[0]);                        \
+            if (gn0 + 16 < N) vnni_tile_at(w, N, K, ldw, packed, gn0, 2 * gs + 1, gt[1]);  \
+        }                                                                                  \
+        g++;                                                                               \
+    } while (0)
+            while (g < steps && g < AMX_FEW_AHEAD - 1) KVS_FEW_TRANSPOSE();
+            for (int64_t b = lo; b < hi; b++) {
+                const int64_t n0 = b * 32;
+                const int two_n = n0 + 16 < N;
+                const int fast = packed && n0 + 32 <= N; /* lanes in AMX_FEW_LANES order */
+                _tile_zero(0);
+                _tile_zero(1);
+                for (int64_t s = 0; s < K16; s++) {
+                    if (packed) {
+                        const char *pf = (const char *)(w + (n0 + 32) * K) + s * pfstep;
+                        for (int64_t o = 0; o < pfstep && pf + o < wend; o += 64)
+                            _mm_prefetch(pf + o, _MM_HINT_T0);
+                    }
+                    if (g < steps) KVS_FEW_TRANSPOSE();
+                    uint32_t(*bt)[256] = ring[((b - lo) * K16 + s) % AMX_FEW_AHEAD];
+                    _tile_loadd(4, xb + 16 * s, 2 * lx);
+                    _tile_loadd(6, bt[0], 64);
+                    _tile_dpbf16ps(0, 4, 6);
+                    if (two_n) {
+                        _tile_loadd(7, bt[1], 64);
+                        _tile_dpbf16ps(1, 4, 7);
+                    }
+                }
+                float *yb = y + n0;
+                _tile_stored(0, &cbuf[0][0], 128);
+                if (two_n) _tile_stored(1, &cbuf[0][16], 128);
+                if (fast) {
+                    for (int m = 0; m < M; m++) {
+                        const __m512 c0 = _mm512_load_ps(cbuf[m]), c1 = _mm512_load_ps(cbuf[m] + 16);
+                        _mm512_storeu_ps(yb + m * ldy, _mm512_permutexvar_ps(back, c0));
+                        _mm512_storeu_ps(yb + m * ldy + 16, _mm512_permutexvar_ps(back, c1));
+                    }
+                    continue;
+                }
+                const int nv = N - n0 < 32 ? (int)(N - n0) : 32;
+                for (int m = 0; m < M; m++) memcpy(yb + m * ldy, cbuf[m], sizeof(float) * nv);
+            }
+#undef KVS_FEW_TRANSPOSE
+            _tile_release();
+        }
+        free(xb);
+    }
+    return failed;
+}
+#endif
+
 /* From how many rows the AMX bf16 dots take the blocked path (rows >= 1 sets it, 0 restores
  * the build's default AMX_BLOCK_ROWS, -1 only asks); returns the value in force. For tests
  * and benchmarks that compare the two paths (the same bits); 0 in builds without AMX. */
@@ -783,6 +948,136 @@ int64_t kvs_w16_amx_block_rows(int64_t rows) {
     if (rows >= 0)
         __atomic_store_n(&amx_block_rows, rows ? rows : AMX_BLOCK_ROWS, __ATOMIC_RELEASE);
     return __atomic_load_n(&amx_block_rows, __ATOMIC_ACQUIRE);
+#else
+    (void)rows;
+    return 0;
+#endif
+}
+
+#ifdef KVS_AMX
+/* VNNI-packed tables (packed == 2: [N / 16][K / 2][16][2], each 16-column step of 16 weight
+ * rows one 512-byte B tile, read in place) at M <= 16 rows: A = x's M rows, B = the table's
+ * tiles, C = M x 16. No repack, no transpose: a step is two tile loads and two products per
+ * 32 weight rows. */
+static int w16_gemm_amx_vnni_few(const float *x, int64_t M, int64_t K, int64_t ldx,
+                                 const uint16_t *w, int64_t N, int num_threads, float *y,
+                                 int64_t ldy) {
+    const int64_t K16 = K / 16, lx = K + 16, P = (K + 31) / 32;
+    const int64_t ngrp = (N + 15) / 16, nblk = (ngrp + 1) / 2;
+    int failed = 0;
+#pragma omp parallel num_threads(num_threads) if (N * K > 65536)
+    {
+        const int nt = omp_get_num_threads(), me = omp_get_thread_num();
+        const int64_t lo = nblk * me / nt, hi = nblk * (me + 1) / nt;
+        uint16_t *xb = aligned_alloc(64, sizeof(uint16_t) * (size_t)(M * (lx + 32)));
+        if (xb == NULL) {
+#pragma omp atomic write
+            failed = 1;
+        }
+        if (xb != NULL && lo < hi) {
+            for (int64_t u = 0; u < M * P; u++) x_piece(x, ldx, M, K, lx, P, 0, u, xb);
+            amx_cfg cfg;
+            memset(&cfg, 0, sizeof(cfg));
+            cfg.palette = 1;
+            cfg.rows[0] = cfg.rows[1] = (uint8_t)M; /* tmm0-1 C: M rows x 16 weight rows */
+            cfg.colsb[0] = cfg.colsb[1] = 64;
+            cfg.rows[4] = (uint8_t)M; /* tmm4 A: M rows of x x 16 columns */
+            cfg.colsb[4] = 32;
+            cfg.rows[6] = cfg.rows[7] = 8; /* tmm6-7 B: 8 column pairs x 16 weight rows */
+            cfg.colsb[6] = cfg.colsb[7] = 64;
+            _tile_loadconfig(&cfg);
+            float cbuf[16][32] __attribute__((aligned(64)));
+            const char *wend = (const char *)(w + ngrp * 16 * K);
+            for (int64_t b = lo; b < hi; b++) {
+                const int64_t n0 = b * 32;
+                const int two_n = n0 + 16 < N;
+                const uint16_t *b0 = w + 2 * b * 16 * K, *b1 = b0 + 16 * K;
+                const char *pf = (const char *)(b0 + 2 * 32 * K);
+                _tile_zero(0);
+                _tile_zero(1);
+                for (int64_t s = 0; s < K16; s++) {
+                    for (int o = 0; o < 1024; o += 64)
+                        if (pf + s * 512 + o < wend) _mm_prefetch(pf + s * 512 + o, _MM_HINT_T0);
+                    _tile_loadd(4, xb + 16 * s, 2 * lx);
+                    _tile_loadd(6, b0 + 256 * s, 64);
+                    _tile_dpbf16ps(0, 4, 6);
+                    if (two_n) {
+                        _tile_loadd(7, b1 + 256 * s, 64);
+                        _tile_dpbf16ps(1, 4, 7);
+                    }
+                }
+                float *yb = y + n0;
+                if (n0 + 32 <= N) {
+                    _tile_stored(0, yb, 4 * ldy);
+                    _tile_stored(1, yb + 16, 4 * ldy);
+                    continue;
+                }
+                _tile_stored(0, &cbuf[0][0], 128);
+                if (two_n) _tile_stored(1, &cbuf[0][16], 128);
+                const int nv = (int)(N - n0);
+                for (int m = 0; m < M; m++) memcpy(yb + m * ldy, cbuf[m], sizeof(float) * nv);
+            }
+            _tile_release();
+        }
+        free(xb);
+    }
+    return failed;
+}
+#endif
+
+#ifdef KVS_AMX
+/* VNNI-packed tables without the tiles (AMX turned off, or fp32 dots: a GEMM below the
+ * bf16-dot threshold): plain C, every output one sum in k order of fp32 products, with x as
+ * given or rounded to bf16 (bf16 = 1: the bf16-dot twin's arithmetic; the products are then
+ * exact). Correct on any table the loader packed so, not fast: the engine packs this layout
+ * only where every bf16-table GEMM takes the tiles (kvserve.kernels.cpu.w16_gemm). */
+static int w16_gemm_vnni_plain(const float *x, int64_t M, int64_t K, int64_t ldx,
+                               const uint16_t *w, int64_t N, int num_threads, float *y,
+                               int64_t ldy, int bf16) {
+    const int64_t ngrp = (N + 15) / 16;
+    int failed = 0;
+#pragma omp parallel num_threads(num_threads) if (N * K * M > 65536)
+    {
+        float *wf = malloc(sizeof(float) * 16 * (size_t)K); /* [K][16]: a group widened */
+        if (wf == NULL) {
+#pragma omp atomic write
+            failed = 1;
+        }
+#pragma omp for schedule(static)
+        for (int64_t g = 0; g < ngrp; g++) {
+            if (wf == NULL) continue;
+            const uint16_t *t = w + g * 16 * K;
+            for (int64_t k = 0; k < K; k++)
+                for (int n = 0; n < 16; n++)
+                    wf[k * 16 + n] = w16_scalar(t + (k / 2) * 32 + n * 2 + k % 2, 0);
+            const int nv = N - g * 16 < 16 ? (int)(N - g * 16) : 16;
+            for (int64_t m = 0; m < M; m++) {
+                const float *xm = x + m * ldx;
+                float acc[16] = {0};
+                for (int64_t k = 0; k < K; k++) {
+                    float xv = xm[k];
+                    if (bf16) {
+                        const uint16_t h = bf16_rne(xv);
+                        xv = w16_scalar(&h, 0);
+                    }
+                    for (int n = 0; n < 16; n++) acc[n] += wf[k * 16 + n] * xv;
+                }
+                memcpy(y + m * ldy + g * 16, acc, sizeof(float) * (size_t)nv);
+            }
+        }
+        free(wf);
+    }
+    return failed;
+}
+#endif
+
+/* Up to how many rows the AMX bf16 dots take the few-row path (w16_gemm_amx_few; rows >= 0
+ * sets it, 0: never, at most 16; -1 only asks); returns the value in force. For tests and
+ * benchmarks that compare the loops (the same bits); 0 in builds without AMX. */
+int64_t kvs_w16_amx_few_rows(int64_t rows) {
+#ifdef KVS_AMX
+    if (rows >= 0) __atomic_store_n(&amx_few_rows, rows < 16 ? rows : 16, __ATOMIC_RELEASE);
+    return __atomic_load_n(&amx_few_rows, __ATOMIC_ACQUIRE);
 #else
     (void)rows;
     return 0;
@@ -869,10 +1164,26 @@ static void widen_row(const uint16_t *w, int64_t K, int kind, int64_t pf, float 
 int kvs_w16_gemm(const float *x, int64_t M, int64_t K, int64_t ldx, const uint16_t *w,
                  int64_t N, int64_t ldw, int kind, int num_threads, float *y, int64_t ldy,
                  int64_t bf16_rows, int packed) {
-    if (packed && K % PK) return 2;
+    if (packed == 1 && K % PK) return 2;
+    if (packed == 2) { /* the AMX tiles' VNNI layout (builds with AMX only, bf16, K % 16 == 0) */
+#ifdef KVS_AMX
+        if (kind != 0 || K % 16) return 2;
+        const int dots = bf16_rows > 0 && M >= bf16_rows && kvs_w16_bf16_dot();
+        if (dots && __atomic_load_n(&amx_state, __ATOMIC_ACQUIRE) == 1)
+            return M <= __atomic_load_n(&amx_few_rows, __ATOMIC_ACQUIRE)
+                       ? w16_gemm_amx_vnni_few(x, M, K, ldx, w, N, num_threads, y, ldy)
+                       : w16_gemm_amx_blocked(x, M, K, ldx, w, N, 0, num_threads, y, ldy, 2);
+        return w16_gemm_vnni_plain(x, M, K, ldx, w, N, num_threads, y, ldy, dots);
+#else
+        return 2;
+#endif
+    }
 #ifdef KVS_BF16_DOT
     if (kind == 0 && bf16_rows > 0 && M >= bf16_rows && kvs_w16_bf16_dot()) {
 #ifdef KVS_AMX
+        if (__atomic_load_n(&amx_state, __ATOMIC_ACQUIRE) == 1 &&
+            M <= __atomic_load_n(&amx_few_rows, __ATOMIC_ACQUIRE))
+            return w16_gemm_amx_few(x, M, K, ldx, w, N, ldw, num_threads, y, ldy, packed);
         if (__atomic_load_n(&amx_state, __ATOMIC_ACQUIRE) == 1)
             return M >= __atomic_load_n(&amx_block_rows, __ATOMIC_ACQUIRE)
                        ? w16_gemm_amx_blocked(x, M, K, ldx, w, N, ldw, num_threads, y, ldy,

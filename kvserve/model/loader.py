@@ -235,11 +235,10 @@ def pack_dense_weights(model: CausalLM) -> int:
     lib = w16_gemm.w16_library()
     if lib is None:
         return 0
-    cols = w16_gemm.packing(lib)[1]
     n = 0
     for module in _dense_tables(model):
         w = module.weight
-        if not can_pack(w, cols):  # (a tied table: packed already)
+        if not can_pack(w, w16_gemm.packing_for(lib, w)[1]):  # (a tied table: packed already)
             continue
         w16_gemm.pack_weight(lib, w)
         n += 1

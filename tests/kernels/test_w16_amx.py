@@ -128,14 +128,17 @@ def test_amx_blocked_equals_per_row_tiles(amx_lib, n, k):
     prev = torch.get_num_threads()
     try:
         for m in (1, 15, 16, 17, 64, 200):
+            w16.set_amx_few_rows(amx_lib, 0)
             assert w16.set_amx_block_rows(amx_lib, 10**9) == 10**9  # in-place tiles, every M
             per_row = w16.w16_gemm(amx_lib, x[:m], pw, bf16_rows=1)
             assert torch.equal(w16.w16_gemm(amx_lib, x[:m], w, bf16_rows=1), per_row)
             assert w16.set_amx_block_rows(amx_lib, 1) == 1  # the blocked path for every M
-            for t in (1, 2):
-                torch.set_num_threads(t)
-                assert torch.equal(w16.w16_gemm(amx_lib, x[:m], pw, bf16_rows=1), per_row)
-                assert torch.equal(w16.w16_gemm(amx_lib, x[:m], w, bf16_rows=1), per_row)
+            for few in (0, 16):  # and the few-row loop up to 16 rows
+                w16.set_amx_few_rows(amx_lib, few)
+                for t in (1, 2):
+                    torch.set_num_threads(t)
+                    assert torch.equal(w16.w16_gemm(amx_lib, x[:m], pw, bf16_rows=1), per_row)
+                    assert torch.equal(w16.w16_gemm(amx_lib, x[:m], w, bf16_rows=1), per_row)
             w16.set_amx_block_rows(amx_lib, 0)
             for i in {0, m // 2, m - 1}:
                 assert torch.equal(w16.w16_gemm(amx_lib, x[i:i + 1], pw, bf16_rows=1),
@@ -145,4 +148,87 @@ def test_amx_blocked_equals_per_row_tiles(amx_lib, n, k):
     finally:
         torch.set_num_threads(prev)
         w16.set_amx_block_rows(amx_lib, 0)
+        w16.set_amx_few_rows(amx_lib, 16)
     assert w16.set_amx_block_rows(amx_lib, -1) == default
+
+
+def _vnni(w):
+    p, tiles = pack(w, *w16.AMX_PACKING)
+    p.w16_tiles = tiles
+    return p
+
+
+@pytest.mark.parametrize("n,k", [(4, 32), (7, 48), (5, 16), (33, 576), (50, 1008),
+                                 (130, 1536)])
+def test_amx_vnni_layout_equals_tiles(amx_lib, n, k):
+    """Tables in the AMX tiles' own layout (16 x 2 tiles, the B tiles read in place) give the
+    4 x 16 tiles' in-place results bit for bit: the few-row loop (M <= 16; on 4 x 16 tables
+    too, its B tiles transposed ahead) and the blocked one (M > 16), 1 and 2 threads, N across
+    the 16- and 32-row blocks; a row alone == the row in its batch. Other paths on the layout
+    (fp32 dots, AMX off) keep their twins' results, batch-invariant."""
+    x, w = _case(40, n, k, 3 * n + k)
+    pw, pv = _packed(amx_lib, w), _vnni(w)
+    prev = torch.get_num_threads()
+    try:
+        for m in (1, 2, 5, 15, 16, 17, 33, 40):
+            w16.set_amx_few_rows(amx_lib, 0)
+            w16.set_amx_block_rows(amx_lib, 10**9)  # the in-place 4 x 16 tiles: reference
+            want = w16.w16_gemm(amx_lib, x[:m], pw, bf16_rows=1)
+            w16.set_amx_block_rows(amx_lib, 0)
+            for few in (0, 16):
+                w16.set_amx_few_rows(amx_lib, few)
+                for t in (1, 2):
+                    torch.set_num_threads(t)
+                    assert torch.equal(w16.w16_gemm(amx_lib, x[:m], pv, bf16_rows=1), want)
+                    assert torch.equal(w16.w16_gemm(amx_lib, x[:m], pw, bf16_rows=1), want)
+            for i in {0, m - 1}:
+                assert torch.equal(w16.w16_gemm(amx_lib, x[i:i + 1], pv, bf16_rows=1),
+                                   want[i:i + 1])
+    finally:
+        torch.set_num_threads(prev)
+        w16.set_amx_few_rows(amx_lib, 16)
+    # fp32 dots on the layout (a GEMM below the threshold): the fp32 twin, batch-invariant
+    fp32 = w16.w16_gemm(amx_lib, x, pv)
+    exact = (x.double() @ w.double().t()).float()
+    bound = 4 * k * 2**-24 * (x.abs() @ w.float().abs().t()) + 1e-30
+    assert ((fp32 - exact).abs() <= bound).all()
+    assert torch.equal(w16.w16_gemm(amx_lib, x[3:4], pv), fp32[3:4])
+    # AMX off: bf16 dots in plain C, the bf16-dot twin
+    assert not w16.set_amx(amx_lib, False)
+    try:
+        plain = w16.w16_gemm(amx_lib, x, pv, bf16_rows=1)
+    finally:
+        assert w16.set_amx(amx_lib, True)
+    torch.testing.assert_close(plain, ref.w16_linear_bf16_dot(x, w), rtol=1e-5, atol=1e-5)
+    assert torch.equal(w16.w16_gemm(amx_lib, x[:1], pv, bf16_rows=1)[0],
+                       w16.w16_gemm(amx_lib, x, pv, bf16_rows=1)[0])
+
+
+def test_amx_layout_picked_for_every_row_tables(amx_lib, monkeypatch):
+    """The loader packs bf16 tables in the AMX layout only where every row takes the tiles
+    (bf16-dot rows settled to 1, K % 16 == 0); fp16 tables, another threshold or AMX off keep
+    the kernel's 4 x 16 tiles. The embedding reads rows from either layout."""
+    from kvserve.kernels.cpu.cpu_ops import gather_rows
+    from kvserve.quant.w16 import table_rows, unpack
+
+    w = _case(1, 50, 64, 1)[1]
+    prev = w16.engine_bf16_dot_rows()
+    try:
+        w16.set_bf16_dot_rows(1)
+        assert w16.packing_for(amx_lib, w) == w16.AMX_PACKING
+        assert w16.packing_for(amx_lib, w.half()) == amx_lib.packing
+        assert w16.packing_for(amx_lib, _case(1, 50, 40, 1)[1]) == amx_lib.packing
+        w16.set_bf16_dot_rows(16)
+        assert w16.packing_for(amx_lib, w) == amx_lib.packing
+        w16.set_bf16_dot_rows(1)
+        w16.set_amx(amx_lib, False)
+        assert w16.packing_for(amx_lib, w) == amx_lib.packing
+    finally:
+        w16.set_amx(amx_lib, True)
+        w16.set_bf16_dot_rows(prev)
+    pv = _vnni(w)
+    assert torch.equal(unpack(pv, pv.w16_tiles), w)
+    ids = torch.tensor([0, 17, 49, 3])
+    assert torch.equal(table_rows(pv, ids), w[ids])
+    rows = gather_rows(pv, ids)
+    assert rows is None or torch.equal(rows, w[ids].float())

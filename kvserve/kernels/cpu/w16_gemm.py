@@ -58,9 +58,9 @@ def bind(dll: ctypes.CDLL) -> ctypes.CDLL:
     if hasattr(dll, "kvs_w16_amx"):
         dll.kvs_w16_amx.argtypes, dll.kvs_w16_amx.restype = [c_int], c_int
         dll.amx = bool(launch(dll, "kvs_w16_amx", -1))  # asks Linux for the tile state once
-    if hasattr(dll, "kvs_w16_amx_block_rows"):
-        dll.kvs_w16_amx_block_rows.argtypes = [i64]
-        dll.kvs_w16_amx_block_rows.restype = i64
+    for name in ("kvs_w16_amx_block_rows", "kvs_w16_amx_few_rows"):
+        if hasattr(dll, name):
+            getattr(dll, name).argtypes, getattr(dll, name).restype = [i64], i64
     return dll
 
 
@@ -86,6 +86,34 @@ def set_amx_block_rows(lib: ctypes.CDLL, rows: int) -> int:
     if not hasattr(lib, "kvs_w16_amx_block_rows"):
         return 0
     return int(launch(lib, "kvs_w16_amx_block_rows", rows))
+
+
+def set_amx_few_rows(lib: ctypes.CDLL, rows: int) -> int:
+    """Up to how many rows (at most 16) ``lib``'s AMX bf16 dots take the few-row loop (A and C
+    tiles of exactly M rows; on 4 x 16 tables the B tiles transposed a few steps ahead, on
+    VNNI tables read in place) instead of the blocked one; all give the same bits. ``rows`` >=
+    0 sets it (0: never), -1 only asks; returns the value in force (0: no AMX in the build).
+    For tests and benchmarks that compare the loops."""
+    if not hasattr(lib, "kvs_w16_amx_few_rows"):
+        return 0
+    return int(launch(lib, "kvs_w16_amx_few_rows", rows))
+
+
+# The AMX tiles' own layout for bf16 tables (kvserve.quant.w16's tiles of 16 rows x 2
+# columns: [N / 16][K / 2][16][2], each 16-column step of 16 weight rows one 512-byte VNNI B
+# tile). The AMX loops read it in place (no per-call repack or transpose: a batch-1 step
+# streams its weights ~1.3x faster than from the 4 x 16 tiles); every other path reads it
+# through a plain, slow loop. So the loader packs it only where every bf16-table GEMM takes
+# the tiles (``amx_packing``).
+AMX_PACKING = (16, 2)
+
+
+def amx_packing(lib: ctypes.CDLL, weight: torch.Tensor) -> bool:
+    """Pack ``weight`` in the AMX layout: a bf16 table with K % 16 == 0, ``lib``'s bf16 dots
+    on AMX tiles, and every row of every step taking them (the settled bf16-dot rows = 1)."""
+    return (weight.dtype == torch.bfloat16 and weight.dim() == 2 and weight.shape[1] % 16 == 0
+            and hasattr(lib, "kvs_w16_amx_few_rows") and has_amx(lib)
+            and bf16_dot_rows(lib) == 1)
 
 
 # No engine setting and KVSERVE_CPU_BF16_ROWS unset: no bf16 dot products (the exact fp32
@@ -160,8 +188,11 @@ def w16_gemm(lib: ctypes.CDLL, x: torch.Tensor, weight: torch.Tensor,
         assert weight.shape[1] == k and weight.stride(1) == 1
     else:
         n, ldw = tiles.rows, 0
+        layout = (tiles.tile_rows, tiles.tile_cols)
+        amx = layout == AMX_PACKING and weight.dtype == torch.bfloat16 and k % 16 == 0 \
+            and hasattr(lib, "kvs_w16_amx_few_rows")
         # (checked, not asserted: a mismatch would have the C read past the table)
-        if tiles.cols != k or (tiles.tile_rows, tiles.tile_cols) != lib.packing \
+        if tiles.cols != k or (layout != lib.packing and not amx) \
                 or not weight.is_contiguous():
             raise RuntimeError(f"packed weight {tiles} does not fit x [..., {k}] and this "
                                f"kernel's tiles {lib.packing}")
@@ -173,7 +204,7 @@ def w16_gemm(lib: ctypes.CDLL, x: torch.Tensor, weight: torch.Tensor,
     if m:
         rc = launch(lib, "kvs_w16_gemm", x2, Rows(m), k, x2.stride(0), weight, n, ldw,
                     KINDS[weight.dtype], torch.get_num_threads(), y, n, bf16_rows,
-                    int(tiles is not None))
+                    0 if tiles is None else 1 if layout == lib.packing else 2)
         if rc == 2:
             raise RuntimeError("kvs_w16_gemm: packed weights with K % tile_cols != 0")
         if rc:
@@ -193,10 +224,17 @@ def linear_w16(x: torch.Tensor, weight: torch.Tensor,
     return y if bias is None else y + bias.float()
 
 
+def packing_for(lib: ctypes.CDLL, weight: torch.Tensor) -> tuple[int, int]:
+    """The tiles (rows, columns) the loader packs ``weight`` in: AMX_PACKING where
+    ``amx_packing`` holds, else ``lib``'s own."""
+    return AMX_PACKING if amx_packing(lib, weight) else lib.packing
+
+
 def pack_weight(lib: ctypes.CDLL, weight: torch.nn.Parameter) -> W16Tiles:
-    """Repack a row-major 16-bit parameter in place into ``lib``'s tiles (its ``data`` becomes
-    the packed table and ``w16_tiles`` says how; a tied table is one parameter, packed once)."""
-    packed, tiles = pack(weight.data, *lib.packing)
+    """Repack a row-major 16-bit parameter in place into the tiles ``packing_for`` picks (its
+    ``data`` becomes the packed table and ``w16_tiles`` says how; a tied table is one
+    parameter, packed once)."""
+    packed, tiles = pack(weight.data, *packing_for(lib, weight))
     weight.data = packed
     weight.w16_tiles = tiles  # type: ignore[attr-defined]
     return tiles

@@ -143,6 +143,14 @@ def test_rows_past_a_large_batch_are_not_cheap():
         c.observe(14, 0.0286)
     assert c.line()[1] > 0.8 * (0.0287 / 15) * (15 / 16) ** 2 * 0.99
     assert c(20) - c(16) > 4 * 0.0012
+    # whatever the line and factors say (here: a line through cheap steps and a learned
+    # factor), a draft row past a large base costs most of a base row's share
+    flat = StepCost()
+    for _ in range(40):
+        for rows in (1, 2, 3, 16, 20):
+            flat.observe(rows, 0.005 + 0.0002 * rows)
+    assert flat.at(20, 16) - flat(16) >= 4 * 0.8 * flat(16) / 16 * 0.999
+    assert flat.at(3, 1) == flat(3)  # a few rows: the curve itself
 
 
 def test_the_choice_weighs_whole_prefixes():

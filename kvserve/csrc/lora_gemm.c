@@ -16,13 +16,20 @@
  *   shrink  tmp[t, r] = scale[s] * A[s, r] . x[t], in units of RQ = 4 ranks: a 4 ranks x
  *           4 rows block of dot products in 16 accumulators (8 loads per 16 FMAs), reduced
  *           by one transposing sum (hsum16x16 / hsum8x8, csrc/vmath.h);
- *   expand  y[t, c] += sum_r tmp[t, r] * bt[s, r, c] over c's shard's R/H ranks only, in
- *           units of NB = 64 columns of one shard: 4 rows x 64 columns in 16 accumulators,
- *           each B^T line loaded once for the 4 rows (a fused q/k/v pays one shard's rank
- *           per column, not all three).
+ *   expand  y[t, c] += sum_r tmp[t, r] * bt[s, r, c] over c's shard's R/H ranks only (a
+ *           fused q/k/v pays one shard's rank per column, not all three), each B^T line
+ *           loaded once for the group's rows. Groups of many rows: units of NB = 64 columns
+ *           of one shard, 4 rows x 64 columns in 16 accumulators. Groups of at most SW_ROWS
+ *           rows (decode; AVX-512): units of CW = 512 columns walked along B^T's rows, 4
+ *           ranks at a time, each 16 columns added into every row's y (in L1) -- 4 runs of
+ *           contiguous columns the hardware prefetcher follows, where 64 columns x 16 ranks
+ *           are 32 short strided pieces (SmolLM2 decode step, 4 bf16 adapters, one thread:
+ *           the kernel's 120 calls 4.4-5.1 -> 3.0-3.6 ms with both loops below reworked).
  * A decode step streams every used adapter's A and B^T from memory (SmolLM2, 4 rank-16
- * adapters: 78 MB fp32, 39 MB bf16 over 30 layers), so the AVX-512 loops prefetch ahead: A
- * rows PF elements on, B^T rows one unit (the next NB columns) on.
+ * adapters: 78 MB fp32, 39 MB bf16 over 30 layers), so the AVX-512 loops prefetch ahead: the
+ * shrink the 4 contiguous A rows PF_UNITS units on, the expand the B^T lines PF_UNITS units (NB)
+ * or 4 ranks (CW) on. Their inner loops take full vectors without masks (one masked tail), so
+ * the accumulators stay in registers.
  * Threads: one parallel region per call. Each thread takes an even run of the shrink units
  * (slot-major), then of the expand units; when the used slots split evenly over the threads
  * both runs cover the same slots and no barrier is needed (4 adapters on 2 threads), else one
@@ -33,8 +40,8 @@
  * so a descheduled thread stalls its partner at each region's join. 120 short regions a step
  * (4 a layer) cost a served mixed step more than the second thread saves (2-core Xeon, 4 rank-16
  * adapters, 16 rows: the decode forward 40.9 ms with 2 threads, 34.7 ms on one; docs/server.md).
- * Prefill-sized calls (hundreds of rows) still split over the threads. bf16 weights are widened to fp32 exactly as they
- * are read (shift), so fp32 and bf16 share every loop.
+ * Prefill-sized calls (hundreds of rows) still split over the threads. bf16 weights are
+ * widened to fp32 exactly as they are read (shift), so fp32 and bf16 share every loop.
  * Rank padding of a smaller adapter (zero rows of A / bt) still costs R/H: slots share one R.
  * The decode graphs record this kernel (kvs_lora_gemm_op: T is the row count, idx a graph
  * input), so a LoRA server replays decode steps like a plain one.
@@ -51,7 +58,9 @@
 #define RQ 4  /* ranks per shrink unit */
 #define MR 4  /* rows of a slot's group per register block */
 #define NB 64 /* output columns per expand unit (4 AVX-512 vectors) */
-#define PF 512 /* shrink: A's elements prefetched ahead of the loads (AVX-512 path) */
+#define CW 512  /* output columns per expand unit of the streaming expand (AVX-512) */
+#define SW_ROWS 8 /* the most rows of a slot's group the streaming expand takes */
+#define PF_UNITS 2 /* prefetch distance (AVX-512 path): A's rows / B^T's columns 2 units on */
 #define PAR_MACS (INT64_C(1) << 22) /* the least multiply-adds a call splits over threads */
 #define ALWAYS_INLINE inline __attribute__((always_inline))
 
@@ -83,20 +92,45 @@ static ALWAYS_INLINE __m512 wload16(const void *p, int64_t i, int bf, int64_t n)
         _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)buf)), 16));
 }
 
-/* o[r * 4 + t] = ar[r] . xr[t] (K elements) for 4 weight rows and 4 activation rows */
+/* 16 full weights from p + i, widened (no mask, no tail) */
+static ALWAYS_INLINE __m512 wload16_full(const void *p, int64_t i, int bf) {
+    if (!bf)
+        return _mm512_loadu_ps((const float *)p + i);
+    return _mm512_castsi512_ps(_mm512_slli_epi32(
+        _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)((const uint16_t *)p + i))),
+        16));
+}
+
+/* o[r * 4 + t] = ar[r] . xr[t] (K elements) for 4 weight rows and 4 activation rows. ``pf``:
+ * where to prefetch, es lines per 16 elements (the block of 4 rows PF_UNITS units on: a slot's
+ * A rows are contiguous, so the next units' rows follow). Full vectors in the loop, one masked
+ * tail. */
 static ALWAYS_INLINE void shrink4x4(const void *const ar[RQ], int bf, const float *const xr[MR],
-                                    int64_t K, float o[RQ * MR]) {
+                                    int64_t K, const char *pf, float o[RQ * MR]) {
     __m512 acc[RQ * MR];
     for (int i = 0; i < RQ * MR; i++)
         acc[i] = _mm512_setzero_ps();
-    for (int64_t k = 0; k < K; k += 16) {
-        const int64_t n = K - k < 16 ? K - k : 16;
-        const __mmask16 m = (__mmask16)(n >= 16 ? 0xFFFFu : (1u << n) - 1u);
+    const int64_t kf = K & ~(int64_t)15;
+    int64_t k = 0;
+    for (; k < kf; k += 16) {
+        for (int l = 0; l < (bf ? 2 : 4); l++) /* 16 elements x 4 rows x es bytes */
+            _mm_prefetch(pf + k * (bf ? 8 : 16) + 64 * l, _MM_HINT_T0);
+        __m512 xv[MR];
+        for (int t = 0; t < MR; t++)
+            xv[t] = _mm512_loadu_ps(xr[t] + k);
+        for (int r = 0; r < RQ; r++) {
+            const __m512 av = wload16_full(ar[r], k, bf);
+            for (int t = 0; t < MR; t++)
+                acc[r * MR + t] = _mm512_fmadd_ps(av, xv[t], acc[r * MR + t]);
+        }
+    }
+    if (k < K) {
+        const int64_t n = K - k;
+        const __mmask16 m = (__mmask16)((1u << n) - 1u);
         __m512 xv[MR];
         for (int t = 0; t < MR; t++)
             xv[t] = _mm512_maskz_loadu_ps(m, xr[t] + k);
         for (int r = 0; r < RQ; r++) {
-            _mm_prefetch((const char *)ar[r] + (k + PF) * (bf ? 2 : 4), _MM_HINT_T0);
             const __m512 av = wload16(ar[r], k, bf, n);
             for (int t = 0; t < MR; t++)
                 acc[r * MR + t] = _mm512_fmadd_ps(av, xv[t], acc[r * MR + t]);
@@ -106,24 +140,43 @@ static ALWAYS_INLINE void shrink4x4(const void *const ar[RQ], int bf, const floa
 }
 
 /* yr[t][c] += sum_{r < rh} v[t][r] * b[r * ldb + c] for c < len (<= NB), t < rows (<= MR; the
- * pointers of rows past it repeat the last row and are not written) */
+ * pointers of rows past it repeat the last row and are not written). ``pf``: the unit to
+ * prefetch (same rows, further columns). */
 static ALWAYS_INLINE void expand4(float *const yr[MR], int64_t rows, const float *const v[MR],
-                                  const void *b, int bf, int64_t ldb, int64_t rh, int64_t len) {
+                                  const void *b, int bf, int64_t ldb, int64_t rh, int64_t len,
+                                  const char *pf) {
     __m512 acc[MR][NB / 16];
+    for (int u = 0; u < NB / 16; u++)
+        for (int t = 0; t < MR; t++)
+            acc[t][u] = _mm512_setzero_ps();
+    if (len == NB) { /* a full unit: no masks, the accumulators stay in registers */
+        for (int64_t r = 0; r < rh; r++) {
+            for (int l = 0; l < (bf ? 2 : 4); l++) /* this row's lines of the unit ahead */
+                _mm_prefetch(pf + r * ldb * (bf ? 2 : 4) + 64 * l, _MM_HINT_T0);
+            __m512 bv[NB / 16];
+            for (int u = 0; u < NB / 16; u++)
+                bv[u] = wload16_full(b, r * ldb + 16 * u, bf);
+            for (int t = 0; t < MR; t++) {
+                const __m512 vt = _mm512_set1_ps(v[t][r]);
+                for (int u = 0; u < NB / 16; u++)
+                    acc[t][u] = _mm512_fmadd_ps(vt, bv[u], acc[t][u]);
+            }
+        }
+        for (int64_t t = 0; t < rows; t++)
+            for (int u = 0; u < NB / 16; u++)
+                _mm512_storeu_ps(yr[t] + 16 * u,
+                                 _mm512_add_ps(_mm512_loadu_ps(yr[t] + 16 * u), acc[t][u]));
+        return;
+    }
     int64_t n[NB / 16];
     for (int u = 0; u < NB / 16; u++) {
         const int64_t left = len - 16 * u;
         n[u] = left >= 16 ? 16 : left < 0 ? 0 : left;
-        for (int t = 0; t < MR; t++)
-            acc[t][u] = _mm512_setzero_ps();
     }
     for (int64_t r = 0; r < rh; r++) {
         __m512 bv[NB / 16];
         for (int u = 0; u < NB / 16; u++)
             bv[u] = n[u] ? wload16(b, r * ldb + 16 * u, bf, n[u]) : _mm512_setzero_ps();
-        const char *next = (const char *)b + (r * ldb + NB) * (bf ? 2 : 4);
-        for (int l = 0; l < (bf ? 2 : 4); l++) /* this row's lines of the next unit */
-            _mm_prefetch(next + 64 * l, _MM_HINT_T0);
         for (int t = 0; t < MR; t++) {
             const __m512 vt = _mm512_set1_ps(v[t][r]);
             for (int u = 0; u < NB / 16; u++)
@@ -139,9 +192,67 @@ static ALWAYS_INLINE void expand4(float *const yr[MR], int64_t rows, const float
                                                     acc[t][u]));
             }
 }
+
+/* The expand of a slot group of few rows (decode: SW_ROWS or fewer), B^T walked along its
+ * rows: y[rows, 0 .. len) += v[rows] . b over the shard's rh ranks, 4 ranks at a time -- their
+ * 4 B^T rows read as contiguous runs of len (<= CW) columns, each 16 columns added into every
+ * row's y (kept in L1) by 4 FMAs. A run of CW columns of 4 rows is one stream the hardware
+ * prefetcher follows, where the register-blocked expand4 reads 64 columns of 16 rows at a
+ * time; each B^T line is still read once (for up to SW_ROWS rows). Ranks past rh: zero
+ * weight, their row pointer repeats the last rank. */
+static ALWAYS_INLINE void expand_stream(float *const yr[], int64_t m, const float *const v[],
+                                        const void *b, int bf, int64_t ldb, int64_t rh,
+                                        int64_t len) {
+    const int64_t es = bf ? 2 : 4;
+    for (int64_t r0 = 0; r0 < rh; r0 += RQ) {
+        const void *br[RQ];
+        for (int i = 0; i < RQ; i++)
+            br[i] = (const char *)b + (r0 + i < rh ? r0 + i : rh - 1) * ldb * es;
+        const char *pf = (const char *)b + (r0 + RQ) * ldb * es; /* the next 4 ranks' rows */
+        const int pre = r0 + RQ < rh;
+        for (int64_t j = 0; j < m; j += MR) {
+            const int64_t mr = m - j < MR ? m - j : MR;
+            __m512 vt[MR][RQ];
+            for (int t = 0; t < MR; t++)
+                for (int i = 0; i < RQ; i++)
+                    vt[t][i] = _mm512_set1_ps(t < mr && r0 + i < rh ? v[j + t][r0 + i] : 0.0f);
+            int64_t c = 0;
+            for (; c + 16 <= len; c += 16) {
+                if (pre && j == 0 && (c * es) % 64 == 0)
+                    for (int i = 0; i < RQ; i++)
+                        _mm_prefetch(pf + (i * ldb + c) * es, _MM_HINT_T0);
+                __m512 bv[RQ];
+                for (int i = 0; i < RQ; i++)
+                    bv[i] = wload16_full(br[i], c, bf);
+                for (int t = 0; t < MR; t++)
+                    if (t < mr) {
+                        __m512 acc = _mm512_loadu_ps(yr[j + t] + c);
+                        for (int i = 0; i < RQ; i++)
+                            acc = _mm512_fmadd_ps(vt[t][i], bv[i], acc);
+                        _mm512_storeu_ps(yr[j + t] + c, acc);
+                    }
+            }
+            if (c < len) {
+                const int64_t n = len - c;
+                const __mmask16 k = (__mmask16)((1u << n) - 1u);
+                __m512 bv[RQ];
+                for (int i = 0; i < RQ; i++)
+                    bv[i] = wload16(br[i], c, bf, n);
+                for (int t = 0; t < MR; t++)
+                    if (t < mr) {
+                        __m512 acc = _mm512_maskz_loadu_ps(k, yr[j + t] + c);
+                        for (int i = 0; i < RQ; i++)
+                            acc = _mm512_fmadd_ps(vt[t][i], bv[i], acc);
+                        _mm512_mask_storeu_ps(yr[j + t] + c, k, acc);
+                    }
+            }
+        }
+    }
+}
 #else
 static ALWAYS_INLINE void shrink4x4(const void *const ar[RQ], int bf, const float *const xr[MR],
-                                    int64_t K, float o[RQ * MR]) {
+                                    int64_t K, const char *pf, float o[RQ * MR]) {
+    (void)pf;
     int64_t k = 0;
     for (int i = 0; i < RQ * MR; i++)
         o[i] = 0.0f;
@@ -180,7 +291,9 @@ static ALWAYS_INLINE void shrink4x4(const void *const ar[RQ], int bf, const floa
 }
 
 static ALWAYS_INLINE void expand4(float *const yr[MR], int64_t rows, const float *const v[MR],
-                                  const void *b, int bf, int64_t ldb, int64_t rh, int64_t len) {
+                                  const void *b, int bf, int64_t ldb, int64_t rh, int64_t len,
+                                  const char *pf) {
+    (void)pf;
     for (int64_t t = 0; t < rows; t++) {
         float acc[NB];
         for (int64_t c = 0; c < len; c++)
@@ -217,7 +330,7 @@ static ALWAYS_INLINE void shrink_unit(const char *as, int bf, int64_t es, const 
         for (int64_t t = 0; t < MR; t++)
             xr[t] = x + rows[j + (t < mr ? t : mr - 1)] * K;
         float o[RQ * MR];
-        shrink4x4(ar, bf, xr, K, o);
+        shrink4x4(ar, bf, xr, K, (const char *)ar[0] + PF_UNITS * RQ * K * es, o);
         for (int64_t i = 0; i < nr; i++)
             for (int64_t t = 0; t < mr; t++)
                 tmp[rows[j + t] * R + r0 + i] = sc * o[i * MR + t];
@@ -230,6 +343,18 @@ static ALWAYS_INLINE void expand_unit(const char *bs, int bf, int64_t es, int64_
                                       const int64_t *rows, int64_t m, const float *tmp,
                                       float *y) {
     const char *b = bs + (h * rh * N + c0) * es;
+#if defined(__AVX512F__)
+    if (m <= SW_ROWS) {
+        float *yr[SW_ROWS];
+        const float *v[SW_ROWS];
+        for (int64_t t = 0; t < m; t++) {
+            yr[t] = y + rows[t] * N + c0;
+            v[t] = tmp + rows[t] * R + h * rh;
+        }
+        expand_stream(yr, m, v, b, bf, N, rh, len);
+        return;
+    }
+#endif
     for (int64_t j = 0; j < m; j += MR) {
         const int64_t mr = m - j < MR ? m - j : MR;
         float *yr[MR];
@@ -239,7 +364,7 @@ static ALWAYS_INLINE void expand_unit(const char *bs, int bf, int64_t es, int64_
             yr[t] = y + row * N + c0;
             v[t] = tmp + row * R + h * rh;
         }
-        expand4(yr, mr, v, b, bf, N, rh, len);
+        expand4(yr, mr, v, b, bf, N, rh, len, (const char *)b + PF_UNITS * NB * es);
     }
 }
 
@@ -286,18 +411,27 @@ int64_t kvs_lora_gemm(const void *restrict a, const void *restrict bt, int64_t w
     for (int64_t t = 0; t < T; t++)
         if (idx[t] >= 0)
             order[fill[idx[t]]++] = t;
-    /* the used slots; the expand units of one slot: (shard, first column) of NB-column runs */
-    int64_t act[S], na = 0;
+    /* the used slots; the expand units of one slot: (shard, first column) of W-column runs,
+     * W = CW when every group takes the streaming expand (AVX-512, SW_ROWS rows or fewer) */
+    int64_t act[S], na = 0, most = 0;
     for (int64_t s = 0; s < S; s++)
-        if (start[s + 1] > start[s])
+        if (start[s + 1] > start[s]) {
             act[na++] = s;
+            most = start[s + 1] - start[s] > most ? start[s + 1] - start[s] : most;
+        }
+#if defined(__AVX512F__)
+    const int64_t W = most <= SW_ROWS ? CW : NB;
+#else
+    const int64_t W = NB;
+    (void)most;
+#endif
     int64_t nc = 0;
     for (int64_t h = 0; h < H; h++)
-        nc += (noff[h + 1] - noff[h] + NB - 1) / NB;
+        nc += (noff[h + 1] - noff[h] + W - 1) / W;
     int64_t ch_h[nc + 1], ch_c[nc + 1];
     nc = 0;
     for (int64_t h = 0; h < H; h++)
-        for (int64_t c = noff[h]; c < noff[h + 1]; c += NB) {
+        for (int64_t c = noff[h]; c < noff[h + 1]; c += W) {
             ch_h[nc] = h;
             ch_c[nc++] = c;
         }
@@ -322,7 +456,7 @@ int64_t kvs_lora_gemm(const void *restrict a, const void *restrict bt, int64_t w
         }
         for (int64_t u = u2 * id / n; u < u2 * (id + 1) / n; u++) {
             const int64_t s = act[u / nc], c = u % nc, h = ch_h[c], c0 = ch_c[c];
-            const int64_t len = noff[h + 1] - c0 < NB ? noff[h + 1] - c0 : NB;
+            const int64_t len = noff[h + 1] - c0 < W ? noff[h + 1] - c0 : W;
             const char *bs = b8 + s * R * N * es;
             if (bf)
                 expand_unit(bs, 1, es, N, R, rh, h, c0, len, order + start[s],

@@ -353,7 +353,7 @@ static inline __attribute__((always_inline)) void pass_vnni(
 #endif
 static inline __attribute__((always_inline)) void pass_vnni_wide(
     const uint8_t *restrict wt, const uint16_t *restrict st, const int8_t *restrict q,
-    const float *restrict dx, const int32_t *restrict qs, int64_t K, int64_t G, const int bits,
+    const float *restrict dx, const float *restrict msr, int64_t K, int64_t G, const int bits,
     const int vm, float *restrict y, int64_t ldy) {
     const __m512i lo4 = _mm512_set1_epi8(0x0F);
     const int64_t ng = K / G, bpg = G / 32, nb = K / 32, block_bytes = 32 * 16 * bits / 8;
@@ -361,11 +361,7 @@ static inline __attribute__((always_inline)) void pass_vnni_wide(
     for (int i = 0; i < vm; i++) out[i] = _mm512_setzero_ps();
     for (int64_t g = 0; g < ng; g++) {
         __m512 f[WM];
-        float ms[WM];
-        for (int i = 0; i < vm; i++) {
-            f[i] = _mm512_setzero_ps();
-            ms[i] = 0;
-        }
+        for (int i = 0; i < vm; i++) f[i] = _mm512_setzero_ps();
         for (int64_t b = g * bpg; b < (g + 1) * bpg; b++) {
             const uint8_t *wb = wt + b * block_bytes;
             for (int o = 0; o < block_bytes; o += 64)
@@ -390,17 +386,15 @@ static inline __attribute__((always_inline)) void pass_vnni_wide(
                     a[i] = _mm512_dpbusd_epi32(a[i], w1, _mm512_set1_epi32(v1));
                 }
             }
-            for (int i = 0; i < vm; i++) {
-                const float d = dx[i * nb + b];
-                ms[i] += d * (float)qs[i * nb + b];
-                f[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(a[i]), _mm512_set1_ps(d), f[i]);
-            }
+            for (int i = 0; i < vm; i++)
+                f[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(a[i]), _mm512_set1_ps(dx[i * nb + b]),
+                                       f[i]);
         }
         const __m512 s = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(st + g * 32)));
         const __m512 mn = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(st + g * 32 + 16)));
         for (int i = 0; i < vm; i++) {
             out[i] = _mm512_fmadd_ps(s, f[i], out[i]);
-            out[i] = _mm512_fmadd_ps(mn, _mm512_set1_ps(ms[i]), out[i]);
+            out[i] = _mm512_fmadd_ps(mn, _mm512_set1_ps(msr[i * ng + g]), out[i]);
         }
     }
     for (int i = 0; i < vm; i++) _mm512_storeu_ps(y + i * ldy, out[i]);
@@ -434,14 +428,14 @@ static inline __attribute__((always_inline)) void pass_vnni_wide(
  * before it (its overlapped rows are not written), so no row is read past M; with M < 16 the
  * tiles have M rows and the float work is rounded up to a multiple of 4 rows.
  */
-/* Default thresholds, measured against the wide VNNI pass (benchmarks/wq_gemm.py, 2-core
+/* Default thresholds, measured against the wide VNNI pass (benchmarks/wq_gemm.py --amx, 2-core
  * Xeon, SmolLM2's shapes): an 8-bit table (read in place as B tiles) gains from the tiles from
- * 7 rows, a 4-bit one (unpacked per call) only from 13: below, the wide pass is faster. */
+ * 10 rows, a 4-bit one (unpacked per call) only from 16: below, the wide pass is faster. */
 #ifndef AMX_MIN_ROWS
-#define AMX_MIN_ROWS 7
+#define AMX_MIN_ROWS 10
 #endif
 #ifndef AMX_MIN_ROWS4
-#define AMX_MIN_ROWS4 13
+#define AMX_MIN_ROWS4 16
 #endif
 static int amx_state = -1; /* -1: not asked yet, 0: off / unavailable, 1: on */
 static int amx_rows = AMX_MIN_ROWS; /* GEMMs of at least this many rows take the tiles */
@@ -670,9 +664,20 @@ void kvs_wq_gemm(const uint8_t *restrict codes, const uint16_t *restrict sm,
         /* chunks of <= WM rows, as even as they come (9 rows: 5 + 4), each tile's chunks one
          * after the other while its codes are in L1: the weights are read from memory once */
         const int64_t ntiles = N / 16, ng = K / G, nch = (M + WM - 1) / WM;
-        const int64_t tile_bytes = K * 16 * bits / 8, nb = K / 32;
+        const int64_t tile_bytes = K * 16 * bits / 8, nb = K / 32, bpg = G / 32;
+        /* ms[m][g] = sum_{b in g} dx qs, in pass_vnni's scalar order: the same for every tile,
+         * so computed once (as the AMX path does) instead of in every tile's pass */
+        float *ms = malloc(sizeof(float) * (size_t)(M * ng));
+        if (ms == NULL) goto passes; /* pass_vnni needs no scratch */
+        for (int64_t m = 0; m < M; m++)
+            for (int64_t g = 0; g < ng; g++) {
+                float acc = 0;
+                for (int64_t b = g * bpg; b < (g + 1) * bpg; b++)
+                    acc += dx[m * nb + b] * (float)qs[m * nb + b];
+                ms[m * ng + g] = acc;
+            }
 #define KVS_WIDE(VM) \
-    pass_vnni_wide(wt, st, q + m0 * K, dx + m0 * nb, qs + m0 * nb, K, G, bits, VM, \
+    pass_vnni_wide(wt, st, q + m0 * K, dx + m0 * nb, ms + m0 * ng, K, G, bits, VM, \
                    y + m0 * N + tile * 16, N)
 #pragma omp parallel for schedule(static) num_threads(num_threads)
         for (int64_t tile = 0; tile < ntiles; tile++) {
@@ -694,8 +699,10 @@ void kvs_wq_gemm(const uint8_t *restrict codes, const uint16_t *restrict sm,
             }
         }
 #undef KVS_WIDE
+        free(ms);
         return;
     }
+passes:
     {
         const int64_t ntiles = N / 16, ng = K / G, nb = K / 32;
         const int64_t tile_bytes = K * 16 * bits / 8, ngroups = (ntiles + VT - 1) / VT;

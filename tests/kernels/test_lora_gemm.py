@@ -21,6 +21,7 @@ SHAPES = [  # (T, K, N, R, S, shards): a fused linear's H shards split N and R
     (12, 128, 64, 64, 5, 1),
     (16, 96, 160, 48, 4, 3),  # q/k/v: 3 shards, boundaries inside 64-column blocks
     (9, 40, 150, 10, 3, 2),  # gate/up: 2 shards of 75 columns, rank 5 each
+    (12, 40, 1100, 14, 2, 2),  # shards wider than one 512-column streaming unit, rank 7
 ]
 
 

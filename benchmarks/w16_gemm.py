@@ -26,6 +26,9 @@ pass over the layers with
   kvserve_bf16_amx_in_place  (CPUs with AMX only) the bf16 dots on AMX tiles read in place
             (4 weight rows x 16 columns per product) for every M: the path before the
             cache-blocked one, which ``kvserve_bf16_dot`` takes for every M (same bits);
+  kvserve_bf16_amx_layout  (CPUs with AMX only) the same tile products on tables packed in the
+            tiles' own VNNI layout (``w16.AMX_PACKING``, B tiles read in place: how the engine
+            holds bf16 tables where every row takes the tiles); same bits again;
 
 rotated per round (who goes first changes), median of ``rounds`` (``--stat min``: the fastest
 round, for a shared host; ``--clock cpu``: process CPU seconds, which on a busy host with
@@ -46,6 +49,7 @@ import torch
 from kvserve.bench.common import env_info, log, write_json
 from kvserve.cbuild import build_source
 from kvserve.kernels.cpu import w16_gemm as w16
+from kvserve.quant.w16 import pack
 
 SHAPES = {  # (name, N, K) per layer, and the LM head
     "smollm2": ([("qkv", 960, 576), ("o", 576, 576), ("gate_up", 3072, 576),
@@ -104,12 +108,22 @@ def main(argv: list[str] | None = None) -> int:
         impls["torch_bf16"] = lambda x, w, w32: (x.bfloat16() @ w.t()).float()
     if w16.has_amx(lib):
         def in_place(x, w, w32):
+            few = w16.set_amx_few_rows(lib, -1)
             w16.set_amx_block_rows(lib, 10**9)
+            w16.set_amx_few_rows(lib, 0)
             try:
                 return w16.w16_gemm(lib, x, packed[id(w)], bf16_rows=1)
             finally:
                 w16.set_amx_block_rows(lib, 0)
+                w16.set_amx_few_rows(lib, few)
         impls["kvserve_bf16_amx_in_place"] = in_place
+        amx_packed = {}
+        for w in [*(w for ws in layers for w in ws), head]:
+            p, tiles = pack(w, *w16.AMX_PACKING)
+            p.w16_tiles = tiles
+            amx_packed[id(w)] = p
+        impls["kvserve_bf16_amx_layout"] = lambda x, w, w32: w16.w16_gemm(
+            lib, x, amx_packed[id(w)], bf16_rows=1)
     with tempfile.TemporaryDirectory() as tmp:
         if a.baseline_source:
             base = w16.bind(build_source(a.baseline_source, tmp))

@@ -1,6 +1,7 @@
-"""The sampler's grammar masks: masking lazily (only rows whose draw the grammar refuses) draws
-exactly what masking every row first draws, for greedy, seeded and top-p rows, dense and
-sparse masks; every drawn token is allowed."""
+"""The sampler's grammar masks, dense and sparse: a grammar never changes a draw it allows
+(greedy and seeded whole-distribution rows keep their no-grammar token when it is allowed),
+greedy and top-k / top-p / min-p rows draw what masking first draws, every drawn token is
+allowed, and a seeded row's draws follow the masked distribution."""
 
 from __future__ import annotations
 
@@ -47,8 +48,34 @@ def test_lazy_masks_draw_what_masking_first_draws(density):
         plain = [SampleRow(r.params, r.prompt_token_ids, r.output_token_ids, r.eos_token_ids)
                  for r in rows]
         ref = Sampler(V)(first, plain)
+        free = Sampler(V)(logits.clone(), plain)  # no grammar at all
         for i, (a, b) in enumerate(zip(lazy.token_ids, ref.token_ids, strict=True)):
-            if rows[i].params.seed is not None or rows[i].params.greedy:
-                assert a == b, (i, trial)
+            p = rows[i].params
+            if p.greedy or (p.seed is not None and (p.top_p < 1.0 or p.top_k > 0)):
+                assert a == b, (i, trial)  # masked first, or the masked argmax
+            elif p.seed is not None and i % 2 == 0 and allowed[i, free.token_ids[i]]:
+                assert a == free.token_ids[i], (i, trial)  # an allowed draw is kept
+            if p.seed is not None and i % 2 == 1:
+                assert a == free.token_ids[i]  # no grammar: the plain draw
             if i % 2 == 0:
                 assert allowed[i, a]
+
+
+def test_a_refused_draw_follows_the_masked_distribution():
+    """A seeded whole-distribution row whose grammar allows 3 of 8 tokens (40% of the mass):
+    over 6,000 output positions its draws follow p restricted to those 3 (chi-square, df = 2,
+    p = 0.001), whether the first draw was allowed or drawn again."""
+    logits = torch.tensor([[1.0, 0.2, -0.3, 0.5, 0.0, 0.8, -1.0, 0.3]])
+    allowed = np.array([False, True, False, True, False, False, True, False])
+    p = torch.softmax(logits[0], 0)[torch.from_numpy(allowed)]
+    p = p / p.sum()
+    counts = {1: 0, 3: 0, 6: 0}
+    sampler = Sampler(8)
+    params = SamplingParams(temperature=1.0, seed=11)
+    for pos in range(6000):
+        row = SampleRow(params, [1], [0] * pos, (), FixedGrammar(
+            np.concatenate([allowed, np.zeros(24, bool)])))
+        counts[sampler(logits.clone(), [row]).token_ids[0]] += 1
+    got = torch.tensor([counts[1], counts[3], counts[6]], dtype=torch.float64)
+    expected = p.double() * 6000
+    assert float(((got - expected) ** 2 / expected).sum()) < 13.82

@@ -132,6 +132,27 @@ def test_step_cost_learns_the_staircase():
     assert c(9) - c(8) > 0.006 and c(10) - c(9) < 0.002
 
 
+def test_rows_past_a_large_batch_are_not_cheap():
+    """A compute-bound batch (each row ~1.8 ms at 16 rows) whose nearby row counts happen to
+    cost alike (a flat local fit: 14 and 16 rows ~29 ms): rows past the batch still cost most
+    of a row's share (priced at a tenth of it, batch-16 runs drafted 20-80 tokens a step at
+    0.93x of off)."""
+    c = StepCost()
+    for _ in range(60):
+        c.observe(16, 0.0288)
+        c.observe(14, 0.0286)
+    assert c.line()[1] > 0.8 * (0.0287 / 15) * (15 / 16) ** 2 * 0.99
+    assert c(20) - c(16) > 4 * 0.0012
+    # whatever the line and factors say (here: a line through cheap steps and a learned
+    # factor), a draft row past a large base costs most of a base row's share
+    flat = StepCost()
+    for _ in range(40):
+        for rows in (1, 2, 3, 16, 20):
+            flat.observe(rows, 0.005 + 0.0002 * rows)
+    assert flat.at(20, 16) - flat(16) >= 4 * 0.8 * flat(16) / 16 * 0.999
+    assert flat.at(3, 1) == flat(3)  # a few rows: the curve itself
+
+
 def test_the_choice_weighs_whole_prefixes():
     """A curve whose second row costs a whole step and the next ones almost nothing: one
     draft token does not pay alone, sixteen likely ones do (a first-token break would take

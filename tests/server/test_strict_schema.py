@@ -98,7 +98,11 @@ def test_strict_pydantic_schema_holds_at_high_temperature(oai):
     r = oai.chat.completions.create(
         model=MODEL_NAME, messages=[{"role": "user", "content": "A person, as JSON."}],
         response_format=fmt, temperature=0.9, seed=1, n=6, max_tokens=400)
-    for choice in r.choices:
+    # a random string value may run past max_tokens (a cut answer is tested below); the
+    # finished ones must hold
+    finished = [c for c in r.choices if c.finish_reason != "length"]
+    assert len(finished) >= 4, r.choices
+    for choice in finished:
         assert choice.finish_reason == "stop", choice
         data = json.loads(choice.message.content)
         Person.model_validate(data)

@@ -19,14 +19,20 @@ _CLIP = 3.0  # an observation counts at most this multiple of the curve's predic
 _ROWS = 64  # row counts 1.._ROWS keep their own shape factor
 _SHAPE_DECAY = 0.9  # per observation of that row count
 _SHAPE_PRIOR = 1.0  # weight (in observations) of the line itself (factor 1)
+# From _BOUND rows a step is compute-bound: a further row costs at least _BOUND_SHARE of the
+# mean row's share (2-core Xeon, 2026-12-07: a 16-row step ~1.8 ms a row, each row past it
+# ~1.5 ms; the fitted line alone priced them far lower once the verify GEMMs got cheaper, and
+# batch-16 runs drafted 20-80 tokens a step at 0.93x of off)
+_BOUND = 16.0
+_BOUND_SHARE = 0.8
 
 
 class StepCost:
     """The line a + b rows, times a per-row-count shape factor: the measured step time over
     the line's prediction, averaged per row count (1.._ROWS) and blended with 1 (the line) by
-    how often that count was seen. The GEMMs' cost is a staircase, not a line (the AMX-INT8
-    tiles from 6 rows on, 16-row tiles, the VNNI pass's row blocks): the line carries the
-    level (it follows the host's load), the factors the steps."""
+    how often that count was seen. The GEMMs' cost is a staircase, not a line (AMX-INT8
+    tiles from 10 / 16 GEMM rows, 16-row tiles, the wide VNNI pass's 8-row chunks): the line
+    carries the level (it follows the host's load), the factors the steps."""
 
     __slots__ = ("decay", "_s0", "_s1", "_s2", "_sy", "_sxy", "_shape", "_shape_w")
 
@@ -65,9 +71,26 @@ class StepCost:
         if var > 0.25:
             b = (self._sxy / s0 - mean_x * mean_t) / var
             b = max(b, 0.02 * mean_t / max(mean_x, 1.0))  # noise: never free, never negative
+            # large batches are compute-bound: a row costs about its share of the step (the
+            # line through small and large steps would make rows past the batch look cheap)
+            x = max(mean_x, 1.0)
+            b = max(b, _BOUND_SHARE * min(1.0, x / _BOUND) ** 2 * mean_t / x)
         else:
             b = 0.25 * mean_t / max(mean_x, 1.0)
         return max(mean_t - b * mean_x, 0.0), b
+
+    def at(self, rows: int, base: int) -> float:
+        """A step of ``rows`` rows that adds ``rows - base`` draft rows to a step of ``base``:
+        ``self(rows)``, but each added row costs at least _BOUND_SHARE of a base row's share
+        once the base is compute-bound (weighted by (base / _BOUND)^2: nothing at a few
+        rows). The fitted line and the factors of rarely seen row counts can price rows past
+        a large batch far below that (batch-16 runs drafted at 0.94x of off)."""
+        t = self(rows)
+        if rows > base > 0:
+            tb = self(base)
+            share = _BOUND_SHARE * min(1.0, base / _BOUND) ** 2 * tb / base
+            t = max(t, tb + (rows - base) * share)
+        return t
 
     def __call__(self, rows: int) -> float:
         a, b = self.line()

@@ -188,7 +188,7 @@ class Drafter:
         best = max(FORCED if req.grammar is not None else self._alpha(self._state(req))
                    for req, _ in decoding)
         n, t = len(decoding), self.cost(base_rows)
-        return (n + best) * t > n * self.cost(base_rows + 1)
+        return (n + best) * t > n * self.cost.at(base_rows + 1, base_rows)
 
     def _choose(self, cands: list[tuple[Request, list[int], list[float]]], n_decode: int,
                 base_rows: int) -> None:
@@ -211,7 +211,7 @@ class Drafter:
             rows += 1
             picks.append(i)
             if known:
-                rate = gain / self.cost(rows)
+                rate = gain / self.cost.at(rows, base_rows)
                 if rate > best_rate:
                     best_rate, best_n = rate, len(picks)
         if known:

@@ -37,6 +37,14 @@ def test_help_prints_usage(args):
     assert out.startswith("usage: kvserve")
 
 
+def test_python_dash_m_kvserve_is_the_cli():
+    """``python -m kvserve`` runs the same command line as the console script."""
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
+    out = subprocess.run([sys.executable, "-m", "kvserve", "serve", "--help"], env=env,
+                         capture_output=True, text=True, timeout=60, check=True).stdout
+    assert out.startswith("usage: kvserve serve")
+
+
 def test_help_imports_nothing_heavy():
     code = ("import sys, contextlib, io\n"
             "from kvserve.cli import main\n"

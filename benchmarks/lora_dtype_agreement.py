@@ -32,7 +32,7 @@ import tempfile
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from lora_smollm2_check import CHAT, TARGETS, _hf  # noqa: E402
+from lora_smollm2_check import CHAT, _hf, random_adapter  # noqa: E402
 
 from kvserve.bench.common import env_info, log, write_json  # noqa: E402
 
@@ -102,22 +102,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--std", type=float, default=0.02)
     ap.add_argument("--json", default=None)
     a = ap.parse_args(argv)
-    from peft import LoraConfig, get_peft_model
-
     from kvserve.model.default_model import default_model_path
     from kvserve.model.loader import load_tokenizer
 
     path = a.model or default_model_path()
     with tempfile.TemporaryDirectory() as tmp:
         exact = os.path.join(tmp, "fp32")
-        peft_model = get_peft_model(_hf(path), LoraConfig(r=a.rank, lora_alpha=2 * a.rank,
-                                                          target_modules=TARGETS,
-                                                          lora_dropout=0.0))
-        g = torch.Generator().manual_seed(0)
-        with torch.no_grad():
-            for name, p in peft_model.named_parameters():
-                if "lora_" in name:
-                    p.copy_(torch.randn(p.shape, generator=g) * a.std)
+        peft_model = random_adapter(path, a.rank, a.std)
         peft_model.save_pretrained(exact)
         rounded = _rounded_copy(exact, os.path.join(tmp, "bf16"))
         tok = load_tokenizer(path)

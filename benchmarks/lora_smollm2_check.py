@@ -45,6 +45,21 @@ def _greedy(hf, ids: list[int], n: int) -> list[int]:
     return out[0, len(ids):].tolist()
 
 
+def random_adapter(path: str, rank: int, std: float):
+    """A peft model over ``path``'s HF twin with a rank-``rank`` adapter on every projection,
+    A and B drawn from N(0, std^2), seed 0 (B non-zero, so the adapter changes the answers)."""
+    from peft import LoraConfig, get_peft_model
+
+    peft_model = get_peft_model(_hf(path), LoraConfig(r=rank, lora_alpha=2 * rank,
+                                                      target_modules=TARGETS, lora_dropout=0.0))
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for name, p in peft_model.named_parameters():
+            if "lora_" in name:
+                p.copy_(torch.randn(p.shape, generator=g) * std)
+    return peft_model
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default=None, help="a Llama-family GGUF (default: SmolLM2)")
@@ -54,7 +69,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--std", type=float, default=0.02)
     ap.add_argument("--json", default=None)
     a = ap.parse_args(argv)
-    from peft import LoraConfig, PeftModel, get_peft_model
+    from peft import PeftModel
 
     from kvserve import LLM, LoRARequest, SamplingParams
     from kvserve.model.default_model import default_model_path
@@ -62,14 +77,7 @@ def main(argv: list[str] | None = None) -> int:
     path = a.model or default_model_path()
     with tempfile.TemporaryDirectory() as tmp:
         adapter = os.path.join(tmp, "adapter")
-        peft_model = get_peft_model(_hf(path), LoraConfig(r=a.rank, lora_alpha=2 * a.rank,
-                                                          target_modules=TARGETS,
-                                                          lora_dropout=0.0))
-        g = torch.Generator().manual_seed(0)
-        with torch.no_grad():
-            for name, p in peft_model.named_parameters():
-                if "lora_" in name:
-                    p.copy_(torch.randn(p.shape, generator=g) * a.std)
+        peft_model = random_adapter(path, a.rank, a.std)
         peft_model.save_pretrained(adapter)
         log(f"adapter rank {a.rank} saved; serving {path}")
         llm = LLM(path, dtype="float32", kv_cache_dtype="fp32", kv_cache_memory="64MiB",

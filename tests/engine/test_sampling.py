@@ -5,7 +5,7 @@ import math
 import torch
 
 from kvserve import SamplingParams
-from kvserve.engine.sampler import Sampler, SampleRow, argmax_rows
+from kvserve.engine.sampler import Sampler, SampleRow, _top_p, argmax_rows
 
 
 def _p(ids):
@@ -93,6 +93,30 @@ def test_top_k_top_p_min_p_restrict_support():
             row = SampleRow(SamplingParams(temperature=1.0, seed=seed, **kw), [1], [], ())
             seen.add(s(logits.clone(), [row]).token_ids[0])
         assert seen == allowed, kw
+
+
+def _top_p_by_full_sort(probs: torch.Tensor, top_p: float) -> torch.Tensor:
+    """The nucleus by sorting the whole vocabulary (what _top_p must equal)."""
+    sorted_p, order = probs.sort(descending=True)
+    drop = sorted_p.cumsum(0) - sorted_p > top_p
+    return probs.scatter(0, order[drop], 0.0)
+
+
+def test_top_p_equals_the_full_sort():
+    g = torch.Generator().manual_seed(0)
+    cases = 0
+    for vocab in (10, 300, 4096, 49152):
+        for scale in (0.1, 1.0, 4.0, 12.0):  # flat (the nucleus needs most of the vocab) .. peaked
+            for top_p in (0.05, 0.5, 0.9, 0.999):
+                probs = torch.softmax(torch.randn(vocab, generator=g) * scale, dim=-1)
+                got, want = _top_p(probs, top_p), _top_p_by_full_sort(probs, top_p)
+                assert torch.equal(got, want), (vocab, scale, top_p)
+                kept = got > 0
+                # the smallest prefix reaching top_p: its sum reaches it, less one token does not
+                assert float(got.sum()) >= min(top_p, float(probs.sum())) - 1e-6
+                assert float(got.sum() - got[kept].min()) <= top_p + 1e-6
+                cases += 1
+    assert cases == 64
 
 
 def test_penalties_change_logits():

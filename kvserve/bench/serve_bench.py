@@ -9,6 +9,10 @@ TTFT = send -> first content chunk, ITL = gaps between content chunks, E2E = sen
 Output tokens come from the final ``usage`` chunk (``stream_options.include_usage``).
 Reports throughput, TTFT / ITL / E2E mean and p50/p90/p99 in ms, and errors by kind.
 
+The client is aiohttp (its HTTP parser is C) on uvloop where installed, reading each response
+body as it arrives and splitting the SSE lines itself: a client on the server's host takes
+its CPU from the cores the server computes on (docs/server.md "Served vs offline").
+
 ``--lora-mix`` spreads the requests over LoRA adapters (request i asks for adapter i mod N as
 its ``model``): a comma list of adapter names, or ``all`` for every adapter ``/v1/models``
 lists (the entries with a ``parent``); the report counts completed requests per model.
@@ -28,7 +32,7 @@ from typing import TYPE_CHECKING, Any
 from kvserve.config_cli import arg
 
 if TYPE_CHECKING:  # imported where used: `kvserve bench serve --help` stays fast
-    import httpx
+    import aiohttp
 
 _WORDS = (
     "the", "function", "returns", "a", "new", "list", "of", "objects", "from", "module",
@@ -55,7 +59,8 @@ class ServeBenchConfig:
     api_key: str | None = arg(None, "sent as 'Authorization: Bearer KEY'")
     temperature: float = arg(1.0, "sampling temperature", type=float)
     seed: int = arg(0, "seed of request i is seed + i", type=int)
-    timeout: float = arg(600.0, "seconds per request", type=float)
+    timeout: float = arg(600.0, "seconds a request may take to connect, and a stream to go "
+                         "without data", type=float)
     json_out: str | None = arg(None, "write the report here", flags=("--json",))
     traceparent: bool = arg(False, "send each request with a new sampled W3C traceparent "
                             "header (a traced client; the server's --otlp-traces-endpoint)",
@@ -106,40 +111,55 @@ def new_traceparent(rng: random.Random) -> str:
     return (f"00-{rng.getrandbits(128) | 1:032x}-{rng.getrandbits(64) | 1:016x}-01")
 
 
-async def _one(client: httpx.AsyncClient, path: str, payload: dict,
-               headers: dict[str, str] | None = None) -> _Result:
-    import httpx
+def _client_errors() -> tuple[type[BaseException], ...]:
+    """What one request may raise that the report counts as its error
+    (``exception_<name>``)."""
+    import aiohttp
 
+    return (aiohttp.ClientError, TimeoutError, json.JSONDecodeError, OSError,
+            UnicodeDecodeError)
+
+
+async def _one(client: aiohttp.ClientSession, url: str, payload: dict,
+               headers: dict[str, str] | None = None) -> _Result:
     res = _Result()
     start = time.perf_counter()
     last = None
     try:
-        async with client.stream("POST", path, json=payload, headers=headers) as r:
-            if r.status_code != 200:
-                await r.aread()
-                res.error = f"http_{r.status_code}"
+        async with client.post(url, json=payload, headers=headers) as r:
+            if r.status != 200:
+                await r.read()
+                res.error = f"http_{r.status}"
                 return res
-            async for line in r.aiter_lines():
-                if not line.startswith("data: "):
-                    continue
-                data = line[6:]
-                if data == "[DONE]":
-                    res.ok = True
+            # SSE: "data: ..." lines; the body is read as it arrives (one read may hold
+            # several events, or part of one) and split into lines here
+            tail = b""
+            async for data in r.content.iter_any():
+                lines = (tail + data).split(b"\n") if tail else data.split(b"\n")
+                tail = lines.pop()
+                for line in lines:
+                    if not line.startswith(b"data: "):
+                        continue
+                    body = line[6:].rstrip(b"\r")
+                    if body == b"[DONE]":
+                        res.ok = True
+                        break
+                    chunk = json.loads(body)
+                    if "error" in chunk:
+                        res.error = f"stream_{chunk['error'].get('code') or 'error'}"
+                        return res
+                    if chunk.get("usage"):
+                        res.output_tokens = int(chunk["usage"].get("completion_tokens", 0))
+                    if _content(chunk):
+                        now = time.perf_counter()
+                        if last is None:
+                            res.ttft = now - start
+                        else:
+                            res.itls.append(now - last)
+                        last = now
+                if res.ok:
                     break
-                chunk = json.loads(data)
-                if "error" in chunk:
-                    res.error = f"stream_{chunk['error'].get('code') or 'error'}"
-                    return res
-                if chunk.get("usage"):
-                    res.output_tokens = int(chunk["usage"].get("completion_tokens", 0))
-                if _content(chunk):
-                    now = time.perf_counter()
-                    if last is None:
-                        res.ttft = now - start
-                    else:
-                        res.itls.append(now - last)
-                    last = now
-    except (httpx.HTTPError, json.JSONDecodeError, OSError) as e:
+    except _client_errors() as e:
         res.error = f"exception_{type(e).__name__}"
         return res
     if not res.ok:
@@ -148,17 +168,20 @@ async def _one(client: httpx.AsyncClient, path: str, payload: dict,
     return res
 
 
-async def _model_id(client: httpx.AsyncClient) -> str:
-    r = await client.get("/v1/models")
-    r.raise_for_status()
-    return r.json()["data"][0]["id"]
+async def _models(client: aiohttp.ClientSession, base: str) -> list[dict]:
+    """``/v1/models``' entries (``aiohttp.ClientResponseError`` on an HTTP error)."""
+    async with client.get(base + "/v1/models") as r:
+        r.raise_for_status()
+        return (await r.json())["data"]
 
 
-async def lora_models(client: httpx.AsyncClient, lora_mix: str) -> list[str]:
+async def _model_id(client: aiohttp.ClientSession, base: str) -> str:
+    return (await _models(client, base))[0]["id"]
+
+
+async def lora_models(client: aiohttp.ClientSession, base: str, lora_mix: str) -> list[str]:
     """The adapter names ``lora_mix`` stands for (ValueError: none, or one not served)."""
-    r = await client.get("/v1/models")
-    r.raise_for_status()
-    served = [m["id"] for m in r.json()["data"] if m.get("parent")]
+    served = [m["id"] for m in await _models(client, base) if m.get("parent")]
     names = served if lora_mix == "all" else [n.strip() for n in lora_mix.split(",")
                                               if n.strip()]
     missing = [n for n in names if n not in served]
@@ -183,15 +206,20 @@ async def serve_bench(url: str, concurrency: int, requests: int, *, max_tokens: 
         raise ValueError(f"requests must be >= 1, got {requests}")
     if max_tokens < 1:
         raise ValueError(f"max_tokens must be >= 1, got {max_tokens}")
-    import httpx
+    import aiohttp
 
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-    limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
+    # as many connections as streams, kept alive; ``timeout`` bounds connecting and each read
+    # (a stream that goes quiet that long fails), not a whole stream (as httpx's did)
+    connector = aiohttp.TCPConnector(limit=concurrency, force_close=False)
     rng = random.Random(seed)
-    async with httpx.AsyncClient(base_url=url.rstrip("/"), headers=headers, limits=limits,
-                                 timeout=httpx.Timeout(timeout)) as client:
-        model = model or await _model_id(client)
-        models = [model] if lora_mix is None else await lora_models(client, lora_mix)
+    base = url.rstrip("/")  # (httpx's base_url kept a path prefix: so do these URLs)
+    async with aiohttp.ClientSession(
+            headers=headers, connector=connector,
+            timeout=aiohttp.ClientTimeout(total=None, connect=timeout, sock_read=timeout),
+            raise_for_status=False) as client:
+        model = model or await _model_id(client, base)
+        models = [model] if lora_mix is None else await lora_models(client, base, lora_mix)
         payloads = []
         if prompt_token_ids is not None and (chat or not prompt_token_ids):
             raise ValueError("prompt_token_ids: completions only, and at least one prompt")
@@ -220,7 +248,7 @@ async def serve_bench(url: str, concurrency: int, requests: int, *, max_tokens: 
 
         async def bounded(body: dict, hdrs: dict[str, str] | None) -> _Result:
             async with sem:
-                return await _one(client, path, body, hdrs)
+                return await _one(client, base + path, body, hdrs)
 
         start = time.perf_counter()
         results = await asyncio.gather(*(bounded(b, h) for b, h in zip(payloads, traced,
@@ -271,7 +299,7 @@ def run_serve_bench(url: str, concurrency: int, requests: int, *, max_tokens: in
                     lora_mix: str | None = None,
                     prompt_token_ids: list[list[int]] | None = None) -> dict[str, Any]:
     """Run the load and return the report; also write it to ``json_out`` when given."""
-    report = asyncio.run(serve_bench(
+    report = _run_loop(serve_bench(
         url, concurrency, requests, max_tokens=max_tokens, prompt=prompt,
         input_words=input_words, chat=chat, model=model, api_key=api_key,
         temperature=temperature, seed=seed, timeout=timeout, traceparent=traceparent,
@@ -309,14 +337,14 @@ def main(argv: list[str] | None = None) -> int:
     p = HelpParser(prog="kvserve bench serve", description=__doc__.split("\n\n")[0])
     add_cli_args(p, ServeBenchConfig)
     cfg = from_cli_args(ServeBenchConfig, p.parse_args(argv))
-    import httpx
+    import aiohttp
 
     try:
         report = run_serve_bench(**dataclasses.asdict(cfg))
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    except httpx.HTTPError as e:
+    except (TimeoutError, aiohttp.ClientError) as e:
         print(f"error: cannot reach {cfg.url}: {e}", file=sys.stderr)
         return 1
     print(format_report(report))

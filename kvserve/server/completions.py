@@ -39,6 +39,15 @@ from kvserve.server.streaming import (
 from kvserve.server.structured import output_constraint
 
 
+def plain_choice(index: int, text: str, finish_reason: str | None,
+                 stop_reason: int | str | None) -> dict:
+    """``dump(CompletionChoice(...))`` of a choice without logprobs, built as the dict itself
+    (the same keys in the same order; a test compares them): a stream's chunk per token
+    without a pydantic model to build and dump on the event loop."""
+    return {"index": index, "logprobs": None, "finish_reason": finish_reason,
+            "stop_reason": stop_reason, "text": text}
+
+
 class CompletionHandler(Handler):
     """One text completion of a prompt or a batch of them; with ``echo`` each choice's text
     (and logprobs) starts with its prompt's."""
@@ -126,10 +135,12 @@ class CompletionHandler(Handler):
                     not (self.req.logprobs is not None and comp.token_ids):
                 return None
             started[k] = True
-            return chunk([CompletionChoice(
-                index=k, text=prefix + comp.text,
-                logprobs=self._logprobs(comp, offsets[k], echo_lp), finish_reason=reason,
-                stop_reason=comp.stop_reason if reason else None)])
+            lp = self._logprobs(comp, offsets[k], echo_lp)
+            stop = comp.stop_reason if reason else None
+            if lp is None:  # a token's chunk, the common case: no model built per token
+                return envelope([plain_choice(k, prefix + comp.text, reason, stop)])
+            return chunk([CompletionChoice(index=k, text=prefix + comp.text, logprobs=lp,
+                                           finish_reason=reason, stop_reason=stop)])
 
         async for d in stream_choices(gen, first, self.req.n, choice_chunk,
                                       (lambda u: chunk([], u)) if with_usage else None):

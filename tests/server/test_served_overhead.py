@@ -115,3 +115,18 @@ def test_chunk_envelope_is_the_whole_chunk_dumped(with_usage):
                 whole.pop("usage")
             got = envelope([dump(c) for c in choices], u)
             assert json.dumps(got) == json.dumps(whole)
+
+
+def test_plain_completion_choice_is_the_model_dumped():
+    """A token's completion choice built as a dict: the same keys, order and values as the
+    pydantic choice dumped, for every finish and stop reason a stream sends."""
+    import json
+
+    from kvserve.http.protocol import CompletionChoice, dump
+    from kvserve.server.completions import plain_choice
+
+    for index, text, reason, stop in ((0, " a", None, None), (3, "", "length", None),
+                                      (1, "é\n\"x\"", "stop", 7), (2, "b", "stop", "END"),
+                                      (5, "c", "abort", None), (0, "", "grammar_dead_end", None)):
+        model = CompletionChoice(index=index, text=text, finish_reason=reason, stop_reason=stop)
+        assert json.dumps(plain_choice(index, text, reason, stop)) == json.dumps(dump(model))

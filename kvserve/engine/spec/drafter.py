@@ -4,10 +4,13 @@ many each gets.
 Proposals come from the configured method (``ngram``: prompt lookup, ``suffix``: suffix trees,
 ``draft_model``: a smaller model). With ``adaptive`` (the default) the draft tokens of all
 requests compete for rows of the next step: token j of a request is expected to be accepted
-with probability alpha^j (alpha: the request's recent per-token acceptance; before it has
-any, all requests' recent acceptance where that is above 0.5), and
-one more row costs the fitted slope of the step-time curve (``StepCost``). Tokens are taken in
-order of that probability while the step's expected tokens per second still rises, so a
+with probability p_1 ... p_j, p_i the acceptance of token i given the ones before it were
+accepted: for a suffix draft, calibrated online by the tree's evidence for that token
+(calibrate.py), falling back to alpha (the request's recent per-token acceptance; before it
+has any, all requests' recent acceptance where that is above 0.5); for ngram and draft
+model drafts alpha itself. One more row costs the fitted slope of the step-time curve
+(``StepCost``). Tokens are taken in order of that probability while the step's expected
+tokens per second still rises, so a
 request whose drafts keep failing stops drafting (its alpha drifts back to the prior while it
 does not draft, so it is tried again later), and a large batch, where a row costs a whole
 token's share, drafts only near-certain tokens.
@@ -18,6 +21,7 @@ from __future__ import annotations
 from typing import Protocol
 
 from kvserve.config import SpeculativeConfig
+from kvserve.engine.spec.calibrate import Bucket, Calibration, bucket
 from kvserve.engine.spec.cost import StepCost
 from kvserve.engine.spec.ngram import NgramIndex
 from kvserve.engine.spec.realign import MAX_SHIFT, SUBST_WEIGHT, TokenText, realign
@@ -46,7 +50,7 @@ class DraftModel(Protocol):
 
 class _State:
     __slots__ = ("req", "ngram", "tree", "fed", "acc", "trials", "prop", "prop_at", "aligned",
-                 "subst", "from_subst")
+                 "subst", "from_subst", "ev", "sent", "lead")
 
     def __init__(self, req: Request) -> None:
         self.req = req
@@ -62,6 +66,11 @@ class _State:
         self.aligned: list[int] | None = None
         self.subst = False  # the aligned context stands in a substituted token (realign.py)
         self.from_subst = False  # the last proposal came from such a context
+        # suffix: the calibration bucket of each token of the last proposal (None: no tree
+        # evidence), and of each token of the draft the next step verifies
+        self.ev: list[Bucket | None] = []
+        self.sent: list[Bucket | None] = []
+        self.lead = 0.0  # the estimated acceptance of the last proposal's first token
 
     def alpha(self, prior: float = PRIOR) -> float:
         return (self.acc + prior * _PRIOR_WEIGHT) / (self.trials + _PRIOR_WEIGHT)
@@ -83,6 +92,8 @@ class Drafter:
         self._acc = self._trials = 0.0
         # how often a substitution's first draft token is accepted (realign.py)
         self._sub_acc = self._sub_trials = 0.0
+        # suffix drafts: acceptance by the tree's evidence for each token (calibrate.py)
+        self.calibration = Calibration()
         self.global_tree = (GlobalSuffixCache(config.suffix_decoding_max_tree_depth,
                                               config.suffix_decoding_max_cached_requests)
                             if config.method == "suffix" else None)
@@ -102,6 +113,8 @@ class Drafter:
             a = accepted.get(rid, 0)
             self.counters.record(k, a)
             st = self._states.get(rid)
+            if st is not None and st.sent:
+                self.calibration.observe(st.sent[:k], a)
             if st is not None and st.from_subst:
                 # the substitution's first token: its own rate; the rest as any draft's
                 self._sub_trials = self._sub_trials * _GLOBAL_DECAY + 1
@@ -154,6 +167,8 @@ class Drafter:
             drafts = [self._propose_one(req, k) for req, k in decoding]
         for (req, k), d in zip(decoding, drafts, strict=True):
             st = self._state(req)
+            ev = list(st.ev) if self.config.method == "suffix" else []
+            st.sent = []
             forced: list[int] = []
             if req.grammar is not None:
                 # jump-forward: what the grammar forces leads the draft, the method's draft
@@ -163,17 +178,28 @@ class Drafter:
                     d = forced
                 if d:
                     d = d[: req.grammar.validate(d)]
+                ev = [None] * len(forced) + ev[len(forced):]  # forced: no tree evidence
             if not d:
                 st.acc *= _IDLE_DECAY
                 st.trials *= _IDLE_DECAY
+                st.lead = 0.0
                 continue
+            ev = (ev + [None] * len(d))[: len(d)]
             a, p, ps = self._alpha(st), 1.0, []
             if st.from_subst and not forced:  # the first token at the substitutions' rate
-                p = ((self._sub_acc + PRIOR * _PRIOR_WEIGHT)
-                     / (self._sub_trials + _PRIOR_WEIGHT)) / a
+                ev[0] = None
             for j in range(len(d)):
-                p *= FORCED if j < len(forced) else a
+                if j < len(forced):
+                    p *= FORCED
+                elif j == 0 and st.from_subst:
+                    p *= ((self._sub_acc + PRIOR * _PRIOR_WEIGHT)
+                          / (self._sub_trials + _PRIOR_WEIGHT))
+                elif ev[j] is not None:
+                    p *= self.calibration.estimate(ev[j], a)
+                else:
+                    p *= a
                 ps.append(p)
+            st.sent, st.lead = ev, ps[0]
             cands.append((req, d, ps))
         if not self.config.adaptive:
             for req, d, _ in cands:
@@ -182,10 +208,10 @@ class Drafter:
         self._choose(cands, len(decoding), base_rows)
 
     def _may_pay(self, decoding: list[tuple[Request, int]], base_rows: int) -> bool:
-        """Whether even the likeliest first draft token (probability: the best alpha) would
+        """Whether even the likeliest first draft token (probability: ``_lead``) would
         raise the step's expected tokens per second; if not, no proposal is computed at all
         (a large batch then pays nothing for speculation being on)."""
-        best = max(FORCED if req.grammar is not None else self._alpha(self._state(req))
+        best = max(FORCED if req.grammar is not None else self._lead(self._state(req))
                    for req, _ in decoding)
         n, t = len(decoding), self.cost(base_rows)
         return (n + best) * t > n * self.cost.at(base_rows + 1, base_rows)
@@ -220,10 +246,17 @@ class Drafter:
                 take[i] += 1
         for (req, d, _), n in zip(cands, take, strict=True):
             req.spec_token_ids = d[:n]
+            st = self._states[req.request_id]
+            del st.sent[n:]
             if not n:
-                st = self._states[req.request_id]
                 st.acc *= _IDLE_DECAY
                 st.trials *= _IDLE_DECAY
+
+    def _lead(self, st: _State) -> float:
+        """The likeliest first draft token's probability: alpha, or the estimate of the last
+        proposal's first token where its tree evidence says more (a suffix draft; a request
+        whose alpha fell while its tree knows a certain continuation still proposes)."""
+        return max(self._alpha(st), st.lead)
 
     def _alpha(self, st: _State) -> float:
         """The request's per-token acceptance; its prior: all requests' recent acceptance
@@ -252,26 +285,32 @@ class Drafter:
         st.fed = n
         args = (k, cfg.suffix_decoding_max_spec_factor, cfg.suffix_decoding_min_token_prob)
         # the request's own tree follows the sequence: its match needs no walk
+        ev: list[tuple[int, int, int]] = []
         path, limit, score = st.tree.draft_path([], *args, match=st.tree.match_end(),
-                                                lookahead=MAX_SHIFT)
+                                                lookahead=MAX_SHIFT, evidence=ev)
+        source = 0
         aligned = self._aligned(st, req, n)
         if aligned is not None:
-            p2, l2, s2 = st.tree.draft_path(aligned, *args, lookahead=MAX_SHIFT)
+            ev2: list[tuple[int, int, int]] = []
+            p2, l2, s2 = st.tree.draft_path(aligned, *args, lookahead=MAX_SHIFT, evidence=ev2)
             if st.subst:
                 s2 *= SUBST_WEIGHT
             if s2 > score:
-                path, limit, score = p2, l2, s2
+                path, limit, score, ev, source = p2, l2, s2, ev2, 1
             else:
                 st.aligned, st.subst = None, False
         best = path[:limit]
         st.from_subst = aligned is not None and st.aligned is not None and st.subst
         if self.global_tree is not None:
             ctx = req.token_range(max(0, n - cfg.suffix_decoding_max_tree_depth), n)
-            other, s2 = self.global_tree.tree.draft(ctx, *args)
+            ev2 = []
+            other, s2 = self.global_tree.tree.draft(ctx, *args, evidence=ev2)
             if s2 > score:
                 best = path = other
+                ev, source = ev2, 2
                 st.from_subst = False
         st.prop, st.prop_at = path, n
+        st.ev = [bucket(c, t, m, source) for c, t, m in ev[: len(best)]]
         return best
 
     def _aligned(self, st: _State, req: Request, n: int) -> list[int] | None:

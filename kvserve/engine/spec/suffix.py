@@ -149,18 +149,25 @@ class SuffixTree:
         return None, 0
 
     def draft(self, context: list[int], k: int, max_spec_factor: float,
-              min_prob: float, match: tuple[int | None, int] | None = None
-              ) -> tuple[list[int], float]:
+              min_prob: float, match: tuple[int | None, int] | None = None,
+              evidence: list[tuple[int, int, int]] | None = None) -> tuple[list[int], float]:
         """Up to ``k`` tokens and the draft's score (expected accepted tokens: the sum of the
-        path's probabilities). ``match``: ``_match(context)`` when the caller has it."""
-        path, limit, score = self.draft_path(context, k, max_spec_factor, min_prob, match)
+        path's probabilities). ``match``: ``_match(context)`` when the caller has it;
+        ``evidence``: as ``draft_path``'s (then cut to the draft)."""
+        path, limit, score = self.draft_path(context, k, max_spec_factor, min_prob, match,
+                                             evidence=evidence)
+        if evidence is not None:
+            del evidence[limit:]
         return path[:limit], score
 
     def draft_path(self, context: list[int], k: int, max_spec_factor: float,
                    min_prob: float, match: tuple[int | None, int] | None = None,
-                   lookahead: int = 0) -> tuple[list[int], int, float]:
+                   lookahead: int = 0, evidence: list[tuple[int, int, int]] | None = None
+                   ) -> tuple[list[int], int, float]:
         """``draft``'s path, going on for up to ``lookahead`` tokens past the draft's length
-        limit (same rules, not in the score), the limit, and the draft's score."""
+        limit (same rules, not in the score), the limit, and the draft's score.
+        ``evidence``: gets each path token's (count, count of all continuations there, match
+        length) (calibrate.py)."""
         node, m = match if match is not None else self._match(context)
         if node is None:
             return [], 0, 0.0
@@ -184,6 +191,8 @@ class SuffixTree:
             if prob < min_prob:
                 break
             out.append(tok)
+            if evidence is not None:
+                evidence.append((best, total, m))
             if len(out) <= limit:
                 score += prob
             node = nxt

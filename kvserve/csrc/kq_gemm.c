@@ -46,6 +46,7 @@
 #include <immintrin.h>
 #endif
 #include "act_q8.h"
+#include "kvs_sched.h"
 
 /* the format of one ggml type, as the kernel reads it */
 typedef struct {
@@ -245,8 +246,10 @@ static void gemm_vnni(int type, const uint8_t *w, int64_t n, int64_t K, const in
     kq_format(type, &f);
     const int64_t ntiles = (n + 15) / 16, ngroups = (ntiles + VT - 1) / VT;
     const int64_t tile_bytes = K / (32 * f.sb) * sb_bytes(f);
-#pragma omp parallel for schedule(static) num_threads(num_threads)
-    for (int64_t tg = 0; tg < ngroups; tg++) {
+    kvs_share sh;
+    kvs_share_init(&sh, ngroups, num_threads);
+#pragma omp parallel num_threads(num_threads)
+    KVS_SHARE_FOR(sh, tg) {
         const uint8_t *wt[VT];
         for (int j = 0; j < VT; j++) {
             int64_t tile = tg * VT + j;
@@ -501,6 +504,8 @@ static int gemm_amx(int type, const uint8_t *w, int64_t n, int64_t K, const int8
                         f.zero * (nseg == 2 ? qsr[2 * b + seg] : qsr[2 * b] + qsr[2 * b + 1]);
             }
         }
+    kvs_share sh;
+    kvs_share_init(&sh, ntiles, num_threads);
 #pragma omp parallel num_threads(num_threads)
     {
         char *mine = buf + t_bytes + per_thread * (size_t)omp_get_thread_num();
@@ -511,8 +516,7 @@ static int gemm_amx(int type, const uint8_t *w, int64_t n, int64_t K, const int8
         memset(cb, 0, 2048); /* rows past ra are read (and dropped) when ra % 4 != 0 */
         const int segb = 32 / nseg;
         kq_amx_config(ra, segb);
-#pragma omp for schedule(static)
-        for (int64_t tile = 0; tile < ntiles; tile++) {
+        KVS_SHARE_FOR(sh, tile) {
             const uint8_t *wt = w + tile * tile_bytes;
             kq_unpack(wt, nsb, f, ub);
             const int64_t c0 = tile * 16;
@@ -739,8 +743,10 @@ static void gemm_tiles(int type, const uint8_t *w, int64_t n, int64_t K, const i
     kq_format(type, &f);
     const int64_t ntiles = (n + 15) / 16, nb = K / 32;
     const int64_t tile_bytes = K / (32 * f.sb) * sb_bytes(f);
-#pragma omp parallel for schedule(static) num_threads(num_threads)
-    for (int64_t tile = 0; tile < ntiles; tile++) {
+    kvs_share sh;
+    kvs_share_init(&sh, ntiles, num_threads);
+#pragma omp parallel num_threads(num_threads)
+    KVS_SHARE_FOR(sh, tile) {
         const uint8_t *wt = w + tile * tile_bytes;
         for (int64_t m0 = 0; m0 < M; m0 += MT) {
             const int mt = (M - m0) < MT ? (int)(M - m0) : MT;

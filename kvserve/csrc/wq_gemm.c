@@ -38,12 +38,14 @@
 #include <immintrin.h>
 #endif
 #include "act_q8.h"
+#include "kvs_sched.h"
 
 #define MT 4 /* rows of x per pass over a weight tile */
 /* AVX2 passes of 1-2 rows (batch 1): software prefetch this many bytes ahead of the codes'
- * stream (a thread's tiles are consecutive, so it runs on into its next tile). Without it such
- * a pass reads its tiles at ~75% of the read bandwidth: too little integer work per byte to
- * hide DRAM latency behind, and the hardware prefetcher alone does not run far enough ahead.
+ * stream (a thread's tiles are consecutive, kvs_sched.h, so it runs on into its next tile).
+ * Without it such a pass reads its tiles at ~75% of the read bandwidth: too little integer
+ * work per byte to hide DRAM latency behind, and the hardware prefetcher alone does not run
+ * far enough ahead.
  * 2 / 4 / 8 KiB measured alike (benchmarks/wq_gemm.py); 3-4 rows are compute-bound (none).
  * Past the table's end the hints touch nothing: a prefetch never faults. */
 #ifndef PF_WQ
@@ -339,7 +341,7 @@ static inline __attribute__((always_inline)) void pass_vnni(
  * from memory into the dpbusd, and a row's 16 outputs stay in a register from the first group
  * to the last: the pass reads the weights once, as a 1-row step does, instead of once per 4
  * rows (pass_vnni) or through AMX tile stores and a per-call unpack (from AMX_MIN_ROWS rows).
- * A thread's tiles are consecutive: one stream, prefetched PF_WQ bytes ahead.
+ * A thread's tiles are consecutive (kvs_sched.h): one stream, prefetched PF_WQ bytes ahead.
  * Per row: the very operations of pass_vnni in its order (f = fma(cvt(a), dx, f) per block,
  * ms += dx qs; at the group's end out = fma(s, f, out), out = fma(m, ms, out)), so every row is
  * bit for bit what any other pass computes for it (batch invariance).
@@ -570,6 +572,8 @@ static int wq_gemm_amx(const uint8_t *restrict codes, const uint16_t *restrict s
             }
         }
     const int nr = (ra + 3) / 4 * 4, g1 = bpg == 1;
+    kvs_share sh;
+    kvs_share_init(&sh, ntiles, num_threads);
 #pragma omp parallel num_threads(num_threads)
     {
         char *mine = buf + t_bytes + per_thread * (size_t)omp_get_thread_num();
@@ -578,8 +582,7 @@ static int wq_gemm_amx(const uint8_t *restrict codes, const uint16_t *restrict s
         float(*om)[16] = (float(*)[16])(mine + (size_t)K * 16 + 2048);
         memset(cb, 0, 2048); /* rows past ra are read (and dropped) when ra % 4 != 0 */
         amx_config(ra);
-#pragma omp for schedule(static)
-        for (int64_t tile = 0; tile < ntiles; tile++) {
+        KVS_SHARE_FOR(sh, tile) {
             const uint8_t *wt = codes + tile * tile_bytes, *w = wt;
             const uint16_t *st = sm + tile * ng * 32;
             if (bits == 4) { /* k-oct t -> k-quads 2t (low nibbles), 2t + 1 (high) */
@@ -679,8 +682,10 @@ void kvs_wq_gemm(const uint8_t *restrict codes, const uint16_t *restrict sm,
 #define KVS_WIDE(VM) \
     pass_vnni_wide(wt, st, q + m0 * K, dx + m0 * nb, ms + m0 * ng, K, G, bits, VM, \
                    y + m0 * N + tile * 16, N)
-#pragma omp parallel for schedule(static) num_threads(num_threads)
-        for (int64_t tile = 0; tile < ntiles; tile++) {
+        kvs_share sh;
+        kvs_share_init(&sh, ntiles, num_threads);
+#pragma omp parallel num_threads(num_threads)
+        KVS_SHARE_FOR(sh, tile) {
             const uint8_t *wt = codes + tile * tile_bytes;
             const uint16_t *st = sm + tile * ng * 32;
             for (int64_t c = 0, m0 = 0; c < nch; c++) {
@@ -706,8 +711,10 @@ passes:
     {
         const int64_t ntiles = N / 16, ng = K / G, nb = K / 32;
         const int64_t tile_bytes = K * 16 * bits / 8, ngroups = (ntiles + VT - 1) / VT;
-#pragma omp parallel for schedule(static) num_threads(num_threads)
-        for (int64_t tg = 0; tg < ngroups; tg++) {
+        kvs_share sh;
+        kvs_share_init(&sh, ngroups, num_threads);
+#pragma omp parallel num_threads(num_threads)
+        KVS_SHARE_FOR(sh, tg) {
             const uint8_t *wt[VT];
             const uint16_t *st[VT];
             for (int j = 0; j < VT; j++) {
@@ -746,8 +753,10 @@ passes:
 #endif
     const int64_t ntiles = N / 16, ng = K / G, nb = K / 32;
     const int64_t tile_bytes = K * 16 * bits / 8;
-#pragma omp parallel for schedule(static) num_threads(num_threads)
-    for (int64_t tile = 0; tile < ntiles; tile++) {
+    kvs_share sh;
+    kvs_share_init(&sh, ntiles, num_threads);
+#pragma omp parallel num_threads(num_threads)
+    KVS_SHARE_FOR(sh, tile) {
         const uint8_t *wt = codes + tile * tile_bytes;
         const uint16_t *st = sm + tile * ng * 32;
         for (int64_t m0 = 0; m0 < M; m0 += MT) {

@@ -132,6 +132,27 @@ def test_wq_gemm_tiny(tmp_path):
     assert r["read_bandwidth"]["read_gbs"] > 0 and r["env"]["cpu"]
 
 
+def test_omp_contention_tiny(tmp_path):
+    """The busy-core benchmark builds the static and the work-stealing kernels, times them
+    alone and beside its burner, and says that their outputs agree (they must)."""
+    from kvserve.kernels.cpu import graph
+    from kvserve.kernels.cpu import wq_gemm as wq_cpu
+
+    if wq_cpu.wq_library() is None or not graph.available():
+        pytest.skip("no C compiler")
+    out = tmp_path / "c.json"
+    assert _script("omp_contention").main(
+        ["--threads", "2", "--rounds", "1", "--replays", "2", "--rows", "1,16", "--layers", "1",
+         "--chunks", "8", "--busy-us", "100", "--period-us", "1000", "--json", str(out)]) == 0
+    r = json.loads(out.read_text())
+    assert [x["rows"] for x in r["results"]] == [1, 16]
+    for x in r["results"]:
+        assert x["identical"] is True and x["gemm_rows"] == 2 * x["rows"]
+        for name in ("static", "steal_c8"):
+            assert x[name]["alone"]["mean_ms"] > 0 and x[name]["contended"]["mean_ms"] > 0
+    assert r["burner_cpu_share"] >= 0 and r["env"]["cpu"]  # (clock ticks: 0 in a short run)
+
+
 def test_wq_gemm_amx_tiny(tmp_path):
     """--amx times the VNNI pass and the AMX-INT8 tiles on the same tables (the head alone with
     --layers 0) and finds their outputs bit for bit the same."""

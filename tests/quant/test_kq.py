@@ -132,6 +132,25 @@ def test_rows_are_batch_invariant(lib, name):
         assert torch.equal(full[i:i + 1], _run(lib, x[i:i + 1].contiguous(), [p], 1))
 
 
+@pytest.mark.parametrize("name", ["Q4_K", "Q6_K"])
+def test_threads_share_tiles_bit_for_bit(lib, name):
+    """Tiles handed out in dynamic chunks (kvs_sched.h): 1, 2 or 3 threads (more than this
+    host's cores) give the same bits, on the few-row, VNNI and AMX paths alike."""
+    p, _ = parts_of(name, 16 * 21, 512, 9)
+    g = torch.Generator().manual_seed(10)
+    prev = torch.get_num_threads()
+    try:
+        for m in (1, 5, 20):
+            x = torch.randn(m, 512, generator=g)
+            outs = []
+            for threads in (1, 2, 3):
+                torch.set_num_threads(threads)
+                outs.append(_run(lib, x, [p], 2))
+            assert all(torch.equal(outs[0], o) for o in outs[1:]), m
+    finally:
+        torch.set_num_threads(prev)
+
+
 def test_kernel_refuses_a_k_the_type_cannot_hold(lib):
     p, _ = parts_of("Q4_K", 16, 256)
     packed = kq.pack(p)

@@ -146,6 +146,37 @@ def test_kernel_rows_are_batch_invariant(lib, bits, group):
                 assert torch.equal(part[0], full[i])
 
 
+@pytest.mark.parametrize("bits", [4, 8])
+def test_threads_share_tiles_bit_for_bit(lib, bits):
+    """The OpenMP loops hand out chunks of tiles dynamically (kvs_sched.h): whichever thread
+    takes a tile, and however many threads share them (more than this host's cores, so some
+    are preempted while others take their chunks), every output is bit for bit the 1-thread
+    one, on every path (1-2 row passes, the wide VNNI pass, AMX tiles) and in the activation
+    quantizer's parallel loop."""
+    n, k = 16 * 37, 128  # 37 tiles: chunks of uneven count per thread
+    u, s, mn = _weights(n, k, 32, bits, 21)
+    codes, sm = wq.pack_codes(u, bits), wq.pack_scales(s, mn)
+    g = torch.Generator().manual_seed(22)
+    for m in (1, 2, 5, 12, 20, 33):
+        q, dx, qs = reference.wq_quantize_act(torch.randn(m, k, generator=g))
+        ys = []
+        for threads in (1, 2, 3, 5):
+            y = torch.empty(m, n)
+            lib.kvs_wq_gemm(codes.data_ptr(), sm.data_ptr(), q.data_ptr(), dx.data_ptr(),
+                            qs.data_ptr(), m, n, k, 32, bits, threads, y.data_ptr())
+            ys.append(y)
+        assert all(torch.equal(ys[0], y) for y in ys[1:]), m
+    x = torch.randn(640, 128, generator=g)  # M * K > 65536: the quantizer's loop is parallel
+    outs = []
+    for threads in (1, 3):
+        q, dx = torch.empty(2 * 640, 128, dtype=torch.int8), torch.empty(2 * 640, 4)
+        qs = torch.empty(2 * 640, 4, dtype=torch.int32)
+        lib.kvs_wq_quant_act(x.data_ptr(), 640, 128, 2, threads, q.data_ptr(), dx.data_ptr(),
+                             qs.data_ptr())
+        outs.append((q, dx, qs))
+    assert all(torch.equal(a, b) for a, b in zip(*outs, strict=True))
+
+
 @pytest.mark.parametrize("terms", [1, 2])
 def test_rows_are_batch_invariant(terms):
     lib = wq_cpu.wq_library()

@@ -50,6 +50,18 @@ from kvserve.server.structured import output_constraint, tool_plan
 from kvserve.server.tool_parsers import StreamingToolCalls, new_call_id
 
 
+def plain_chat_choice(index: int, content: str, reasoning_content: str | None,
+                      finish_reason: str | None, stop_reason: int | str | None) -> dict:
+    """A streamed chat choice without logprobs or tool calls as the dict its model dumps to
+    with the unset delta fields left out (what ``chunks`` sends; a test compares them),
+    without a pydantic model to build and dump per token on the event loop."""
+    delta: dict = {"content": content}
+    if reasoning_content is not None:
+        delta["reasoning_content"] = reasoning_content
+    return {"index": index, "logprobs": None, "finish_reason": finish_reason,
+            "stop_reason": stop_reason, "delta": delta}
+
+
 class ChatHandler(Handler):
     """One chat completion: checked and planned before admission (the conversation; the tool
     plan: the template's tools, the call parser, the calls' grammar; the output format), read
@@ -167,26 +179,29 @@ class ChatHandler(Handler):
             if think is not None and reason is not None:
                 r2, t2 = think.finish()
                 r, text = r + r2, text + t2
-            delta = DeltaMessage(content=text, reasoning_content=r or None)
+            content, tool_calls = text, None
             if stream is not None:  # content before a call goes out; a call is held
-                delta.content = stream.feed(text)
+                content = stream.feed(text)
                 if reason is not None:
                     rest, found = stream.finish()
-                    delta.content += rest
+                    content += rest
                     if found:
-                        delta.tool_calls = [DeltaToolCall(
+                        tool_calls = [DeltaToolCall(
                             index=j, id=new_call_id(), type="function",
                             function=DeltaFunctionCall(name=c.name, arguments=c.arguments))
                             for j, c in enumerate(found)]
                         reason = "tool_calls" if reason == "stop" else reason
-            if not delta.content and not delta.tool_calls and reason is None and \
-                    not delta.reasoning_content and not (self.req.logprobs and comp.token_ids):
+            if not content and not tool_calls and reason is None and not r and \
+                    not (self.req.logprobs and comp.token_ids):
                 return None
+            lp = self._logprobs(comp.token_ids, comp.logprobs)
+            stop = comp.stop_reason if reason else None
+            if lp is None and tool_calls is None:  # a token's chunk: no model per token
+                return envelope([plain_chat_choice(k, content, r or None, reason, stop)])
             return chunk(ChatChunkChoice(
-                index=k, delta=delta, finish_reason=reason,
-                logprobs=self._logprobs(comp.token_ids, comp.logprobs),
-                stop_reason=comp.stop_reason if reason else None,
-            ))
+                index=k, delta=DeltaMessage(content=content, reasoning_content=r or None,
+                                            tool_calls=tool_calls),
+                finish_reason=reason, logprobs=lp, stop_reason=stop))
 
         for i in range(self.req.n):
             yield chunk(ChatChunkChoice(index=i, delta=DeltaMessage(role="assistant",

@@ -130,3 +130,22 @@ def test_plain_completion_choice_is_the_model_dumped():
                                       (5, "c", "abort", None), (0, "", "grammar_dead_end", None)):
         model = CompletionChoice(index=index, text=text, finish_reason=reason, stop_reason=stop)
         assert json.dumps(plain_choice(index, text, reason, stop)) == json.dumps(dump(model))
+
+
+def test_plain_chat_choice_is_the_model_dumped_without_unset_delta_fields():
+    """A token's chat choice built as a dict: what the stream sent from the pydantic choice
+    (its delta without the fields left unset), key for key and in order."""
+    import json
+
+    from kvserve.http.protocol import ChatChunkChoice, DeltaMessage, dump
+    from kvserve.server.chat import plain_chat_choice
+
+    for index, content, reasoning, reason, stop in (
+            (0, "a", None, None, None), (1, "", "think", None, None), (2, "", None, "length", None),
+            (0, "é\n\"x\"", "r", "stop", 7), (3, "b", None, "stop", "END")):
+        model = dump(ChatChunkChoice(index=index, delta=DeltaMessage(
+            content=content, reasoning_content=reasoning), finish_reason=reason,
+            stop_reason=stop))
+        model["delta"] = {k: v for k, v in model["delta"].items() if v is not None}
+        got = plain_chat_choice(index, content, reasoning, reason, stop)
+        assert json.dumps(got) == json.dumps(model)

@@ -92,12 +92,14 @@ class Server(ServeProcess):
 
 
 async def run_workload(url: str, conversations: int, turns: int, doc_tokens: int,
-                       answer_tokens: int) -> tuple[list[Turn], float]:
+                       answer_tokens: int, think_time: float = 0.0) -> tuple[list[Turn], float]:
     async def one(c: httpx.AsyncClient, conv: int) -> list[Turn]:
         messages: list[dict] = []
         out = []
         await asyncio.sleep(0.2 * conv)  # staggered starts: turns interleave
-        for text in conversation_turns(conv, turns, doc_tokens):
+        for i, text in enumerate(conversation_turns(conv, turns, doc_tokens)):
+            if i:
+                await asyncio.sleep(think_time)  # the user reads the answer
             messages.append({"role": "user", "content": text})
             t0 = time.perf_counter()
             ttft, pieces, tokens = None, [], 0
@@ -137,7 +139,8 @@ def run_one(label: str, policy: str | None, ns: argparse.Namespace) -> dict:
     try:
         server.wait_ready(ns.startup_timeout)
         turns, wall = asyncio.run(run_workload(server.url, ns.conversations, ns.turns,
-                                               ns.doc_tokens, ns.answer_tokens))
+                                               ns.doc_tokens, ns.answer_tokens,
+                                               ns.think_time))
         per_replica = [scrape(u) for u in server.replica_urls()]
         router = scrape(server.url) if server.routed else {}
     finally:
@@ -183,6 +186,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--turns", type=int, default=4, help="turns per conversation")
     p.add_argument("--doc-tokens", type=int, default=1500, help="document length (about)")
     p.add_argument("--answer-tokens", type=int, default=32, help="tokens per answer")
+    p.add_argument("--think-time", type=float, default=0.0,
+                   help="seconds between an answer and the conversation's next turn")
     served.add_replica_options(p, kv_cache_memory="96MiB")
     p.add_argument("--policies", default=",".join(POLICIES),
                    help="comma list of routing policies to run")

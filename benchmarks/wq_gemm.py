@@ -2,7 +2,8 @@
 stream, against this machine's read bandwidth, one run, JSON out.
 
     .venv/bin/python benchmarks/wq_gemm.py [--threads 2] [--rounds 7] [--rows 1,16,64]
-        [--terms 2] [--baseline-source OLD.c] [--amx] [--layers 30] [--head 49152,576]
+        [--terms 2] [--baseline-source OLD.c] [--amx] [--baseline-amx] [--layers 30]
+        [--head 49152,576]
         [--json docs/bench/wq_gemm.json]
 
 The stream is the default model's (SmolLM2-135M Q4_1, as the engine holds it): per layer the
@@ -25,7 +26,9 @@ the two builds' outputs are bit for bit the same (they should be, for a change o
 VNNI pass for every row count, ``kvserve_amx`` with the AMX-INT8 tiles for every row count
 (threshold 1), and checks that the two are bit for bit the same (``identical_amx``). With
 ``--layers 0 --head 262144,640`` it times Gemma 3's tied Q8_0 head alone (one thread:
-``--threads 1``).
+``--threads 1``). ``--baseline-amx`` runs the baseline build on its AMX-INT8 tiles for every row
+count too (an A/B of two versions of the tile path; with ``--amx``, ``identical_to_baseline``
+then compares the two tile paths bit for bit).
 """
 
 from __future__ import annotations
@@ -87,6 +90,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--baseline-source", default=None)
     ap.add_argument("--amx", action="store_true",
                     help="also time the AMX-INT8 tiles (kvserve: VNNI only, kvserve_amx: tiles)")
+    ap.add_argument("--baseline-amx", action="store_true",
+                    help="the baseline build on its AMX-INT8 tiles for every row count")
     ap.add_argument("--head", default=f"{HEAD_SHAPE[1]},{HEAD_SHAPE[2]}",
                     help="the 8-bit head's N,K (Gemma 3 270M: 262144,640)")
     ap.add_argument("--bandwidth-mib", type=int, default=0,
@@ -119,7 +124,7 @@ def main(argv: list[str] | None = None) -> int:
         amx_default = wq_cpu.amx_rows(lib)
         if a.baseline_source:
             libs["baseline"] = wq_cpu.bind(build_source(a.baseline_source, tmp))
-            amx["baseline"] = False
+            amx["baseline"] = a.baseline_amx
         if a.amx:
             if not amx_default:
                 raise SystemExit("--amx: this CPU (or its build, or Linux) has no AMX-INT8")
@@ -152,9 +157,10 @@ def main(argv: list[str] | None = None) -> int:
             row: dict = {"rows": m}
             if "baseline" in libs:  # a change that should not alter results: does it?
                 outs = {name: lr[1] + hr[1] for name, (lr, hr) in recs.items()}
+                mine = "kvserve_amx" if a.amx and a.baseline_amx else "kvserve"
                 row["identical_to_baseline"] = all(
-                    torch.equal(u, v) for u, v in zip(outs["kvserve"], outs["baseline"],
-                                                      strict=True))
+                    torch.equal(u.view(torch.int32), v.view(torch.int32))
+                    for u, v in zip(outs[mine], outs["baseline"], strict=True))
             if a.amx:  # the tiles change speed only: bit for bit the VNNI outputs?
                 outs = {name: lr[1] + hr[1] for name, (lr, hr) in recs.items()}
                 row["identical_amx"] = all(
@@ -186,7 +192,8 @@ def main(argv: list[str] | None = None) -> int:
                         "shape_list": LAYER_SHAPES + [("lm_head", head_n, head_k)],
                         "amx": a.amx, "amx_rows_default": amx_default,
                         "layer_bytes": layer_bytes, "head_bytes": head_bytes,
-                        "baseline_source": a.baseline_source, "read_bandwidth": bw,
+                        "baseline_source": a.baseline_source, "baseline_amx": a.baseline_amx,
+                        "read_bandwidth": bw,
                         "results": results, "env": env_info()})
     return 0
 

@@ -421,23 +421,26 @@ static inline __attribute__((always_inline)) void pass_vnni_wide(
  * group's end, out = fma(s, f, out); out = fma(m, ms, out), with ms = sum_b dx qs in the same
  * scalar order (once per row and group: it does not depend on the tile).
  *
- * One C tile (a row tile of up to 16 rows x one weight tile) runs over all of K at a time, its
- * 16 rows' out (groups of one block: G = 32, every GGUF Q4_0 / Q4_1 / Q8_0) or f (larger
+ * M <= 16 (decode and verify steps) takes wq_gemm_amx_few below: AMX_JT weight tiles in flight,
+ * a software pipeline, float work on exactly M rows. More rows: one C tile (a row tile of 16
+ * rows x one weight tile) runs over all of K at a time, its 16 rows' out (groups of one block: G = 32, every GGUF Q4_0 / Q4_1 / Q8_0) or f (larger
  * groups; out then lives in memory) in registers. Two sets of tile registers alternate between
  * blocks, so block b + 1's product is loaded, multiplied and stored while block b's floats are
  * computed (a tile store's data reaches the vector loads only once it has left the store
  * buffer). Rows past a multiple of 16 are covered by a last row tile that overlaps the one
- * before it (its overlapped rows are not written), so no row is read past M; with M < 16 the
- * tiles have M rows and the float work is rounded up to a multiple of 4 rows.
+ * before it (its overlapped rows are not written), so no row is read past M.
  */
-/* Default thresholds, measured against the wide VNNI pass (benchmarks/wq_gemm.py --amx, 2-core
- * Xeon, SmolLM2's shapes): an 8-bit table (read in place as B tiles) gains from the tiles from
- * 10 rows, a 4-bit one (unpacked per call) only from 16: below, the wide pass is faster. */
+/* Default thresholds, measured against the wide VNNI pass (benchmarks/wq_gemm.py --amx
+ * --baseline-amx, 2-core Xeon, SmolLM2's 30 Q4_1 layers + Q8_0 head, int8x2, 2026-12-07
+ * 21:14 UTC, two runs): at 8 GEMM rows the tiles are 0.83-0.85x (layers) / 0.90-0.93x (head)
+ * of the wide pass, at 10 rows 1.01-1.02x / 1.03-1.07x, at 12 1.04x / 1.16x, at 16 1.13-1.16x
+ * / 1.00-1.14x: both from 10 rows (the 4-bit one was 16 before the few-row path). Below, the
+ * VNNI passes are faster: at 2 GEMM rows (batch-1 decode) the tiles are 0.91x / 0.93x. */
 #ifndef AMX_MIN_ROWS
 #define AMX_MIN_ROWS 10
 #endif
 #ifndef AMX_MIN_ROWS4
-#define AMX_MIN_ROWS4 16
+#define AMX_MIN_ROWS4 10
 #endif
 static int amx_state = -1; /* -1: not asked yet, 0: off / unavailable, 1: on */
 static int amx_rows = AMX_MIN_ROWS; /* GEMMs of at least this many rows take the tiles */
@@ -538,6 +541,321 @@ static inline __attribute__((always_inline)) void amx_ctile(
         }
 }
 
+/*
+ * Few rows (M <= 16: a decode step's 2 GEMM rows, a verify step's 2r): one row tile of M rows
+ * against AMX_JT weight tiles at a time, software-pipelined. Per unit of work (one block, or
+ * with pb = 2 two blocks: M <= 8) the A tile is loaded once for the AMX_JT weight tiles, each of
+ * which has its own B and C tile registers (tmm0-1: A, even and odd units; tmm2-4: B; tmm5-7:
+ * C), so AMX_JT products are in flight at once; the C tiles are stored into a ring of AMX_RING
+ * unit slots and their floats run AMX_LAG units later, when the tile stores have long reached
+ * the cache (a tile store does not forward to vector loads: read at once, the loads wait for
+ * it). pb = 2 runs two blocks in one product, halving the tile instructions: the A tile has 2M
+ * rows of 64 bytes (rows i < M: block 2u's 32 bytes of row i, then 32 zero bytes; rows M + i:
+ * 32 zero bytes, then block 2u + 1's), B the two blocks' 16 k-quads, so C's rows i hold block
+ * 2u's sums and rows M + i block 2u + 1's, each exactly its block's (the zeros add nothing).
+ * The float work runs on the M rows there are (no rounding up), and 4-bit blocks are unpacked
+ * into a ring of B slots AMX_UNPACK units ahead of their tile loads, in L1, instead of a whole
+ * tile up front; the calling thread's scratch is kept between calls. Per output, the VNNI
+ * pass's float operations in its order: bit for bit.
+ *
+ * Measured (benchmarks/wq_gemm.py --amx --baseline-amx, SmolLM2 layers at 2 / 4 / 8 GEMM rows):
+ * 3.6-3.9 / 4.2-4.3 / 5.8-5.9 ms against the one-C-tile loop's 4.6-4.9 / 5.1-5.2 / 5.9-6.0.
+ * What is left at few rows, per (block, weight tile): the 4-bit unpack (3 vector operations and
+ * 2 stores per 64 code bytes, as many as the VNNI pass's unpack, plus the stores), ~20-30
+ * cycles of tile instructions whatever M (loads, zero, product, store), and 4 float operations
+ * per row on the one 512-bit port; the VNNI pass's 8 vpdpbusd per row only outweigh the tile
+ * instructions from ~10 rows. Tried, no gain: prefetching the codes (2-8 KiB ahead; slower),
+ * a deeper ring (8 slots, LAG 3-5, UNPACK 2-6: slower, the ring no longer fits L1 beside the
+ * stream). Allocating the scratch per call cost ~7 us a call (page faults).
+ */
+#define AMX_JT 3
+#ifndef AMX_PB_MAX
+#define AMX_PB_MAX 8 /* M <= this: two blocks per product */
+#endif
+#ifndef AMX_LAG
+#define AMX_LAG 2
+#endif
+#ifndef AMX_UNPACK
+#define AMX_UNPACK 1
+#endif
+#ifndef AMX_RING
+#define AMX_RING 4 /* slots of both rings: a power of two */
+#endif
+_Static_assert(AMX_RING > AMX_LAG && AMX_RING > AMX_UNPACK && !(AMX_RING & (AMX_RING - 1)),
+               "a ring slot is rewritten only after its last reader");
+
+static void amx_config_few(int ra, int pb) {
+    kvs_amx_cfg cfg;
+    kvs_amx_cfg_init(&cfg);
+    for (int t = 0; t < 2; t++) { /* A: pb ra rows x 32 pb int8 */
+        cfg.rows[t] = (uint8_t)(pb * ra);
+        cfg.colsb[t] = (uint16_t)(32 * pb);
+    }
+    for (int j = 0; j < AMX_JT; j++) {
+        cfg.rows[2 + j] = (uint8_t)(8 * pb); /* B: 8 pb k-quads x 16 outputs x 4 */
+        cfg.colsb[2 + j] = 64;
+        cfg.rows[5 + j] = (uint8_t)(pb * ra); /* C: pb ra rows x 16 int32 */
+        cfg.colsb[5 + j] = 64;
+    }
+    _tile_loadconfig(&cfg);
+}
+
+/* The M = ra (<= 16) rows against weight tiles wt[j] (scales st[j]) over all of K; row i of
+ * tile j's 16 outputs to yo[j] + i * ldy (yo[j] NULL: an alias, dropped). A tiles: pb = 1,
+ * q itself (row stride K); pb = 2, a2 [nu][2 ra][64] as above. dxt [nb][16], mst [ng][16] as
+ * for amx_ctile. nr: rows of float work (ra where g1, else ra rounded up to 4 with pb = 1;
+ * rows past ra read rows of cb no tile store writes, and are dropped). tb: [AMX_JT][1024], the
+ * last unit of an 8-bit table with an odd number of blocks (its second half never counts). */
+static inline __attribute__((always_inline)) void amx_few(
+    const int8_t *restrict a, int64_t K, const uint8_t *const wt[AMX_JT],
+    const uint16_t *const st[AMX_JT], const float *restrict dxt, const float *restrict mst,
+    int64_t bpg, const int nr, const int g1, const int bits, const int pb, int ra,
+    float *const yo[AMX_JT], int64_t ldy, uint8_t (*restrict ub)[AMX_JT][1024],
+    int32_t (*restrict cb)[AMX_JT][16][16], float (*restrict om)[16][16],
+    uint8_t (*restrict tb)[1024]) {
+    const int64_t nb = K / 32, nu = (nb + pb - 1) / pb;
+    const __m512i lo4 = _mm512_set1_epi8(0x0F);
+    __m512 acc[AMX_JT][16]; /* g1: out; else f of the current group */
+#pragma GCC unroll 4
+    for (int j = 0; j < AMX_JT; j++)
+#pragma GCC unroll 16
+        for (int i = 0; i < nr; i++) acc[j][i] = _mm512_setzero_ps();
+    if (!g1) memset(om, 0, sizeof(float) * AMX_JT * 16 * 16);
+    if (bits == 8 && pb == 2 && (nb & 1))
+        for (int j = 0; j < AMX_JT; j++) memcpy(tb[j], wt[j] + 512 * (nb - 1), 512);
+/* 4-bit unit uu of every tile -> B slot uu (k-oct t -> k-quads 2t, 2t + 1) */
+#define AMX_UNPACK_UNIT(uu)                                                                  \
+    do {                                                                                     \
+        uint8_t(*dst)[1024] = ub[(uu) & (AMX_RING - 1)];                                     \
+        const int nt = pb == 2 && 2 * (uu) + 1 >= nb ? 4 : 4 * pb;                           \
+        _Pragma("GCC unroll 4") for (int j = 0; j < AMX_JT; j++)                             \
+            for (int t = 0; t < nt; t++) {                                                   \
+                const __m512i v =                                                            \
+                    _mm512_loadu_si512((const void *)(wt[j] + 256 * pb * (uu) + 64 * t));    \
+                _mm512_store_si512((void *)(dst[j] + 128 * t), _mm512_and_si512(v, lo4));    \
+                _mm512_store_si512((void *)(dst[j] + 128 * t + 64),                          \
+                                   _mm512_and_si512(_mm512_srli_epi16(v, 4), lo4));          \
+            }                                                                                \
+    } while (0)
+#define AMX_BSRC(j, uu)                                                                      \
+    (bits == 4 ? (const void *)ub[(uu) & (AMX_RING - 1)][j]                                  \
+     : pb == 2 && 2 * (uu) + 1 >= nb ? (const void *)tb[j]                                   \
+                                     : (const void *)(wt[j] + 512 * pb * (uu)))
+#define AMX_TILES(TA, uu)                                                                    \
+    do {                                                                                     \
+        int32_t(*c)[16][16] = cb[(uu) & (AMX_RING - 1)];                                     \
+        if (pb == 2)                                                                         \
+            _tile_loadd(TA, a + 128 * ra * (uu), 64);                                        \
+        else                                                                                 \
+            _tile_loadd(TA, a + 32 * (uu), K);                                               \
+        _tile_loadd(2, AMX_BSRC(0, uu), 64);                                                 \
+        _tile_loadd(3, AMX_BSRC(1, uu), 64);                                                 \
+        _tile_loadd(4, AMX_BSRC(2, uu), 64);                                                 \
+        _tile_zero(5);                                                                       \
+        _tile_zero(6);                                                                       \
+        _tile_zero(7);                                                                       \
+        _tile_dpbsud(5, TA, 2);                                                              \
+        _tile_dpbsud(6, TA, 3);                                                              \
+        _tile_dpbsud(7, TA, 4);                                                              \
+        _tile_stored(5, c[0], 64);                                                           \
+        _tile_stored(6, c[1], 64);                                                           \
+        _tile_stored(7, c[2], 64);                                                           \
+    } while (0)
+#define AMX_LOAD_SM(V, p) V = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(p)))
+/* block bb's floats from C rows r0 .. r0 + nr - 1 of slot sl */
+#define AMX_FLOATS(bb, sl, r0)                                                               \
+    do {                                                                                     \
+        int32_t(*c)[16][16] = cb[sl];                                                        \
+        __m512 s[AMX_JT], mn[AMX_JT];                                                        \
+        if (g1) {                                                                            \
+            _Pragma("GCC unroll 4") for (int j = 0; j < AMX_JT; j++) {                       \
+                AMX_LOAD_SM(s[j], st[j] + (bb) * 32);                                        \
+                AMX_LOAD_SM(mn[j], st[j] + (bb) * 32 + 16);                                  \
+            }                                                                                \
+            _Pragma("GCC unroll 16") for (int i = 0; i < nr; i++) {                          \
+                const __m512 d = _mm512_set1_ps(dxt[(bb) * 16 + i]);                         \
+                const __m512 msv = _mm512_set1_ps(mst[(bb) * 16 + i]);                       \
+                _Pragma("GCC unroll 4") for (int j = 0; j < AMX_JT; j++) {                   \
+                    const __m512 f = _mm512_fmadd_ps(                                        \
+                        _mm512_cvtepi32_ps(_mm512_load_si512((const void *)c[j][(r0) + i])), \
+                        d, _mm512_setzero_ps());                                             \
+                    acc[j][i] = _mm512_fmadd_ps(s[j], f, acc[j][i]);                         \
+                    acc[j][i] = _mm512_fmadd_ps(mn[j], msv, acc[j][i]);                      \
+                }                                                                            \
+            }                                                                                \
+        } else {                                                                             \
+            const int64_t g = (bb) / bpg;                                                    \
+            if ((bb) == g * bpg)                                                             \
+                for (int j = 0; j < AMX_JT; j++)                                             \
+                    _Pragma("GCC unroll 16") for (int i = 0; i < nr; i++) acc[j][i] =        \
+                        _mm512_setzero_ps();                                                 \
+            _Pragma("GCC unroll 16") for (int i = 0; i < nr; i++) {                          \
+                const __m512 d = _mm512_set1_ps(dxt[(bb) * 16 + i]);                         \
+                for (int j = 0; j < AMX_JT; j++)                                             \
+                    acc[j][i] = _mm512_fmadd_ps(                                             \
+                        _mm512_cvtepi32_ps(_mm512_load_si512((const void *)c[j][(r0) + i])), \
+                        d, acc[j][i]);                                                       \
+            }                                                                                \
+            if ((bb) == (g + 1) * bpg - 1)                                                   \
+                for (int j = 0; j < AMX_JT; j++) {                                           \
+                    AMX_LOAD_SM(s[j], st[j] + g * 32);                                       \
+                    AMX_LOAD_SM(mn[j], st[j] + g * 32 + 16);                                 \
+                    _Pragma("GCC unroll 16") for (int i = 0; i < nr; i++) {                  \
+                        __m512 o = _mm512_load_ps(om[j][i]);                                 \
+                        o = _mm512_fmadd_ps(s[j], acc[j][i], o);                             \
+                        o = _mm512_fmadd_ps(mn[j], _mm512_set1_ps(mst[g * 16 + i]), o);      \
+                        _mm512_store_ps(om[j][i], o);                                        \
+                    }                                                                        \
+                }                                                                            \
+        }                                                                                    \
+    } while (0)
+/* unit uu's unpack-ahead and tile products (A tile TA), then unit uu - AMX_LAG's floats */
+#define AMX_STEP(TA, uu)                                                                     \
+    do {                                                                                     \
+        if ((uu) < nu) {                                                                     \
+            if (bits == 4 && (uu) + AMX_UNPACK < nu)                                         \
+                AMX_UNPACK_UNIT((uu) + AMX_UNPACK);                                          \
+            AMX_TILES(TA, uu);                                                               \
+        }                                                                                    \
+        if ((uu) >= AMX_LAG && (uu) - AMX_LAG < nu) {                                        \
+            const int64_t fu = (uu) - AMX_LAG, sl = fu & (AMX_RING - 1);                     \
+            AMX_FLOATS(pb * fu, sl, 0);                                                      \
+            if (pb == 2 && 2 * fu + 1 < nb) AMX_FLOATS(2 * fu + 1, sl, ra);                  \
+        }                                                                                    \
+    } while (0)
+    if (bits == 4)
+        for (int64_t uu = 0; uu < AMX_UNPACK && uu < nu; uu++) AMX_UNPACK_UNIT(uu);
+    for (int64_t un = 0; un < nu + AMX_LAG; un += 2) {
+        AMX_STEP(0, un);
+        AMX_STEP(1, un + 1);
+    }
+#undef AMX_STEP
+#undef AMX_FLOATS
+#undef AMX_LOAD_SM
+#undef AMX_TILES
+#undef AMX_BSRC
+#undef AMX_UNPACK_UNIT
+    for (int j = 0; j < AMX_JT; j++)
+        if (yo[j] != NULL)
+            for (int i = 0; i < ra; i++) {
+                if (g1)
+                    _mm512_storeu_ps(yo[j] + i * ldy, acc[j][i]);
+                else
+                    memcpy(yo[j] + i * ldy, om[j][i], 64);
+            }
+}
+
+/* scratch per thread of the few-row path: B ring, C ring, out of AMX_JT C tiles, odd tail */
+#define AMX_FEW_BYTES ((size_t)AMX_RING * AMX_JT * (1024 + 1024) + AMX_JT * (1024 + 1024))
+
+/* wq_gemm_amx for M <= 16: weight tiles in groups of AMX_JT (the last group's missing tiles
+ * aliased to the last tile, their results dropped) */
+static int wq_gemm_amx_few(const uint8_t *restrict codes, const uint16_t *restrict sm,
+                           const int8_t *restrict q, const float *restrict dx,
+                           const int32_t *restrict qs, int64_t M, int64_t N, int64_t K,
+                           int64_t G, int bits, int num_threads, float *restrict y) {
+    const int64_t ntiles = N / 16, ng = K / G, nb = K / 32, bpg = G / 32;
+    const int64_t tile_bytes = K * 16 * bits / 8, ngroups = (ntiles + AMX_JT - 1) / AMX_JT;
+    const int ra = (int)M, pb = M <= AMX_PB_MAX ? 2 : 1;
+    const int64_t nu = (nb + pb - 1) / pb;
+    const size_t t_bytes = ((size_t)((nb + ng) * 16) * sizeof(float) + 63) & ~(size_t)63;
+    const size_t a_bytes = pb == 2 ? (size_t)(nu * 2 * ra * 64) : 0;
+    const size_t per_thread = (AMX_FEW_BYTES + 63) & ~(size_t)63;
+    /* the calling thread's scratch, kept between calls (allocating it per call cost a page
+     * fault per page each time: ~7 us a call, a fifth of a decode step's AMX time) */
+    static _Thread_local char *few_buf = NULL;
+    static _Thread_local size_t few_cap = 0;
+    const size_t need = t_bytes + a_bytes + per_thread * (size_t)num_threads;
+    if (need > few_cap) {
+        char *p = aligned_alloc(64, (need + 63) & ~(size_t)63);
+        if (p == NULL) return 1;
+        free(few_buf);
+        few_buf = p;
+        few_cap = need;
+    }
+    char *buf = few_buf;
+    float *dxt = (float *)buf, *mst = dxt + nb * 16;
+    for (int i = 0; i < 16; i++) { /* rows past ra: copies of the last */
+        const int64_t m = i < ra ? i : ra - 1;
+        for (int64_t g = 0; g < ng; g++) {
+            float ms = 0;
+            for (int64_t b = g * bpg; b < (g + 1) * bpg; b++) {
+                ms += dx[m * nb + b] * (float)qs[m * nb + b];
+                dxt[b * 16 + i] = dx[m * nb + b];
+            }
+            mst[g * 16 + i] = ms;
+        }
+    }
+    int8_t *a2 = (int8_t *)(buf + t_bytes); /* pb = 2: [nu][2 ra][64], see amx_few */
+    if (pb == 2) {
+        memset(a2, 0, a_bytes);
+        for (int64_t b = 0; b < nb; b++)
+            for (int i = 0; i < ra; i++)
+                memcpy(a2 + ((b >> 1) * 2 * ra + (b & 1) * ra + i) * 64 + 32 * (b & 1),
+                       q + i * K + 32 * b, 32);
+    }
+    const int8_t *a = pb == 2 ? a2 : q;
+    const int g1 = bpg == 1, nr = g1 || pb == 2 ? ra : (ra + 3) / 4 * 4;
+    kvs_share sh;
+    kvs_share_init(&sh, ngroups, num_threads);
+#pragma omp parallel num_threads(num_threads)
+    {
+        char *mine = buf + t_bytes + a_bytes + per_thread * (size_t)omp_get_thread_num();
+        uint8_t(*ub)[AMX_JT][1024] = (uint8_t(*)[AMX_JT][1024])mine;
+        int32_t(*cb)[AMX_JT][16][16] =
+            (int32_t(*)[AMX_JT][16][16])(mine + (size_t)AMX_RING * AMX_JT * 1024);
+        float(*om)[16][16] = (float(*)[16][16])(mine + (size_t)AMX_RING * AMX_JT * 2048);
+        uint8_t(*tb)[1024] = (uint8_t(*)[1024])(mine + (size_t)AMX_RING * AMX_JT * 2048 +
+                                                AMX_JT * 1024);
+        if (nr > ra) memset(cb, 0, (size_t)AMX_RING * AMX_JT * 1024); /* rows past ra: read */
+        amx_config_few(ra, pb);
+        KVS_SHARE_FOR(sh, tg) {
+            const uint8_t *wt[AMX_JT];
+            const uint16_t *st[AMX_JT];
+            float *yo[AMX_JT];
+            for (int j = 0; j < AMX_JT; j++) {
+                const int64_t want = tg * AMX_JT + j, tile = want < ntiles ? want : ntiles - 1;
+                wt[j] = codes + tile * tile_bytes;
+                st[j] = sm + tile * ng * 32;
+                yo[j] = want < ntiles ? y + tile * 16 : NULL;
+            }
+#define AMX_FEW(NR, G1, PB)                                                                  \
+    amx_few(a, K, wt, st, dxt, mst, bpg, NR, G1, bits, PB, ra, yo, N, ub, cb, om, tb)
+            if (pb == 2) {
+                switch (nr) {
+                case 1: AMX_FEW(1, g1, 2); break;
+                case 2: AMX_FEW(2, g1, 2); break;
+                case 3: AMX_FEW(3, g1, 2); break;
+                case 4: AMX_FEW(4, g1, 2); break;
+                case 5: AMX_FEW(5, g1, 2); break;
+                case 6: AMX_FEW(6, g1, 2); break;
+                case 7: AMX_FEW(7, g1, 2); break;
+                default: AMX_FEW(8, g1, 2); break;
+                }
+            } else if (g1) {
+                switch (nr) {
+                case 9: AMX_FEW(9, 1, 1); break;
+                case 10: AMX_FEW(10, 1, 1); break;
+                case 11: AMX_FEW(11, 1, 1); break;
+                case 12: AMX_FEW(12, 1, 1); break;
+                case 13: AMX_FEW(13, 1, 1); break;
+                case 14: AMX_FEW(14, 1, 1); break;
+                case 15: AMX_FEW(15, 1, 1); break;
+                default: AMX_FEW(16, 1, 1); break;
+                }
+            } else {
+                switch (nr) {
+                case 12: AMX_FEW(12, 0, 1); break;
+                default: AMX_FEW(16, 0, 1); break;
+                }
+            }
+#undef AMX_FEW
+        }
+        _tile_release();
+    }
+    return 0;
+}
+
 /* scratch per thread: an unpacked 4-bit tile, two C tiles, out of one C tile */
 #define AMX_THREAD_BYTES(K) ((size_t)(K) * 16 + 2 * 1024 + 1024)
 
@@ -546,6 +864,7 @@ static int wq_gemm_amx(const uint8_t *restrict codes, const uint16_t *restrict s
                        const int8_t *restrict q, const float *restrict dx,
                        const int32_t *restrict qs, int64_t M, int64_t N, int64_t K, int64_t G,
                        int bits, int num_threads, float *restrict y) {
+    if (M <= 16) return wq_gemm_amx_few(codes, sm, q, dx, qs, M, N, K, G, bits, num_threads, y);
     const int64_t ntiles = N / 16, ng = K / G, nb = K / 32, bpg = G / 32;
     const int64_t tile_bytes = K * 16 * bits / 8;
     const int ra = M < 16 ? (int)M : 16;              /* rows per row tile */

@@ -403,8 +403,8 @@ async def _prefill_leg(state: RouterState, path: str, payload: dict, headers: di
                 continue
             if up.status_code != 200:
                 return None
+            out = up.json().get("kv_transfer")  # a body that is not JSON: tried elsewhere
             state.prefill_index.record(r.name, keys)
-            out = up.json().get("kv_transfer")
             return out if isinstance(out, dict) else None
         except (_Gone, httpx.HTTPError, OSError, ValueError) as e:
             if span is not None:

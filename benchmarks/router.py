@@ -135,6 +135,8 @@ def run_one(label: str, policy: str | None, ns: argparse.Namespace) -> dict:
     extra = ["--max-num-seqs", str(ns.max_num_seqs)]
     if ns.kv_cache_memory:
         extra += ["--kv-cache-memory", ns.kv_cache_memory]
+    if policy is not None and ns.routed_prefix_ttl is not None:
+        extra += ["--routed-prefix-ttl", str(ns.routed_prefix_ttl)]
     server = Server(ns.model, ns.threads, policy, extra)
     try:
         server.wait_ready(ns.startup_timeout)
@@ -155,6 +157,7 @@ def run_one(label: str, policy: str | None, ns: argparse.Namespace) -> dict:
         "output_tokens": sum(t.tokens for t in turns), "wall_s": wall,
         "output_tokens_per_s": sum(t.tokens for t in turns) / wall,
         "requests": len(turns), "routing_decisions": decisions,
+        "routed_prefix_ttl_s": ns.routed_prefix_ttl if policy is not None else None,
         "replica_prompt_tokens": [m.get("kvserve_prompt_tokens_total", 0.0)
                                   for m in per_replica],
     }
@@ -188,6 +191,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--answer-tokens", type=int, default=32, help="tokens per answer")
     p.add_argument("--think-time", type=float, default=0.0,
                    help="seconds between an answer and the conversation's next turn")
+    p.add_argument("--routed-prefix-ttl", type=float, default=None,
+                   help="the router's --routed-prefix-ttl (default: the router's own; 0: "
+                   "prefixes known from KV events only)")
     served.add_replica_options(p, kv_cache_memory="96MiB")
     p.add_argument("--policies", default=",".join(POLICIES),
                    help="comma list of routing policies to run")

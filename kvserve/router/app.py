@@ -101,7 +101,7 @@ class RouterState:
     def __init__(self, settings: RouterSettings, api_key: str | None, tokenizer: Any,
                  tokenizer_workers: int = 2, tracing: Any = None) -> None:
         self.settings = settings
-        self.index = PrefixIndex()
+        self.index = PrefixIndex(settings.routed_prefix_ttl)
         self.ring = HashRing()
         self.metrics = RouterMetrics(self)
         pool = functools.partial(
@@ -112,7 +112,7 @@ class RouterState:
                          on_change=self._membership)
         # Disaggregation (docs/disaggregation.md): prompts run here first, then self.pool
         # (the decode replicas) continues from their KV.
-        self.prefill_index = PrefixIndex()
+        self.prefill_index = PrefixIndex(settings.routed_prefix_ttl)
         self.prefill_pool: ReplicaPool | None = None
         if settings.prefill:
             self.prefill_pool = pool(list(settings.prefill), index=self.prefill_index, prefix="p")
@@ -272,10 +272,13 @@ async def _proxy(state: RouterState, request: Request, path: str, trace: Any) ->
     matches: dict[str, int] = {}
     prefill, routing = plan(s.routing, state.prefill_pool is not None, payload)
     index = state.prefill_index if prefill else state.index
+    ids: list[int] | None = None
+    keys: list[bytes] = []  # the prompt's chain keys in ``index``
     if state.tokenizers is not None and isinstance(payload, dict) and index.block_size:
         ids = await state.tokenizers.run(prompt_token_ids, payload)
         if ids:
-            matches = index.match(ids)
+            keys = index.prompt_keys(ids)
+            matches = index.match_keys(keys)
     headers = {k: request.headers[k] for k in _FORWARD_REQ if k in request.headers}
     if session:
         headers[s.session_header] = session
@@ -285,9 +288,11 @@ async def _proxy(state: RouterState, request: Request, path: str, trace: Any) ->
         headers["authorization"] = auth
     assert state.client is not None
     if prefill and (leg := await _prefill_leg(state, path, payload, headers, prefill, matches,
-                                              trace)) is not None:
+                                              keys, trace)) is not None:
         body = json.dumps({**payload, "kv_transfer": {"role": "decode", **leg}}).encode()
         headers["content-type"] = "application/json"
+    if index is not state.index:  # the prefill index's keys: the decode pool's own
+        keys = state.index.prompt_keys(ids) if ids else []
     if state.prefill_pool is not None:
         state.metrics.disaggregated.labels("split" if body is not request_body else "whole").inc()
     last: tuple[int, bytes, dict[str, str]] | None = None  # a 429 / 503 answer to fall back on
@@ -315,6 +320,8 @@ async def _proxy(state: RouterState, request: Request, path: str, trace: Any) ->
                     trace.forwarded(span, up.status_code)
                 continue
             if stream and up.headers.get("content-type", "").startswith("text/event-stream"):
+                if up.status_code == 200:  # the replica ran the prompt: its first token is out
+                    state.index.record(r.name, keys)
                 handed_over = True
                 return StreamingResponse(_relay(state, up, r, route),
                                          status_code=up.status_code,
@@ -322,6 +329,8 @@ async def _proxy(state: RouterState, request: Request, path: str, trace: Any) ->
             content = await _race(up.aread(), r.down, state.ending)
             if span is not None:
                 trace.forwarded(span, up.status_code)
+            if up.status_code == 200:  # answered whole: no retry elsewhere from here on
+                state.index.record(r.name, keys)
             return Response(content, status_code=up.status_code,
                             headers=_response_headers(up, r))
         except (_Gone, httpx.HTTPError, OSError) as e:
@@ -366,10 +375,12 @@ def _picks(state: RouterState, pool: ReplicaPool, routing: str, session: str | N
 
 
 async def _prefill_leg(state: RouterState, path: str, payload: dict, headers: dict[str, str],
-                       routing: str, matches: dict[str, int], trace: Any = None) -> dict | None:
+                       routing: str, matches: dict[str, int], keys: list[bytes],
+                       trace: Any = None) -> dict | None:
     """Run the prompt on the prefill replica ``routing`` picks; its ``kv_transfer`` answer
     (handle + first token), or None: the decode leg then takes the request whole (no prefill
-    replica answered, the request was refused there, or its first token ended it)."""
+    replica answered, the request was refused there, or its first token ended it). ``keys``:
+    the prompt's chain keys in the prefill index, recorded for the replica that ran it."""
     pool = state.prefill_pool
     assert pool is not None and state.client is not None
     leg = {k: v for k, v in payload.items() if k not in ("stream", "stream_options")}
@@ -392,7 +403,8 @@ async def _prefill_leg(state: RouterState, path: str, payload: dict, headers: di
                 continue
             if up.status_code != 200:
                 return None
-            out = up.json().get("kv_transfer")
+            out = up.json().get("kv_transfer")  # a body that is not JSON: tried elsewhere
+            state.prefill_index.record(r.name, keys)
             return out if isinstance(out, dict) else None
         except (_Gone, httpx.HTTPError, OSError, ValueError) as e:
             if span is not None:
@@ -512,6 +524,7 @@ def build_router_app(state: RouterState, *, api_key: str | None,
                      "prefix_cache_hit_rate": r.hit_rate,
                      "indexed_blocks": index.num_blocks(r.name),
                      "indexed_by_medium": index.blocks_by_medium(r.name),
+                     "routed_blocks": index.num_routed(r.name),
                      "events_endpoint": r.events_endpoint, "event_gaps": r.gaps,
                      "next_event_seq": r.next_seq}
                     for r in pool.replicas.values()]

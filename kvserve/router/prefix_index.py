@@ -20,12 +20,21 @@ counts ``block_size * weight`` tokens, the weight of the best medium holding it
 (``MEDIUM_WEIGHTS``: a pool hit is free, a tier hit costs a restore, still far cheaper than
 recomputing). Copies are counted: two tenants' salted copies of the same tokens are two
 holdings of one key.
+
+Routed prompts (SGLang's approximate tree, next to the precise events; llm-d keeps both
+scorers): ``record`` notes a prompt's keys for the replica that just served it, held for
+``routed_ttl`` seconds (0: off). A recorded, unexpired key counts for its replica as a pool
+hit (weight 1.0: the prompt just ran there), once, however it is also held by events. This
+closes the race of a conversation's next turn reaching the router before the replica's
+``BlockStored`` events for the previous one. At most ``ROUTED_KEYS`` (replica, key) entries are
+kept, the oldest dropped first; expired ones are dropped lazily (``record`` / ``match``).
 """
 
 from __future__ import annotations
 
+import time
 from collections import Counter, OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from kvserve.cache.kv_cache_manager import hash_block
 from kvserve.cache.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
@@ -36,6 +45,9 @@ POOL = "pool"  # the medium class of every medium that is not a tier's
 # precise prefix-cache scorer counts a CPU-tier hit at 0.8; disk and remote reads cost more.
 MEDIUM_WEIGHTS = {POOL: 1.0, "cpu": 0.8, "disk": 0.5, "remote": 0.5}
 GHOSTS = 8192  # per replica: engine hash -> key of blocks no medium holds any more
+# (replica, key) entries of routed prompts kept in all: 65,536 x ~280 B ~ 18 MiB at most, the
+# blocks of ~1,000 recent 1k-token prompts at block size 16; oldest dropped first.
+ROUTED_KEYS = 1 << 16
 
 
 def medium_class(medium: str | None) -> str:
@@ -43,8 +55,11 @@ def medium_class(medium: str | None) -> str:
 
 
 class PrefixIndex:
-    def __init__(self) -> None:
-        self.block_size: int | None = None  # learned from the first store
+    def __init__(self, routed_ttl: float = 0.0, *, clock: Callable[[], float] = time.monotonic,
+                 routed_keys: int = ROUTED_KEYS) -> None:
+        assert routed_ttl >= 0 and routed_keys >= 1
+        # learned from the first store (or the replica's GET /kv_events)
+        self.block_size: int | None = None
         # key -> {replica: {medium class: copies}}
         self._holders: dict[bytes, dict[str, Counter[str]]] = {}
         # replica -> {(engine hash, medium class): key}
@@ -53,6 +68,12 @@ class PrefixIndex:
         self._chain: dict[str, dict[int, tuple[bytes, int]]] = {}
         self._ghosts: dict[str, OrderedDict[int, bytes]] = {}
         self.dropped = 0  # stores that could not be placed (unknown parent, other block size)
+        self.routed_ttl, self.routed_keys, self.clock = routed_ttl, routed_keys, clock
+        # (replica, key) -> expiry, in recording order: with one TTL also in expiry order
+        self._routed: OrderedDict[tuple[str, bytes], float] = OrderedDict()
+        # key -> the replicas it was routed to (a tuple: ~48 B where a set costs ~216 B)
+        self._routed_to: dict[bytes, tuple[str, ...]] = {}
+        self._routed_n: Counter[str] = Counter()  # replica -> its entries in _routed
 
     def num_blocks(self, replica: str) -> int:
         """Distinct blocks (engine hashes) the replica holds in any medium."""
@@ -64,11 +85,60 @@ class PrefixIndex:
     def keys_of(self, replica: str) -> set[bytes]:
         return set(self._keys.get(replica, {}).values())
 
+    def num_routed(self, replica: str) -> int:
+        """Recorded routed-prompt blocks of the replica (expired ones not yet dropped too)."""
+        return self._routed_n[replica]
+
     def clear(self, replica: str) -> None:
+        if self._routed_n[replica]:
+            for entry in [e for e in self._routed if e[0] == replica]:
+                self._unroute(entry)
         self._chain.pop(replica, None)
         self._ghosts.pop(replica, None)
         for (_, m), key in self._keys.pop(replica, {}).items():
             self._drop(replica, key, m)
+
+    def _unroute(self, entry: tuple[str, bytes]) -> None:
+        del self._routed[entry]
+        replica, key = entry
+        to = tuple(r for r in self._routed_to[key] if r != replica)
+        if to:
+            self._routed_to[key] = to
+        else:
+            del self._routed_to[key]
+        self._routed_n[replica] -= 1
+        if not self._routed_n[replica]:
+            del self._routed_n[replica]
+
+    def _expire(self, now: float) -> None:
+        """Drop expired routed entries; they are in expiry order (one TTL, a monotonic clock),
+        so every entry left is live."""
+        while self._routed:
+            entry, expiry = next(iter(self._routed.items()))
+            if expiry > now:
+                return
+            self._unroute(entry)
+
+    def record(self, replica: str, keys: Sequence[bytes]) -> None:
+        """The replica served a prompt with these chain keys (``prompt_keys``): they count as
+        held there for ``routed_ttl`` seconds from now (again from now if already recorded)."""
+        if self.routed_ttl <= 0 or not keys:
+            return
+        now = self.clock()
+        self._expire(now)
+        expiry = now + self.routed_ttl
+        # leading block recorded last: the bound drops a prompt's tail first, so what is left
+        # of it still matches as a shorter prefix
+        for key in reversed(keys):
+            entry = (replica, key)
+            if entry in self._routed:
+                self._routed.move_to_end(entry)
+            else:
+                self._routed_n[replica] += 1
+                self._routed_to[key] = self._routed_to.get(key, ()) + (replica,)
+            self._routed[entry] = expiry
+        while len(self._routed) > self.routed_keys:
+            self._unroute(next(iter(self._routed)))
 
     def _drop(self, replica: str, key: bytes, medium: str) -> None:
         holders = self._holders.get(key)
@@ -152,15 +222,24 @@ class PrefixIndex:
     def match(self, token_ids: Sequence[int]) -> dict[str, int]:
         """Replica -> matched prompt tokens weighted by where each block lives (rounded; only
         replicas with a match > 0)."""
-        keys = self.prompt_keys(token_ids)
+        return self.match_keys(self.prompt_keys(token_ids))
+
+    def match_keys(self, keys: Sequence[bytes]) -> dict[str, int]:
+        """``match`` of a prompt's ``prompt_keys``: each leading key a replica holds by events
+        (its best medium's weight) or by an unexpired routed prompt (weight 1.0) counts once."""
+        if self._routed:
+            self._expire(self.clock())
         score: dict[str, float] = {}
         alive: set[str] | None = None
         for key in keys:
             holders = self._holders.get(key, {})
-            alive = set(holders) if alive is None else alive & set(holders)
+            routed = self._routed_to.get(key, ())
+            here = set(holders).union(routed)
+            alive = here if alive is None else alive & here
             if not alive:
                 break
             for r in alive:
-                w = max(MEDIUM_WEIGHTS[m] for m in holders[r])
+                w = MEDIUM_WEIGHTS[POOL] if r in routed else \
+                    max(MEDIUM_WEIGHTS[m] for m in holders[r])
                 score[r] = score.get(r, 0.0) + w * self.block_size  # type: ignore[operator]
         return {r: round(s) for r, s in score.items() if round(s) > 0}

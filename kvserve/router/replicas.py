@@ -189,6 +189,9 @@ class ReplicaPool:
             ep, rep = info.get("endpoint"), info.get("replay_endpoint")
             r.events_endpoint = _endpoint_for(r.url, ep) if ep else None
             r.replay_endpoint = _endpoint_for(r.url, rep) if rep else None
+            if self.index.block_size is None and isinstance(info.get("block_size"), int):
+                # routed prompts are recorded (and matched) before the first KV event
+                self.index.block_size = info["block_size"]
         if r.events_endpoint:
             self._event_tasks[r.name] = asyncio.create_task(self._events(r))
         r.healthy = True

@@ -46,14 +46,17 @@ class RouterSettings:
         "default: the default model; 'none': no prefix routing)", group=ROUTER)
     routing: str = arg(
         "auto", "auto: x-session-affinity header -> consistent hash, else the replica holding "
-        "the longest prompt prefix (KV events) weighed against load, else least loaded",
-        choices=list(POLICIES), group=ROUTER)
+        "the longest prompt prefix (KV events, routed prompts) weighed against load, else least "
+        "loaded", choices=list(POLICIES), group=ROUTER)
     load_factor: float = arg(
         1.25, "bounded load: no replica takes a session or prefix route above this many times "
         "the mean load", type=float, group=ROUTER)
     prefix_load_cost: float = arg(
         64.0, "prefix routing: matched prompt tokens one request in flight on a replica is "
         "worth (score = matched tokens - cost x load)", type=float, group=ROUTER)
+    routed_prefix_ttl: float = arg(
+        60.0, "seconds a prompt routed to a replica counts as held there for prefix routing, "
+        "before (or without) its KV events (0: KV events only)", type=float, group=ROUTER)
     health_interval: float = arg(0.5, "seconds between a replica's health checks",
                                  type=float, group=ROUTER)
     health_timeout: float = arg(1.0, "seconds a health check may take (a hung replica)",
@@ -82,6 +85,9 @@ class RouterSettings:
             raise ValueError(f"load_factor must be >= 1, got {self.load_factor}")
         if not self.prefix_load_cost >= 0:
             raise ValueError(f"prefix_load_cost must be >= 0, got {self.prefix_load_cost}")
+        if not self.routed_prefix_ttl >= 0:
+            raise ValueError(f"routed_prefix_ttl must be >= 0 seconds, got "
+                             f"{self.routed_prefix_ttl}")
         for name in ("health_interval", "health_timeout", "connect_timeout"):
             v = getattr(self, name)
             if not (math.isfinite(v) and v > 0):

@@ -421,10 +421,11 @@ static inline __attribute__((always_inline)) void pass_vnni_wide(
  * group's end, out = fma(s, f, out); out = fma(m, ms, out), with ms = sum_b dx qs in the same
  * scalar order (once per row and group: it does not depend on the tile).
  *
- * M <= 16 (decode and verify steps) takes wq_gemm_amx_few below: AMX_JT weight tiles in flight,
- * a software pipeline, float work on exactly M rows. More rows: one C tile (a row tile of 16
- * rows x one weight tile) runs over all of K at a time, its 16 rows' out (groups of one block: G = 32, every GGUF Q4_0 / Q4_1 / Q8_0) or f (larger
- * groups; out then lives in memory) in registers. Two sets of tile registers alternate between
+ * M <= AMX_FEW_MAX (decode and verify steps) takes wq_gemm_amx_few below: AMX_JT weight tiles
+ * in flight, a software pipeline, float work on exactly M rows. More rows: one C tile (a row
+ * tile of 16 rows x one weight tile) runs over all of K at a time, its 16 rows' out (groups of
+ * one block: G = 32, every GGUF Q4_0 / Q4_1 / Q8_0) or f (larger groups; out then lives in
+ * memory) in registers. Two sets of tile registers alternate between
  * blocks, so block b + 1's product is loaded, multiplied and stored while block b's floats are
  * computed (a tile store's data reaches the vector loads only once it has left the store
  * buffer). Rows past a multiple of 16 are covered by a last row tile that overlaps the one
@@ -542,7 +543,7 @@ static inline __attribute__((always_inline)) void amx_ctile(
 }
 
 /*
- * Few rows (M <= 16: a decode step's 2 GEMM rows, a verify step's 2r): one row tile of M rows
+ * Few rows (M <= 16 a chunk: a decode step's 2 GEMM rows, a verify step's 2r): M rows
  * against AMX_JT weight tiles at a time, software-pipelined. Per unit of work (one block, or
  * with pb = 2 two blocks: M <= 8) the A tile is loaded once for the AMX_JT weight tiles, each of
  * which has its own B and C tile registers (tmm0-1: A, even and odd units; tmm2-4: B; tmm5-7:
@@ -569,6 +570,13 @@ static inline __attribute__((always_inline)) void amx_ctile(
  * stream). Allocating the scratch per call cost ~7 us a call (page faults).
  */
 #define AMX_JT 3
+#ifndef AMX_FEW_MAX
+/* GEMMs of up to this many rows take the few-row path (chunks of <= 16 rows); more, the
+ * one-C-tile loop. Measured (benchmarks/wq_gemm.py, layers + head ms, few-row / one-C-tile):
+ * 18 rows 11.9 / 14.5, 24 rows 13.6 / 15.7, 26 rows 14.8 / 16.1, 28 rows 15.6 / 15.9,
+ * 32 rows 16.7 / 16.6 */
+#define AMX_FEW_MAX 28
+#endif
 #ifndef AMX_PB_MAX
 #define AMX_PB_MAX 8 /* M <= this: two blocks per product */
 #endif
@@ -748,24 +756,79 @@ static inline __attribute__((always_inline)) void amx_few(
 /* scratch per thread of the few-row path: B ring, C ring, out of AMX_JT C tiles, odd tail */
 #define AMX_FEW_BYTES ((size_t)AMX_RING * AMX_JT * (1024 + 1024) + AMX_JT * (1024 + 1024))
 
-/* wq_gemm_amx for M <= 16: weight tiles in groups of AMX_JT (the last group's missing tiles
- * aliased to the last tile, their results dropped) */
+/* one chunk of <= 16 rows: its rows' dxt, mst (see amx_few), A (q itself, or a2 for pb = 2) */
+typedef struct {
+    int ra, pb, nr;
+    const int8_t *a;
+    const float *dxt, *mst;
+    float *y;
+} amx_chunk;
+
+/* the AMX_JT weight tiles wt / st against chunk ch (weight tile j's outputs at column yc[j], -1:
+ * an alias, dropped) */
+static void amx_few_chunk(const amx_chunk *ch, int64_t K, int64_t N, int64_t bpg, int bits,
+                          const uint8_t *const wt[AMX_JT], const uint16_t *const st[AMX_JT],
+                          const int64_t yc[AMX_JT], uint8_t (*ub)[AMX_JT][1024],
+                          int32_t (*cb)[AMX_JT][16][16], float (*om)[16][16],
+                          uint8_t (*tb)[1024]) {
+    float *yo[AMX_JT];
+    for (int j = 0; j < AMX_JT; j++) yo[j] = yc[j] < 0 ? NULL : ch->y + yc[j];
+    const int g1 = bpg == 1, ra = ch->ra;
+    const int8_t *a = ch->a;
+    const float *dxt = ch->dxt, *mst = ch->mst;
+#define AMX_FEW(NR, G1, PB)                                                                  \
+    amx_few(a, K, wt, st, dxt, mst, bpg, NR, G1, bits, PB, ra, yo, N, ub, cb, om, tb)
+    if (ch->pb == 2) {
+        switch (ch->nr) {
+        case 1: AMX_FEW(1, g1, 2); break;
+        case 2: AMX_FEW(2, g1, 2); break;
+        case 3: AMX_FEW(3, g1, 2); break;
+        case 4: AMX_FEW(4, g1, 2); break;
+        case 5: AMX_FEW(5, g1, 2); break;
+        case 6: AMX_FEW(6, g1, 2); break;
+        case 7: AMX_FEW(7, g1, 2); break;
+        default: AMX_FEW(8, g1, 2); break;
+        }
+    } else if (g1) {
+        switch (ch->nr) {
+        case 9: AMX_FEW(9, 1, 1); break;
+        case 10: AMX_FEW(10, 1, 1); break;
+        case 11: AMX_FEW(11, 1, 1); break;
+        case 12: AMX_FEW(12, 1, 1); break;
+        case 13: AMX_FEW(13, 1, 1); break;
+        case 14: AMX_FEW(14, 1, 1); break;
+        case 15: AMX_FEW(15, 1, 1); break;
+        default: AMX_FEW(16, 1, 1); break;
+        }
+    } else {
+        switch (ch->nr) {
+        case 12: AMX_FEW(12, 0, 1); break;
+        default: AMX_FEW(16, 0, 1); break;
+        }
+    }
+#undef AMX_FEW
+}
+
+/* wq_gemm_amx for M <= AMX_FEW_MAX: weight tiles in groups of AMX_JT (the last group's missing
+ * tiles aliased to the last tile, their results dropped); M > 16 in chunks of <= 16 rows, as
+ * even as they come (18: 9 + 9), each tile group's chunks back to back while its codes are in
+ * L1 / L2 (the weights are read from memory once; measured: a pass per chunk lost ~15% on the
+ * head, which comes from DRAM) */
 static int wq_gemm_amx_few(const uint8_t *restrict codes, const uint16_t *restrict sm,
                            const int8_t *restrict q, const float *restrict dx,
                            const int32_t *restrict qs, int64_t M, int64_t N, int64_t K,
                            int64_t G, int bits, int num_threads, float *restrict y) {
     const int64_t ntiles = N / 16, ng = K / G, nb = K / 32, bpg = G / 32;
     const int64_t tile_bytes = K * 16 * bits / 8, ngroups = (ntiles + AMX_JT - 1) / AMX_JT;
-    const int ra = (int)M, pb = M <= AMX_PB_MAX ? 2 : 1;
-    const int64_t nu = (nb + pb - 1) / pb;
+    const int nch = (int)((M + 15) / 16);
     const size_t t_bytes = ((size_t)((nb + ng) * 16) * sizeof(float) + 63) & ~(size_t)63;
-    const size_t a_bytes = pb == 2 ? (size_t)(nu * 2 * ra * 64) : 0;
+    const size_t a_bytes = (size_t)(((nb + 1) / 2) * 2 * AMX_PB_MAX * 64); /* per chunk, max */
     const size_t per_thread = (AMX_FEW_BYTES + 63) & ~(size_t)63;
     /* the calling thread's scratch, kept between calls (allocating it per call cost a page
      * fault per page each time: ~7 us a call, a fifth of a decode step's AMX time) */
     static _Thread_local char *few_buf = NULL;
     static _Thread_local size_t few_cap = 0;
-    const size_t need = t_bytes + a_bytes + per_thread * (size_t)num_threads;
+    const size_t need = (t_bytes + a_bytes) * (size_t)nch + per_thread * (size_t)num_threads;
     if (need > few_cap) {
         char *p = aligned_alloc(64, (need + 63) & ~(size_t)63);
         if (p == NULL) return 1;
@@ -774,82 +837,72 @@ static int wq_gemm_amx_few(const uint8_t *restrict codes, const uint16_t *restri
         few_cap = need;
     }
     char *buf = few_buf;
-    float *dxt = (float *)buf, *mst = dxt + nb * 16;
-    for (int i = 0; i < 16; i++) { /* rows past ra: copies of the last */
-        const int64_t m = i < ra ? i : ra - 1;
-        for (int64_t g = 0; g < ng; g++) {
-            float ms = 0;
-            for (int64_t b = g * bpg; b < (g + 1) * bpg; b++) {
-                ms += dx[m * nb + b] * (float)qs[m * nb + b];
-                dxt[b * 16 + i] = dx[m * nb + b];
+    amx_chunk chs[(AMX_FEW_MAX + 15) / 16];
+    int zero_cb = 0;
+    for (int c = 0, m0 = 0; c < nch; c++) {
+        amx_chunk *ch = &chs[c];
+        const int ra = (int)(M / nch + (c < M % nch)), pb = ra <= AMX_PB_MAX ? 2 : 1;
+        float *dxt = (float *)(buf + (t_bytes + a_bytes) * (size_t)c), *mst = dxt + nb * 16;
+        for (int i = 0; i < 16; i++) { /* rows past ra: copies of the last */
+            const int64_t m = m0 + (i < ra ? i : ra - 1);
+            for (int64_t g = 0; g < ng; g++) {
+                float ms = 0;
+                for (int64_t b = g * bpg; b < (g + 1) * bpg; b++) {
+                    ms += dx[m * nb + b] * (float)qs[m * nb + b];
+                    dxt[b * 16 + i] = dx[m * nb + b];
+                }
+                mst[g * 16 + i] = ms;
             }
-            mst[g * 16 + i] = ms;
         }
+        int8_t *a2 = (int8_t *)((char *)dxt + t_bytes); /* pb = 2: [nu][2 ra][64], amx_few */
+        if (pb == 2) {
+            memset(a2, 0, (size_t)(((nb + 1) / 2) * 2 * ra * 64));
+            for (int64_t b = 0; b < nb; b++)
+                for (int i = 0; i < ra; i++)
+                    memcpy(a2 + ((b >> 1) * 2 * ra + (b & 1) * ra + i) * 64 + 32 * (b & 1),
+                           q + (m0 + i) * K + 32 * b, 32);
+        }
+        ch->ra = ra;
+        ch->pb = pb;
+        ch->nr = bpg == 1 || pb == 2 ? ra : (ra + 3) / 4 * 4;
+        ch->a = pb == 2 ? a2 : q + m0 * K;
+        ch->dxt = dxt;
+        ch->mst = mst;
+        ch->y = y + m0 * N;
+        zero_cb |= ch->nr > ra;
+        m0 += ra;
     }
-    int8_t *a2 = (int8_t *)(buf + t_bytes); /* pb = 2: [nu][2 ra][64], see amx_few */
-    if (pb == 2) {
-        memset(a2, 0, a_bytes);
-        for (int64_t b = 0; b < nb; b++)
-            for (int i = 0; i < ra; i++)
-                memcpy(a2 + ((b >> 1) * 2 * ra + (b & 1) * ra + i) * 64 + 32 * (b & 1),
-                       q + i * K + 32 * b, 32);
-    }
-    const int8_t *a = pb == 2 ? a2 : q;
-    const int g1 = bpg == 1, nr = g1 || pb == 2 ? ra : (ra + 3) / 4 * 4;
     kvs_share sh;
     kvs_share_init(&sh, ngroups, num_threads);
 #pragma omp parallel num_threads(num_threads)
     {
-        char *mine = buf + t_bytes + a_bytes + per_thread * (size_t)omp_get_thread_num();
+        char *mine = buf + (t_bytes + a_bytes) * (size_t)nch +
+                     per_thread * (size_t)omp_get_thread_num();
         uint8_t(*ub)[AMX_JT][1024] = (uint8_t(*)[AMX_JT][1024])mine;
         int32_t(*cb)[AMX_JT][16][16] =
             (int32_t(*)[AMX_JT][16][16])(mine + (size_t)AMX_RING * AMX_JT * 1024);
         float(*om)[16][16] = (float(*)[16][16])(mine + (size_t)AMX_RING * AMX_JT * 2048);
         uint8_t(*tb)[1024] = (uint8_t(*)[1024])(mine + (size_t)AMX_RING * AMX_JT * 2048 +
                                                 AMX_JT * 1024);
-        if (nr > ra) memset(cb, 0, (size_t)AMX_RING * AMX_JT * 1024); /* rows past ra: read */
-        amx_config_few(ra, pb);
+        if (zero_cb) memset(cb, 0, (size_t)AMX_RING * AMX_JT * 1024); /* rows past ra: read */
+        int cfg = -1; /* the chunk whose tile shape is loaded */
         KVS_SHARE_FOR(sh, tg) {
             const uint8_t *wt[AMX_JT];
             const uint16_t *st[AMX_JT];
-            float *yo[AMX_JT];
+            int64_t yc[AMX_JT];
             for (int j = 0; j < AMX_JT; j++) {
                 const int64_t want = tg * AMX_JT + j, tile = want < ntiles ? want : ntiles - 1;
                 wt[j] = codes + tile * tile_bytes;
                 st[j] = sm + tile * ng * 32;
-                yo[j] = want < ntiles ? y + tile * 16 : NULL;
+                yc[j] = want < ntiles ? tile * 16 : -1;
             }
-#define AMX_FEW(NR, G1, PB)                                                                  \
-    amx_few(a, K, wt, st, dxt, mst, bpg, NR, G1, bits, PB, ra, yo, N, ub, cb, om, tb)
-            if (pb == 2) {
-                switch (nr) {
-                case 1: AMX_FEW(1, g1, 2); break;
-                case 2: AMX_FEW(2, g1, 2); break;
-                case 3: AMX_FEW(3, g1, 2); break;
-                case 4: AMX_FEW(4, g1, 2); break;
-                case 5: AMX_FEW(5, g1, 2); break;
-                case 6: AMX_FEW(6, g1, 2); break;
-                case 7: AMX_FEW(7, g1, 2); break;
-                default: AMX_FEW(8, g1, 2); break;
+            for (int c = 0; c < nch; c++) {
+                if (cfg < 0 || chs[c].ra != chs[cfg].ra || chs[c].pb != chs[cfg].pb) {
+                    amx_config_few(chs[c].ra, chs[c].pb);
+                    cfg = c;
                 }
-            } else if (g1) {
-                switch (nr) {
-                case 9: AMX_FEW(9, 1, 1); break;
-                case 10: AMX_FEW(10, 1, 1); break;
-                case 11: AMX_FEW(11, 1, 1); break;
-                case 12: AMX_FEW(12, 1, 1); break;
-                case 13: AMX_FEW(13, 1, 1); break;
-                case 14: AMX_FEW(14, 1, 1); break;
-                case 15: AMX_FEW(15, 1, 1); break;
-                default: AMX_FEW(16, 1, 1); break;
-                }
-            } else {
-                switch (nr) {
-                case 12: AMX_FEW(12, 0, 1); break;
-                default: AMX_FEW(16, 0, 1); break;
-                }
+                amx_few_chunk(&chs[c], K, N, bpg, bits, wt, st, yc, ub, cb, om, tb);
             }
-#undef AMX_FEW
         }
         _tile_release();
     }
@@ -864,7 +917,8 @@ static int wq_gemm_amx(const uint8_t *restrict codes, const uint16_t *restrict s
                        const int8_t *restrict q, const float *restrict dx,
                        const int32_t *restrict qs, int64_t M, int64_t N, int64_t K, int64_t G,
                        int bits, int num_threads, float *restrict y) {
-    if (M <= 16) return wq_gemm_amx_few(codes, sm, q, dx, qs, M, N, K, G, bits, num_threads, y);
+    if (M <= AMX_FEW_MAX)
+        return wq_gemm_amx_few(codes, sm, q, dx, qs, M, N, K, G, bits, num_threads, y);
     const int64_t ntiles = N / 16, ng = K / G, nb = K / 32, bpg = G / 32;
     const int64_t tile_bytes = K * 16 * bits / 8;
     const int ra = M < 16 ? (int)M : 16;              /* rows per row tile */

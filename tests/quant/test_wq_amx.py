@@ -85,9 +85,10 @@ def test_amx_path_compiles_with_tdpbsud(tmp_path):
 @pytest.mark.parametrize("n,k,group", [(32, 64, 32), (48, 128, 64), (80, 256, 128),
                                        (16, 96, 32)])
 def test_amx_equals_vnni_bit_for_bit(amx_lib, bits, n, k, group):
-    """M = 1 .. 70 (one row tile of M rows, whole and overlapping 16-row tiles, one and two
-    per pass), odd numbers of weight tiles (the second of a pass aliased), groups of 1-4
-    blocks: every output equals the VNNI pass's and is near the twin's."""
+    """M = 1 .. 70 (the few-row path: two blocks per product to 8 rows, odd block counts
+    included, one chunk to 16 rows, two to 28; from 29 the one-C-tile loop's whole and
+    overlapping 16-row tiles), weight tile counts that leave the last group of 3 part-aliased,
+    groups of 1-4 blocks: every output equals the VNNI pass's and is near the twin's."""
     u, s, mn, codes, sm = _table(n, k, group, bits, n + k + group + bits)
     x = torch.randn(70, k, generator=torch.Generator().manual_seed(bits))
     x[3, :32] = 0.0  # a zero block

@@ -842,8 +842,9 @@ static int wq_gemm_amx_few(const uint8_t *restrict codes, const uint16_t *restri
     for (int c = 0, m0 = 0; c < nch; c++) {
         amx_chunk *ch = &chs[c];
         const int ra = (int)(M / nch + (c < M % nch)), pb = ra <= AMX_PB_MAX ? 2 : 1;
+        const int nr = bpg == 1 || pb == 2 ? ra : (ra + 3) / 4 * 4;
         float *dxt = (float *)(buf + (t_bytes + a_bytes) * (size_t)c), *mst = dxt + nb * 16;
-        for (int i = 0; i < 16; i++) { /* rows past ra: copies of the last */
+        for (int i = 0; i < nr; i++) { /* the rows amx_few reads; past ra, the last one's */
             const int64_t m = m0 + (i < ra ? i : ra - 1);
             for (int64_t g = 0; g < ng; g++) {
                 float ms = 0;
@@ -864,7 +865,7 @@ static int wq_gemm_amx_few(const uint8_t *restrict codes, const uint16_t *restri
         }
         ch->ra = ra;
         ch->pb = pb;
-        ch->nr = bpg == 1 || pb == 2 ? ra : (ra + 3) / 4 * 4;
+        ch->nr = nr;
         ch->a = pb == 2 ? a2 : q + m0 * K;
         ch->dxt = dxt;
         ch->mst = mst;

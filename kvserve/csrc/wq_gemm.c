@@ -447,6 +447,21 @@ static int amx_state = -1; /* -1: not asked yet, 0: off / unavailable, 1: on */
 static int amx_rows = AMX_MIN_ROWS; /* GEMMs of at least this many rows take the tiles */
 static int amx_rows4 = AMX_MIN_ROWS4; /* the same for 4-bit tables */
 
+/* Row m's per-block dx and per-group ms = sum_{b in g} dx qs (pass_vnni's scalar order) into
+ * column i of dxt [nb][16] and mst [ng][16]: what both tile paths' floats read. */
+static void amx_row_prep(const float *restrict dx, const int32_t *restrict qs, int64_t m,
+                         int64_t nb, int64_t ng, int64_t bpg, float *restrict dxt,
+                         float *restrict mst, int i) {
+    for (int64_t g = 0; g < ng; g++) {
+        float ms = 0;
+        for (int64_t b = g * bpg; b < (g + 1) * bpg; b++) {
+            ms += dx[m * nb + b] * (float)qs[m * nb + b];
+            dxt[b * 16 + i] = dx[m * nb + b];
+        }
+        mst[g * 16 + i] = ms;
+    }
+}
+
 /* tmm0-1 C, tmm4-5 A, tmm6-7 B (two sets: even and odd blocks); ra rows per row tile */
 static void amx_config(int ra) {
     kvs_amx_cfg cfg;
@@ -844,17 +859,8 @@ static int wq_gemm_amx_few(const uint8_t *restrict codes, const uint16_t *restri
         const int ra = (int)(M / nch + (c < M % nch)), pb = ra <= AMX_PB_MAX ? 2 : 1;
         const int nr = bpg == 1 || pb == 2 ? ra : (ra + 3) / 4 * 4;
         float *dxt = (float *)(buf + (t_bytes + a_bytes) * (size_t)c), *mst = dxt + nb * 16;
-        for (int i = 0; i < nr; i++) { /* the rows amx_few reads; past ra, the last one's */
-            const int64_t m = m0 + (i < ra ? i : ra - 1);
-            for (int64_t g = 0; g < ng; g++) {
-                float ms = 0;
-                for (int64_t b = g * bpg; b < (g + 1) * bpg; b++) {
-                    ms += dx[m * nb + b] * (float)qs[m * nb + b];
-                    dxt[b * 16 + i] = dx[m * nb + b];
-                }
-                mst[g * 16 + i] = ms;
-            }
-        }
+        for (int i = 0; i < nr; i++) /* the rows amx_few reads; past ra, the last one's */
+            amx_row_prep(dx, qs, m0 + (i < ra ? i : ra - 1), nb, ng, bpg, dxt, mst, i);
         int8_t *a2 = (int8_t *)((char *)dxt + t_bytes); /* pb = 2: [nu][2 ra][64], amx_few */
         if (pb == 2) {
             memset(a2, 0, (size_t)(((nb + 1) / 2) * 2 * ra * 64));
@@ -935,15 +941,8 @@ static int wq_gemm_amx(const uint8_t *restrict codes, const uint16_t *restrict s
         for (int i = 0; i < 16; i++) {
             const int64_t want = 16 * rt;
             const int64_t r0 = M < 16 ? 0 : (want + 16 <= M ? want : M - 16);
-            const int64_t m = r0 + (i < ra ? i : ra - 1);
-            for (int64_t g = 0; g < ng; g++) {
-                float ms = 0;
-                for (int64_t b = g * bpg; b < (g + 1) * bpg; b++) {
-                    ms += dx[m * nb + b] * (float)qs[m * nb + b];
-                    dxt_all[(rt * nb + b) * 16 + i] = dx[m * nb + b];
-                }
-                mst_all[(rt * ng + g) * 16 + i] = ms;
-            }
+            amx_row_prep(dx, qs, r0 + (i < ra ? i : ra - 1), nb, ng, bpg,
+                         dxt_all + rt * nb * 16, mst_all + rt * ng * 16, i);
         }
     const int nr = (ra + 3) / 4 * 4, g1 = bpg == 1;
     kvs_share sh;

@@ -291,7 +291,8 @@ async def _proxy(state: RouterState, request: Request, path: str, trace: Any) ->
                                               keys, trace)) is not None:
         body = json.dumps({**payload, "kv_transfer": {"role": "decode", **leg}}).encode()
         headers["content-type"] = "application/json"
-    if index is not state.index:  # the prefill index's keys: the decode pool's own
+    if index is not state.index and state.index.block_size != index.block_size:
+        # the prefill index's keys: the decode pool's own (the same chain at the same size)
         keys = state.index.prompt_keys(ids) if ids else []
     if state.prefill_pool is not None:
         state.metrics.disaggregated.labels("split" if body is not request_body else "whole").inc()

@@ -31,9 +31,9 @@
  * per 16 x 256 weights: Q4_K 2368 (file 2304), Q5_K 2880 (2816), Q6_K 3360 (3360); per
  * 16 x 32: Q5_0 352 (352), Q5_1 384 (384): within 3% of the file.
  *
- * AVX-512 VNNI GEMMs of 1-2 rows run pass_vnni (4 weight tiles x 1-2 rows), 3-16 the wide pass
- * (one tile x up to 8 rows, the weights read once), more pass_vnni's passes of 4 rows or, from
- * 17 rows where the CPU has them, AMX-INT8 tiles.
+ * AVX-512 VNNI GEMMs of 1-4 rows run pass_vnni (4 weight tiles x 1-4 rows: one pass, the
+ * weights read once), 5-16 the wide pass (one tile x up to 8 rows, the weights read once), more
+ * pass_vnni's passes of 4 rows or, from 17 rows where the CPU has them, AMX-INT8 tiles.
  * Batch invariance: a row's result depends on that row alone and every row runs the same float
  * operations in the same order whatever the batch and the pass (rows past the end alias valid
  * ones, results dropped).
@@ -118,12 +118,18 @@ static void quant_act(const float *restrict x, int64_t M, int64_t K, int terms,
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
 #define VT 4 /* tiles (64 output rows) per pass */
 #define VM 4 /* rows of x per pass */
-/* passes of 1-2 rows (batch-1 decode's 2 GEMM rows, the > 16-row remainders): software prefetch
- * this many bytes ahead in each tile's stream. Without it the pass waits on its 4 streams: with
- * it Q4_K / Q5_K / Q5_0 are 4-7% faster at 2 rows, Q6_K 18%, and faster than the wide pass
- * there (docs/quantization.md). 0: none. */
+/* GEMMs of at most KQ_VNNI_PF_ROWS rows (one pass per tile group: batch-1 decode's 2 GEMM
+ * rows, 2 rows of x) prefetch this many bytes ahead in each of the pass's 4 tile streams (0:
+ * none). 2026-12-07, 2 threads, int8x2, weights in L3: 2 rows Q4_K / Q5_K / Q5_0 4-7% faster
+ * than the wide pass, Q6_K 18% (the same work; four tiles' streams interleaved, more to
+ * overlap); 4 rows Q4_K 5% faster, Q5_0 level, Q5_K / Q6_K 6-14% slower; streamed from DRAM
+ * (570 MB) 1.4x faster at 4 rows: the wide pass's one stream per thread reads at ~15 GB/s of
+ * 23 (docs/quantization.md). */
 #ifndef KQ_VNNI_PF
 #define KQ_VNNI_PF 4096
+#endif
+#ifndef KQ_VNNI_PF_ROWS
+#define KQ_VNNI_PF_ROWS 4
 #endif
 
 /* vt tiles x vm rows of x over all of K; out fp32 [VT][VM][16]. The type's constants are
@@ -131,7 +137,7 @@ static void quant_act(const float *restrict x, int64_t M, int64_t K, int terms,
 static inline __attribute__((always_inline)) void pass_vnni(
     const uint8_t *const wt[VT], const int8_t *const qr[VM], const float *const dxr[VM],
     const int32_t *const qsr[VM], int64_t K, const int bits, const int sb, const int subsc,
-    const int dm, const int zero, const int vm, float out[VT][VM][16]) {
+    const int dm, const int zero, const int vm, const int pf, float out[VT][VM][16]) {
     const kq_fmt f = {bits, sb, subsc, dm, zero};
     const __m512i lo4 = _mm512_set1_epi8(0x0F), b16 = _mm512_set1_epi8(16),
                   b32 = _mm512_set1_epi8(32);
@@ -147,7 +153,7 @@ static inline __attribute__((always_inline)) void pass_vnni(
             for (int i = 0; i < vm; i++) fa[j][i] = fm[j][i] = _mm512_setzero_ps();
         for (int bi = 0; bi < sb; bi++) {
             const int64_t b = s * sb + bi; /* block of 32 columns */
-            for (int j = 0; KQ_VNNI_PF > 0 && vm <= 2 && j < VT; j++) {
+            for (int j = 0; KQ_VNNI_PF > 0 && pf && j < VT; j++) {
                 const uint8_t *blk = wt[j] + s * sbb + hb + bi * bb;
                 for (int64_t p = (bi ? 0 : -hb); p < bb; p += 64)
                     _mm_prefetch((const char *)(blk + KQ_VNNI_PF + p), _MM_HINT_T0);
@@ -249,9 +255,10 @@ static inline __attribute__((always_inline)) void pass_vnni(
 
 #define KQ_VNNI(BITS, SB, SUBSC, DM, ZERO)                                                  \
     do {                                                                                    \
-        if (vm == 4) pass_vnni(wt, qr, dxr, qsr, K, BITS, SB, SUBSC, DM, ZERO, 4, out);     \
-        else if (vm == 2) pass_vnni(wt, qr, dxr, qsr, K, BITS, SB, SUBSC, DM, ZERO, 2, out); \
-        else pass_vnni(wt, qr, dxr, qsr, K, BITS, SB, SUBSC, DM, ZERO, 1, out);             \
+        if (vm == 4) pass_vnni(wt, qr, dxr, qsr, K, BITS, SB, SUBSC, DM, ZERO, 4, pf, out); \
+        else if (vm == 2)                                                                    \
+            pass_vnni(wt, qr, dxr, qsr, K, BITS, SB, SUBSC, DM, ZERO, 2, pf, out);          \
+        else pass_vnni(wt, qr, dxr, qsr, K, BITS, SB, SUBSC, DM, ZERO, 1, pf, out);         \
     } while (0)
 
 /* y[:, 0:n] (row stride ldy) for one weight; M rows of quantized x */
@@ -262,6 +269,7 @@ static void gemm_vnni(int type, const uint8_t *w, int64_t n, int64_t K, const in
     kq_format(type, &f);
     const int64_t ntiles = (n + 15) / 16, ngroups = (ntiles + VT - 1) / VT;
     const int64_t tile_bytes = K / (32 * f.sb) * sb_bytes(f);
+    const int pf = M <= KQ_VNNI_PF_ROWS; /* one pass per tile: it streams the weights */
     kvs_share sh;
     kvs_share_init(&sh, ngroups, num_threads);
 #pragma omp parallel num_threads(num_threads)
@@ -304,7 +312,7 @@ static void gemm_vnni(int type, const uint8_t *w, int64_t n, int64_t K, const in
 
 /*
  * AVX-512 VNNI wide pass: one weight tile x up to KM rows of x over all of K (a speculative
- * verify step's 3-16 GEMM rows: 2-8 rows of x, two int8 terms each), as wq_gemm.c's
+ * verify step's 5-16 GEMM rows: 3-8 rows of x, two int8 terms each), as wq_gemm.c's
  * pass_vnni_wide. Each code vector is loaded and unpacked (nibbles and high-bit
  * masks) once for all rows, each row's 4 bytes of x are broadcast from memory into the dpbusd,
  * and the tile's chunks of rows run back to back while its codes are in L1: the weights are
@@ -319,12 +327,11 @@ static void gemm_vnni(int type, const uint8_t *w, int64_t n, int64_t K, const in
  * (read and written once per super-block) and fa, fm and the block's sums in registers.
  */
 #define KM 8 /* rows of x per wide pass */
-/* 2026-12-07, AMX Xeon, 2 threads, int8x2 (docs/quantization.md): 4-12 GEMM rows 1.1-1.4x
- * pass_vnni's passes of 4, 16 rows ~1.08x the AMX tiles; at 1-2 rows pass_vnni (with its
- * prefetch) is 4-18% faster than this pass: one tile's single dpbusd / unpack stream per row
- * against four interleaved (the same work, less to overlap). */
+/* 2026-12-07, AMX Xeon, 2 threads, int8x2 (docs/quantization.md): 6-12 GEMM rows 1.1-1.4x
+ * pass_vnni's passes of 4 with the weights in L3 (level at 6 rows, 1.08x at 8 streamed from
+ * DRAM), 16 rows ~1.08x the AMX tiles; 1-4 rows: pass_vnni's one pass (see KQ_VNNI_PF). */
 #ifndef KQ_WIDE_MIN_ROWS
-#define KQ_WIDE_MIN_ROWS 3
+#define KQ_WIDE_MIN_ROWS 5 /* fewer rows: pass_vnni, one pass */
 #endif
 #ifndef KQ_WIDE_MAX_ROWS
 #define KQ_WIDE_MAX_ROWS 16 /* more rows: pass_vnni's passes of 4 (or AMX-INT8 tiles) */
@@ -332,10 +339,13 @@ static void gemm_vnni(int type, const uint8_t *w, int64_t n, int64_t K, const in
 #ifndef PF_KQ
 #define PF_KQ 4096 /* 2 / 4 / 8 / 16 KiB alike; none: 1.4-1.6x slower at 2-6 GEMM rows */
 #endif
+#ifndef PF_KQ_HINT
+#define PF_KQ_HINT _MM_HINT_T0
+#endif
 #ifndef KQ_WIDE_SPLIT
 /* passes of at most this many rows (one-segment blocks: not Q6_K, where it measured 3% slower)
  * sum w0's and w1's products apart, added at the segment's end (exact): half-length dpbusd
- * chains, Q5_0 3-11% faster at 2-6 GEMM rows, Q4_K level */
+ * chains, Q5_0 3-11% faster at 2-6 GEMM rows (measured from 2), Q4_K level */
 #define KQ_WIDE_SPLIT 4
 #endif
 static inline __attribute__((always_inline)) void pass_kq_wide(
@@ -366,7 +376,7 @@ static inline __attribute__((always_inline)) void pass_kq_wide(
             const uint8_t *blk = wt + s * sbb + hb + bi * bb;
             const uint8_t *lo = blk + (subsc ? 32 : 0);
             for (int64_t p = (bi ? 0 : -hb); PF_KQ > 0 && p < bb; p += 64)
-                _mm_prefetch((const char *)(blk + PF_KQ + p), _MM_HINT_T0);
+                _mm_prefetch((const char *)(blk + PF_KQ + p), PF_KQ_HINT);
             for (int seg = 0; seg < nseg; seg++) {
                 __m512i a[KM], a1[KM];
                 for (int i = 0; i < vm; i++) a[i] = a1[i] = _mm512_setzero_si512();

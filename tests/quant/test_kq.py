@@ -139,11 +139,11 @@ def _bits(t):
 
 @pytest.mark.parametrize("name", TYPES)
 def test_wide_pass_rows_are_batch_invariant(lib, name):
-    """AVX-512 VNNI: GEMMs of 1-2 rows run the 4-tile pass, 3-16 the wide pass (one weight tile
+    """AVX-512 VNNI: GEMMs of 1-4 rows run one 4-tile pass, 5-16 the wide pass (one weight tile
     x chunks of <= 8 rows, as even as they come), more the passes of 4 (AMX off here; the tiles
     against both: test_kq_amx.py). Each row alone (1-2 GEMM rows) is bit for bit that row in
-    calls of 2, 3, 5, 8 and 11 rows (one term: 2 rows 4-tile, then wide 3, 5, 8, 6 + 5; two
-    terms: wide 4-16 GEMM rows, then passes of 4 at 22) and in a batch of 20 (passes of 4), for
+    calls of 2, 3, 5, 8 and 11 rows (one term: 4-tile 2, 3, then wide 5, 8, 6 + 5; two terms:
+    4-tile 4, wide 6-16 GEMM rows, passes of 4 at 22) and in a batch of 20 (passes of 4), for
     every type and ISA variant (the others run their own passes); and near the twin."""
     p, _ = parts_of(name, 40, 512, 7)  # three tiles, the last one partial
     x = torch.randn(20, 512, generator=torch.Generator().manual_seed(8))

@@ -5,7 +5,8 @@ run, JSON out.
 
     .venv/bin/python benchmarks/kq_gemm.py [--threads 2] [--rounds 5] [--rows 1,16,64]
         [--types Q4_K,Q5_K,Q6_K,Q5_0,Q5_1] [--layers 2] [--hidden 2048] [--inter 8192]
-        [--terms 2] [--amx] [--json docs/bench/kq_gemm.json]
+        [--terms 2] [--amx] [--baseline-source OLD.c] [--no-w16] [--bandwidth-mib 64]
+        [--json docs/bench/kq_gemm.json]
 
 The stream: ``layers`` transformer layers of a Llama-shaped model (fused qkv 3 h x h, o h x h,
 fused gate_up 2 i x h, down h x i; h = 2048, i = 8192 by default: ~61 M weights a layer, ~35 MB
@@ -21,17 +22,24 @@ weights.
 count (``vnni_ms``) and with the AMX-INT8 tiles for every row count (``amx_ms``), and checks
 that the two give bit for bit the same outputs (``identical_amx``); ``ms`` is the kernel's
 default (tiles from ``amx_rows_default`` rows).
+
+``--baseline-source OLD.c`` also builds another version of the kernel (e.g. ``git show
+REV:kvserve/csrc/kq_gemm.c > old.c``) and replays the same calls on it, the two builds rotated per
+round: ``baseline_ms``, ``speedup`` (baseline_ms / ms) and ``identical_to_baseline`` (bit for bit
+the same outputs: a change of speed only). ``--no-w16`` skips the 16-bit GEMM (``vs_w16`` null).
 """
 
 from __future__ import annotations
 
 import argparse
 import statistics
+import tempfile
 import time
 
 import torch
 
 from kvserve.bench.common import env_info, log, read_bandwidth, write_json
+from kvserve.cbuild import build_source
 from kvserve.kernels.cpu import graph
 from kvserve.kernels.cpu import kq_gemm as kq_cpu
 from kvserve.kernels.cpu import w16_gemm as w16_cpu
@@ -61,13 +69,25 @@ def random_parts(qtype: int, n: int, k: int, g: torch.Generator) -> kq.KqParts:
 
 
 def timed(tape: graph.Tape, m: int, rounds: int) -> float:
-    ts = []
-    for r in range(rounds + 1):  # round 0 warms up
-        t0 = time.perf_counter()
-        tape.replay(m)
-        if r:
-            ts.append(time.perf_counter() - t0)
-    return statistics.median(ts)
+    return timed_ab({"only": tape}, m, rounds)["only"]
+
+
+def timed_ab(tapes: dict[str, graph.Tape], m: int, rounds: int) -> dict[str, float]:
+    """Median seconds per replay of each tape, the tapes rotated per round (round 0 warms up)."""
+    names = list(tapes)
+    ts: dict[str, list[float]] = {n: [] for n in names}
+    for r in range(rounds + 1):
+        for name in names[r % len(names):] + names[:r % len(names)]:
+            t0 = time.perf_counter()
+            tapes[name].replay(m)
+            if r:
+                ts[name].append(time.perf_counter() - t0)
+    return {n: statistics.median(t) for n, t in ts.items()}
+
+
+def _same_bits(us: list[torch.Tensor], vs: list[torch.Tensor]) -> bool:
+    return all(torch.equal(u.view(torch.int32), v.view(torch.int32))
+               for u, v in zip(us, vs, strict=True))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -85,6 +105,9 @@ def main(argv: list[str] | None = None) -> int:
                     help="read-bandwidth probe buffer (0: max(512 MiB, 8x the last-level cache))")
     ap.add_argument("--amx", action="store_true",
                     help="also time the VNNI pass and the AMX-INT8 tiles for every row count")
+    ap.add_argument("--baseline-source", default=None,
+                    help="another version of kq_gemm.c, timed beside this one (A/B)")
+    ap.add_argument("--no-w16", action="store_true", help="skip the 16-bit GEMM's timings")
     ap.add_argument("--json", default=None)
     a = ap.parse_args(argv)
     if a.threads < 1 or a.rounds < 1 or a.layers < 1:
@@ -107,16 +130,20 @@ def main(argv: list[str] | None = None) -> int:
         f"{bw['read_gbs']:.1f} GB/s ({a.threads} threads)")
     xs = {m: {k: torch.randn(m, k, generator=g) for k in {a.hidden, a.inter}} for m in rows}
     # the 16-bit baseline: bf16 weights of the same shapes
-    w16s = [torch.randn(n, k, generator=g).bfloat16() for _, n, k in shp]
+    w16s = [] if a.no_w16 else [torch.randn(n, k, generator=g).bfloat16() for _, n, k in shp]
     w16_bytes = sum(w.numel() * 2 for w in w16s)
-    w16_ms = {}
-    for m in rows:
+    w16_ms: dict[int, float | None] = dict.fromkeys(rows)
+    for m in rows if w16s else []:
         with graph.recording() as tape:
             for w in w16s:
                 w16_cpu.w16_gemm(w16, xs[m][w.shape[1]], w, w16_cpu.bf16_dot_rows(w16))
         w16_ms[m] = timed(tape, m, a.rounds) * 1e3
         log(f"w16 M={m:3d}: {w16_ms[m]:.2f} ms ({w16_bytes / w16_ms[m] / 1e6:.1f} GB/s)")
     del w16s
+    tmp = tempfile.TemporaryDirectory()
+    libs = {"kvserve": lib}
+    if a.baseline_source:
+        libs["baseline"] = kq_cpu.bind(build_source(a.baseline_source, tmp.name))
     results = []
     for t in types:
         name = kq.TYPES[t][0]
@@ -125,37 +152,52 @@ def main(argv: list[str] | None = None) -> int:
         nbytes = sum(p.numel() for p, _, _ in packed)
         fbytes = sum(kq.file_bytes(t, n, k) for _, n, k in shp)
         for m in rows:
-            with graph.recording() as tape:
-                ys = [kq_cpu.kq_linear(lib, xs[m][k], table, n, a.terms)
-                      for (_, n, k), table in zip(packed, tables, strict=True)]
-            ms = timed(tape, m, a.rounds) * 1e3
+            tapes, outs = {}, {}
+            for lname, d in libs.items():
+                with graph.recording() as tapes[lname]:
+                    outs[lname] = [kq_cpu.kq_linear(d, xs[m][k], table, n, a.terms)
+                                   for (_, n, k), table in zip(packed, tables, strict=True)]
+            sec = timed_ab(tapes, m, a.rounds)
+            ms = sec["kvserve"] * 1e3
+            ys = outs["kvserve"]
             amx = {}
             if a.amx:  # the tiles change speed only: bit for bit the VNNI outputs?
+                tape = tapes["kvserve"]
                 set_amx(lib, False)
                 amx["vnni_ms"] = timed(tape, m, a.rounds) * 1e3
                 vnni = [y.clone() for y in ys]
                 set_amx(lib, True, 1)
                 amx["amx_ms"] = timed(tape, m, a.rounds) * 1e3
-                amx["identical_amx"] = all(torch.equal(u.view(torch.int32), v.view(torch.int32))
-                                           for u, v in zip(vnni, ys, strict=True))
+                amx["identical_amx"] = _same_bits(vnni, ys)
                 amx["amx_speedup"] = amx["vnni_ms"] / amx["amx_ms"]
                 set_amx(lib, True, amx_default)
+            base = {}
+            if "baseline" in libs:  # a change of speed only: bit for bit the same outputs?
+                base = {"baseline_ms": sec["baseline"] * 1e3,
+                        "speedup": sec["baseline"] / sec["kvserve"],
+                        "identical_to_baseline": _same_bits(ys, outs["baseline"])}
+            w16m = w16_ms[m]
             row = {"type": name, "rows": m, "ms": ms, "gbs": nbytes / ms / 1e6,
                    "over_floor": ms * 1e-3 * bw["read_gbs"] * 1e9 / nbytes,
-                   "w16_ms": w16_ms[m], "vs_w16": w16_ms[m] / ms,
+                   "w16_ms": w16m, "vs_w16": w16m / ms if w16m else None,
                    "packed_bytes": nbytes, "file_bytes": fbytes,
-                   "resident_over_file": nbytes / fbytes, **amx}
+                   "resident_over_file": nbytes / fbytes, **base, **amx}
             results.append(row)
             log(f"{name} M={m:3d}: {ms:.2f} ms ({row['gbs']:.1f} GB/s, "
-                f"{row['over_floor']:.2f}x floor, {row['vs_w16']:.2f}x w16)"
+                f"{row['over_floor']:.2f}x floor"
+                + (f", {row['vs_w16']:.2f}x w16)" if w16m else ")")
+                + (f"; baseline {base['baseline_ms']:.2f} ms ({base['speedup']:.3f}x, "
+                   f"identical: {base['identical_to_baseline']})" if base else "")
                 + (f"; VNNI {amx['vnni_ms']:.2f} / AMX {amx['amx_ms']:.2f} ms "
                    f"({amx['amx_speedup']:.2f}x, identical: {amx['identical_amx']})"
                    if amx else ""))
+    tmp.cleanup()
     write_json(a.json, {"bench": "kq_gemm", "threads": a.threads, "rounds": a.rounds,
                         "layers": a.layers, "hidden": a.hidden, "inter": a.inter,
                         "terms": a.terms, "shape_list": shapes(a.hidden, a.inter),
                         "amx": a.amx, "amx_rows_default": amx_default,
-                        "w16_bytes": w16_bytes, "read_bandwidth": bw, "results": results,
+                        "baseline_source": a.baseline_source, "w16_bytes": w16_bytes,
+                        "read_bandwidth": bw, "results": results,
                         "env": env_info()})
     return 0
 

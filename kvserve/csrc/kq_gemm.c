@@ -31,8 +31,12 @@
  * per 16 x 256 weights: Q4_K 2368 (file 2304), Q5_K 2880 (2816), Q6_K 3360 (3360); per
  * 16 x 32: Q5_0 352 (352), Q5_1 384 (384): within 3% of the file.
  *
- * Batch invariance: a row's result depends on that row alone and every row runs the same
- * instruction stream whatever the batch (rows past the end alias valid ones, results dropped).
+ * AVX-512 VNNI GEMMs of 1-4 rows run pass_vnni (4 weight tiles x 1-4 rows: one pass, the
+ * weights read once), 5-16 the wide pass (one tile x up to 8 rows, the weights read once), more
+ * pass_vnni's passes of 4 rows or, from 17 rows where the CPU has them, AMX-INT8 tiles.
+ * Batch invariance: a row's result depends on that row alone and every row runs the same float
+ * operations in the same order whatever the batch and the pass (rows past the end alias valid
+ * ones, results dropped).
  */
 #pragma GCC optimize("no-associative-math", "fp-contract=off")
 #include <math.h>
@@ -114,13 +118,26 @@ static void quant_act(const float *restrict x, int64_t M, int64_t K, int terms,
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
 #define VT 4 /* tiles (64 output rows) per pass */
 #define VM 4 /* rows of x per pass */
+/* GEMMs of at most KQ_VNNI_PF_ROWS rows (one pass per tile group: batch-1 decode's 2 GEMM
+ * rows, 2 rows of x) prefetch this many bytes ahead in each of the pass's 4 tile streams (0:
+ * none). 2026-12-07, 2 threads, int8x2, weights in L3: 2 rows Q4_K / Q5_K / Q5_0 4-7% faster
+ * than the wide pass, Q6_K 18% (the same work; four tiles' streams interleaved, more to
+ * overlap); 4 rows Q4_K 5% faster, Q5_0 level, Q5_K / Q6_K 6-14% slower; streamed from DRAM
+ * (570 MB) 1.4x faster at 4 rows: the wide pass's one stream per thread reads at ~15 GB/s of
+ * 23 (docs/quantization.md). */
+#ifndef KQ_VNNI_PF
+#define KQ_VNNI_PF 4096
+#endif
+#ifndef KQ_VNNI_PF_ROWS
+#define KQ_VNNI_PF_ROWS 4
+#endif
 
 /* vt tiles x vm rows of x over all of K; out fp32 [VT][VM][16]. The type's constants are
  * literal at each call site (always inlined): one specialized copy per type and vm. */
 static inline __attribute__((always_inline)) void pass_vnni(
     const uint8_t *const wt[VT], const int8_t *const qr[VM], const float *const dxr[VM],
     const int32_t *const qsr[VM], int64_t K, const int bits, const int sb, const int subsc,
-    const int dm, const int zero, const int vm, float out[VT][VM][16]) {
+    const int dm, const int zero, const int vm, const int pf, float out[VT][VM][16]) {
     const kq_fmt f = {bits, sb, subsc, dm, zero};
     const __m512i lo4 = _mm512_set1_epi8(0x0F), b16 = _mm512_set1_epi8(16),
                   b32 = _mm512_set1_epi8(32);
@@ -136,6 +153,11 @@ static inline __attribute__((always_inline)) void pass_vnni(
             for (int i = 0; i < vm; i++) fa[j][i] = fm[j][i] = _mm512_setzero_ps();
         for (int bi = 0; bi < sb; bi++) {
             const int64_t b = s * sb + bi; /* block of 32 columns */
+            for (int j = 0; KQ_VNNI_PF > 0 && pf && j < VT; j++) {
+                const uint8_t *blk = wt[j] + s * sbb + hb + bi * bb;
+                for (int64_t p = (bi ? 0 : -hb); p < bb; p += 64)
+                    _mm_prefetch((const char *)(blk + KQ_VNNI_PF + p), _MM_HINT_T0);
+            }
             for (int seg = 0; seg < nseg; seg++) {
                 __m512i a[VT][VM];
                 for (int j = 0; j < VT; j++)
@@ -233,9 +255,10 @@ static inline __attribute__((always_inline)) void pass_vnni(
 
 #define KQ_VNNI(BITS, SB, SUBSC, DM, ZERO)                                                  \
     do {                                                                                    \
-        if (vm == 4) pass_vnni(wt, qr, dxr, qsr, K, BITS, SB, SUBSC, DM, ZERO, 4, out);     \
-        else if (vm == 2) pass_vnni(wt, qr, dxr, qsr, K, BITS, SB, SUBSC, DM, ZERO, 2, out); \
-        else pass_vnni(wt, qr, dxr, qsr, K, BITS, SB, SUBSC, DM, ZERO, 1, out);             \
+        if (vm == 4) pass_vnni(wt, qr, dxr, qsr, K, BITS, SB, SUBSC, DM, ZERO, 4, pf, out); \
+        else if (vm == 2)                                                                    \
+            pass_vnni(wt, qr, dxr, qsr, K, BITS, SB, SUBSC, DM, ZERO, 2, pf, out);          \
+        else pass_vnni(wt, qr, dxr, qsr, K, BITS, SB, SUBSC, DM, ZERO, 1, pf, out);         \
     } while (0)
 
 /* y[:, 0:n] (row stride ldy) for one weight; M rows of quantized x */
@@ -246,6 +269,7 @@ static void gemm_vnni(int type, const uint8_t *w, int64_t n, int64_t K, const in
     kq_format(type, &f);
     const int64_t ntiles = (n + 15) / 16, ngroups = (ntiles + VT - 1) / VT;
     const int64_t tile_bytes = K / (32 * f.sb) * sb_bytes(f);
+    const int pf = M <= KQ_VNNI_PF_ROWS; /* one pass per tile: it streams the weights */
     kvs_share sh;
     kvs_share_init(&sh, ngroups, num_threads);
 #pragma omp parallel num_threads(num_threads)
@@ -286,6 +310,226 @@ static void gemm_vnni(int type, const uint8_t *w, int64_t n, int64_t K, const in
     }
 }
 
+/*
+ * AVX-512 VNNI wide pass: one weight tile x up to KM rows of x over all of K (a speculative
+ * verify step's 5-16 GEMM rows: 3-8 rows of x, two int8 terms each), as wq_gemm.c's
+ * pass_vnni_wide. Each code vector is loaded and unpacked (nibbles and high-bit
+ * masks) once for all rows, each row's 4 bytes of x are broadcast from memory into the dpbusd,
+ * and the tile's chunks of rows run back to back while its codes are in L1: the weights are
+ * read from memory once per step instead of once per VM rows (pass_vnni), prefetched PF_KQ
+ * bytes ahead (a thread's tiles are consecutive, kvs_sched.h: one stream).
+ * Per row: the very operations of pass_vnni in its order (per segment T = a - zero qsum,
+ * fa = fma(cvt(T), sc dx, fa); per block fm = fma(mn, dx qsum, fm) or ms += dx qsum; per
+ * super-block o = fma(D, fa, o), then o = o - Dm fm or o = fma(Dm, ms, o)), so every row is bit
+ * for bit what any other pass computes for it (batch invariance). The row-only terms are
+ * computed once per call (kq_row_terms): dq = dx qsum per block (the same fp32 product) and
+ * zq = zero qsum per segment (exact int32). Super-blocks of 8 blocks (K-quants) keep o in out
+ * (read and written once per super-block) and fa, fm and the block's sums in registers.
+ */
+#define KM 8 /* rows of x per wide pass */
+/* 2026-12-07, AMX Xeon, 2 threads, int8x2 (docs/quantization.md): 6-12 GEMM rows 1.1-1.4x
+ * pass_vnni's passes of 4 with the weights in L3 (level at 6 rows, 1.08x at 8 streamed from
+ * DRAM), 16 rows ~1.08x the AMX tiles; 1-4 rows: pass_vnni's one pass (see KQ_VNNI_PF). */
+#ifndef KQ_WIDE_MIN_ROWS
+#define KQ_WIDE_MIN_ROWS 5 /* fewer rows: pass_vnni, one pass */
+#endif
+#ifndef KQ_WIDE_MAX_ROWS
+#define KQ_WIDE_MAX_ROWS 16 /* more rows: pass_vnni's passes of 4 (or AMX-INT8 tiles) */
+#endif
+#ifndef PF_KQ
+#define PF_KQ 4096 /* 2 / 4 / 8 / 16 KiB alike; none: 1.4-1.6x slower at 2-6 GEMM rows */
+#endif
+#ifndef PF_KQ_HINT
+#define PF_KQ_HINT _MM_HINT_T0
+#endif
+#ifndef KQ_WIDE_SPLIT
+/* passes of at most this many rows (one-segment blocks: not Q6_K, where it measured 3% slower)
+ * sum w0's and w1's products apart, added at the segment's end (exact): half-length dpbusd
+ * chains, Q5_0 3-11% faster at 2-6 GEMM rows (measured from 2), Q4_K level */
+#define KQ_WIDE_SPLIT 4
+#endif
+static inline __attribute__((always_inline)) void pass_kq_wide(
+    const uint8_t *restrict wt, const int8_t *restrict q, const float *restrict dx,
+    const float *restrict dq, const int32_t *restrict zq, int64_t K, const int bits,
+    const int sb, const int subsc, const int dm, const int zero, const int vm,
+    float out[KM][16]) {
+    const kq_fmt f = {bits, sb, subsc, dm, zero};
+    const __m512i lo4 = _mm512_set1_epi8(0x0F), b16 = _mm512_set1_epi8(16),
+                  b32 = _mm512_set1_epi8(32);
+    const int64_t nsb = K / (32 * sb), hb = hdr_bytes(f), bb = blk_bytes(f), sbb = sb_bytes(f);
+    const int64_t nb = K / 32;
+    const int nseg = subsc == 2 ? 2 : 1, tseg = 4 / nseg;
+    __m512 o[KM]; /* sb == 1: out in registers; else in out[] */
+    for (int i = 0; i < vm; i++) {
+        o[i] = _mm512_setzero_ps();
+        if (sb > 1) _mm512_store_ps(out[i], o[i]);
+    }
+    for (int64_t s = 0; s < nsb; s++) {
+        __m512 fa[KM], fm[KM];
+        float ms[KM];
+        for (int i = 0; i < vm; i++) {
+            fa[i] = fm[i] = _mm512_setzero_ps();
+            ms[i] = 0;
+        }
+        for (int bi = 0; bi < sb; bi++) {
+            const int64_t b = s * sb + bi; /* block of 32 columns */
+            const uint8_t *blk = wt + s * sbb + hb + bi * bb;
+            const uint8_t *lo = blk + (subsc ? 32 : 0);
+            for (int64_t p = (bi ? 0 : -hb); PF_KQ > 0 && p < bb; p += 64)
+                _mm_prefetch((const char *)(blk + PF_KQ + p), PF_KQ_HINT);
+            for (int seg = 0; seg < nseg; seg++) {
+                __m512i a[KM], a1[KM];
+                for (int i = 0; i < vm; i++) a[i] = a1[i] = _mm512_setzero_si512();
+                for (int t = seg * tseg; t < (seg + 1) * tseg; t++) {
+                    const __m512i v = _mm512_loadu_si512((const void *)(lo + 64 * t));
+                    __m512i w0 = _mm512_and_si512(v, lo4);
+                    __m512i w1 = _mm512_and_si512(_mm512_srli_epi16(v, 4), lo4);
+                    if (bits >= 5) {
+                        uint64_t m0, m1;
+                        memcpy(&m0, lo + 256 + 8 * (2 * t), 8);
+                        memcpy(&m1, lo + 256 + 8 * (2 * t + 1), 8);
+                        w0 = _mm512_mask_add_epi8(w0, (__mmask64)m0, w0, b16);
+                        w1 = _mm512_mask_add_epi8(w1, (__mmask64)m1, w1, b16);
+                    }
+                    if (bits == 6) {
+                        uint64_t m0, m1;
+                        memcpy(&m0, lo + 256 + 64 + 8 * (2 * t), 8);
+                        memcpy(&m1, lo + 256 + 64 + 8 * (2 * t + 1), 8);
+                        w0 = _mm512_mask_add_epi8(w0, (__mmask64)m0, w0, b32);
+                        w1 = _mm512_mask_add_epi8(w1, (__mmask64)m1, w1, b32);
+                    }
+                    for (int i = 0; i < vm; i++) {
+                        int32_t v0, v1;
+                        memcpy(&v0, q + i * K + 32 * b + 8 * t, 4);
+                        memcpy(&v1, q + i * K + 32 * b + 8 * t + 4, 4);
+                        a[i] = _mm512_dpbusd_epi32(a[i], w0, _mm512_set1_epi32(v0));
+                        if (vm <= KQ_WIDE_SPLIT && nseg == 1)
+                            a1[i] = _mm512_dpbusd_epi32(a1[i], w1, _mm512_set1_epi32(v1));
+                        else
+                            a[i] = _mm512_dpbusd_epi32(a[i], w1, _mm512_set1_epi32(v1));
+                    }
+                }
+                if (vm <= KQ_WIDE_SPLIT && nseg == 1)
+                    for (int i = 0; i < vm; i++) a[i] = _mm512_add_epi32(a[i], a1[i]);
+                __m512 sc = _mm512_set1_ps(1.0f);
+                if (subsc == 1)
+                    sc = _mm512_cvtepi32_ps(
+                        _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)blk)));
+                else if (subsc == 2)
+                    sc = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
+                        _mm_loadu_si128((const __m128i *)(blk + 16 * seg))));
+                for (int i = 0; i < vm; i++) {
+                    __m512i T = a[i];
+                    if (zero)
+                        T = _mm512_sub_epi32(T, _mm512_set1_epi32(zq[(i * nb + b) * nseg + seg]));
+                    const __m512 d = subsc ? _mm512_mul_ps(sc, _mm512_set1_ps(dx[i * nb + b]))
+                                           : _mm512_set1_ps(dx[i * nb + b]);
+                    fa[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(T), d, fa[i]);
+                }
+            }
+            if (dm == 2) {
+                const __m512 mn = _mm512_cvtepi32_ps(
+                    _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(blk + 16))));
+                for (int i = 0; i < vm; i++)
+                    fm[i] = _mm512_fmadd_ps(mn, _mm512_set1_ps(dq[i * nb + b]), fm[i]);
+            }
+            if (dm == 1)
+                for (int i = 0; i < vm; i++) ms[i] += dq[i * nb + b];
+        }
+        const uint16_t *h = (const uint16_t *)(wt + s * sbb);
+        const __m512 D = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)h));
+        __m512 Dm = _mm512_setzero_ps();
+        if (dm) Dm = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(h + 16)));
+        for (int i = 0; i < vm; i++) {
+            __m512 oi = sb > 1 ? _mm512_load_ps(out[i]) : o[i];
+            oi = _mm512_fmadd_ps(D, fa[i], oi);
+            if (dm == 2) oi = _mm512_fnmadd_ps(Dm, fm[i], oi);
+            if (dm == 1) oi = _mm512_fmadd_ps(Dm, _mm512_set1_ps(ms[i]), oi);
+            if (sb > 1) _mm512_store_ps(out[i], oi);
+            else o[i] = oi;
+        }
+    }
+    if (sb == 1)
+        for (int i = 0; i < vm; i++) _mm512_store_ps(out[i], o[i]);
+}
+
+/* the row-only terms of M rows, per block b: dq [M][nb] = dx qsum (pass_vnni's fp32 product)
+ * and zq [M][nb nseg] = zero x the segment's (or block's) qsum */
+static void kq_row_terms(const kq_fmt f, const float *restrict dx, const int32_t *restrict qs,
+                         int64_t M, int64_t nb, float *restrict dq, int32_t *restrict zq) {
+    const int nseg = f.subsc == 2 ? 2 : 1;
+    for (int64_t m = 0; m < M; m++)
+        for (int64_t b = 0; b < nb; b++) {
+            const int32_t q0 = qs[m * 2 * nb + 2 * b], q1 = qs[m * 2 * nb + 2 * b + 1];
+            dq[m * nb + b] = dx[m * nb + b] * (float)(q0 + q1);
+            if (nseg == 2) {
+                zq[(m * nb + b) * 2] = f.zero * q0;
+                zq[(m * nb + b) * 2 + 1] = f.zero * q1;
+            } else {
+                zq[m * nb + b] = f.zero * (q0 + q1);
+            }
+        }
+}
+
+#define KQ_WIDE_VM(BITS, SB, SUBSC, DM, ZERO, VMV)                                           \
+    pass_kq_wide(wt, q + m0 * K, dx + m0 * nb, dq + m0 * nb, zq + m0 * nb * nseg, K, BITS,  \
+                 SB, SUBSC, DM, ZERO, VMV, out)
+#define KQ_WIDE(BITS, SB, SUBSC, DM, ZERO)                                                   \
+    do {                                                                                     \
+        switch (vm) { /* one specialized copy per row count */                              \
+        case 1: KQ_WIDE_VM(BITS, SB, SUBSC, DM, ZERO, 1); break;                             \
+        case 2: KQ_WIDE_VM(BITS, SB, SUBSC, DM, ZERO, 2); break;                             \
+        case 3: KQ_WIDE_VM(BITS, SB, SUBSC, DM, ZERO, 3); break;                             \
+        case 4: KQ_WIDE_VM(BITS, SB, SUBSC, DM, ZERO, 4); break;                             \
+        case 5: KQ_WIDE_VM(BITS, SB, SUBSC, DM, ZERO, 5); break;                             \
+        case 6: KQ_WIDE_VM(BITS, SB, SUBSC, DM, ZERO, 6); break;                             \
+        case 7: KQ_WIDE_VM(BITS, SB, SUBSC, DM, ZERO, 7); break;                             \
+        default: KQ_WIDE_VM(BITS, SB, SUBSC, DM, ZERO, 8); break;                            \
+        }                                                                                    \
+    } while (0)
+
+/* gemm_vnni's y for M <= 2 KM rows on the wide pass: chunks of <= KM rows, as even as they
+ * come (9 rows: 5 + 4), each tile's chunks one after the other. Returns -1 without scratch
+ * memory (y untouched: the caller runs pass_vnni) */
+static int gemm_kq_wide(int type, const uint8_t *w, int64_t n, int64_t K, const int8_t *q,
+                        const float *dx, const int32_t *qs, int64_t M, int num_threads,
+                        float *y, int64_t ldy) {
+    kq_fmt f = {0, 1, 0, 0, 0};
+    kq_format(type, &f);
+    const int64_t ntiles = (n + 15) / 16, nb = K / 32, nch = (M + KM - 1) / KM;
+    const int64_t nseg = f.subsc == 2 ? 2 : 1;
+    const int64_t tile_bytes = K / (32 * f.sb) * sb_bytes(f);
+    float *dq = malloc(sizeof(float) * (size_t)(M * nb) + sizeof(int32_t) * (size_t)(M * nb * nseg));
+    if (dq == NULL) return -1;
+    int32_t *zq = (int32_t *)(dq + M * nb);
+    kq_row_terms(f, dx, qs, M, nb, dq, zq);
+    kvs_share sh;
+    kvs_share_init(&sh, ntiles, num_threads);
+#pragma omp parallel num_threads(num_threads)
+    KVS_SHARE_FOR(sh, tile) {
+        const uint8_t *wt = w + tile * tile_bytes;
+        const int64_t c0 = tile * 16, nc = n - c0 < 16 ? n - c0 : 16;
+        for (int64_t c = 0, m0 = 0; c < nch; c++) {
+            const int vm = (int)(M / nch + (c < M % nch));
+            float out[KM][16] __attribute__((aligned(64)));
+            switch (type) {
+            case 6: KQ_WIDE(5, 1, 0, 0, 16); break;
+            case 7: KQ_WIDE(5, 1, 0, 1, 0); break;
+            case 12: KQ_WIDE(4, 8, 1, 2, 0); break;
+            case 13: KQ_WIDE(5, 8, 1, 2, 0); break;
+            default: KQ_WIDE(6, 8, 2, 0, 32); break;
+            }
+            for (int i = 0; i < vm; i++)
+                memcpy(y + (m0 + i) * ldy + c0, out[i], nc * sizeof(float));
+            m0 += vm;
+        }
+    }
+    free(dq);
+    return 0;
+}
+#undef KQ_WIDE
+#undef KQ_WIDE_VM
+
 #if defined(__AMX_TILE__) && defined(__AMX_INT8__) && !defined(KVS_SIMDE)
 #define KVS_KQ_AMX 1
 #include "amx.h"
@@ -302,12 +546,14 @@ static void gemm_vnni(int type, const uint8_t *w, int64_t n, int64_t K, const in
  * (Q5_0 / Q5_1), fa in registers and o / fm in memory for the K-quants; two tile-register sets
  * alternate between segments. Rows past a multiple of 16: a last row tile overlapping the one
  * before it; M < 16: tiles of M rows, float work rounded up to a multiple of 4 rows.
- * From 16 rows (1 thread, Gemma 3's shapes): Q5_0 / Q5_1 / Q6_K 1.5x the VNNI pass, Q4_K
- * 1.05x, 1.3-1.9x at 64; at 8 rows Q4_K is 0.8x (its float part, sc dx and the dmin term, is
- * most of the work), the rest ~1.1x; below that the per-call unpacking of the codes loses.
+ * From 16 rows (1 thread, Gemma 3's shapes): Q5_0 / Q5_1 / Q6_K 1.5x the VNNI passes of 4,
+ * Q4_K 1.05x, 1.3-1.9x at 64; at 8 rows Q4_K is 0.8x (its float part, sc dx and the dmin term,
+ * is most of the work), the rest ~1.1x; below that the per-call unpacking of the codes loses.
+ * Against the wide pass (1-16 rows since 2026-12-07 23:10 UTC) the tiles are 0.90-0.94x at 16
+ * rows (2 threads, int8x2): from 17 rows (was 16).
  */
 #ifndef AMX_MIN_ROWS
-#define AMX_MIN_ROWS 16
+#define AMX_MIN_ROWS 17
 #endif
 static int amx_state = -1;          /* -1: not asked yet, 0: off / unavailable, 1: on */
 static int amx_rows = AMX_MIN_ROWS; /* GEMMs of at least this many rows take the tiles */
@@ -819,7 +1065,9 @@ int kvs_kq_linear(const float *x, int64_t M, int64_t K, const int64_t *shards, i
         }
 #endif
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
-        gemm_vnni(type, w, n, K, q, dx, qs, rows, num_threads, out + c0, ntot);
+        if (rows < KQ_WIDE_MIN_ROWS || rows > KQ_WIDE_MAX_ROWS ||
+            gemm_kq_wide(type, w, n, K, q, dx, qs, rows, num_threads, out + c0, ntot))
+            gemm_vnni(type, w, n, K, q, dx, qs, rows, num_threads, out + c0, ntot);
 #else
         gemm_tiles(type, w, n, K, q, dx, qs, rows, num_threads, out + c0, ntot);
 #endif

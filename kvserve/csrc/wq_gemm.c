@@ -336,7 +336,8 @@ static inline __attribute__((always_inline)) void pass_vnni(
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
 /*
  * AVX-512 VNNI wide pass: one weight tile x up to WM rows of x over all of K, every row in one
- * pass (a speculative verify step's 3-8 GEMM rows: 1-4 rows of x, two int8 terms each). Each
+ * pass (a decode step's 1-2 GEMM rows, a speculative verify step's 3-16: 1-8 rows of x, two
+ * int8 terms each). Each
  * code vector is loaded and unpacked once for all rows, each row's 4 bytes of x are broadcast
  * from memory into the dpbusd, and a row's 16 outputs stay in a register from the first group
  * to the last: the pass reads the weights once, as a 1-row step does, instead of once per 4
@@ -348,7 +349,10 @@ static inline __attribute__((always_inline)) void pass_vnni(
  */
 #define WM 8
 #ifndef WIDE_MIN_ROWS
-#define WIDE_MIN_ROWS 3 /* fewer rows: pass_vnni's 4-tile passes (1-2 rows: memory-bound) */
+/* from 1 row: a decode step's 1-2 GEMM rows ran pass_vnni's 4-tile passes until 2026-12-07
+ * 22:51 UTC; the wide pass is 18% faster at 2 rows on the AMX Xeon with the weights in L3 and
+ * 11% with 664 MB streamed from DRAM (docs/cpu.md) */
+#define WIDE_MIN_ROWS 1
 #endif
 #ifndef WIDE_MAX_ROWS
 #define WIDE_MAX_ROWS 16 /* more rows: pass_vnni's passes of 4 (or AMX-INT8 tiles) */

@@ -199,6 +199,28 @@ def test_kq_gemm_tiny(tmp_path):
     assert r["read_bandwidth"]["read_gbs"] > 0 and r["env"]["cpu"]
 
 
+def test_kq_gemm_baseline_tiny(tmp_path):
+    """--baseline-source builds another kq_gemm.c (here this one again) and replays the same
+    calls on it: its times, the speedup and bit for bit the same outputs; --no-w16 skips the
+    16-bit GEMM."""
+    from kvserve.kernels.cpu import graph
+    from kvserve.kernels.cpu import kq_gemm as kq_cpu
+
+    if kq_cpu.kq_library() is None or not graph.available():
+        pytest.skip("no C compiler")
+    out = tmp_path / "k.json"
+    assert _script("kq_gemm").main([
+        "--threads", "1", "--rounds", "1", "--rows", "1,3", "--layers", "1", "--hidden", "256",
+        "--inter", "512", "--types", "Q4_K,Q5_1", "--no-w16", "--bandwidth-mib", "64",
+        "--baseline-source", os.path.join(ROOT, "kvserve", "csrc", "kq_gemm.c"),
+        "--json", str(out)]) == 0
+    r = json.loads(out.read_text())
+    assert r["baseline_source"].endswith("kq_gemm.c") and r["env"]["cpu"]
+    for x in r["results"]:
+        assert x["identical_to_baseline"] is True and x["baseline_ms"] > 0 and x["speedup"] > 0
+        assert x["w16_ms"] is None and x["vs_w16"] is None
+
+
 def test_kq_gemm_amx_tiny(tmp_path):
     """--amx times the VNNI pass and the AMX-INT8 tiles per type and finds their outputs bit for
     bit the same; the kernel's threshold is restored."""

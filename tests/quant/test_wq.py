@@ -133,8 +133,9 @@ def test_extreme_codes_and_activations(lib, bits):
 @pytest.mark.parametrize("bits,group", [(4, 32), (4, 64), (8, 32)])
 def test_kernel_rows_are_batch_invariant(lib, bits, group):
     """Every ISA variant: a row's result is bit for bit the same alone, in a pass of 2, 3, 5
-    or 8 rows (AVX-512 VNNI: the wide pass) or in a batch of 11 (passes of 4 and a remainder,
-    two wide chunks of 6 and 5, or AMX tiles)."""
+    or 8 rows (AVX-512 VNNI: the wide pass, from 1 row) or in a batch of 11 (AVX2: passes of 4
+    and a remainder; VNNI: two wide chunks of 6 and 5, or AMX tiles). VNNI's passes of 4 (over
+    16 rows, AMX off) against the wide pass: test_wq_amx.py."""
     u, s, mn = _weights(48, 256, group, bits, 11)
     codes, sm = wq.pack_codes(u, bits), wq.pack_scales(s, mn)
     x = torch.randn(11, 256)

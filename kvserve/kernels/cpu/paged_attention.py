@@ -50,8 +50,9 @@ def bind_amx(dll: ctypes.CDLL) -> ctypes.CDLL:
     says whether rows of head_dim % 32 == 0 with BF16 / FP8 / INT8 KV run on AMX tiles."""
     dll.amx = False
     if hasattr(dll, "kvs_attention_amx"):
-        dll.kvs_attention_amx.argtypes, dll.kvs_attention_amx.restype = [INT], INT
-        dll.amx = bool(dll.kvs_attention_amx(int(amx_setting())))  # not recorded
+        fn = dll.kvs_attention_amx
+        fn.argtypes, fn.restype = [INT], INT
+        dll.amx = bool(fn(int(amx_setting())))  # a setting, never recorded in a graph
     return dll
 
 
@@ -80,8 +81,8 @@ def has_amx(dll: ctypes.CDLL | None = None) -> bool:
 def set_amx(dll: ctypes.CDLL, on: bool) -> bool:
     """Turn ``dll``'s AMX-BF16 job on (where available) or off; returns whether it is on. For
     tests and benchmarks that compare the two: the engine leaves it as bound."""
-    dll.amx = bool(dll.kvs_attention_amx(int(on))) if hasattr(dll, "kvs_attention_amx") \
-        else False
+    dll.amx = bool(launch(dll, "kvs_attention_amx", int(on))) \
+        if hasattr(dll, "kvs_attention_amx") else False
     return dll.amx
 
 

@@ -45,6 +45,8 @@
  *               A row's arithmetic does not depend on its tile, job shape or batch.
  *   job_avx512  (AVX-512F/BW builds, D % 16 == 0; used instead of job_avx2 there): the same
  *               pass on 16 lanes, head-major factors, masked tail lanes, spread prefetches.
+ *   job_amx     (builds with AMX-BF16, turned on by kvs_attention_amx; D % 32 == 0, BF16 / FP8
+ *               / INT8 KV): scores and P.V as AMX tile products, see its comment below.
  *   job_scalar  portable C, two passes (scores, then P.V); any D.
  */
 #include <float.h>
@@ -157,6 +159,14 @@ typedef struct {
     float *acc;       /* [R*G, D] */
     float *ks, *vs;   /* [bs8] per-token K / V factors */
     float *mx, *sum;  /* [R*G] running max / denominator */
+    /* AMX job only (64-byte aligned): Q^T B tiles [nh][chunks][D / 32][hi, mid, lo][16][16];
+     * K / V rows of a span as bf16 [64][D]; V in VNNI pairs [2][D / 16][16][16] dwords; C / O
+     * tile stores [4][16][16] fp32; P [hi, lo][2 halves][16][32] bf16; a span's K / V factors
+     * [64] and K / V row pointers [2][64] */
+    uint32_t *qb, *vb;
+    uint16_t *kb, *vr, *pa;
+    float *cs, *ob, *sk, *sv;
+    const uint8_t **kp;
 } Scratch;
 
 /* ---- portable job: two passes ------------------------------------------------------------ */
@@ -744,6 +754,353 @@ KVS_JOB512(job512_f16, DT_F16)
 KVS_JOB512(job512_e4m3, DT_E4M3)
 KVS_JOB512(job512_e5m2, DT_E5M2)
 KVS_JOB512(job512_i8, DT_I8)
+
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__) && \
+    !defined(KVS_SIMDE)
+#define KVS_AMX 1
+#include "amx.h"
+/* ---- AMX-BF16 job (Sapphire Rapids and later; D % 32 == 0; BF16 KV, and INT8 / FP8 KV, whose
+ * payload values are exact in bf16) ---------------------------------------------------------
+ * One tile of R rows x nh kv heads as in job_avx512, but the dot products are tile products
+ * (TDPBF16PS): the R*G queries of a kv head, 16 per chunk, cost about what one costs. Per span
+ * of 64 tokens (at multiples of 64: the online softmax's steps) and kv head:
+ *   scores  C[16 tokens][16 queries] = K . Q^T for the span's 4 chunks of 16 tokens: A = 16 K
+ *           rows x 32 bf16 (read in place from the paged cache for BF16 KV with bs % 16 == 0,
+ *           else the rows converted to bf16 exactly), B = Q^T in VNNI pairs, prepared once per
+ *           job. Q = Qhi + Qmid + Qlo (bf16 each, every part the rest of Q rounded): three
+ *           exact products per K row into the fp32 C tile, so the scores keep fp32 accuracy
+ *           (with two parts, Q to 2^-17, the test caches' scores of ~1e3 were off by up to 1e-2
+ *           relative after the exp).
+ *   softmax per query over the span's 64 tokens (its C columns, times the K factors, masked to
+ *           the tokens its row sees): m, corr = exp(m_old - m), sum = sum * corr + sum(p);
+ *           P = p * V factors, split into bf16 hi + lo rows (P to 2^-17).
+ *   P.V     O[16 queries][16 columns] = Phi . V + Plo . V per 32-token half, V in VNNI pairs
+ *           (token rows 2i, 2i + 1 interleaved; rows past len zero); acc = acc * corr + O.
+ * A query's arithmetic does not depend on its lane, its chunk, R, nh or the batch (a tile
+ * product computes each C element from its own A row and B column only; masked tokens add
+ * exact zeros), and every row of a (dtype, D) takes this job when it is on, decode rows
+ * included: batch invariance holds as with the other jobs (its bits differ from theirs). The
+ * tile configuration is loaded at the start of every job and released at its end (the GEMMs
+ * in the same threads load their own). Off by default: see docs/cpu.md for what it gains
+ * (verify tiles of several rows) and costs (decode rows). */
+static int amx_state = -1; /* -1: not asked yet, 0: off / unavailable, 1: on */
+#define AMX_SPAN 64        /* tokens per online-softmax step (4 score tiles of 16) */
+
+static void amx_attn_config(void) {
+    kvs_amx_cfg cfg;
+    kvs_amx_cfg_init(&cfg);
+    /* every tile 16 rows x 64 bytes. Scores: tmm0-3 C (16 tokens x 16 queries, one per
+     * 16-token chunk of the span), tmm4 K A (16 tokens x 32 bf16), tmm5-7 Q^T hi / mid / lo B
+     * (16 pairs x 16 queries). P.V: tmm0-3 O C (16 queries x 16 columns, 4 column groups),
+     * tmm4 / tmm5 P hi / lo A (16 queries x 32 tokens), tmm6 / tmm7 V B (16 token pairs x 16
+     * columns) */
+    for (int t = 0; t < 8; t++) {
+        cfg.rows[t] = 16;
+        cfg.colsb[t] = 64;
+    }
+    _tile_loadconfig(&cfg);
+}
+
+/* fp32 -> bf16 hi (round to nearest even) and lo = bf16(x - hi) */
+static inline __attribute__((always_inline)) void split_bf16(__m512 x, __m256i *hi,
+                                                              __m256i *lo) {
+    const __m256i h = (__m256i)_mm512_cvtneps_pbh(x);
+    const __m512 hf = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+    *hi = h;
+    *lo = (__m256i)_mm512_cvtneps_pbh(_mm512_sub_ps(x, hf));
+}
+
+/* Token rows [t0, t0 + 64) of kv head h: K / V row pointers (NULL past len) and factors (K
+ * folds in sm_scale; 0 past len). */
+static inline __attribute__((always_inline)) void span_rows(
+    const Geo *g, const int dtype, const int64_t *table, int t0, int len, int h, float kf,
+    float factor, const uint8_t **kp, float *ks, float *vs) {
+    const int bs = g->bs, H = g->H;
+    int bi = t0 / bs, off = t0 % bs; /* the token's block and offset, stepped (no division) */
+    for (int t = 0; t < AMX_SPAN; t++, off = off + 1 == bs ? (bi++, 0) : off + 1) {
+        if (t0 + t >= len) {
+            kp[t] = NULL;
+            ks[t] = vs[t] = 0.f;
+            continue;
+        }
+        const int64_t blk = table[bi];
+        const size_t row = (size_t)off * H + h;
+        kp[t] = g->kv + blk * g->block_bytes + row * g->row_bytes;
+        if (dtype == DT_I8 && g->codes) {
+            const int8_t *sc = g->codes + blk * 2 * g->comp_scales + row;
+            ks[t] = kf * LOG8_TABLE[sc[0] + 128];
+            vs[t] = factor * LOG8_TABLE[sc[g->comp_scales] + 128];
+        } else if (dtype != DT_I8 && g->scales) {
+            const uint16_t *sc = g->scales + blk * 2 * g->comp_scales + row;
+            ks[t] = kf * bf16_to_f32(sc[0]);
+            vs[t] = factor * bf16_to_f32(sc[g->comp_scales]);
+        } else {
+            ks[t] = kf;
+            vs[t] = factor;
+        }
+    }
+}
+
+/* One payload row -> bf16 (exact for the dtypes this job takes); NULL -> zeros */
+static inline __attribute__((always_inline)) void row_bf16(const uint8_t *src, int D,
+                                                            const int dtype, uint16_t *dst) {
+    if (src == NULL) {
+        memset(dst, 0, sizeof(uint16_t) * (size_t)D);
+    } else if (dtype == DT_BF16) {
+        memcpy(dst, src, sizeof(uint16_t) * (size_t)D);
+    } else {
+        const int es = elem_size(dtype);
+        for (int c = 0; c < D; c += 16)
+            _mm256_storeu_si256((__m256i *)(dst + c),
+                                (__m256i)_mm512_cvtneps_pbh(widen16(src + (size_t)c * es,
+                                                                    dtype)));
+    }
+}
+
+static inline __attribute__((always_inline)) void job_amx(
+    const Geo *g, const int dtype, const float *q0, size_t qstride, int R, const int64_t *lens,
+    const int64_t *table, int h0, int nh, float *o0, Scratch *w) {
+    const int G = g->G, D = g->D, bs = g->bs, RG = R * G, X = nh * RG;
+    const int S = D / 32, NC = (RG + 15) / 16, NG = D / 16; /* D steps; query chunks; cols */
+    const size_t rstride = (size_t)g->H * g->row_bytes;
+    const float factor = simd_factor(dtype), kf = g->sm_scale * factor;
+    /* K rows read in place: BF16 and whole 16-token chunks inside one block */
+    const int direct = dtype == DT_BF16 && bs % 16 == 0;
+    float *mx = w->mx, *sum = w->sum;
+    amx_attn_config();
+    for (int x = 0; x < X; x++) { mx[x] = -INFINITY; sum[x] = 0.f; }
+    memset(w->acc, 0, sizeof(float) * (size_t)X * D);
+    /* Q^T B tiles, per (head, query chunk, D step): hi, mid, lo [16 pairs][16 queries] */
+    for (int hh = 0; hh < nh; hh++)
+        for (int c = 0; c < NC; c++) {
+            uint32_t *bt = w->qb + (size_t)(hh * NC + c) * S * 768;
+            memset(bt, 0, sizeof(uint32_t) * (size_t)S * 768);
+            for (int n = 0; n < 16 && c * 16 + n < RG; n++) {
+                const int xi = c * 16 + n, r = xi / G, j = xi % G;
+                const float *qg = q0 + (size_t)r * g->ldq + ((size_t)hh * G + j) * D;
+                uint32_t *qp = (uint32_t *)w->kb; /* [3][D / 2] (kb is free here) */
+                for (int d = 0; d < D; d += 16) {
+                    __m512 x = _mm512_loadu_ps(qg + d);
+                    for (int part = 0; part < 3; part++) {
+                        const __m256i h = (__m256i)_mm512_cvtneps_pbh(x);
+                        _mm256_storeu_si256((__m256i *)(qp + part * (D / 2) + d / 2), h);
+                        x = _mm512_sub_ps(x, _mm512_castsi512_ps(
+                                                 _mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16)));
+                    }
+                }
+                for (int s = 0; s < S; s++)
+                    for (int part = 0; part < 3; part++)
+                        for (int k = 0; k < 16; k++)
+                            bt[s * 768 + part * 256 + k * 16 + n] =
+                                qp[part * (D / 2) + s * 16 + k];
+            }
+        }
+    int len = 0, lo0 = row_lo(g, lens[0]);
+    for (int r = 0; r < R; r++) {
+        len = lens[r] > len ? (int)lens[r] : len;
+        lo0 = row_lo(g, lens[r]) < lo0 ? row_lo(g, lens[r]) : lo0;
+    }
+    /* C column n of a stored score tile: dwords n, n + 16, ... */
+    const __m512i iota = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
+    const __m512i col = _mm512_slli_epi32(iota, 4);
+    const uint8_t **kp = w->kp, **vp = w->kp + AMX_SPAN;
+    /* spans of AMX_SPAN tokens at multiples of AMX_SPAN (the online softmax's steps) */
+    for (int t0 = lo0 / AMX_SPAN * AMX_SPAN; t0 < len; t0 += AMX_SPAN) {
+        const int nu = (len - t0 + 15) / 16 < 4 ? (len - t0 + 15) / 16 : 4; /* chunks in use */
+        for (int hh = 0; hh < nh; hh++) {
+            span_rows(g, dtype, table, t0, len, h0 + hh, kf, factor, kp, w->sk, w->sv);
+            for (int t = 0; t < AMX_SPAN; t++)
+                vp[t] = kp[t] ? kp[t] + g->comp_bytes : NULL;
+            /* K A tiles: in place, else rows converted into kb [4][16][D] */
+            const uint8_t *ka[4];
+            size_t kst[4];
+            for (int u = 0; u < nu; u++) {
+                if (direct) {
+                    ka[u] = kp[16 * u];
+                    kst[u] = rstride;
+                } else {
+                    for (int t = 0; t < 16; t++)
+                        row_bf16(kp[16 * u + t], D, dtype, w->kb + (size_t)(16 * u + t) * D);
+                    ka[u] = (const uint8_t *)(w->kb + (size_t)16 * u * D);
+                    kst[u] = (size_t)D * 2;
+                }
+            }
+            /* V in VNNI pairs: vb[half][D / 16][16 pairs][16 columns]; rows past len zero.
+             * (No software prefetch: every variant tried -- the next span's rows, this span's
+             * K rows ahead of the tile loads -- measured slower on the Xeon of docs/cpu.md.) */
+            for (int k = 0; k < AMX_SPAN / 2; k++) {
+                const uint8_t *ra = vp[2 * k], *rb = vp[2 * k + 1];
+                if (dtype != DT_BF16) {
+                    uint16_t *cv = w->vr + (size_t)(2 * k) * D;
+                    row_bf16(ra, D, dtype, cv);
+                    row_bf16(rb, D, dtype, cv + D);
+                    ra = ra ? (const uint8_t *)cv : NULL;
+                    rb = rb ? (const uint8_t *)(cv + D) : NULL;
+                }
+                uint32_t *dst = w->vb + (size_t)(k / 16) * NG * 256 + (k % 16) * 16;
+                for (int c = 0; c < S; c++) {
+                    const __m512i a = ra ? _mm512_loadu_si512(ra + (size_t)c * 64)
+                                         : _mm512_setzero_si512();
+                    const __m512i bb = rb ? _mm512_loadu_si512(rb + (size_t)c * 64)
+                                          : _mm512_setzero_si512();
+                    /* in-lane unpacks: columns 0-3, 8-11, 16-19, 24-27 of the 32, then the rest
+                     * (acc keeps that order; the output is permuted back at the end) */
+                    _mm512_store_si512(dst + (size_t)(2 * c) * 256, _mm512_unpacklo_epi16(a, bb));
+                    _mm512_store_si512(dst + (size_t)(2 * c + 1) * 256,
+                                       _mm512_unpackhi_epi16(a, bb));
+                }
+            }
+            for (int c = 0; c < NC; c++) {
+                const uint32_t *bt = w->qb + (size_t)(hh * NC + c) * S * 768;
+                const int nq = RG - c * 16 < 16 ? RG - c * 16 : 16;
+                /* scores: C tile u = chunk u's 16 tokens x 16 queries */
+                _tile_zero(0);
+                _tile_zero(1);
+                _tile_zero(2);
+                _tile_zero(3);
+                for (int s = 0; s < S; s++) {
+                    _tile_loadd(5, bt + s * 768, 64);
+                    _tile_loadd(6, bt + s * 768 + 256, 64);
+                    _tile_loadd(7, bt + s * 768 + 512, 64);
+#define KVS_AMX_SCORE(U)                                                                       \
+    if (U < nu) {                                                                              \
+        _tile_loadd(4, ka[U] + (size_t)s * 64, kst[U]);                                        \
+        _tile_dpbf16ps(U, 4, 5);                                                               \
+        _tile_dpbf16ps(U, 4, 6);                                                               \
+        _tile_dpbf16ps(U, 4, 7);                                                               \
+    }
+                    KVS_AMX_SCORE(0)
+                    KVS_AMX_SCORE(1)
+                    KVS_AMX_SCORE(2)
+                    KVS_AMX_SCORE(3)
+#undef KVS_AMX_SCORE
+                }
+                _tile_stored(0, w->cs, 64);
+                _tile_stored(1, w->cs + 256, 64);
+                _tile_stored(2, w->cs + 512, 64);
+                _tile_stored(3, w->cs + 768, 64);
+                float corr[16];
+                unsigned live = 0;
+                const float *ksh = w->sk, *vsh = w->sv;
+                for (int n = 0; n < nq; n++) {
+                    const int xi = c * 16 + n, r = xi / G, x = hh * RG + xi;
+                    /* tokens of this span the row sees: [lo, hi) relative to t0 */
+                    const int hi = (int)lens[r] - t0, lo = row_lo(g, lens[r]) - t0;
+                    uint16_t *ph = w->pa + n * 32, *pl = ph + 512;
+                    if (hi <= 0 || lo >= AMX_SPAN) {
+                        for (int h2 = 0; h2 < 2; h2++) {
+                            _mm512_storeu_si512(ph + h2 * 1024, _mm512_setzero_si512());
+                            _mm512_storeu_si512(pl + h2 * 1024, _mm512_setzero_si512());
+                        }
+                        continue;
+                    }
+                    __m512 sc[4];
+                    __m512 mv = _mm512_set1_ps(-INFINITY);
+                    for (int u = 0; u < 4; u++) {
+                        const __m512i tok = _mm512_add_epi32(iota, _mm512_set1_epi32(16 * u));
+                        const __mmask16 m16 =
+                            _mm512_cmplt_epi32_mask(tok, _mm512_set1_epi32(hi)) &
+                            _mm512_cmpge_epi32_mask(tok, _mm512_set1_epi32(lo));
+                        sc[u] = u < nu ? _mm512_mask_mul_ps(
+                                             _mm512_set1_ps(-INFINITY), m16,
+                                             _mm512_i32gather_ps(
+                                                 _mm512_add_epi32(col, _mm512_set1_epi32(n)),
+                                                 w->cs + 256 * u, 4),
+                                             _mm512_loadu_ps(ksh + 16 * u))
+                                       : _mm512_set1_ps(-INFINITY);
+                        mv = _mm512_max_ps(mv, sc[u]);
+                    }
+                    const float mo = mx[x], cm = _mm512_reduce_max_ps(mv);
+                    const float m = cm > mo ? cm : mo;
+                    const float cr = mo == -INFINITY ? 0.f : m > mo ? expf(mo - m) : 1.f;
+                    const __m512 mb = _mm512_set1_ps(m);
+                    __m512 p[4];
+                    for (int u = 0; u < 4; u++) p[u] = exp16(_mm512_sub_ps(sc[u], mb));
+                    sum[x] = sum[x] * cr + _mm512_reduce_add_ps(_mm512_add_ps(
+                                               _mm512_add_ps(p[0], p[1]),
+                                               _mm512_add_ps(p[2], p[3])));
+                    mx[x] = m;
+                    corr[n] = cr;
+                    live |= 1u << n;
+                    for (int u = 0; u < 4; u++) {
+                        __m256i h16, l16;
+                        split_bf16(_mm512_mul_ps(p[u], _mm512_loadu_ps(vsh + 16 * u)), &h16,
+                                   &l16);
+                        const size_t at = (size_t)(u / 2) * 1024 + (u % 2) * 16;
+                        _mm256_storeu_si256((__m256i *)(ph + at), h16);
+                        _mm256_storeu_si256((__m256i *)(pl + at), l16);
+                    }
+                }
+                if (!live) continue;
+                /* P.V: O tiles 0-3 = 4 column groups; per half of the span Phi . V + Plo . V */
+                for (int g0 = 0; g0 < NG; g0 += 4) {
+                    const int ng = NG - g0 < 4 ? NG - g0 : 4;
+                    _tile_zero(0);
+                    _tile_zero(1);
+                    _tile_zero(2);
+                    _tile_zero(3);
+                    for (int h2 = 0; h2 < 2 && 32 * h2 < 16 * nu; h2++) {
+                        _tile_loadd(4, w->pa + h2 * 1024, 64);
+                        _tile_loadd(5, w->pa + 512 + h2 * 1024, 64);
+                        const uint32_t *vh = w->vb + (size_t)h2 * NG * 256 + (size_t)g0 * 256;
+#define KVS_AMX_PV(U, T)                                                                       \
+    if (U < ng) {                                                                              \
+        _tile_loadd(T, vh + U * 256, 64);                                                      \
+        _tile_dpbf16ps(U, 4, T);                                                               \
+        _tile_dpbf16ps(U, 5, T);                                                               \
+    }
+                        KVS_AMX_PV(0, 6)
+                        KVS_AMX_PV(1, 7)
+                        KVS_AMX_PV(2, 6)
+                        KVS_AMX_PV(3, 7)
+#undef KVS_AMX_PV
+                    }
+                    _tile_stored(0, w->ob, 64);
+                    if (ng > 1) _tile_stored(1, w->ob + 256, 64);
+                    if (ng > 2) _tile_stored(2, w->ob + 512, 64);
+                    if (ng > 3) _tile_stored(3, w->ob + 768, 64);
+                    for (int n = 0; n < nq; n++) {
+                        if (!((live >> n) & 1u)) continue;
+                        float *ax = w->acc + (size_t)(hh * RG + c * 16 + n) * D + g0 * 16;
+                        const __m512 cv = _mm512_set1_ps(corr[n]);
+                        for (int u = 0; u < ng; u++)
+                            _mm512_storeu_ps(ax + 16 * u,
+                                             _mm512_fmadd_ps(_mm512_loadu_ps(ax + 16 * u), cv,
+                                                             _mm512_load_ps(w->ob + 256 * u +
+                                                                            n * 16)));
+                    }
+                }
+            }
+        }
+    }
+    _tile_release();
+    /* acc's 32-column groups hold columns (0-3, 8-11, 16-19, 24-27), (4-7, 12-15, ...) */
+    const __m512i un0 = _mm512_set_epi32(23, 22, 21, 20, 7, 6, 5, 4, 19, 18, 17, 16, 3, 2, 1, 0);
+    const __m512i un1 = _mm512_add_epi32(un0, _mm512_set1_epi32(8));
+    for (int x = 0; x < X; x++) {
+        const int hh = x / RG, r = (x / G) % R, j = x % G;
+        const __m512 inv = _mm512_set1_ps(1.0f / sum[x]);
+        float *os = o0 + (size_t)r * qstride + ((size_t)hh * G + j) * D;
+        const float *ax = w->acc + (size_t)x * D;
+        for (int c = 0; c < D; c += 32) {
+            const __m512 a = _mm512_loadu_ps(ax + c), b = _mm512_loadu_ps(ax + c + 16);
+            _mm512_storeu_ps(os + c, _mm512_mul_ps(_mm512_permutex2var_ps(a, un0, b), inv));
+            _mm512_storeu_ps(os + c + 16,
+                             _mm512_mul_ps(_mm512_permutex2var_ps(a, un1, b), inv));
+        }
+    }
+}
+
+#define KVS_JOBAMX(NAME, DT)                                                                   \
+    static void NAME(const Geo *g, const float *q0, size_t qs, int R, const int64_t *lens,     \
+                     const int64_t *t, int h0, int nh, float *o0, Scratch *w) {                 \
+        job_amx(g, DT, q0, qs, R, lens, t, h0, nh, o0, w);                                     \
+    }
+KVS_JOBAMX(jobamx_bf16, DT_BF16)
+KVS_JOBAMX(jobamx_e4m3, DT_E4M3)
+KVS_JOBAMX(jobamx_e5m2, DT_E5M2)
+KVS_JOBAMX(jobamx_i8, DT_I8)
+#endif
 #endif
 #endif
 
@@ -768,6 +1125,18 @@ int kvs_attention_simd(void) {
 #elif defined(KVS_AVX2)
     return 1;
 #else
+    return 0;
+#endif
+}
+
+/* The AMX-BF16 job (D % 32 == 0; BF16, FP8 and INT8 KV): request 1 turns it on where the build
+ * and the CPU have AMX-BF16 (asking Linux for the tile state), 0 off (the AVX-512 job), -1 only
+ * asks. Returns whether it is on; 0 in builds without AMX. */
+int kvs_attention_amx(int request) {
+#ifdef KVS_AMX
+    return kvs_amx_request(&amx_state, request, KVS_AMX_BF16_BIT);
+#else
+    (void)request;
     return 0;
 #endif
 }
@@ -812,13 +1181,33 @@ void kvs_paged_attention(const void *kv, const void *scales, int dtype, const fl
         fn = fns512[dtype];
     }
 #endif
-    /* tiles: runs of consecutive rows of one sequence whose lens step by one, <= ROW_TILE */
+    int amx = 0;
+#ifdef KVS_AMX
+    if (!force_scalar && D % 32 == 0 && dtype != DT_F32 && dtype != DT_F16 &&
+        __atomic_load_n(&amx_state, __ATOMIC_ACQUIRE) == 1) {
+        static const JobFn fnsamx[] = {NULL, jobamx_bf16, NULL, jobamx_e4m3, jobamx_e5m2,
+                                       jobamx_i8};
+        fn = fnsamx[dtype];
+        amx = 1;
+    }
+#endif
+    /* tiles: runs of consecutive rows of one sequence whose lens step by one, <= ROW_TILE.
+     * Without row_seq (a table per row: decode rows, and the engine's speculative verify rows,
+     * a sequence's table repeated per row) the AMX job also tiles rows whose lens step by one
+     * where the earlier row's blocks are a prefix of the later row's table (the job reads the
+     * tile's last table): its R*G queries per KV head then share the tile products. */
     int *tile_start = (int *)malloc(sizeof(int) * (size_t)(n + 1));
     int ntiles = 0, max_len = 0, max_rows = 1;
     for (int i = 0; i < n; i++) {
         max_len = lens[i] > max_len ? (int)lens[i] : max_len;
-        int same = i > 0 && fn != job_rows_scalar && row_seq && row_seq[i] == row_seq[i - 1] &&
-                   lens[i] == lens[i - 1] + 1 && i - tile_start[ntiles - 1] < ROW_TILE;
+        int same = i > 0 && fn != job_rows_scalar && lens[i] == lens[i - 1] + 1 &&
+                   i - tile_start[ntiles - 1] < ROW_TILE;
+        if (same && row_seq)
+            same = row_seq[i] == row_seq[i - 1];
+        else if (same) /* blocks of row i - 1 (lens[i - 1] tokens) == row i's first ones */
+            same = amx && memcmp(block_tables + (int64_t)(i - 1) * max_blocks,
+                                 block_tables + (int64_t)i * max_blocks,
+                                 sizeof(int64_t) * (size_t)((lens[i - 1] + bs - 1) / bs)) == 0;
         if (!same) tile_start[ntiles++] = i;
         else if (i - tile_start[ntiles - 1] + 1 > max_rows)
             max_rows = i - tile_start[ntiles - 1] + 1;
@@ -842,11 +1231,29 @@ void kvs_paged_attention(const void *kv, const void *scales, int dtype, const fl
         w.vs = (float *)malloc(sizeof(float) * (size_t)bs8 * nh);
         w.mx = (float *)malloc(sizeof(float) * (size_t)X);
         w.sum = (float *)malloc(sizeof(float) * (size_t)X);
+        w.qb = w.vb = NULL;
+        w.kb = w.vr = w.pa = NULL;
+        w.cs = w.ob = w.sk = w.sv = NULL;
+        w.kp = NULL;
+        if (amx) { /* sizes are multiples of 64 bytes (D % 32 == 0) */
+            const size_t nc = (size_t)(max_rows * G + 15) / 16;
+            w.qb = (uint32_t *)aligned_alloc(64, sizeof(uint32_t) * nh * nc * (D / 32) * 768);
+            w.vb = (uint32_t *)aligned_alloc(64, sizeof(uint32_t) * 2 * (size_t)(D / 16) * 256);
+            w.kb = (uint16_t *)aligned_alloc(64, sizeof(uint16_t) * 64 * (size_t)D);
+            w.vr = (uint16_t *)aligned_alloc(64, sizeof(uint16_t) * 64 * (size_t)D);
+            w.pa = (uint16_t *)aligned_alloc(64, sizeof(uint16_t) * 2048);
+            w.cs = (float *)aligned_alloc(64, sizeof(float) * 1024);
+            w.ob = (float *)aligned_alloc(64, sizeof(float) * 1024);
+            w.sk = (float *)aligned_alloc(64, sizeof(float) * 64);
+            w.sv = (float *)aligned_alloc(64, sizeof(float) * 64);
+            w.kp = (const uint8_t **)malloc(sizeof(uint8_t *) * 128);
+            memset(w.pa, 0, sizeof(uint16_t) * 2048);
+        }
 #pragma omp for schedule(dynamic, 1)
         for (int64_t job = 0; job < (int64_t)njobs; job++) {
             int t = (int)(job / (H / nh)), h0 = (int)(job % (H / nh)) * nh;
             int r0 = tile_start[t], R = tile_start[t + 1] - r0;
-            int64_t seq = row_seq ? row_seq[r0] : r0;
+            int64_t seq = row_seq ? row_seq[r0] : r0 + R - 1; /* (the tile's last table) */
             size_t hoff = (size_t)h0 * G * D;
             fn(&g, q + (size_t)r0 * ldq + hoff, qstride, R, lens + r0,
                block_tables + seq * max_blocks, h0, nh, out + (size_t)r0 * qstride + hoff, &w);
@@ -859,6 +1266,16 @@ void kvs_paged_attention(const void *kv, const void *scales, int dtype, const fl
         free(w.vs);
         free(w.mx);
         free(w.sum);
+        free(w.qb);
+        free(w.vb);
+        free(w.kb);
+        free(w.vr);
+        free(w.pa);
+        free(w.cs);
+        free(w.ob);
+        free(w.sk);
+        free(w.sv);
+        free((void *)w.kp);
     }
     free(tile_start);
 }

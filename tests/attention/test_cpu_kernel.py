@@ -312,3 +312,128 @@ def test_kv_writer_strided_rows_and_offset_match_the_twin(dtype):
             got = fast.layer_rows(0)[rows_fin + 4 * c].view(torch.uint8)
             want = twin.layer_rows(0)[rows_fin + 4 * c].view(torch.uint8)
             assert torch.equal(got, want)
+
+
+# ---- the AMX-BF16 job (head_dim % 32 == 0; BF16 / FP8 / INT8 KV) where the CPU has it ----
+AMX_DTYPES = [torch.bfloat16, torch.float8_e4m3fn, torch.float8_e5m2, torch.int8]
+
+
+@pytest.fixture
+def amx_on():
+    """The native build with its AMX-BF16 job on for the test (skipped without AMX-BF16)."""
+    dll = cpu_kernel.load()
+    was = cpu_kernel.has_amx(dll)
+    if not cpu_kernel.set_amx(dll, True):
+        pytest.skip("no AMX-BF16 on this CPU (or in this build)")
+    yield dll
+    cpu_kernel.set_amx(dll, was)
+
+
+@pytest.mark.parametrize("dtype", ALL_DTYPES)
+@pytest.mark.parametrize(("hq", "hk", "d", "bs"), [(8, 2, 64, 16), (6, 1, 128, 8),
+                                                   (9, 3, 64, 16), (4, 4, 64, 32),
+                                                   (10, 2, 64, 4), (4, 2, 96, 16)])
+def test_amx_job_matches_twin(amx_on, dtype, hq, hk, d, bs):
+    """Decode rows and a mixed step (prefill tiles, an extend, decodes) on the AMX job (FP32 /
+    FP16 KV keep the AVX-512 job) against the twin; the rows differ from the AVX-512 job's by
+    fp32 rounding only."""
+    lens = [1, bs, bs + 3, 5 * bs - 1, 97] + ([130] if bs >= 8 else [])  # (40 blocks)
+    a = _kernel_vs_twin(dtype, hq, hk, d, bs, lens, [1] * len(lens))
+    _kernel_vs_twin(dtype, hq, hk, d, bs, [37, 5, 61, 1, bs + 1], [37, 1, 20, 1, 1])
+    cpu_kernel.set_amx(amx_on, False)
+    b = _kernel_vs_twin(dtype, hq, hk, d, bs, lens, [1] * len(lens))
+    torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-3)
+
+
+@pytest.mark.parametrize(("dtype", "hk", "g", "d"), [
+    (torch.bfloat16, 3, 3, 64), (torch.int8, 1, 4, 64), (torch.bfloat16, 2, 2, 128),
+    (torch.float8_e5m2, 1, 5, 64), (torch.float8_e4m3fn, 2, 8, 64)])
+def test_amx_row_results_do_not_depend_on_tiling(amx_on, dtype, hk, g, d):
+    """On the AMX job a row's output is the same bits in a 16-row tile, in another chunk, alone
+    as a decode row, and as one of R speculative verify rows (R consecutive rows of one
+    sequence) for every R -- query chunks of 16 included (g = 5, 8: 80 / 128 queries a head)."""
+    torch.manual_seed(3)
+    kv, perm = _filled_cache(dtype, hk, d, 16)
+    meta = _meta([150], [150], perm, 16)
+    q = torch.randn(150, hk * g, d)
+    be = CpuAttentionBackend(kv, hk * g, hk, d, d**-0.5, 1024)
+    empty = torch.empty(0, hk, d)
+    whole = be.forward(0, q, empty, empty, meta)
+    for start, stop in [(0, 7), (7, 30), (30, 49), (49, 50), (50, 150)]:
+        m = _meta([stop], [stop - start], perm, 16)
+        part = be.forward(0, q[start:stop].contiguous(), empty, empty, m)
+        assert torch.equal(part, whole[start:stop]), (start, stop)
+    for rows in range(1, 10):  # verify tiles ending at row 140
+        m = _meta([141], [rows], perm, 16)
+        part = be.forward(0, q[141 - rows:141].contiguous(), empty, empty, m)
+        assert torch.equal(part, whole[141 - rows:141]), rows
+    for row in (0, 15, 16, 33, 63, 64, 127, 149):
+        m = _meta([row + 1], [1], perm, 16)
+        assert torch.equal(be.forward(0, q[row:row + 1].contiguous(), empty, empty, m),
+                           whole[row:row + 1]), row
+
+
+def test_amx_decode_row_alone_equals_row_in_batch(amx_on):
+    """As test_decode_row_alone_equals_row_in_batch, on the AMX job: a job per kv head alone,
+    jobs with all kv heads in a batch of 8, and the same rows as 3-row verify tiles."""
+    torch.manual_seed(4)
+    kv, perm = _filled_cache(torch.bfloat16, 3, 64, 16)
+    lens = [33, 5, 70, 16, 1, 47, 90, 130]
+    meta = _meta(lens, [1] * len(lens), perm, 16)
+    q = torch.randn(len(lens), 9, 64)
+    be = CpuAttentionBackend(kv, 9, 3, 64, 0.125, 1024)
+    empty = torch.empty(0, 3, 64)
+    batch = be.forward(0, q, empty, empty, meta)
+    for i in range(len(lens)):
+        alone = _meta([lens[i]], [1], meta.block_tables[i], 16)  # the same blocks
+        out = be.forward(0, q[i:i + 1].contiguous(), empty, empty, alone)
+        assert torch.equal(out, batch[i:i + 1])
+        if lens[i] >= 3:  # the row last of a 3-row verify tile (other rows' q: anything)
+            qq = torch.cat([torch.randn(2, 9, 64), q[i:i + 1]])
+            tile = be.forward(0, qq, empty, empty, _meta([lens[i]], [3], meta.block_tables[i],
+                                                         16))
+            assert torch.equal(tile[2:], batch[i:i + 1])
+
+
+def test_amx_setting(monkeypatch):
+    monkeypatch.setenv("KVSERVE_CPU_AMX_ATTN", "1")
+    assert cpu_kernel.amx_setting() is True
+    monkeypatch.setenv("KVSERVE_CPU_AMX_ATTN", "0")
+    assert cpu_kernel.amx_setting() is False
+    monkeypatch.setenv("KVSERVE_CPU_AMX_ATTN", "")
+    assert cpu_kernel.amx_setting() is cpu_kernel.AMX_DEFAULT
+    monkeypatch.setenv("KVSERVE_CPU_AMX_ATTN", "yes")
+    with pytest.raises(ValueError, match="KVSERVE_CPU_AMX_ATTN"):
+        cpu_kernel.amx_setting()
+
+
+def test_amx_switch_off_in_builds_without_it(use_build):
+    """The ISA variants have no AMX code: the switch stays off and they run their own jobs."""
+    dll = use_build("bf16" if cpu_kernel.simd_level() == 2 else "avx2")
+    assert cpu_kernel.set_amx(dll, True) is False
+
+
+def test_amx_verify_rows_with_a_table_per_row_are_tiled_alike(amx_on):
+    """The engine's speculative verify rows come without row_seq, the sequence's table repeated
+    per row (padded where a row needs one block fewer); the AMX job tiles them like rows of one
+    sequence (and not rows whose tables differ): every row the same bits as alone, and as in
+    a tile with row_seq."""
+    torch.manual_seed(5)
+    kv, perm = _filled_cache(torch.bfloat16, 3, 64, 16)
+    data = kv.data[0]
+    blocks = torch.tensor(perm[:10], dtype=torch.int64)
+    other = torch.tensor(perm[10:20], dtype=torch.int64)
+    lens = torch.tensor([60, 61, 62, 63, 64, 65, 66, 67], dtype=torch.int64)  # crosses a block
+    tables = blocks.repeat(8, 1)
+    tables[:5, 4:] = 0  # rows of 60..64 tokens: 4 blocks, padded
+    tables[6] = other  # a row of another sequence in the middle: not tiled with its neighbours
+    q = torch.randn(8, 9, 64)
+    out = cpu_kernel.paged_attention(data, None, q, tables, None, lens, 0.125, torch.empty_like(q))
+    for r in range(8):
+        one = cpu_kernel.paged_attention(data, None, q[r:r + 1].contiguous(), tables[r:r + 1],
+                                         None, lens[r:r + 1], 0.125, torch.empty_like(q[:1]))
+        assert torch.equal(one, out[r:r + 1]), r
+    tile = cpu_kernel.paged_attention(data, None, q[:6].contiguous(), blocks.view(1, -1),
+                                      torch.zeros(6, dtype=torch.int64), lens[:6], 0.125,
+                                      torch.empty_like(q[:6]))
+    assert torch.equal(tile, out[:6])

@@ -9,6 +9,7 @@ through ctypes on raw tensor pointers. If no compiler is available, or ``KVSERVE
 from __future__ import annotations
 
 import ctypes
+import os
 from functools import lru_cache
 
 import torch
@@ -34,12 +35,55 @@ SIGNATURES = {
 
 @lru_cache(maxsize=1)
 def load() -> ctypes.CDLL | None:
-    return load_library("paged_attention", SIGNATURES)
+    dll = load_library("paged_attention", SIGNATURES)
+    return None if dll is None else bind_amx(dll)
 
 
 def bind(dll: ctypes.CDLL) -> ctypes.CDLL:
     """Declare the entry points on another build of the same source (tests: ISA variants)."""
-    return declare(dll, SIGNATURES)
+    return bind_amx(declare(dll, SIGNATURES))
+
+
+def bind_amx(dll: ctypes.CDLL) -> ctypes.CDLL:
+    """Declare the AMX-BF16 job's switch (a baseline source built by a benchmark may lack it)
+    and settle it from ``KVSERVE_CPU_AMX_ATTN`` (asking Linux for the tile state once): ``dll.amx``
+    says whether rows of head_dim % 32 == 0 with BF16 / FP8 / INT8 KV run on AMX tiles."""
+    dll.amx = False
+    if hasattr(dll, "kvs_attention_amx"):
+        fn = dll.kvs_attention_amx
+        fn.argtypes, fn.restype = [INT], INT
+        dll.amx = bool(fn(int(amx_setting())))  # a setting, never recorded in a graph
+    return dll
+
+
+def amx_setting() -> bool:
+    """``KVSERVE_CPU_AMX_ATTN``: 0 keeps the attention's AMX-BF16 job off (the AVX-512 job
+    runs), 1 turns it on where the CPU has AMX-BF16; unset or empty: ``AMX_DEFAULT``. Raises
+    ValueError otherwise."""
+    raw = os.environ.get("KVSERVE_CPU_AMX_ATTN", "").strip()
+    if not raw:
+        return AMX_DEFAULT
+    if raw not in ("0", "1"):
+        raise ValueError(f"KVSERVE_CPU_AMX_ATTN={raw!r}: expected 0 (off) or 1 (on)")
+    return raw == "1"
+
+
+# whether the AMX-BF16 job runs where the CPU has it and KVSERVE_CPU_AMX_ATTN is unset
+AMX_DEFAULT = False
+
+
+def has_amx(dll: ctypes.CDLL | None = None) -> bool:
+    """The kernel (``dll``, default the engine's build) runs its AMX-BF16 job."""
+    dll = dll if dll is not None else load()
+    return bool(getattr(dll, "amx", False))
+
+
+def set_amx(dll: ctypes.CDLL, on: bool) -> bool:
+    """Turn ``dll``'s AMX-BF16 job on (where available) or off; returns whether it is on. For
+    tests and benchmarks that compare the two: the engine leaves it as bound."""
+    dll.amx = bool(launch(dll, "kvs_attention_amx", int(on))) \
+        if hasattr(dll, "kvs_attention_amx") else False
+    return dll.amx
 
 
 def simd_level() -> int:

@@ -32,8 +32,8 @@
  * 16 x 32: Q5_0 352 (352), Q5_1 384 (384): within 3% of the file.
  *
  * AVX-512 VNNI GEMMs of 1-4 rows run pass_vnni (4 weight tiles x 1-4 rows: one pass, the
- * weights read once), 5-16 the wide pass (one tile x up to 8 rows, the weights read once), more
- * pass_vnni's passes of 4 rows or, from 17 rows where the CPU has them, AMX-INT8 tiles.
+ * weights read once), 5-24 the wide pass (one tile x up to 8 rows, the weights read once), more
+ * pass_vnni's passes of 4 rows or, from 25 rows where the CPU has them, AMX-INT8 tiles.
  * Batch invariance: a row's result depends on that row alone and every row runs the same float
  * operations in the same order whatever the batch and the pass (rows past the end alias valid
  * ones, results dropped).
@@ -312,7 +312,7 @@ static void gemm_vnni(int type, const uint8_t *w, int64_t n, int64_t K, const in
 
 /*
  * AVX-512 VNNI wide pass: one weight tile x up to KM rows of x over all of K (a speculative
- * verify step's 5-16 GEMM rows: 3-8 rows of x, two int8 terms each), as wq_gemm.c's
+ * verify step's 5-24 GEMM rows: 3-12 rows of x, two int8 terms each), as wq_gemm.c's
  * pass_vnni_wide. Each code vector is loaded and unpacked (nibbles and high-bit
  * masks) once for all rows, each row's 4 bytes of x are broadcast from memory into the dpbusd,
  * and the tile's chunks of rows run back to back while its codes are in L1: the weights are
@@ -327,14 +327,15 @@ static void gemm_vnni(int type, const uint8_t *w, int64_t n, int64_t K, const in
  * (read and written once per super-block) and fa, fm and the block's sums in registers.
  */
 #define KM 8 /* rows of x per wide pass */
-/* 2026-12-07, AMX Xeon, 2 threads, int8x2 (docs/quantization.md): 6-12 GEMM rows 1.1-1.4x
+/* 2026-12-07, AMX Xeon, 2 threads, int8x2 (docs/quantization.md): 6-24 GEMM rows 1.07-1.5x
  * pass_vnni's passes of 4 with the weights in L3 (level at 6 rows, 1.08x at 8 streamed from
- * DRAM), 16 rows ~1.08x the AMX tiles; 1-4 rows: pass_vnni's one pass (see KQ_VNNI_PF). */
+ * DRAM), 16-24 rows 1.05-1.22x the AMX tiles (whose time is ~flat from 18 to 32 rows: they
+ * win from ~26-30 rows by type); 1-4 rows: pass_vnni's one pass (see KQ_VNNI_PF). */
 #ifndef KQ_WIDE_MIN_ROWS
 #define KQ_WIDE_MIN_ROWS 5 /* fewer rows: pass_vnni, one pass */
 #endif
 #ifndef KQ_WIDE_MAX_ROWS
-#define KQ_WIDE_MAX_ROWS 16 /* more rows: pass_vnni's passes of 4 (or AMX-INT8 tiles) */
+#define KQ_WIDE_MAX_ROWS 24 /* more rows: pass_vnni's passes of 4 (or AMX-INT8 tiles) */
 #endif
 #ifndef PF_KQ
 #define PF_KQ 4096 /* 2 / 4 / 8 / 16 KiB alike; none: 1.4-1.6x slower at 2-6 GEMM rows */
@@ -549,11 +550,11 @@ static int gemm_kq_wide(int type, const uint8_t *w, int64_t n, int64_t K, const 
  * From 16 rows (1 thread, Gemma 3's shapes): Q5_0 / Q5_1 / Q6_K 1.5x the VNNI passes of 4,
  * Q4_K 1.05x, 1.3-1.9x at 64; at 8 rows Q4_K is 0.8x (its float part, sc dx and the dmin term,
  * is most of the work), the rest ~1.1x; below that the per-call unpacking of the codes loses.
- * Against the wide pass (1-16 rows since 2026-12-07 23:10 UTC) the tiles are 0.90-0.94x at 16
- * rows (2 threads, int8x2): from 17 rows (was 16).
+ * Against the wide pass (5-24 rows since 2026-12-07) the tiles are 0.82-0.95x at 16-24 rows
+ * (2 threads, int8x2, Llama layers h = 2048): from 25 rows (was 16).
  */
 #ifndef AMX_MIN_ROWS
-#define AMX_MIN_ROWS 17
+#define AMX_MIN_ROWS 25
 #endif
 static int amx_state = -1;          /* -1: not asked yet, 0: off / unavailable, 1: on */
 static int amx_rows = AMX_MIN_ROWS; /* GEMMs of at least this many rows take the tiles */

@@ -139,14 +139,14 @@ def _bits(t):
 
 @pytest.mark.parametrize("name", TYPES)
 def test_wide_pass_rows_are_batch_invariant(lib, name):
-    """AVX-512 VNNI: GEMMs of 1-4 rows run one 4-tile pass, 5-16 the wide pass (one weight tile
+    """AVX-512 VNNI: GEMMs of 1-4 rows run one 4-tile pass, 5-24 the wide pass (one weight tile
     x chunks of <= 8 rows, as even as they come), more the passes of 4 (AMX off here; the tiles
     against both: test_kq_amx.py). Each row alone (1-2 GEMM rows) is bit for bit that row in
     calls of 2, 3, 5, 8 and 11 rows (one term: 4-tile 2, 3, then wide 5, 8, 6 + 5; two terms:
-    4-tile 4, wide 6-16 GEMM rows, passes of 4 at 22) and in a batch of 20 (passes of 4), for
+    4-tile 4, wide 6-22 GEMM rows: 8 + 7 + 7 at 22) and in a batch of 26 (passes of 4), for
     every type and ISA variant (the others run their own passes); and near the twin."""
     p, _ = parts_of(name, 40, 512, 7)  # three tiles, the last one partial
-    x = torch.randn(20, 512, generator=torch.Generator().manual_seed(8))
+    x = torch.randn(26, 512, generator=torch.Generator().manual_seed(8))
     x[4, :32] = 0.0  # a zero block: dx = 0
     x[9] *= 1e-3
     rows = wq_cpu.amx_rows(lib)
@@ -154,11 +154,11 @@ def test_wide_pass_rows_are_batch_invariant(lib, name):
     try:
         for terms in (1, 2):
             alone = torch.cat([_run(lib, x[i:i + 1].contiguous(), [p], terms)
-                               for i in range(20)])
+                               for i in range(26)])
             full = _run(lib, x, [p], terms)
             assert torch.equal(_bits(full), _bits(alone)), terms
             for take in (2, 3, 5, 8, 11):
-                for s in {0, 20 - take, 3}:
+                for s in {0, 26 - take, 3}:
                     part = _run(lib, x[s:s + take].contiguous(), [p], terms)
                     assert torch.equal(_bits(part), _bits(alone[s:s + take])), (terms, take, s)
             _close(full, ref.kq_matmul(x, [p], terms), x, [p], terms)

@@ -132,6 +132,33 @@ static void quant_act(const float *restrict x, int64_t M, int64_t K, int terms,
 #define KQ_VNNI_PF_ROWS 4
 #endif
 
+/* Codes t of a 32-column block (lo: its low nibbles) -> w0 / w1: the 16 columns' 4 + 4 k-quads
+ * as unsigned bytes (the 5th / 6th bit planes at lo + 256 and lo + 320 added), vpdpbusd's B. */
+static inline __attribute__((always_inline)) void kq_codes(const uint8_t *lo, int t,
+                                                          const int bits, __m512i *w0p,
+                                                          __m512i *w1p) {
+    const __m512i lo4 = _mm512_set1_epi8(0x0F);
+    const __m512i v = _mm512_loadu_si512((const void *)(lo + 64 * t));
+    __m512i w0 = _mm512_and_si512(v, lo4);
+    __m512i w1 = _mm512_and_si512(_mm512_srli_epi16(v, 4), lo4);
+    if (bits >= 5) {
+        uint64_t m0, m1;
+        memcpy(&m0, lo + 256 + 8 * (2 * t), 8);
+        memcpy(&m1, lo + 256 + 8 * (2 * t + 1), 8);
+        w0 = _mm512_mask_add_epi8(w0, (__mmask64)m0, w0, _mm512_set1_epi8(16));
+        w1 = _mm512_mask_add_epi8(w1, (__mmask64)m1, w1, _mm512_set1_epi8(16));
+    }
+    if (bits == 6) {
+        uint64_t m0, m1;
+        memcpy(&m0, lo + 256 + 64 + 8 * (2 * t), 8);
+        memcpy(&m1, lo + 256 + 64 + 8 * (2 * t + 1), 8);
+        w0 = _mm512_mask_add_epi8(w0, (__mmask64)m0, w0, _mm512_set1_epi8(32));
+        w1 = _mm512_mask_add_epi8(w1, (__mmask64)m1, w1, _mm512_set1_epi8(32));
+    }
+    *w0p = w0;
+    *w1p = w1;
+}
+
 /* vt tiles x vm rows of x over all of K; out fp32 [VT][VM][16]. The type's constants are
  * literal at each call site (always inlined): one specialized copy per type and vm. */
 static inline __attribute__((always_inline)) void pass_vnni(
@@ -139,8 +166,6 @@ static inline __attribute__((always_inline)) void pass_vnni(
     const int32_t *const qsr[VM], int64_t K, const int bits, const int sb, const int subsc,
     const int dm, const int zero, const int vm, const int pf, float out[VT][VM][16]) {
     const kq_fmt f = {bits, sb, subsc, dm, zero};
-    const __m512i lo4 = _mm512_set1_epi8(0x0F), b16 = _mm512_set1_epi8(16),
-                  b32 = _mm512_set1_epi8(32);
     const int64_t nsb = K / (32 * sb), hb = hdr_bytes(f), bb = blk_bytes(f), sbb = sb_bytes(f);
     const int nseg = subsc == 2 ? 2 : 1, tseg = 4 / nseg;
     __m512 o[VT][VM];
@@ -174,23 +199,8 @@ static inline __attribute__((always_inline)) void pass_vnni(
                     for (int j = 0; j < VT; j++) {
                         const uint8_t *blk = wt[j] + s * sbb + hb + bi * bb;
                         const uint8_t *lo = blk + (subsc ? 32 : 0);
-                        const __m512i v = _mm512_loadu_si512((const void *)(lo + 64 * t));
-                        __m512i w0 = _mm512_and_si512(v, lo4);
-                        __m512i w1 = _mm512_and_si512(_mm512_srli_epi16(v, 4), lo4);
-                        if (bits >= 5) {
-                            uint64_t m0, m1;
-                            memcpy(&m0, lo + 256 + 8 * (2 * t), 8);
-                            memcpy(&m1, lo + 256 + 8 * (2 * t + 1), 8);
-                            w0 = _mm512_mask_add_epi8(w0, (__mmask64)m0, w0, b16);
-                            w1 = _mm512_mask_add_epi8(w1, (__mmask64)m1, w1, b16);
-                        }
-                        if (bits == 6) {
-                            uint64_t m0, m1;
-                            memcpy(&m0, lo + 256 + 64 + 8 * (2 * t), 8);
-                            memcpy(&m1, lo + 256 + 64 + 8 * (2 * t + 1), 8);
-                            w0 = _mm512_mask_add_epi8(w0, (__mmask64)m0, w0, b32);
-                            w1 = _mm512_mask_add_epi8(w1, (__mmask64)m1, w1, b32);
-                        }
+                        __m512i w0, w1;
+                        kq_codes(lo, t, bits, &w0, &w1);
                         for (int i = 0; i < vm; i++) {
                             a[j][i] = _mm512_dpbusd_epi32(a[j][i], w0, x0[i]);
                             a[j][i] = _mm512_dpbusd_epi32(a[j][i], w1, x1[i]);
@@ -355,8 +365,6 @@ static inline __attribute__((always_inline)) void pass_kq_wide(
     const int sb, const int subsc, const int dm, const int zero, const int vm,
     float out[KM][16]) {
     const kq_fmt f = {bits, sb, subsc, dm, zero};
-    const __m512i lo4 = _mm512_set1_epi8(0x0F), b16 = _mm512_set1_epi8(16),
-                  b32 = _mm512_set1_epi8(32);
     const int64_t nsb = K / (32 * sb), hb = hdr_bytes(f), bb = blk_bytes(f), sbb = sb_bytes(f);
     const int64_t nb = K / 32;
     const int nseg = subsc == 2 ? 2 : 1, tseg = 4 / nseg;
@@ -382,23 +390,8 @@ static inline __attribute__((always_inline)) void pass_kq_wide(
                 __m512i a[KM], a1[KM];
                 for (int i = 0; i < vm; i++) a[i] = a1[i] = _mm512_setzero_si512();
                 for (int t = seg * tseg; t < (seg + 1) * tseg; t++) {
-                    const __m512i v = _mm512_loadu_si512((const void *)(lo + 64 * t));
-                    __m512i w0 = _mm512_and_si512(v, lo4);
-                    __m512i w1 = _mm512_and_si512(_mm512_srli_epi16(v, 4), lo4);
-                    if (bits >= 5) {
-                        uint64_t m0, m1;
-                        memcpy(&m0, lo + 256 + 8 * (2 * t), 8);
-                        memcpy(&m1, lo + 256 + 8 * (2 * t + 1), 8);
-                        w0 = _mm512_mask_add_epi8(w0, (__mmask64)m0, w0, b16);
-                        w1 = _mm512_mask_add_epi8(w1, (__mmask64)m1, w1, b16);
-                    }
-                    if (bits == 6) {
-                        uint64_t m0, m1;
-                        memcpy(&m0, lo + 256 + 64 + 8 * (2 * t), 8);
-                        memcpy(&m1, lo + 256 + 64 + 8 * (2 * t + 1), 8);
-                        w0 = _mm512_mask_add_epi8(w0, (__mmask64)m0, w0, b32);
-                        w1 = _mm512_mask_add_epi8(w1, (__mmask64)m1, w1, b32);
-                    }
+                    __m512i w0, w1;
+                    kq_codes(lo, t, bits, &w0, &w1);
                     for (int i = 0; i < vm; i++) {
                         int32_t v0, v1;
                         memcpy(&v0, q + i * K + 32 * b + 8 * t, 4);

@@ -159,6 +159,18 @@ static inline __attribute__((always_inline)) void kq_codes(const uint8_t *lo, in
     *w1p = w1;
 }
 
+/* A block's 16 columns' sub-scales as floats: 1 (none), unsigned bytes at blk (subsc 1), or the
+ * signed bytes of segment seg at blk + 16 seg (subsc 2). */
+static inline __attribute__((always_inline)) __m512 kq_subscales(const uint8_t *blk,
+                                                                 const int subsc, int seg) {
+    if (subsc == 1)
+        return _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)blk)));
+    if (subsc == 2)
+        return _mm512_cvtepi32_ps(
+            _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(blk + 16 * seg))));
+    return _mm512_set1_ps(1.0f);
+}
+
 /* vt tiles x vm rows of x over all of K; out fp32 [VT][VM][16]. The type's constants are
  * literal at each call site (always inlined): one specialized copy per type and vm. */
 static inline __attribute__((always_inline)) void pass_vnni(
@@ -212,13 +224,7 @@ static inline __attribute__((always_inline)) void pass_vnni(
                  * dpbusd) */
                 for (int j = 0; j < VT; j++) {
                     const uint8_t *blk = wt[j] + s * sbb + hb + bi * bb;
-                    __m512 sc = _mm512_set1_ps(1.0f);
-                    if (subsc == 1)
-                        sc = _mm512_cvtepi32_ps(
-                            _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)blk)));
-                    else if (subsc == 2)
-                        sc = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
-                            _mm_loadu_si128((const __m128i *)(blk + 16 * seg))));
+                    const __m512 sc = kq_subscales(blk, subsc, seg);
                     for (int i = 0; i < vm; i++) {
                         __m512i T = a[j][i];
                         if (zero) {
@@ -405,13 +411,7 @@ static inline __attribute__((always_inline)) void pass_kq_wide(
                 }
                 if (vm <= KQ_WIDE_SPLIT && nseg == 1)
                     for (int i = 0; i < vm; i++) a[i] = _mm512_add_epi32(a[i], a1[i]);
-                __m512 sc = _mm512_set1_ps(1.0f);
-                if (subsc == 1)
-                    sc = _mm512_cvtepi32_ps(
-                        _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)blk)));
-                else if (subsc == 2)
-                    sc = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
-                        _mm_loadu_si128((const __m128i *)(blk + 16 * seg))));
+                const __m512 sc = kq_subscales(blk, subsc, seg);
                 for (int i = 0; i < vm; i++) {
                     __m512i T = a[i];
                     if (zero)

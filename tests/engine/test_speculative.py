@@ -312,6 +312,17 @@ def test_draft_model_of_itself_accepts_everything(spec_model, make_llm, referenc
     assert llm.engine.drafter.draft_model.parts.scheduler.num_unfinished == 0
 
 
+def test_draft_model_adaptive_identical(spec_model, make_llm, reference):
+    """Adaptive (the default): the draft model's passes are measured and priced; whatever it
+    then drafts, the output is the reference's, and the draft engine holds nothing after."""
+    llm = make_llm(spec_model, speculative_config={
+        "method": "draft_model", "model": spec_model, "num_speculative_tokens": 3})
+    assert _run(llm) == reference
+    drafter = llm.engine.drafter
+    assert drafter.draft_cost.known  # a steady proposal was measured
+    assert drafter.draft_model.parts.scheduler.num_unfinished == 0
+
+
 @pytest.mark.parametrize("kv", ["fp8", "int8", "bf16"])
 def test_quantized_kv_identical(spec_model, make_llm, kv):
     off = make_llm(spec_model, kv_cache_dtype=kv)

@@ -99,3 +99,39 @@ class StepCost:
             w = self._shape_w[rows]
             t *= (w * self._shape[rows] + _SHAPE_PRIOR) / (w + _SHAPE_PRIOR)
         return t
+
+
+class DraftCost:
+    """What a draft model's proposal costs: its first pass (the draft engine catches up on the
+    tokens since its last call: the last verify step's accepted tokens and the bonus token,
+    plus the partial block its prefix cache does not hold, then samples draft token 1) and
+    each further pass (one decode row per request: tokens 2..k), each a ``StepCost`` keyed by
+    the number of requests drafted. Both are measured around the draft engine's own loop
+    (schedule, forward, update), so its Python counts as well as its GEMMs."""
+
+    __slots__ = ("first", "rest")
+
+    def __init__(self) -> None:
+        self.first = StepCost()
+        self.rest = StepCost()
+
+    def observe(self, requests: int, first: float, rest: float | None) -> None:
+        """One proposal for ``requests`` requests: its first pass took ``first`` seconds,
+        each further pass ``rest`` on average (None: there was none)."""
+        self.first.observe(requests, first)
+        if rest is not None:
+            self.rest.observe(requests, rest)
+
+    @property
+    def known(self) -> bool:
+        return self.first.known
+
+    def __call__(self, requests: int, passes: int) -> float:
+        """Seconds for ``passes`` draft tokens for each of ``requests`` requests (0 before
+        anything was measured: the first proposal is what measures it)."""
+        if passes <= 0 or requests <= 0 or not self.known:
+            return 0.0
+        t = self.first(requests)
+        if passes > 1:  # before a second pass was ever seen: as costly as the first
+            t += (passes - 1) * (self.rest(requests) if self.rest.known else t)
+        return t

@@ -11,9 +11,11 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import time
 
 from kvserve.engine.arg_utils import EngineArgs
 from kvserve.engine.builder import EngineParts, build_engine
+from kvserve.engine.spec.cost import DraftCost
 from kvserve.request import Request, RequestStatus
 from kvserve.sampling_params import SamplingParams
 
@@ -34,6 +36,7 @@ class DraftModelProposer:
     def __init__(self, parts: EngineParts) -> None:
         self.parts = parts
         self.max_len = parts.config.model.max_model_len
+        self.block_size = parts.config.cache.block_size
         self._checker = _LengthOnly()
         self._greedy = SamplingParams(temperature=0.0, ignore_eos=True, detokenize=False)
 
@@ -57,8 +60,12 @@ class DraftModelProposer:
         logger.info("speculative decoding: draft model %s", parts.config.model.path)
         return cls(parts)
 
-    def propose(self, reqs: list[Request], ks: list[int]) -> list[list[int]]:
+    def propose(self, reqs: list[Request], ks: list[int], cost: DraftCost | None = None
+                ) -> list[list[int]]:
+        """Greedy drafts of ``ks[i]`` tokens for ``reqs[i]`` (fewer where the draft model's
+        context ends); the passes' times go to ``cost``."""
         sched, runner = self.parts.scheduler, self.parts.runner
+        t0 = time.perf_counter()
         drafts: list[Request | None] = []
         for r, k in zip(reqs, ks, strict=True):
             ids = r.all_token_ids
@@ -69,13 +76,31 @@ class DraftModelProposer:
             sched.add(d)
             drafts.append(d)
         live = [d for d in drafts if d is not None]
+        # first: until every draft has its first token (the catch-up, in chunks if long);
+        # then `steps` passes of one row per draft. A catch-up of more rows than a steady
+        # one (a new request's prompt: a one-off prefill, not the per-step price) is not
+        # observed as the first pass's cost.
+        first, steps, rows = None, 0, 0
+        steady = len(live) * (self.block_size + max(ks, default=0) + 1)
         while any(not d.is_finished for d in live):
             so = sched.schedule()
             if so.is_empty:
                 break
             sched.update_from_output(so, runner.execute_model(so), self._checker)
+            if first is not None:
+                steps += 1
+                continue
+            rows += so.num_batched_tokens
+            if all(d.num_output_tokens or d.is_finished for d in live):
+                first = time.perf_counter() - t0
         for d in live:
             sched.finish(d, RequestStatus.FINISHED_ABORTED)  # frees its blocks (no-op if done)
+        if cost is not None and first is not None:
+            rest = (time.perf_counter() - t0 - first) / steps if steps else None
+            if rows <= steady:
+                cost.observe(len(live), first, rest)
+            elif rest is not None:
+                cost.rest.observe(len(live), rest)
         return [list(d.output_token_ids) if d is not None else [] for d in drafts]
 
     def forget(self, request_id: str) -> None:

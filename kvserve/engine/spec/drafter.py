@@ -14,15 +14,21 @@ tokens per second still rises, so a
 request whose drafts keep failing stops drafting (its alpha drifts back to the prior while it
 does not draft, so it is tried again later), and a large batch, where a row costs a whole
 token's share, drafts only near-certain tokens.
+
+A draft model's proposals cost passes of their own (``DraftCost``, measured around the draft
+engine's loop): their number is planned before it runs, the passes' time counted with the
+verify step's, so a draft model about as costly as the target does not run at all.
 """
 
 from __future__ import annotations
 
+import time
+from collections.abc import Callable
 from typing import Protocol
 
 from kvserve.config import SpeculativeConfig
 from kvserve.engine.spec.calibrate import Bucket, Calibration, bucket
-from kvserve.engine.spec.cost import StepCost
+from kvserve.engine.spec.cost import DraftCost, StepCost
 from kvserve.engine.spec.ngram import NgramIndex
 from kvserve.engine.spec.realign import MAX_SHIFT, SUBST_WEIGHT, TokenText, realign
 from kvserve.engine.spec.suffix import GlobalSuffixCache, SuffixTree
@@ -41,7 +47,8 @@ _GLOBAL_DECAY = 0.98  # per verification, for the prior over all requests
 class DraftModel(Protocol):
     """A draft model's proposer (kvserve/engine/spec/draft_model.py)."""
 
-    def propose(self, reqs: list[Request], k: list[int]) -> list[list[int]]: ...
+    def propose(self, reqs: list[Request], k: list[int], cost: DraftCost | None = None
+                ) -> list[list[int]]: ...
 
     def forget(self, request_id: str) -> None: ...
 
@@ -86,6 +93,7 @@ class Drafter:
         self.draft_model = draft_model
         assert (config.method == "draft_model") == (draft_model is not None)
         self.cost = StepCost()
+        self.draft_cost = DraftCost()  # the draft model's passes (draft_model only)
         self.counters = SpecDecodeCounters(accepted_per_pos=[0] * self.k)
         self._states: dict[str, _State] = {}
         # every request's outcomes together: the prior of a request that has none yet
@@ -155,14 +163,16 @@ class Drafter:
             decoding.append((req, min(self.k, room)))
         if not decoding:
             return
-        if self.config.adaptive and self.cost.known and not self._may_pay(decoding, base_rows):
+        adaptive = self.config.adaptive and self.cost.known
+        spent = 0.0  # seconds the draft model took (sunk when the drafts are chosen)
+        if self.draft_model is not None:
+            drafts, spent = self._propose_draft_model(decoding, base_rows, adaptive)
+        elif adaptive and not self._may_pay(decoding, base_rows):
             for req, _ in decoding:  # nothing drafted: back towards the prior
                 st = self._state(req)
                 st.acc *= _IDLE_DECAY
                 st.trials *= _IDLE_DECAY
             return
-        if self.draft_model is not None:
-            drafts = self.draft_model.propose([r for r, _ in decoding], [k for _, k in decoding])
         else:
             drafts = [self._propose_one(req, k) for req, k in decoding]
         for (req, k), d in zip(decoding, drafts, strict=True):
@@ -205,7 +215,34 @@ class Drafter:
             for req, d, _ in cands:
                 req.spec_token_ids = d
             return
-        self._choose(cands, len(decoding), base_rows)
+        self._choose(cands, len(decoding), base_rows, spent)
+
+    def _propose_draft_model(self, decoding: list[tuple[Request, int]], base_rows: int,
+                             adaptive: bool) -> tuple[list[list[int]], float]:
+        """The draft model's proposals and the seconds they took. Adaptive (once a proposal
+        was measured): each request's draft length is planned before the draft model runs,
+        weighing its passes with the verify rows (``_plan``, token j expected at alpha^j);
+        a request planned at 0 gets no draft-model tokens (what its grammar forces is still
+        drafted), and with every request at 0 the draft model does not run. A draft model as
+        costly as the target thus stops drafting; a cheap one drafts as far as it pays."""
+        assert self.draft_model is not None
+        ks = [k for _, k in decoding]
+        if adaptive and self.draft_cost.known:
+            probs = []
+            for req, k in decoding:
+                a = self._alpha(self._state(req))
+                probs.append([a ** (j + 1) for j in range(k)])
+            ks = self._plan(probs, len(decoding), base_rows, self.draft_cost)
+        run = [i for i, k in enumerate(ks) if k > 0]
+        drafts: list[list[int]] = [[] for _ in decoding]
+        if not run:
+            return drafts, 0.0
+        t0 = time.perf_counter()
+        got = self.draft_model.propose([decoding[i][0] for i in run], [ks[i] for i in run],
+                                       self.draft_cost)
+        for i, d in zip(run, got, strict=True):
+            drafts[i] = d
+        return drafts, time.perf_counter() - t0
 
     def _may_pay(self, decoding: list[tuple[Request, int]], base_rows: int) -> bool:
         """Whether even the likeliest first draft token (probability: ``_lead``) would
@@ -217,33 +254,15 @@ class Drafter:
         return (n + best) * t > n * self.cost.at(base_rows + 1, base_rows)
 
     def _choose(self, cands: list[tuple[Request, list[int], list[float]]], n_decode: int,
-                base_rows: int) -> None:
+                base_rows: int, spent: float = 0.0) -> None:
         """Take draft tokens by expected acceptance, as many as maximize the step's expected
-        tokens per second (the whole prefix is weighed: the measured curve has steps, so a
-        token that does not pay alone may pay with the next ones)."""
-        order = sorted(((p, i, j) for i, (_, _, ps) in enumerate(cands)
-                        for j, p in enumerate(ps)), key=lambda t: -t[0])
-        take = [0] * len(cands)
-        gain, rows = float(n_decode), base_rows
-        picks: list[int] = []
-        known = self.cost.known
-        best_rate = gain / self.cost(rows) if known else 0.0
-        best_n = 0
-        for p, i, j in order:
-            if j != take[i]:  # a later token of a request whose earlier one was not taken
-                continue
-            take[i] += 1
-            gain += p
-            rows += 1
-            picks.append(i)
-            if known:
-                rate = gain / self.cost.at(rows, base_rows)
-                if rate > best_rate:
-                    best_rate, best_n = rate, len(picks)
-        if known:
-            take = [0] * len(cands)
-            for i in picks[:best_n]:
-                take[i] += 1
+        tokens per second; ``spent``: seconds already spent proposing (a draft model's
+        passes), part of this step's time whatever is taken."""
+        if self.cost.known:
+            take = self._plan([ps for _, _, ps in cands], n_decode, base_rows,
+                              lambda requests, passes: spent)
+        else:
+            take = [len(d) for _, d, _ in cands]
         for (req, d, _), n in zip(cands, take, strict=True):
             req.spec_token_ids = d[:n]
             st = self._states[req.request_id]
@@ -251,6 +270,37 @@ class Drafter:
             if not n:
                 st.acc *= _IDLE_DECAY
                 st.trials *= _IDLE_DECAY
+
+    def _plan(self, probs: list[list[float]], n_decode: int, base_rows: int,
+              draft: Callable[[int, int], float]) -> list[int]:
+        """How many draft tokens each request takes: tokens in order of expected acceptance
+        (``probs[i][j]``: token j of request i), the prefix that maximizes the step's
+        expected tokens per second, the step's time being the verify step's (the measured
+        curve at its rows) plus ``draft(requests drafting, passes)`` (the deepest token
+        taken sets the passes). The whole prefix is weighed: the curve has steps, so a token
+        that does not pay alone may pay with the next ones."""
+        order = sorted(((p, i, j) for i, ps in enumerate(probs) for j, p in enumerate(ps)),
+                       key=lambda t: -t[0])
+        take = [0] * len(probs)
+        gain, rows, depth, active = float(n_decode), base_rows, 0, 0
+        picks: list[int] = []
+        best_rate, best_n = gain / self.cost(rows), 0
+        for p, i, j in order:
+            if j != take[i]:  # a later token of a request whose earlier one was not taken
+                continue
+            active += take[i] == 0
+            take[i] += 1
+            gain += p
+            rows += 1
+            depth = max(depth, j + 1)
+            picks.append(i)
+            rate = gain / (self.cost.at(rows, base_rows) + draft(active, depth))
+            if rate > best_rate:
+                best_rate, best_n = rate, len(picks)
+        take = [0] * len(probs)
+        for i in picks[:best_n]:
+            take[i] += 1
+        return take
 
     def _lead(self, st: _State) -> float:
         """The likeliest first draft token's probability: alpha, or the estimate of the last

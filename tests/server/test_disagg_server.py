@@ -109,26 +109,30 @@ def test_decode_leg_reports_the_prefill_replicas_cached_tokens(inprocess, tmp_pa
     body = {"model": MODEL_NAME, "prompt": " ".join(f"w{i}" for i in range(100, 140)),
             "max_tokens": 4, "temperature": 0, "ignore_eos": True}
 
+    async def prefill(p) -> dict:
+        r = await p.post("/v1/completions", json={**body, "kv_transfer": {"role": "prefill"}})
+        leg = r.json()["kv_transfer"]
+        assert leg["cached_tokens"] == r.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
+        return {**body, "kv_transfer": {"role": "decode", **leg}}
+
     async def go():
+        # each decode leg gets a prefill leg of its own (a transfer is consumed by the decode
+        # that imports it); the prefill legs after the first hit the first one's blocks
         async with pre.client() as p, dec.client() as d:
             out = []
-            for _ in range(2):  # the second prefill leg hits the first one's blocks
-                r = await p.post("/v1/completions", json={**body, "kv_transfer": {
-                    "role": "prefill"}})
-                leg = r.json()["kv_transfer"]
-                assert leg["cached_tokens"] == (
-                    r.json()["usage"]["prompt_tokens_details"]["cached_tokens"])
-                dbody = {**body, "kv_transfer": {"role": "decode", **leg}}
+            for _ in range(2):
+                dbody = await prefill(p)
                 full = (await d.post("/v1/completions", json=dbody)).json()
+                sbody = await prefill(p)
                 chunks = await _sse(d, "/v1/completions", {
-                    **dbody, "stream_options": {"include_usage": True}})
-                out.append((leg["cached_tokens"], full["usage"], chunks[-1]["usage"]))
+                    **sbody, "stream_options": {"include_usage": True}})
+                out.append((dbody["kv_transfer"]["cached_tokens"], full["usage"],
+                            sbody["kv_transfer"]["cached_tokens"], chunks[-1]["usage"]))
             return out
 
-    (c0, u0, s0), (c1, u1, s1) = pre.run(go())
+    (c0, u0, cs0, s0), (c1, u1, cs1, s1) = pre.run(go())
     prompt = u0["prompt_tokens"]
-    assert c0 == 0 and c1 == (prompt - 1) // 16 * 16 > 0
-    assert u0["prompt_tokens_details"]["cached_tokens"] == 0 == (
-        s0["prompt_tokens_details"]["cached_tokens"])
-    assert u1["prompt_tokens_details"]["cached_tokens"] == c1 == (
-        s1["prompt_tokens_details"]["cached_tokens"])
+    hit = (prompt - 1) // 16 * 16
+    assert c0 == 0 and hit > 0 and cs0 == c1 == cs1 == hit
+    for c, u in ((c0, u0), (cs0, s0), (c1, u1), (cs1, s1)):
+        assert u["prompt_tokens_details"]["cached_tokens"] == c

@@ -145,3 +145,59 @@ def test_grammar_forced_tokens_are_drafted_without_the_draft_model():
     assert len(draft.calls) == 1
     assert reqs[0].spec_token_ids == [7, 8]
 
+
+
+def test_seconds_spent_drafting_count_whether_or_not_tokens_are_taken():
+    """After the draft model ran, its seconds are part of the step whatever is taken: one
+    draft token at p = 0.2 after 20 ms of drafting gives 1.2 tokens in 5 + 20 ms against 1 in
+    4 + 20 (0.048 against 0.042 a ms: taken); with nothing spent, 1.2 / 5 = 0.24 against
+    1 / 4 (not taken). Pricing the sunk seconds on one side only would waste the passes."""
+    d = _drafter(_Draft(0.004, 0.004))
+    req = _reqs(1)[0]
+    d._state(req)
+    d._choose([(req, [9], [0.2])], 1, 1, spent=0.020)
+    assert req.spec_token_ids == [9]
+    d._choose([(req, [9], [0.2])], 1, 1)
+    assert req.spec_token_ids == []
+
+
+def test_the_plan_drafts_per_request():
+    """Two requests, passes at 0.2 ms: the one whose drafts are accepted (alpha 0.95) drafts
+    the full k; the other (alpha 0.3) gets none: with the first drafting k, 2 + 4.29 tokens in
+    10 ms (7 rows) + ~1 ms of passes is 0.57 a ms; its first token would add 0.3 for a row
+    (1 ms) and a second request's passes, 6.59 / ~12.1 = 0.54."""
+    draft = _Draft(0.0002, 0.0002)
+    d = _drafter(draft)
+    good, bad = _reqs(2)
+    d.propose([good, bad], 2)  # the probe
+    for req, a in ((good, 0.95), (bad, 0.3)):
+        st = d._state(req)
+        st.acc, st.trials = a * 1e6, 1e6
+    d.propose([good, bad], 2)
+    assert draft.calls[-1] == [K]
+    assert len(good.spec_token_ids) == K and bad.spec_token_ids == []
+
+
+def test_a_new_prompt_is_not_priced_as_a_pass(tmp_path, make_llm):
+    """The real draft engine: a proposal whose catch-up is a new request's prompt (40 tokens,
+    more than a steady catch-up's block + k + 1 = 20) does not set the first pass's price; its
+    further passes do. The next proposal, two tokens on, is steady and priced."""
+    import torch
+
+    from tests.conftest import make_tiny_model
+
+    model = make_tiny_model(str(tmp_path), "llama", save_dtype=torch.bfloat16)
+    llm = make_llm(model, speculative_config={
+        "method": "draft_model", "model": model, "num_speculative_tokens": 3})
+    proposer = llm.engine.drafter.draft_model
+    assert proposer.steady_rows == 16 + 3 + 1
+    req = Request("p", "p", 0, [(5 * i) % 300 + 3 for i in range(40)],
+                  SamplingParams(max_tokens=20), 20)
+    cost = DraftCost()
+    first = proposer.propose([req], [3], cost)[0]
+    assert len(first) == 3
+    assert not cost.known and cost.rest.known
+    req.output_token_ids += first[:2]  # two of them accepted (the second as the bonus token)
+    assert len(proposer.propose([req], [3], cost)[0]) == 3
+    assert cost.known
+    assert proposer.parts.scheduler.num_unfinished == 0

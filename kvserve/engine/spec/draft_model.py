@@ -33,10 +33,12 @@ class _LengthOnly:
 
 
 class DraftModelProposer:
-    def __init__(self, parts: EngineParts) -> None:
+    def __init__(self, parts: EngineParts, k: int) -> None:
         self.parts = parts
+        # a steady catch-up per request: the partial block the prefix cache does not hold,
+        # the last verify's accepted tokens (up to k) and its bonus token
+        self.steady_rows = parts.config.cache.block_size + k + 1
         self.max_len = parts.config.model.max_model_len
-        self.block_size = parts.config.cache.block_size
         self._checker = _LengthOnly()
         self._greedy = SamplingParams(temperature=0.0, ignore_eos=True, detokenize=False)
 
@@ -58,7 +60,7 @@ class DraftModelProposer:
             raise ValueError(f"speculative_config: model {model!r} has a different tokenizer "
                              "than the target (a draft model must share its vocabulary)")
         logger.info("speculative decoding: draft model %s", parts.config.model.path)
-        return cls(parts)
+        return cls(parts, args.speculative_config.num_speculative_tokens)
 
     def propose(self, reqs: list[Request], ks: list[int], cost: DraftCost | None = None
                 ) -> list[list[int]]:
@@ -77,11 +79,11 @@ class DraftModelProposer:
             drafts.append(d)
         live = [d for d in drafts if d is not None]
         # first: until every draft has its first token (the catch-up, in chunks if long);
-        # then `steps` passes of one row per draft. A catch-up of more rows than a steady
-        # one (a new request's prompt: a one-off prefill, not the per-step price) is not
-        # observed as the first pass's cost.
-        first, steps, rows = None, 0, 0
-        steady = len(live) * (self.block_size + max(ks, default=0) + 1)
+        # then `steps` passes of one row per unfinished draft (`rest` averages them over all
+        # `live`: a little low where drafts end early). A request's catch-up of more rows
+        # than a steady one (a new prompt: a one-off prefill, not the per-step price) keeps
+        # the first pass from being observed.
+        first, steps, steady = None, 0, True
         while any(not d.is_finished for d in live):
             so = sched.schedule()
             if so.is_empty:
@@ -90,14 +92,17 @@ class DraftModelProposer:
             if first is not None:
                 steps += 1
                 continue
-            rows += so.num_batched_tokens
+            # the rows a request has left to compute when its step starts (its first chunk:
+            # everything past its prefix-cache hit)
+            steady = steady and all(s.req.num_tokens - s.num_computed_tokens <= self.steady_rows
+                                    for s in so.scheduled)
             if all(d.num_output_tokens or d.is_finished for d in live):
                 first = time.perf_counter() - t0
         for d in live:
             sched.finish(d, RequestStatus.FINISHED_ABORTED)  # frees its blocks (no-op if done)
         if cost is not None and first is not None:
             rest = (time.perf_counter() - t0 - first) / steps if steps else None
-            if rows <= steady:
+            if steady:
                 cost.observe(len(live), first, rest)
             elif rest is not None:
                 cost.rest.observe(len(live), rest)

@@ -227,7 +227,9 @@ class Drafter:
         costly as the target thus stops drafting; a cheap one drafts as far as it pays."""
         assert self.draft_model is not None
         ks = [k for _, k in decoding]
-        if adaptive and self.draft_cost.known:
+        if adaptive and not self.draft_cost.known and not self._may_pay(decoding, base_rows):
+            ks = [0] * len(ks)  # not even the verify rows pay: no proposal to measure yet
+        elif adaptive and self.draft_cost.known:
             probs = []
             for req, k in decoding:
                 a = self._alpha(self._state(req))
@@ -260,7 +262,7 @@ class Drafter:
         passes), part of this step's time whatever is taken."""
         if self.cost.known:
             take = self._plan([ps for _, _, ps in cands], n_decode, base_rows,
-                              lambda requests, passes: spent)
+                              lambda *_: spent)
         else:
             take = [len(d) for _, d, _ in cands]
         for (req, d, _), n in zip(cands, take, strict=True):
@@ -284,7 +286,8 @@ class Drafter:
         take = [0] * len(probs)
         gain, rows, depth, active = float(n_decode), base_rows, 0, 0
         picks: list[int] = []
-        best_rate, best_n = gain / self.cost(rows), 0
+        # drafting nothing still costs draft(0, 0): the seconds already spent (``_choose``)
+        best_rate, best_n = gain / (self.cost(rows) + draft(0, 0)), 0
         for p, i, j in order:
             if j != take[i]:  # a later token of a request whose earlier one was not taken
                 continue

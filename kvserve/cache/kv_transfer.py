@@ -24,7 +24,10 @@ Flow::
 Transports (both: nothing pickled; the bytes are block_store's, the control messages msgpack):
   * ``DirectoryTransport``: one shared directory (a tmpfs on one host). The sender writes
     ``<id>.<i>.kvb`` (tmp file + os.replace) and then ``<id>.ready`` (msgpack: block count and
-    sizes); the receiver waits for ``.ready``, reads, and deletes the files (= confirm).
+    sizes); the receiver waits for ``.ready``, reads, and deletes the files (= confirm). A
+    taken or expired transfer leaves an empty ``<id>.gone`` (the receiver's or the sender's),
+    so a second fetch of it fails at once (``unknown_transfer``, as ZMQ's) instead of waiting
+    out the timeout; the sender deletes its tombstones a TTL later (and orphans at start).
   * ``ZmqTransport``: the sender serves its outbox from a ROUTER socket (a thread); the
     receiver's DEALER asks ``{"op": "get", "id"}`` and gets ``[msgpack header, blob, ...]``,
     then sends ``{"op": "done", "id"}``. ZMQ_MAXMSGSIZE bounds every frame.
@@ -169,6 +172,15 @@ def _dir_path(directory: str, tid: str, i: int | None) -> str:
     return os.path.join(directory, f"{tid}.ready" if i is None else f"{tid}.{i:05d}.kvb")
 
 
+def _gone_path(directory: str, tid: str) -> str:
+    return os.path.join(directory, f"{tid}.gone")
+
+
+def _mark_gone(directory: str, tid: str) -> None:
+    with contextlib.suppress(OSError):  # a read-only dir: a second fetch times out instead
+        open(_gone_path(directory, tid), "wb").close()
+
+
 def _dir_delete(directory: str, tid: str, n: int) -> None:
     for i in [None, *range(n)]:
         with contextlib.suppress(FileNotFoundError):
@@ -183,7 +195,14 @@ class DirectoryTransport:
         os.makedirs(self.dir, exist_ok=True)
         self.ttl_s = ttl_s
         self._offers: dict[str, tuple[float, int]] = {}  # id -> (deadline, blocks)
+        self._gone: dict[str, float] = {}  # id -> when its tombstone is deleted
         self.expired = 0
+        now = time.time()  # tombstones a sender that died left behind, past any TTL
+        for name in os.listdir(self.dir):
+            if name.endswith(".gone"):
+                with contextlib.suppress(OSError):
+                    if now - os.path.getmtime(os.path.join(self.dir, name)) > ttl_s:
+                        os.unlink(os.path.join(self.dir, name))
 
     def _write(self, path: str, data: bytes) -> None:
         tmp = os.path.join(self.dir, f".tmp-{os.getpid()}-{os.path.basename(path)}")
@@ -203,8 +222,11 @@ class DirectoryTransport:
         if handle.nbytes > max_bytes:
             raise TransferFailed("too_large", f"{handle.nbytes} > {max_bytes} bytes")
         ready = os.path.join(handle.address, f"{handle.transfer_id}.ready")
+        gone = _gone_path(handle.address, handle.transfer_id)
         deadline = time.monotonic() + timeout_s
         while not os.path.exists(ready):
+            if os.path.exists(gone):
+                raise TransferFailed("unknown_transfer", "taken or expired")
             if time.monotonic() > deadline:  # a dead sender: drop what it left
                 _dir_delete(handle.address, handle.transfer_id, handle.num_blocks)
                 raise TransferFailed("timeout", f"no {ready} after {timeout_s} s")
@@ -227,19 +249,29 @@ class DirectoryTransport:
             if total > max_bytes:
                 raise TransferFailed("too_large", f"over {max_bytes} bytes")
             blobs.append(b)
+        _mark_gone(handle.address, handle.transfer_id)
         _dir_delete(handle.address, handle.transfer_id, n)  # confirm: the sender's copy is gone
         return blobs
 
     def expire(self) -> int:
-        """Forget confirmed offers and delete the files of those past their deadline."""
+        """Forget confirmed offers, delete the files of those past their deadline (leaving
+        a tombstone), and the tombstones a TTL old."""
         now, n = time.monotonic(), 0
         for tid, (deadline, nb) in list(self._offers.items()):
             if not os.path.exists(_dir_path(self.dir, tid, None)):
                 del self._offers[tid]  # confirmed (the receiver deleted it)
+                self._gone[tid] = now + self.ttl_s
             elif now > deadline:
+                _mark_gone(self.dir, tid)
                 _dir_delete(self.dir, tid, nb)
                 del self._offers[tid]
+                self._gone[tid] = now + self.ttl_s
                 n += 1
+        for tid, until in list(self._gone.items()):
+            if now > until:
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(_gone_path(self.dir, tid))
+                del self._gone[tid]
         self.expired += n
         return n
 
@@ -250,7 +282,11 @@ class DirectoryTransport:
     def close(self) -> None:
         for tid, (_, nb) in list(self._offers.items()):
             _dir_delete(self.dir, tid, nb)
+        for tid in [*self._offers, *self._gone]:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(_gone_path(self.dir, tid))
         self._offers.clear()
+        self._gone.clear()
 
 
 # ---- the ZMQ transport ----------------------------------------------------------------------

@@ -121,10 +121,12 @@ def test_directory_transfer_equals_colocated(tiny_bf16, colocated, tmp_path, mod
         assert pre.stats().kv_transfer["exported"] == 4
         assert st["bytes_received"] == pre.stats().kv_transfer["bytes_sent"] > 0
         _no_leaks(pre, dec)
-        assert not [f for f in os.listdir(tmp_path) if not f.startswith(".")]
+        # what is left: the taken transfers' tombstones (deleted a TTL later, or at shutdown)
+        assert all(f.endswith(".gone") for f in os.listdir(tmp_path) if not f.startswith("."))
     finally:
         pre.shutdown()
         dec.shutdown()
+    assert not [f for f in os.listdir(tmp_path) if not f.startswith(".")]
 
 
 def test_zmq_transfer_equals_colocated(tiny_bf16, colocated):
@@ -374,3 +376,37 @@ def test_abort_while_importing_leaks_nothing(tiny_bf16, tmp_path):
         assert not dec.kv_manager.connectors["transfer"].loading("a")
     finally:
         dec.shutdown()
+
+
+def test_directory_transfer_taken_or_expired_fails_at_once(tmp_path):
+    """A second fetch of a taken transfer, or a fetch of an expired one, is refused at once
+    (``unknown_transfer``, as the ZMQ sender answers) instead of waiting out its timeout
+    (here 30 s: a wait would end as ``timeout``); the sender deletes the tombstones a TTL
+    later, and a new sender deletes orphans past the TTL."""
+
+    from kvserve.cache.kv_transfer import DirectoryTransport, TransferFailed, TransferHandle
+
+    tx = DirectoryTransport(str(tmp_path), ttl_s=60.0)
+    blobs = [b"a" * 10, b"b" * 20]
+    h = TransferHandle("t1", "dir", tx.offer("t1", blobs), 32, 2, 30)
+    assert tx.fetch(h, 30.0, 1 << 20) == blobs
+    with pytest.raises(TransferFailed) as e:
+        tx.fetch(h, 30.0, 1 << 20)
+    assert e.value.reason == "unknown_transfer"
+    assert tx.outstanding() == 0 and os.path.exists(tmp_path / "t1.gone")
+
+    other = tmp_path / "other"
+    short = DirectoryTransport(str(other), ttl_s=0.0)
+    h2 = TransferHandle("t2", "dir", short.offer("t2", blobs), 32, 2, 30)
+    time.sleep(0.01)
+    assert short.expire() == 1  # past its deadline: files deleted, a tombstone left
+    with pytest.raises(TransferFailed) as e:
+        short.fetch(h2, 30.0, 1 << 20)
+    assert e.value.reason == "unknown_transfer"
+    time.sleep(0.01)
+    short.expire()  # a TTL later: the tombstone is deleted
+    assert os.listdir(other) == []
+
+    os.utime(tmp_path / "t1.gone", (1.0, 1.0))  # its sender died long ago
+    DirectoryTransport(str(tmp_path), ttl_s=60.0)
+    assert sorted(os.listdir(tmp_path)) == ["other"]

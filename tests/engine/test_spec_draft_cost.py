@@ -65,6 +65,16 @@ def _accept_all(d: Drafter, reqs: list[Request], steps: int) -> None:
                   len(reqs) * (K + 1), None)
 
 
+def _accepting(pass_s: float) -> tuple[_Draft, Drafter, list[Request]]:
+    """One request whose drafts have all been accepted (alpha ~1), a draft model at
+    ``pass_s`` a pass."""
+    draft = _Draft(pass_s, pass_s)
+    d = _drafter(draft)
+    reqs = _reqs(1)
+    _accept_all(d, reqs, 30)
+    return draft, d, reqs
+
+
 def test_draft_cost_sums_the_first_and_further_passes():
     c = DraftCost()
     assert not c.known and c(1, 3) == 0.0
@@ -84,10 +94,7 @@ def test_a_draft_model_as_costly_as_the_target_stops_drafting():
     and a (k+1)-row verify take 4k + 4 + k ms for k + 1 tokens, never better than 4 ms a token
     (k = 5: 29 ms for 6 tokens, 207 vs 250 tok/s). After the first (measured) proposal the
     draft model is not run again."""
-    draft = _Draft(0.004, 0.004)
-    d = _drafter(draft)
-    reqs = _reqs(1)
-    _accept_all(d, reqs, 30)
+    draft, d, reqs = _accepting(0.004)
     for _ in range(20):
         d.propose(reqs, 1)
     assert len(draft.calls) == 1  # the probe that measured it
@@ -97,10 +104,7 @@ def test_a_draft_model_as_costly_as_the_target_stops_drafting():
 def test_a_cheap_draft_model_drafts_as_far_as_it_pays():
     """A pass at 0.2 ms, every draft accepted: k = 5 gives 6 tokens in 9 ms (the 6-row verify)
     + 1 ms (5 passes), 0.6 tokens a ms against 0.25 without: the full k, on every step."""
-    draft = _Draft(0.0002, 0.0002)
-    d = _drafter(draft)
-    reqs = _reqs(1)
-    _accept_all(d, reqs, 30)
+    draft, d, reqs = _accepting(0.0002)
     for _ in range(5):
         d.propose(reqs, 1)
         assert len(reqs[0].spec_token_ids) == K
@@ -135,10 +139,7 @@ def test_grammar_forced_tokens_are_drafted_without_the_draft_model():
         def validate(self, d):
             return len(d)
 
-    draft = _Draft(0.004, 0.004)
-    d = _drafter(draft)
-    reqs = _reqs(1)
-    _accept_all(d, reqs, 30)
+    draft, d, reqs = _accepting(0.004)
     d.propose(reqs, 1)
     reqs[0].grammar = _Forcing()
     d.propose(reqs, 1)
